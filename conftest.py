@@ -1,0 +1,40 @@
+"""Test-suite set-up shared by tests/ and the doctests in cupy_parallel/."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+
+import cupy_parallel
+from cupy_parallel._src.devices import _cuda_device_count
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+HOST_DEVICES = 8
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu``-marked tests cleanly when CuPy sees no GPU."""
+    if _cuda_device_count() > 0:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (CuPy sees none)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _host_devices() -> Iterator[None]:
+    """Every test (and doctest) starts with 8 host devices, whatever an earlier one set."""
+    cupy_parallel.set_host_device_count(HOST_DEVICES)
+    yield
+    cupy_parallel.set_host_device_count(HOST_DEVICES)
+
+
+@pytest.fixture(autouse=True)
+def _doctest_namespace(doctest_namespace: dict[str, object]) -> None:
+    doctest_namespace["np"] = np
+    doctest_namespace["cupy_parallel"] = cupy_parallel
