@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 import cupy_parallel
 from cupy_parallel._src.devices import _cuda_device_count
@@ -14,6 +16,17 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
 HOST_DEVICES = 8
+
+# "default" keeps the whole suite within minutes on 2 cores; HYPOTHESIS_PROFILE=thorough runs the
+# 2,000-example searches the issues ask for.
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile(
+    "default", max_examples=40, deadline=None, suppress_health_check=_SLOW_OK, print_blob=True
+)
+settings.register_profile(
+    "thorough", max_examples=2000, deadline=None, suppress_health_check=_SLOW_OK, print_blob=True
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
