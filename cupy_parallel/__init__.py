@@ -1,5 +1,25 @@
-"""cupy_parallel: PyTorch's multi-device layer for CuPy and NumPy arrays, without torch."""
+"""cupy_parallel: PyTorch's multi-device layer for CuPy and NumPy arrays, without torch.
 
+The whole public API is re-exported here and in the public submodules ``comm``, ``functions``,
+``ops``, ``distributed`` and ``testing``; the code lives in ``cupy_parallel._src``.
+``distributed`` and ``testing`` (which needs hypothesis) are imported on first access.
+
+Example:
+    >>> import numpy as np, cupy_parallel as cp
+    >>> cp.set_host_device_count(2)
+    >>> chunks = cp.scatter({"x": np.arange(6.0)}, ["host:0", "host:1"])
+    >>> [str(cp.device_of(c["x"])) for c in chunks]
+    ['host:0', 'host:1']
+    >>> cp.gather(chunks, "cpu")
+    {'x': array([0., 1., 2., 3., 4., 5.])}
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from cupy_parallel import comm, functions, ops
 from cupy_parallel._src.devices import (
     Device,
     HostArray,
@@ -13,23 +33,56 @@ from cupy_parallel._src.devices import (
     set_host_device_count,
     to_device,
 )
+from cupy_parallel._src.gradcheck import gradcheck
 from cupy_parallel._src.memory import HostMemoryPool, get_host_memory_pool
+from cupy_parallel._src.nested import gather, scatter, scatter_kwargs
+from cupy_parallel._src.parallel import DataParallel, data_parallel, parallel_apply, replicate
+from cupy_parallel._src.tape import Function, FunctionContext, Tape
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from cupy_parallel import distributed, testing
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DataParallel",
     "Device",
+    "Function",
+    "FunctionContext",
     "HostArray",
     "HostMemoryPool",
+    "Tape",
     "__version__",
     "array_namespace",
     "as_device",
+    "comm",
+    "data_parallel",
     "device_of",
     "devices",
+    "distributed",
     "empty",
+    "functions",
+    "gather",
     "get_host_memory_pool",
+    "gradcheck",
     "is_array",
+    "ops",
+    "parallel_apply",
     "platform",
+    "replicate",
+    "scatter",
+    "scatter_kwargs",
     "set_host_device_count",
+    "testing",
     "to_device",
 ]
+
+_LAZY_SUBMODULES = ("distributed", "testing")
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"cupy_parallel.{name}")
+    raise AttributeError(f"module 'cupy_parallel' has no attribute {name!r}")

@@ -1,0 +1,172 @@
+"""cupy_parallel.comm on 4 host devices against plain NumPy copies and sums of the same bytes.
+
+Four measurements, each the median of several repeats after a warm-up, with its baseline timed
+in the same run (interleaved, so machine load hits both alike):
+
+* ``scatter``: 256 MiB of float32 from ``"cpu"`` to 4 host devices, vs one preallocated
+  ``numpy.copyto`` of the same bytes (target ratio 1.5);
+* ``gather``: those 4 chunks back to ``"cpu"``, vs the same copy (target 1.5);
+* ``broadcast_coalesced``: the 161 ResNet-50 parameter arrays (25.6 M float32) from host:0 to
+  4 devices, vs ``numpy.copyto`` of every array into 3 preallocated replicas (devices[0] gets
+  the originals) (target 1.2);
+* ``reduce_add_coalesced``: 4 replicas of those parameters summed onto host:0, vs the per-array
+  NumPy loop ``a0 + a1 + a2 + a3`` (target 1.0).
+
+Run ``python benchmarks/bench_comm.py [--quick] [--json PATH]``; ``run(quick)`` returns the rows
+for ``cupy-parallel bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cupy_parallel._src import comm
+from cupy_parallel._src.devices import _plain, set_host_device_count, to_device
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+DEVICES = [f"host:{k}" for k in range(4)]
+MIB = 1 << 20
+
+
+def resnet50_shapes() -> list[tuple[int, ...]]:
+    """The 161 parameter shapes of torchvision's ResNet-50 (convs, batch-norm affines, fc)."""
+    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+    channels = 64
+    for width, blocks in zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True):
+        for block in range(blocks):
+            shapes += [(width, channels, 1, 1), (width,), (width,)]
+            shapes += [(width, width, 3, 3), (width,), (width,)]
+            shapes += [(4 * width, width, 1, 1), (4 * width,), (4 * width,)]
+            if block == 0:
+                shapes += [(4 * width, channels, 1, 1), (4 * width,), (4 * width,)]
+            channels = 4 * width
+    shapes += [(1000, 2048), (1000,)]
+    return shapes
+
+
+def _interleaved(
+    operation: Callable[[], Any], baseline: Callable[[], Any], repeats: int
+) -> tuple[float, float]:
+    """Median seconds of ``operation`` and ``baseline``, alternated, after one warm-up each."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(repeats + 1):
+        for fn, record in ((operation, times[0]), (baseline, times[1])):
+            start = time.perf_counter()
+            result = fn()
+            elapsed = time.perf_counter() - start
+            del result  # returns pooled buffers before the next repeat allocates
+            if i:
+                record.append(elapsed)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _row(name: str, seconds: float, baseline: float, target: float, nbytes: int) -> dict[str, Any]:
+    return {
+        "name": name,
+        "seconds": seconds,
+        "baseline_seconds": baseline,
+        "ratio": seconds / baseline,
+        "target": target,
+        "bytes": nbytes,
+    }
+
+
+def _scatter_gather(quick: bool, repeats: int) -> list[dict[str, Any]]:
+    count = (64 if quick else 256) * MIB // 4
+    x = np.random.default_rng(0).standard_normal(count, dtype=np.float32)
+    copy = np.empty_like(x)
+    scatter_s, copy_s = _interleaved(
+        lambda: comm.scatter(x, DEVICES), lambda: np.copyto(copy, x), repeats
+    )
+    parts = comm.scatter(x, DEVICES)
+    gather_s, copy2_s = _interleaved(
+        lambda: comm.gather(parts, 0, "cpu"), lambda: np.copyto(copy, x), repeats
+    )
+    if not np.array_equal(comm.gather(parts, 0, "cpu"), x):
+        raise AssertionError("scatter/gather round trip changed the data")
+    return [
+        _row("scatter cpu->4 host devices", scatter_s, copy_s, 1.5, x.nbytes),
+        _row("gather 4 host devices->cpu", gather_s, copy2_s, 1.5, x.nbytes),
+    ]
+
+
+def _coalesced(repeats: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(1)
+    shapes = resnet50_shapes()
+    params = [to_device(rng.standard_normal(s, dtype=np.float32), "host:0") for s in shapes]
+    nbytes = sum(p.nbytes for p in params)
+    plain = [_plain(p) for p in params]
+    replicas = [[np.empty_like(p) for p in plain] for _ in DEVICES[1:]]
+
+    def copies() -> None:
+        for replica in replicas:
+            for dst, src in zip(replica, plain, strict=True):
+                np.copyto(dst, src)
+
+    broadcast_s, copies_s = _interleaved(
+        lambda: comm.broadcast_coalesced(params, DEVICES), copies, repeats
+    )
+
+    grads = [
+        [to_device(rng.standard_normal(s, dtype=np.float32), d) for s in shapes] for d in DEVICES
+    ]
+    plain_grads = [[_plain(g) for g in per_device] for per_device in grads]
+
+    def numpy_sums() -> list[np.ndarray]:
+        return [a0 + a1 + a2 + a3 for a0, a1, a2, a3 in zip(*plain_grads, strict=True)]
+
+    reduce_s, sums_s = _interleaved(
+        lambda: comm.reduce_add_coalesced(grads, "host:0"), numpy_sums, repeats
+    )
+    got = comm.reduce_add_coalesced(grads, "host:0")
+    if not all(np.array_equal(_plain(g), w) for g, w in zip(got, numpy_sums(), strict=True)):
+        raise AssertionError("reduce_add_coalesced differs from the NumPy sums")
+    return [
+        _row("broadcast_coalesced ResNet-50 ->4", broadcast_s, copies_s, 1.2, 3 * nbytes),
+        _row("reduce_add_coalesced ResNet-50 x4", reduce_s, sums_s, 1.0, 4 * nbytes),
+    ]
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+    """Time the four comm operations on 4 host devices; one result dict per operation."""
+    set_host_device_count(len(DEVICES))
+    repeats = 3 if quick else 9
+    return _scatter_gather(quick, repeats) + _coalesced(repeats)
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'operation':36} {'MiB':>7} {'seconds':>9} {'baseline':>9} {'ratio':>6} {'target':>6}",
+    ]
+    for r in rows:
+        verdict = "ok" if r["ratio"] <= r["target"] else "MISS"
+        lines.append(
+            f"{r['name']:36} {r['bytes'] / MIB:7.1f} {r['seconds']:9.4f} "
+            f"{r['baseline_seconds']:9.4f} {r['ratio']:6.2f} {r['target']:6.2f} {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 MiB scatter, 3 repeats")
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
+    args = parser.parse_args()
+    rows = run(args.quick)
+    print(_table(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

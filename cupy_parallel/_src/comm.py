@@ -1,0 +1,828 @@
+"""Array-level multi-device primitives: torch's ``comm`` on NumPy, host devices and CuPy.
+
+Every public function validates its arguments here, at the edge, before any memory is allocated
+or copied; a bad argument raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value) naming
+it. The work is then done by device-generic helpers: host memory (``"cpu"`` and ``"host:k"``) is
+copied with ``numpy.copyto`` into pooled buffers from :func:`~cupy_parallel.empty`; anything that
+touches a GPU goes through :mod:`cupy_parallel._src.cuda` (pinned staging on background streams,
+peer copies, NCCL).
+
+Conventions shared by all six functions, carried over from ``torch.cuda.comm``:
+
+* Target devices are accelerators (``"host:k"`` or ``"cuda:k"``); only :func:`gather` may deliver
+  to ``"cpu"``, where it returns a plain ``numpy.ndarray``.
+* ``destination=None`` means the *current device*: CuPy's current GPU on the CUDA platform and
+  ``host:0`` on the host platform (torch uses the current CUDA device).
+* dtypes are never converted: every dtype round-trips bit for bit, and arrays combined by one call
+  must share a dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cupy_parallel._src.cuda import nccl as _nccl
+from cupy_parallel._src.cuda import streams as _streams
+from cupy_parallel._src.cuda import transfer as _transfer
+from cupy_parallel._src.devices import (
+    Device,
+    _check_exists,
+    _plain,
+    as_device,
+    cupy_module,
+    device_of,
+    empty,
+    is_array,
+    platform,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = [
+    "DEFAULT_BUFFER_SIZE",
+    "broadcast",
+    "broadcast_coalesced",
+    "gather",
+    "reduce_add",
+    "reduce_add_coalesced",
+    "scatter",
+]
+
+DEFAULT_BUFFER_SIZE = 10485760
+"""Bytes per coalescing bucket in the ``*_coalesced`` functions (10 MiB, torch's default)."""
+
+_HOST_MEMORY = frozenset({"cpu", "host"})
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks (all raise before anything is allocated or copied)
+
+
+def _check_array(x: Any, name: str) -> None:
+    if not is_array(x):
+        raise TypeError(
+            f"{name} must be an array (numpy.ndarray, HostArray or cupy.ndarray), "
+            f"got {type(x).__name__}."
+        )
+
+
+def _read_arrays(seq: Any, name: str, *, allow_empty: bool = False) -> tuple[Any, ...]:
+    """A sequence of arrays as a tuple; refuses a bare array, a string or a mapping."""
+    if is_array(seq) or isinstance(seq, str | bytes | Mapping) or not isinstance(seq, Iterable):
+        raise TypeError(
+            f"{name} must be a sequence (list or tuple) of arrays, got {type(seq).__name__}; "
+            f"wrap a single array as [array]."
+        )
+    items = tuple(seq)
+    if not items and not allow_empty:
+        raise ValueError(f"{name} must contain at least one array, got an empty sequence.")
+    for i, x in enumerate(items):
+        _check_array(x, f"{name}[{i}]")
+    return items
+
+
+def _read_device(spec: Any, name: str) -> Device:
+    try:
+        device = as_device(spec)
+        _check_exists(device)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{name}: {error}") from None
+    return device
+
+
+def _read_target(spec: Any, name: str) -> Device:
+    device = _read_device(spec, name)
+    if device.kind == "cpu":
+        raise ValueError(
+            f"{name} must be an accelerator device ('host:k' or 'cuda:k'), got 'cpu'. "
+            "Only gather delivers to 'cpu'; use cupy_parallel.devices() for the targets."
+        )
+    return device
+
+
+def _read_targets(devices: Any, name: str = "devices") -> tuple[Device, ...]:
+    if isinstance(devices, str | bytes | Mapping) or not isinstance(devices, Iterable):
+        raise TypeError(
+            f"{name} must be a sequence of devices such as ['host:0', 'host:1'], "
+            f"got {type(devices).__name__} {devices!r}."
+        )
+    targets = tuple(_read_target(d, f"{name}[{i}]") for i, d in enumerate(devices))
+    if not targets:
+        raise ValueError(f"{name} must name at least one device, got an empty sequence.")
+    return targets
+
+
+def _on_accelerator(x: Any, name: str, operation: str) -> Device:
+    device = device_of(x)
+    if device.kind == "cpu":
+        raise ValueError(
+            f"{operation} expects {name} on an accelerator device ('host:k' or 'cuda:k'), "
+            f"but it is a plain numpy.ndarray on 'cpu'; move it first with "
+            "cupy_parallel.to_device(array, device)."
+        )
+    return device
+
+
+def _read_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
+    return int(value)
+
+
+def _read_dim(dim: Any, ndim: int, what: str) -> int:
+    """``dim`` as an axis in ``[0, ndim)``; a negative ``dim`` counts from the end."""
+    dim = _read_int(dim, "dim")
+    if ndim == 0:
+        raise ValueError(
+            f"{what} is 0-d, so it has no dimension {dim} to split or join along; "
+            "reshape it to at least one dimension (e.g. array.reshape(1))."
+        )
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"dim must be in [{-ndim}, {ndim - 1}] for the {ndim}-d {what}, got {dim}."
+        )
+    return dim % ndim
+
+
+def _read_buffer_size(buffer_size: Any) -> int:
+    size = _read_int(buffer_size, "buffer_size")
+    if size < 1:
+        raise ValueError(f"buffer_size must be a positive number of bytes, got {size}.")
+    return size
+
+
+def _read_chunk_sizes(chunk_sizes: Any, count: int, total: int, dim: int) -> tuple[int, ...]:
+    if isinstance(chunk_sizes, str | bytes | Mapping) or not isinstance(chunk_sizes, Iterable):
+        raise TypeError(
+            f"chunk_sizes must be a sequence of ints, got {type(chunk_sizes).__name__} "
+            f"{chunk_sizes!r}."
+        )
+    sizes = tuple(_read_int(s, f"chunk_sizes[{i}]") for i, s in enumerate(chunk_sizes))
+    if len(sizes) != count:
+        raise ValueError(
+            f"chunk_sizes must have one entry per device: len(devices) = {count}, "
+            f"but len(chunk_sizes) = {len(sizes)}."
+        )
+    for i, s in enumerate(sizes):
+        if s < 0:
+            raise ValueError(f"chunk_sizes[{i}] must be >= 0, got {s}.")
+    if sum(sizes) != total:
+        raise ValueError(
+            f"chunk_sizes must sum to the array's size along dim {dim}, {total}, "
+            f"but sum(chunk_sizes) = {sum(sizes)}."
+        )
+    return sizes
+
+
+def _read_streams(streams: Any, targets: Sequence[Device]) -> tuple[Any, ...]:
+    if streams is None:
+        return (None,) * len(targets)
+    if isinstance(streams, str | bytes | Mapping) or not isinstance(streams, Iterable):
+        raise TypeError(
+            f"streams must be a sequence of cupy.cuda.Stream or None, one per device, "
+            f"got {type(streams).__name__}."
+        )
+    entries = tuple(streams)
+    if len(entries) != len(targets):
+        raise ValueError(
+            f"streams must have one entry (a cupy.cuda.Stream or None) per device: "
+            f"{len(targets)} devices, but {len(entries)} streams."
+        )
+    for i, (stream, device) in enumerate(zip(entries, targets, strict=True)):
+        if stream is None:
+            continue
+        if not _streams.is_stream(stream):
+            raise TypeError(
+                f"streams[{i}] must be a cupy.cuda.Stream or None, got {type(stream).__name__}."
+            )
+        if device.kind != "cuda":
+            raise ValueError(
+                f"streams[{i}] is a CUDA stream, but device {i} is {device}, which has no "
+                "streams; pass None for host devices."
+            )
+        stream_device = _streams.stream_device(stream)
+        if stream_device not in (-1, device.index):
+            raise ValueError(
+                f"streams[{i}] belongs to cuda:{stream_device}, but device {i} is {device}; "
+                f"create it under cupy.cuda.Device({device.index})."
+            )
+    return entries
+
+
+def _exactly_one(first: str, first_value: Any, second: str, second_value: Any) -> None:
+    if (first_value is None) == (second_value is None):
+        raise ValueError(
+            f"Exactly one of '{first}' and '{second}' must be given, got "
+            f"{first}={_brief(first_value)} and {second}={_brief(second_value)}."
+        )
+
+
+def _not_with(name: str, value: Any, other: str) -> None:
+    if value is not None:
+        raise ValueError(
+            f"'{name}' must not be given together with '{other}' (it is inferred from "
+            f"'{other}'), got {name}={_brief(value)}."
+        )
+
+
+def _brief(value: Any) -> str:
+    if value is None:
+        return "None"
+    if is_array(value):
+        return f"<array of shape {value.shape}>"
+    if isinstance(value, list | tuple):
+        return f"<{type(value).__name__} of {len(value)}>"
+    return repr(value)
+
+
+def _check_same_dtype(x: Any, dtype: np.dtype[Any], name: str, reference: str) -> None:
+    if x.dtype != dtype:
+        raise ValueError(
+            f"{name} has dtype {x.dtype}, but {reference} has dtype {dtype}; dtypes are never "
+            "converted here, cast with .astype() first."
+        )
+
+
+def _current_device() -> Device:
+    """The current device, as torch means it: the current GPU on CUDA, else ``host:0``."""
+    cupy = cupy_module()
+    if platform() == "cuda" and cupy is not None:
+        return Device("cuda", int(cupy.cuda.Device().id))
+    return Device("host", 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Device-generic moves
+
+
+def _copy(dst: Any, src: Any, *, stream: Any = None) -> None:
+    """Copy ``src`` into ``dst`` (same shape and dtype), whatever devices they live on."""
+    if device_of(dst).kind in _HOST_MEMORY and device_of(src).kind in _HOST_MEMORY:
+        np.copyto(_plain(dst), _plain(src), casting="no")
+    else:
+        _transfer.copy_into(dst, src, stream=stream)
+
+
+def _move(x: Any, device: Device) -> Any:
+    """``x`` on ``device``: the array itself when it is already there, else a fresh copy."""
+    if device_of(x) == device:
+        return x
+    out = empty(x.shape, x.dtype, device)
+    _copy(out, x)
+    return out
+
+
+def _index(dim: int, start: int, stop: int) -> tuple[slice, ...]:
+    return (slice(None),) * dim + (slice(start, stop),)
+
+
+def _offsets(sizes: Iterable[int]) -> list[tuple[int, int]]:
+    spans, start = [], 0
+    for size in sizes:
+        spans.append((start, start + size))
+        start += size
+    return spans
+
+
+def _even_chunks(size: int, count: int) -> tuple[int, ...]:
+    """``min(count, size)`` sizes summing to ``size``, differing by at most one, larger first."""
+    if size == 0:
+        return (0,)
+    parts = min(count, size)
+    base, extra = divmod(size, parts)
+    return (base + 1,) * extra + (base,) * (parts - extra)
+
+
+def _buckets(arrays: Sequence[Any], limit: int) -> list[list[int]]:
+    """Indices of ``arrays`` grouped per dtype into buckets of at most ``limit`` bytes.
+
+    A bucket is closed when the next array of its dtype would overflow it, so an array larger
+    than ``limit`` gets a bucket of its own (torch's ``_take_tensors`` rule).
+    """
+    members: dict[np.dtype[Any], list[int]] = {}
+    filled: dict[np.dtype[Any], int] = {}
+    closed: list[list[int]] = []
+    for i, x in enumerate(arrays):
+        nbytes = int(x.size) * x.dtype.itemsize
+        bucket = members.setdefault(x.dtype, [])
+        if bucket and filled[x.dtype] + nbytes > limit:
+            closed.append(bucket)
+            bucket = members[x.dtype] = []
+            filled[x.dtype] = 0
+        bucket.append(i)
+        filled[x.dtype] = filled.get(x.dtype, 0) + nbytes
+    return closed + [bucket for bucket in members.values() if bucket]
+
+
+# --------------------------------------------------------------------------------------------
+# scatter / gather
+
+
+def scatter(
+    array: Any,
+    /,
+    devices: Any = None,
+    chunk_sizes: Any = None,
+    dim: int = 0,
+    streams: Any = None,
+    *,
+    out: Any = None,
+) -> tuple[Any, ...]:
+    """Split ``array`` along ``dim`` and place the pieces on ``devices`` (or into ``out``).
+
+    Without ``chunk_sizes`` the array is cut into ``min(len(devices), array.shape[dim])``
+    nearly equal chunks (sizes differ by at most one, larger first) that go to the first devices,
+    so a batch of 5 on 4 devices uses all 4 (torch's ``chunk`` would use 3); a 0-size dimension
+    gives one empty chunk on ``devices[0]``. Explicit ``chunk_sizes`` give one chunk per device and
+    may contain zeros. A chunk whose device is the array's own device is a view of ``array``
+    (as torch); every other chunk is a copy. ``"cpu"`` (NumPy) and accelerator sources are accepted.
+
+    On CUDA, copies from host memory go through pinned staging buffers on a background stream of
+    each target (or on ``streams[i]`` when given), and each target's current stream waits for its
+    copy, so the results are ready to use on the current streams.
+
+    Args:
+        array: the array to split; any device.
+        devices: the target accelerator devices. Exactly one of ``devices`` and ``out``.
+        chunk_sizes: optional sizes along ``dim``, one per device, non-negative, summing to
+            ``array.shape[dim]``. Not allowed with ``out``.
+        dim: the dimension to split; negative counts from the end.
+        streams: optional ``cupy.cuda.Stream`` (or ``None``) per device to copy on.
+        out: arrays on accelerator devices to fill; their sizes along ``dim`` give the chunk sizes
+            and their other dimensions must match ``array``'s.
+
+    Returns:
+        The chunks, one per used device, in device order (``tuple(out)`` when ``out`` is given).
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: devices/out both or neither given, bad ``dim``, ``chunk_sizes`` or shapes.
+
+    Example:
+        >>> from cupy_parallel import comm
+        >>> x = np.arange(10).reshape(5, 2)
+        >>> parts = comm.scatter(x, ["host:0", "host:1"])
+        >>> [p.shape for p in parts], [str(p.device) for p in parts]
+        ([(3, 2), (2, 2)], ['host:0', 'host:1'])
+        >>> comm.scatter(x, ["host:0", "host:1"], chunk_sizes=[0, 2], dim=-1)[1]
+        HostArray([[0, 1],
+                   [2, 3],
+                   [4, 5],
+                   [6, 7],
+                   [8, 9]], device='host:1')
+    """
+    _check_array(array, "array")
+    _exactly_one("devices", devices, "out", out)
+    if out is None:
+        targets = _read_targets(devices)
+        axis = _read_dim(dim, array.ndim, "array")
+        total = array.shape[axis]
+        if chunk_sizes is None:
+            sizes = _even_chunks(total, len(targets))
+        else:
+            sizes = _read_chunk_sizes(chunk_sizes, len(targets), total, axis)
+        copy_streams = _read_streams(streams, targets)[: len(sizes)]
+        targets = targets[: len(sizes)]
+        outs: tuple[Any, ...] | None = None
+    else:
+        _not_with("chunk_sizes", chunk_sizes, "out")
+        outs = _read_arrays(out, "out")
+        axis = _read_dim(dim, array.ndim, "array")
+        targets = tuple(_on_accelerator(o, f"out[{i}]", "scatter") for i, o in enumerate(outs))
+        for i, o in enumerate(outs):
+            _check_scatter_out(o, i, array, axis)
+        sizes = tuple(o.shape[axis] for o in outs)
+        if sum(sizes) != array.shape[axis]:
+            raise ValueError(
+                f"The sizes of out along dim {axis} must sum to the array's size there, "
+                f"{array.shape[axis]}, but they sum to {sum(sizes)} ({list(sizes)})."
+            )
+        copy_streams = _read_streams(streams, targets)
+    source = device_of(array)
+    chunks = []
+    for i, (device, (start, stop)) in enumerate(zip(targets, _offsets(sizes), strict=True)):
+        piece = array[_index(axis, start, stop)]
+        if outs is None and device == source:
+            chunks.append(piece)
+            continue
+        dst = empty(piece.shape, array.dtype, device) if outs is None else outs[i]
+        _copy(dst, piece, stream=copy_streams[i])
+        chunks.append(dst)
+    return tuple(chunks)
+
+
+def _check_scatter_out(o: Any, i: int, array: Any, axis: int) -> None:
+    expected = list(array.shape)
+    expected[axis] = o.shape[axis] if o.ndim == array.ndim else -1
+    if o.ndim != array.ndim or list(o.shape) != expected:
+        raise ValueError(
+            f"out[{i}] has shape {o.shape}, but it must match the array's shape {array.shape} "
+            f"in every dimension except the scatter dim {axis}."
+        )
+    _check_same_dtype(o, array.dtype, f"out[{i}]", "array")
+
+
+def gather(arrays: Any, /, dim: int = 0, destination: Any = None, *, out: Any = None) -> Any:
+    """Concatenate ``arrays`` (from accelerator devices) along ``dim`` on one device.
+
+    ``destination`` may be any device; ``"cpu"`` or ``-1`` gives a plain ``numpy.ndarray`` (``-1``
+    without torch's deprecation warning, since this library spells cpu that way on purpose).
+    ``None`` means the current device (CuPy's current GPU on CUDA, ``host:0`` on the host
+    platform), as torch uses the current CUDA device. The result is always a new array.
+
+    Args:
+        arrays: the pieces, each on an accelerator device, all of one dtype and the same shape
+            except along ``dim``.
+        dim: the dimension to join along; negative counts from the end.
+        destination: the device of the result. Not allowed with ``out``.
+        out: an array (any device) to write the result into, of the gathered shape and dtype.
+
+    Returns:
+        The gathered array (``out`` itself when given).
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: no arrays, arrays on ``"cpu"``, mismatched shapes or dtypes, a bad ``dim``
+            or ``out``.
+
+    Example:
+        >>> from cupy_parallel import comm
+        >>> a = cupy_parallel.to_device(np.arange(4).reshape(2, 2), "host:0")
+        >>> b = cupy_parallel.to_device(np.arange(2).reshape(2, 1), "host:1")
+        >>> comm.gather([a, b], dim=1, destination="cpu")
+        array([[0, 1, 0],
+               [2, 3, 1]])
+    """
+    items = _read_arrays(arrays, "arrays")
+    for i, x in enumerate(items):
+        _on_accelerator(x, f"arrays[{i}]", "gather")
+    first = items[0]
+    axis = _read_dim(dim, first.ndim, "arrays[0]")
+    expected = list(first.shape)
+    for i, x in enumerate(items):
+        if x.ndim != first.ndim:
+            raise ValueError(
+                f"arrays[{i}] has {x.ndim} dimensions, but arrays[0] has {first.ndim}; "
+                "gather needs arrays of the same number of dimensions."
+            )
+        expected[axis] = x.shape[axis]
+        if list(x.shape) != expected:
+            raise ValueError(
+                f"arrays[{i}] has shape {x.shape}, but gather along dim {axis} expects "
+                f"{tuple(expected)} (the shape of arrays[0] except along dim)."
+            )
+        _check_same_dtype(x, first.dtype, f"arrays[{i}]", "arrays[0]")
+    expected[axis] = sum(x.shape[axis] for x in items)
+    shape = tuple(expected)
+    if out is None:
+        target = (
+            _current_device() if destination is None else _read_device(destination, "destination")
+        )
+        result = empty(shape, first.dtype, target)
+    else:
+        _not_with("destination", destination, "out")
+        _check_array(out, "out")
+        if out.shape != shape:
+            raise ValueError(f"out must have the gathered shape {shape}, got {out.shape}.")
+        _check_same_dtype(out, first.dtype, "out", "arrays[0]")
+        result = out
+    spans = _offsets(x.shape[axis] for x in items)
+    for x, (start, stop) in zip(items, spans, strict=True):
+        _copy(result[_index(axis, start, stop)], x)
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# broadcast
+
+
+def broadcast(array: Any, /, devices: Any = None, *, out: Any = None) -> tuple[Any, ...]:
+    """Copy ``array`` to every device in ``devices`` (or into every array in ``out``).
+
+    With ``devices``, the entry for the array's own device is ``array`` itself (torch does the
+    same); the others are fresh copies. With ``out``, every ``out`` array receives a copy. On
+    CUDA, a GPU source reaches the other GPUs with one NCCL broadcast when NCCL is available and
+    the devices are distinct, otherwise with peer copies; a host source is staged once through
+    pinned memory.
+
+    Args:
+        array: the array to copy; any device.
+        devices: accelerator devices to copy to. Exactly one of ``devices`` and ``out``.
+        out: arrays on accelerator devices, each of ``array``'s shape and dtype.
+
+    Returns:
+        One array per device (``tuple(out)`` when ``out`` is given).
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: devices/out both or neither given, or an ``out`` of the wrong shape/dtype.
+
+    Example:
+        >>> from cupy_parallel import comm
+        >>> copies = comm.broadcast(np.arange(3), ["host:0", "host:2"])
+        >>> [str(c.device) for c in copies], copies[1]
+        (['host:0', 'host:2'], HostArray([0, 1, 2], device='host:2'))
+    """
+    _check_array(array, "array")
+    _exactly_one("devices", devices, "out", out)
+    if out is None:
+        targets = _read_targets(devices)
+        return _broadcast(array, targets)
+    outs = _read_arrays(out, "out")
+    for i, o in enumerate(outs):
+        _on_accelerator(o, f"out[{i}]", "broadcast")
+        if o.shape != array.shape:
+            raise ValueError(
+                f"out[{i}] has shape {o.shape}, but broadcast needs the source's shape "
+                f"{array.shape}."
+            )
+        _check_same_dtype(o, array.dtype, f"out[{i}]", "array")
+    if not _nccl.broadcast_into(array, outs):
+        for o in outs:
+            _copy(o, array)
+    return outs
+
+
+def _broadcast(array: Any, targets: Sequence[Device]) -> tuple[Any, ...]:
+    source = device_of(array)
+    others = [d for d in targets if d != source]
+    outs = [empty(array.shape, array.dtype, d) for d in others]
+    if not _nccl.broadcast_into(array, outs):
+        _broadcast_copies(array, outs)
+    fresh = iter(outs)
+    return tuple(array if d == source else next(fresh) for d in targets)
+
+
+def _broadcast_copies(array: Any, outs: Sequence[Any]) -> None:
+    if device_of(array).kind in _HOST_MEMORY and any(device_of(o).kind == "cuda" for o in outs):
+        _transfer.broadcast_from_host(array, outs)
+    else:
+        for o in outs:
+            _copy(o, array)
+
+
+def broadcast_coalesced(
+    arrays: Any, /, devices: Any, buffer_size: int = DEFAULT_BUFFER_SIZE
+) -> tuple[tuple[Any, ...], ...]:
+    """Broadcast many arrays at once, packing them into buckets of up to ``buffer_size`` bytes.
+
+    Every array must live on ``devices[0]``. Arrays of one dtype are packed into flat buckets of
+    at most ``buffer_size`` bytes (an array larger than that gets its own bucket); each bucket is
+    sent to each other device once and unpacked there into views. Results are in input order.
+
+    Args:
+        arrays: the arrays to broadcast, all on ``devices[0]`` (any dtypes, shapes, layouts).
+        devices: accelerator devices; ``devices[0]`` holds the arrays.
+        buffer_size: bytes per bucket (positive).
+
+    Returns:
+        One tuple per device. ``result[0]`` holds the input arrays themselves (as torch); the
+        others hold copies that are views into the bucket buffers on their device.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an array not on ``devices[0]``, no devices, or a non-positive buffer_size.
+
+    Example:
+        >>> from cupy_parallel import comm
+        >>> params = [cupy_parallel.to_device(np.ones((2, 2), np.float32), "host:0"),
+        ...           cupy_parallel.to_device(np.arange(3), "host:0")]
+        >>> replicas = comm.broadcast_coalesced(params, ["host:0", "host:1"])
+        >>> replicas[0][1] is params[1], replicas[1][1]
+        (True, HostArray([0, 1, 2], device='host:1'))
+    """
+    items = _read_arrays(arrays, "arrays", allow_empty=True)
+    targets = _read_targets(devices)
+    limit = _read_buffer_size(buffer_size)
+    for i, x in enumerate(items):
+        if device_of(x) != targets[0]:
+            raise ValueError(
+                f"arrays[{i}] is on {device_of(x)}, but broadcast_coalesced needs every array "
+                f"on devices[0] ({targets[0]}); move it there with cupy_parallel.to_device."
+            )
+    results: list[list[Any]] = [list(items)] + [[None] * len(items) for _ in targets[1:]]
+    for bucket in _buckets(items, limit):
+        members = [items[i] for i in bucket]
+        per_device = _broadcast_bucket(members, targets)
+        for k, unpacked in enumerate(per_device, start=1):
+            for i, x in zip(bucket, unpacked, strict=True):
+                results[k][i] = x
+    return tuple(tuple(r) for r in results)
+
+
+def _broadcast_bucket(members: Sequence[Any], targets: Sequence[Device]) -> list[list[Any]]:
+    """Copies of ``members`` on ``targets[1:]``, each device's copies views of one flat buffer."""
+    if all(d.kind == "cuda" for d in targets):
+        flats = _transfer.broadcast_flat(members, targets)
+        return [_unflatten(flat, members) for flat in flats]
+    total = sum(int(x.size) for x in members)
+    dtype = members[0].dtype
+    outputs = []
+    for device in targets[1:]:
+        flat = empty((total,), dtype, device)
+        views = _unflatten(flat, members)
+        for view, x in zip(views, members, strict=True):
+            _copy(view, x)
+        outputs.append(views)
+    return outputs
+
+
+def _unflatten(flat: Any, like: Sequence[Any]) -> list[Any]:
+    """Views of the 1-d ``flat`` with the shapes of ``like``, packed back to back."""
+    views, start = [], 0
+    for x in like:
+        stop = start + int(x.size)
+        views.append(flat[start:stop].reshape(x.shape))
+        start = stop
+    return views
+
+
+# --------------------------------------------------------------------------------------------
+# reduce_add
+
+
+def reduce_add(inputs: Any, /, destination: Any = None) -> Any:
+    """Sum arrays of one shape and dtype living on (usually) different devices.
+
+    The sum lands on ``destination``, which must be the device of one of the inputs (as torch
+    requires); ``None`` means the current device (CuPy's current GPU, ``host:0`` on the host
+    platform). Inputs may share a device. A single input is returned as it is (as torch).
+    Outside NCCL the sum is taken in input order, ``((inputs[0] + inputs[1]) + inputs[2]) ...``,
+    so it equals that NumPy expression bit for bit; NCCL (all inputs on distinct GPUs) sums in
+    its own order. ``bool`` inputs are combined with logical or, as NumPy adds booleans.
+
+    Args:
+        inputs: arrays on accelerator devices, all of one shape and dtype.
+        destination: the device of the result; must hold one of the inputs.
+
+    Returns:
+        The elementwise sum on ``destination``.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: no inputs, inputs on ``"cpu"``, mismatched shapes/dtypes, or a destination
+            that holds none of the inputs.
+
+    Example:
+        >>> from cupy_parallel import comm
+        >>> parts = [cupy_parallel.to_device(np.full(3, k), f"host:{k}") for k in range(3)]
+        >>> comm.reduce_add(parts, destination="host:1")
+        HostArray([3, 3, 3], device='host:1')
+    """
+    items = _read_arrays(inputs, "inputs")
+    places = _check_reduce_inputs(items, "inputs")
+    target = _read_reduce_destination(destination, places, "inputs")
+    if len(items) == 1:
+        return items[0]
+    if _nccl.can_reduce(items, target):
+        return _nccl.reduce(items, target)
+    out = empty(items[0].shape, items[0].dtype, target)
+    _sum_into(out, items)
+    return out
+
+
+def _check_reduce_inputs(items: Sequence[Any], name: str) -> list[Device]:
+    first = items[0]
+    places = []
+    for i, x in enumerate(items):
+        places.append(_on_accelerator(x, f"{name}[{i}]", "reduce_add"))
+        if x.shape != first.shape:
+            raise ValueError(
+                f"{name}[{i}] has shape {x.shape}, but {name}[0] has shape {first.shape}; "
+                "reduce_add sums arrays of one shape."
+            )
+        _check_same_dtype(x, first.dtype, f"{name}[{i}]", f"{name}[0]")
+    return places
+
+
+def _read_reduce_destination(destination: Any, places: Sequence[Device], name: str) -> Device:
+    if destination is None:
+        target = _current_device()
+        spelled = f"destination=None (the current device, {target})"
+    else:
+        target = _read_device(destination, "destination")
+        spelled = f"destination {target}"
+    if target not in places:
+        on = sorted({str(d) for d in places})
+        raise ValueError(
+            f"reduce_add puts the sum on the device of one of its {name}, but {spelled} holds "
+            f"none of them (they are on {on}); pass destination=<one of those devices>."
+        )
+    return target
+
+
+def _sum_into(out: Any, terms: Sequence[Any]) -> None:
+    """``out[...] = ((terms[0] + terms[1]) + ...)``, computed on ``out``'s device."""
+    device = device_of(out)
+    if device.kind == "cuda":
+        _transfer.sum_into(out, [_move(t, device) for t in terms])
+        return
+    dst = _plain(out)
+    # Host devices share the machine's memory: reading another host device's array directly is
+    # its transfer, fused into the addition instead of a separate copy.
+    values = [_plain(t if device_of(t).kind in _HOST_MEMORY else _move(t, device)) for t in terms]
+    if len(values) == 1:
+        np.copyto(dst, values[0], casting="no")
+        return
+    np.add(values[0], values[1], out=dst)
+    for v in values[2:]:
+        np.add(dst, v, out=dst)
+
+
+def reduce_add_coalesced(
+    inputs: Any, /, destination: Any = None, buffer_size: int = DEFAULT_BUFFER_SIZE
+) -> tuple[Any, ...]:
+    """Sum lists of arrays across devices, packing them into buckets of ``buffer_size`` bytes.
+
+    ``inputs[k]`` is device ``k``'s list; all lists have the same length and the arrays at one
+    position share shape and dtype. Each list must live on one device. The sums land on
+    ``destination`` (the device of one list; ``None`` is the current device), packed per dtype
+    into buffers of at most ``buffer_size`` bytes and returned as views, in input order. Sums are
+    taken in list order (see :func:`reduce_add`); a single list gives fresh copies.
+
+    Args:
+        inputs: one sequence of arrays per device.
+        destination: the device of the results; must hold one of the lists.
+        buffer_size: bytes per bucket (positive).
+
+    Returns:
+        The sums, one per position.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: empty inputs, lists of different lengths, a list spread over devices,
+            mismatched shapes/dtypes, a bad destination or buffer_size.
+
+    Example:
+        >>> from cupy_parallel import comm
+        >>> grads = [[cupy_parallel.to_device(np.full(2, k + 1.0), f"host:{k}"),
+        ...           cupy_parallel.to_device(np.arange(3) * k, f"host:{k}")] for k in range(2)]
+        >>> comm.reduce_add_coalesced(grads, destination="host:0")
+        (HostArray([3., 3.], device='host:0'), HostArray([0, 1, 2], device='host:0'))
+    """
+    if (
+        is_array(inputs)
+        or isinstance(inputs, str | bytes | Mapping)
+        or not isinstance(inputs, Iterable)
+    ):
+        raise TypeError(
+            "inputs must be a sequence with one list of arrays per device, "
+            f"got {type(inputs).__name__}."
+        )
+    lists = tuple(
+        _read_arrays(per_device, f"inputs[{k}]", allow_empty=True)
+        for k, per_device in enumerate(inputs)
+    )
+    if not lists:
+        raise ValueError("inputs must hold at least one list of arrays, got an empty sequence.")
+    count = len(lists[0])
+    places = []
+    for k, group in enumerate(lists):
+        if len(group) != count:
+            raise ValueError(
+                f"inputs[{k}] has {len(group)} arrays, but inputs[0] has {count}; every device "
+                "must contribute one array per position."
+            )
+        place = device_of(group[0]) if group else None
+        for j, x in enumerate(group):
+            _on_accelerator(x, f"inputs[{k}][{j}]", "reduce_add_coalesced")
+            if device_of(x) != place:
+                raise ValueError(
+                    f"inputs[{k}][{j}] is on {device_of(x)}, but inputs[{k}][0] is on {place}; "
+                    f"each list in inputs must live on one device."
+                )
+            reference = lists[0][j]
+            if x.shape != reference.shape:
+                raise ValueError(
+                    f"inputs[{k}][{j}] has shape {x.shape}, but inputs[0][{j}] has shape "
+                    f"{reference.shape}; arrays at one position must match."
+                )
+            _check_same_dtype(x, reference.dtype, f"inputs[{k}][{j}]", f"inputs[0][{j}]")
+        if place is not None:
+            places.append(place)
+    limit = _read_buffer_size(buffer_size)
+    if count == 0:
+        return ()
+    target = _read_reduce_destination(destination, places, "inputs lists")
+    results: list[Any] = [None] * count
+    for bucket in _buckets(lists[0], limit):
+        groups = [[group[j] for j in bucket] for group in lists]
+        for j, total in zip(bucket, _reduce_bucket(groups, target), strict=True):
+            results[j] = total
+    return tuple(results)
+
+
+def _reduce_bucket(groups: Sequence[Sequence[Any]], target: Device) -> list[Any]:
+    """Sums of the aligned ``groups`` (one per device) on ``target``, as views of one buffer."""
+    like = groups[0]
+    if target.kind == "cuda" and all(device_of(g[0]).kind == "cuda" for g in groups):
+        return _unflatten(_transfer.reduce_flat(groups, target), like)
+    flat = empty((sum(int(x.size) for x in like),), like[0].dtype, target)
+    views = _unflatten(flat, like)
+    for j, view in enumerate(views):
+        _sum_into(view, [g[j] for g in groups])
+    return views

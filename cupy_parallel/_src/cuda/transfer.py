@@ -1,0 +1,200 @@
+"""Copies that involve a GPU: host to GPU through pinned staging, GPU to host, GPU to GPU.
+
+Every copy is ordered against CuPy's *current* streams of the devices involved, so its result is
+ready for whatever the caller queues next on those streams (see :mod:`.streams` for why outputs
+are allocated on the current stream). Host-to-GPU copies run on a background stream per GPU (or
+the stream the caller passes) from pinned memory, so the host-side staging of the next chunk
+overlaps with the DMA of the previous one. GPU-to-GPU copies follow torch's two-way rule: the
+copy waits for the source's stream, and the source's stream waits for the copy, so the source's
+memory is not reused before it has been read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cupy_parallel._src.cuda import nccl
+from cupy_parallel._src.cuda.pinned import release_after, staging_array
+from cupy_parallel._src.cuda.streams import (
+    background_stream,
+    current_stream,
+    wait_stream,
+)
+from cupy_parallel._src.devices import _plain, cupy_module, device_of, empty
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from cupy_parallel._src.devices import Device
+
+__all__ = [
+    "broadcast_flat",
+    "broadcast_from_host",
+    "copy_into",
+    "move",
+    "reduce_flat",
+    "sum_into",
+]
+
+
+def _cupy() -> Any:
+    cupy = cupy_module()
+    if cupy is None:  # only reachable with a CUDA array in hand, which needs CuPy
+        raise ImportError("CuPy is required for CUDA arrays; install cupy-cuda12x.")
+    return cupy
+
+
+def copy_into(dst: Any, src: Any, *, stream: Any = None) -> None:
+    """Copy ``src`` into ``dst`` (same shape and dtype) where at least one of them is on a GPU.
+
+    ``stream`` (on ``dst``'s GPU for uploads and peer copies, on ``src``'s GPU for downloads)
+    carries the copy instead of the default: a background stream for uploads, the current
+    stream otherwise. Either way the current streams wait for the copy before returning.
+    """
+    source, target = device_of(src), device_of(dst)
+    if src.size == 0:
+        return
+    if target.kind == "cuda" and source.kind != "cuda":
+        staged, memory = staging_array(src.shape, src.dtype)
+        np.copyto(staged, _plain(src), casting="no")
+        _upload(dst, target.index, staged, memory, stream)
+    elif source.kind == "cuda" and target.kind != "cuda":
+        _download(_plain(dst), src, source.index, stream)
+    elif source == target:
+        _local(dst, src, target.index, stream)
+    else:
+        _peer(dst, target.index, src, source.index, stream)
+
+
+def _upload(dst: Any, device: int, staged: np.ndarray, memory: Any, stream: Any) -> None:
+    cupy = _cupy()
+    main = current_stream(device)
+    copier = background_stream(device) if stream is None else stream
+    with cupy.cuda.Device(device):
+        wait_stream(copier, device, main, device)  # dst's block may still be in use on main
+        target = dst if dst.flags.c_contiguous else cupy.empty(dst.shape, dst.dtype)
+        source = ctypes.c_void_p(staged.ctypes.data)
+        target.data.copy_from_host_async(source, staged.nbytes, stream=copier)
+        done = copier.record()
+        release_after(done, memory)
+        main.wait_event(done)
+        if target is not dst:
+            dst[...] = target
+
+
+def _download(dst: np.ndarray, src: Any, device: int, stream: Any) -> None:
+    cupy = _cupy()
+    with cupy.cuda.Device(device):
+        main = current_stream(device)
+        copier = main if stream is None else stream
+        wait_stream(copier, device, main, device)
+        if dst.flags.c_contiguous:
+            src.get(stream=copier, out=dst)  # blocking: dst is filled on return
+        else:
+            np.copyto(dst, src.get(stream=copier), casting="no")
+
+
+def _local(dst: Any, src: Any, device: int, stream: Any) -> None:
+    cupy = _cupy()
+    with cupy.cuda.Device(device):
+        if stream is None:
+            dst[...] = src
+            return
+        main = current_stream(device)
+        wait_stream(stream, device, main, device)
+        with stream:
+            dst[...] = src
+        wait_stream(main, device, stream, device)
+
+
+def _peer(dst: Any, dst_device: int, src: Any, src_device: int, stream: Any) -> None:
+    cupy = _cupy()
+    src_main = current_stream(src_device)
+    dst_main = current_stream(dst_device)
+    copier = dst_main if stream is None else stream
+    with cupy.cuda.Device(src_device):
+        contiguous = cupy.ascontiguousarray(src)
+    with cupy.cuda.Device(dst_device):
+        target = dst if dst.flags.c_contiguous else cupy.empty(dst.shape, dst.dtype)
+    wait_stream(copier, dst_device, src_main, src_device)  # the source is ready
+    wait_stream(copier, dst_device, dst_main, dst_device)  # the target block is free
+    with cupy.cuda.Device(dst_device):
+        target.data.copy_from_device_async(contiguous.data, contiguous.nbytes, stream=copier)
+    wait_stream(src_main, src_device, copier, dst_device)  # the source is read before reuse
+    wait_stream(dst_main, dst_device, copier, dst_device)
+    if target is not dst:
+        with cupy.cuda.Device(dst_device):
+            dst[...] = target
+
+
+def move(x: Any, device: Device) -> Any:
+    """``x`` on ``device``: itself when already there, else a copy ordered as :func:`copy_into`."""
+    if device_of(x) == device:
+        return x
+    out = empty(x.shape, x.dtype, device)
+    copy_into(out, x)
+    return out
+
+
+def broadcast_from_host(array: Any, outs: Sequence[Any]) -> None:
+    """Copy a host array into ``outs`` (GPU or host), staging it through pinned memory once."""
+    if array.size == 0:
+        return
+    source = _plain(array)
+    staged, memory = staging_array(array.shape, array.dtype)
+    np.copyto(staged, source, casting="no")
+    for out in outs:
+        target = device_of(out)
+        if target.kind == "cuda":
+            _upload(out, target.index, staged, memory, None)
+        else:
+            np.copyto(_plain(out), source, casting="no")
+
+
+def _flatten(arrays: Sequence[Any]) -> Any:
+    """The arrays (all on one GPU) raveled and joined into one new 1-d buffer on that GPU."""
+    cupy = _cupy()
+    with cupy.cuda.Device(device_of(arrays[0]).index):
+        return cupy.concatenate([cupy.ravel(x) for x in arrays])
+
+
+def broadcast_flat(members: Sequence[Any], targets: Sequence[Device]) -> list[Any]:
+    """``members`` (on GPU ``targets[0]``) packed into one flat buffer on each of ``targets[1:]``.
+
+    One NCCL broadcast when NCCL is available and the GPUs are distinct, else peer copies.
+    """
+    flat = _flatten(members)
+    outs = [empty(flat.shape, flat.dtype, device) for device in targets[1:]]
+    if not nccl.broadcast_into(flat, outs):
+        for out in outs:
+            copy_into(out, flat)
+    return outs
+
+
+def sum_into(out: Any, terms: Sequence[Any]) -> None:
+    """``out[...] = ((terms[0] + terms[1]) + ...)`` with every term already on ``out``'s GPU."""
+    cupy = _cupy()
+    with cupy.cuda.Device(device_of(out).index):
+        if len(terms) == 1:
+            out[...] = terms[0]
+            return
+        cupy.add(terms[0], terms[1], out=out)
+        for term in terms[2:]:
+            cupy.add(out, term, out=out)
+
+
+def reduce_flat(groups: Sequence[Sequence[Any]], target: Device) -> Any:
+    """The elementwise sum over ``groups`` (one aligned list per GPU), packed flat on ``target``.
+
+    Each group is flattened on its GPU; the flat buffers are summed with one NCCL reduce when
+    NCCL is available and the GPUs are distinct, else copied to ``target`` and added there.
+    """
+    flats = [_flatten(group) for group in groups]
+    if len(flats) > 1 and nccl.can_reduce(flats, target):
+        return nccl.reduce(flats, target)
+    out = empty(flats[0].shape, flats[0].dtype, target)
+    sum_into(out, [move(f, target) for f in flats])
+    return out

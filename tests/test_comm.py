@@ -1,0 +1,570 @@
+"""cupy_parallel.comm on host devices, against NumPy oracles (np.split, np.concatenate, +)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cupy_parallel as cp
+from cupy_parallel import Device, comm, device_of, to_device
+
+DTYPES = [
+    np.bool_,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
+]
+
+
+def random_bits(shape: tuple[int, ...], dtype: Any, seed: int = 0) -> np.ndarray:
+    """An array of any dtype filled with random bytes (NaN payloads and -0.0 included)."""
+    dtype = np.dtype(dtype)
+    raw = np.random.default_rng(seed).integers(0, 256, (*shape, dtype.itemsize), dtype=np.uint8)
+    if dtype == np.bool_:
+        return (raw[..., 0] & 1).astype(np.bool_)
+    return raw.view(dtype).reshape(shape)
+
+
+def assert_bits_equal(actual: Any, expected: Any) -> None:
+    """Same shape, dtype and bytes (NaNs compare by payload, -0.0 differs from 0.0)."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape
+    assert actual.dtype == expected.dtype
+    assert actual.tobytes() == expected.tobytes()
+
+
+def shares(a: Any, b: Any) -> bool:
+    return bool(np.shares_memory(np.asarray(a), np.asarray(b)))
+
+
+def host(k: int) -> Device:
+    return Device("host", k)
+
+
+def hosts(n: int) -> list[str]:
+    return [f"host:{k}" for k in range(n)]
+
+
+def split_oracle(x: np.ndarray, sizes: list[int], dim: int) -> list[np.ndarray]:
+    return np.split(x, np.cumsum(sizes)[:-1], axis=dim)
+
+
+# --------------------------------------------------------------------------------------------
+# scatter / gather
+
+
+@pytest.mark.parametrize("count", [1, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_scatter_gather_round_trip_every_dtype(dtype: Any, count: int) -> None:
+    x = random_bits((7, 3), dtype, seed=count)
+    parts = comm.scatter(x, hosts(count))
+    sizes = [p.shape[0] for p in parts]
+    assert sizes == [len(c) for c in np.array_split(np.arange(7), min(count, 7))]
+    for k, (part, want) in enumerate(zip(parts, split_oracle(x, sizes, 0), strict=True)):
+        assert device_of(part) == host(k)
+        assert_bits_equal(part, want)
+    back = comm.gather(parts, 0, "cpu")
+    assert type(back) is np.ndarray
+    assert_bits_equal(back, x)
+
+
+@pytest.mark.parametrize(
+    ("size", "count", "sizes"),
+    [
+        (5, 4, [2, 1, 1, 1]),
+        (8, 4, [2, 2, 2, 2]),
+        (3, 8, [1, 1, 1]),
+        (9, 2, [5, 4]),
+        (1, 1, [1]),
+        (0, 4, [0]),
+    ],
+)
+def test_scatter_splits_into_nearly_equal_chunks_larger_first(
+    size: int, count: int, sizes: list[int]
+) -> None:
+    parts = comm.scatter(np.arange(size * 2).reshape(size, 2), hosts(count))
+    assert [p.shape[0] for p in parts] == sizes
+    assert [device_of(p) for p in parts] == [host(k) for k in range(len(sizes))]
+
+
+shapes = st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple)
+
+
+@st.composite
+def scatter_cases(draw: st.DrawFn) -> tuple[np.ndarray, int, int, list[int] | None, str]:
+    shape = draw(shapes)
+    ndim = len(shape)
+    dim = draw(st.integers(-ndim, ndim - 1))
+    count = draw(st.integers(1, 8))
+    dtype = draw(st.sampled_from(DTYPES))
+    x = random_bits(shape, dtype, seed=draw(st.integers(0, 99)))
+    layout = draw(st.sampled_from(["contiguous", "transposed", "strided"]))
+    if layout == "transposed" and ndim > 1:
+        x = np.ascontiguousarray(x.T).T  # same values, Fortran order
+    elif layout == "strided":
+        x = np.repeat(x, 2, axis=0)[::2]
+    chunk_sizes = None
+    if draw(st.booleans()):
+        total = x.shape[dim]
+        cuts = sorted(draw(st.lists(st.integers(0, total), min_size=count - 1, max_size=count - 1)))
+        bounds = [0, *cuts, total]
+        chunk_sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    source = draw(st.sampled_from(["cpu", "host:0", "host:5"]))
+    return x, dim, count, chunk_sizes, source
+
+
+@given(scatter_cases())
+def test_scatter_gather_match_numpy_split_and_concatenate(case: Any) -> None:
+    x, dim, count, chunk_sizes, source = case
+    source_array = to_device(x, source)
+    parts = comm.scatter(source_array, hosts(count), chunk_sizes, dim)
+    if chunk_sizes is None:
+        total = x.shape[dim]
+        sizes = [len(c) for c in np.array_split(np.arange(total), max(1, min(count, total)))]
+    else:
+        sizes = chunk_sizes
+    assert [p.shape[dim] for p in parts] == sizes
+    for k, (part, want) in enumerate(zip(parts, split_oracle(x, sizes, dim), strict=True)):
+        assert device_of(part) == host(k)
+        assert_bits_equal(part, want)
+    destination = ["cpu", "host:7", "host:0"][count % 3]
+    back = comm.gather(parts, dim, destination)
+    assert device_of(back) == cp.as_device(destination)
+    assert_bits_equal(back, x)
+
+
+def test_scatter_gives_a_view_for_the_source_device_and_copies_elsewhere() -> None:
+    x = to_device(np.arange(8.0), "host:1")
+    parts = comm.scatter(x, ["host:1", "host:2"])
+    assert shares(parts[0], x)
+    assert not shares(parts[1], x)
+    assert not shares(comm.scatter(np.arange(4.0), ["host:0"])[0], x)
+
+
+def test_scatter_into_out_infers_chunk_sizes() -> None:
+    x = random_bits((3, 5), np.int16)
+    out = [cp.empty((3, 0), np.int16, "host:2"), cp.empty((3, 5), np.int16, "host:3")]
+    result = comm.scatter(x, dim=-1, out=out)
+    assert result[0] is out[0]
+    assert result[1] is out[1]
+    assert_bits_equal(out[1], x)
+
+
+def test_gather_into_out_and_noncontiguous_pieces() -> None:
+    x = random_bits((4, 6), np.complex64)
+    pieces = [to_device(x[:, :2], "host:0")[:, ::-1], to_device(x[:, 2:], "host:1")[::1]]
+    out = np.zeros((4, 6), np.complex64)
+    assert comm.gather(pieces, 1, out=out) is out
+    assert_bits_equal(out, np.concatenate([x[:, 1::-1], x[:, 2:]], axis=1))
+
+
+def test_gather_default_destination_is_host_0_on_the_host_platform(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUPY_PARALLEL_PLATFORM", "host")
+    parts = comm.scatter(np.arange(6), hosts(3))
+    assert device_of(comm.gather(parts)) == host(0)
+
+
+def test_streams_of_none_are_accepted_on_host_devices() -> None:
+    parts = comm.scatter(np.arange(5), hosts(4), streams=[None] * 4)
+    assert_bits_equal(comm.gather(parts, destination=-1), np.arange(5))
+
+
+# --------------------------------------------------------------------------------------------
+# broadcast
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_broadcast_copies_bits_to_every_device(dtype: Any) -> None:
+    x = random_bits((3, 4), dtype)[:, ::2]
+    copies = comm.broadcast(x, hosts(4))
+    for k, c in enumerate(copies):
+        assert device_of(c) == host(k)
+        assert_bits_equal(c, x)
+        assert not shares(c, x)
+
+
+def test_broadcast_returns_the_source_for_its_own_device_and_fills_out() -> None:
+    x = to_device(np.arange(3.0), "host:2")
+    copies = comm.broadcast(x, ["host:1", "host:2"])
+    assert copies[1] is x
+    out = [cp.empty((3,), np.float64, "host:2"), cp.empty((3,), np.float64, "host:5")]
+    assert comm.broadcast(x, out=out) == tuple(out)
+    for o in out:
+        assert_bits_equal(o, np.arange(3.0))
+
+
+@st.composite
+def array_lists(draw: st.DrawFn) -> list[np.ndarray]:
+    count = draw(st.integers(0, 8))
+    arrays = []
+    for i in range(count):
+        dtype = draw(st.sampled_from([np.float32, np.float64, np.int8, np.bool_, np.complex64]))
+        x = random_bits(draw(shapes), dtype, seed=i)
+        if draw(st.booleans()) and x.ndim > 1:
+            x = x.T
+        arrays.append(x)
+    return arrays
+
+
+buffer_sizes = st.sampled_from([1, 7, 16, 64, 10485760])
+
+
+@given(array_lists(), st.integers(1, 8), buffer_sizes)
+def test_broadcast_coalesced_matches_per_array_copies(
+    arrays: list[np.ndarray], count: int, buffer_size: int
+) -> None:
+    sources = [to_device(x, "host:0") for x in arrays]
+    result = comm.broadcast_coalesced(sources, hosts(count), buffer_size)
+    assert len(result) == count
+    assert all(a is b for a, b in zip(result[0], sources, strict=True))
+    for k, replica in enumerate(result[1:], start=1):
+        assert len(replica) == len(arrays)
+        for got, want in zip(replica, arrays, strict=True):
+            assert device_of(got) == host(k)
+            assert_bits_equal(got, want)
+
+
+def test_broadcast_coalesced_packs_buckets_per_dtype_and_buffer_size() -> None:
+    f32 = [to_device(np.full(4, i, np.float32), "host:0") for i in range(3)]  # 16 bytes each
+    i64 = to_device(np.arange(2), "host:0")
+    arrays = [f32[0], i64, f32[1], f32[2]]
+    packed = comm.broadcast_coalesced(arrays, ["host:0", "host:1"], buffer_size=32)[1]
+    assert packed[0].base is not None
+    assert shares(packed[0].base, packed[2])  # first float32 bucket: arrays 0 and 2
+    assert not shares(packed[2], packed[3])  # array 3 overflows into a new bucket
+    assert not shares(packed[0], packed[1])  # int64 has its own bucket
+    separate = comm.broadcast_coalesced(arrays, ["host:0", "host:1"], buffer_size=1)[1]
+    assert not shares(separate[0], separate[2])
+
+
+# --------------------------------------------------------------------------------------------
+# reduce_add
+
+
+def numpy_sum(arrays: list[np.ndarray]) -> np.ndarray:
+    return functools.reduce(np.add, arrays)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_reduce_add_equals_numpy_sum_in_input_order(dtype: Any) -> None:
+    terms = [random_bits((2, 3), dtype, seed=k) for k in range(4)]
+    if np.dtype(dtype).kind in "fc":
+        terms = [np.nan_to_num(t, nan=1.0, posinf=2.0, neginf=-2.0) for t in terms]
+    inputs = [to_device(t, f"host:{k}") for k, t in enumerate(terms)]
+    with np.errstate(over="ignore", invalid="ignore"):
+        result = comm.reduce_add(inputs, destination="host:2")
+        want = numpy_sum(terms)
+    assert device_of(result) == host(2)
+    assert_bits_equal(result, want)
+
+
+def test_reduce_add_allows_shared_devices_and_returns_a_single_input() -> None:
+    a = to_device(np.arange(3), "host:1")
+    b = to_device(np.ones(3, np.int64), "host:1")
+    assert_bits_equal(comm.reduce_add([a, b, a], destination="host:1"), np.arange(3) * 2 + 1)
+    assert comm.reduce_add([a], destination="host:1") is a
+
+
+def test_reduce_add_default_destination_is_host_0_on_the_host_platform(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUPY_PARALLEL_PLATFORM", "host")
+    inputs = [to_device(np.ones(2), "host:1"), to_device(np.ones(2), "host:0")]
+    assert device_of(comm.reduce_add(inputs)) == host(0)
+    with pytest.raises(ValueError, match=r"destination=None \(the current device, host:0\)"):
+        comm.reduce_add(inputs[:1] * 2)
+
+
+@st.composite
+def replica_lists(draw: st.DrawFn) -> tuple[list[list[np.ndarray]], list[np.ndarray]]:
+    templates = draw(array_lists())
+    replicas = draw(st.integers(1, 4))
+    lists = []
+    for r in range(replicas):
+        values = []
+        for i, t in enumerate(templates):
+            values.append(random_bits(t.shape, t.dtype, seed=100 * r + i))
+        lists.append(values)
+    return lists, templates
+
+
+@given(replica_lists(), buffer_sizes, st.integers(0, 3))
+def test_reduce_add_coalesced_matches_numpy_sums(
+    case: tuple[list[list[np.ndarray]], list[np.ndarray]], buffer_size: int, root: int
+) -> None:
+    lists, templates = case
+    root %= len(lists)
+    inputs = [[to_device(x, f"host:{k}") for x in xs] for k, xs in enumerate(lists)]
+    with np.errstate(over="ignore", invalid="ignore"):
+        result = comm.reduce_add_coalesced(inputs, f"host:{root}", buffer_size)
+        wants = [numpy_sum([xs[j] for xs in lists]) for j in range(len(templates))]
+    assert len(result) == len(templates)
+    for got, want in zip(result, wants, strict=True):
+        assert device_of(got) == host(root)
+        assert_bits_equal(got, want)
+    for k, xs in enumerate(lists):  # inputs are untouched
+        for x, original in zip(inputs[k], xs, strict=True):
+            assert_bits_equal(x, original)
+
+
+def test_reduce_add_coalesced_of_one_list_copies() -> None:
+    x = to_device(np.arange(4.0), "host:3")
+    (total,) = comm.reduce_add_coalesced([[x]], "host:3")
+    assert_bits_equal(total, np.arange(4.0))
+    assert not shares(total, x)
+    assert comm.reduce_add_coalesced([[], []], "host:0") == ()
+
+
+# --------------------------------------------------------------------------------------------
+# bad input: every error named, raised before anything is written
+
+X = np.arange(12.0).reshape(4, 3)
+
+
+class h:  # noqa: N801 - reads as a function in the table below
+    """An array to place on host:k when the test runs (host devices exist only inside tests)."""
+
+    def __init__(self, x: Any, k: int) -> None:
+        self.x, self.k = np.asarray(x), k
+
+
+def _resolve(obj: Any) -> Any:
+    if isinstance(obj, h):
+        return to_device(obj.x, f"host:{obj.k}")
+    if isinstance(obj, list):
+        return [_resolve(o) for o in obj]
+    return obj
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return lambda: fn(*map(_resolve, args), **{k: _resolve(v) for k, v in kwargs.items()})
+
+
+def _scatter(*args: Any, **kwargs: Any) -> Any:
+    return _call(comm.scatter, *args, **kwargs)
+
+
+BAD_INPUTS = [
+    # scatter
+    ("scatter-list", _scatter([1, 2], hosts(2)), TypeError, "array must be an array"),
+    ("scatter-neither", _scatter(X), ValueError, "Exactly one of 'devices' and 'out'"),
+    ("scatter-both", _scatter(X, hosts(2), out=[h(X, 0)]), ValueError, "Exactly one of"),
+    ("scatter-str-devices", _scatter(X, "host:0"), TypeError, "devices must be a sequence"),
+    ("scatter-no-devices", _scatter(X, []), ValueError, "devices must name at least one"),
+    ("scatter-missing", _scatter(X, ["host:9"]), ValueError, r"devices\[0\]: device host:9"),
+    ("scatter-cpu", _scatter(X, ["host:0", "cpu"]), ValueError, r"devices\[1\] must be an acc"),
+    ("scatter-spelling", _scatter(X, ["gpu:0"]), ValueError, r"devices\[0\]: device string"),
+    ("scatter-float-dev", _scatter(X, [1.5]), TypeError, r"devices\[0\]: device must be"),
+    ("scatter-dim", _scatter(X, hosts(2), dim=2), ValueError, r"dim must be in \[-2, 1\]"),
+    ("scatter-dim-type", _scatter(X, hosts(2), dim=1.0), TypeError, "dim must be an int"),
+    ("scatter-0d", _scatter(np.array(1.0), hosts(2)), ValueError, "array is 0-d"),
+    ("chunk-len", _scatter(X, hosts(2), [4]), ValueError, r"len\(devices\) = 2, but len\(chu"),
+    ("chunk-neg", _scatter(X, hosts(2), [5, -1]), ValueError, r"chunk_sizes\[1\] must be >= 0"),
+    ("chunk-sum", _scatter(X, hosts(2), [1, 2]), ValueError, r"sum\(chunk_sizes\) = 3"),
+    ("chunk-float", _scatter(X, hosts(2), [1.0, 3]), TypeError, r"chunk_sizes\[0\] must be an"),
+    ("chunk-scalar", _scatter(X, hosts(2), 4), TypeError, "chunk_sizes must be a sequence"),
+    (
+        "out-chunks",
+        _scatter(X, None, [4], out=[h(X, 1)]),
+        ValueError,
+        "'chunk_sizes' must not be given together with 'out'",
+    ),
+    ("out-empty", _scatter(X, out=[]), ValueError, "out must contain at least one array"),
+    ("out-shape", _scatter(X, out=[h(X, 1), h(X[:, :1], 2)]), ValueError, r"out\[1\] has shape"),
+    ("out-sum", _scatter(X, out=[h(X[:3], 1)]), ValueError, "along dim 0 must sum to .* 4"),
+    ("out-cpu", _scatter(X, out=[X.copy()]), ValueError, r"scatter expects out\[0\] on an acc"),
+    (
+        "out-dtype",
+        _scatter(X, out=[h(X.astype(np.float32), 1)]),
+        ValueError,
+        r"out\[0\] has dtype float32, but array has dtype float64",
+    ),
+    ("streams-type", _scatter(X, hosts(2), streams=3), TypeError, "streams must be a sequence"),
+    ("streams-len", _scatter(X, hosts(2), streams=[None]), ValueError, "2 devices, but 1 str"),
+    ("streams-item", _scatter(X, hosts(2), streams=["s", None]), TypeError, r"streams\[0\] mus"),
+    # gather
+    ("gather-bare", _call(comm.gather, h(X, 0)), TypeError, "arrays must be a sequence"),
+    ("gather-empty", _call(comm.gather, []), ValueError, "arrays must contain at least one"),
+    ("gather-item", _call(comm.gather, [h(X, 0), 3]), TypeError, r"arrays\[1\] must be an arr"),
+    ("gather-cpu", _call(comm.gather, [X]), ValueError, r"gather expects arrays\[0\] on an acc"),
+    (
+        "gather-shape",
+        _call(comm.gather, [h(X, 0), h(X[:, :2], 1)]),
+        ValueError,
+        r"arrays\[1\] has shape \(4, 2\), but gather along dim 0 expects \(4, 3\)",
+    ),
+    ("gather-ndim", _call(comm.gather, [h(X, 0), h(X[0], 1)]), ValueError, "has 1 dimensions"),
+    (
+        "gather-dtype",
+        _call(comm.gather, [h(X, 0), h(X.astype(np.int64), 1)]),
+        ValueError,
+        r"arrays\[1\] has dtype int64",
+    ),
+    ("gather-0d", _call(comm.gather, [h(1.0, 0), h(2.0, 1)]), ValueError, r"arrays\[0\] is 0-d"),
+    ("gather-dim", _call(comm.gather, [h(X, 0)], -3), ValueError, r"dim must be in \[-2, 1\]"),
+    (
+        "gather-out-dest",
+        _call(comm.gather, [h(X, 0)], 0, "cpu", out=X.copy()),
+        ValueError,
+        "'destination' must not be given together with 'out'",
+    ),
+    (
+        "gather-out-shape",
+        _call(comm.gather, [h(X, 0), h(X, 1)], out=X.copy()),
+        ValueError,
+        r"out must have the gathered shape \(8, 3\)",
+    ),
+    (
+        "gather-dest",
+        _call(comm.gather, [h(X, 0)], 0, "tpu:0"),
+        ValueError,
+        "destination: device string",
+    ),
+    # broadcast
+    ("bcast-list", _call(comm.broadcast, [1.0], hosts(2)), TypeError, "array must be an array"),
+    ("bcast-neither", _call(comm.broadcast, X), ValueError, "Exactly one of 'devices' and 'out'"),
+    (
+        "bcast-out-shape",
+        _call(comm.broadcast, X, out=[h(X, 0), h(X.T, 1)]),
+        ValueError,
+        r"out\[1\] has shape \(3, 4\), but broadcast needs the source's shape \(4, 3\)",
+    ),
+    (
+        "bcast-out-cpu",
+        _call(comm.broadcast, X, out=[X.copy()]),
+        ValueError,
+        r"broadcast expects out\[0\] on an accelerator",
+    ),
+    ("bcast-cpu-target", _call(comm.broadcast, X, ["cpu"]), ValueError, "must be an accelerator"),
+    # broadcast_coalesced
+    (
+        "bc-placement",
+        _call(comm.broadcast_coalesced, [h(X, 0), h(X, 1)], hosts(2)),
+        ValueError,
+        r"arrays\[1\] is on host:1, but broadcast_coalesced needs every array on devices\[0\]",
+    ),
+    (
+        "bc-buffer",
+        _call(comm.broadcast_coalesced, [h(X, 0)], hosts(2), 0),
+        ValueError,
+        "buffer_size must be a positive number of bytes, got 0",
+    ),
+    (
+        "bc-buffer-type",
+        _call(comm.broadcast_coalesced, [h(X, 0)], hosts(2), "10MB"),
+        TypeError,
+        "buffer_size must be an int",
+    ),
+    (
+        "bc-bare",
+        _call(comm.broadcast_coalesced, h(X, 0), hosts(2)),
+        TypeError,
+        "arrays must be a sequence",
+    ),
+    ("bc-no-devices", _call(comm.broadcast_coalesced, [], []), ValueError, "at least one device"),
+    # reduce_add
+    ("ra-empty", _call(comm.reduce_add, []), ValueError, "inputs must contain at least one"),
+    (
+        "ra-shape",
+        _call(comm.reduce_add, [h(X, 0), h(X.T, 1)], "host:0"),
+        ValueError,
+        r"inputs\[1\] has shape \(3, 4\), but inputs\[0\] has shape \(4, 3\)",
+    ),
+    (
+        "ra-dtype",
+        _call(comm.reduce_add, [h(X, 0), h(X.astype(np.float32), 1)], "host:0"),
+        ValueError,
+        r"inputs\[1\] has dtype float32, but inputs\[0\] has dtype float64",
+    ),
+    (
+        "ra-cpu",
+        _call(comm.reduce_add, [X, h(X, 1)], "host:1"),
+        ValueError,
+        r"reduce_add expects inputs\[0\] on an accelerator",
+    ),
+    (
+        "ra-destination",
+        _call(comm.reduce_add, [h(X, 0), h(X, 1)], "host:2"),
+        ValueError,
+        r"destination host:2 holds none of them \(they are on \['host:0', 'host:1'\]\)",
+    ),
+    # reduce_add_coalesced
+    ("rac-bare", _call(comm.reduce_add_coalesced, h(X, 0)), TypeError, "one list of arrays per"),
+    ("rac-empty", _call(comm.reduce_add_coalesced, []), ValueError, "at least one list"),
+    (
+        "rac-inner",
+        _call(comm.reduce_add_coalesced, [h(X, 0)]),
+        TypeError,
+        r"inputs\[0\] must be a sequence",
+    ),
+    (
+        "rac-lengths",
+        _call(comm.reduce_add_coalesced, [[h(X, 0), h(X, 0)], [h(X, 1)]], "host:0"),
+        ValueError,
+        r"inputs\[1\] has 1 arrays, but inputs\[0\] has 2",
+    ),
+    (
+        "rac-spread",
+        _call(comm.reduce_add_coalesced, [[h(X, 0), h(X, 1)], [h(X, 1), h(X, 1)]], "host:1"),
+        ValueError,
+        r"inputs\[0\]\[1\] is on host:1, but inputs\[0\]\[0\] is on host:0",
+    ),
+    (
+        "rac-shape",
+        _call(comm.reduce_add_coalesced, [[h(X, 0)], [h(X[:2], 1)]], "host:0"),
+        ValueError,
+        r"inputs\[1\]\[0\] has shape \(2, 3\), but inputs\[0\]\[0\] has shape \(4, 3\)",
+    ),
+    (
+        "rac-buffer",
+        _call(comm.reduce_add_coalesced, [[h(X, 0)]], "host:0", -5),
+        ValueError,
+        "buffer_size must be a positive number of bytes, got -5",
+    ),
+    (
+        "rac-destination",
+        _call(comm.reduce_add_coalesced, [[h(X, 0)], [h(X, 1)]], "cpu"),
+        ValueError,
+        "destination cpu holds none of them",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "pattern"),
+    [case[1:] for case in BAD_INPUTS],
+    ids=[case[0] for case in BAD_INPUTS],
+)
+def test_bad_input_is_refused_with_a_named_message(call: Any, error: type, pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+def test_errors_are_raised_before_anything_is_written() -> None:
+    x = np.arange(6.0)
+    first = cp.empty((6,), np.float64, "host:1")
+    first[...] = -1.0
+    bad = cp.empty((5,), np.float64, "host:2")
+    with pytest.raises(ValueError, match=r"out\[1\] has shape"):
+        comm.broadcast(x, out=[first, bad])
+    with pytest.raises(ValueError, match=r"out\[1\] has shape"):
+        comm.scatter(x, out=[first[:3], cp.empty((3, 1), np.float64, "host:2")])
+    assert_bits_equal(first, np.full(6, -1.0))
