@@ -33,7 +33,7 @@ from cupy_parallel._src.devices import (
     set_host_device_count,
     to_device,
 )
-from cupy_parallel._src.gradcheck import gradcheck
+from cupy_parallel._src.gradcheck import GradcheckError, gradcheck
 from cupy_parallel._src.memory import HostMemoryPool, get_host_memory_pool
 from cupy_parallel._src.nested import gather, scatter, scatter_kwargs
 from cupy_parallel._src.parallel import DataParallel, data_parallel, parallel_apply, replicate
@@ -51,6 +51,7 @@ __all__ = [
     "Device",
     "Function",
     "FunctionContext",
+    "GradcheckError",
     "HostArray",
     "HostMemoryPool",
     "Tape",

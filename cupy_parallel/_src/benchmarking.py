@@ -1,0 +1,440 @@
+"""Running a benchmark suite for ``cupy-parallel bench``: discover, run, record, plot, tabulate.
+
+A *suite* is a directory of ``bench_*.py`` modules. A module that defines a top-level
+``run(quick)`` function is a benchmark; it returns a list of result dicts with the keys
+``name``, ``seconds``, ``baseline_seconds``, ``ratio`` (``seconds / baseline_seconds``, so below
+1 means faster than the baseline), ``target`` (the largest ratio the benchmark aims for, or
+``None``) and, for transfers, ``bytes``. Other ``bench_*.py`` modules are helpers the
+benchmarks import, and are not run. Each benchmark runs in this process; one that fails to import
+or run, or returns malformed results, is recorded as failed with the reason, and the rest still
+run.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import importlib.util
+import json
+import math
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+import cupy_parallel
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+__all__ = [
+    "REQUIRED_KEYS",
+    "default_suite_dir",
+    "discover",
+    "format_table",
+    "plot_bandwidth",
+    "plot_ratios",
+    "run_all",
+    "run_module",
+    "write_outputs",
+]
+
+#: Keys every result dict must carry.
+REQUIRED_KEYS = ("name", "seconds", "baseline_seconds", "ratio", "target")
+JSON_NAME = "bench.json"
+RATIOS_PNG = "bench_ratios.png"
+BANDWIDTH_PNG = "bench_bandwidth.png"
+
+
+def default_suite_dir() -> Path | None:
+    """The ``benchmarks/`` directory beside the package (a source checkout), or ``None``.
+
+    Example:
+        >>> path = default_suite_dir()
+        >>> path is None or path.name == "benchmarks"
+        True
+    """
+    candidate = Path(cupy_parallel.__file__).resolve().parent.parent / "benchmarks"
+    return candidate if candidate.is_dir() else None
+
+
+def _defines_run(path: Path) -> bool:
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return True  # run it, so that the failure is reported with its reason
+    return any(
+        isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "run"
+        for node in tree.body
+    )
+
+
+def discover(directory: Path, /) -> list[Path]:
+    r"""The benchmark modules of a suite: ``bench_*.py`` files defining ``run``, sorted by name.
+
+    Example:
+        >>> import tempfile
+        >>> suite = Path(tempfile.mkdtemp())
+        >>> _ = (suite / "bench_a.py").write_text("def run(quick):\n    return []\n")
+        >>> _ = (suite / "bench_helper.py").write_text("def timeit():\n    pass\n")
+        >>> [p.name for p in discover(suite)]
+        ['bench_a.py']
+    """
+    return [p for p in sorted(Path(directory).glob("bench_*.py")) if _defines_run(p)]
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready copies of NumPy scalars and arrays; anything else unknown becomes its str."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
+def _check_results(results: Any) -> list[dict[str, Any]]:
+    if not isinstance(results, list | tuple):
+        raise TypeError(f"run(quick) must return a list of dicts, got {type(results).__name__}")
+    for index, row in enumerate(results):
+        if not isinstance(row, dict):
+            raise TypeError(f"result {index} must be a dict, got {type(row).__name__}")
+        missing = [key for key in REQUIRED_KEYS if key not in row]
+        if missing:
+            raise ValueError(f"result {index} ({row.get('name', '?')!r}) lacks keys {missing}")
+    return [json.loads(json.dumps(row, default=_plain)) for row in results]
+
+
+def run_module(path: Path, /, *, quick: bool) -> dict[str, Any]:
+    """Import one benchmark module from ``path``, call its ``run(quick)``, and record the outcome.
+
+    The module's directory is put on ``sys.path`` while it runs, so it can import its helpers.
+
+    Returns:
+        ``{"name", "path", "ok", "error", "seconds", "results"}``: ``error`` is ``None`` or the
+        reason it failed (the exception's type and message; ``traceback`` holds the details).
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "bench_one.py"
+        >>> _ = path.write_text('''def run(quick):
+        ...     return [{"name": "x", "seconds": 1.0, "baseline_seconds": 2.0,
+        ...              "ratio": 0.5, "target": 1.0}]''')
+        >>> outcome = run_module(path, quick=True)
+        >>> outcome["ok"], outcome["results"][0]["ratio"]
+        (True, 0.5)
+    """
+    outcome: dict[str, Any] = {
+        "name": path.stem,
+        "path": str(path),
+        "ok": False,
+        "error": None,
+        "seconds": 0.0,
+        "results": [],
+    }
+    directory = str(path.parent.resolve())
+    added = directory not in sys.path
+    if added:
+        sys.path.insert(0, directory)
+    start = time.perf_counter()
+    try:
+        spec = importlib.util.spec_from_file_location(f"_cupy_parallel_bench_{path.stem}", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not callable(getattr(module, "run", None)):
+            raise TypeError(f"{path.name} defines no run(quick) function")
+        outcome["results"] = _check_results(module.run(quick))
+        outcome["ok"] = True
+    except Exception as error:  # noqa: BLE001 - a failing suite is a row of the report
+        lines = str(error).strip().splitlines()
+        outcome["error"] = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+        outcome["traceback"] = traceback.format_exc()
+    finally:
+        outcome["seconds"] = time.perf_counter() - start
+        if added:
+            sys.path.remove(directory)
+    return outcome
+
+
+def run_all(
+    modules: Sequence[Path],
+    /,
+    *,
+    quick: bool,
+    machine: Callable[[], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    r"""Run every module with :func:`run_module`, showing progress on stderr; return the report.
+
+    The report is what ``bench.json`` holds: ``cupy_parallel`` (version), ``created`` (UTC,
+    ISO 8601), ``quick``, ``machine`` (what ``machine()`` returns, e.g. ``cupy-parallel info``
+    as a dict; it is called after the suites ran, so that probing CUDA or MPI initialises
+    nothing before a benchmark starts) and ``suites`` (one :func:`run_module` outcome each).
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "bench_bad.py"
+        >>> _ = path.write_text("import no_such_module_here\ndef run(quick):\n    return []\n")
+        >>> report = run_all([path], quick=True)
+        >>> report["suites"][0]["error"]
+        "ModuleNotFoundError: No module named 'no_such_module_here'"
+    """
+    report: dict[str, Any] = {
+        "cupy_parallel": cupy_parallel.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "quick": quick,
+        "machine": {},
+        "suites": [],
+    }
+    try:
+        from tqdm import tqdm
+    except ImportError:  # no bar: the line printed after each suite is the progress display
+        bar = None
+    else:  # disable=None: a bar on a terminal, none in a log file
+        bar = tqdm(total=len(modules), desc="bench", unit="suite", file=sys.stderr, disable=None)
+    try:
+        for path in modules:
+            if bar is not None:
+                bar.set_postfix_str(path.stem)
+            outcome = run_module(path, quick=quick)
+            report["suites"].append(outcome)
+            status = "ok" if outcome["ok"] else f"FAILED ({outcome['error']})"
+            line = f"{path.stem}: {status} in {outcome['seconds']:.1f} s"
+            if bar is None:
+                print(line, file=sys.stderr, flush=True)
+            else:
+                bar.write(line, file=sys.stderr)
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    if machine is not None:
+        report["machine"] = machine()
+    return report
+    with tqdm(total=len(modules), desc="bench", unit="suite", file=sys.stderr, disable=None) as bar:
+        for path in modules:
+            bar.set_postfix_str(path.stem)
+            outcome = run_module(path, quick=quick)
+            status = "ok" if outcome["ok"] else f"FAILED ({outcome['error']})"
+            bar.write(f"{path.stem}: {status} in {outcome['seconds']:.1f} s", file=sys.stderr)
+            report["suites"].append(outcome)
+            bar.update(1)
+    return report
+
+
+def _rows(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(s["name"], r) for s in report["suites"] for r in s["results"]]
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _meets(row: dict[str, Any]) -> bool | None:
+    target, ratio = _number(row.get("target")), _number(row.get("ratio"))
+    if math.isnan(target) or math.isnan(ratio):
+        return None
+    return ratio <= target
+
+
+def plot_ratios(report: dict[str, Any], path: Path, /) -> Path | None:
+    """Bar chart of every result's ratio with its target marked; ``None`` when there is no result.
+
+    The ratio axis is logarithmic and each bar runs from 1 (as fast as the baseline, the dashed
+    line) to the ratio, left when faster, right when slower. Bars are green where the ratio meets
+    the target (ratio <= target), red where it misses, grey where there is no target; a black
+    tick marks each target.
+
+    Example:
+        >>> import tempfile
+        >>> report = {"suites": [{"name": "s", "results": [
+        ...     {"name": "a", "ratio": 0.5, "target": 1.0}]}]}
+        >>> plot_ratios(report, Path(tempfile.mkdtemp()) / "r.png").stat().st_size > 0
+        True
+    """
+    from matplotlib.figure import Figure
+
+    rows = _rows(report)
+    if not rows:
+        return None
+    labels = [f"{suite}: {row['name']}" for suite, row in rows]
+    ratios = [_number(row["ratio"]) for _, row in rows]
+    colours = {True: "tab:green", False: "tab:red", None: "tab:gray"}
+    figure = Figure(figsize=(11, 1.4 + 0.32 * len(rows)), dpi=100)
+    axes = figure.add_subplot()
+    ys = np.arange(len(rows))
+    colour = [colours[_meets(row)] for _, row in rows]
+    axes.barh(ys, [r - 1.0 for r in ratios], left=1.0, color=colour, alpha=0.6)
+    axes.scatter(ratios, ys, color=colour, zorder=3)  # visible where the ratio is about 1
+    for y, ratio in zip(ys, ratios, strict=True):
+        axes.annotate(
+            f"{ratio:.3g}", (ratio, y), xytext=(6, -3), textcoords="offset points", fontsize=7
+        )
+    axes.set_xscale("log")
+    targets = [(y, _number(row.get("target"))) for y, (_, row) in zip(ys, rows, strict=True)]
+    marked = [(y, t) for y, t in targets if not math.isnan(t)]
+    if marked:
+        axes.scatter(
+            [t for _, t in marked],
+            [y for y, _ in marked],
+            marker="|",
+            s=300,
+            c="black",
+            zorder=3,
+            label="target",
+        )
+        axes.legend(loc="best")
+    axes.axvline(1.0, color="black", linestyle="--", linewidth=0.8)
+    axes.set_yticks(ys, labels, fontsize=8)
+    axes.invert_yaxis()
+    axes.set_xlabel("seconds / baseline seconds (log scale; lower is better)")
+    axes.set_title(f"cupy_parallel benchmarks ({report.get('machine', {}).get('platform', '?')})")
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+    return path
+
+
+_SIZE = re.compile(r"[\s,=:_-]*\b\d+(?:\.\d+)?\s*(?:[KMGT]i?B|B|bytes)\b", re.IGNORECASE)
+
+
+def _series(name: str) -> str:
+    """A result's name without its size, so that the sizes of one transfer form one line."""
+    words = " ".join(_SIZE.sub(" ", name).split())
+    return re.sub(r"\s+([,;:)])", r"\1", words) or name
+
+
+def plot_bandwidth(report: dict[str, Any], path: Path, /) -> Path | None:
+    """Bandwidth (bytes / seconds) against size for results carrying ``bytes``; else ``None``.
+
+    Results whose names differ only in a size (``"broadcast 1 MiB"``, ``"broadcast 4 MiB"``)
+    form one line; the baseline of each line is drawn dashed.
+
+    Example:
+        >>> import tempfile
+        >>> rows = [{"name": f"copy {n} KiB", "bytes": n * 1024, "seconds": n * 1e-6,
+        ...          "baseline_seconds": n * 2e-6, "ratio": 0.5, "target": 1.0} for n in (1, 4)]
+        >>> report = {"suites": [{"name": "s", "results": rows}]}
+        >>> plot_bandwidth(report, Path(tempfile.mkdtemp()) / "b.png").stat().st_size > 0
+        True
+    """
+    from matplotlib.figure import Figure
+
+    lines: dict[str, list[tuple[float, float, float]]] = {}
+    for suite, row in _rows(report):
+        size = _number(row.get("bytes"))
+        if math.isnan(size) or size <= 0:
+            continue
+        seconds, baseline = _number(row["seconds"]), _number(row["baseline_seconds"])
+        lines.setdefault(f"{suite}: {_series(str(row['name']))}", []).append(
+            (
+                size,
+                size / seconds if seconds > 0 else math.nan,
+                size / baseline if baseline > 0 else math.nan,
+            )
+        )
+    if not lines:
+        return None
+    figure = Figure(figsize=(8, 5), dpi=100)
+    axes = figure.add_subplot()
+    for label, points in sorted(lines.items()):
+        points.sort()
+        sizes = [p[0] for p in points]
+        (line,) = axes.plot(sizes, [p[1] / 1e9 for p in points], marker="o", label=label)
+        axes.plot(
+            sizes,
+            [p[2] / 1e9 for p in points],
+            linestyle="--",
+            marker="x",
+            color=line.get_color(),
+        )
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("bytes")
+    axes.set_ylabel("GB/s (o: cupy_parallel, x and dashed: baseline)")
+    axes.set_title("bandwidth against size")
+    axes.grid(visible=True, which="both", alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+    return path
+
+
+def write_outputs(report: dict[str, Any], directory: Path, /) -> list[Path]:
+    """Write ``bench.json`` and the PNG plots that have data into ``directory``; return the paths.
+
+    Example:
+        >>> import tempfile
+        >>> report = {"machine": {}, "suites": [{"name": "s", "ok": True, "results": [
+        ...     {"name": "a", "seconds": 1.0, "baseline_seconds": 1.0, "ratio": 1.0,
+        ...      "target": 2.0}]}]}
+        >>> [p.name for p in write_outputs(report, Path(tempfile.mkdtemp()))]
+        ['bench.json', 'bench_ratios.png']
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path = directory / JSON_NAME
+    json_path.write_text(json.dumps(report, indent=2, default=_plain) + "\n", encoding="utf-8")
+    written = [json_path]
+    for plot, name in ((plot_ratios, RATIOS_PNG), (plot_bandwidth, BANDWIDTH_PNG)):
+        path = plot(report, directory / name)
+        if path is not None:
+            written.append(path)
+    return written
+
+
+def _format_seconds(value: Any) -> str:
+    number = _number(value)
+    if math.isnan(number):
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(number) >= scale:
+            return f"{number / scale:.3g} {unit}"
+    return f"{number * 1e9:.3g} ns"
+
+
+def format_table(report: dict[str, Any], /) -> str:
+    """The results as a text table: one row per result, one per failed suite.
+
+    Example:
+        >>> report = {"suites": [
+        ...     {"name": "s", "ok": True, "results": [{"name": "a", "seconds": 0.002,
+        ...      "baseline_seconds": 0.004, "ratio": 0.5, "target": 1.0}]},
+        ...     {"name": "t", "ok": False, "error": "ImportError: no cupy", "results": []}]}
+        >>> print(format_table(report))
+        suite  benchmark  seconds  baseline  ratio  target  status
+        s      a          2 ms     4 ms      0.5    1       ok
+        t      -          -        -         -      -       FAILED: ImportError: no cupy
+    """
+    header = ("suite", "benchmark", "seconds", "baseline", "ratio", "target", "status")
+    table: list[tuple[str, ...]] = [header]
+    for suite in report["suites"]:
+        if not suite["ok"]:
+            table.append((suite["name"], "-", "-", "-", "-", "-", f"FAILED: {suite['error']}"))
+            continue
+        for row in suite["results"]:
+            meets = _meets(row)
+            status = {True: "ok", False: "misses target", None: "no target"}[meets]
+            target = _number(row.get("target"))
+            table.append(
+                (
+                    suite["name"],
+                    str(row["name"]),
+                    _format_seconds(row["seconds"]),
+                    _format_seconds(row["baseline_seconds"]),
+                    f"{_number(row['ratio']):.3g}",
+                    "-" if math.isnan(target) else f"{target:.3g}",
+                    status,
+                )
+            )
+    widths = [max(len(line[i]) for line in table) for i in range(len(header) - 1)]
+    return "\n".join(
+        "  ".join([*(cell.ljust(w) for cell, w in zip(line, widths, strict=False)), line[-1]])
+        for line in table
+    )

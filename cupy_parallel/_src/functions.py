@@ -1,0 +1,204 @@
+"""The differentiable multi-device moves of ``torch.nn.parallel._functions`` on our tape.
+
+Two adjoint pairs: :class:`Scatter` and :class:`Gather` (split along a dimension / join along it),
+:class:`Broadcast` and :class:`ReduceAddCoalesced` (copy everywhere / sum back). The backward of
+each is the other, applied through ``.apply`` so that the moves stay the library's primitives in
+:mod:`cupy_parallel._src.comm`. Arguments are checked by ``comm`` before anything is copied.
+
+On CUDA, :class:`Scatter` copies host (``"cpu"``) input on a background stream per target GPU and
+the consumer's current stream waits for it, as torch's ``_get_stream`` pattern does
+(:func:`cupy_parallel._src.cuda.streams.background_stream`). Without CUDA there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from cupy_parallel._src import comm
+from cupy_parallel._src.cuda.streams import background_stream
+from cupy_parallel._src.devices import Device, as_device, device_of, is_array, to_device
+from cupy_parallel._src.tape import Function, FunctionContext
+
+__all__ = ["Broadcast", "Gather", "ReduceAddCoalesced", "Scatter"]
+
+
+def _copy_streams(source: Device, targets: tuple[Device, ...]) -> list[Any] | None:
+    """Background copy streams for host-to-GPU scatter (``None`` when no GPU is involved)."""
+    if source.kind != "cpu" or any(t.kind != "cuda" for t in targets):
+        return None
+    return [background_stream(t.index) for t in targets]
+
+
+def _read_devices(target_devices: Any, name: str) -> tuple[Device, ...]:
+    if is_array(target_devices) or isinstance(target_devices, str | bytes | int | Device):
+        raise TypeError(
+            f"{name} must be a sequence of devices, got {type(target_devices).__name__} "
+            f"{target_devices!r}; wrap a single device as [device]."
+        )
+    return tuple(as_device(d) for d in target_devices)
+
+
+class Scatter(Function):
+    """Split an array along ``dim`` over devices; the backward gathers the gradients back.
+
+    ``Scatter.apply(target_devices, chunk_sizes, dim, array)`` returns one chunk per used
+    device (see :func:`cupy_parallel.comm.scatter`: ``chunk_sizes=None`` splits evenly).
+    The gradient of ``array`` is the chunks' gradients gathered onto ``array``'s device.
+
+    Example:
+        >>> x = np.arange(4.0)
+        >>> with cupy_parallel.Tape() as tape:
+        ...     tape.watch(x)
+        ...     a, b = Scatter.apply(["host:0", "host:1"], None, 0, x)
+        >>> b
+        HostArray([2., 3.], device='host:1')
+        >>> ones = [cupy_parallel.to_device(np.full(2, k + 1.0), f"host:{k}") for k in (0, 1)]
+        >>> tape.gradient((a, b), x, output_gradients=tuple(ones))
+        array([1., 1., 2., 2.])
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionContext, target_devices: Any, chunk_sizes: Any, dim: int, array: Any
+    ) -> tuple[Any, ...]:
+        """Split ``array`` and place the chunks."""
+        targets = _read_devices(target_devices, "target_devices")
+        if not is_array(array):
+            raise TypeError(f"Scatter.apply needs an array to split, got {type(array).__name__}.")
+        ctx.dim = dim
+        ctx.input_device = device_of(array)
+        streams = _copy_streams(ctx.input_device, targets)
+        return comm.scatter(array, targets, chunk_sizes, dim, streams)
+
+    @staticmethod
+    def backward(ctx: FunctionContext, *grads: Any) -> tuple[Any, ...]:
+        """Gather the chunks' gradients onto the input's device."""
+        return (None, None, None, Gather.apply(ctx.input_device, ctx.dim, *grads))
+
+
+_SCALARS_WARNING = (
+    "Gather was asked to join 0-d arrays along dim 0; they are joined as 1-element vectors "
+    "and the result is a vector (as torch does)."
+)
+
+
+class Gather(Function):
+    """Join arrays from several devices along ``dim`` on one device; the backward scatters.
+
+    ``Gather.apply(target_device, dim, *arrays)``. As in torch, 0-d arrays gathered along dim 0
+    are treated as 1-element vectors (with a warning) and give a vector; their gradients are
+    squeezed back to 0-d. The gradient of each input is its slice of the output gradient, moved
+    to the input's device.
+
+    Example:
+        >>> a = cupy_parallel.to_device(np.ones(2), "host:0")
+        >>> b = cupy_parallel.to_device(np.zeros(1), "host:1")
+        >>> Gather.apply("cpu", 0, a, b)
+        array([1., 1., 0.])
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionContext, target_device: Any, dim: int, *arrays: Any) -> Any:
+        """Concatenate ``arrays`` on ``target_device``."""
+        for i, x in enumerate(arrays):
+            if not is_array(x):
+                raise TypeError(
+                    f"Gather.apply joins arrays, but argument {i + 2} is a {type(x).__name__}."
+                )
+        ctx.input_devices = tuple(device_of(x) for x in arrays)
+        ctx.unsqueezed_scalar = bool(arrays) and dim == 0 and all(x.ndim == 0 for x in arrays)
+        if ctx.unsqueezed_scalar:
+            warnings.warn(_SCALARS_WARNING, UserWarning, stacklevel=3)
+            arrays = tuple(x.reshape(1) for x in arrays)
+        result = comm.gather(arrays, dim, target_device)
+        ctx.dim = dim % result.ndim
+        ctx.input_sizes = tuple(x.shape[ctx.dim] for x in arrays)
+        return result
+
+    @staticmethod
+    def backward(ctx: FunctionContext, grad: Any) -> tuple[Any, ...]:
+        """Scatter the output gradient back to the inputs' devices, in their sizes."""
+        pieces = Scatter.apply(ctx.input_devices, ctx.input_sizes, ctx.dim, grad)
+        if ctx.unsqueezed_scalar:
+            pieces = tuple(p.reshape(()) for p in pieces)
+        return (None, None, *pieces)
+
+
+class Broadcast(Function):
+    """Copy arrays to several devices at once; the backward sums the copies' gradients.
+
+    ``Broadcast.apply(target_devices, *arrays)`` returns a flat tuple grouped per device:
+    ``len(target_devices) * len(arrays)`` arrays, device 0's copies first (coalesced, see
+    :func:`cupy_parallel.comm.broadcast_coalesced`; every array must be on
+    ``target_devices[0]``). Copies of arrays the tape does not track are non-differentiable.
+
+    Example:
+        >>> w = cupy_parallel.to_device(np.ones(2), "host:0")
+        >>> b = cupy_parallel.to_device(np.zeros(1), "host:0")
+        >>> [str(x.device) for x in Broadcast.apply(["host:0", "host:1"], w, b)]
+        ['host:0', 'host:0', 'host:1', 'host:1']
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionContext, target_devices: Any, *arrays: Any) -> tuple[Any, ...]:
+        """Broadcast ``arrays`` to ``target_devices``."""
+        ctx.target_devices = _read_devices(target_devices, "target_devices")
+        ctx.num_inputs = len(arrays)
+        if not arrays:
+            return ()
+        ctx.input_device = device_of(arrays[0]) if is_array(arrays[0]) else None
+        per_device = comm.broadcast_coalesced(arrays, ctx.target_devices)
+        for i, needs in enumerate(ctx.needs_input_grad[1:]):
+            if not needs:
+                ctx.mark_non_differentiable(*(copies[i] for copies in per_device))
+        return tuple(x for copies in per_device for x in copies)
+
+    @staticmethod
+    def backward(ctx: FunctionContext, *grads: Any) -> tuple[Any, ...]:
+        """Sum the gradients of the copies onto the input device."""
+        return (None, *ReduceAddCoalesced.apply(ctx.input_device, ctx.num_inputs, *grads))
+
+
+class ReduceAddCoalesced(Function):
+    """Sum per-device groups of arrays onto one device; the backward broadcasts.
+
+    ``ReduceAddCoalesced.apply(destination, num_inputs, *grads)``: ``grads`` is the flat
+    per-device grouping :class:`Broadcast` produces, ``num_inputs`` arrays per device. Returns
+    ``num_inputs`` sums on ``destination`` (see :func:`cupy_parallel.comm.reduce_add_coalesced`).
+
+    Example:
+        >>> parts = [cupy_parallel.to_device(np.full(2, k + 1.0), f"host:{k}") for k in range(3)]
+        >>> ReduceAddCoalesced.apply("host:0", 1, *parts)
+        (HostArray([6., 6.], device='host:0'),)
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionContext, destination: Any, num_inputs: int, *grads: Any
+    ) -> tuple[Any, ...]:
+        """Sum the groups."""
+        if isinstance(num_inputs, bool) or not isinstance(num_inputs, int):
+            raise TypeError(f"num_inputs must be an int, got {type(num_inputs).__name__}.")
+        if num_inputs < 1 or len(grads) % num_inputs:
+            raise ValueError(
+                f"num_inputs must be a positive divisor of the number of arrays ({len(grads)}), "
+                f"one group of num_inputs arrays per device; got num_inputs={num_inputs}."
+            )
+        groups = [grads[i : i + num_inputs] for i in range(0, len(grads), num_inputs)]
+        for k, group in enumerate(groups):
+            for j, x in enumerate(group):
+                if not is_array(x):
+                    raise TypeError(
+                        f"ReduceAddCoalesced.apply sums arrays, but array {j} of group {k} is "
+                        f"a {type(x).__name__}."
+                    )
+        ctx.target_devices = tuple(device_of(group[0]) for group in groups)
+        return comm.reduce_add_coalesced(groups, destination)
+
+    @staticmethod
+    def backward(ctx: FunctionContext, *grads: Any) -> tuple[Any, ...]:
+        """Broadcast the sums' gradients back to every group's device."""
+        source = ctx.target_devices[0]
+        grads = tuple(to_device(g, source) for g in grads)
+        return (None, None, *Broadcast.apply(ctx.target_devices, *grads))

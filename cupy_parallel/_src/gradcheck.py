@@ -1,0 +1,181 @@
+"""Check a tape gradient against central finite differences, as ``torch.autograd.gradcheck``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import optree
+
+from cupy_parallel._src.devices import is_array, to_device
+from cupy_parallel._src.tape import NAMESPACE, Tape, on_device_of, zeros_like
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+__all__ = ["GradcheckError", "gradcheck"]
+
+
+class GradcheckError(RuntimeError):
+    """Raised by :func:`gradcheck` when the tape's Jacobian disagrees with finite differences."""
+
+
+def _host(x: Any) -> np.ndarray:
+    return np.asarray(to_device(x, "cpu"))
+
+
+def _outputs(fn: Callable[..., Any], args: Sequence[Any]) -> list[Any]:
+    leaves = optree.tree_leaves(fn(*args), namespace=NAMESPACE)
+    for i, y in enumerate(leaves):
+        if not is_array(y):
+            raise TypeError(
+                f"gradcheck needs fn to return arrays, but output {i} is a {type(y).__name__}."
+            )
+    return leaves
+
+
+def gradcheck(
+    fn: Callable[..., Any],
+    inputs: Sequence[Any],
+    *,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-3,
+) -> bool:
+    """Compare the Jacobian the tape computes for ``fn(*inputs)`` with central differences.
+
+    Floating-point array inputs are differentiated, in float64 on their own devices (a float32
+    input is promoted, as finite differences need the precision); other inputs are passed
+    through. ``fn`` returns an array or a pytree of arrays. Every Jacobian entry ``(output
+    element, input element)`` must satisfy ``|analytic - numeric| <= atol + rtol * |numeric|``;
+    analytic columns come from one tape gradient per output element (outputs that do not depend
+    on the inputs have a zero Jacobian).
+
+    Args:
+        fn: the function to check, built from differentiable operations.
+        inputs: its positional arguments.
+        eps: the finite-difference step.
+        atol: absolute tolerance.
+        rtol: relative tolerance.
+
+    Returns:
+        ``True`` when every entry agrees.
+
+    Raises:
+        GradcheckError: naming the worst entry (output, input, indices, both values).
+        TypeError: ``inputs`` is not a sequence or ``fn`` returns non-arrays.
+        ValueError: no floating-point array input or a non-positive ``eps``.
+
+    Example:
+        >>> from cupy_parallel import ops
+        >>> x = np.array([0.5, -1.0])
+        >>> cupy_parallel.gradcheck(lambda x: ops.tanh(ops.multiply(x, x)), [x])
+        True
+    """
+    if is_array(inputs) or not isinstance(inputs, list | tuple):
+        raise TypeError(
+            f"inputs must be a list or tuple of fn's arguments, got {type(inputs).__name__}; "
+            "wrap a single array as [x]."
+        )
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}.")
+    args = [
+        x.astype(np.float64) if is_array(x) and x.dtype.kind == "f" else x for x in list(inputs)
+    ]
+    wrt = [i for i, x in enumerate(args) if is_array(x) and x.dtype.kind == "f"]
+    if not wrt:
+        raise ValueError("gradcheck needs at least one floating-point array among inputs.")
+
+    shapes, numeric = _numeric_jacobian(fn, args, wrt, eps)  # [output][input]: (out, in)
+    analytic = _analytic_jacobian(fn, args, wrt)
+    worst: tuple[float, str] | None = None
+    for o, per_input in enumerate(numeric):
+        for k, num in enumerate(per_input):
+            ana = analytic[o][k]
+            excess = np.abs(ana - num) - (atol + rtol * np.abs(num))
+            if not excess.size or excess.max() <= 0 or (worst and excess.max() <= worst[0]):
+                continue
+            r, c = (int(i) for i in np.unravel_index(int(np.argmax(excess)), excess.shape))
+            worst = (
+                float(excess.max()),
+                (
+                    f"output {o} at {_index(r, shapes[o])} with respect to input {wrt[k]} at "
+                    f"{_index(c, args[wrt[k]].shape)}: numerical {num[r, c]:.6g}, analytical "
+                    f"{ana[r, c]:.6g} (|difference| {abs(num[r, c] - ana[r, c]):.3g} exceeds "
+                    f"atol + rtol * |numerical| with atol={atol}, rtol={rtol})"
+                ),
+            )
+    if worst is not None:
+        raise GradcheckError(f"Jacobian mismatch for {worst[1]}.")
+    return True
+
+
+def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(flat, shape))
+
+
+def _perturbed(x: Any, j: int, step: float) -> Any:
+    def perturb() -> Any:
+        shifted = x.copy()
+        index = _index(j, x.shape)
+        shifted[index] = shifted[index] + step
+        return shifted
+
+    return on_device_of(x, perturb)
+
+
+def _one_hot(y: Any, j: int) -> Any:
+    seed = zeros_like(y)  # may keep y's memory layout: index it, never a reshaped copy
+    on_device_of(seed, seed.__setitem__, _index(j, y.shape), 1)
+    return seed
+
+
+def _numeric_jacobian(
+    fn: Callable[..., Any], args: list[Any], wrt: list[int], eps: float
+) -> tuple[list[tuple[int, ...]], list[list[np.ndarray]]]:
+    base = _outputs(fn, args)
+    columns: list[list[list[np.ndarray]]] = [[[] for _ in wrt] for _ in base]
+    for k, i in enumerate(wrt):
+        for j in range(args[i].size):
+            plus, minus = (
+                [_flat(y) for y in _call(fn, args, i, _perturbed(args[i], j, step))]
+                for step in (eps, -eps)
+            )
+            for o, (p, m) in enumerate(zip(plus, minus, strict=True)):
+                columns[o][k].append((p - m) / (2 * eps))
+    jacobians = [
+        [np.stack(c, axis=1) if c else np.zeros((y.size, 0)) for c in per_input]
+        for y, per_input in zip(base, columns, strict=True)
+    ]
+    return [y.shape for y in base], jacobians
+
+
+def _flat(y: Any) -> np.ndarray:
+    return _host(y).astype(np.float64).ravel()
+
+
+def _call(fn: Callable[..., Any], args: list[Any], i: int, value: Any) -> list[Any]:
+    shifted = list(args)
+    shifted[i] = value
+    return _outputs(fn, shifted)
+
+
+def _analytic_jacobian(
+    fn: Callable[..., Any], args: list[Any], wrt: list[int]
+) -> list[list[np.ndarray]]:
+    sources = [args[i] for i in wrt]
+    with Tape(persistent=True) as tape:
+        tape.watch(sources)
+        outputs = _outputs(fn, args)
+    jacobians = []
+    for y in outputs:
+        rows: list[list[np.ndarray]] = [[] for _ in wrt]
+        for j in range(y.size):
+            seed = _one_hot(y, j)
+            grads = tape._pullback([y], [seed], sources) if tape.tracks(y) else [None] * len(wrt)
+            for k, g in enumerate(grads):
+                rows[k].append(np.zeros(sources[k].size) if g is None else _flat(g))
+        jacobians.append(
+            [np.stack(r) if r else np.zeros((0, sources[k].size)) for k, r in enumerate(rows)]
+        )
+    return jacobians

@@ -1,0 +1,444 @@
+"""Scatter and gather of nested structures (pytrees) of arrays over devices.
+
+The counterpart of ``torch.nn.parallel.scatter_gather``. A structure is flattened with optree
+(namespace ``"cupy_parallel"``), its array leaves are split or joined one by one, and the
+structure is rebuilt. Every container optree knows round-trips with its metadata: tuple, list,
+dict, namedtuple, ``OrderedDict`` (order kept), ``defaultdict`` (``default_factory`` kept),
+``deque`` (``maxlen`` kept) and any class registered with
+``optree.register_pytree_node(..., namespace="cupy_parallel")``.
+
+Arrays move through the differentiable :class:`~cupy_parallel.functions.Scatter` and
+:class:`~cupy_parallel.functions.Gather`, so both directions are recorded on an active
+:class:`~cupy_parallel.Tape`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import optree
+
+from cupy_parallel._src.devices import Device, _check_exists, as_device, device_of, is_array
+from cupy_parallel._src.functions import _SCALARS_WARNING, Gather, Scatter
+
+if TYPE_CHECKING:
+    from optree import PyTreeAccessor, PyTreeSpec
+
+__all__ = ["gather", "scatter", "scatter_kwargs"]
+
+NAMESPACE = "cupy_parallel"
+
+
+# --------------------------------------------------------------------------------------------
+# Leaves: the one place arrays are split and joined
+
+
+def _scatter_leaf(
+    array: Any, devices: tuple[Device, ...], chunk_sizes: tuple[int, ...], dim: int
+) -> tuple[Any, ...]:
+    return tuple(Scatter.apply(devices, chunk_sizes, dim, array))
+
+
+def _gather_leaves(arrays: Sequence[Any], target: Device, dim: int) -> Any:
+    return Gather.apply(target, dim, *arrays)
+
+
+# --------------------------------------------------------------------------------------------
+# Structure helpers shared with cupy_parallel.testing
+
+
+def _flatten(tree: Any) -> tuple[list[PyTreeAccessor], list[Any], PyTreeSpec]:
+    return optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
+
+
+def _key_path(root: str, accessor: PyTreeAccessor) -> str:
+    """``root['a'][0]``: where a leaf or node sits, in the Python that reaches it."""
+    return root + accessor.codify("")
+
+
+def _describe(spec: PyTreeSpec) -> str:
+    if spec.is_leaf():
+        return "a leaf"
+    text = repr(spec.one_level()).removeprefix("PyTreeSpec(").removesuffix(")")
+    return text.removesuffix(f", namespace={NAMESPACE!r}")
+
+
+def _structure_difference(
+    first: PyTreeSpec, second: PyTreeSpec
+) -> tuple[PyTreeAccessor, str, str] | None:
+    """The first node (depth-first, in leaf order) where two treespecs differ, or ``None``.
+
+    Returns the node's accessor and a one-level description of it in each spec, so an error can
+    say ``['a']: defaultdict(<class 'list'>, {'k': *}) vs defaultdict(<class 'int'>, ...)``.
+    The walk is over treespecs, which optree builds; containers themselves are never recursed.
+    """
+    pending: list[tuple[PyTreeAccessor, PyTreeSpec, PyTreeSpec]] = [
+        (optree.PyTreeAccessor(), first, second)
+    ]
+    while pending:
+        path, a, b = pending.pop()
+        if a == b:
+            continue
+        top_a, top_b = a.one_level(), b.one_level()
+        if top_a is None or top_b is None or top_a != top_b:
+            return path, _describe(a), _describe(b)
+        children = zip(top_a.accessors(), a.children(), b.children(), strict=True)
+        pending.extend(reversed([(path + acc, ca, cb) for acc, ca, cb in children]))
+    return None
+
+
+def _leaves_equal(a: object, b: object) -> bool:
+    """Whether two non-array leaves are the same value: identical, or equal and of one type.
+
+    NaN floats (Python or NumPy scalars, and complex numbers with a NaN part) equal each other
+    here, so a NaN computed in every replica is one value, as bit-identical arrays are.
+    """
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float | complex | np.inexact):
+        pairs = ((a.real, b.real), (a.imag, b.imag))  # type: ignore[attr-defined]
+        return all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in pairs)
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # an __eq__ that returns no truth value (arrays-like)
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def _check_devices(target_devices: Any) -> tuple[Device, ...]:
+    if isinstance(target_devices, str | bytes) or not isinstance(target_devices, Sequence):
+        raise TypeError(
+            "target_devices must be a list or tuple of devices (e.g. ['host:0', 'host:1'] or "
+            f"cupy_parallel.devices()), got {type(target_devices).__name__} {target_devices!r}."
+        )
+    if len(target_devices) == 0:
+        raise ValueError(
+            "target_devices is empty; pass at least one device, e.g. cupy_parallel.devices()."
+        )
+    devices = []
+    for k, spec in enumerate(target_devices):
+        try:
+            device = as_device(spec)
+            _check_exists(device)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"target_devices[{k}] is not a usable device: {error}") from None
+        if device.kind == "cpu":
+            raise ValueError(
+                f"target_devices[{k}] is 'cpu', but scatter places chunks on accelerator devices "
+                "('host:k' or 'cuda:k'); use cupy_parallel.devices() for the targets."
+            )
+        devices.append(device)
+    return tuple(devices)
+
+
+def _check_dim(dim: Any) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}.")
+    return dim
+
+
+def _normalized_dim(dim: int, ndim: int, where: str, verb: str) -> int:
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"dim={dim} is out of range for the {ndim}-d array {where}, which {verb} along "
+            f"dim; use a dim in [{-ndim}, {ndim - 1}] or reshape that array."
+        )
+    return dim % ndim
+
+
+def _chunk_count(size: int, devices: int) -> int:
+    return 1 if size == 0 else min(size, devices)
+
+
+def _chunk_sizes(size: int, count: int) -> tuple[int, ...]:
+    """``count`` nearly equal sizes summing to ``size``, larger first (comm.scatter's rule)."""
+    base, extra = divmod(size, count)
+    return (base + 1,) * extra + (base,) * (count - extra)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+
+
+def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list[Any]:
+    """Split every array in a nested structure along ``dim`` and spread the pieces over devices.
+
+    Returns one structure per replica: replica ``i`` holds chunk ``i`` of every array, placed on
+    ``target_devices[i]``. ``None`` passes through, and other leaves (numbers, strings, objects)
+    are shared by reference between the replicas; containers are rebuilt for each replica. An
+    object of a class not registered with optree is a leaf, shared whole even if it holds arrays.
+    A chunk that stays on its array's device may be a view of it, as in torch.
+
+    The number of replicas is the fewest chunks any array produces. An array of size ``s`` along
+    ``dim`` gives ``min(len(target_devices), s)`` chunks (one if ``s == 0``), so a batch smaller
+    than the device count leaves devices unused, as in torch. A structure without arrays gives
+    ``len(target_devices)`` replicas. Where torch would then drop the trailing chunks of longer
+    arrays, here every array is split into exactly that many nearly equal chunks (sizes differ
+    by at most one, larger first), so no data is lost and ``gather(scatter(x), d)`` equals
+    ``x`` for every structure.
+
+    Arrays go through :class:`~cupy_parallel.functions.Scatter`, so the split is recorded on an
+    active :class:`~cupy_parallel.Tape` and gradients flow back to the inputs.
+
+    Args:
+        inputs: A structure of arrays (NumPy, HostArray or CuPy, on any device) and other leaves.
+        target_devices: The devices to scatter to, e.g. ``cupy_parallel.devices()``.
+        dim: The dimension to split every array along; negative counts from the end. Every
+            array leaf needs that dimension (a 0-d array cannot be split).
+
+    Returns:
+        A list of structures like ``inputs``, one per replica.
+
+    Raises:
+        TypeError: ``target_devices`` is not a sequence of devices, or ``dim`` is not an int.
+        ValueError: ``target_devices`` is empty or names a missing device, or an array leaf has
+            no dimension ``dim`` (the message names its key path).
+
+    Example:
+        >>> x = {"a": np.arange(5), "b": [np.ones((5, 2)), None], "tag": "batch"}
+        >>> parts = scatter(x, ["host:0", "host:1"])
+        >>> len(parts), parts[0]["a"], parts[1]["a"].device
+        (2, HostArray([0, 1, 2], device='host:0'), Device('host:1'))
+        >>> parts[1]["b"][1] is None, parts[1]["tag"]
+        (True, 'batch')
+    """
+    devices = _check_devices(target_devices)
+    dim = _check_dim(dim)
+    accessors, leaves, spec = _flatten(inputs)
+    dims: dict[int, int] = {}
+    for k, (accessor, leaf) in enumerate(zip(accessors, leaves, strict=True)):
+        if not is_array(leaf):
+            continue
+        where = _key_path("inputs", accessor)
+        if leaf.ndim == 0:
+            raise ValueError(
+                f"{where} is a 0-d array, which cannot be split along dim={dim}; "
+                "give it a dimension (x.reshape(1)) or pass it as a Python scalar to share it."
+            )
+        dims[k] = _normalized_dim(dim, leaf.ndim, where, "scatter splits")
+    replicas = min(
+        (_chunk_count(leaves[k].shape[d], len(devices)) for k, d in dims.items()),
+        default=len(devices),
+    )
+    columns: list[Any] = []
+    for k, leaf in enumerate(leaves):
+        if k in dims:
+            sizes = _chunk_sizes(leaf.shape[dims[k]], replicas)
+            columns.append(_scatter_leaf(leaf, devices[:replicas], sizes, dims[k]))
+        else:
+            columns.append((leaf,) * replicas)
+    return [spec.unflatten([column[r] for column in columns]) for r in range(replicas)]
+
+
+def scatter_kwargs(
+    inputs: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    /,
+    target_devices: Sequence[Any],
+    dim: int = 0,
+) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
+    """:func:`scatter` positional arguments and keyword arguments together, one pair per replica.
+
+    Each side is scattered on its own (an empty side is not scattered). When the two sides give
+    different replica counts, the shorter is padded with empty ``()`` / ``{}`` so they pair up;
+    torch compares against the wrong length and can leave the keyword side short, which is fixed
+    here. As in torch, when both sides are empty the result is ``((), ())``.
+
+    Args:
+        inputs: The positional arguments, a tuple or list (or ``None`` for none).
+        kwargs: The keyword arguments, a mapping (or ``None`` for none).
+        target_devices: The devices to scatter to.
+        dim: The dimension to split every array along.
+
+    Returns:
+        ``(inputs_per_replica, kwargs_per_replica)``: a tuple of argument tuples and a tuple of
+        keyword dictionaries, of the same length.
+
+    Raises:
+        TypeError: ``inputs`` is not a tuple or list, or ``kwargs`` is not a mapping; and the
+            errors of :func:`scatter`.
+
+    Example:
+        >>> args, kwargs = scatter_kwargs(
+        ...     (np.arange(4),), {"scale": 2.0}, ["host:0", "host:1"]
+        ... )
+        >>> args[1], kwargs[1]
+        ((HostArray([2, 3], device='host:1'),), {'scale': 2.0})
+    """
+    if inputs is None:
+        inputs = ()
+    if not isinstance(inputs, tuple | list):
+        raise TypeError(
+            "inputs must be a tuple or list of positional arguments, got "
+            f"{type(inputs).__name__}; wrap a single argument as (x,)."
+        )
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(
+            f"kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}."
+        )
+    _check_devices(target_devices)
+    _check_dim(dim)
+    scattered_inputs = [tuple(r) for r in scatter(inputs, target_devices, dim)] if inputs else []
+    scattered_kwargs = [dict(r) for r in scatter(kwargs, target_devices, dim)] if kwargs else []
+    count = max(len(scattered_inputs), len(scattered_kwargs))
+    scattered_inputs += [() for _ in range(count - len(scattered_inputs))]
+    scattered_kwargs += [{} for _ in range(count - len(scattered_kwargs))]
+    return tuple(scattered_inputs), tuple(scattered_kwargs)
+
+
+def gather(outputs: Sequence[Any], /, target_device: Any, dim: int = 0) -> Any:
+    """Join per-replica structures into one: arrays are concatenated along ``dim`` on a device.
+
+    ``outputs`` holds one structure per replica, all of the same structure. Array leaves are
+    concatenated in replica order and land on ``target_device`` (``"cpu"`` or ``-1`` gives
+    NumPy arrays). ``None`` passes through. A non-array leaf must be equal in every replica and
+    is returned once (replica 0's object), so ``gather(scatter(x, devices), d)`` equals ``x``
+    for every structure; leaves that differ raise, as do structures that differ.
+
+    When every replica returns a 0-d array at some key path and ``dim`` is 0, they are stacked
+    into a vector of length ``len(outputs)`` and a ``UserWarning`` is issued once per call, as
+    torch does for scalars (e.g. per-replica losses).
+
+    Arrays go through :class:`~cupy_parallel.functions.Gather`, so the join is recorded on an
+    active :class:`~cupy_parallel.Tape` and gradients flow back to every replica.
+
+    Args:
+        outputs: A list or tuple with one structure per replica.
+        target_device: Where the gathered arrays go, e.g. ``"host:0"``, ``"cuda:0"`` or ``"cpu"``.
+        dim: The dimension to concatenate along; negative counts from the end.
+
+    Returns:
+        One structure like each of ``outputs``.
+
+    Raises:
+        TypeError: ``outputs`` is not a list or tuple, or ``dim`` is not an int.
+        ValueError: ``outputs`` is empty, ``target_device`` is unusable, or the replicas differ
+            in structure, in a non-array leaf, in an array's ndim, dtype or shape off ``dim``, or
+            an array has no dimension ``dim``. The message names the key path.
+
+    Example:
+        >>> parts = scatter({"y": np.arange(6.0), "n": 3}, ["host:0", "host:1"])
+        >>> gather(parts, "cpu")
+        {'y': array([0., 1., 2., 3., 4., 5.]), 'n': 3}
+    """
+    if isinstance(outputs, str | bytes) or is_array(outputs) or not isinstance(outputs, Sequence):
+        raise TypeError(
+            "outputs must be a list or tuple with one structure per replica, got "
+            f"{type(outputs).__name__}; wrap a single replica's output as [output]."
+        )
+    if len(outputs) == 0:
+        raise ValueError("outputs is empty; gather needs at least one replica's output.")
+    try:
+        target = as_device(target_device)
+        _check_exists(target)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"target_device is not a usable device: {error}") from None
+    dim = _check_dim(dim)
+
+    accessors, first, spec = _flatten(outputs[0])
+    columns: list[list[Any]] = [[leaf] for leaf in first]
+    for r, replica in enumerate(outputs[1:], start=1):
+        _, leaves, replica_spec = _flatten(replica)
+        difference = _structure_difference(spec, replica_spec)
+        if difference is not None:
+            accessor, expected, actual = difference
+            raise ValueError(
+                f"outputs[{r}] differs in structure from outputs[0] at key path "
+                f"{_key_path('', accessor) or '(the root)'}: outputs[0] has {expected} but "
+                f"outputs[{r}] has {actual}. Every replica must return the same structure."
+            )
+        for column, leaf in zip(columns, leaves, strict=True):
+            column.append(leaf)
+
+    plans: list[int | None] = []
+    scalars: list[str] = []
+    for accessor, column in zip(accessors, columns, strict=True):
+        path = accessor.codify("")
+        plan = _check_column(column, dim, path)
+        plans.append(plan)
+        if plan is not None and column[0].ndim == 0:
+            scalars.append(path or "(the root)")
+    if scalars:
+        warnings.warn(
+            f"gather along dim 0 got 0-d arrays at key path {', '.join(scalars)}; they are "
+            f"stacked into vectors of length {len(outputs)} (one element per replica). Return "
+            "arrays with a leading dimension to gather without this warning.",
+            UserWarning,
+            stacklevel=2,
+        )
+    with warnings.catch_warnings():
+        # Gather warns per 0-d leaf; this call has warned once for all of them above.
+        warnings.filterwarnings("ignore", re.escape(_SCALARS_WARNING), UserWarning)
+        gathered = [
+            column[0] if plan is None else _gather_leaves(column, target, plan)
+            for plan, column in zip(plans, columns, strict=True)
+        ]
+    return spec.unflatten(gathered)
+
+
+def _check_column(column: list[Any], dim: int, path: str) -> int | None:
+    """Check one leaf position across replicas; the dim to gather it along, or None to share it.
+
+    ``path`` is the leaf's key path in a replica, so ``outputs[r]{path}`` names the leaf.
+    """
+    arrays = [is_array(leaf) for leaf in column]
+    if not any(arrays):
+        for r, leaf in enumerate(column[1:], start=1):
+            if not _leaves_equal(column[0], leaf):
+                raise ValueError(
+                    f"outputs[{r}]{path} is {leaf!r} but outputs[0]{path} is {column[0]!r}. "
+                    "Only arrays are gathered; other leaves must be equal in every replica."
+                )
+        return None
+    if not all(arrays):
+        r = arrays.index(not arrays[0])
+        raise ValueError(
+            f"outputs[{r}]{path} is a {type(column[r]).__name__} but outputs[0]{path} is a "
+            f"{type(column[0]).__name__}; every replica must return arrays at the same places."
+        )
+    for r, array in enumerate(column):
+        if device_of(array).kind == "cpu":
+            raise ValueError(
+                f"outputs[{r}]{path} is a plain numpy.ndarray on 'cpu', but gather collects "
+                "arrays from accelerator devices ('host:k' or 'cuda:k'); move it with "
+                "cupy_parallel.to_device(array, device) or return it from a replica's device."
+            )
+    first = column[0]
+    for r, array in enumerate(column[1:], start=1):
+        if array.ndim != first.ndim or array.dtype != first.dtype:
+            raise ValueError(
+                f"outputs[{r}]{path} is a {array.ndim}-d {array.dtype} array but "
+                f"outputs[0]{path} is a {first.ndim}-d {first.dtype} array; arrays gathered "
+                "together need one ndim and dtype."
+            )
+    if first.ndim == 0:
+        if dim != 0:
+            raise ValueError(
+                f"outputs[0]{path} and the other replicas' are 0-d arrays, which gather can only "
+                f"stack along dim=0, not dim={dim}; give them a dimension (x.reshape(1))."
+            )
+        return 0
+    axis = _normalized_dim(dim, first.ndim, f"outputs[0]{path}", "gather concatenates")
+    for r, array in enumerate(column[1:], start=1):
+        if _shape_off(array.shape, axis) != _shape_off(first.shape, axis):
+            raise ValueError(
+                f"outputs[{r}]{path} has shape {array.shape} but outputs[0]{path} has "
+                f"{first.shape}; gather along dim {axis} needs them equal in every other dim."
+            )
+    return axis
+
+
+def _shape_off(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    return shape[:axis] + shape[axis + 1 :]

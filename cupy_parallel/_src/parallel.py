@@ -1,0 +1,516 @@
+"""Data parallelism: run one function on several devices, one slice of the batch each.
+
+A *module* here is a pure function ``fn(params, *inputs, **kwargs)`` together with its parameter
+pytree, the functional counterpart of a ``torch.nn.Module``. The four pieces follow
+``torch.nn.parallel``:
+
+- :func:`replicate` copies the parameters onto every device through the differentiable
+  :class:`~cupy_parallel._src.functions.Broadcast`, so gradients of the replicas sum back into
+  the originals;
+- :func:`parallel_apply` calls several functions at once, one thread per replica, each inside its
+  device's context and carrying the caller's active :class:`~cupy_parallel._src.tape.Tape`;
+- :func:`data_parallel` scatters the inputs, replicates the parameters, applies the replicas and
+  gathers the outputs; the gradient of a data-parallel step equals the one-device gradient;
+- :class:`DataParallel` keeps a function, its parameters and the placement options together.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import optree
+
+from cupy_parallel._src import comm
+from cupy_parallel._src.devices import (
+    Device,
+    _check_exists,
+    as_device,
+    cupy_module,
+    device_of,
+    devices,
+    is_array,
+)
+from cupy_parallel._src.functions import Broadcast
+from cupy_parallel._src.nested import gather, scatter_kwargs
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+__all__ = ["DataParallel", "data_parallel", "parallel_apply", "replicate"]
+
+_NAMESPACE = "cupy_parallel"
+
+
+# --------------------------------------------------------------------------------------------
+# Placement checks shared by replicate and data_parallel
+
+
+def _as_device_list(specs: Any, name: str) -> list[Device]:
+    if isinstance(specs, str) or not isinstance(specs, Sequence):
+        raise TypeError(
+            f"{name} must be a sequence of devices such as ['host:0', 'host:1'] or [0, 1], "
+            f"got {type(specs).__name__} {specs!r}."
+        )
+    return [_read_device(spec, f"{name}[{i}]") for i, spec in enumerate(specs)]
+
+
+def _read_device(spec: Any, name: str) -> Device:
+    """``as_device(spec)`` for a device that exists, errors naming the argument ``name``."""
+    try:
+        device = as_device(spec)
+        _check_exists(device)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{name} is not a usable device: {error}") from None
+    return device
+
+
+def _check_params_on(params: Any, device: Device, where: str) -> None:
+    """Raise ``ValueError`` naming the key path of the first array leaf not on ``device``."""
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(params, namespace=_NAMESPACE)
+    for accessor, leaf in zip(accessors, leaves, strict=True):
+        if is_array(leaf) and device_of(leaf) != device:
+            raise ValueError(
+                f"{where}: every parameter must live on {device}, but "
+                f"{accessor.codify('params')} is on {device_of(leaf)}. Move the parameters "
+                f"first, e.g. optree.tree_map(lambda a: cupy_parallel.to_device(a, '{device}'), "
+                "params, namespace='cupy_parallel')."
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# replicate
+
+
+def replicate(params: Any, /, devices: Sequence[Any], detach: bool = False) -> list[Any]:
+    """Copy a parameter pytree onto each of ``devices``: one pytree per device.
+
+    All array leaves are broadcast together, coalesced into a few buffers per dtype, through
+    :class:`~cupy_parallel._src.functions.Broadcast`: on an active tape the replicas are recorded
+    outputs, and the gradient of a source array is the sum of its replicas' gradients (the
+    adjoint of a broadcast is a reduce-add). With ``detach=True`` the copy goes through
+    :func:`~cupy_parallel._src.comm.broadcast_coalesced` and nothing is recorded. Leaves that
+    are not arrays (ints, strings, ``None``) are shared by every replica, as torch shares a
+    module's plain attributes.
+
+    As in torch, every array must already live on ``devices[0]``, and the replica for
+    ``devices[0]`` holds the broadcast's outputs for that device (the original arrays when
+    ``detach=True``). An empty ``devices`` gives ``[]``.
+
+    Args:
+        params: A pytree (optree namespace ``"cupy_parallel"``) whose array leaves all live on
+            ``devices[0]``.
+        devices: The devices to copy to, in replica order.
+        detach: Copy without recording on the tape.
+
+    Returns:
+        A list with one pytree per device, shaped like ``params``; every array of entry ``k``
+        lives on ``devices[k]``.
+
+    Raises:
+        TypeError: ``devices`` is not a sequence of device specs.
+        ValueError: A device does not exist, or an array leaf of ``params`` is not on
+            ``devices[0]`` (the message names its key path).
+
+    Example:
+        >>> params = {"w": cupy_parallel.to_device(np.ones((2, 2)), "host:0"), "act": "tanh"}
+        >>> copies = cupy_parallel.replicate(params, ["host:0", "host:1"])
+        >>> [str(p["w"].device) for p in copies], copies[1]["act"]
+        (['host:0', 'host:1'], 'tanh')
+    """
+    targets = _as_device_list(devices, "devices")
+    if not isinstance(detach, bool):
+        raise TypeError(f"detach must be a bool, got {type(detach).__name__} {detach!r}.")
+    if not targets:
+        return []
+    _check_params_on(params, targets[0], "replicate")
+    leaves, treedef = optree.tree_flatten(params, namespace=_NAMESPACE)
+    slots = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
+    arrays = [leaves[i] for i in slots]
+    copies: Sequence[Sequence[Any]]
+    if not arrays:
+        copies = [() for _ in targets]
+    elif detach:
+        copies = comm.broadcast_coalesced(arrays, targets)
+    else:
+        flat = Broadcast.apply(targets, *arrays)
+        width = len(arrays)
+        copies = [flat[k * width : (k + 1) * width] for k in range(len(targets))]
+    replicas = []
+    for copy in copies:
+        replica_leaves = list(leaves)
+        for slot, array in zip(slots, copy, strict=True):
+            replica_leaves[slot] = array
+        replicas.append(optree.tree_unflatten(treedef, replica_leaves))
+    return replicas
+
+
+# --------------------------------------------------------------------------------------------
+# parallel_apply
+
+
+class _Failure:
+    """A worker's exception, kept until the caller re-raises it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _reraise(index: int, device: Device | None, error: BaseException) -> None:
+    """Re-raise ``error`` in the caller, saying which replica on which device raised it.
+
+    As torch's ``ExceptionWrapper.reraise``, the new exception keeps the original type when the
+    type can be built from one message (else it is a ``RuntimeError``); the original is chained as
+    ``__cause__``, so its traceback in the worker thread is shown too. ``KeyboardInterrupt`` and
+    other non-``Exception`` errors are re-raised unchanged.
+    """
+    if not isinstance(error, Exception):
+        raise error
+    where = f"replica {index} on device {device}" if device is not None else f"replica {index}"
+    message = f"Caught {type(error).__name__} in {where}: {error}"
+    try:
+        wrapped: Exception = type(error)(message)
+    except Exception:  # noqa: BLE001 - any constructor that does not take one message
+        wrapped = RuntimeError(message)
+    raise wrapped from error
+
+
+def _first_array_device(tree: Any) -> Device | None:
+    for leaf in optree.tree_leaves(tree, namespace=_NAMESPACE):
+        if is_array(leaf):
+            return device_of(leaf)
+    return None
+
+
+def _cuda_stream(device: Device | None) -> AbstractContextManager[Any] | None:
+    """The caller's current CuPy stream on a CUDA ``device``, for the worker to run on."""
+    if device is None or device.kind != "cuda":
+        return None
+    cupy = cupy_module()
+    if cupy is None:
+        return None
+    stream: AbstractContextManager[Any] = cupy.cuda.get_current_stream(device.index)
+    return stream
+
+
+def _run_replica(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    device: Device | None,
+    stream: AbstractContextManager[Any] | None,
+) -> Any:
+    try:
+        if device is None:
+            return fn(*args, **kwargs)
+        with device:
+            if stream is None:
+                return fn(*args, **kwargs)
+            with stream:
+                return fn(*args, **kwargs)
+    except BaseException as error:  # noqa: BLE001 - handed to the caller, who re-raises it
+        return _Failure(error)
+
+
+def parallel_apply(
+    fns: Sequence[Callable[..., Any]],
+    inputs: Sequence[Any],
+    /,
+    kwargs_tup: Sequence[Mapping[str, Any]] | None = None,
+    devices: Sequence[Any] | None = None,
+) -> list[Any]:
+    """Call ``fns[i](*inputs[i], **kwargs_tup[i])`` for every ``i`` at once, one thread each.
+
+    Each call runs in its own thread (a single call runs in the caller's thread, as in torch)
+    inside its device's context: on CUDA the device is made current and the caller's current
+    CuPy stream on that device is used, so the work is ordered as if the caller had launched it.
+    Each thread runs in a copy of the caller's :mod:`contextvars` context, so operations in the
+    workers are recorded on the caller's active tape and can be differentiated afterwards.
+
+    ``inputs[i]`` that is not a tuple or list is passed as the single positional argument. When
+    ``devices`` is ``None`` (or an entry is ``None``) the device of replica ``i`` is that of the
+    first array in ``inputs[i]``/``kwargs_tup[i]``; with no array there the call runs in no
+    device context.
+
+    An exception in a worker is re-raised in the caller once all threads have finished, for the
+    lowest failing replica. As torch does, it keeps the original type when that type can be built
+    from a single message (else ``RuntimeError``); the message starts with
+    ``"Caught <Type> in replica <i> on device <device>: "`` and the original exception is chained
+    as ``__cause__``.
+
+    Args:
+        fns: The callables, one per replica.
+        inputs: Positional arguments per replica: a tuple/list of arguments, or one argument.
+        kwargs_tup: Keyword arguments per replica, or ``None`` for none.
+        devices: The device of each replica, or ``None`` to infer them from the inputs.
+
+    Returns:
+        The results, in replica order.
+
+    Raises:
+        TypeError: An entry of ``fns`` is not callable, or an entry of ``kwargs_tup`` is not a
+            mapping.
+        ValueError: ``inputs``, ``kwargs_tup`` or ``devices`` has a different length than
+            ``fns``.
+
+    Example:
+        >>> xs = [cupy_parallel.to_device(np.arange(3.0), f"host:{k}") for k in range(2)]
+        >>> cupy_parallel.parallel_apply([np.sum, np.max], xs, devices=["host:0", "host:1"])
+        [HostArray(3., device='host:0'), HostArray(2., device='host:1')]
+    """
+    fns = _as_sequence(fns, "fns")
+    inputs = _as_sequence(inputs, "inputs")
+    for i, fn in enumerate(fns):
+        if not callable(fn):
+            raise TypeError(f"fns[{i}] must be callable, got {type(fn).__name__} {fn!r}.")
+    count = len(fns)
+    if len(inputs) != count:
+        raise ValueError(
+            f"parallel_apply needs one entry of inputs per function: got {count} fns and "
+            f"{len(inputs)} inputs."
+        )
+    if kwargs_tup is None:
+        kwargs_tup = [{}] * count
+    kwargs_tup = _as_sequence(kwargs_tup, "kwargs_tup")
+    if len(kwargs_tup) != count:
+        raise ValueError(
+            f"kwargs_tup must have one mapping per function: got {count} fns and "
+            f"{len(kwargs_tup)} kwargs (pass None for no keyword arguments)."
+        )
+    for i, kwargs in enumerate(kwargs_tup):
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(
+                f"kwargs_tup[{i}] must be a mapping of keyword arguments, "
+                f"got {type(kwargs).__name__} {kwargs!r}."
+            )
+    if devices is None:
+        devices = [None] * count
+    devices = _as_sequence(devices, "devices")
+    if len(devices) != count:
+        raise ValueError(
+            f"devices must have one entry per function: got {count} fns and "
+            f"{len(devices)} devices (pass None to use each replica's input device)."
+        )
+    places = [
+        _read_device(spec, f"devices[{i}]")
+        if spec is not None
+        else _first_array_device((args, kwargs))
+        for i, (spec, args, kwargs) in enumerate(zip(devices, inputs, kwargs_tup, strict=True))
+    ]
+    streams = [_cuda_stream(device) for device in places]
+    calls = [
+        functools.partial(
+            _run_replica,
+            fn,
+            tuple(args) if isinstance(args, tuple | list) else (args,),
+            kwargs,
+            device,
+            stream,
+        )
+        for fn, args, kwargs, device, stream in zip(
+            fns, inputs, kwargs_tup, places, streams, strict=True
+        )
+    ]
+    if count == 1:
+        results = [calls[0]()]
+    else:
+        results = [None] * count
+
+        def work(i: int) -> None:
+            results[i] = calls[i]()
+
+        threads = [
+            threading.Thread(
+                target=contextvars.copy_context().run,
+                args=(work, i),
+                name=f"cupy_parallel-replica-{i}",
+            )
+            for i in range(count)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    for i, (result, device) in enumerate(zip(results, places, strict=True)):
+        if isinstance(result, _Failure):
+            _reraise(i, device, result.error)
+    return results
+
+
+def _as_sequence(value: Any, name: str) -> Sequence[Any]:
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"{name} must be a list or tuple with one entry per replica, "
+            f"got {type(value).__name__}."
+        )
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# data_parallel, DataParallel
+
+
+def _check_dim(dim: Any) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int (the batch dimension), got {type(dim).__name__}.")
+    return dim
+
+
+def _placement(device_ids: Any, output_device: Any) -> tuple[list[Device], Device]:
+    ids = devices() if device_ids is None else _as_device_list(device_ids, "device_ids")
+    if not ids:
+        raise ValueError(
+            "device_ids must name at least one device, got an empty sequence "
+            "(pass None to use every device of the platform)."
+        )
+    output = ids[0] if output_device is None else _read_device(output_device, "output_device")
+    return ids, output
+
+
+def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options positionally
+    fn: Callable[..., Any],
+    params: Any,
+    inputs: Any,
+    /,
+    device_ids: Sequence[Any] | None = None,
+    output_device: Any = None,
+    dim: int = 0,
+    module_kwargs: Mapping[str, Any] | None = None,
+) -> Any:
+    """Evaluate ``fn(params, *inputs, **module_kwargs)`` with the batch split over devices.
+
+    The functional form of ``torch.nn.parallel.data_parallel``. The arrays in ``inputs`` and
+    ``module_kwargs`` are scattered along ``dim`` over ``device_ids`` (nested structures are
+    walked, see :func:`~cupy_parallel._src.nested.scatter_kwargs`); ``params`` is replicated onto
+    the devices that received a slice (a batch smaller than the number of devices uses fewer
+    replicas); the replicas run in parallel (:func:`parallel_apply`); their outputs are gathered
+    along ``dim`` on ``output_device``. Every step is recorded on an active tape, so the gradient
+    of a loss computed from the gathered output equals the gradient of the same loss computed on
+    one device.
+
+    When only one replica runs (one device in ``device_ids``, a batch of one row, or no inputs)
+    nothing is replicated: the inputs are moved to ``device_ids[0]``, ``fn`` is called there with
+    the original ``params`` and its output is returned as it is. Unlike torch, which then leaves
+    the output on ``device_ids[0]``, it is gathered to ``output_device`` when that is another
+    device (with :func:`~cupy_parallel._src.nested.gather`'s rules, so a 0-d output becomes a
+    vector of one, as with several replicas).
+
+    Args:
+        fn: The module function, called as ``fn(params, *inputs, **kwargs)``.
+        params: Its parameter pytree; every array leaf must live on ``device_ids[0]``.
+        inputs: A tuple of positional inputs, or one input (``None`` for no input).
+        device_ids: The devices to use; ``None`` means every device of the platform.
+        output_device: Where the output is gathered; defaults to ``device_ids[0]``. May be
+            ``"cpu"``.
+        dim: The batch dimension the inputs are split along and the outputs joined along.
+        module_kwargs: Keyword arguments for ``fn``, scattered like ``inputs``.
+
+    Returns:
+        The gathered output, shaped as one call of ``fn`` on the whole batch would give.
+
+    Raises:
+        TypeError: ``fn`` is not callable, ``dim`` is not an int, or a device is misspelt.
+        ValueError: ``device_ids`` is empty or names a missing device, or a parameter is not on
+            ``device_ids[0]`` (the message names its key path).
+
+    Example:
+        >>> params = {"w": cupy_parallel.to_device(np.array([[2.0]]), "host:0")}
+        >>> def fn(p, x):
+        ...     return x @ p["w"]
+        >>> cupy_parallel.data_parallel(fn, params, np.arange(5.0).reshape(5, 1))
+        HostArray([[0.], [2.], [4.], [6.], [8.]], device='host:0')
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable as fn(params, *inputs), got {type(fn).__name__}.")
+    ids, output = _placement(device_ids, output_device)
+    dim = _check_dim(dim)
+    if module_kwargs is not None and not isinstance(module_kwargs, Mapping):
+        raise TypeError(
+            f"module_kwargs must be a mapping or None, got {type(module_kwargs).__name__}."
+        )
+    _check_params_on(params, ids[0], "data_parallel")
+    if not isinstance(inputs, tuple):
+        inputs = () if inputs is None else (inputs,)
+    kwargs = dict(module_kwargs or {})
+    if inputs or kwargs:
+        args, kwargs_per = scatter_kwargs(inputs, kwargs, ids, dim)
+    else:  # nothing to split: one call on device_ids[0], as torch
+        args, kwargs_per = ((),), ({},)
+    used = ids[: len(args)]
+    replicas = [params] if len(used) == 1 else replicate(params, used)
+    outputs = parallel_apply(
+        [functools.partial(fn, replica) for replica in replicas], args, kwargs_per, used
+    )
+    if len(used) == 1 and output == used[0]:
+        return outputs[0]
+    return gather(outputs, output, dim)
+
+
+class DataParallel:
+    """A module function and its parameters, evaluated data-parallel when called.
+
+    The counterpart of ``torch.nn.DataParallel`` for pure functions: ``dp(*inputs, **kwargs)`` is
+    ``data_parallel(fn, dp.params, inputs, dp.device_ids, dp.output_device, dp.dim, kwargs)``.
+    ``params`` is an attribute the training loop may replace after each step (the new arrays must
+    also live on ``device_ids[0]``). Unlike torch, which moves a module to ``device_ids[0]`` when
+    only one device is given, the parameters are never moved: placement is checked here and on
+    every call.
+
+    Args:
+        fn: The module function, called as ``fn(params, *inputs, **kwargs)``.
+        params: Its parameter pytree, on ``device_ids[0]``.
+        device_ids: The devices to use; ``None`` means every device of the platform.
+        output_device: Where outputs are gathered; defaults to ``device_ids[0]``.
+        dim: The batch dimension.
+
+    Raises:
+        TypeError: ``fn`` is not callable or ``dim`` is not an int.
+        ValueError: As :func:`data_parallel`.
+
+    Example:
+        >>> params = cupy_parallel.to_device(np.array([1.0, -1.0]), "host:0")
+        >>> dp = cupy_parallel.DataParallel(lambda p, x: x * p, params, device_ids=[0, 1])
+        >>> dp(np.ones((3, 2))), dp.output_device
+        (HostArray([[ 1., -1.], [ 1., -1.], [ 1., -1.]], device='host:0'), Device('host:0'))
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        params: Any,
+        device_ids: Sequence[Any] | None = None,
+        output_device: Any = None,
+        dim: int = 0,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"fn must be callable as fn(params, *inputs), got {type(fn).__name__}.")
+        self.fn = fn
+        self.device_ids, self.output_device = _placement(device_ids, output_device)
+        self.dim = _check_dim(dim)
+        _check_params_on(params, self.device_ids[0], "DataParallel")
+        self.params = params
+
+    def __call__(self, /, *inputs: Any, **kwargs: Any) -> Any:
+        """``data_parallel`` of the stored function and parameters on ``inputs``."""
+        return data_parallel(
+            self.fn,
+            self.params,
+            inputs,
+            self.device_ids,
+            self.output_device,
+            self.dim,
+            kwargs,
+        )
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        ids = ", ".join(str(d) for d in self.device_ids)
+        return (
+            f"DataParallel({name}, device_ids=[{ids}], output_device={self.output_device}, "
+            f"dim={self.dim})"
+        )
