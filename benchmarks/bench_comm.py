@@ -18,8 +18,6 @@ for ``cupy-parallel bench``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
@@ -27,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src import comm
-from cupy_parallel._src.devices import _plain, set_host_device_count, to_device
+from cupy_parallel._src.benchmarking import result, script_main
+from cupy_parallel._src.devices import _host_devices, _plain, set_host_device_count, to_device
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -68,17 +67,6 @@ def _interleaved(
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def _row(name: str, seconds: float, baseline: float, target: float, nbytes: int) -> dict[str, Any]:
-    return {
-        "name": name,
-        "seconds": seconds,
-        "baseline_seconds": baseline,
-        "ratio": seconds / baseline,
-        "target": target,
-        "bytes": nbytes,
-    }
-
-
 def _scatter_gather(quick: bool, repeats: int) -> list[dict[str, Any]]:
     count = (64 if quick else 256) * MIB // 4
     x = np.random.default_rng(0).standard_normal(count, dtype=np.float32)
@@ -93,8 +81,8 @@ def _scatter_gather(quick: bool, repeats: int) -> list[dict[str, Any]]:
     if not np.array_equal(comm.gather(parts, 0, "cpu"), x):
         raise AssertionError("scatter/gather round trip changed the data")
     return [
-        _row("scatter cpu->4 host devices", scatter_s, copy_s, 1.5, x.nbytes),
-        _row("gather 4 host devices->cpu", gather_s, copy2_s, 1.5, x.nbytes),
+        result("scatter cpu->4 host devices", scatter_s, copy_s, 1.5, bytes=x.nbytes),
+        result("gather 4 host devices->cpu", gather_s, copy2_s, 1.5, bytes=x.nbytes),
     ]
 
 
@@ -130,42 +118,27 @@ def _coalesced(repeats: int) -> list[dict[str, Any]]:
     if not all(np.array_equal(_plain(g), w) for g, w in zip(got, numpy_sums(), strict=True)):
         raise AssertionError("reduce_add_coalesced differs from the NumPy sums")
     return [
-        _row("broadcast_coalesced ResNet-50 ->4", broadcast_s, copies_s, 1.2, 3 * nbytes),
-        _row("reduce_add_coalesced ResNet-50 x4", reduce_s, sums_s, 1.0, 4 * nbytes),
+        result("broadcast_coalesced ResNet-50 ->4", broadcast_s, copies_s, 1.2, bytes=3 * nbytes),
+        result("reduce_add_coalesced ResNet-50 x4", reduce_s, sums_s, 1.0, bytes=4 * nbytes),
     ]
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
-    """Time the four comm operations on 4 host devices; one result dict per operation."""
+    """Time the four comm operations on 4 host devices; one result dict per operation.
+
+    The host device count is set to 4 for the run and restored afterwards.
+    """
+    previous = _host_devices()
     set_host_device_count(len(DEVICES))
     repeats = 3 if quick else 9
-    return _scatter_gather(quick, repeats) + _coalesced(repeats)
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        f"{'operation':36} {'MiB':>7} {'seconds':>9} {'baseline':>9} {'ratio':>6} {'target':>6}",
-    ]
-    for r in rows:
-        verdict = "ok" if r["ratio"] <= r["target"] else "MISS"
-        lines.append(
-            f"{r['name']:36} {r['bytes'] / MIB:7.1f} {r['seconds']:9.4f} "
-            f"{r['baseline_seconds']:9.4f} {r['ratio']:6.2f} {r['target']:6.2f} {verdict}"
-        )
-    return "\n".join(lines)
+    try:
+        return _scatter_gather(quick, repeats) + _coalesced(repeats)
+    finally:
+        set_host_device_count(previous)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="64 MiB scatter, 3 repeats")
-    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
-    args = parser.parse_args()
-    rows = run(args.quick)
-    print(_table(rows))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=2)
-        print(f"wrote {args.json}")
+    script_main(run, "bench_comm", __doc__.splitlines()[0], quick_help="64 MiB scatter, 3 repeats")
 
 
 if __name__ == "__main__":

@@ -18,14 +18,13 @@ for ``cupy-parallel bench``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cupy_parallel._src import ops
+from cupy_parallel._src.benchmarking import result, script_main
 from cupy_parallel._src.tape import Tape
 
 if TYPE_CHECKING:
@@ -80,16 +79,6 @@ def _import_torch() -> Any:
     return torch
 
 
-def _row(name: str, seconds: float, baseline: float, target: float | None) -> dict[str, Any]:
-    return {
-        "name": name,
-        "seconds": seconds,
-        "baseline_seconds": baseline,
-        "ratio": seconds / baseline,
-        "target": target,
-    }
-
-
 def chain_rows(quick: bool) -> list[dict[str, Any]]:
     """Part (a): per-op seconds of the recorded chain vs NumPy alone and vs PyTorch."""
     repeats = 5 if quick else 15
@@ -119,7 +108,7 @@ def chain_rows(quick: bool) -> list[dict[str, Any]]:
     per_op = {k: v / STEPS for k, v in best.items()}
     tape_total = best_total["tape"] / STEPS
     rows = [
-        _row(
+        result(
             "tape chain: forward + gradient per op vs NumPy alone (no tape)",
             tape_total,
             per_op["numpy"],
@@ -128,19 +117,19 @@ def chain_rows(quick: bool) -> list[dict[str, Any]]:
     ]
     if torch is not None:
         rows += [
-            _row(
+            result(
                 f"tape chain: forward + gradient per op vs PyTorch {torch.__version__} autograd",
                 tape_total,
                 best_total["torch"] / STEPS,
                 1.5,
             ),
-            _row(
+            result(
                 "tape chain: recording forward per op vs PyTorch",
                 per_op["fwd"],
                 per_op["torch_fwd"],
                 None,
             ),
-            _row(
+            result(
                 "tape chain: gradient per op vs PyTorch backward",
                 per_op["bwd"],
                 per_op["torch_bwd"],
@@ -154,21 +143,22 @@ def data_parallel_rows(quick: bool) -> list[dict[str, Any]]:
     """Part (b): a data-parallel MLP train step on 4 devices vs the same step on one."""
     from bench_data_parallel import train_step_benchmark
 
-    result = train_step_benchmark(quick)
-    if not result["max_grad_diff"] < 1e-10:
+    measured = train_step_benchmark(quick)
+    if not measured["max_grad_diff"] < 1e-10:
         raise AssertionError(
-            f"data-parallel gradients differ from one device's by {result['max_grad_diff']}"
+            f"data-parallel gradients differ from one device's by {measured['max_grad_diff']}"
         )
-    batch, (features, hidden, outputs) = result["batch"], result["sizes"]
-    row = _row(
-        f"data_parallel MLP train step ({batch}x{features}->{hidden}->{outputs}) on "
-        f"{len(result['devices'])} {result['platform']} devices vs one device",
-        result["data_parallel_s"],
-        result["one_device_s"],
-        2.0,
-    )
-    row["max_grad_diff"] = result["max_grad_diff"]
-    return [row]
+    batch, (features, hidden, outputs) = measured["batch"], measured["sizes"]
+    return [
+        result(
+            f"data_parallel MLP train step ({batch}x{features}->{hidden}->{outputs}) on "
+            f"{len(measured['devices'])} {measured['platform']} devices vs one device",
+            measured["data_parallel_s"],
+            measured["one_device_s"],
+            2.0,
+            max_grad_diff=measured["max_grad_diff"],
+        )
+    ]
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
@@ -176,29 +166,10 @@ def run(quick: bool) -> list[dict[str, Any]]:
     return chain_rows(quick) + data_parallel_rows(quick)
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'benchmark':<78} {'ours':>10} {'baseline':>10} {'ratio':>6} {'target':>6}"]
-    for r in rows:
-        scale, unit = (1e6, "us") if r["seconds"] < 1e-3 else (1e3, "ms")
-        target = "-" if r["target"] is None else f"{r['target']:.2f}"
-        lines.append(
-            f"{r['name']:<78} {r['seconds'] * scale:>8.2f}{unit} "
-            f"{r['baseline_seconds'] * scale:>8.2f}{unit} {r['ratio']:>6.2f} {target:>6}"
-        )
-    return "\n".join(lines)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats, a smaller MLP")
-    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
-    args = parser.parse_args()
-    rows = run(args.quick)
-    print(_table(rows))
-    print(json.dumps(rows, indent=2))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=2)
+    script_main(
+        run, "bench_tape", __doc__.splitlines()[0], quick_help="fewer repeats, a smaller MLP"
+    )
 
 
 if __name__ == "__main__":

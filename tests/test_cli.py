@@ -421,6 +421,31 @@ def test_bench_series_groups_sizes_of_one_transfer() -> None:
     assert benchmarking._series("all_reduce 16 MiB, 2 ranks") == "all_reduce, 2 ranks"
 
 
+def test_script_main_runs_one_module_prints_its_table_and_writes_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls: list[bool] = []
+
+    def run(quick: bool) -> list[dict[str, object]]:
+        calls.append(quick)
+        return [
+            {"name": "copy", "seconds": 0.003, "baseline_seconds": 0.002, "ratio": 1.5,
+             "target": 1.2, "bytes": np.int64(8)},
+        ]  # fmt: skip
+
+    path = tmp_path / "rows.json"
+    rows = benchmarking.script_main(run, "bench_copy", "Copies.", argv=["--json", str(path)])
+    assert calls == [False]
+    assert json.loads(path.read_text()) == rows
+    assert rows[0]["bytes"] == 8  # NumPy scalars are written as plain numbers
+    printed = capsys.readouterr().out
+    assert re.search(r"bench_copy\s+copy\s+3 ms\s+2 ms\s+1\.5\s+1\.2\s+misses target", printed)
+    assert f"wrote {path}" in printed
+    with pytest.raises(SystemExit):
+        benchmarking.script_main(run, "bench_copy", "Copies.", argv=["--bogus"])
+    assert calls == [False]
+
+
 def test_default_suite_is_the_repository_benchmarks() -> None:
     assert benchmarking.default_suite_dir() == Path(__file__).resolve().parent.parent / "benchmarks"
 

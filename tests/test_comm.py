@@ -8,45 +8,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import DTYPES, assert_bits_equal, random_bits
 from hypothesis import given
 from hypothesis import strategies as st
 
 import cupy_parallel as cp
 from cupy_parallel import Device, comm, device_of, to_device
-
-DTYPES = [
-    np.bool_,
-    np.int8,
-    np.int16,
-    np.int32,
-    np.int64,
-    np.uint8,
-    np.uint16,
-    np.uint32,
-    np.uint64,
-    np.float16,
-    np.float32,
-    np.float64,
-    np.complex64,
-    np.complex128,
-]
-
-
-def random_bits(shape: tuple[int, ...], dtype: Any, seed: int = 0) -> np.ndarray:
-    """An array of any dtype filled with random bytes (NaN payloads and -0.0 included)."""
-    dtype = np.dtype(dtype)
-    raw = np.random.default_rng(seed).integers(0, 256, (*shape, dtype.itemsize), dtype=np.uint8)
-    if dtype == np.bool_:
-        return (raw[..., 0] & 1).astype(np.bool_)
-    return raw.view(dtype).reshape(shape)
-
-
-def assert_bits_equal(actual: Any, expected: Any) -> None:
-    """Same shape, dtype and bytes (NaNs compare by payload, -0.0 differs from 0.0)."""
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.shape == expected.shape
-    assert actual.dtype == expected.dtype
-    assert actual.tobytes() == expected.tobytes()
 
 
 def shares(a: Any, b: Any) -> bool:
@@ -369,10 +336,25 @@ BAD_INPUTS = [
     ("scatter-both", _scatter(X, hosts(2), out=[h(X, 0)]), ValueError, "Exactly one of"),
     ("scatter-str-devices", _scatter(X, "host:0"), TypeError, "devices must be a sequence"),
     ("scatter-no-devices", _scatter(X, []), ValueError, "devices must name at least one"),
-    ("scatter-missing", _scatter(X, ["host:9"]), ValueError, r"devices\[0\]: device host:9"),
+    (
+        "scatter-missing",
+        _scatter(X, ["host:9"]),
+        ValueError,
+        r"devices\[0\] is not a usable device: device host:9",
+    ),
     ("scatter-cpu", _scatter(X, ["host:0", "cpu"]), ValueError, r"devices\[1\] must be an acc"),
-    ("scatter-spelling", _scatter(X, ["gpu:0"]), ValueError, r"devices\[0\]: device string"),
-    ("scatter-float-dev", _scatter(X, [1.5]), TypeError, r"devices\[0\]: device must be"),
+    (
+        "scatter-spelling",
+        _scatter(X, ["gpu:0"]),
+        ValueError,
+        r"devices\[0\] is not a usable device: device string",
+    ),
+    (
+        "scatter-float-dev",
+        _scatter(X, [1.5]),
+        TypeError,
+        r"devices\[0\] is not a usable device: device must be",
+    ),
     ("scatter-dim", _scatter(X, hosts(2), dim=2), ValueError, r"dim must be in \[-2, 1\]"),
     ("scatter-dim-type", _scatter(X, hosts(2), dim=1.0), TypeError, "dim must be an int"),
     ("scatter-0d", _scatter(np.array(1.0), hosts(2)), ValueError, "array is 0-d"),
@@ -436,7 +418,7 @@ BAD_INPUTS = [
         "gather-dest",
         _call(comm.gather, [h(X, 0)], 0, "tpu:0"),
         ValueError,
-        "destination: device string",
+        "destination is not a usable device: device string",
     ),
     # broadcast
     ("bcast-list", _call(comm.broadcast, [1.0], hosts(2)), TypeError, "array must be an array"),

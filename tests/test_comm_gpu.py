@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import assert_bits_equal, random_bits, to_numpy
 
 from cupy_parallel import Device, comm, device_of, to_device
 from cupy_parallel._src.cuda import nccl as cuda_nccl
@@ -21,24 +22,6 @@ from cupy_parallel._src.devices import _cuda_device_count
 pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
-
-
-def random_bits(shape: tuple[int, ...], dtype: Any, seed: int = 0) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    raw = np.random.default_rng(seed).integers(0, 256, (*shape, dtype.itemsize), dtype=np.uint8)
-    if dtype == np.bool_:
-        return (raw[..., 0] & 1).astype(np.bool_)
-    return raw.view(dtype).reshape(shape)
-
-
-def host_bits(x: Any) -> bytes:
-    return (x.get() if isinstance(x, cupy.ndarray) else np.asarray(x)).tobytes()
-
-
-def assert_bits_equal(actual: Any, expected: np.ndarray) -> None:
-    assert actual.shape == expected.shape
-    assert actual.dtype == expected.dtype
-    assert host_bits(actual) == expected.tobytes()
 
 
 def targets(at_least: int = 2) -> list[Device]:
@@ -82,7 +65,7 @@ def test_scatter_from_numpy_stages_through_pinned_memory_and_orders_streams(
     chunks = np.array_split(x, len(devices))
     assert staged == [c.shape for c in chunks]
     for got, want in zip(flipped, chunks, strict=True):
-        assert host_bits(got) == (want.view(np.uint32) ^ np.uint32(0xFFFFFFFF)).tobytes()
+        assert to_numpy(got).tobytes() == (want.view(np.uint32) ^ np.uint32(0xFFFFFFFF)).tobytes()
     synchronize_all()
     assert pinned.in_flight() == 0
 
@@ -160,7 +143,7 @@ def test_broadcast_from_a_gpu_returns_the_source_and_copies_elsewhere() -> None:
     assert copies[0] is x
     for copy, device in zip(copies, devices, strict=True):
         assert device_of(copy) == device
-        assert host_bits(copy) == host_bits(x)
+        assert to_numpy(copy).tobytes() == to_numpy(x).tobytes()
 
 
 def test_nccl_broadcast_and_reduce_match_numpy() -> None:

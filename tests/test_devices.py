@@ -8,37 +8,11 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import DTYPES, random_bits
 
 import cupy_parallel as cp
 from cupy_parallel import Device, HostArray, as_device, device_of, to_device
 from cupy_parallel._src.memory import POOL_THRESHOLD, HostMemoryPool
-
-DTYPES = [
-    np.bool_,
-    np.int8,
-    np.int16,
-    np.int32,
-    np.int64,
-    np.uint8,
-    np.uint16,
-    np.uint32,
-    np.uint64,
-    np.float16,
-    np.float32,
-    np.float64,
-    np.complex64,
-    np.complex128,
-]
-
-
-def random_bits(shape: tuple[int, ...], dtype: type, seed: int = 0) -> np.ndarray:
-    """An array of any dtype filled with random bytes (NaN payloads and -0.0 included)."""
-    dtype = np.dtype(dtype)
-    raw = np.random.default_rng(seed).integers(0, 256, (*shape, dtype.itemsize), dtype=np.uint8)
-    if dtype == np.bool_:
-        return (raw[..., 0] & 1).astype(np.bool_)
-    return raw.view(dtype).reshape(shape)
-
 
 # --------------------------------------------------------------------------------------------
 # spellings

@@ -392,18 +392,34 @@ def test_scatter_kwargs_matches_scatter_and_gives_tuples_and_dicts():
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
-        (lambda: scatter([np.arange(2)], "host:0"), TypeError, r"target_devices must be a list"),
-        (lambda: scatter([np.arange(2)], 3), TypeError, r"target_devices must be a list"),
-        (lambda: scatter([np.arange(2)], []), ValueError, r"target_devices is empty"),
+        (
+            lambda: scatter([np.arange(2)], "host:0"),
+            TypeError,
+            r"target_devices must be a sequence of devices",
+        ),
+        (
+            lambda: scatter([np.arange(2)], 3),
+            TypeError,
+            r"target_devices must be a sequence of devices",
+        ),
+        (
+            lambda: scatter([np.arange(2)], []),
+            ValueError,
+            r"target_devices must name at least one device",
+        ),
         (lambda: scatter([np.arange(2)], ["host:9"]), ValueError, r"target_devices\[0\].*host:9"),
         (lambda: scatter([np.arange(2)], [H[0], 2.5]), TypeError, r"target_devices\[1\]"),
-        (lambda: scatter([np.arange(2)], [H[0], "cpu"]), ValueError, r"devices\[1\] is 'cpu'"),
+        (
+            lambda: scatter([np.arange(2)], [H[0], "cpu"]),
+            ValueError,
+            r"target_devices\[1\] must be an accelerator",
+        ),
         (lambda: scatter([np.arange(2)], H[:2], dim=True), TypeError, r"dim must be an int"),
         (lambda: scatter([np.arange(2)], H[:2], dim=1.0), TypeError, r"dim must be an int"),
         (
             lambda: scatter({"a": np.zeros((2, 2)), "b": [np.zeros(2)]}, H[:2], dim=1),
             ValueError,
-            r"dim=1 is out of range for the 1-d array inputs\['b'\]\[0\].*\[-1, 0\]",
+            r"dim must be in \[-1, 0\] for the 1-d array inputs\['b'\]\[0\], got 1",
         ),
         (lambda: gather([], "cpu"), ValueError, r"outputs is empty"),
         (lambda: gather(np.arange(2), "cpu"), TypeError, r"outputs must be a list or tuple"),
@@ -413,11 +429,15 @@ def test_scatter_kwargs_matches_scatter_and_gives_tuples_and_dicts():
         (
             lambda: gather([[_on(0, [1])], [_on(1, [2])]], "cpu", dim=1),
             ValueError,
-            r"dim=1 is out of range for the 1-d array outputs\[0\]\[0\]",
+            r"dim must be in \[-1, 0\] for the 1-d array outputs\[0\]\[0\], got 1",
         ),
         (lambda: scatter_kwargs(np.arange(2), None, H[:2]), TypeError, r"inputs must be a tuple"),
         (lambda: scatter_kwargs((), [1], H[:2]), TypeError, r"kwargs must be a mapping"),
-        (lambda: scatter_kwargs((), None, []), ValueError, r"target_devices is empty"),
+        (
+            lambda: scatter_kwargs((), None, []),
+            ValueError,
+            r"target_devices must name at least one device",
+        ),
     ],
     ids=[
         "devices-str", "devices-int", "devices-empty", "devices-missing", "devices-bad-type",

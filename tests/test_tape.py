@@ -357,7 +357,7 @@ def test_function_zero_dim_numpy_scalar_gradients_are_accepted() -> None:
     assert g == 12.0
 
 
-def test_function_definition_and_backward_errors() -> None:
+def test_function_without_backward_is_refused() -> None:
     with pytest.raises(TypeError, match="must define @staticmethod backward"):
 
         class NoBackward(Function):
@@ -365,44 +365,46 @@ def test_function_definition_and_backward_errors() -> None:
             def forward(ctx: Any, x: Any) -> Any:
                 return x
 
-    class TooFew(Function):
-        @staticmethod
-        def forward(ctx: Any, x: Any, y: Any) -> Any:
-            return x + y
 
-        @staticmethod
-        def backward(ctx: Any, g: Any) -> Any:
-            return g
-
-    class WrongShape(Function):
-        @staticmethod
-        def forward(ctx: Any, x: Any) -> Any:
-            return x.sum()
-
-        @staticmethod
-        def backward(ctx: Any, g: Any) -> Any:
-            return g
-
-    class WrongDevice(Function):
-        @staticmethod
-        def forward(ctx: Any, x: Any) -> Any:
-            return x * 1.0
-
-        @staticmethod
-        def backward(ctx: Any, g: Any) -> Any:
-            return to_device(g, "host:1")
-
+@pytest.mark.parametrize(
+    ("name", "forward", "backward", "arity", "match"),
+    [
+        (
+            "TooFew",
+            lambda ctx, x, y: x + y,
+            lambda ctx, g: g,
+            2,
+            "TooFew.backward returned 1 gradients, expected 2",
+        ),
+        (
+            "WrongShape",
+            lambda ctx, x: x.sum(),
+            lambda ctx, g: g,
+            1,
+            r"invalid gradient for argument 0: expected shape \(2,\) on cpu, got",
+        ),
+        (
+            "WrongDevice",
+            lambda ctx, x: x * 1.0,
+            lambda ctx, g: to_device(g, "host:1"),
+            1,
+            r"expected shape \(2,\) on cpu, got shape \(2,\) on host:1",
+        ),
+    ],
+    ids=["too-few", "wrong-shape", "wrong-device"],
+)
+def test_bad_backward_is_named(
+    name: str, forward: Any, backward: Any, arity: int, match: str
+) -> None:
+    function = type(
+        name, (Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    )
     x = rand(2)
-    for fn, match in [
-        (lambda x: TooFew.apply(x, x), "TooFew.backward returned 1 gradients, expected 2"),
-        (WrongShape.apply, r"invalid gradient for argument 0: expected shape \(2,\) on cpu, got"),
-        (WrongDevice.apply, r"expected shape \(2,\) on cpu, got shape \(2,\) on host:1"),
-    ]:
-        with Tape() as tape:
-            tape.watch(x)
-            y = fn(x)
-        with pytest.raises(ValueError, match=match):
-            tape.gradient(y, x, output_gradients=np.ones_like(y))
+    with Tape() as tape:
+        tape.watch(x)
+        y = function.apply(*[x] * arity)
+    with pytest.raises(ValueError, match=match):
+        tape.gradient(y, x, output_gradients=np.ones_like(y))
 
 
 def test_ctx_argument_errors() -> None:

@@ -12,6 +12,7 @@ run.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import datetime
 import importlib.util
@@ -38,8 +39,10 @@ __all__ = [
     "format_table",
     "plot_bandwidth",
     "plot_ratios",
+    "result",
     "run_all",
     "run_module",
+    "script_main",
     "write_outputs",
 ]
 
@@ -48,6 +51,26 @@ REQUIRED_KEYS = ("name", "seconds", "baseline_seconds", "ratio", "target")
 JSON_NAME = "bench.json"
 RATIOS_PNG = "bench_ratios.png"
 BANDWIDTH_PNG = "bench_bandwidth.png"
+
+
+def result(
+    name: str, seconds: float, baseline_seconds: float, target: float | None, /, **extra: Any
+) -> dict[str, Any]:
+    """One result dict of ``run(quick)``, its ``ratio`` computed; ``extra`` keys are added.
+
+    Example:
+        >>> result("copy", 3.0, 2.0, 1.2, bytes=8)
+        {'name': 'copy', 'seconds': 3.0, 'baseline_seconds': 2.0, 'ratio': 1.5, 'target': 1.2, \
+'bytes': 8}
+    """
+    return {
+        "name": name,
+        "seconds": seconds,
+        "baseline_seconds": baseline_seconds,
+        "ratio": seconds / baseline_seconds,
+        "target": target,
+        **extra,
+    }
 
 
 def default_suite_dir() -> Path | None:
@@ -214,15 +237,6 @@ def run_all(
             bar.close()
     if machine is not None:
         report["machine"] = machine()
-    return report
-    with tqdm(total=len(modules), desc="bench", unit="suite", file=sys.stderr, disable=None) as bar:
-        for path in modules:
-            bar.set_postfix_str(path.stem)
-            outcome = run_module(path, quick=quick)
-            status = "ok" if outcome["ok"] else f"FAILED ({outcome['error']})"
-            bar.write(f"{path.stem}: {status} in {outcome['seconds']:.1f} s", file=sys.stderr)
-            report["suites"].append(outcome)
-            bar.update(1)
     return report
 
 
@@ -438,3 +452,40 @@ def format_table(report: dict[str, Any], /) -> str:
         "  ".join([*(cell.ljust(w) for cell, w in zip(line, widths, strict=False)), line[-1]])
         for line in table
     )
+
+
+def script_main(
+    run: Callable[[bool], Sequence[dict[str, Any]]],
+    name: str,
+    description: str,
+    /,
+    *,
+    quick_help: str = "smaller sizes, fewer repeats",
+    argv: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """The command line of one benchmark module: ``python bench_x.py [--quick] [--json PATH]``.
+
+    Calls ``run(quick)``, checks its rows as the suite runner does, prints them with
+    :func:`format_table` (as suite ``name``) and, with ``--json PATH``, writes them there.
+
+    Returns:
+        The checked rows.
+
+    Example:
+        >>> def run(quick):
+        ...     return [{"name": "x", "seconds": 1e-3, "baseline_seconds": 2e-3, "ratio": 0.5,
+        ...              "target": 1.0}]
+        >>> rows = script_main(run, "bench_x", "Times x.", argv=["--quick"])
+        suite    benchmark  seconds  baseline  ratio  target  status
+        bench_x  x          1 ms     2 ms      0.5    1       ok
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    rows = _check_results(run(args.quick))
+    print(format_table({"suites": [{"name": name, "ok": True, "results": rows}]}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return rows

@@ -29,9 +29,9 @@ from cupy_parallel._src.cuda import streams as _streams
 from cupy_parallel._src.cuda import transfer as _transfer
 from cupy_parallel._src.devices import (
     Device,
-    _check_exists,
     _plain,
-    as_device,
+    _read_device,
+    _read_devices,
     cupy_module,
     device_of,
     empty,
@@ -85,37 +85,6 @@ def _read_arrays(seq: Any, name: str, *, allow_empty: bool = False) -> tuple[Any
     return items
 
 
-def _read_device(spec: Any, name: str) -> Device:
-    try:
-        device = as_device(spec)
-        _check_exists(device)
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"{name}: {error}") from None
-    return device
-
-
-def _read_target(spec: Any, name: str) -> Device:
-    device = _read_device(spec, name)
-    if device.kind == "cpu":
-        raise ValueError(
-            f"{name} must be an accelerator device ('host:k' or 'cuda:k'), got 'cpu'. "
-            "Only gather delivers to 'cpu'; use cupy_parallel.devices() for the targets."
-        )
-    return device
-
-
-def _read_targets(devices: Any, name: str = "devices") -> tuple[Device, ...]:
-    if isinstance(devices, str | bytes | Mapping) or not isinstance(devices, Iterable):
-        raise TypeError(
-            f"{name} must be a sequence of devices such as ['host:0', 'host:1'], "
-            f"got {type(devices).__name__} {devices!r}."
-        )
-    targets = tuple(_read_target(d, f"{name}[{i}]") for i, d in enumerate(devices))
-    if not targets:
-        raise ValueError(f"{name} must name at least one device, got an empty sequence.")
-    return targets
-
-
 def _on_accelerator(x: Any, name: str, operation: str) -> Device:
     device = device_of(x)
     if device.kind == "cpu":
@@ -141,9 +110,15 @@ def _read_dim(dim: Any, ndim: int, what: str) -> int:
             f"{what} is 0-d, so it has no dimension {dim} to split or join along; "
             "reshape it to at least one dimension (e.g. array.reshape(1))."
         )
+    return _axis(dim, ndim, what)
+
+
+def _axis(dim: int, ndim: int, what: str) -> int:
+    """``dim`` as an axis of the ``ndim``-d (``ndim >= 1``) ``what``, in ``[0, ndim)``."""
     if not -ndim <= dim < ndim:
         raise ValueError(
-            f"dim must be in [{-ndim}, {ndim - 1}] for the {ndim}-d {what}, got {dim}."
+            f"dim must be in [{-ndim}, {ndim - 1}] for the {ndim}-d {what}, got {dim}; pass a "
+            "dim in that range or reshape the array."
         )
     return dim % ndim
 
@@ -259,23 +234,6 @@ def _current_device() -> Device:
 # Device-generic moves
 
 
-def _copy(dst: Any, src: Any, *, stream: Any = None) -> None:
-    """Copy ``src`` into ``dst`` (same shape and dtype), whatever devices they live on."""
-    if device_of(dst).kind in _HOST_MEMORY and device_of(src).kind in _HOST_MEMORY:
-        np.copyto(_plain(dst), _plain(src), casting="no")
-    else:
-        _transfer.copy_into(dst, src, stream=stream)
-
-
-def _move(x: Any, device: Device) -> Any:
-    """``x`` on ``device``: the array itself when it is already there, else a fresh copy."""
-    if device_of(x) == device:
-        return x
-    out = empty(x.shape, x.dtype, device)
-    _copy(out, x)
-    return out
-
-
 def _index(dim: int, start: int, stop: int) -> tuple[slice, ...]:
     return (slice(None),) * dim + (slice(start, stop),)
 
@@ -288,11 +246,13 @@ def _offsets(sizes: Iterable[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def _even_chunks(size: int, count: int) -> tuple[int, ...]:
-    """``min(count, size)`` sizes summing to ``size``, differing by at most one, larger first."""
-    if size == 0:
-        return (0,)
-    parts = min(count, size)
+def _chunk_count(size: int, devices: int) -> int:
+    """How many chunks a size along the split dim gives on ``devices``: one when it is 0."""
+    return 1 if size == 0 else min(size, devices)
+
+
+def _even_chunks(size: int, parts: int) -> tuple[int, ...]:
+    """``parts`` sizes summing to ``size``, differing by at most one, larger first."""
     base, extra = divmod(size, parts)
     return (base + 1,) * extra + (base,) * (parts - extra)
 
@@ -378,11 +338,11 @@ def scatter(
     _check_array(array, "array")
     _exactly_one("devices", devices, "out", out)
     if out is None:
-        targets = _read_targets(devices)
+        targets = _read_devices(devices, "devices", accelerators_only=True)
         axis = _read_dim(dim, array.ndim, "array")
         total = array.shape[axis]
         if chunk_sizes is None:
-            sizes = _even_chunks(total, len(targets))
+            sizes = _even_chunks(total, _chunk_count(total, len(targets)))
         else:
             sizes = _read_chunk_sizes(chunk_sizes, len(targets), total, axis)
         copy_streams = _read_streams(streams, targets)[: len(sizes)]
@@ -410,7 +370,7 @@ def scatter(
             chunks.append(piece)
             continue
         dst = empty(piece.shape, array.dtype, device) if outs is None else outs[i]
-        _copy(dst, piece, stream=copy_streams[i])
+        _transfer.copy_into(dst, piece, stream=copy_streams[i])
         chunks.append(dst)
     return tuple(chunks)
 
@@ -492,7 +452,7 @@ def gather(arrays: Any, /, dim: int = 0, destination: Any = None, *, out: Any = 
         result = out
     spans = _offsets(x.shape[axis] for x in items)
     for x, (start, stop) in zip(items, spans, strict=True):
-        _copy(result[_index(axis, start, stop)], x)
+        _transfer.copy_into(result[_index(axis, start, stop)], x)
     return result
 
 
@@ -530,7 +490,7 @@ def broadcast(array: Any, /, devices: Any = None, *, out: Any = None) -> tuple[A
     _check_array(array, "array")
     _exactly_one("devices", devices, "out", out)
     if out is None:
-        targets = _read_targets(devices)
+        targets = _read_devices(devices, "devices", accelerators_only=True)
         return _broadcast(array, targets)
     outs = _read_arrays(out, "out")
     for i, o in enumerate(outs):
@@ -543,7 +503,7 @@ def broadcast(array: Any, /, devices: Any = None, *, out: Any = None) -> tuple[A
         _check_same_dtype(o, array.dtype, f"out[{i}]", "array")
     if not _nccl.broadcast_into(array, outs):
         for o in outs:
-            _copy(o, array)
+            _transfer.copy_into(o, array)
     return outs
 
 
@@ -562,7 +522,7 @@ def _broadcast_copies(array: Any, outs: Sequence[Any]) -> None:
         _transfer.broadcast_from_host(array, outs)
     else:
         for o in outs:
-            _copy(o, array)
+            _transfer.copy_into(o, array)
 
 
 def broadcast_coalesced(
@@ -596,7 +556,7 @@ def broadcast_coalesced(
         (True, HostArray([0, 1, 2], device='host:1'))
     """
     items = _read_arrays(arrays, "arrays", allow_empty=True)
-    targets = _read_targets(devices)
+    targets = _read_devices(devices, "devices", accelerators_only=True)
     limit = _read_buffer_size(buffer_size)
     for i, x in enumerate(items):
         if device_of(x) != targets[0]:
@@ -626,7 +586,7 @@ def _broadcast_bucket(members: Sequence[Any], targets: Sequence[Device]) -> list
         flat = empty((total,), dtype, device)
         views = _unflatten(flat, members)
         for view, x in zip(views, members, strict=True):
-            _copy(view, x)
+            _transfer.copy_into(view, x)
         outputs.append(views)
     return outputs
 
@@ -719,12 +679,14 @@ def _sum_into(out: Any, terms: Sequence[Any]) -> None:
     """``out[...] = ((terms[0] + terms[1]) + ...)``, computed on ``out``'s device."""
     device = device_of(out)
     if device.kind == "cuda":
-        _transfer.sum_into(out, [_move(t, device) for t in terms])
+        _transfer.sum_into(out, [_transfer.move(t, device) for t in terms])
         return
     dst = _plain(out)
     # Host devices share the machine's memory: reading another host device's array directly is
     # its transfer, fused into the addition instead of a separate copy.
-    values = [_plain(t if device_of(t).kind in _HOST_MEMORY else _move(t, device)) for t in terms]
+    values = [
+        _plain(t if device_of(t).kind in _HOST_MEMORY else _transfer.move(t, device)) for t in terms
+    ]
     if len(values) == 1:
         np.copyto(dst, values[0], casting="no")
         return

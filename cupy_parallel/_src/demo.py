@@ -21,7 +21,7 @@ import optree
 from cupy_parallel._src import ops
 from cupy_parallel._src.devices import Device, as_device, to_device
 from cupy_parallel._src.parallel import DataParallel
-from cupy_parallel._src.tape import Tape
+from cupy_parallel._src.tape import NAMESPACE, Tape
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -248,8 +248,8 @@ def max_abs_difference(a: Any, b: Any, /) -> float:
         >>> max_abs_difference({"a": np.zeros(2)}, {"a": np.array([0.0, -0.5])})
         0.5
     """
-    leaves_a, spec_a = optree.tree_flatten(a, namespace="cupy_parallel")
-    leaves_b, spec_b = optree.tree_flatten(b, namespace="cupy_parallel")
+    leaves_a, spec_a = optree.tree_flatten(a, namespace=NAMESPACE)
+    leaves_b, spec_b = optree.tree_flatten(b, namespace=NAMESPACE)
     if spec_a != spec_b:
         raise ValueError(f"The two trees differ in structure: {spec_a} and {spec_b}.")
     worst = 0.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
@@ -27,7 +28,7 @@ import optree
 from cupy_parallel._src.memory import get_host_memory_pool
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping
+    from collections.abc import Callable
     from types import ModuleType
 
 __all__ = [
@@ -287,6 +288,51 @@ def _check_exists(device: Device) -> None:
             raise ValueError(
                 f"device {device} does not exist: CuPy sees {_cuda_device_count()} GPUs."
             )
+
+
+def _read_device(spec: Any, name: str, /) -> Device:
+    """``as_device(spec)`` for a device that exists; errors name the argument ``name``."""
+    try:
+        device = as_device(spec)
+        _check_exists(device)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{name} is not a usable device: {error}") from None
+    return device
+
+
+def _read_devices(
+    specs: Any, name: str, /, *, accelerators_only: bool, allow_empty: bool = False
+) -> tuple[Device, ...]:
+    """A sequence of existing devices, read at a public entry; errors name ``name[i]``.
+
+    ``accelerators_only`` refuses ``"cpu"`` (arrays there are plain NumPy, placed nowhere);
+    ``allow_empty`` accepts an empty sequence.
+    """
+    if (
+        isinstance(specs, str | bytes | Mapping)
+        or is_array(specs)
+        or not isinstance(specs, Iterable)
+    ):
+        raise TypeError(
+            f"{name} must be a sequence of devices, got {type(specs).__name__} {specs!r}; pass "
+            "a list such as ['host:0', 'host:1'] or cupy_parallel.devices() (wrap a single "
+            "device as [device])."
+        )
+    read = []
+    for i, spec in enumerate(specs):
+        device = _read_device(spec, f"{name}[{i}]")
+        if accelerators_only and device.kind == "cpu":
+            raise ValueError(
+                f"{name}[{i}] must be an accelerator device ('host:k' or 'cuda:k'), got 'cpu' "
+                "(plain NumPy memory); use cupy_parallel.devices() for the targets."
+            )
+        read.append(device)
+    if not read and not allow_empty:
+        raise ValueError(
+            f"{name} must name at least one device, got an empty sequence; pass e.g. "
+            "cupy_parallel.devices()."
+        )
+    return tuple(read)
 
 
 # --------------------------------------------------------------------------------------------

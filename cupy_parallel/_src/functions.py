@@ -17,7 +17,7 @@ from typing import Any
 
 from cupy_parallel._src import comm
 from cupy_parallel._src.cuda.streams import background_stream
-from cupy_parallel._src.devices import Device, as_device, device_of, is_array, to_device
+from cupy_parallel._src.devices import Device, _read_devices, device_of, is_array, to_device
 from cupy_parallel._src.tape import Function, FunctionContext
 
 __all__ = ["Broadcast", "Gather", "ReduceAddCoalesced", "Scatter"]
@@ -28,15 +28,6 @@ def _copy_streams(source: Device, targets: tuple[Device, ...]) -> list[Any] | No
     if source.kind != "cpu" or any(t.kind != "cuda" for t in targets):
         return None
     return [background_stream(t.index) for t in targets]
-
-
-def _read_devices(target_devices: Any, name: str) -> tuple[Device, ...]:
-    if is_array(target_devices) or isinstance(target_devices, str | bytes | int | Device):
-        raise TypeError(
-            f"{name} must be a sequence of devices, got {type(target_devices).__name__} "
-            f"{target_devices!r}; wrap a single device as [device]."
-        )
-    return tuple(as_device(d) for d in target_devices)
 
 
 class Scatter(Function):
@@ -63,7 +54,9 @@ class Scatter(Function):
         ctx: FunctionContext, target_devices: Any, chunk_sizes: Any, dim: int, array: Any
     ) -> tuple[Any, ...]:
         """Split ``array`` and place the chunks."""
-        targets = _read_devices(target_devices, "target_devices")
+        targets = _read_devices(
+            target_devices, "target_devices", accelerators_only=False, allow_empty=True
+        )
         if not is_array(array):
             raise TypeError(f"Scatter.apply needs an array to split, got {type(array).__name__}.")
         ctx.dim = dim
@@ -143,7 +136,9 @@ class Broadcast(Function):
     @staticmethod
     def forward(ctx: FunctionContext, target_devices: Any, *arrays: Any) -> tuple[Any, ...]:
         """Broadcast ``arrays`` to ``target_devices``."""
-        ctx.target_devices = _read_devices(target_devices, "target_devices")
+        ctx.target_devices = _read_devices(
+            target_devices, "target_devices", accelerators_only=False, allow_empty=True
+        )
         ctx.num_inputs = len(arrays)
         if not arrays:
             return ()

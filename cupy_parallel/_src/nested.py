@@ -23,16 +23,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optree
 
-from cupy_parallel._src.devices import Device, _check_exists, as_device, device_of, is_array
+from cupy_parallel._src.comm import _axis, _chunk_count, _even_chunks, _read_int
+from cupy_parallel._src.devices import (
+    Device,
+    _read_device,
+    _read_devices,
+    device_of,
+    is_array,
+)
 from cupy_parallel._src.functions import _SCALARS_WARNING, Gather, Scatter
+from cupy_parallel._src.tape import NAMESPACE
 
 if TYPE_CHECKING:
     from optree import PyTreeAccessor, PyTreeSpec
 
 __all__ = ["gather", "scatter", "scatter_kwargs"]
-
-NAMESPACE = "cupy_parallel"
-
 
 # --------------------------------------------------------------------------------------------
 # Leaves: the one place arrays are split and joined
@@ -56,9 +61,12 @@ def _flatten(tree: Any) -> tuple[list[PyTreeAccessor], list[Any], PyTreeSpec]:
     return optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
 
 
-def _key_path(root: str, accessor: PyTreeAccessor) -> str:
-    """``root['a'][0]``: where a leaf or node sits, in the Python that reaches it."""
-    return root + accessor.codify("")
+def _key_path(accessor: PyTreeAccessor, root: str = "") -> str:
+    """``root['a'][0]``: where a leaf or node sits, in the Python that reaches it.
+
+    Without a ``root``, the root itself reads ``(the root)``.
+    """
+    return accessor.codify(root) or "(the root)"
 
 
 def _describe(spec: PyTreeSpec) -> str:
@@ -68,12 +76,10 @@ def _describe(spec: PyTreeSpec) -> str:
     return text.removesuffix(f", namespace={NAMESPACE!r}")
 
 
-def _structure_difference(
-    first: PyTreeSpec, second: PyTreeSpec
-) -> tuple[PyTreeAccessor, str, str] | None:
+def _structure_difference(first: PyTreeSpec, second: PyTreeSpec) -> tuple[str, str, str] | None:
     """The first node (depth-first, in leaf order) where two treespecs differ, or ``None``.
 
-    Returns the node's accessor and a one-level description of it in each spec, so an error can
+    Returns the node's key path and a one-level description of it in each spec, so an error can
     say ``['a']: defaultdict(<class 'list'>, {'k': *}) vs defaultdict(<class 'int'>, ...)``.
     The walk is over treespecs, which optree builds; containers themselves are never recursed.
     """
@@ -86,7 +92,7 @@ def _structure_difference(
             continue
         top_a, top_b = a.one_level(), b.one_level()
         if top_a is None or top_b is None or top_a != top_b:
-            return path, _describe(a), _describe(b)
+            return _key_path(path), _describe(a), _describe(b)
         children = zip(top_a.accessors(), a.children(), b.children(), strict=True)
         pending.extend(reversed([(path + acc, ca, cb) for acc, ca, cb in children]))
     return None
@@ -109,61 +115,6 @@ def _leaves_equal(a: object, b: object) -> bool:
         return bool(a == b)
     except (TypeError, ValueError):  # an __eq__ that returns no truth value (arrays-like)
         return False
-
-
-# --------------------------------------------------------------------------------------------
-# Argument checks
-
-
-def _check_devices(target_devices: Any) -> tuple[Device, ...]:
-    if isinstance(target_devices, str | bytes) or not isinstance(target_devices, Sequence):
-        raise TypeError(
-            "target_devices must be a list or tuple of devices (e.g. ['host:0', 'host:1'] or "
-            f"cupy_parallel.devices()), got {type(target_devices).__name__} {target_devices!r}."
-        )
-    if len(target_devices) == 0:
-        raise ValueError(
-            "target_devices is empty; pass at least one device, e.g. cupy_parallel.devices()."
-        )
-    devices = []
-    for k, spec in enumerate(target_devices):
-        try:
-            device = as_device(spec)
-            _check_exists(device)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"target_devices[{k}] is not a usable device: {error}") from None
-        if device.kind == "cpu":
-            raise ValueError(
-                f"target_devices[{k}] is 'cpu', but scatter places chunks on accelerator devices "
-                "('host:k' or 'cuda:k'); use cupy_parallel.devices() for the targets."
-            )
-        devices.append(device)
-    return tuple(devices)
-
-
-def _check_dim(dim: Any) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}.")
-    return dim
-
-
-def _normalized_dim(dim: int, ndim: int, where: str, verb: str) -> int:
-    if not -ndim <= dim < ndim:
-        raise ValueError(
-            f"dim={dim} is out of range for the {ndim}-d array {where}, which {verb} along "
-            f"dim; use a dim in [{-ndim}, {ndim - 1}] or reshape that array."
-        )
-    return dim % ndim
-
-
-def _chunk_count(size: int, devices: int) -> int:
-    return 1 if size == 0 else min(size, devices)
-
-
-def _chunk_sizes(size: int, count: int) -> tuple[int, ...]:
-    """``count`` nearly equal sizes summing to ``size``, larger first (comm.scatter's rule)."""
-    base, extra = divmod(size, count)
-    return (base + 1,) * extra + (base,) * (count - extra)
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,20 +163,20 @@ def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list
         >>> parts[1]["b"][1] is None, parts[1]["tag"]
         (True, 'batch')
     """
-    devices = _check_devices(target_devices)
-    dim = _check_dim(dim)
+    devices = _read_devices(target_devices, "target_devices", accelerators_only=True)
+    dim = _read_int(dim, "dim")
     accessors, leaves, spec = _flatten(inputs)
     dims: dict[int, int] = {}
     for k, (accessor, leaf) in enumerate(zip(accessors, leaves, strict=True)):
         if not is_array(leaf):
             continue
-        where = _key_path("inputs", accessor)
+        where = _key_path(accessor, "inputs")
         if leaf.ndim == 0:
             raise ValueError(
                 f"{where} is a 0-d array, which cannot be split along dim={dim}; "
                 "give it a dimension (x.reshape(1)) or pass it as a Python scalar to share it."
             )
-        dims[k] = _normalized_dim(dim, leaf.ndim, where, "scatter splits")
+        dims[k] = _axis(dim, leaf.ndim, f"array {where}")
     replicas = min(
         (_chunk_count(leaves[k].shape[d], len(devices)) for k, d in dims.items()),
         default=len(devices),
@@ -233,7 +184,7 @@ def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list
     columns: list[Any] = []
     for k, leaf in enumerate(leaves):
         if k in dims:
-            sizes = _chunk_sizes(leaf.shape[dims[k]], replicas)
+            sizes = _even_chunks(leaf.shape[dims[k]], replicas)
             columns.append(_scatter_leaf(leaf, devices[:replicas], sizes, dims[k]))
         else:
             columns.append((leaf,) * replicas)
@@ -288,10 +239,10 @@ def scatter_kwargs(
         raise TypeError(
             f"kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}."
         )
-    _check_devices(target_devices)
-    _check_dim(dim)
-    scattered_inputs = [tuple(r) for r in scatter(inputs, target_devices, dim)] if inputs else []
-    scattered_kwargs = [dict(r) for r in scatter(kwargs, target_devices, dim)] if kwargs else []
+    devices = _read_devices(target_devices, "target_devices", accelerators_only=True)
+    _read_int(dim, "dim")
+    scattered_inputs = [tuple(r) for r in scatter(inputs, devices, dim)] if inputs else []
+    scattered_kwargs = [dict(r) for r in scatter(kwargs, devices, dim)] if kwargs else []
     count = max(len(scattered_inputs), len(scattered_kwargs))
     scattered_inputs += [() for _ in range(count - len(scattered_inputs))]
     scattered_kwargs += [{} for _ in range(count - len(scattered_kwargs))]
@@ -340,12 +291,8 @@ def gather(outputs: Sequence[Any], /, target_device: Any, dim: int = 0) -> Any:
         )
     if len(outputs) == 0:
         raise ValueError("outputs is empty; gather needs at least one replica's output.")
-    try:
-        target = as_device(target_device)
-        _check_exists(target)
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"target_device is not a usable device: {error}") from None
-    dim = _check_dim(dim)
+    target = _read_device(target_device, "target_device")
+    dim = _read_int(dim, "dim")
 
     accessors, first, spec = _flatten(outputs[0])
     columns: list[list[Any]] = [[leaf] for leaf in first]
@@ -353,10 +300,10 @@ def gather(outputs: Sequence[Any], /, target_device: Any, dim: int = 0) -> Any:
         _, leaves, replica_spec = _flatten(replica)
         difference = _structure_difference(spec, replica_spec)
         if difference is not None:
-            accessor, expected, actual = difference
+            where, expected, actual = difference
             raise ValueError(
                 f"outputs[{r}] differs in structure from outputs[0] at key path "
-                f"{_key_path('', accessor) or '(the root)'}: outputs[0] has {expected} but "
+                f"{where}: outputs[0] has {expected} but "
                 f"outputs[{r}] has {actual}. Every replica must return the same structure."
             )
         for column, leaf in zip(columns, leaves, strict=True):
@@ -369,7 +316,7 @@ def gather(outputs: Sequence[Any], /, target_device: Any, dim: int = 0) -> Any:
         plan = _check_column(column, dim, path)
         plans.append(plan)
         if plan is not None and column[0].ndim == 0:
-            scalars.append(path or "(the root)")
+            scalars.append(_key_path(accessor))
     if scalars:
         warnings.warn(
             f"gather along dim 0 got 0-d arrays at key path {', '.join(scalars)}; they are "
@@ -430,7 +377,7 @@ def _check_column(column: list[Any], dim: int, path: str) -> int | None:
                 f"stack along dim=0, not dim={dim}; give them a dimension (x.reshape(1))."
             )
         return 0
-    axis = _normalized_dim(dim, first.ndim, f"outputs[0]{path}", "gather concatenates")
+    axis = _axis(dim, first.ndim, f"array outputs[0]{path}")
     for r, array in enumerate(column[1:], start=1):
         if _shape_off(array.shape, axis) != _shape_off(first.shape, axis):
             raise ValueError(

@@ -27,55 +27,34 @@ import optree
 from cupy_parallel._src import comm
 from cupy_parallel._src.devices import (
     Device,
-    _check_exists,
-    as_device,
+    _read_device,
+    _read_devices,
     cupy_module,
     device_of,
     devices,
     is_array,
 )
 from cupy_parallel._src.functions import Broadcast
-from cupy_parallel._src.nested import gather, scatter_kwargs
+from cupy_parallel._src.nested import _flatten, _key_path, gather, scatter_kwargs
+from cupy_parallel._src.tape import NAMESPACE
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
 __all__ = ["DataParallel", "data_parallel", "parallel_apply", "replicate"]
 
-_NAMESPACE = "cupy_parallel"
-
-
 # --------------------------------------------------------------------------------------------
 # Placement checks shared by replicate and data_parallel
 
 
-def _as_device_list(specs: Any, name: str) -> list[Device]:
-    if isinstance(specs, str) or not isinstance(specs, Sequence):
-        raise TypeError(
-            f"{name} must be a sequence of devices such as ['host:0', 'host:1'] or [0, 1], "
-            f"got {type(specs).__name__} {specs!r}."
-        )
-    return [_read_device(spec, f"{name}[{i}]") for i, spec in enumerate(specs)]
-
-
-def _read_device(spec: Any, name: str) -> Device:
-    """``as_device(spec)`` for a device that exists, errors naming the argument ``name``."""
-    try:
-        device = as_device(spec)
-        _check_exists(device)
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"{name} is not a usable device: {error}") from None
-    return device
-
-
 def _check_params_on(params: Any, device: Device, where: str) -> None:
     """Raise ``ValueError`` naming the key path of the first array leaf not on ``device``."""
-    accessors, leaves, _ = optree.tree_flatten_with_accessor(params, namespace=_NAMESPACE)
+    accessors, leaves, _ = _flatten(params)
     for accessor, leaf in zip(accessors, leaves, strict=True):
         if is_array(leaf) and device_of(leaf) != device:
             raise ValueError(
                 f"{where}: every parameter must live on {device}, but "
-                f"{accessor.codify('params')} is on {device_of(leaf)}. Move the parameters "
+                f"{_key_path(accessor, 'params')} is on {device_of(leaf)}. Move the parameters "
                 f"first, e.g. optree.tree_map(lambda a: cupy_parallel.to_device(a, '{device}'), "
                 "params, namespace='cupy_parallel')."
             )
@@ -121,13 +100,13 @@ def replicate(params: Any, /, devices: Sequence[Any], detach: bool = False) -> l
         >>> [str(p["w"].device) for p in copies], copies[1]["act"]
         (['host:0', 'host:1'], 'tanh')
     """
-    targets = _as_device_list(devices, "devices")
+    targets = _read_devices(devices, "devices", accelerators_only=False, allow_empty=True)
     if not isinstance(detach, bool):
         raise TypeError(f"detach must be a bool, got {type(detach).__name__} {detach!r}.")
     if not targets:
         return []
     _check_params_on(params, targets[0], "replicate")
-    leaves, treedef = optree.tree_flatten(params, namespace=_NAMESPACE)
+    leaves, treedef = optree.tree_flatten(params, namespace=NAMESPACE)
     slots = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
     arrays = [leaves[i] for i in slots]
     copies: Sequence[Sequence[Any]]
@@ -181,7 +160,7 @@ def _reraise(index: int, device: Device | None, error: BaseException) -> None:
 
 
 def _first_array_device(tree: Any) -> Device | None:
-    for leaf in optree.tree_leaves(tree, namespace=_NAMESPACE):
+    for leaf in optree.tree_leaves(tree, namespace=NAMESPACE):
         if is_array(leaf):
             return device_of(leaf)
     return None
@@ -355,14 +334,13 @@ def _as_sequence(value: Any, name: str) -> Sequence[Any]:
 # data_parallel, DataParallel
 
 
-def _check_dim(dim: Any) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim must be an int (the batch dimension), got {type(dim).__name__}.")
-    return dim
-
-
 def _placement(device_ids: Any, output_device: Any) -> tuple[list[Device], Device]:
-    ids = devices() if device_ids is None else _as_device_list(device_ids, "device_ids")
+    if device_ids is None:
+        ids = devices()
+    else:
+        ids = list(
+            _read_devices(device_ids, "device_ids", accelerators_only=False, allow_empty=True)
+        )
     if not ids:
         raise ValueError(
             "device_ids must name at least one device, got an empty sequence "
@@ -428,7 +406,7 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
     if not callable(fn):
         raise TypeError(f"fn must be callable as fn(params, *inputs), got {type(fn).__name__}.")
     ids, output = _placement(device_ids, output_device)
-    dim = _check_dim(dim)
+    dim = comm._read_int(dim, "dim")
     if module_kwargs is not None and not isinstance(module_kwargs, Mapping):
         raise TypeError(
             f"module_kwargs must be a mapping or None, got {type(module_kwargs).__name__}."
@@ -491,7 +469,7 @@ class DataParallel:
             raise TypeError(f"fn must be callable as fn(params, *inputs), got {type(fn).__name__}.")
         self.fn = fn
         self.device_ids, self.output_device = _placement(device_ids, output_device)
-        self.dim = _check_dim(dim)
+        self.dim = comm._read_int(dim, "dim")
         _check_params_on(params, self.device_ids[0], "DataParallel")
         self.params = params
 

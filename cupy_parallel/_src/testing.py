@@ -395,13 +395,12 @@ def assert_tree_equal(actual: Any, expected: Any, /, *, check_device: bool = Tru
     _, leaves_e, spec_e = _flatten(expected)
     difference = _structure_difference(spec_a, spec_e)
     if difference is not None:
-        accessor, node_a, node_e = difference
+        where, node_a, node_e = difference
         raise AssertionError(
-            f"Trees differ in structure at {_key_path('', accessor) or '(the root)'}: actual has "
-            f"{node_a}, expected has {node_e}."
+            f"Trees differ in structure at {where}: actual has {node_a}, expected has {node_e}."
         )
     for accessor, a, e in zip(accessors, leaves_a, leaves_e, strict=True):
-        where = _key_path("", accessor) or "(the root)"
+        where = _key_path(accessor)
         if is_array(a) != is_array(e):
             raise AssertionError(
                 f"Trees differ at {where}: actual is {type(a).__name__}, expected "

@@ -1,4 +1,6 @@
-"""Copies that involve a GPU: host to GPU through pinned staging, GPU to host, GPU to GPU.
+"""Copies between devices: host to GPU through pinned staging, GPU to host, GPU to GPU.
+
+Copies between host memories (``"cpu"`` and ``"host:k"``) are one ``numpy.copyto``.
 
 Every copy is ordered against CuPy's *current* streams of the devices involved, so its result is
 ready for whatever the caller queues next on those streams (see :mod:`.streams` for why outputs
@@ -48,16 +50,18 @@ def _cupy() -> Any:
 
 
 def copy_into(dst: Any, src: Any, *, stream: Any = None) -> None:
-    """Copy ``src`` into ``dst`` (same shape and dtype) where at least one of them is on a GPU.
+    """Copy ``src`` into ``dst`` (same shape and dtype), whatever devices they live on.
 
     ``stream`` (on ``dst``'s GPU for uploads and peer copies, on ``src``'s GPU for downloads)
     carries the copy instead of the default: a background stream for uploads, the current
     stream otherwise. Either way the current streams wait for the copy before returning.
     """
     source, target = device_of(src), device_of(dst)
-    if src.size == 0:
+    if source.kind != "cuda" and target.kind != "cuda":
+        np.copyto(_plain(dst), _plain(src), casting="no")
+    elif src.size == 0:
         return
-    if target.kind == "cuda" and source.kind != "cuda":
+    elif target.kind == "cuda" and source.kind != "cuda":
         staged, memory = staging_array(src.shape, src.dtype)
         np.copyto(staged, _plain(src), casting="no")
         _upload(dst, target.index, staged, memory, stream)
