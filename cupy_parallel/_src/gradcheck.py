@@ -17,7 +17,25 @@ __all__ = ["GradcheckError", "gradcheck"]
 
 
 class GradcheckError(RuntimeError):
-    """Raised by :func:`gradcheck` when the tape's Jacobian disagrees with finite differences."""
+    """Raised by :func:`gradcheck` when the tape's Jacobian disagrees with finite differences.
+
+    Example:
+        >>> from cupy_parallel import Function
+        >>> class WrongSquare(Function):  # a deliberately wrong backward
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x * x
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_arrays
+        ...         return g * x  # should be 2 * g * x
+        >>> try:
+        ...     gradcheck(WrongSquare.apply, [np.array([1.0, 2.0])])
+        ... except GradcheckError as error:
+        ...     print(type(error).__name__)
+        GradcheckError
+    """
 
 
 def _host(x: Any) -> np.ndarray:

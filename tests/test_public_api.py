@@ -1,0 +1,188 @@
+"""The public surface against the contract (../shared/API.md): names, signatures, examples."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+import pytest
+
+PUBLIC_MODULES = [
+    "cupy_parallel",
+    "cupy_parallel.comm",
+    "cupy_parallel.functions",
+    "cupy_parallel.ops",
+    "cupy_parallel.testing",
+    "cupy_parallel.distributed",
+]
+
+_ = inspect.Parameter.empty
+
+# name -> [(parameter, default)], transcribed from API.md (``_`` marks "no default").
+CONTRACT: dict[str, list[tuple[str, Any]]] = {
+    "cupy_parallel.comm.broadcast": [("array", _), ("devices", None), ("out", None)],
+    "cupy_parallel.comm.broadcast_coalesced": [
+        ("arrays", _),
+        ("devices", _),
+        ("buffer_size", 10485760),
+    ],
+    "cupy_parallel.comm.reduce_add": [("inputs", _), ("destination", None)],
+    "cupy_parallel.comm.reduce_add_coalesced": [
+        ("inputs", _),
+        ("destination", None),
+        ("buffer_size", 10485760),
+    ],
+    "cupy_parallel.comm.scatter": [
+        ("array", _),
+        ("devices", None),
+        ("chunk_sizes", None),
+        ("dim", 0),
+        ("streams", None),
+        ("out", None),
+    ],
+    "cupy_parallel.comm.gather": [("arrays", _), ("dim", 0), ("destination", None), ("out", None)],
+    "cupy_parallel.scatter": [("inputs", _), ("target_devices", _), ("dim", 0)],
+    "cupy_parallel.scatter_kwargs": [
+        ("inputs", _),
+        ("kwargs", _),
+        ("target_devices", _),
+        ("dim", 0),
+    ],
+    "cupy_parallel.gather": [("outputs", _), ("target_device", _), ("dim", 0)],
+    "cupy_parallel.Tape": [("persistent", False)],
+    "cupy_parallel.Tape.gradient": [
+        ("self", _),
+        ("target", _),
+        ("sources", _),
+        ("output_gradients", None),
+    ],
+    "cupy_parallel.replicate": [("params", _), ("devices", _), ("detach", False)],
+    "cupy_parallel.parallel_apply": [
+        ("fns", _),
+        ("inputs", _),
+        ("kwargs_tup", None),
+        ("devices", None),
+    ],
+    "cupy_parallel.data_parallel": [
+        ("fn", _),
+        ("params", _),
+        ("inputs", _),
+        ("device_ids", None),
+        ("output_device", None),
+        ("dim", 0),
+        ("module_kwargs", None),
+    ],
+    "cupy_parallel.DataParallel": [
+        ("fn", _),
+        ("params", _),
+        ("device_ids", None),
+        ("output_device", None),
+        ("dim", 0),
+    ],
+    "cupy_parallel.to_device": [("array", _), ("device", _), ("stream", None)],
+    "cupy_parallel.distributed.new_group": [("ranks", None), ("timeout", None), ("backend", None)],
+}
+
+
+def _resolve(dotted: str) -> Any:
+    module_name, _, attr = dotted.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except ModuleNotFoundError:
+        owner = _resolve(module_name)
+        return getattr(owner, attr)
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACT))
+def test_signature_matches_the_contract(name: str) -> None:
+    signature = inspect.signature(_resolve(name))
+    actual = [(p.name, p.default) for p in signature.parameters.values()]
+    assert actual == CONTRACT[name]
+
+
+def test_init_process_group_matches_torch() -> None:
+    from datetime import timedelta
+
+    from cupy_parallel import distributed
+
+    parameters = inspect.signature(distributed.init_process_group).parameters
+    assert [(p.name, p.default) for p in parameters.values()] == [
+        ("backend", _),
+        ("init_method", None),
+        ("timeout", timedelta(minutes=30)),
+        ("world_size", -1),
+        ("rank", -1),
+        ("store", None),
+        ("group_name", ""),
+    ]
+
+
+def _public_objects() -> list[tuple[str, Any]]:
+    found = []
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if not inspect.ismodule(obj) and not name.startswith("__"):
+                found.append((f"{module_name}.{name}", obj))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("name", "obj"), _public_objects(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_every_public_name_has_a_runnable_example(name: str, obj: Any) -> None:
+    doc = inspect.getdoc(obj) or ""
+    assert ">>>" in doc, f"{name} has no >>> example in its docstring"
+
+
+@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
+def test_public_modules_only_re_export(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    for name in module.__all__:
+        obj = getattr(module, name)
+        home = getattr(obj, "__module__", None) or ""
+        if inspect.ismodule(obj) or name.startswith("__") or not callable(obj):
+            continue
+        assert home.startswith("cupy_parallel._src."), f"{module_name}.{name} is defined in {home}"
+
+
+def test_api_md_names_exist() -> None:
+    import cupy_parallel as cp
+    from cupy_parallel import comm, distributed, functions, ops, testing
+
+    for module, names in [
+        (
+            cp,
+            (
+                "Device HostArray as_device device_of to_device devices set_host_device_count "
+                "scatter scatter_kwargs gather Tape Function gradcheck replicate parallel_apply "
+                "data_parallel DataParallel"
+            ),
+        ),
+        (comm, "broadcast broadcast_coalesced reduce_add reduce_add_coalesced scatter gather"),
+        (functions, "Scatter Gather Broadcast ReduceAddCoalesced"),
+        (
+            ops,
+            (
+                "add subtract multiply divide negative matmul sum mean square exp log tanh relu "
+                "reshape transpose"
+            ),
+        ),
+        (testing, "nested_structures arrays devices assert_tree_equal"),
+        (
+            distributed,
+            (
+                "Backend ReduceOp group GroupMember init_process_group new_group "
+                "destroy_process_group is_initialized is_nccl_available is_mpi_available "
+                "get_backend get_rank get_world_size broadcast all_reduce reduce all_gather "
+                "gather scatter reduce_scatter all_to_all barrier send recv isend irecv "
+                "all_reduce_coalesced all_gather_coalesced broadcast_multigpu "
+                "all_reduce_multigpu reduce_multigpu all_gather_multigpu "
+                "reduce_scatter_multigpu Work TCPStore FileStore PrefixStore"
+            ),
+        ),
+    ]:
+        missing = [n for n in names.split() if not hasattr(module, n)]
+        assert missing == [], f"{module.__name__} lacks {missing}"
