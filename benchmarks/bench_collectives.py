@@ -1,0 +1,173 @@
+"""all_reduce through cupy_parallel.distributed (MPI backend) against raw mpi4py, same run.
+
+Latency: 4 KiB float32 all_reduce; target at most 10 µs above mpi4py's ``Comm.Allreduce``.
+Bandwidth: 16 MiB and 64 MiB; target at least 0.95× mpi4py's bandwidth. On 2 and 4 ranks.
+
+Run ``python benchmarks/bench_collectives.py [--quick] [--out FILE.json]``: it starts
+``mpiexec -n 2`` and ``-n 4`` itself (or, already under mpiexec, measures that world), prints a
+table and writes JSON. ``run(quick)`` returns the rows for ``cupy-parallel bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LATENCY_TARGET_S = 10e-6
+BANDWIDTH_TARGET = 0.95
+SIZES = [("4 KiB", 4 << 10), ("16 MiB", 16 << 20), ("64 MiB", 64 << 20)]
+RANKS = (2, 4)
+
+
+def _under_mpiexec() -> bool:
+    return any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+
+
+def _measure(quick: bool) -> list[dict[str, Any]]:
+    """Every rank runs this; rank 0 returns the rows."""
+    from mpi4py import MPI
+
+    from cupy_parallel import distributed as dist
+
+    dist.init_process_group("mpi")
+    comm = MPI.COMM_WORLD.Dup()
+    ranks = comm.Get_size()
+    rows = []
+    for label, nbytes in SIZES:
+        buf = np.ones(nbytes // 4, np.float32)
+        small = nbytes < (1 << 20)
+        iters = (200 if quick else 2000) if small else (2 if quick else 5)
+        rounds = 3 if quick else 7
+
+        def raw(buf: np.ndarray = buf) -> None:
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+        def ours(buf: np.ndarray = buf) -> None:
+            dist.all_reduce(buf)
+
+        best = {raw: float("inf"), ours: float("inf")}
+        samples: dict[Any, list[float]] = {raw: [], ours: []}
+        for fn in (raw, ours):  # warm up both paths
+            for _ in range(min(iters, 50)):
+                fn()
+        for _ in range(rounds):
+            for fn in (raw, ours):
+                comm.Barrier()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                elapsed = (time.perf_counter() - start) / iters
+                # every rank must agree on a number: take the slowest rank's time
+                elapsed = comm.allreduce(elapsed, op=MPI.MAX)
+                best[fn] = min(best[fn], elapsed)
+                samples[fn].append(elapsed)
+        seconds, baseline = best[ours], best[raw]
+        if small:
+            name = f"all_reduce latency {label}, {ranks} ranks"
+            target = f"<= mpi4py + {LATENCY_TARGET_S * 1e6:.0f} us"
+            met = seconds - baseline <= LATENCY_TARGET_S
+        else:
+            name = f"all_reduce bandwidth {label}, {ranks} ranks"
+            target = f">= {BANDWIDTH_TARGET}x mpi4py bandwidth"
+            met = baseline / seconds >= BANDWIDTH_TARGET
+        bus_bytes = 2 * (ranks - 1) / ranks * nbytes
+        rows.append(
+            {
+                "name": name,
+                "seconds": seconds,
+                "baseline_seconds": baseline,
+                "ratio": seconds / baseline,
+                "target": target,
+                "met": bool(met),
+                "ranks": ranks,
+                "bytes": nbytes,
+                "bus_bandwidth_GBps": bus_bytes / seconds / 1e9,
+                "baseline_bus_bandwidth_GBps": bus_bytes / baseline / 1e9,
+                "median_seconds": statistics.median(samples[ours]),
+                "median_baseline_seconds": statistics.median(samples[raw]),
+            }
+        )
+    comm.Free()
+    dist.destroy_process_group()
+    return rows if dist_rank_zero() else []
+
+
+def dist_rank_zero() -> bool:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank() == 0
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    """Measure on 2 and 4 ranks (launching mpiexec) and return one row per size and world."""
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        raise RuntimeError("bench_collectives needs mpiexec (pip install mpich).")
+    rows: list[dict[str, Any]] = []
+    for ranks in RANKS:
+        command = [
+            mpiexec,
+            "-n",
+            str(ranks),
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+        ]
+        if quick:
+            command.append("--quick")
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"mpiexec -n {ranks} failed:\n{done.stderr[-3000:]}")
+        marker = next(line for line in done.stdout.splitlines() if line.startswith("ROWS "))
+        rows.extend(json.loads(marker[5:]))
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'benchmark':<40} {'ours':>12} {'mpi4py':>12} {'ratio':>7} {'GB/s':>7}  target",
+        "-" * 105,
+    ]
+    for row in rows:
+        ours, base = row["seconds"], row["baseline_seconds"]
+        verdict = "met" if row["met"] else "MISSED"
+        lines.append(
+            f"{row['name']:<40} {ours * 1e6:>10.1f}us {base * 1e6:>10.1f}us {row['ratio']:>7.3f} "
+            f"{row['bus_bandwidth_GBps']:>7.2f}  {row['target']} ({verdict})"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="bench_collectives.json", help="JSON output file")
+    args = parser.parse_args()
+    if args.worker or _under_mpiexec():
+        rows = _measure(args.quick)
+        if args.worker:
+            if rows:
+                print("ROWS " + json.dumps(rows), flush=True)
+            return
+        if not rows:
+            return
+    else:
+        rows = run(args.quick)
+    print(table(rows))
+    Path(args.out).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,928 @@
+"""Collectives and point-to-point calls of the process-group API, as torch.distributed names them.
+
+Every function here does the same three things, each in one helper: resolve the group
+(:func:`_backend_of`: ``None`` means the world, a non-member returns ``None`` at once), check the
+arguments in the caller's words (:func:`_array`, :func:`_arrays`, :func:`_peer`,
+:func:`_reduction`), and hand the checked arrays to the backend's primitive, waiting on the returned
+:class:`~cupy_parallel.distributed.Work` unless ``async_op=True`` (:func:`_finish`).
+
+Arrays are updated in place, as in torch: ``all_reduce(x)`` leaves the result in ``x``. Arrays must
+be C-contiguous (a strided view cannot be a communication buffer; pass ``numpy.ascontiguousarray``).
+All arrays of one call live on one device, except the ``*_multigpu`` forms, whose lists hold one
+array per local device. ``src``/``dst`` are world ranks, as in torch, also for subgroups.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cupy_parallel._src.devices import HostArray, device_of, is_array
+from cupy_parallel._src.distributed.enums import ReduceOp
+from cupy_parallel._src.distributed.groups import _resolve
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from cupy_parallel._src.distributed.backend import ProcessGroupBackend
+    from cupy_parallel._src.distributed.groups import ProcessGroup
+    from cupy_parallel._src.distributed.work import Work
+
+__all__ = [
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_multigpu",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_reduce_multigpu",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "broadcast_multigpu",
+    "gather",
+    "irecv",
+    "isend",
+    "recv",
+    "reduce",
+    "reduce_multigpu",
+    "reduce_scatter",
+    "reduce_scatter_multigpu",
+    "scatter",
+    "send",
+]
+
+_KIND_OF_TYPE: dict[type, str] = {np.ndarray: "cpu", HostArray: "host"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks, once
+
+
+def _backend_of(group: Any) -> tuple[ProcessGroup, ProcessGroupBackend] | None:
+    pg = _resolve(group)
+    if pg is None:
+        return None
+    backend = pg._live()
+    if backend.failure is not None:
+        raise RuntimeError(
+            f"process group {pg.name!r} is unusable: {backend.failure} "
+            "Destroy it and create a new group (or restart the job)."
+        )
+    return pg, backend
+
+
+def _array(backend: ProcessGroupBackend, x: Any, name: str, *, output: bool = True) -> str:
+    """Check one communicated array; return its device kind."""
+    kind = _KIND_OF_TYPE.get(type(x))
+    if kind is None:
+        if not is_array(x):
+            raise TypeError(
+                f"{name} must be an array (numpy.ndarray, HostArray or cupy.ndarray), "
+                f"got {type(x).__name__}."
+            )
+        kind = device_of(x).kind
+    if kind not in backend.array_kinds:
+        raise TypeError(
+            f"{name} is a {type(x).__name__} on {device_of(x)}, which the "
+            f"{backend.backend.value!r} backend cannot communicate (it takes arrays on "
+            f"{sorted(backend.array_kinds)} devices); move it with cupy_parallel.to_device."
+        )
+    flags = x.flags
+    if not flags.c_contiguous:
+        raise ValueError(
+            f"{name} must be C-contiguous to serve as a communication buffer, got strides "
+            f"{x.strides} for shape {x.shape}; pass numpy/cupy.ascontiguousarray({name}) and "
+            "copy the result back."
+        )
+    if output and not getattr(flags, "writeable", True):
+        raise ValueError(f"{name} receives data in place but is read-only; pass a writable array.")
+    return kind
+
+
+def _like(x: Any, ref: Any, name: str, ref_name: str) -> None:
+    if x.dtype != ref.dtype:
+        raise TypeError(
+            f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}; every array of the call "
+            "must share one dtype."
+        )
+    if x.shape != ref.shape:
+        raise ValueError(
+            f"{name} has shape {x.shape} but {ref_name} has {ref.shape}; every array of the "
+            "call must have the same shape."
+        )
+
+
+def _arrays(
+    backend: ProcessGroupBackend,
+    xs: Any,
+    name: str,
+    *,
+    length: int | None = None,
+    like: Any = None,
+    like_name: str = "",
+    output: bool = True,
+) -> Sequence[Any]:
+    """Check a list of arrays: its type, length, each array, and shape/dtype against ``like``."""
+    if not isinstance(xs, list | tuple):
+        raise TypeError(f"{name} must be a list of arrays, got {type(xs).__name__}.")
+    if length is not None and len(xs) != length:
+        raise ValueError(f"{name} must hold {length} arrays, got {len(xs)}.")
+    if not xs:
+        raise ValueError(f"{name} must hold at least one array, got an empty list.")
+    for index, x in enumerate(xs):
+        _array(backend, x, f"{name}[{index}]", output=output)
+        if like is not None:
+            _like(x, like, f"{name}[{index}]", like_name)
+    return xs
+
+
+def _same_device(xs: Sequence[Any], ref: Any, name: str, ref_name: str) -> None:
+    device = device_of(ref)
+    for index, x in enumerate(xs):
+        if device_of(x) != device:
+            raise ValueError(
+                f"{name}[{index}] is on {device_of(x)} but {ref_name} is on {device}; "
+                "every array of the call must live on one device."
+            )
+
+
+def _distinct_devices(xs: Sequence[Any], name: str) -> None:
+    seen = [device_of(x) for x in xs]
+    if len(set(seen)) != len(seen):
+        raise ValueError(
+            f"{name} must hold one array per local device (each on a different device), got "
+            f"devices {[str(d) for d in seen]}."
+        )
+
+
+def _peer(pg: ProcessGroup, rank: Any, name: str) -> int:
+    """The group rank of world rank ``rank``."""
+    local = pg._group_rank.get(rank) if type(rank) is int else None
+    if local is None:
+        if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
+            raise TypeError(f"{name} must be an int (a world rank), got {type(rank).__name__}.")
+        local = pg._group_rank.get(int(rank))
+        if local is None:
+            raise ValueError(
+                f"{name}={rank} is not a member of process group {pg.name!r}, whose world "
+                f"ranks are {list(pg.ranks)}."
+            )
+    return local
+
+
+def _reduction(backend: ProcessGroupBackend, dtype: Any, op: Any) -> None:
+    if type(op) is not ReduceOp:
+        raise TypeError(
+            f"op must be a ReduceOp (SUM, PRODUCT, MIN, MAX, AVG), got {type(op).__name__} {op!r}."
+        )
+    backend.check_dtype(dtype, op)
+
+
+def _index(value: Any, length: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
+    if not 0 <= value < length:
+        raise ValueError(f"{name} must be in [0, {length}) (the list's length), got {value}.")
+    return value
+
+
+def _given(xs: Any) -> bool:
+    """Whether an optional list argument was given (``None`` and ``[]`` mean not, as in torch)."""
+    return xs is not None and not (isinstance(xs, list | tuple) and len(xs) == 0)
+
+
+def _tag(tag: Any) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise TypeError(f"tag must be an int, got {type(tag).__name__}.")
+    if tag < 0:
+        raise ValueError(f"tag must be >= 0, got {tag}.")
+    return tag
+
+
+def _finish(work: Work, async_op: bool) -> Work | None:
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _check_async(async_op: Any) -> None:
+    if type(async_op) is not bool:
+        raise TypeError(f"async_op must be a bool, got {type(async_op).__name__} {async_op!r}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# One array per process
+
+
+def broadcast(tensor: Any, src: int, group: Any = None, async_op: bool = False) -> Work | None:
+    """Copy ``tensor`` of world rank ``src`` into ``tensor`` of every rank of the group.
+
+    Args:
+        tensor: Data to send on ``src``, buffer receiving it (in place) elsewhere.
+        src: World rank of the sender.
+        group: The process group (default: the world).
+        async_op: Return a :class:`Work` instead of waiting.
+
+    Returns:
+        A :class:`Work` if ``async_op``, else ``None`` (also on non-members of ``group``).
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")  # a world of one here; start N with mpiexec -n N
+        >>> x = np.arange(3)
+        >>> dist.broadcast(x, src=0)
+        >>> x
+        array([0, 1, 2])
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    _array(backend, tensor, "tensor")
+    backend.check_dtype(tensor.dtype, None)
+    root = _peer(pg, src, "src")
+    _check_async(async_op)
+    return _finish(backend.broadcast([tensor], root, 0), async_op)
+
+
+def all_reduce(
+    tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Reduce ``tensor`` over the group; every rank gets the result in ``tensor`` (in place).
+
+    See :class:`ReduceOp` for what each reduction does per dtype (``AVG`` of integers rounds
+    toward zero; ``float16`` is reduced in ``float32`` and rounded once).
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> x = np.array([1.0, 2.0])
+        >>> dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        >>> x * dist.get_world_size()
+        array([1., 2.])
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    backend = resolved[1]
+    _array(backend, tensor, "tensor")
+    _reduction(backend, tensor.dtype, op)
+    if async_op is False:  # the latency-critical path, kept short
+        backend.all_reduce([tensor], op).wait()
+        return None
+    _check_async(async_op)
+    return backend.all_reduce([tensor], op)
+
+
+def reduce(
+    tensor: Any,
+    dst: int,
+    op: ReduceOp = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce ``tensor`` over the group into ``tensor`` of world rank ``dst``.
+
+    Other ranks' ``tensor`` keeps its values (torch leaves it unspecified; MPI leaves it alone).
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> x = np.array([3, 4])
+        >>> dist.reduce(x, dst=0, op=dist.ReduceOp.PRODUCT)
+        >>> x
+        array([3, 4])
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    _array(backend, tensor, "tensor")
+    _reduction(backend, tensor.dtype, op)
+    root = _peer(pg, dst, "dst")
+    _check_async(async_op)
+    return _finish(backend.reduce([tensor], root, 0, op), async_op)
+
+
+def all_gather(
+    tensor_list: list[Any], tensor: Any, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """Every rank receives each rank's ``tensor``: ``tensor_list[r]`` gets group rank ``r``'s.
+
+    ``tensor_list`` holds one array per group member, shaped and typed as ``tensor`` and on its
+    device.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> out = [np.zeros(2, int)]
+        >>> dist.all_gather(out, np.array([5, 6]))
+        >>> out
+        [array([5, 6])]
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    _array(backend, tensor, "tensor", output=False)
+    backend.check_dtype(tensor.dtype, None)
+    _arrays(backend, tensor_list, "tensor_list", length=pg.size(), like=tensor, like_name="tensor")
+    _same_device(tensor_list, tensor, "tensor_list", "tensor")
+    _check_async(async_op)
+    return _finish(backend.all_gather([tensor_list], [tensor]), async_op)
+
+
+def gather(
+    tensor: Any,
+    gather_list: list[Any] | None = None,
+    dst: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+) -> Work | None:
+    """World rank ``dst`` receives every rank's ``tensor``: ``gather_list[r]`` gets group rank r's.
+
+    ``gather_list`` is required on ``dst`` (one array per member, shaped as ``tensor``) and must be
+    ``None`` (or empty) elsewhere, as in torch.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> out = [np.zeros(2)]
+        >>> dist.gather(np.array([1.0, 2.0]), out, dst=0)
+        >>> out
+        [array([1., 2.])]
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    _array(backend, tensor, "tensor", output=False)
+    backend.check_dtype(tensor.dtype, None)
+    root = _peer(pg, dst, "dst")
+    outputs = None
+    if root == backend.rank:
+        if not _given(gather_list):
+            raise ValueError(
+                f"gather_list must be given on the destination rank {dst}: a list of "
+                f"{pg.size()} arrays shaped like tensor."
+            )
+        outputs = _arrays(
+            backend, gather_list, "gather_list", length=pg.size(), like=tensor, like_name="tensor"
+        )
+        _same_device(outputs, tensor, "gather_list", "tensor")
+    elif _given(gather_list):
+        raise ValueError(
+            f"gather_list must be None on ranks other than the destination {dst}; "
+            f"this is rank {pg.ranks[backend.rank]}."
+        )
+    _check_async(async_op)
+    return _finish(backend.gather(outputs, tensor, root), async_op)
+
+
+def scatter(
+    tensor: Any,
+    scatter_list: list[Any] | None = None,
+    src: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+) -> Work | None:
+    """World rank ``src`` sends ``scatter_list[r]`` into ``tensor`` of group rank ``r``.
+
+    ``scatter_list`` is required on ``src`` (one array per member, shaped as ``tensor``) and must
+    be ``None`` (or empty) elsewhere.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> x = np.zeros(2)
+        >>> dist.scatter(x, [np.array([7.0, 8.0])], src=0)
+        >>> x
+        array([7., 8.])
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    _array(backend, tensor, "tensor")
+    backend.check_dtype(tensor.dtype, None)
+    root = _peer(pg, src, "src")
+    inputs = None
+    if root == backend.rank:
+        if not _given(scatter_list):
+            raise ValueError(
+                f"scatter_list must be given on the source rank {src}: a list of "
+                f"{pg.size()} arrays shaped like tensor."
+            )
+        inputs = _arrays(
+            backend,
+            scatter_list,
+            "scatter_list",
+            length=pg.size(),
+            like=tensor,
+            like_name="tensor",
+            output=False,
+        )
+        _same_device(inputs, tensor, "scatter_list", "tensor")
+    elif _given(scatter_list):
+        raise ValueError(
+            f"scatter_list must be None on ranks other than the source {src}; "
+            f"this is rank {pg.ranks[backend.rank]}."
+        )
+    _check_async(async_op)
+    return _finish(backend.scatter(tensor, inputs, root), async_op)
+
+
+def reduce_scatter(
+    output: Any,
+    input_list: list[Any],
+    op: ReduceOp = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce ``input_list[r]`` over the group into ``output`` of group rank ``r``.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> out = np.zeros(2)
+        >>> dist.reduce_scatter(out, [np.array([1.0, 2.0])])
+        >>> out
+        array([1., 2.])
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    _array(backend, output, "output")
+    _reduction(backend, output.dtype, op)
+    _arrays(
+        backend,
+        input_list,
+        "input_list",
+        length=pg.size(),
+        like=output,
+        like_name="output",
+        output=False,
+    )
+    _same_device(input_list, output, "input_list", "output")
+    _check_async(async_op)
+    return _finish(backend.reduce_scatter([output], [input_list], op), async_op)
+
+
+def all_to_all(
+    output_tensor_list: list[Any],
+    input_tensor_list: list[Any],
+    group: Any = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Exchange one array with every rank: ``output_tensor_list[q]`` gets rank ``q``'s message.
+
+    Group rank ``r`` sends ``input_tensor_list[q]`` to rank ``q``, into its
+    ``output_tensor_list[r]``.
+    One dtype and one device for all arrays. Sizes may differ between pairs of ranks (each pair
+    must agree: ``output_tensor_list[r]`` of rank ``q`` is shaped as ``input_tensor_list[q]`` of
+    rank ``r``); this is torch's list form of ``all_to_all``.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> out = [np.zeros(3)]
+        >>> dist.all_to_all(out, [np.array([1.0, 2.0, 3.0])])
+        >>> out
+        [array([1., 2., 3.])]
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    inputs = _arrays(
+        backend, input_tensor_list, "input_tensor_list", length=pg.size(), output=False
+    )
+    outputs = _arrays(backend, output_tensor_list, "output_tensor_list", length=pg.size())
+    ref = inputs[0]
+    backend.check_dtype(ref.dtype, None)
+    for name, xs in (("input_tensor_list", inputs), ("output_tensor_list", outputs)):
+        for index, x in enumerate(xs):
+            if x.dtype != ref.dtype:
+                raise TypeError(
+                    f"{name}[{index}] has dtype {x.dtype} but input_tensor_list[0] has "
+                    f"{ref.dtype}; all_to_all moves one dtype."
+                )
+        _same_device(xs, ref, name, "input_tensor_list[0]")
+    _check_async(async_op)
+    return _finish(backend.all_to_all(outputs, inputs), async_op)
+
+
+def barrier(group: Any = None, async_op: bool = False) -> Work | None:
+    """Wait until every rank of the group has called ``barrier``.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> dist.barrier(async_op=True).wait()
+        True
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    _check_async(async_op)
+    return _finish(resolved[1].barrier(), async_op)
+
+
+# ---------------------------------------------------------------------------------------------
+# Point to point
+
+
+def _p2p(tensor: Any, peer: Any, name: str, group: Any, tag: Any) -> Any:
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    _array(backend, tensor, "tensor", output=name == "src")
+    backend.check_dtype(tensor.dtype, None)
+    tag = _tag(tag)
+    if peer is None:
+        if name != "src":
+            raise TypeError("dst must be an int (a world rank), got None.")
+        return pg, backend, None, tag
+    local = _peer(pg, peer, name)
+    if local == backend.rank:
+        raise ValueError(
+            f"{name}={peer} is this process's own rank; a rank cannot "
+            f"{'send to' if name == 'dst' else 'receive from'} itself."
+        )
+    return pg, backend, local, tag
+
+
+def isend(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> Work | None:
+    """Start sending ``tensor`` to world rank ``dst``; returns a :class:`Work` to wait on.
+
+    ``tensor`` must not be modified until the work completed. Returns ``None`` on non-members.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> dist.isend(np.zeros(1), dst=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: dst=0 is this process's own rank; a rank cannot send to itself.
+        >>> dist.destroy_process_group()
+    """
+    checked = _p2p(tensor, dst, "dst", group, tag)
+    if checked is None:
+        return None
+    _pg, backend, local, tag = checked
+    work: Work = backend.send(tensor, local, tag)
+    return work
+
+
+def irecv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0) -> Work | None:
+    """Start receiving into ``tensor`` from world rank ``src`` (any rank when ``None``).
+
+    ``Work.source_rank()`` gives the sender's world rank once it completed.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> dist.irecv(np.zeros(1), src=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: src=1 is not a member of process group '0', whose world ranks are [0].
+        >>> dist.destroy_process_group()
+    """
+    checked = _p2p(tensor, src, "src", group, tag)
+    if checked is None:
+        return None
+    pg, backend, local, tag = checked
+    work: Work = backend.recv(tensor, local, tag)
+    work._ranks = pg.ranks
+    return work
+
+
+def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
+    """Send ``tensor`` to world rank ``dst`` and wait until the buffer can be reused.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> dist.send(np.zeros(1), dst=3)
+        Traceback (most recent call last):
+        ...
+        ValueError: dst=3 is not a member of process group '0', whose world ranks are [0].
+        >>> dist.destroy_process_group()
+    """
+    work = isend(tensor, dst, group, tag)
+    if work is not None:
+        work.wait()
+
+
+def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0) -> int:
+    """Receive into ``tensor`` from world rank ``src`` (any rank when ``None``).
+
+    Returns:
+        The sender's world rank; ``-1`` on non-members of ``group``.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> dist.recv(np.zeros(1), src=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: src=0 is this process's own rank; a rank cannot receive from itself.
+        >>> dist.destroy_process_group()
+    """
+    work = irecv(tensor, src, group, tag)
+    if work is None:
+        return -1
+    return work.source_rank()
+
+
+# ---------------------------------------------------------------------------------------------
+# Coalesced
+
+
+def all_reduce_coalesced(
+    tensors: list[Any], op: ReduceOp = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """``all_reduce`` of each array of ``tensors`` (one device, any shapes and dtypes) at once.
+
+    Arrays of one dtype travel in one message. As in torch, ranks must pass matching lists
+    (this is not checked across ranks).
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> xs = [np.ones(2), np.arange(3)]
+        >>> dist.all_reduce_coalesced(xs)
+        >>> xs
+        [array([1., 1.]), array([0, 1, 2])]
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    backend = resolved[1]
+    _arrays(backend, tensors, "tensors")
+    for x in tensors:
+        _reduction(backend, x.dtype, op)
+    _same_device(tensors, tensors[0], "tensors", "tensors[0]")
+    _check_async(async_op)
+    return _finish(backend.all_reduce_coalesced(tensors, op), async_op)
+
+
+def all_gather_coalesced(
+    output_tensor_lists: list[list[Any]],
+    input_tensor_list: list[Any],
+    group: Any = None,
+    async_op: bool = False,
+) -> Work | None:
+    """``output_tensor_lists[r][k]`` receives ``input_tensor_list[k]`` of group rank ``r``.
+
+    The inputs may differ in shape and dtype (one device); they travel in one message.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> out = [[np.zeros(1), np.zeros(2, int)]]
+        >>> dist.all_gather_coalesced(out, [np.ones(1), np.array([4, 5])])
+        >>> out
+        [[array([1.]), array([4, 5])]]
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    inputs = _arrays(backend, input_tensor_list, "input_tensor_list", output=False)
+    for x in inputs:
+        backend.check_dtype(x.dtype, None)
+    _same_device(inputs, inputs[0], "input_tensor_list", "input_tensor_list[0]")
+    if not isinstance(output_tensor_lists, list | tuple):
+        raise TypeError(
+            "output_tensor_lists must be a list of lists of arrays, got "
+            f"{type(output_tensor_lists).__name__}."
+        )
+    if len(output_tensor_lists) != pg.size():
+        raise ValueError(
+            f"output_tensor_lists must hold {pg.size()} lists (one per group member), got "
+            f"{len(output_tensor_lists)}."
+        )
+    for r, outputs in enumerate(output_tensor_lists):
+        _arrays(backend, outputs, f"output_tensor_lists[{r}]", length=len(inputs))
+        for k, (out, x) in enumerate(zip(outputs, inputs, strict=True)):
+            _like(out, x, f"output_tensor_lists[{r}][{k}]", f"input_tensor_list[{k}]")
+        _same_device(outputs, inputs[0], f"output_tensor_lists[{r}]", "input_tensor_list[0]")
+    _check_async(async_op)
+    return _finish(backend.all_gather_coalesced(output_tensor_lists, inputs), async_op)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several devices per process
+
+
+def _device_list(backend: ProcessGroupBackend, xs: Any, name: str, *, output: bool = True) -> Any:
+    _arrays(backend, xs, name, output=output)
+    for index, x in enumerate(xs[1:], start=1):
+        _like(x, xs[0], f"{name}[{index}]", f"{name}[0]")
+    _distinct_devices(xs, name)
+    return xs
+
+
+def broadcast_multigpu(
+    tensor_list: list[Any],
+    src: int,
+    group: Any = None,
+    async_op: bool = False,
+    src_tensor: int = 0,
+) -> Work | None:
+    """``broadcast`` from ``tensor_list[src_tensor]`` of rank ``src`` to every array of every rank.
+
+    ``tensor_list`` holds one array per local device (``"host:k"`` or ``"cuda:k"``), all of one
+    shape and dtype; every rank passes the same number of arrays.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> xs = [cupy_parallel.to_device(np.arange(2), f"host:{k}") for k in range(2)]
+        >>> dist.broadcast_multigpu(xs, src=0, src_tensor=1)
+        >>> xs[0]
+        HostArray([0, 1], device='host:0')
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    _device_list(backend, tensor_list, "tensor_list")
+    backend.check_dtype(tensor_list[0].dtype, None)
+    root = _peer(pg, src, "src")
+    index = _index(src_tensor, len(tensor_list), "src_tensor")
+    _check_async(async_op)
+    return _finish(backend.broadcast(tensor_list, root, index), async_op)
+
+
+def all_reduce_multigpu(
+    tensor_list: list[Any], op: ReduceOp = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """``all_reduce`` over every array of every rank; each array receives the result.
+
+    ``ReduceOp.AVG`` divides by the number of arrays in the whole group (ranks × local devices).
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> xs = [cupy_parallel.to_device(np.array([k + 1.0]), f"host:{k}") for k in range(2)]
+        >>> dist.all_reduce_multigpu(xs)
+        >>> [float(x[0]) for x in xs]
+        [3.0, 3.0]
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    backend = resolved[1]
+    _device_list(backend, tensor_list, "tensor_list")
+    _reduction(backend, tensor_list[0].dtype, op)
+    _check_async(async_op)
+    return _finish(backend.all_reduce(tensor_list, op), async_op)
+
+
+def reduce_multigpu(  # noqa: PLR0917 - torch's signature
+    tensor_list: list[Any],
+    dst: int,
+    op: ReduceOp = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    dst_tensor: int = 0,
+) -> Work | None:
+    """``reduce`` over every array of every rank into ``tensor_list[dst_tensor]`` of rank ``dst``.
+
+    The other arrays keep their values.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> xs = [cupy_parallel.to_device(np.array([k + 2]), f"host:{k}") for k in range(2)]
+        >>> dist.reduce_multigpu(xs, dst=0, op=dist.ReduceOp.PRODUCT, dst_tensor=1)
+        >>> [int(x[0]) for x in xs]
+        [2, 6]
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    _device_list(backend, tensor_list, "tensor_list")
+    _reduction(backend, tensor_list[0].dtype, op)
+    root = _peer(pg, dst, "dst")
+    index = _index(dst_tensor, len(tensor_list), "dst_tensor")
+    _check_async(async_op)
+    return _finish(backend.reduce(tensor_list, root, index, op), async_op)
+
+
+def all_gather_multigpu(
+    output_tensor_lists: list[list[Any]],
+    input_tensor_list: list[Any],
+    group: Any = None,
+    async_op: bool = False,
+) -> Work | None:
+    """``output_tensor_lists[i][r * L + j]`` receives ``input_tensor_list[j]`` of group rank ``r``.
+
+    ``L = len(input_tensor_list)``; ``output_tensor_lists[i]`` lives on the device of
+    ``input_tensor_list[i]`` and holds ``world_size * L`` arrays.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> xs = [cupy_parallel.to_device(np.array([k]), f"host:{k}") for k in range(2)]
+        >>> outs = [[cupy_parallel.empty(1, int, f"host:{i}") for _ in range(2)] for i in range(2)]
+        >>> dist.all_gather_multigpu(outs, xs)
+        >>> [[int(o[0]) for o in out] for out in outs]
+        [[0, 1], [0, 1]]
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    inputs = _device_list(backend, input_tensor_list, "input_tensor_list", output=False)
+    backend.check_dtype(inputs[0].dtype, None)
+    if not isinstance(output_tensor_lists, list | tuple) or len(output_tensor_lists) != len(inputs):
+        raise ValueError(
+            f"output_tensor_lists must be a list of {len(inputs)} lists (one per array of "
+            f"input_tensor_list), got {output_tensor_lists!r:.80}."
+        )
+    count = pg.size() * len(inputs)
+    for i, outputs in enumerate(output_tensor_lists):
+        name = f"output_tensor_lists[{i}]"
+        _arrays(
+            backend, outputs, name, length=count, like=inputs[0], like_name="input_tensor_list[0]"
+        )
+        _same_device(outputs, inputs[i], name, f"input_tensor_list[{i}]")
+    _check_async(async_op)
+    return _finish(backend.all_gather(output_tensor_lists, inputs), async_op)
+
+
+def reduce_scatter_multigpu(
+    output_tensor_list: list[Any],
+    input_tensor_lists: list[list[Any]],
+    op: ReduceOp = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Work | None:
+    """``reduce_scatter`` over every array of every rank, one output per local device.
+
+    ``output_tensor_list[j]`` of group rank ``r`` receives the reduction, over every array list
+    of every rank, of ``input_tensor_lists[i][r * L + j]`` (``L = len(output_tensor_list)``).
+
+    ``input_tensor_lists[i]`` lives on the device of ``output_tensor_list[i]`` and holds
+    ``world_size * L`` arrays.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> outs = [cupy_parallel.empty(1, float, f"host:{i}") for i in range(2)]
+        >>> ins = [[cupy_parallel.to_device(np.array([10.0 * i + j]), f"host:{i}")
+        ...         for j in range(2)] for i in range(2)]
+        >>> dist.reduce_scatter_multigpu(outs, ins)
+        >>> [float(o[0]) for o in outs]
+        [10.0, 12.0]
+        >>> dist.destroy_process_group()
+    """
+    resolved = _backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    outputs = _device_list(backend, output_tensor_list, "output_tensor_list")
+    _reduction(backend, outputs[0].dtype, op)
+    if not isinstance(input_tensor_lists, list | tuple) or len(input_tensor_lists) != len(outputs):
+        raise ValueError(
+            f"input_tensor_lists must be a list of {len(outputs)} lists (one per array of "
+            f"output_tensor_list), got {input_tensor_lists!r:.80}."
+        )
+    count = pg.size() * len(outputs)
+    for i, inputs in enumerate(input_tensor_lists):
+        name = f"input_tensor_lists[{i}]"
+        _arrays(
+            backend,
+            inputs,
+            name,
+            length=count,
+            like=outputs[0],
+            like_name="output_tensor_list[0]",
+            output=False,
+        )
+        _same_device(inputs, outputs[i], name, f"output_tensor_list[{i}]")
+    _check_async(async_op)
+    return _finish(backend.reduce_scatter(outputs, input_tensor_lists, op), async_op)

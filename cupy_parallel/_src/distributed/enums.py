@@ -1,0 +1,70 @@
+"""The two enumerations of the process-group API: :class:`Backend` and :class:`ReduceOp`."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["Backend", "ReduceOp"]
+
+# Backends torch knows that this library does not implement, with the one to use instead.
+_REPLACEMENTS = {
+    "gloo": "Use Backend.MPI ('mpi') for NumPy/HostArray arrays on the CPU.",
+    "tcp": "Use Backend.MPI ('mpi') for NumPy/HostArray arrays on the CPU.",
+    "ucc": "Use Backend.NCCL ('nccl') for CuPy arrays or Backend.MPI ('mpi') for host arrays.",
+}
+
+
+class Backend(str, enum.Enum):
+    """A communication backend: ``Backend.NCCL`` (CuPy arrays) or ``Backend.MPI`` (any host array).
+
+    Members are strings, so ``Backend.MPI == "mpi"`` as in torch, and calling the class parses a
+    name case-insensitively. ``"gloo"`` is not implemented here; the error names ``"mpi"``, which
+    serves the same CPU use.
+
+    Example:
+        >>> Backend("MPI")
+        <Backend.MPI: 'mpi'>
+        >>> Backend.NCCL == "nccl"
+        True
+    """
+
+    NCCL = "nccl"
+    MPI = "mpi"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Backend:
+        if not isinstance(value, str):
+            raise TypeError(
+                f"backend must be a str or Backend ('nccl' or 'mpi'), got {type(value).__name__} "
+                f"{value!r}."
+            )
+        name = value.strip().lower()
+        for member in cls:
+            if member.value == name:
+                return member
+        hint = _REPLACEMENTS.get(name, "Pass 'nccl' for CuPy arrays or 'mpi' for host arrays.")
+        raise ValueError(f"backend must be 'nccl' or 'mpi', got {value!r}. {hint}")
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ReduceOp(enum.Enum):
+    """The element-wise reduction of ``all_reduce``, ``reduce`` and ``reduce_scatter``.
+
+    ``AVG`` divides the sum by the number of contributions. On integer dtypes the quotient is
+    rounded toward zero (C's integer division, what NCCL's ``ncclAvg`` does); on ``bool`` it is
+    refused. For ``bool`` arrays ``SUM`` and ``MAX`` are a logical or, ``PRODUCT`` and ``MIN`` a
+    logical and (what summing and casting back to ``bool`` gives). ``MIN``/``MAX`` are refused on
+    complex dtypes, which have no order.
+
+    Example:
+        >>> ReduceOp.SUM, ReduceOp["AVG"]
+        (<ReduceOp.SUM: 'sum'>, <ReduceOp.AVG: 'avg'>)
+    """
+
+    SUM = "sum"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"

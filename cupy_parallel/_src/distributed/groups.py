@@ -1,0 +1,431 @@
+"""Process groups: ``init_process_group``, ``new_group``, ``destroy_process_group`` and queries.
+
+The state is a module-level *world* :class:`ProcessGroup` plus the subgroups made from it. A
+:class:`ProcessGroup` caches what every collective needs (its backend object, the world ranks of its
+members and their group ranks), so a call resolves its group with a few attribute loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from cupy_parallel._src.distributed.enums import Backend
+from cupy_parallel._src.distributed.work import seconds
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from cupy_parallel._src.distributed.backend import ProcessGroupBackend
+
+__all__ = [
+    "GroupMember",
+    "ProcessGroup",
+    "destroy_process_group",
+    "get_backend",
+    "get_rank",
+    "get_world_size",
+    "group",
+    "init_process_group",
+    "is_initialized",
+    "is_mpi_available",
+    "is_nccl_available",
+    "new_group",
+]
+
+# Backend -> (module, class) implementing it, imported on first use.
+_BACKENDS: dict[Backend, tuple[str, str]] = {
+    Backend.MPI: ("cupy_parallel._src.distributed.mpi", "MPIBackend"),
+    Backend.NCCL: ("cupy_parallel._src.distributed.nccl", "NCCLBackend"),
+}
+
+_DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+class _Sentinel:
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+class group:  # noqa: N801 - torch's spelling: ``group.WORLD``
+    """Namespace of ``group.WORLD``, the default group (``group=None`` means it too).
+
+    Example:
+        >>> group.WORLD
+        group.WORLD
+    """
+
+    WORLD: Any = _Sentinel("group.WORLD")
+
+
+class GroupMember:
+    """``GroupMember.NON_GROUP_MEMBER``: what ``new_group`` returns to processes left out.
+
+    Collectives given it do nothing and return ``None``; ``get_rank`` and ``get_world_size``
+    return ``-1``.
+
+    Example:
+        >>> GroupMember.NON_GROUP_MEMBER
+        GroupMember.NON_GROUP_MEMBER
+    """
+
+    WORLD: Any = group.WORLD
+    NON_GROUP_MEMBER: Any = _Sentinel("GroupMember.NON_GROUP_MEMBER")
+
+
+class ProcessGroup:
+    """A set of processes that communicate together; made by ``new_group``.
+
+    ``rank()``/``size()`` are this process's rank in the group and the group's size; ``ranks``
+    lists the members' world ranks (a member's group rank is its position there).
+
+    Example:
+        >>> ProcessGroup.rank.__doc__
+        "This process's rank in the group."
+    """
+
+    __slots__ = ("_backend", "_group_rank", "name", "ranks")
+
+    def __init__(self, backend: ProcessGroupBackend, ranks: tuple[int, ...], name: str) -> None:
+        self._backend: ProcessGroupBackend | None = backend
+        self.ranks = ranks
+        self.name = name
+        self._group_rank = {world: index for index, world in enumerate(ranks)}
+
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self._live().rank
+
+    def size(self) -> int:
+        """The number of processes in the group."""
+        return len(self.ranks)
+
+    def _live(self) -> ProcessGroupBackend:
+        backend = self._backend
+        if backend is None:
+            raise ValueError(
+                f"process group {self.name!r} was destroyed; create a new one with new_group()."
+            )
+        return backend
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self._backend is None else str(self._backend.backend)
+        return f"<ProcessGroup {self.name!r} ({state}) of world ranks {list(self.ranks)}>"
+
+
+_world: ProcessGroup | None = None
+_subgroups: list[ProcessGroup] = []
+_group_count = 0
+
+
+def _not_initialized() -> RuntimeError:
+    return RuntimeError(
+        "The default process group is not initialized; call "
+        "cupy_parallel.distributed.init_process_group(backend) first."
+    )
+
+
+def _resolve(group: Any) -> ProcessGroup | None:
+    """The group a call names (``None``: the world), or ``None`` for a non-member."""
+    if group is None or group is _WORLD:
+        return _world_group()
+    if group is _NON_MEMBER:
+        return None
+    if type(group) is not ProcessGroup:
+        raise TypeError(
+            "group must be None, group.WORLD, GroupMember.NON_GROUP_MEMBER or a group from "
+            f"new_group(), got {type(group).__name__} {group!r}."
+        )
+    group._live()
+    return group
+
+
+_WORLD = group.WORLD
+_NON_MEMBER = GroupMember.NON_GROUP_MEMBER
+
+
+def _world_group() -> ProcessGroup:
+    if _world is None:
+        raise _not_initialized()
+    return _world
+
+
+def _backend_class(backend: Backend) -> type[ProcessGroupBackend]:
+    module_name, class_name = _BACKENDS[backend]
+    module = importlib.import_module(module_name)
+    cls: type[ProcessGroupBackend] = getattr(module, class_name)
+    if not cls.is_available():
+        if backend is Backend.NCCL:  # several things can be missing: say which
+            why = module.unavailable_reason()
+        else:
+            why = "mpi4py cannot be loaded; install it with `pip install cupy-parallel[mpi]`."
+        raise RuntimeError(f"The {backend.value!r} backend is not available here: {why}")
+    return cls
+
+
+def _check_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
+    return value
+
+
+def is_initialized() -> bool:
+    """Whether ``init_process_group`` has run (and ``destroy_process_group`` has not).
+
+    Example:
+        >>> is_initialized()
+        False
+    """
+    return _world is not None
+
+
+def is_mpi_available() -> bool:
+    """Whether the MPI backend can be used: ``mpi4py`` is installed.
+
+    Example:
+        >>> isinstance(is_mpi_available(), bool)
+        True
+    """
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def is_nccl_available() -> bool:
+    """Whether the NCCL backend can be used: CuPy with NCCL support and a GPU.
+
+    Example:
+        >>> isinstance(is_nccl_available(), bool)
+        True
+    """
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    module_name, class_name = _BACKENDS[Backend.NCCL]
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except ImportError:
+        return False
+    return bool(cls.is_available())
+
+
+def init_process_group(  # noqa: PLR0917 - torch's signature
+    backend: Backend | str,
+    init_method: str | None = None,
+    timeout: timedelta = _DEFAULT_TIMEOUT,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Any = None,
+    group_name: str = "",
+) -> None:
+    """Start the default process group (the *world*) that collectives use when ``group=None``.
+
+    ``"mpi"`` takes rank and world size from ``MPI.COMM_WORLD`` (start the processes with
+    ``mpiexec -n N`` or ``cupy-parallel launch --backend mpi``); ``rank``/``world_size``, when
+    given, must agree with it, and ``init_method``/``store`` are not used. ``"nccl"`` meets its
+    peers through ``store`` (with ``rank`` and ``world_size``) or ``init_method``: ``"env://"``
+    (the default; reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``),
+    ``"tcp://host:port"`` or ``"file:///path"``, and waits until the whole world arrived.
+
+    Args:
+        backend: ``"nccl"`` or ``"mpi"`` (any case) or a :class:`Backend`.
+        init_method: How NCCL ranks find each other; exclusive with ``store``.
+        timeout: How long any operation of the group may wait for peers (also the rendezvous).
+            Past it the operation raises ``TimeoutError`` naming itself and the group. A started
+            collective cannot be cancelled, so the group is unusable afterwards: NCCL aborts the
+            communicator, and MPI aborts the whole job (``MPI_Abort``, non-zero exit) when this
+            process exits, so that no peer stays stuck.
+        world_size: The number of processes (required with ``store``).
+        rank: This process's rank (required with ``store``).
+        store: A :class:`~cupy_parallel.distributed.Store` all ranks share.
+        group_name: Name of the world group (used in messages); default ``"0"``.
+
+    Raises:
+        RuntimeError: Already initialized, or the backend's libraries are missing.
+        TimeoutError: The world did not fill within ``timeout`` (the message says how many
+            ranks arrived).
+
+    Example:
+        >>> is_initialized()
+        False
+        >>> init_process_group("gloo")
+        Traceback (most recent call last):
+        ...
+        ValueError: backend must be 'nccl' or 'mpi', got 'gloo'. Use Backend.MPI ('mpi') ...
+    """
+    global _world, _group_count
+    backend = Backend(backend)
+    limit = seconds(timeout)
+    world_size = _check_int(world_size, "world_size")
+    rank = _check_int(rank, "rank")
+    if not isinstance(group_name, str):
+        raise TypeError(f"group_name must be a str, got {type(group_name).__name__}.")
+    if init_method is not None and not isinstance(init_method, str):
+        raise TypeError(
+            "init_method must be a URL string ('env://', 'tcp://host:port', 'file:///path'), "
+            f"got {type(init_method).__name__}."
+        )
+    if _world is not None:
+        raise RuntimeError(
+            "init_process_group was called twice; the default process group already exists "
+            "(call destroy_process_group() first to start a new one)."
+        )
+    if store is not None and init_method is not None:
+        raise ValueError(
+            "init_method and store are exclusive; pass one of them (got both "
+            f"init_method={init_method!r} and a store)."
+        )
+    if store is not None and (world_size < 1 or not 0 <= rank < world_size):
+        raise ValueError(
+            "with a store, pass world_size >= 1 and 0 <= rank < world_size; "
+            f"got world_size={world_size}, rank={rank}."
+        )
+    cls = _backend_class(backend)
+    name = group_name or "0"
+    if backend is Backend.MPI:
+        world = cls.create_world(
+            rank=rank, world_size=world_size, store=None, timeout=limit, group_name=name
+        )
+    else:
+        from cupy_parallel._src.distributed.rendezvous import rendezvous, wait_for_world
+
+        if store is None:
+            store, rank, world_size = rendezvous(
+                init_method or "env://", rank, world_size, timeout=timeout
+            )
+        wait_for_world(store, rank, world_size, timeout=timeout)
+        world = cls.create_world(
+            rank=rank, world_size=world_size, store=store, timeout=limit, group_name=name
+        )
+    _world = ProcessGroup(world, tuple(range(world.size)), name)
+    _group_count = 1
+
+
+def new_group(
+    ranks: Iterable[int] | None = None,
+    timeout: timedelta | None = None,
+    backend: Backend | str | None = None,
+) -> ProcessGroup | Any:
+    """A group of some world ranks; every process of the world must call it, in the same order.
+
+    Args:
+        ranks: World ranks of the members (any order; group ranks follow sorted order). ``None``
+            means every rank.
+        timeout: Deadline of the group's operations; default: the world's.
+        backend: Must be the world's backend (the default); mixing backends is not supported.
+
+    Returns:
+        The new :class:`ProcessGroup` on members, ``GroupMember.NON_GROUP_MEMBER`` on the others.
+
+    Example:
+        >>> new_group([0])
+        Traceback (most recent call last):
+        ...
+        RuntimeError: The default process group is not initialized; call ...
+    """
+    global _group_count
+    world = _world_group()
+    world_backend = world._live()
+    size = world.size()
+    if ranks is None:
+        members = tuple(range(size))
+    else:
+        if isinstance(ranks, str | bytes) or not hasattr(ranks, "__iter__"):
+            raise TypeError(f"ranks must be a list of ints, got {type(ranks).__name__}.")
+        listed = [_check_int(r, "each of ranks") for r in ranks]
+        members = tuple(sorted(set(listed)))
+        if len(members) != len(listed):
+            raise ValueError(f"ranks must be distinct, got {listed}.")
+        bad = [r for r in members if not 0 <= r < size]
+        if bad:
+            raise ValueError(
+                f"ranks must be world ranks in [0, {size}), got {listed} (out of range: {bad})."
+            )
+    limit = world_backend.timeout if timeout is None else seconds(timeout)
+    if backend is not None and Backend(backend) is not world_backend.backend:
+        raise NotImplementedError(
+            f"new_group(backend={Backend(backend).value!r}) under a "
+            f"{world_backend.backend.value!r} world is not supported; leave backend=None to use "
+            f"{world_backend.backend.value!r}."
+        )
+    name = str(_group_count)
+    _group_count += 1
+    sub = world_backend.new_subgroup(members, timeout=limit, group_name=name)
+    if sub is None:
+        return _NON_MEMBER
+    made = ProcessGroup(sub, members, name)
+    _subgroups.append(made)
+    return made
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """Release ``group``; with ``None``/``group.WORLD`` release every group and de-initialize.
+
+    Example:
+        >>> destroy_process_group(GroupMember.NON_GROUP_MEMBER)  # a non-member has nothing to free
+    """
+    global _world, _group_count
+    if group is _NON_MEMBER:
+        return
+    pg = _world_group() if group is None or group is _WORLD else _resolve(group)
+    if pg is None:
+        return
+    if pg is not _world:
+        _subgroups.remove(pg)
+        _release(pg)
+        return
+    for sub in _subgroups:
+        _release(sub)
+    _subgroups.clear()
+    _release(pg)
+    _world = None
+    _group_count = 0
+
+
+def _release(pg: ProcessGroup) -> None:
+    backend, pg._backend = pg._backend, None
+    if backend is not None:
+        backend.shutdown()
+
+
+def get_backend(group: Any = None) -> Backend:
+    """The backend of ``group`` (default: the world), a :class:`Backend` equal to its name.
+
+    Example:
+        >>> get_backend()
+        Traceback (most recent call last):
+        ...
+        RuntimeError: The default process group is not initialized; call ...
+    """
+    pg = _resolve(group)
+    if pg is None:
+        raise ValueError(
+            "get_backend got GroupMember.NON_GROUP_MEMBER: this process is not in that group."
+        )
+    return pg._live().backend
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (default: the world); ``-1`` if it is not a member.
+
+    Example:
+        >>> get_rank(GroupMember.NON_GROUP_MEMBER)
+        -1
+    """
+    pg = _resolve(group)
+    return -1 if pg is None else pg._live().rank
+
+
+def get_world_size(group: Any = None) -> int:
+    """The number of processes in ``group`` (default: the world); ``-1`` if not a member.
+
+    Example:
+        >>> get_world_size(GroupMember.NON_GROUP_MEMBER)
+        -1
+    """
+    pg = _resolve(group)
+    return -1 if pg is None else len(pg.ranks)

@@ -1,0 +1,518 @@
+"""``cupy-parallel launch``: start one process per rank and watch over them.
+
+``cupy-parallel launch --nproc-per-node N script.py args...`` starts ``N`` copies of
+``python script.py args...`` on this node, each with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, so that
+``init_process_group(backend)`` (``env://``) finds the others. Several nodes: run it on each node
+with the same ``--nnodes``, ``--master-addr`` and ``--master-port`` and that node's
+``--node-rank``. With ``--backend mpi`` the ranks run under ``mpiexec -n N`` instead (one node);
+every rank still sees the same variables (a small wrapper per rank sets them from the MPI
+launcher's own and reports a failed exit back, because MPICH's ``mpiexec`` lets the other ranks
+run on when one exits with an error). ``--backend`` is also exported as
+``CUPY_PARALLEL_BACKEND`` for the script to read.
+
+The launcher forwards ``SIGINT`` and ``SIGTERM`` to the ranks. When a rank fails, it stops the
+others (``SIGTERM``, then ``SIGKILL`` after ``--grace-period`` seconds) and exits with the
+failed rank's exit code (``128 + N`` for a rank killed by signal ``N``, the shell's convention);
+when it was itself interrupted it exits with ``128 +`` the signal number. Each rank runs in its
+own process group, so a terminal's Ctrl-C reaches the ranks once, through the launcher.
+
+Processes started by ``mpiexec`` or Slurm's ``srun`` already know their rank: see
+:func:`detect_launch_env`, which the ``env://`` rendezvous consults when ``RANK`` and
+``WORLD_SIZE`` are unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import enum
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+    from types import FrameType
+
+__all__ = ["LaunchBackend", "LaunchEnv", "add_arguments", "detect_launch_env", "main", "run"]
+
+_PROG = "cupy-parallel launch"
+_DEFAULT_PORT = 29500  # torch.distributed.launch's default
+_POLL_S = 0.05
+
+
+class LaunchBackend(enum.Enum):
+    """How ``cupy-parallel launch`` starts the ranks.
+
+    ``NCCL`` starts one Python process per rank itself (any backend can be used inside);
+    ``MPI`` runs them through ``mpiexec``.
+
+    Example:
+        >>> LaunchBackend("mpi")
+        <LaunchBackend.MPI: 'mpi'>
+    """
+
+    NCCL = "nccl"
+    MPI = "mpi"
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks started by other launchers
+
+
+class LaunchEnv(TypedDict, total=False):
+    """What :func:`detect_launch_env` found: the launcher's name and the rank's place."""
+
+    source: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+class _LauncherVars(NamedTuple):
+    source: str
+    rank: str
+    world_size: str
+    local_rank: str
+    local_world_size: str
+
+
+# First match wins: Open MPI, then MPICH/Intel MPI (PMI), then Slurm's srun.
+_LAUNCHERS = (
+    _LauncherVars(
+        "Open MPI",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    _LauncherVars("MPICH (PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    _LauncherVars(
+        "Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"
+    ),
+)
+
+
+def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int:
+    text = env[name]
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name} must be an integer >= {minimum}, got {text!r}."
+        ) from None
+    if value < minimum:
+        raise ValueError(f"environment variable {name} must be >= {minimum}, got {value}.")
+    return value
+
+
+def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """The rank and world size an MPI launcher or Slurm gave this process, if any.
+
+    Reads ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE`` (Open MPI), ``PMI_RANK``/``PMI_SIZE``
+    (MPICH, Intel MPI), ``SLURM_PROCID``/``SLURM_NTASKS`` (``srun``), and their local-rank
+    counterparts when present. Returns an empty dict when none is set.
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+
+    Raises:
+        ValueError: a variable is set but is not a non-negative integer (the message names it).
+
+    Example:
+        >>> detect_launch_env({"PMI_RANK": "1", "PMI_SIZE": "4"})
+        {'source': 'MPICH (PMI)', 'rank': 1, 'world_size': 4}
+        >>> detect_launch_env({})
+        {}
+    """
+    env = os.environ if environ is None else environ
+    for names in _LAUNCHERS:
+        if names.rank not in env or names.world_size not in env:
+            continue
+        found = LaunchEnv(
+            source=names.source,
+            rank=_env_int(env, names.rank, 0),
+            world_size=_env_int(env, names.world_size, 1),
+        )
+        if found["rank"] >= found["world_size"]:
+            raise ValueError(
+                f"{names.rank}={found['rank']} is not below {names.world_size}="
+                f"{found['world_size']}; the launcher's environment is inconsistent."
+            )
+        if names.local_rank in env:
+            found["local_rank"] = _env_int(env, names.local_rank, 0)
+        if names.local_world_size in env:
+            with contextlib.suppress(ValueError):  # Slurm may write "2(x3)": not one number
+                found["local_world_size"] = _env_int(env, names.local_world_size, 1)
+        return found
+    return LaunchEnv()
+
+
+def _rank_env(rank: int, world_size: int, local_rank: int, local_world_size: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+    }
+
+
+_MPI_RANK_CODE = "from cupy_parallel._src.distributed.launch import _run_mpi_rank; _run_mpi_rank()"
+_FAILURES_VAR = "CUPY_PARALLEL_LAUNCH_FAILURES"  # where MPI ranks report a failed exit
+
+
+def _run_mpi_rank() -> None:
+    """Under ``mpiexec``: run ``python script args`` as this rank and report how it ended.
+
+    The script runs as a child with this rank's variables and every inherited descriptor
+    (``mpiexec`` passes its PMI connection as one); signals are forwarded to it. A failed exit
+    is written to the launcher's failure directory, so that the launcher can stop the job
+    (MPICH's ``mpiexec`` lets the other ranks run on).
+    """
+    found = detect_launch_env()
+    if "rank" not in found:
+        sys.exit(f"{_PROG}: mpiexec started this process without PMI_RANK/OMPI_COMM_WORLD_RANK.")
+    rank, world_size = found["rank"], found["world_size"]
+    env = dict(
+        os.environ,
+        **_rank_env(
+            rank,
+            world_size,
+            found.get("local_rank", rank),
+            found.get("local_world_size", world_size),
+        ),
+    )
+    child = subprocess.Popen([sys.executable, *sys.argv[1:]], env=env, close_fds=False)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, _frame: child.send_signal(signum))
+    code = _exit_code(child.wait())
+    failures = os.environ.get(_FAILURES_VAR)
+    if code != 0 and failures:
+        partial = os.path.join(failures, f"{rank}.partial")
+        with open(partial, "w") as report:
+            report.write(str(code))
+        os.replace(partial, os.path.join(failures, str(rank)))  # appears complete or not at all
+    sys.exit(code)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the launcher's options to ``parser`` (for mounting ``launch`` as a subcommand).
+
+    Example:
+        >>> import argparse
+        >>> parser = argparse.ArgumentParser(prog="launch")
+        >>> add_arguments(parser)
+        >>> args = parser.parse_args(["--nproc-per-node", "2", "train.py", "--lr", "0.1"])
+        >>> args.nproc_per_node, args.script, args.script_args
+        (2, 'train.py', ['--lr', '0.1'])
+    """
+    parser.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        type=_int_at_least(1),
+        default=1,
+        metavar="N",
+        help="processes (ranks) to start on this node (default 1)",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=_int_at_least(1),
+        default=1,
+        metavar="M",
+        help="number of nodes taking part (default 1)",
+    )
+    parser.add_argument(
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        type=_int_at_least(0),
+        default=0,
+        metavar="K",
+        help="this node's index in [0, M) (default 0)",
+    )
+    parser.add_argument(
+        "--master-addr",
+        "--master_addr",
+        dest="master_addr",
+        default="127.0.0.1",
+        metavar="A",
+        help="address of node 0, where rank 0 hosts the TCPStore (default 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--master-port",
+        "--master_port",
+        dest="master_port",
+        type=_port,
+        default=_DEFAULT_PORT,
+        metavar="P",
+        help=f"port of rank 0's TCPStore (default {_DEFAULT_PORT}; 0 picks a free one, "
+        "single node only)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=[backend.value for backend in LaunchBackend],
+        default=None,
+        help="'mpi' runs the ranks through mpiexec; 'nccl' (or nothing) starts them directly. "
+        "Exported to the ranks as CUPY_PARALLEL_BACKEND.",
+    )
+    parser.add_argument(
+        "--grace-period",
+        dest="grace_period",
+        type=_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="after a failure, how long ranks get to exit after SIGTERM before SIGKILL (default 5)",
+    )
+    parser.add_argument("script", help="the Python script each rank runs")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="arguments passed to the script"
+    )
+
+
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """A message for option combinations argparse cannot check one by one, or None."""
+    if args.node_rank >= args.nnodes:
+        return f"--node-rank must be below --nnodes ({args.nnodes}), got {args.node_rank}."
+    if args.master_port == 0 and args.nnodes > 1:
+        return "--master-port 0 (pick a free port) works on one node only; give a fixed port."
+    if args.backend == LaunchBackend.MPI.value:
+        if args.nnodes > 1:
+            return (
+                "--backend mpi starts the ranks of one node; for several nodes run mpiexec "
+                "yourself (the ranks read their place from its environment)."
+            )
+        if shutil.which("mpiexec") is None:
+            return (
+                "--backend mpi needs mpiexec on PATH; install an MPI (e.g. `pip install mpich`) "
+                "or leave out --backend mpi."
+            )
+    if not os.path.isfile(args.script):
+        return f"script {args.script!r} not found."
+    return None
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the ranks described by parsed ``args`` and supervise them; return the exit code.
+
+    Problems argparse cannot see alone (``--node-rank`` out of range, no ``mpiexec``, a missing
+    script) print ``cupy-parallel launch: error: ...`` and return 2, as argparse does.
+
+    Example:
+        >>> import argparse, os, sys, tempfile
+        >>> script = os.path.join(tempfile.mkdtemp(), "hello.py")
+        >>> with open(script, "w") as f:
+        ...     _ = f.write("import os, sys; sys.exit(int(os.environ['WORLD_SIZE']) - 2)")
+        >>> parser = argparse.ArgumentParser()
+        >>> add_arguments(parser)
+        >>> run(parser.parse_args(["--nproc-per-node", "2", "--master-port", "0", script]))
+        0
+    """
+    problem = _usage_problem(args)
+    if problem is not None:
+        print(f"{_PROG}: error: {problem}", file=sys.stderr)
+        return 2
+    nproc, nnodes, node_rank = args.nproc_per_node, args.nnodes, args.node_rank
+    try:
+        port = args.master_port or _free_port(args.master_addr)
+    except OSError as exc:
+        print(
+            f"{_PROG}: error: cannot pick a free port on --master-addr {args.master_addr} "
+            f"({exc.strerror or exc}); give --master-port.",
+            file=sys.stderr,
+        )
+        return 2
+    shared = dict(os.environ, MASTER_ADDR=args.master_addr, MASTER_PORT=str(port))
+    if args.backend is not None:
+        shared["CUPY_PARALLEL_BACKEND"] = args.backend
+    script = [args.script, *args.script_args]
+    if args.backend != LaunchBackend.MPI.value:
+        ranks = [
+            _Rank(
+                f"rank {node_rank * nproc + local}",
+                [sys.executable, *script],
+                dict(shared, **_rank_env(node_rank * nproc + local, nnodes * nproc, local, nproc)),
+            )
+            for local in range(nproc)
+        ]
+        return _Supervisor(ranks, args.grace_period).run()
+    mpiexec = str(shutil.which("mpiexec"))
+    command = [mpiexec, "-n", str(nproc), sys.executable, "-c", _MPI_RANK_CODE, *script]
+    with tempfile.TemporaryDirectory(prefix="cupy_parallel_launch_") as failures:
+        shared[_FAILURES_VAR] = failures
+        return _Supervisor([_Rank("mpiexec", command, shared)], args.grace_period, failures).run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``cupy-parallel launch`` as a function: parse ``argv`` and :func:`run`.
+
+    Argument errors print the usage and exit with status 2 (``SystemExit``), as argparse does.
+
+    Example:
+        >>> main(["--nproc-per-node", "0", "x.py"])
+        Traceback (most recent call last):
+        SystemExit: 2
+    """
+    parser = argparse.ArgumentParser(
+        prog=_PROG, description="Start one process per rank with torch-style environment."
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+# --------------------------------------------------------------------------------------------
+# Supervision
+
+
+class _Rank(NamedTuple):
+    name: str
+    command: list[str]
+    env: dict[str, str]
+
+
+def _exit_code(returncode: int) -> int:
+    """A child's return code as a shell reports it (``128 + N`` for death by signal ``N``)."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signum)
+
+
+class _Supervisor:
+    """Start the ranks, forward signals, stop everyone when one fails."""
+
+    def __init__(
+        self, ranks: list[_Rank], grace_period: float, failures: str | None = None
+    ) -> None:
+        self._ranks = ranks
+        self._grace = grace_period
+        self._failures = failures  # a directory where MPI ranks report failed exits
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._received: int | None = None
+
+    def run(self) -> int:
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {signum: signal.signal(signum, self._forward) for signum in handled}
+        try:
+            for rank in self._ranks:
+                self._procs.append(
+                    subprocess.Popen(rank.command, env=rank.env, start_new_session=True)
+                )
+            return self._watch()
+        finally:
+            self._stop_all()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        self._received = signum
+        for proc in self._procs:
+            if proc.returncode is None:
+                _signal_group(proc, signum)
+
+    def _watch(self) -> int:
+        failure: tuple[str, int] | None = None
+        while True:
+            running = False
+            if failure is None:
+                failure = self._reported_failure()
+                if failure is not None:
+                    self._stop_all()
+            for rank, proc in zip(self._ranks, self._procs, strict=True):
+                code = proc.poll()
+                if code is None:
+                    running = True
+                elif code != 0 and failure is None:
+                    failure = (rank.name, code)
+                    self._stop_all()
+            if not running:
+                break
+            time.sleep(_POLL_S)
+        if self._received is not None:
+            return 128 + self._received
+        if failure is None:
+            return 0
+        name, code = failure
+        print(
+            f"{_PROG}: {name} exited with code {_exit_code(code)}; stopped the other ranks.",
+            file=sys.stderr,
+        )
+        return _exit_code(code)
+
+    def _reported_failure(self) -> tuple[str, int] | None:
+        """The first failure an MPI rank reported in the failure directory, if any."""
+        if self._failures is None:
+            return None
+        ranks = sorted(int(name) for name in os.listdir(self._failures) if name.isdigit())
+        if not ranks:
+            return None
+        with open(os.path.join(self._failures, str(ranks[0]))) as report:
+            return f"rank {ranks[0]}", int(report.read())
+
+    def _stop_all(self) -> None:
+        alive = [proc for proc in self._procs if proc.poll() is None]
+        for proc in alive:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self._grace
+        for proc in alive:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in alive:
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()

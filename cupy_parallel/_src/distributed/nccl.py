@@ -1,0 +1,906 @@
+"""The NCCL backend: CuPy arrays communicated with ``cupy.cuda.nccl`` (torch's ProcessGroupNCCL).
+
+* Communicators: made on first use for each tuple of local devices a call uses (one device for
+  the plain functions, several for ``*_multigpu``), as torch does, since only the arrays say which
+  GPU a process drives. Group rank 0 creates the NCCL unique id and shares it through the store
+  as raw bytes, under a key numbered by a per-group counter (every rank makes its communicators in
+  the same order); the last rank to read it deletes it. With ``L`` local devices the communicator
+  has ``size * L`` members; local device ``j`` of group rank ``r`` is member ``r * L + j``, and
+  its ``L`` communicators are created inside one ``groupStart``/``groupEnd``. Subgroups get their
+  own id the same way (``ncclCommSplit`` would need every world rank to own an initialised world
+  communicator at ``new_group`` time, which lazy creation does not guarantee).
+* Streams: every call runs on an internal non-blocking stream per device. That stream first waits
+  on an event recorded on the caller's current stream (so kernels the caller queued before the
+  call are seen by it); an event recorded after the call marks completion. Arrays (and temporary
+  buffers) an operation touches are kept alive until its event has fired, even if the ``Work``
+  is dropped.
+* Waiting, as torch's ProcessGroupNCCL: ``Work.wait()`` (and so every call with
+  ``async_op=False``) makes the caller's current stream on each device wait on the completion
+  event and returns ``True`` without blocking the host. ``Work.wait(timeout=t)`` also blocks the
+  host, polling the event, until it fired or ``t`` passed; then it aborts the communicators and
+  raises ``TimeoutError`` (torch's blocking-wait mode). ``Work.wait_stream(stream)`` orders a
+  given stream. ``Work.is_completed()`` asks the event.
+* Watchdog: one daemon thread per group, started by the first call and stopped by ``shutdown``,
+  polls the unfinished works: it releases finished ones, and when one is older than the group's
+  timeout (or NCCL reports an asynchronous error, e.g. a dead peer) it aborts the group's
+  communicators (``ncclCommAbort``: kernels stuck in them exit, so a host synchronising on their
+  data returns), records a ``TimeoutError`` naming the operation, group and timeout on the work
+  and sets ``failure``: the next call on the group raises, and so does any later ``wait()``.
+* Set-up: creating a communicator waits for every member; past the group's timeout it raises
+  ``TimeoutError`` (a peer that never joins, or died) and the group is unusable.
+* Data: moving data (broadcast, gather, scatter, all_gather, all_to_all, send/recv) copies bytes
+  (every dtype, bit-exactly); reductions follow :mod:`.nccl_tables`. All collectives of one call
+  are issued inside one NCCL group, so ``*_coalesced`` forms and p2p patterns launch together.
+  Temporary buffers are filled on the caller's stream before the call and emptied on the internal
+  stream after it, with ``cudaMemcpyAsync``.
+* Not supported by NCCL: ``recv`` from any source (``src=None``) and message tags (messages
+  between two ranks match in the order they were posted, as in torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+import warnings
+import weakref
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from cupy_parallel._src.devices import _cuda_device_count, cupy_module
+from cupy_parallel._src.distributed.backend import ProcessGroupBackend
+from cupy_parallel._src.distributed.enums import Backend, ReduceOp
+from cupy_parallel._src.distributed.nccl_tables import (
+    P2P_VERSION,
+    NcclDataType,
+    NcclRedOp,
+    Reduction,
+    reduction,
+    transfer,
+    version_string,
+)
+from cupy_parallel._src.distributed.work import Work
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from types import ModuleType
+
+    import numpy as np
+
+__all__ = ["NCCLBackend", "nccl_module", "unavailable_reason"]
+
+#: The watchdog polls this often (seconds), or ten times per group timeout when that is shorter.
+_WATCH_INTERVAL = 0.1
+_UINT8 = int(NcclDataType.UINT8)
+_SUM = int(NcclRedOp.SUM)
+
+
+def unavailable_reason() -> str | None:
+    """Why the NCCL backend cannot run here, or ``None`` when it can.
+
+    Example:
+        >>> reason = unavailable_reason()
+        >>> reason is None or "NCCL" in reason or "GPU" in reason
+        True
+    """
+    if cupy_module() is None:
+        return "CuPy is not installed; install it with `pip install cupy-parallel[cuda12]`."
+    if nccl_module() is None:
+        return (
+            "CuPy is installed, but its NCCL library (libnccl) cannot be loaded; install NCCL "
+            "for your CUDA version (for CUDA 12: `pip install nvidia-nccl-cu12`)."
+        )
+    if _cuda_device_count() == 0:
+        return (
+            "CuPy and NCCL load, but CuPy sees no GPU (no CUDA device is visible: check the "
+            "driver with `nvidia-smi` and CUDA_VISIBLE_DEVICES, or use the 'mpi' backend)."
+        )
+    return None
+
+
+@functools.cache
+def nccl_module() -> ModuleType | None:
+    """``cupy.cuda.nccl`` when CuPy is installed and its NCCL library loads, else ``None``.
+
+    Example:
+        >>> m = nccl_module()
+        >>> m is None or m.available
+        True
+    """
+    cupy = cupy_module()
+    if cupy is None:
+        return None
+    with warnings.catch_warnings():
+        # CuPy warns when libnccl is missing; that is what this function reports.
+        warnings.simplefilter("ignore")
+        from cupy.cuda import nccl
+    return nccl if nccl.available else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The unique id: raw bytes in the store, whatever CuPy's own spelling
+
+
+def _unique_id_bytes(uid: bytes | Sequence[int], /) -> bytes:
+    """The 128 bytes of an NCCL unique id (CuPy >= 14 gives bytes, older CuPy C ``char``s)."""
+    if isinstance(uid, bytes):
+        return uid
+    return bytes(value & 0xFF for value in uid)
+
+
+def _new_communicator(nccl: Any, nranks: int, uid: bytes, rank: int, /) -> Any:
+    """``NcclCommunicator(nranks, uid, rank)`` in the id spelling the installed CuPy takes.
+
+    CuPy >= 14 takes bytes; older CuPy a tuple of C ``char`` values, signed or not as the
+    platform's ``char`` is. A wrong spelling fails while converting arguments, before NCCL runs.
+    """
+    try:
+        return nccl.NcclCommunicator(nranks, uid, rank)
+    except TypeError:
+        pass
+    signed = tuple(b - 256 if b > 127 else b for b in uid)
+    try:
+        return nccl.NcclCommunicator(nranks, signed, rank)
+    except OverflowError:
+        return nccl.NcclCommunicator(nranks, tuple(uid), rank)
+
+
+def _share_unique_id(
+    store: Any,
+    key: str,
+    /,
+    *,
+    create: Callable[[], bytes | Sequence[int]] | None,
+    readers: int,
+    timeout: float,
+) -> bytes:
+    """Publish (``create`` given: the leader) or fetch the unique id under ``key``.
+
+    Every one of the ``readers`` processes calls this once; the last one deletes the key, so a
+    group re-created under the same name never reads a stale id.
+    """
+    if create is not None:
+        uid = _unique_id_bytes(create())
+        store.set(key, uid)
+    else:
+        try:
+            store.wait([key], timedelta(seconds=timeout))
+        except TimeoutError as error:
+            raise TimeoutError(
+                f"NCCL set-up: rank 0 of the group did not publish the unique id {key!r} within "
+                f"{timeout:g} s (it did not reach the same collective, or died)."
+            ) from error
+        uid = store.get(key)
+    if store.add(f"{key}/read", 1) == readers:
+        store.delete_key(key)
+        store.delete_key(f"{key}/read")
+    return uid
+
+
+# ---------------------------------------------------------------------------------------------
+# Work
+
+
+class _NCCLWork(Work):
+    """Work of one NCCL call: done when its completion events (one per device) have fired.
+
+    ``wait()`` (no timeout) orders the caller's current streams after the events and returns;
+    ``wait(timeout=t)`` blocks the host too. State changes take the backend's lock, since the
+    watchdog thread completes or fails works concurrently with the caller.
+    """
+
+    __slots__ = ("_backend", "_comms", "_events", "_keep", "_started")
+
+    def __init__(
+        self, description: str, backend: NCCLBackend, comms: list[Any], events: list[Any], keep: Any
+    ) -> None:
+        Work.__init__(self, description, backend.group_name, backend.timeout)
+        self._backend = backend
+        self._comms = comms
+        self._events = events
+        self._keep = keep  # arrays NCCL reads or writes until the events fire
+        self._started = time.monotonic()
+
+    def _events_done(self) -> bool:
+        return all(event.done for event in self._events)
+
+    def _test(self) -> bool:
+        if self._events_done():
+            return True
+        backend = self._backend
+        if backend.failure is not None:
+            raise RuntimeError(f"{self._description} cannot complete: {backend.failure}")
+        try:
+            for comm in self._comms:
+                comm.check_async_error()
+        except backend._nccl.NcclError as error:
+            backend._abort(f"{self._description} failed in NCCL ({error}).")
+            raise
+        return False
+
+    def _complete(self) -> None:
+        with self._backend._lock:
+            if self._done:
+                return
+            self._keep = None
+            self._comms = []
+            super()._complete()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._backend._lock:
+            if self._done:  # the watchdog (or an abort) settled it first
+                return
+            self._keep = None
+            self._comms = []
+            super()._fail(error)
+
+    def _on_timeout(self) -> None:
+        backend = self._backend
+        backend._abort(
+            f"{self._description} was abandoned by a blocking wait() on process group "
+            f"{backend.group_name!r} (rank {backend.rank} of {backend.size}); its NCCL "
+            "communicators were aborted.",
+            culprit=self,
+        )
+
+    def _order_on_device(self) -> bool:
+        if self.is_completed():  # finished or failed: let wait() report it
+            return False
+        self._order(None)
+        return True
+
+    def _order(self, stream: Any) -> None:
+        cupy = self._backend._cupy
+        for event in self._events:
+            if stream is None:
+                with cupy.cuda.Device(event.device_id):
+                    cupy.cuda.get_current_stream().wait_event(event.event)
+            else:
+                stream.wait_event(event.event)
+
+    def wait_stream(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: each device's current stream) wait for this operation.
+
+        Returns at once; work queued on the stream afterwards sees the results. Raises the
+        operation's error if it already failed.
+        """
+        if self.is_completed():
+            if self._exception is not None:
+                raise self._exception
+            return
+        self._order(stream)
+
+
+class _Done:
+    """A completion event and the device it was recorded on."""
+
+    __slots__ = ("device_id", "event")
+
+    def __init__(self, event: Any, device_id: int) -> None:
+        self.event = event
+        self.device_id = device_id
+
+    @property
+    def done(self) -> bool:
+        return bool(self.event.done)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend
+
+
+class NCCLBackend(ProcessGroupBackend):
+    """A process group on NCCL communicators; communicates CuPy arrays.
+
+    Which wait does what (torch's ProcessGroupNCCL semantics):
+
+    * ``work.wait()``, and every synchronous call (``async_op=False``): the caller's current CUDA
+      stream waits for the collective; the host does not. Returns ``True``.
+    * ``work.wait(timeout=t)``: the same ordering, and the host blocks until the collective
+      finished; past ``t`` the communicators are aborted and ``TimeoutError`` is raised.
+    * ``work.wait_stream(stream)``: ``stream`` waits for the collective; the host does not.
+    * The watchdog thread aborts the group when a collective is older than the group's timeout;
+      the work then holds a ``TimeoutError`` and every later call on the group raises
+      ``RuntimeError`` quoting it.
+
+    Example:
+        >>> isinstance(NCCLBackend.is_available(), bool), sorted(NCCLBackend.array_kinds)
+        (True, ['cuda'])
+    """
+
+    backend: ClassVar[Backend] = Backend.NCCL
+    array_kinds: ClassVar[frozenset[str]] = frozenset({"cuda"})
+
+    def __init__(
+        self, rank: int, size: int, *, store: Any, timeout: float, group_name: str
+    ) -> None:
+        super().__init__(rank, size, timeout=timeout, group_name=group_name)
+        nccl = nccl_module()
+        if nccl is None:
+            raise RuntimeError(f"The NCCL backend cannot start: {unavailable_reason()}")
+        self._nccl: Any = nccl
+        self._cupy: Any = cupy_module()
+        self._store = store
+        # Features are gated on the older of the NCCL CuPy was built with and the one loaded.
+        self._version: int = min(nccl.get_version(), nccl.get_build_version())
+        self._comms: dict[tuple[int, ...], list[Any]] = {}
+        self._streams: dict[int, Any] = {}
+        self._made = 0  # communicators made so far: numbers the unique-id keys
+        self._last_devices: tuple[int, ...] | None = None
+        self._in_flight: list[_NCCLWork] = []  # unfinished works, pruned by the watchdog
+        self._plans: dict[tuple[np.dtype[Any], ReduceOp], Reduction] = {}
+        self._lock = threading.RLock()  # guards _in_flight, _comms and the works' states
+        self._watchdog: _Watchdog | None = None
+        self._closed = False
+
+    # --------------------------------------------------------------------------- life cycle
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether CuPy's NCCL library loads and a GPU is visible (see ``unavailable_reason``)."""
+        return unavailable_reason() is None
+
+    @classmethod
+    def create_world(
+        cls, *, rank: int, world_size: int, store: Any, timeout: float, group_name: str
+    ) -> NCCLBackend:
+        """The world group; communicators are made at the first call that uses a device."""
+        return cls(rank, world_size, store=store, timeout=timeout, group_name=group_name)
+
+    def new_subgroup(
+        self, ranks: Sequence[int], *, timeout: float, group_name: str
+    ) -> NCCLBackend | None:
+        """A group sharing the world's store; its communicators get their own unique ids."""
+        if self.rank not in ranks:
+            return None
+        return NCCLBackend(
+            list(ranks).index(self.rank),
+            len(ranks),
+            store=self._store,
+            timeout=timeout,
+            group_name=group_name,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the watchdog, wait for operations in flight, then destroy the communicators.
+
+        The wait blocks the host, up to the timeout each; after an abort nothing is left to do.
+        """
+        self._closed = True
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
+        with self._lock:
+            in_flight, self._in_flight = self._in_flight, []
+        for work in in_flight:
+            if self.failure is None:
+                # A timeout or an NCCL error aborts the communicators and sets self.failure.
+                with contextlib.suppress(TimeoutError, RuntimeError):
+                    work.wait(self.timeout)
+        with self._lock:
+            comms, self._comms = list(self._comms.values()), {}
+        for group in comms:
+            for comm in group:
+                comm.destroy()
+
+    def _abort(self, reason: str, *, culprit: _NCCLWork | None = None) -> None:
+        """Mark the group unusable and abort its communicators (kernels stuck in them return).
+
+        Every unfinished work fails: ``culprit`` (the one that timed out) with ``TimeoutError``
+        saying ``reason``, the others with ``RuntimeError``; works whose events had fired
+        complete normally.
+        """
+        with self._lock:
+            if self.failure is None:
+                self.failure = reason
+            in_flight, self._in_flight = self._in_flight, []
+            if culprit is not None and culprit not in in_flight:
+                in_flight.append(culprit)
+            for work in in_flight:
+                if work._done:
+                    continue
+                if work._events_done():
+                    work._complete()
+                elif work is culprit:
+                    work._fail(TimeoutError(reason))
+                else:
+                    work._fail(RuntimeError(f"{work._description} cannot complete: {reason}"))
+            comms, self._comms = list(self._comms.values()), {}
+        for group in comms:
+            for comm in group:
+                comm.abort()
+
+    def _watch(self) -> None:
+        """One round of the watchdog: retire finished works, abort on an error or a timeout."""
+        with self._lock:
+            if self.failure is not None:
+                self._in_flight.clear()
+                return
+            pending = [w for w in self._in_flight if not w._done and not w._events_done()]
+            done = [w for w in self._in_flight if not w._done and w not in pending]
+            self._in_flight = pending
+        for work in done:
+            work._complete()  # releases the arrays it kept alive
+        now = time.monotonic()
+        checked: set[int] = set()
+        for work in pending:
+            try:
+                for comm in work._comms:
+                    if id(comm) not in checked:
+                        checked.add(id(comm))
+                        comm.check_async_error()
+            except self._nccl.NcclError as error:
+                self._abort(
+                    f"{work._description} failed in NCCL ({error}) on process group "
+                    f"{self.group_name!r}; its NCCL communicators were aborted."
+                )
+                return
+            if now - work._started > self.timeout:
+                self._abort(
+                    f"{work._description} timed out after {self.timeout:g} s on process group "
+                    f"{self.group_name!r} (rank {self.rank} of {self.size}); the watchdog "
+                    "aborted its NCCL communicators.",
+                    culprit=work,
+                )
+                return
+
+    def check_dtype(self, dtype: np.dtype[Any], op: ReduceOp | None, /) -> None:
+        """Refuse what NCCL cannot move (object arrays) or reduce (see :mod:`.nccl_tables`)."""
+        if op is None:
+            transfer(dtype)
+        elif (dtype, op) not in self._plans:
+            self._plans[dtype, op] = reduction(dtype, op, self._version)
+
+    def _plan(self, dtype: np.dtype[Any], op: ReduceOp) -> Reduction:
+        plan = self._plans.get((dtype, op))
+        if plan is None:
+            plan = self._plans[dtype, op] = reduction(dtype, op, self._version)
+        return plan
+
+    def _require_p2p(self, operation: str) -> None:
+        if self._version < P2P_VERSION:
+            raise NotImplementedError(
+                f"{operation} needs NCCL >= 2.7 (send/recv), but CuPy uses NCCL "
+                f"{version_string(self._version)}; upgrade NCCL or use the 'mpi' backend."
+            )
+
+    # --------------------------------------------------------------------------- machinery
+
+    def _stream(self, device: int) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            cupy = self._cupy
+            with cupy.cuda.Device(device):
+                stream = self._streams[device] = cupy.cuda.Stream(non_blocking=True)
+        return stream
+
+    def _communicators(self, devices: tuple[int, ...]) -> list[Any]:
+        comms = self._comms.get(devices)
+        if comms is not None:
+            return comms
+        nccl, cupy = self._nccl, self._cupy
+        local = len(devices)
+        key = f"cupy_parallel/nccl/{self.group_name}/{self._made}"
+        self._made += 1
+        uid = _share_unique_id(
+            self._store,
+            key,
+            create=nccl.get_unique_id if self.rank == 0 else None,
+            readers=self.size,
+            timeout=self.timeout,
+        )
+        made: list[Any] = []
+        errors: list[BaseException] = []
+
+        def make() -> None:
+            # ncclCommInitRank blocks until every member joined: run it where a peer that
+            # never comes cannot hang the caller past the timeout.
+            try:
+                nccl.groupStart()
+                try:
+                    for j, device in enumerate(devices):
+                        with cupy.cuda.Device(device):
+                            made.append(
+                                _new_communicator(
+                                    nccl, self.size * local, uid, self.rank * local + j
+                                )
+                            )
+                finally:
+                    nccl.groupEnd()
+            except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(error)
+
+        maker = threading.Thread(
+            target=make, name=f"cupy_parallel NCCL set-up (group {self.group_name})", daemon=True
+        )
+        maker.start()
+        maker.join(self.timeout)
+        if maker.is_alive():
+            reason = (
+                f"NCCL set-up on process group {self.group_name!r} (rank {self.rank} of "
+                f"{self.size}): not every rank joined the communicator within "
+                f"{self.timeout:g} s (a peer did not reach the same collective, or died)."
+            )
+            if self.failure is None:
+                self.failure = reason
+            raise TimeoutError(reason)
+        if errors:
+            raise errors[0]
+        with self._lock:
+            self._comms[devices] = made
+        return made
+
+    def _launch(
+        self,
+        description: str,
+        devices: tuple[int, ...],
+        issue: Callable[[int, Any, int], object],
+        *,
+        after: Callable[[int], object] | None = None,
+        keep: Any = None,
+    ) -> _NCCLWork:
+        """Run one NCCL call on ``devices`` (one entry per local participant ``j``).
+
+        Everything queued on the caller's current streams so far comes first. ``issue(j, comm,
+        stream_ptr)`` makes participant ``j``'s NCCL calls (inside one NCCL group);
+        ``after(j)`` then queues participant ``j``'s follow-up work on the internal stream.
+        """
+        if self._closed:
+            raise RuntimeError(f"process group {self.group_name!r} was shut down.")
+        comms = self._communicators(devices)
+        cupy, nccl = self._cupy, self._nccl
+        streams = [self._stream(device) for device in devices]
+        for device, stream in zip(devices, streams, strict=True):
+            with cupy.cuda.Device(device):
+                ready = cupy.cuda.Event(disable_timing=True)
+                ready.record(cupy.cuda.get_current_stream())
+                stream.wait_event(ready)
+        nccl.groupStart()
+        try:
+            for j, device in enumerate(devices):
+                with cupy.cuda.Device(device):
+                    issue(j, comms[j], streams[j].ptr)
+        finally:
+            nccl.groupEnd()
+        events = []
+        for j, device in enumerate(devices):
+            stream = streams[j]
+            with cupy.cuda.Device(device):
+                if after is not None:
+                    with stream:
+                        after(j)
+                done = cupy.cuda.Event(disable_timing=True)
+                done.record(stream)
+            events.append(_Done(done, device))
+        self._last_devices = devices
+        work = _NCCLWork(description, self, comms, events, keep)
+        with self._lock:
+            self._in_flight.append(work)
+            if self._watchdog is None:
+                self._watchdog = _Watchdog(self)
+        return work
+
+    def _copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """``cudaMemcpyAsync`` of ``nbytes`` between device pointers (nothing for 0 bytes)."""
+        if nbytes:
+            runtime = self._cupy.cuda.runtime
+            runtime.memcpyAsync(dst, src, nbytes, runtime.memcpyDeviceToDevice, stream)
+
+    def _pack(self, arrays: Sequence[Any]) -> Any:
+        """The bytes of ``arrays`` one after the other, in a new buffer (on the current stream)."""
+        packed = self._buffer(arrays[0], sum(x.nbytes for x in arrays))
+        with arrays[0].device:
+            self._unpack(packed, arrays, into_packed=True)
+        return packed
+
+    def _unpack(
+        self, packed: Any, arrays: Sequence[Any], offset: int = 0, *, into_packed: bool = False
+    ) -> None:
+        """Copy ``packed`` from byte ``offset`` on into ``arrays`` (``into_packed``: the reverse).
+
+        The copies run on the current stream of the current device.
+        """
+        stream = self._cupy.cuda.get_current_stream().ptr
+        base = packed.data.ptr
+        for x in arrays:
+            if into_packed:
+                self._copy(base + offset, x.data.ptr, x.nbytes, stream)
+            else:
+                self._copy(x.data.ptr, base + offset, x.nbytes, stream)
+            offset += x.nbytes
+
+    def _divide(self, arrays: Sequence[Any], count: int) -> None:
+        """``AVG`` without ``ncclAvg``: divide in place; integers round toward zero, as there."""
+        kernel = _divide_kernel()
+        for x in arrays:
+            kernel(x.dtype.type(count), x)
+
+    # --------------------------------------------------------------------------- collectives
+
+    def broadcast(self, arrays: Sequence[Any], root: int, root_index: int, /) -> Work:
+        """``ncclBroadcast`` in place; the root member is ``root * L + root_index``."""
+        source = root * len(arrays) + root_index
+        nbytes = arrays[0].nbytes
+
+        def issue(j: int, comm: Any, stream: int) -> None:
+            if nbytes:
+                ptr = arrays[j].data.ptr
+                comm.broadcast(ptr, ptr, nbytes, _UINT8, source, stream)
+
+        return self._launch("broadcast", _devices(arrays), issue, keep=arrays)
+
+    def all_reduce(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
+        """``ncclAllReduce`` in place."""
+        plan = self._plan(arrays[0].dtype, op)
+        count = arrays[0].size * plan.lanes
+        participants = self.size * len(arrays)
+
+        def issue(j: int, comm: Any, stream: int) -> None:
+            if count:
+                ptr = arrays[j].data.ptr
+                comm.allReduce(ptr, ptr, count, plan.datatype, plan.op, stream)
+
+        after = (lambda j: self._divide([arrays[j]], participants)) if plan.divide else None
+        return self._launch("all_reduce", _devices(arrays), issue, after=after, keep=arrays)
+
+    def reduce(self, arrays: Sequence[Any], root: int, root_index: int, op: ReduceOp, /) -> Work:
+        """``ncclReduce`` in place; only the root member's array changes."""
+        plan = self._plan(arrays[0].dtype, op)
+        count = arrays[0].size * plan.lanes
+        local = len(arrays)
+        target = root * local + root_index
+        participants = self.size * local
+
+        def issue(j: int, comm: Any, stream: int) -> None:
+            if count:
+                ptr = arrays[j].data.ptr
+                comm.reduce(ptr, ptr, count, plan.datatype, plan.op, target, stream)
+
+        def after(j: int) -> None:
+            if j == root_index:
+                self._divide([arrays[j]], participants)
+
+        divide = plan.divide and self.rank == root
+        return self._launch(
+            "reduce", _devices(arrays), issue, after=after if divide else None, keep=arrays
+        )
+
+    def all_gather(self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], /) -> Work:
+        """``ncclAllGather`` into one buffer per device, then copied into ``outputs``."""
+        nbytes = inputs[0].nbytes
+        received = [self._buffer(x, len(outputs[0]) * nbytes) for x in inputs]
+
+        def issue(j: int, comm: Any, stream: int) -> None:
+            if nbytes:
+                comm.allGather(inputs[j].data.ptr, received[j].data.ptr, nbytes, _UINT8, stream)
+
+        def after(j: int) -> None:
+            self._unpack(received[j], outputs[j])
+
+        keep = (inputs, outputs, received)
+        return self._launch("all_gather", _devices(inputs), issue, after=after, keep=keep)
+
+    def gather(self, outputs: Sequence[Any] | None, input: Any, root: int, /) -> Work:
+        """Sends to the root, which receives each rank's bytes straight into ``outputs``."""
+        self._require_p2p("gather")
+        nbytes = input.nbytes
+
+        def issue(_: int, comm: Any, stream: int) -> None:
+            if not nbytes:
+                return
+            if outputs is None:
+                comm.send(input.data.ptr, nbytes, _UINT8, root, stream)
+                return
+            for r, out in enumerate(outputs):
+                if r != self.rank:
+                    comm.recv(out.data.ptr, nbytes, _UINT8, r, stream)
+
+        def after(_: int) -> None:
+            if outputs is not None:
+                self._unpack(input, [outputs[self.rank]])
+
+        keep = (input, outputs)
+        return self._launch("gather", _devices([input]), issue, after=after, keep=keep)
+
+    def scatter(self, output: Any, inputs: Sequence[Any] | None, root: int, /) -> Work:
+        """The root sends each rank its array; the others receive into ``output``."""
+        self._require_p2p("scatter")
+        nbytes = output.nbytes
+
+        def issue(_: int, comm: Any, stream: int) -> None:
+            if not nbytes:
+                return
+            if inputs is None:
+                comm.recv(output.data.ptr, nbytes, _UINT8, root, stream)
+                return
+            for r, x in enumerate(inputs):
+                if r != self.rank:
+                    comm.send(x.data.ptr, nbytes, _UINT8, r, stream)
+
+        def after(_: int) -> None:
+            if inputs is not None:
+                self._unpack(inputs[self.rank], [output])
+
+        keep = (output, inputs)
+        return self._launch("scatter", _devices([output]), issue, after=after, keep=keep)
+
+    def reduce_scatter(
+        self, outputs: Sequence[Any], inputs: Sequence[Sequence[Any]], op: ReduceOp, /
+    ) -> Work:
+        """``ncclReduceScatter`` of each device's inputs packed into one buffer."""
+        plan = self._plan(outputs[0].dtype, op)
+        count = outputs[0].size * plan.lanes
+        participants = self.size * len(outputs)
+        packed = [self._pack(row) for row in inputs]
+
+        def issue(j: int, comm: Any, stream: int) -> None:
+            if count:
+                send, recv = packed[j].data.ptr, outputs[j].data.ptr
+                comm.reduceScatter(send, recv, count, plan.datatype, plan.op, stream)
+
+        after = (lambda j: self._divide([outputs[j]], participants)) if plan.divide else None
+        keep = (outputs, packed)
+        return self._launch("reduce_scatter", _devices(outputs), issue, after=after, keep=keep)
+
+    def all_to_all(self, outputs: Sequence[Any], inputs: Sequence[Any], /) -> Work:
+        """A send and a receive per peer in one NCCL group; the own slot is copied locally."""
+        self._require_p2p("all_to_all")
+        me = self.rank
+
+        def issue(_: int, comm: Any, stream: int) -> None:
+            for r in range(self.size):
+                if r == me:
+                    continue
+                if inputs[r].nbytes:
+                    comm.send(inputs[r].data.ptr, inputs[r].nbytes, _UINT8, r, stream)
+                if outputs[r].nbytes:
+                    comm.recv(outputs[r].data.ptr, outputs[r].nbytes, _UINT8, r, stream)
+
+        def after(_: int) -> None:
+            self._unpack(inputs[me], [outputs[me]])
+
+        keep = (outputs, inputs)
+        return self._launch("all_to_all", _devices(inputs[:1]), issue, after=after, keep=keep)
+
+    def barrier(self) -> Work:
+        """An all-reduce of one byte on the devices of the last call (else the current one)."""
+        cupy = self._cupy
+        devices = self._last_devices or (cupy.cuda.runtime.getDevice(),)
+        flags = []
+        for device in devices:
+            with cupy.cuda.Device(device):
+                flags.append(cupy.zeros(1, cupy.uint8))
+
+        def issue(j: int, comm: Any, stream: int) -> None:
+            ptr = flags[j].data.ptr
+            comm.allReduce(
+                ptr, ptr, 1, _UINT8, int(self._plan(flags[j].dtype, ReduceOp.MAX).op), stream
+            )
+
+        return self._launch("barrier", devices, issue, keep=flags)
+
+    def send(self, array: Any, dst: int, tag: int, /) -> Work:
+        """``ncclSend`` of the array's bytes (``tag`` is not used: NCCL has no tags)."""
+        del tag
+        self._require_p2p("send")
+        nbytes = array.nbytes
+
+        def issue(_: int, comm: Any, stream: int) -> None:
+            if nbytes:
+                comm.send(array.data.ptr, nbytes, _UINT8, dst, stream)
+
+        return self._launch(f"send to group rank {dst}", _devices([array]), issue, keep=array)
+
+    def recv(self, array: Any, src: int | None, tag: int, /) -> Work:
+        """``ncclRecv`` of the array's bytes (``tag`` is not used: NCCL has no tags)."""
+        del tag
+        if src is None:
+            raise NotImplementedError(
+                "recv(src=None) receives from any rank, which NCCL cannot do (a receive names "
+                "its peer); pass src, or use the 'mpi' backend, which supports any-source "
+                "receives."
+            )
+        self._require_p2p("recv")
+        nbytes = array.nbytes
+
+        def issue(_: int, comm: Any, stream: int) -> None:
+            if nbytes:
+                comm.recv(array.data.ptr, nbytes, _UINT8, src, stream)
+
+        work = self._launch(f"recv from group rank {src}", _devices([array]), issue, keep=array)
+        work._set_source(src)
+        return work
+
+    def all_reduce_coalesced(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
+        """One ``ncclAllReduce`` per array, in place, all in one NCCL group (one launch)."""
+        plans = [self._plan(x.dtype, op) for x in arrays]
+
+        def issue(_: int, comm: Any, stream: int) -> None:
+            for x, plan in zip(arrays, plans, strict=True):
+                if x.size:
+                    ptr = x.data.ptr
+                    comm.allReduce(ptr, ptr, x.size * plan.lanes, plan.datatype, plan.op, stream)
+
+        divided = [x for x, plan in zip(arrays, plans, strict=True) if plan.divide]
+        after = (lambda _: self._divide(divided, self.size)) if divided else None
+        return self._launch(
+            "all_reduce_coalesced", _devices(arrays[:1]), issue, after=after, keep=arrays
+        )
+
+    def all_gather_coalesced(
+        self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], /
+    ) -> Work:
+        """``ncclAllGather`` of every input packed into one byte buffer, then unpacked."""
+        send = self._pack(inputs)
+        total = send.nbytes
+        received = self._buffer(send, self.size * total)
+
+        def issue(_: int, comm: Any, stream: int) -> None:
+            if total:
+                comm.allGather(send.data.ptr, received.data.ptr, total, _UINT8, stream)
+
+        def after(_: int) -> None:
+            for r, row in enumerate(outputs):
+                self._unpack(received, row, r * total)
+
+        keep = (outputs, send, received)
+        return self._launch(
+            "all_gather_coalesced", _devices(inputs[:1]), issue, after=after, keep=keep
+        )
+
+    def _buffer(self, like: Any, nbytes: int) -> Any:
+        """A byte buffer on ``like``'s device, allocated on the caller's stream."""
+        with like.device:
+            return self._cupy.empty(nbytes, self._cupy.uint8)
+
+
+class _Watchdog:
+    """One daemon thread per backend polling its works (torch's NCCL watchdog).
+
+    Every ``interval`` seconds it calls :meth:`NCCLBackend._watch`: finished works release their
+    arrays; an asynchronous NCCL error, or a work older than the group's timeout, aborts the
+    group's communicators. It holds the backend weakly and ends with it, or on :meth:`stop`.
+    """
+
+    def __init__(self, backend: NCCLBackend) -> None:
+        self.interval = min(_WATCH_INTERVAL, backend.timeout / 10)
+        self._backend = weakref.ref(backend)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, name=f"cupy_parallel NCCL watchdog (group {backend.group_name})"
+        )
+        self.thread.daemon = True  # never keeps the process alive
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            backend = self._backend()
+            if backend is None:
+                return
+            try:
+                backend._watch()
+            except Exception as error:  # noqa: BLE001 - a CUDA error while polling events
+                backend._abort(
+                    f"the NCCL watchdog of process group {backend.group_name!r} failed while "
+                    f"polling: {error!r}; its NCCL communicators were aborted."
+                )
+            if backend.failure is not None:
+                return
+            del backend
+
+    def stop(self) -> None:
+        """End the thread (and wait for it, unless called from it)."""
+        self._stop.set()
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
+
+
+@functools.cache
+def _divide_kernel() -> Any:
+    cupy: Any = cupy_module()
+    return cupy.ElementwiseKernel("T n", "T x", "x = x / n", "cupy_parallel_nccl_average")
+
+
+def _devices(arrays: Sequence[Any]) -> tuple[int, ...]:
+    return tuple(int(x.device.id) for x in arrays)

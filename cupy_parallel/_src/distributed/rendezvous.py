@@ -1,0 +1,335 @@
+"""Rendezvous: turn an ``init_method`` URL into a shared store, this process's rank and the size.
+
+``env://`` reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` from the environment
+(``RANK``/``WORLD_SIZE`` fall back to what ``mpiexec`` or Slurm set, see
+:func:`~cupy_parallel._src.distributed.launch.detect_launch_env`); ``tcp://host:port`` names rank
+0's :class:`TCPStore` directly; ``file:///path`` shares a :class:`FileStore`. All three accept
+``?rank=R&world_size=W`` query parameters, as PyTorch does; a value given both as an argument and in
+the URL must agree. Unknown query parameters are refused rather than ignored (PyTorch ignores them),
+so that a typo does not go unnoticed.
+
+:func:`rendezvous` only opens the store; :func:`wait_for_world` then blocks until every rank has
+checked in.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from typing import TYPE_CHECKING, NamedTuple
+from urllib.parse import parse_qs, unquote, urlparse
+
+from cupy_parallel._src.distributed.launch import detect_launch_env
+from cupy_parallel._src.distributed.store import (
+    FileStore,
+    Store,
+    TCPStore,
+    _check_timeout,
+    _seconds,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from datetime import timedelta
+    from urllib.parse import ParseResult
+
+__all__ = ["InitMethod", "rendezvous", "wait_for_world"]
+
+_MISSING = -1
+_SHOWN_MISSING_RANKS = 8
+
+
+class InitMethod(enum.Enum):
+    """The ``init_method`` URL schemes :func:`rendezvous` understands.
+
+    Example:
+        >>> [method.value + "://" for method in InitMethod]
+        ['env://', 'tcp://', 'file://']
+    """
+
+    ENV = "env"
+    TCP = "tcp"
+    FILE = "file"
+
+
+_SUPPORTED = ", ".join(f"{method.value}://" for method in InitMethod)
+
+
+def _check_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
+    return value
+
+
+class _Place(NamedTuple):
+    rank: int
+    world_size: int
+
+
+def _query_ints(url: ParseResult, init_method: str) -> dict[str, int]:
+    """``rank``/``world_size`` from the URL query, refusing anything else."""
+    found: dict[str, int] = {}
+    for name, values in parse_qs(url.query, keep_blank_values=True).items():
+        if name not in _Place._fields:
+            raise ValueError(
+                f"init_method {init_method!r} has an unknown query parameter {name!r}; "
+                f"only {' and '.join(_Place._fields)} are accepted."
+            )
+        if len(values) != 1:
+            raise ValueError(f"init_method {init_method!r} gives {name} {len(values)} times.")
+        try:
+            found[name] = int(values[0])
+        except ValueError:
+            raise ValueError(
+                f"init_method {init_method!r}: query parameter {name} must be an integer, "
+                f"got {values[0]!r}."
+            ) from None
+    return found
+
+
+def _merge(init_method: str, url: ParseResult, rank: int, world_size: int) -> _Place:
+    """Combine arguments and query parameters; -1 stays -1 when neither gives a value."""
+    query = _query_ints(url, init_method)
+    merged = []
+    for name, argument in zip(_Place._fields, (rank, world_size), strict=True):
+        if name in query and argument != _MISSING and query[name] != argument:
+            raise ValueError(
+                f"{name} is given both as an argument ({argument}) and in init_method "
+                f"{init_method!r} ({name}={query[name]}); give it in one place."
+            )
+        merged.append(query.get(name, argument))
+    return _Place(*merged)
+
+
+def _check_place(place: _Place, method: InitMethod) -> _Place:
+    rank, world_size = place
+    for name, value in zip(_Place._fields, place, strict=True):
+        if value == _MISSING:
+            raise ValueError(
+                f"{method.value}:// rendezvous needs {name}: pass {name}=... or add "
+                f"?{name}=... to the init_method URL."
+            )
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
+    return place
+
+
+def _tcp_store(host: str, port: int, place: _Place, timeout: timedelta) -> Store:
+    return TCPStore(
+        host,
+        port,
+        place.world_size,
+        is_master=place.rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,  # wait_for_world does the waiting, with a better message
+    )
+
+
+def _from_env(url: ParseResult, place: _Place, timeout: timedelta) -> tuple[Store, _Place]:
+    detected = detect_launch_env()
+    fallback = {"rank": detected.get("rank"), "world_size": detected.get("world_size")}
+    values = list(place)
+    for i, (name, variable) in enumerate(zip(_Place._fields, ("RANK", "WORLD_SIZE"), strict=True)):
+        if values[i] != _MISSING:
+            continue
+        if variable in os.environ:
+            text = os.environ[variable]
+            try:
+                values[i] = int(text)
+            except ValueError:
+                raise ValueError(
+                    f"environment variable {variable} must be an integer, got {text!r}."
+                ) from None
+        elif (found := fallback[name]) is not None:
+            values[i] = found
+        else:
+            raise ValueError(
+                f"env:// rendezvous needs environment variable {variable}, which is not set; "
+                f"set it, pass {name}=..., or start the job with cupy-parallel launch, "
+                "mpiexec or srun."
+            )
+    checked = _check_place(_Place(*values), InitMethod.ENV)
+    host = os.environ.get("MASTER_ADDR", "")
+    if not host:
+        raise ValueError(
+            "env:// rendezvous needs environment variable MASTER_ADDR (the address of rank 0), "
+            "which is not set."
+        )
+    port_text = os.environ.get("MASTER_PORT")
+    if port_text is None:
+        raise ValueError(
+            "env:// rendezvous needs environment variable MASTER_PORT (a free port on rank 0), "
+            "which is not set."
+        )
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = _MISSING
+    if not 1 <= port <= 65535:
+        raise ValueError(
+            f"environment variable MASTER_PORT must be a port in [1, 65535], got {port_text!r}."
+        )
+    return _tcp_store(host, port, checked, timeout), checked
+
+
+def _from_tcp(url: ParseResult, place: _Place, timeout: timedelta) -> tuple[Store, _Place]:
+    example = "tcp://10.1.1.20:23456"
+    try:
+        port = url.port
+    except ValueError:
+        raise ValueError(
+            f"init_method {url.geturl()!r} has an invalid port; write it as {example}."
+        ) from None
+    if not url.hostname or port is None or port == 0:
+        raise ValueError(
+            f"init_method {url.geturl()!r} needs a host and a non-zero port, e.g. {example}."
+        )
+    checked = _check_place(place, InitMethod.TCP)
+    return _tcp_store(url.hostname, port, checked, timeout), checked
+
+
+def _from_file(url: ParseResult, place: _Place, timeout: timedelta) -> tuple[Store, _Place]:
+    if url.netloc not in ("", "localhost") or not url.path:
+        raise ValueError(
+            f"init_method {url.geturl()!r} must name an absolute path after three slashes, "
+            "e.g. file:///tmp/cupy_parallel_store."
+        )
+    checked = _check_place(place, InitMethod.FILE)
+    return FileStore(unquote(url.path), checked.world_size, timeout=timeout), checked
+
+
+_HANDLERS: dict[InitMethod, Callable[[ParseResult, _Place, timedelta], tuple[Store, _Place]]] = {
+    InitMethod.ENV: _from_env,
+    InitMethod.TCP: _from_tcp,
+    InitMethod.FILE: _from_file,
+}
+
+
+def rendezvous(
+    init_method: str, rank: int = -1, world_size: int = -1, *, timeout: timedelta
+) -> tuple[Store, int, int]:
+    """Open the store named by ``init_method``; return it with this process's rank and the size.
+
+    ``rank`` and ``world_size`` default to ``-1``: taken from the URL query or (``env://``) the
+    environment. For ``env://`` and ``tcp://`` rank 0 hosts a :class:`TCPStore`; the other
+    ranks connect to it, retrying until ``timeout``. The store's timeout is set to ``timeout``.
+
+    Args:
+        init_method: ``"env://"``, ``"tcp://host:port"`` or ``"file:///path"``, optionally with
+            ``?rank=R&world_size=W``.
+        rank: this process's rank, or -1.
+        world_size: the number of processes, or -1.
+        timeout: how long to wait for the store (and, later, for its keys).
+
+    Returns:
+        ``(store, rank, world_size)``.
+
+    Raises:
+        ValueError: an unknown scheme, or a missing or invalid rank, size, host, port or
+            environment variable (the message names it).
+
+    Example:
+        >>> import os, tempfile
+        >>> from datetime import timedelta
+        >>> path = os.path.join(tempfile.mkdtemp(), "store")
+        >>> store, rank, size = rendezvous(f"file://{path}?world_size=1", rank=0,
+        ...                                timeout=timedelta(seconds=5))
+        >>> store.set("hello", "world")
+        >>> rank, size, store.get("hello")
+        (0, 1, b'world')
+        >>> store.close()
+        >>> rendezvous("udp://x", timeout=timedelta(seconds=5))
+        Traceback (most recent call last):
+        ValueError: init_method 'udp://x' has an unknown scheme 'udp'; supported: env://, ...
+    """
+    if not isinstance(init_method, str):
+        raise TypeError(
+            f"init_method must be a str URL, got {type(init_method).__name__} {init_method!r}."
+        )
+    timeout = _check_timeout(timeout, "timeout")
+    rank = _check_int(rank, "rank")
+    world_size = _check_int(world_size, "world_size")
+    url = urlparse(init_method)
+    try:
+        method = InitMethod(url.scheme)
+    except ValueError:
+        raise ValueError(
+            f"init_method {init_method!r} has an unknown scheme {url.scheme!r}; "
+            f"supported: {_SUPPORTED}."
+        ) from None
+    place = _merge(init_method, url, rank, world_size)
+    store, place = _HANDLERS[method](url, place, timeout)
+    return store, place.rank, place.world_size
+
+
+def wait_for_world(
+    store: Store,
+    rank: int,
+    world_size: int,
+    *,
+    timeout: timedelta,
+    key: str = "cupy_parallel/rendezvous",
+) -> None:
+    """Check this rank in under ``key`` and wait until all ``world_size`` ranks have.
+
+    Every rank increments ``f"{key}/arrived"``; the last to arrive sets ``f"{key}/complete"``,
+    which all ranks wait for. A rank checking in twice under one key (two processes given the
+    same rank, or a store left over from an earlier job) is an error; use a fresh key (or a
+    :class:`PrefixStore`) to rendezvous again on the same store.
+
+    Args:
+        store: the store all ranks share.
+        rank: this process's rank in ``[0, world_size)``.
+        world_size: the number of ranks to wait for.
+        timeout: how long to wait.
+        key: the key prefix of this rendezvous.
+
+    Raises:
+        TimeoutError: not every rank arrived in time; the message says how many did and
+            which are missing.
+        ValueError: ``rank`` already checked in under ``key``.
+
+    Example:
+        >>> from datetime import timedelta
+        >>> from cupy_parallel._src.distributed.store import TCPStore
+        >>> with TCPStore("127.0.0.1", 0, is_master=True) as store:
+        ...     wait_for_world(store, 0, 1, timeout=timedelta(seconds=5))
+        ...     wait_for_world(store, 0, 2, timeout=timedelta(seconds=0.2), key="other")
+        Traceback (most recent call last):
+        TimeoutError: rendezvous timed out after 0.2 s: 1 of 2 ranks arrived (missing ranks: 1).
+    """
+    if not isinstance(store, Store):
+        raise TypeError(f"store must be a cupy_parallel Store, got {type(store).__name__}.")
+    rank = _check_int(rank, "rank")
+    world_size = _check_int(world_size, "world_size")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
+    timeout = _check_timeout(timeout, "timeout", allow_zero=True)
+    if not isinstance(key, str):
+        raise TypeError(f"key must be a str, got {type(key).__name__} {key!r}.")
+
+    if store.add(f"{key}/rank/{rank}", 1) > 1:
+        raise ValueError(
+            f"rank {rank} checked in twice under rendezvous key {key!r}: two processes were "
+            "given the same rank, or the store still holds an earlier job's keys (use a new "
+            "file or port, or another key)."
+        )
+    arrived = store.add(f"{key}/arrived", 1)
+    if arrived == world_size:
+        store.set(f"{key}/complete", b"1")
+    try:
+        store.wait([f"{key}/complete"], timeout)
+    except TimeoutError:
+        arrived = store.add(f"{key}/arrived", 0)
+        missing = [r for r in range(world_size) if not store.check([f"{key}/rank/{r}"])]
+        shown = ", ".join(str(r) for r in missing[:_SHOWN_MISSING_RANKS])
+        if len(missing) > _SHOWN_MISSING_RANKS:
+            shown += ", ..."
+        raise TimeoutError(
+            f"rendezvous timed out after {_seconds(timeout)} s: {arrived} of {world_size} "
+            f"ranks arrived (missing ranks: {shown})."
+        ) from None

@@ -1,0 +1,275 @@
+"""``Work``: the handle of a communication that may still be running (torch's ``Work``).
+
+A backend starts a collective, wraps whatever tracks it (MPI requests, a CUDA event) in a
+:class:`Work` subclass implementing :meth:`Work._test`, and returns it. The public layer either
+returns the handle (``async_op=True``) or waits on it. Everything about waiting (deadlines, backoff,
+errors raised by the backend, finalizers that unpack or copy back results) lives here once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["CompletedWork", "Work", "seconds"]
+
+# Polling, as MPI progress loops do: test repeatedly, yielding the core every few dozen tests
+# (ranks may share cores, and MPI's nonblocking collectives progress only while a rank tests);
+# only after a long wait (a late peer, not a busy network) sleep with backoff between tests.
+_POLLS_PER_YIELD = 64
+_YIELD_SECONDS = 1.0
+_FIRST_SLEEP = 5e-5
+_MAX_SLEEP = 2e-3
+
+
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+def seconds(timeout: float | timedelta, /, *, name: str = "timeout") -> float:
+    """A timeout as float seconds, from seconds or a ``datetime.timedelta``; must be > 0.
+
+    Example:
+        >>> seconds(timedelta(minutes=1)), seconds(2.5)
+        (60.0, 2.5)
+    """
+    if isinstance(timeout, timedelta):
+        value = timeout.total_seconds()
+    elif isinstance(timeout, int | float) and not isinstance(timeout, bool):
+        value = float(timeout)
+    else:
+        raise TypeError(
+            f"{name} must be a datetime.timedelta or a number of seconds, "
+            f"got {type(timeout).__name__} {timeout!r}."
+        )
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {timeout!r}.")
+    return value
+
+
+class Work:
+    """Handle of an operation started with ``async_op=True`` (also ``isend``/``irecv``).
+
+    ``wait`` blocks until the operation finished (re-raising any error it met) and returns ``True``;
+    past the deadline it raises ``TimeoutError`` naming the operation and the process group.
+    ``is_completed`` asks without blocking. Results are in the arrays only after ``wait`` returned
+    (or ``is_completed`` returned ``True``).
+
+    The NCCL backend waits as torch's ProcessGroupNCCL does: ``wait()`` without a timeout (and so
+    every call with ``async_op=False``) makes the caller's *current CUDA stream* wait for the
+    operation and returns ``True`` at once, without blocking the host; kernels queued on that
+    stream afterwards see the results, and reading them on the host (``x.get()``) synchronises as
+    usual. ``wait(timeout=t)`` additionally blocks the host until the operation finished or ``t``
+    passed. A background watchdog enforces the group's timeout for NCCL operations nobody blocks
+    on (see :class:`~cupy_parallel._src.distributed.nccl.NCCLBackend`). The MPI backend always
+    blocks the host.
+
+    A timed-out collective cannot be cancelled (neither MPI nor NCCL can take back a collective
+    other ranks may be inside), so a timeout makes the process group unusable: the backend aborts
+    the communicator (NCCL) or the MPI job (MPI, when this process exits). See
+    :func:`cupy_parallel.distributed.init_process_group`.
+
+    For backend authors: subclass and implement :meth:`_test` (non-blocking: ``True`` once the
+    operation finished; raise to report failure). Optionally override :meth:`_block` (block until
+    done or a deadline; the default polls ``_test`` with backoff), :meth:`_on_timeout` (react to an
+    abandoned operation), :meth:`_order_on_device` (what ``wait()`` without a timeout does instead
+    of blocking: device backends order the caller's stream) and :meth:`wait_stream`.
+    :meth:`_add_finalizer` registers callbacks run once, in the waiting thread, right after
+    completion (unpacking, dividing for ``AVG``, copying staged data back); a finalizer that raises
+    makes the work fail with that error.
+
+    Example:
+        >>> work = CompletedWork("all_reduce", "0")
+        >>> work.is_completed(), work.wait(), work.exception()
+        (True, True, None)
+    """
+
+    __slots__ = (
+        "_description",
+        "_done",
+        "_exception",
+        "_finalizers",
+        "_group",
+        "_ranks",
+        "_source",
+        "_timeout",
+    )
+
+    #: Tests between two yields of the core while polling; backends lower it when oversubscribed.
+    _polls_per_yield: ClassVar[int] = _POLLS_PER_YIELD
+
+    def __init__(self, description: str, group: str, timeout: float = 1800.0) -> None:
+        self._description = description
+        self._group = group
+        self._timeout = timeout
+        self._done = False
+        self._exception: BaseException | None = None
+        self._finalizers: list[Callable[[], object]] | None = None
+        self._source = -1
+        self._ranks: tuple[int, ...] | None = None
+
+    # ----------------------------------------------------------------------------- backend hooks
+
+    def _test(self) -> bool:
+        """Whether the backend operation finished; never blocks. Raise to report its failure."""
+        raise NotImplementedError(f"{type(self).__name__} must implement Work._test.")
+
+    def _block(self, deadline: float) -> bool:
+        """Block until the operation finished (``True``) or ``time.monotonic() >= deadline``."""
+        test = self._test
+        now = time.monotonic()
+        yield_until = min(now + _YIELD_SECONDS, deadline)
+        while now < yield_until:
+            for _ in range(self._polls_per_yield):
+                if test():
+                    return True
+            _yield()
+            now = time.monotonic()
+        pause = _FIRST_SLEEP
+        while now < deadline:
+            time.sleep(pause)
+            if test():
+                return True
+            pause = min(pause * 2.0, _MAX_SLEEP)
+            now = time.monotonic()
+        return False
+
+    def _on_timeout(self) -> None:
+        """Called once when :meth:`wait` gives up; backends abort or poison the group here."""
+
+    def _order_on_device(self) -> bool:
+        """``wait()`` without a timeout: order later device work after this one, host unblocked.
+
+        Return ``True`` when done so (``wait`` then returns ``True`` at once), ``False`` to block
+        the host as with an explicit timeout (the default, and what a device backend returns
+        once its operation finished, so that ``wait`` reports the outcome). Never blocks.
+        """
+        return False
+
+    def _add_finalizer(self, finalizer: Callable[[], object], /) -> Work:
+        """Run ``finalizer()`` once after the operation finished (in registration order)."""
+        if self._done:
+            raise RuntimeError("cannot add a finalizer to a work that already completed.")
+        if self._finalizers is None:
+            self._finalizers = [finalizer]
+        else:
+            self._finalizers.append(finalizer)
+        return self
+
+    def _set_source(self, source: int, /) -> None:
+        """Record the group rank a receive got its message from."""
+        self._source = source
+
+    # ----------------------------------------------------------------------------- completion
+
+    def _complete(self) -> None:
+        self._done = True
+        finalizers, self._finalizers = self._finalizers, None
+        if finalizers is not None:
+            try:
+                for finalizer in finalizers:
+                    finalizer()
+            except Exception as error:  # noqa: BLE001 - stored and re-raised by wait()
+                self._exception = error
+
+    def _fail(self, error: BaseException) -> None:
+        self._done = True
+        self._finalizers = None
+        self._exception = error
+
+    def is_completed(self) -> bool:
+        """Whether the operation finished (successfully or not); never blocks."""
+        if not self._done:
+            try:
+                finished = self._test()
+            except Exception as error:  # noqa: BLE001 - reported through wait()/exception()
+                self._fail(error)
+                return True
+            if finished:
+                self._complete()
+        return self._done
+
+    def is_success(self) -> bool:
+        """Whether the operation finished without error; never blocks."""
+        return self.is_completed() and self._exception is None
+
+    def exception(self) -> BaseException | None:
+        """The error the operation failed with, or ``None`` (also while it is still running)."""
+        self.is_completed()
+        return self._exception
+
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
+        """Block until the operation finished and return ``True``; re-raise its error if it failed.
+
+        For NCCL, ``timeout=None`` does not block the host: it makes the caller's current CUDA
+        stream wait for the operation and returns ``True`` (torch's ProcessGroupNCCL semantics;
+        the group's watchdog enforces the timeout). An explicit ``timeout`` always blocks the host.
+
+        Args:
+            timeout: Seconds or a ``timedelta``; ``None`` uses the process group's timeout.
+
+        Raises:
+            TimeoutError: The operation did not finish in time; the group is unusable afterwards.
+        """
+        if not self._done and timeout is None and self._order_on_device():
+            return True
+        if not self._done:
+            limit = self._timeout if timeout is None else seconds(timeout)
+            try:
+                finished = self._block(time.monotonic() + limit)
+            except Exception as error:  # noqa: BLE001 - re-raised below with the others
+                self._fail(error)
+                finished = True
+            if not finished:
+                self._on_timeout()
+                raise TimeoutError(
+                    f"{self._description} on process group {self._group!r} did not complete "
+                    f"within {limit:g} s (a peer did not join, died, or is far behind). A started "
+                    "collective cannot be cancelled, so this process group is unusable now."
+                )
+            if not self._done:
+                self._complete()
+        if self._exception is not None:
+            raise self._exception
+        return True
+
+    def wait_stream(self, stream: object = None) -> None:
+        """Make ``stream`` (default: the current CUDA stream) wait for this operation.
+
+        Host backends finish on the host, so this is :meth:`wait`; the NCCL backend orders the
+        stream after the communication with an event instead and returns without blocking.
+        """
+        del stream
+        self.wait()
+
+    def source_rank(self) -> int:
+        """The global rank a finished receive got its message from (``-1`` for other operations)."""
+        self.wait()
+        if self._ranks is not None and self._source >= 0:
+            return self._ranks[self._source]
+        return self._source
+
+    def __repr__(self) -> str:
+        state = "completed" if self._done else "pending"
+        return f"<{type(self).__name__} {self._description} on group {self._group!r}: {state}>"
+
+
+class CompletedWork(Work):
+    """A :class:`Work` that finished when it was made (local or empty operations).
+
+    Example:
+        >>> CompletedWork("barrier", "0").is_completed()
+        True
+    """
+
+    __slots__ = ()
+
+    def __init__(self, description: str, group: str, timeout: float = 1800.0) -> None:
+        super().__init__(description, group, timeout)
+
+    def _test(self) -> bool:
+        return True

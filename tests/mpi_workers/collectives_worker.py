@@ -1,0 +1,495 @@
+"""Run by ``mpiexec -n N python collectives_worker.py MODE``: checks every collective against NumPy.
+
+Every rank builds every rank's inputs from a seed, so each can compute the expected result with
+NumPy alone. Mismatches are collected and reported on stderr; the exit status is 1 if any.
+
+Modes: ``all`` (the full matrix), ``timeout`` (rank 1 never joins a collective), ``die`` (rank 1
+exits abruptly before a collective), ``init-timeout`` (rank 1 never calls init_process_group).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import numpy as np
+
+import cupy_parallel
+from cupy_parallel import distributed as dist
+from cupy_parallel.distributed import ReduceOp
+
+DTYPES = [
+    np.bool_,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
+]
+OPS = list(ReduceOp)
+SHAPES = [(), (0,), (5,), (3, 4)]
+failures: list[str] = []
+checks = 0
+
+
+def data(seed: int, rank: int, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """Small integer-valued data: sums and products are exact in every dtype and every order."""
+    rng = np.random.default_rng([seed, rank])
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        return rng.integers(0, 2, shape).astype(dt)
+    low = 0 if dt.kind in "ub" else -3
+    values = rng.integers(low, 4, shape)
+    if dt.kind == "c":
+        values = values + 1j * rng.integers(-3, 4, shape)
+    return np.asarray(values).astype(dt)
+
+
+def valid(dtype: type, op: ReduceOp) -> bool:
+    kind = np.dtype(dtype).kind
+    return not (kind == "b" and op is ReduceOp.AVG) and not (
+        kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX)
+    )
+
+
+def oracle(arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    """The reduction computed with NumPy, by the documented rules (float16 in float32)."""
+    dtype = arrays[0].dtype
+    work = [a.astype(np.float32) if dtype == np.float16 else a for a in arrays]
+    if dtype.kind == "b":
+        ufunc = np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and
+    else:
+        ufunc = {
+            ReduceOp.SUM: np.add,
+            ReduceOp.AVG: np.add,
+            ReduceOp.PRODUCT: np.multiply,
+            ReduceOp.MIN: np.minimum,
+            ReduceOp.MAX: np.maximum,
+        }[op]
+    result = functools.reduce(lambda a, b: ufunc(a, b, dtype=a.dtype), work)
+    result = np.array(result, dtype=work[0].dtype)
+    if op is ReduceOp.AVG:
+        count = len(arrays)
+        if result.dtype.kind in "fc":
+            result = result / result.dtype.type(count)
+        else:
+            result = np.fix(result.astype(np.float64) / count).astype(result.dtype)
+            # exact for these small values
+    return result.astype(dtype)
+
+
+def check(name: str, actual: object, expected: object) -> None:
+    global checks
+    checks += 1
+    a, e = np.asarray(actual), np.asarray(expected)
+    if a.dtype != e.dtype or a.shape != e.shape or not np.array_equal(a, e):
+        failures.append(f"{name}: got {a!r}, expected {e!r}")
+
+
+def run_all() -> None:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    seed = 0
+
+    def next_seed() -> int:
+        nonlocal seed
+        seed += 1
+        return seed
+
+    # broadcast: every root, dtype and shape; HostArray in place
+    for root in range(n):
+        for dtype in DTYPES:
+            for shape in SHAPES:
+                s = next_seed()
+                x = data(s, rank, shape, dtype)
+                dist.broadcast(x, src=root)
+                check(
+                    f"broadcast root={root} {np.dtype(dtype)} {shape}",
+                    x,
+                    data(s, root, shape, dtype),
+                )
+    # all_reduce / reduce: every dtype, op and root
+    for dtype in DTYPES:
+        for op in OPS:
+            if not valid(dtype, op):
+                continue
+            s = next_seed()
+            every = [data(s, r, (3, 2), dtype) for r in range(n)]
+            x = every[rank].copy()
+            dist.all_reduce(x, op=op)
+            check(f"all_reduce {op} {np.dtype(dtype)}", x, oracle(every, op))
+            for root in range(n):
+                x = every[rank].copy()
+                work = dist.reduce(x, dst=root, op=op, async_op=True)
+                work.wait()
+                check(
+                    f"reduce {op} {np.dtype(dtype)} root={root}",
+                    x,
+                    oracle(every, op) if rank == root else every[rank],
+                )
+            outs = np.zeros((3,), dtype)
+            ins = [data(s + 1000, rank * n + k, (3,), dtype) for k in range(n)]
+            dist.reduce_scatter(outs, ins, op=op)
+            expected = oracle([data(s + 1000, r * n + rank, (3,), dtype) for r in range(n)], op)
+            check(f"reduce_scatter {op} {np.dtype(dtype)}", outs, expected)
+    # all_gather / gather / scatter: every dtype, every root
+    for dtype in DTYPES:
+        s = next_seed()
+        every = [data(s, r, (2, 3), dtype) for r in range(n)]
+        outs = [np.zeros((2, 3), dtype) for _ in range(n)]
+        dist.all_gather(outs, every[rank])
+        for r in range(n):
+            check(f"all_gather {np.dtype(dtype)} [{r}]", outs[r], every[r])
+        for root in range(n):
+            gathered = [np.zeros((2, 3), dtype) for _ in range(n)] if rank == root else None
+            dist.gather(every[rank], gathered, dst=root)
+            if gathered is not None:
+                for r in range(n):
+                    check(f"gather {np.dtype(dtype)} root={root} [{r}]", gathered[r], every[r])
+            out = np.zeros((2, 3), dtype)
+            pieces = [data(s + 7, root * n + r, (2, 3), dtype) for r in range(n)]
+            dist.scatter(out, pieces if rank == root else None, src=root)
+            check(
+                f"scatter {np.dtype(dtype)} root={root}",
+                out,
+                data(s + 7, root * n + rank, (2, 3), dtype),
+            )
+    # all_to_all with sizes differing per pair
+    for dtype in (np.int64, np.float16, np.complex128, np.bool_):
+        s = next_seed()
+        ins = [data(s, rank * n + q, (rank + q + 1,), dtype) for q in range(n)]
+        outs = [np.zeros((r + rank + 1,), dtype) for r in range(n)]
+        dist.all_to_all(outs, ins)
+        for r in range(n):
+            check(
+                f"all_to_all {np.dtype(dtype)} from {r}",
+                outs[r],
+                data(s, r * n + rank, (r + rank + 1,), dtype),
+            )
+    # barrier: nobody leaves before rank 0 has slept
+    start = np.array([time.time()])
+    dist.broadcast(start, src=0)
+    if rank == 0:
+        time.sleep(0.2)
+    dist.barrier()
+    check("barrier waited for rank 0", bool(time.time() >= start[0] + 0.2), True)
+    # point to point: a ring of isend/irecv, then any-source receives at rank 0
+    s = next_seed()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    inbox = np.zeros(4, np.float64)
+    recv_work = dist.irecv(inbox, src=left, tag=5)
+    send_work = dist.isend(data(s, rank, (4,), np.float64), dst=right, tag=5)
+    send_work.wait()
+    recv_work.wait()
+    check("ring irecv", inbox, data(s, left, (4,), np.float64))
+    check("ring source_rank", recv_work.source_rank(), left)
+    if rank == 0:
+        seen = []
+        for _ in range(n - 1):
+            box = np.zeros(2, np.int32)
+            sender = dist.recv(box, tag=9)
+            seen.append(sender)
+            check(f"recv any source from {sender}", box, np.array([sender, 10 * sender], np.int32))
+        check("recv any source saw every rank", sorted(seen), list(range(1, n)))
+    else:
+        dist.send(np.array([rank, 10 * rank], np.int32), dst=0, tag=9)
+    # coalesced forms with mixed dtypes and shapes
+    for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.AVG):
+        s = next_seed()
+        specs = [
+            ((3,), np.float32),
+            ((2, 2), np.int64),
+            ((), np.float64),
+            ((4,), np.float32),
+            ((0,), np.int8),
+        ]
+        mine = [data(s + k, rank, shape, dt) for k, (shape, dt) in enumerate(specs)]
+        dist.all_reduce_coalesced(mine, op=op)
+        for k, (shape, dt) in enumerate(specs):
+            expected = oracle([data(s + k, r, shape, dt) for r in range(n)], op)
+            check(f"all_reduce_coalesced {op} [{k}]", mine[k], expected)
+    s = next_seed()
+    specs = [((3,), np.float16), ((2, 2), np.int64), ((), np.bool_), ((1,), np.complex64)]
+    mine = [data(s + k, rank, shape, dt) for k, (shape, dt) in enumerate(specs)]
+    outs = [[np.zeros(shape, dt) for shape, dt in specs] for _ in range(n)]
+    dist.all_gather_coalesced(outs, mine)
+    for r in range(n):
+        for k, (shape, dt) in enumerate(specs):
+            check(f"all_gather_coalesced [{r}][{k}]", outs[r][k], data(s + k, r, shape, dt))
+    # async overlap: several operations in flight, waited in reverse order
+    s = next_seed()
+    every = [[data(s + k, r, (64,), np.float64) for r in range(n)] for k in range(4)]
+    xs = [every[k][rank].copy() for k in range(4)]
+    works = [dist.all_reduce(x, async_op=True) for x in xs]
+    bcast = data(s + 99, rank, (8,), np.int32)
+    works.append(dist.broadcast(bcast, src=n - 1, async_op=True))
+    for work in reversed(works):
+        check("async wait", work.wait(), True)
+    for k in range(4):
+        check(f"async all_reduce [{k}]", xs[k], oracle(every[k], ReduceOp.SUM))
+        check(f"async is_completed [{k}]", works[k].is_completed(), True)
+        check(f"async exception [{k}]", works[k].exception() is None, True)
+    check("async broadcast", bcast, data(s + 99, n - 1, (8,), np.int32))
+    # HostArrays communicate in place and stay where they were
+    cupy_parallel.set_host_device_count(2)
+    h = cupy_parallel.to_device(np.full(3, rank + 1.0), "host:1")
+    dist.all_reduce(h)
+    check("HostArray all_reduce", np.asarray(h), np.full(3, n * (n + 1) / 2))
+    check("HostArray device", str(h.device), "host:1")
+    run_multigpu(rank, n, next_seed)
+    run_groups(rank, n)
+
+
+def run_multigpu(rank: int, n: int, next_seed) -> None:
+    local = 3
+    cupy_parallel.set_host_device_count(local)
+    devs = [f"host:{k}" for k in range(local)]
+
+    def put(arrays):
+        return [cupy_parallel.to_device(a, d) for a, d in zip(arrays, devs, strict=True)]
+
+    for dtype in (np.float64, np.int32, np.float16, np.bool_):
+        for op in OPS:
+            if not valid(dtype, op):
+                continue
+            s = next_seed()
+            every = [
+                [data(s, r * local + j, (2, 3), dtype) for j in range(local)] for r in range(n)
+            ]
+            flat = [a for row in every for a in row]
+            xs = put([a.copy() for a in every[rank]])
+            dist.all_reduce_multigpu(xs, op=op)
+            for j in range(local):
+                check(
+                    f"all_reduce_multigpu {op} {np.dtype(dtype)} [{j}]",
+                    np.asarray(xs[j]),
+                    oracle(flat, op),
+                )
+                check("all_reduce_multigpu placement", str(xs[j].device), devs[j])
+            for root in range(n):
+                xs = put([a.copy() for a in every[rank]])
+                dist.reduce_multigpu(xs, dst=root, op=op, dst_tensor=local - 1)
+                for j in range(local):
+                    expected = (
+                        oracle(flat, op) if (rank == root and j == local - 1) else every[rank][j]
+                    )
+                    check(
+                        f"reduce_multigpu {op} {np.dtype(dtype)} root={root} [{j}]",
+                        np.asarray(xs[j]),
+                        expected,
+                    )
+            # reduce_scatter_multigpu: input_tensor_lists[i][r * L + j] of every rank and local i
+            ins = [
+                [
+                    cupy_parallel.to_device(
+                        data(s + 500, (rank * local + i) * 100 + c, (2,), dtype), devs[i]
+                    )
+                    for c in range(n * local)
+                ]
+                for i in range(local)
+            ]
+            outs = [cupy_parallel.to_device(np.zeros(2, dtype), d) for d in devs]
+            dist.reduce_scatter_multigpu(outs, ins, op=op)
+            for j in range(local):
+                c = rank * local + j
+                contributions = [
+                    data(s + 500, (r * local + i) * 100 + c, (2,), dtype)
+                    for r in range(n)
+                    for i in range(local)
+                ]
+                check(
+                    f"reduce_scatter_multigpu {op} {np.dtype(dtype)} [{j}]",
+                    np.asarray(outs[j]),
+                    oracle(contributions, op),
+                )
+        s = next_seed()
+        for root in range(n):
+            for src_tensor in range(local):
+                xs = put([data(s, rank * local + j, (4,), dtype) for j in range(local)])
+                dist.broadcast_multigpu(xs, src=root, src_tensor=src_tensor)
+                for j in range(local):
+                    check(
+                        f"broadcast_multigpu {np.dtype(dtype)} root={root}/{src_tensor} [{j}]",
+                        np.asarray(xs[j]),
+                        data(s, root * local + src_tensor, (4,), dtype),
+                    )
+        xs = put([data(s + 1, rank * local + j, (2,), dtype) for j in range(local)])
+        outs = [
+            [cupy_parallel.to_device(np.zeros(2, dtype), devs[i]) for _ in range(n * local)]
+            for i in range(local)
+        ]
+        dist.all_gather_multigpu(outs, xs)
+        for i in range(local):
+            for r in range(n):
+                for j in range(local):
+                    check(
+                        f"all_gather_multigpu {np.dtype(dtype)} [{i}][{r}*L+{j}]",
+                        np.asarray(outs[i][r * local + j]),
+                        data(s + 1, r * local + j, (2,), dtype),
+                    )
+                    check(
+                        "all_gather_multigpu placement", str(outs[i][r * local + j].device), devs[i]
+                    )
+
+
+def run_groups(rank: int, n: int) -> None:
+    if n < 3:
+        everyone = dist.new_group()
+        x = np.array([rank + 1.0])
+        dist.all_reduce(x, group=everyone)
+        check("new_group() all_reduce", x, np.array([n * (n + 1) / 2]))
+        dist.destroy_process_group(everyone)
+        return
+    members = [n - 1, 0]  # given unsorted: group ranks follow sorted order
+    sub = dist.new_group(members)
+    odd = dist.new_group([r for r in range(n) if r % 2 == 1])
+    if rank in members:
+        check("subgroup rank", dist.get_rank(sub), sorted(members).index(rank))
+        check("subgroup size", dist.get_world_size(sub), 2)
+        check("subgroup backend", dist.get_backend(sub), "mpi")
+        x = np.array([float(rank)])
+        dist.all_reduce(x, group=sub)
+        check("subgroup all_reduce", x, np.array([float(n - 1)]))
+        y = np.array([rank])
+        dist.broadcast(y, src=n - 1, group=sub)
+        check("subgroup broadcast from world rank", y, np.array([n - 1]))
+        outs = [np.zeros(1, np.int64) for _ in range(2)]
+        dist.all_gather(outs, np.array([rank]), group=sub)
+        check("subgroup all_gather", [int(o[0]) for o in outs], [0, n - 1])
+        if rank == 0:
+            box = np.zeros(1, np.int64)
+            check("subgroup recv returns world rank", dist.recv(box, group=sub), n - 1)
+            check("subgroup recv data", box, np.array([n - 1]))
+        else:
+            dist.send(np.array([rank], np.int64), dst=0, group=sub)
+        try:
+            dist.broadcast(np.zeros(1), src=1, group=sub)
+        except ValueError as error:
+            check(
+                "subgroup non-member src",
+                "src=1 is not a member of process group" in str(error),
+                True,
+            )
+        else:
+            failures.append("broadcast with a non-member src did not raise")
+    else:
+        check("non-member gets NON_GROUP_MEMBER", sub is dist.GroupMember.NON_GROUP_MEMBER, True)
+        check("non-member rank", dist.get_rank(sub), -1)
+        check("non-member size", dist.get_world_size(sub), -1)
+        x = np.array([5.0])
+        check("non-member all_reduce returns None", dist.all_reduce(x, group=sub), None)
+        check("non-member all_reduce leaves data", x, np.array([5.0]))
+        check("non-member recv", dist.recv(np.zeros(1), group=sub), -1)
+    if rank % 2 == 1:
+        x = np.array([rank])
+        dist.all_reduce(x, group=odd)
+        check("odd group all_reduce", x, np.array([sum(r for r in range(n) if r % 2 == 1)]))
+    else:
+        check("odd group non-member", odd is dist.GroupMember.NON_GROUP_MEMBER, True)
+    dist.barrier()
+    dist.destroy_process_group(sub)
+    # the world still works after destroying a subgroup
+    x = np.array([1])
+    dist.all_reduce(x)
+    check("world after destroying a subgroup", x, np.array([n]))
+
+
+def run_cupy(rank: int, n: int) -> None:
+    """CuPy arrays through the MPI backend (staged through host memory unless MPI is CUDA-aware)."""
+    import warnings
+
+    import cupy
+
+    from cupy_parallel._src.distributed.mpi import mpi_is_cuda_aware
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        every = [data(1, r, (5,), np.float32) for r in range(n)]
+        x = cupy.asarray(every[rank])
+        dist.all_reduce(x)
+        check("cupy all_reduce", cupy.asnumpy(x), oracle(every, ReduceOp.SUM))
+        y = cupy.asarray(data(2, rank, (3,), np.int64))
+        dist.broadcast(y, src=n - 1)
+        check("cupy broadcast", cupy.asnumpy(y), data(2, n - 1, (3,), np.int64))
+        outs = [cupy.zeros(5, np.float32) for _ in range(n)]
+        work = dist.all_gather(outs, cupy.asarray(every[rank]), async_op=True)
+        work.wait()
+        for r in range(n):
+            check(f"cupy all_gather [{r}]", cupy.asnumpy(outs[r]), every[r])
+        x = cupy.asarray(every[rank])
+        dist.all_reduce(x, op=ReduceOp.AVG)
+        check("cupy all_reduce AVG", cupy.asnumpy(x), oracle(every, ReduceOp.AVG))
+    notes = [w for w in caught if "not CUDA-aware" in str(w.message)]
+    check("cupy staging note appears once", len(notes), 0 if mpi_is_cuda_aware() else 1)
+
+
+def main() -> int:
+    mode = sys.argv[1]
+    rank_env = int(os.environ.get("PMI_RANK", "0"))
+    if mode == "init-timeout":
+        if rank_env == 1:
+            from mpi4py import MPI  # MPI starts, but this rank never joins the process group
+
+            MPI.COMM_WORLD.Get_rank()
+            time.sleep(60)
+            return 0
+        try:
+            dist.init_process_group("mpi", timeout=timedelta(seconds=2))
+        except TimeoutError as error:
+            print(f"CAUGHT TimeoutError: {error}", file=sys.stderr, flush=True)
+        return 0
+    dist.init_process_group("mpi", timeout=timedelta(seconds=3 if mode == "timeout" else 120))
+    rank = dist.get_rank()
+    if mode == "timeout":
+        if rank == 1:
+            time.sleep(60)
+            return 0
+        try:
+            dist.all_reduce(np.ones(4))
+        except TimeoutError as error:
+            print(f"CAUGHT TimeoutError: {error}", file=sys.stderr, flush=True)
+        try:
+            dist.barrier()
+        except RuntimeError as error:
+            print(f"CAUGHT RuntimeError: {error}", file=sys.stderr, flush=True)
+        return 0
+    if mode == "cupy":
+        run_cupy(rank, dist.get_world_size())
+        dist.destroy_process_group()
+        if failures:
+            print("\n".join(failures), file=sys.stderr)
+            return 1
+        print(f"rank {rank}: {checks} checks passed")
+        return 0
+    if mode == "die":
+        if rank == 1:
+            os._exit(3)
+        dist.all_reduce(np.ones(4))
+        return 0
+    try:
+        run_all()
+    except Exception:  # noqa: BLE001 - report any error, then fail the job
+        failures.append(traceback.format_exc())
+    dist.destroy_process_group()
+    if failures:
+        print(f"rank {rank}: {len(failures)} of {checks} checks failed:", file=sys.stderr)
+        for failure in failures[:30]:
+            print("  " + failure, file=sys.stderr)
+        return 1
+    print(f"rank {rank}: {checks} checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

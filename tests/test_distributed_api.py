@@ -1,0 +1,308 @@
+"""The process-group API in one process: state errors, argument checks, Work, a world of one.
+
+MPI runs here as a singleton (mpi4py needs no mpiexec for a world of one), so every call really
+goes through the MPI backend; multi-rank behaviour is in test_mpi_collectives.py.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+
+import cupy_parallel
+from cupy_parallel import distributed as dist
+from cupy_parallel._src.distributed.mpi import _average
+from cupy_parallel._src.distributed.work import CompletedWork, Work
+from cupy_parallel.distributed import Backend, ReduceOp
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+
+@pytest.fixture
+def world() -> Iterator[None]:
+    dist.init_process_group("mpi", timeout=timedelta(seconds=20))
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Enums
+
+
+@pytest.mark.parametrize("name", ["mpi", "MPI", " Mpi "])
+def test_backend_parses_any_case(name: str) -> None:
+    assert Backend(name) is Backend.MPI
+    assert Backend(name) == "mpi"
+
+
+def test_backend_gloo_points_to_mpi() -> None:
+    with pytest.raises(ValueError, match=r"got 'gloo'\. Use Backend\.MPI \('mpi'\)"):
+        Backend("gloo")
+    with pytest.raises(TypeError, match=r"backend must be a str or Backend"):
+        Backend(3)
+
+
+def test_reduce_op_members() -> None:
+    assert [op.name for op in ReduceOp] == ["SUM", "PRODUCT", "MIN", "MAX", "AVG"]
+
+
+# ---------------------------------------------------------------------------------------------
+# State
+
+
+def test_calls_before_init_raise() -> None:
+    assert not dist.is_initialized()
+    for call in (
+        dist.get_rank,
+        dist.get_world_size,
+        dist.get_backend,
+        dist.new_group,
+        dist.barrier,
+        lambda: dist.all_reduce(np.zeros(1)),
+    ):
+        with pytest.raises(RuntimeError, match=r"not initialized; call .*init_process_group"):
+            call()
+
+
+def test_init_twice_raises(world: None) -> None:
+    with pytest.raises(RuntimeError, match=r"init_process_group was called twice"):
+        dist.init_process_group("mpi")
+    assert dist.get_backend() == "mpi"
+    assert dist.get_backend() is Backend.MPI
+    assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
+
+
+def test_init_argument_errors_change_nothing() -> None:
+    with pytest.raises(ValueError, match=r"MPI\.COMM_WORLD \(rank 0 of 1\), got rank=3"):
+        dist.init_process_group("mpi", rank=3)
+    with pytest.raises(TypeError, match=r"timeout must be a datetime.timedelta"):
+        dist.init_process_group("mpi", timeout="30")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"init_method and store are exclusive"):
+        dist.init_process_group("mpi", init_method="env://", store=object())
+    with pytest.raises(TypeError, match=r"world_size must be an int"):
+        dist.init_process_group("mpi", world_size=1.0)  # type: ignore[arg-type]
+    assert not dist.is_initialized()
+
+
+def test_destroy_and_reinit(world: None) -> None:
+    dist.destroy_process_group()
+    assert not dist.is_initialized()
+    dist.init_process_group("MPI")
+    x = np.array([2.0])
+    dist.all_reduce(x)
+    assert x.tolist() == [2.0]
+
+
+def test_groups(world: None) -> None:
+    sub = dist.new_group([0])
+    assert isinstance(sub, dist.ProcessGroup)
+    assert (dist.get_rank(sub), dist.get_world_size(sub), sub.ranks) == (0, 1, (0,))
+    assert dist.get_backend(sub) == "mpi"
+    x = np.array([1, 2])
+    dist.all_reduce(x, group=sub)
+    assert x.tolist() == [1, 2]
+    dist.destroy_process_group(sub)
+    with pytest.raises(ValueError, match=r"process group '1' was destroyed"):
+        dist.all_reduce(x, group=sub)
+    with pytest.raises(
+        ValueError, match=r"world ranks in \[0, 1\), got \[0, 1\] \(out of range: \[1\]\)"
+    ):
+        dist.new_group([0, 1])
+    with pytest.raises(ValueError, match=r"ranks must be distinct"):
+        dist.new_group([0, 0])
+    with pytest.raises(NotImplementedError, match=r"new_group\(backend='nccl'\) under a 'mpi'"):
+        dist.new_group(backend="nccl")
+    with pytest.raises(TypeError, match=r"group must be None, group.WORLD"):
+        dist.all_reduce(x, group="world")
+    non_member = dist.GroupMember.NON_GROUP_MEMBER
+    assert dist.get_rank(non_member) == -1
+    assert dist.get_world_size(non_member) == -1
+    assert dist.all_reduce(x, group=non_member) is None
+    assert dist.recv(x, group=non_member) == -1
+    assert dist.get_rank(dist.group.WORLD) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks, pinned
+
+
+def test_array_checks(world: None) -> None:
+    with pytest.raises(TypeError, match=r"tensor must be an array .* got list"):
+        dist.all_reduce([1.0])
+    with pytest.raises(ValueError, match=r"tensor must be C-contiguous"):
+        dist.all_reduce(np.zeros((4, 4))[:, 0])
+    frozen = np.zeros(3)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"tensor receives data in place but is read-only"):
+        dist.broadcast(frozen, src=0)
+    with pytest.raises(TypeError, match=r"op must be a ReduceOp .* got str 'sum'"):
+        dist.all_reduce(np.zeros(1), op="sum")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"ReduceOp.AVG is not defined for bool arrays"):
+        dist.all_reduce(np.zeros(1, bool), op=ReduceOp.AVG)
+    with pytest.raises(TypeError, match=r"ReduceOp.MAX is not defined for complex dtype"):
+        dist.all_reduce(np.zeros(1, complex), op=ReduceOp.MAX)
+    with pytest.raises(TypeError, match=r"hold Python objects"):
+        dist.broadcast(np.zeros(1, object), src=0)
+    with pytest.raises(TypeError, match=r"cannot reduce arrays of dtype <U1"):
+        dist.all_reduce(np.array(["a"]))
+    with pytest.raises(
+        ValueError, match=r"src=1 is not a member of process group '0', whose world ranks are \[0\]"
+    ):
+        dist.broadcast(np.zeros(1), src=1)
+    with pytest.raises(TypeError, match=r"src must be an int"):
+        dist.broadcast(np.zeros(1), src="0")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"async_op must be a bool, got str"):
+        dist.all_reduce(np.zeros(1), async_op="yes")  # type: ignore[arg-type]
+
+
+def test_list_checks(world: None) -> None:
+    x = np.zeros(2)
+    with pytest.raises(ValueError, match=r"gather_list must be given on the destination rank 0"):
+        dist.gather(x)
+    with pytest.raises(ValueError, match=r"tensor_list must hold 1 arrays, got 2"):
+        dist.all_gather([np.zeros(2), np.zeros(2)], x)
+    with pytest.raises(
+        ValueError, match=r"tensor_list\[0\] has shape \(3,\) but tensor has \(2,\)"
+    ):
+        dist.all_gather([np.zeros(3)], x)
+    with pytest.raises(TypeError, match=r"tensor_list\[0\] has dtype int64 but tensor has float64"):
+        dist.all_gather([np.zeros(2, np.int64)], x)
+    with pytest.raises(TypeError, match=r"scatter_list must be a list of arrays, got ndarray"):
+        dist.scatter(x, np.zeros((1, 2)))  # type: ignore[arg-type]
+    host = cupy_parallel.to_device(np.zeros(2), "host:1")
+    with pytest.raises(ValueError, match=r"tensor_list\[0\] is on cpu but tensor is on host:1"):
+        dist.all_gather([np.zeros(2)], host)
+    same = [cupy_parallel.to_device(np.zeros(2), "host:1") for _ in range(2)]
+    with pytest.raises(
+        ValueError, match=r"one array per local device .* got devices \['host:1', 'host:1'\]"
+    ):
+        dist.all_reduce_multigpu(same)
+    pair = [cupy_parallel.to_device(np.zeros(2), f"host:{k}") for k in range(2)]
+    with pytest.raises(ValueError, match=r"src_tensor must be in \[0, 2\)"):
+        dist.broadcast_multigpu(pair, src=0, src_tensor=2)
+    with pytest.raises(ValueError, match=r"tensors must hold at least one array"):
+        dist.all_reduce_coalesced([])
+    with pytest.raises(TypeError, match=r"all_to_all moves one dtype"):
+        dist.all_to_all([np.zeros(1, np.int32)], [np.zeros(1)])
+
+
+def test_p2p_checks(world: None) -> None:
+    with pytest.raises(
+        ValueError, match=r"dst=0 is this process's own rank; a rank cannot send to itself"
+    ):
+        dist.send(np.zeros(1), dst=0)
+    with pytest.raises(ValueError, match=r"tag must be >= 0, got -1"):
+        dist.isend(np.zeros(1), dst=0, tag=-1)
+    with pytest.raises(TypeError, match=r"dst must be an int"):
+        dist.isend(np.zeros(1), dst=None)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# A world of one against NumPy
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.int8, np.uint16, np.int64, np.float16, np.float32, np.complex128]
+)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.AVG])
+def test_single_rank_reductions_are_identity(world: None, dtype: type, op: ReduceOp) -> None:
+    original = (np.arange(6) - 2).reshape(2, 3).astype(dtype)
+    x = original.copy()
+    work = dist.all_reduce(x, op=op, async_op=True)
+    assert isinstance(work, Work)
+    assert work.wait() is True
+    np.testing.assert_array_equal(x, original)
+    assert x.dtype == original.dtype
+
+
+def test_single_rank_movement(world: None) -> None:
+    x = np.arange(6.0).reshape(2, 3)
+    out = [np.zeros((2, 3))]
+    dist.all_gather(out, x)
+    np.testing.assert_array_equal(out[0], x)
+    got = np.zeros((2, 3))
+    dist.scatter(got, [x], src=0)
+    np.testing.assert_array_equal(got, x)
+    multi = [[np.zeros(2), np.zeros((), np.int8)]]
+    dist.all_gather_coalesced(multi, [np.array([1.5, 2.5]), np.array(7, np.int8)])
+    assert multi[0][0].tolist() == [1.5, 2.5]
+    assert int(multi[0][1]) == 7
+
+
+# ---------------------------------------------------------------------------------------------
+# Work
+
+
+class _Never(Work):
+    __slots__ = ("abandoned",)
+
+    def __init__(self) -> None:
+        super().__init__("all_reduce", "7", 30.0)
+        self.abandoned = False
+
+    def _test(self) -> bool:
+        return False
+
+    def _on_timeout(self) -> None:
+        self.abandoned = True
+
+
+class _Broken(Work):
+    __slots__ = ()
+
+    def _test(self) -> bool:
+        raise OSError("link down")
+
+
+def test_work_timeout_names_operation_and_group() -> None:
+    work = _Never()
+    start = time.monotonic()
+    with pytest.raises(
+        TimeoutError, match=r"all_reduce on process group '7' did not complete within 0.05 s"
+    ):
+        work.wait(timeout=timedelta(milliseconds=50))
+    assert 0.05 <= time.monotonic() - start < 5
+    assert work.abandoned
+    assert not work.is_completed()
+    with pytest.raises(TypeError, match=r"timeout must be a datetime.timedelta or a number"):
+        work.wait(timeout="1")  # type: ignore[arg-type]
+
+
+def test_work_reports_backend_errors() -> None:
+    work = _Broken("barrier", "0")
+    with pytest.raises(OSError, match=r"link down"):
+        work.wait()
+    assert work.is_completed()
+    assert isinstance(work.exception(), OSError)
+    assert not work.is_success()
+
+
+def test_work_finalizers_run_once_in_order() -> None:
+    calls: list[int] = []
+    work = CompletedWork("x", "0")
+    work._add_finalizer(lambda: calls.append(1))._add_finalizer(lambda: calls.append(2))
+    assert work.wait()
+    assert work.wait()
+    assert calls == [1, 2]
+    failing = CompletedWork("x", "0")._add_finalizer(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.wait()
+    assert isinstance(failing.exception(), ZeroDivisionError)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64, np.uint8, np.uint64])
+def test_integer_average_rounds_toward_zero(dtype: type) -> None:
+    info = np.iinfo(dtype)
+    candidates = [info.min, info.min + 1, -7, -6, -5, -1, 0, 1, 5, 6, 7, info.max - 1, info.max]
+    values = np.array([v for v in candidates if info.min <= v <= info.max], dtype)
+    for count in (2, 3, 4):
+        x = values.copy()
+        _average(x, count)
+        expected = [int(v) // count if int(v) >= 0 else -(-int(v) // count) for v in values]
+        assert x.tolist() == expected
