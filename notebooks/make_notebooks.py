@@ -305,9 +305,10 @@ except Exception as error:  # hypothesis re-raises what failed on the smallest e
     failures = getattr(error, "exceptions", [error])  # several distinct bugs come as a group
     print(f"the naive version fails in {len(failures)} distinct way(s):")
     for failure in failures:
-        print(f"- {type(failure).__name__}: {str(failure).splitlines()[0]}")
+        first_line = (str(failure).splitlines() or ["(no message)"])[0]
+        print(f"- {type(failure).__name__}: {first_line}")
         for note in getattr(failure, "__notes__", []):
-            if note.startswith("Falsifying example"):
+            if note.startswith(("Falsifying example", "Failing test case")):  # old, new hypothesis
                 print(note)"""),
     md("""
 Hypothesis shrinks the failure to a small structure: a namedtuple cannot be rebuilt from a
