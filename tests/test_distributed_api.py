@@ -6,6 +6,7 @@ goes through the MPI backend; multi-rank behaviour is in test_mpi_collectives.py
 
 from __future__ import annotations
 
+import socket
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ import pytest
 
 import cupy_parallel
 from cupy_parallel import distributed as dist
+from cupy_parallel._src.distributed import groups
 from cupy_parallel._src.distributed.mpi import _average
 from cupy_parallel._src.distributed.work import CompletedWork, Work
 from cupy_parallel.distributed import Backend, ReduceOp
@@ -97,6 +99,34 @@ def test_destroy_and_reinit(world: None) -> None:
     x = np.array([2.0])
     dist.all_reduce(x)
     assert x.tolist() == [2.0]
+
+
+def test_failed_rendezvous_closes_the_store_it_opened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A world that never fills: init_process_group raises and stops the TCPStore it started.
+
+    The store path serves the NCCL backend; its table entry points at the MPI class here so the
+    path runs without a GPU (the rendezvous fails before any backend is made).
+    """
+    monkeypatch.setitem(groups._BACKENDS, Backend.NCCL, groups._BACKENDS[Backend.MPI])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(
+        TimeoutError, match=r"after 0\.3 s: 1 of 2 ranks arrived \(missing ranks: 1\)"
+    ):
+        dist.init_process_group(
+            "nccl",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=2,
+            timeout=timedelta(seconds=0.3),
+        )
+    assert not dist.is_initialized()
+    assert groups._owned_store is None
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # the server is gone
 
 
 def test_groups(world: None) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -25,12 +26,12 @@ pytestmark = [
 
 
 def launch(
-    ranks: int, mode: str, *, timeout: float = 120
+    ranks: int, mode: str, *args: str, timeout: float = 120
 ) -> tuple[subprocess.CompletedProcess[str], float]:
     env = {**os.environ, "PYTHONWARNINGS": "error"}
     start = time.monotonic()
     result = subprocess.run(
-        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(WORKER), mode],
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(WORKER), mode, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -45,6 +46,17 @@ def test_every_collective_matches_numpy(ranks: int) -> None:
     result, _ = launch(ranks, "all")
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("checks passed") == ranks, result.stdout
+
+
+def test_init_destroy_init_on_one_store(tmp_path: Path) -> None:
+    """Three worlds on a user's store; stores opened from init_method close with their world."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result, _ = launch(2, "reinit", str(tmp_path), str(port))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("rank 0: 24 checks passed") == 1, result.stdout
+    assert not (tmp_path / "user").exists()  # the user closed their store at the end
 
 
 def test_timeout_raises_then_aborts_the_job() -> None:

@@ -12,7 +12,12 @@ from datetime import timedelta
 
 import pytest
 
-from cupy_parallel._src.distributed.rendezvous import InitMethod, rendezvous, wait_for_world
+from cupy_parallel._src.distributed.rendezvous import (
+    InitMethod,
+    init_key,
+    rendezvous,
+    wait_for_world,
+)
 from cupy_parallel._src.distributed.store import FileStore, PrefixStore, TCPStore
 
 HOST = "127.0.0.1"
@@ -260,6 +265,36 @@ def test_wait_for_world_refuses_a_rank_twice() -> None:
         # a new key (or a PrefixStore) rendezvouses again on the same store
         wait_for_world(store, 0, 1, timeout=FIVE, key="second")
         wait_for_world(PrefixStore("group", store), 0, 1, timeout=FIVE)
+
+
+def test_init_key_lets_a_world_meet_again_on_one_store() -> None:
+    """Three ranks, each with its own connection, initialise three times on one TCPStore."""
+    size, rounds = 3, 3
+    keys: dict[int, list[str]] = {r: [] for r in range(size)}
+    errors: list[BaseException] = []
+    with TCPStore(HOST, 0, is_master=True) as server:
+
+        def rank(r: int) -> None:
+            try:
+                with TCPStore(HOST, server.port) as store:
+                    for _ in range(rounds):
+                        key = init_key(store, "0", size)
+                        wait_for_world(store, r, size, timeout=FIVE, key=key)
+                        keys[r].append(key)
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert errors == []
+        expected = [f"cupy_parallel/init/0/3/{g}" for g in range(rounds)]
+        assert keys == dict.fromkeys(range(size), expected)
+        # another world size or group name counts on its own
+        assert init_key(server, "0", 1) == "cupy_parallel/init/0/1/0"
+        assert init_key(server, "main", 3) == "cupy_parallel/init/main/3/0"
 
 
 def test_wait_for_world_checks_its_arguments() -> None:

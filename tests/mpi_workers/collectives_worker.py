@@ -4,23 +4,29 @@ Every rank builds every rank's inputs from a seed, so each can compute the expec
 NumPy alone. Mismatches are collected and reported on stderr; the exit status is 1 if any.
 
 Modes: ``all`` (the full matrix), ``timeout`` (rank 1 never joins a collective), ``die`` (rank 1
-exits abruptly before a collective), ``init-timeout`` (rank 1 never calls init_process_group).
+exits abruptly before a collective), ``init-timeout`` (rank 1 never calls init_process_group),
+``reinit DIRECTORY PORT`` (init -> destroy -> init through the store-based rendezvous).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import socket
 import sys
 import time
 import traceback
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 import cupy_parallel
 from cupy_parallel import distributed as dist
 from cupy_parallel.distributed import ReduceOp
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 DTYPES = [
     np.bool_,
@@ -434,8 +440,77 @@ def run_cupy(rank: int, n: int) -> None:
     check("cupy staging note appears once", len(notes), 0 if mpi_is_cuda_aware() else 1)
 
 
+def run_reinit(directory: str, port: int) -> None:
+    """Initialise, destroy and initialise again through init_process_group's store path.
+
+    That path (rendezvous, init_key, wait_for_world) serves the NCCL backend, which needs GPUs;
+    here the table entry of ``"nccl"`` points at the MPI backend class, so the real store path
+    runs and the world then communicates through MPI.
+    """
+    from mpi4py import MPI
+
+    from cupy_parallel._src.distributed import groups
+    from cupy_parallel._src.distributed.store import FileStore
+
+    groups._BACKENDS[dist.Backend.NCCL] = groups._BACKENDS[dist.Backend.MPI]
+    rank, n = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    limit = timedelta(seconds=60)
+
+    def one_world(
+        what: str, generation: int, gone: Callable[[], bool] | None, **how: object
+    ) -> None:
+        dist.init_process_group("nccl", rank=rank, world_size=n, timeout=limit, **how)
+        # held here, so that only destroy_process_group (not garbage collection) can close it
+        opened = groups._owned_store
+        check(f"{what}: world {generation} owns a store", opened is not None, gone is not None)
+        x = np.array([rank + 10 * generation])
+        dist.all_reduce(x)
+        total = sum(range(n)) + 10 * n * generation
+        check(f"{what}: all_reduce in world {generation}", x, np.array([total]))
+        dist.destroy_process_group()
+        MPI.COMM_WORLD.Barrier()  # every rank destroyed its world
+        if gone is not None:
+            check(f"{what} world {generation}: store closed", gone(), True)
+            try:
+                opened.num_keys()  # type: ignore[union-attr]
+            except ValueError as error:
+                check(f"{what} world {generation}: closed", "is closed" in str(error), True)
+            else:
+                failures.append(f"{what} world {generation}: the store it opened is still open")
+        MPI.COMM_WORLD.Barrier()  # every rank looked before the next world opens a store
+
+    # a store the user passed in: three worlds on it, and it stays open
+    user = FileStore(os.path.join(directory, "user"), n)
+    for generation in range(3):
+        one_world("user store", generation, None, store=user)
+    third = f"cupy_parallel/init/0/{n}/2/complete"
+    check("user store: the third world's key", user.check([third]), True)
+    user.set(f"after/{rank}", "open")
+    check("user store stays open", user.get(f"after/{rank}"), b"open")
+
+    # stores init_process_group opened from init_method: destroy closes them
+    def refused() -> bool:
+        with socket.socket() as probe:
+            return probe.connect_ex(("127.0.0.1", port)) != 0
+
+    file_path = os.path.join(directory, "opened")
+    for generation in range(2):
+        url = f"file://{file_path}"
+        one_world("file://", generation, lambda: not os.path.exists(file_path), init_method=url)
+    for generation in range(2):
+        one_world("tcp://", generation, refused, init_method=f"tcp://127.0.0.1:{port}")
+    MPI.COMM_WORLD.Barrier()
+    user.close()
+
+
 def main() -> int:
     mode = sys.argv[1]
+    if mode == "reinit":
+        try:
+            run_reinit(sys.argv[2], int(sys.argv[3]))
+        except Exception:  # noqa: BLE001 - report any error, then fail the job
+            failures.append(traceback.format_exc())
+        return report(int(os.environ.get("PMI_RANK", "0")))
     rank_env = int(os.environ.get("PMI_RANK", "0"))
     if mode == "init-timeout":
         if rank_env == 1:
@@ -482,6 +557,11 @@ def main() -> int:
     except Exception:  # noqa: BLE001 - report any error, then fail the job
         failures.append(traceback.format_exc())
     dist.destroy_process_group()
+    return report(rank)
+
+
+def report(rank: int) -> int:
+    """Print the failures (exit status 1) or how many checks passed (0)."""
     if failures:
         print(f"rank {rank}: {len(failures)} of {checks} checks failed:", file=sys.stderr)
         for failure in failures[:30]:

@@ -23,7 +23,7 @@ from cupy_parallel._src.distributed.enums import ReduceOp
 from cupy_parallel._src.distributed.groups import _resolve
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from cupy_parallel._src.distributed.backend import ProcessGroupBackend
     from cupy_parallel._src.distributed.groups import ProcessGroup
@@ -200,16 +200,109 @@ def _tag(tag: Any) -> int:
     return tag
 
 
-def _finish(work: Work, async_op: bool) -> Work | None:
+def _check_async(async_op: Any) -> None:
+    if type(async_op) is not bool:
+        raise TypeError(f"async_op must be a bool, got {type(async_op).__name__} {async_op!r}.")
+
+
+def _finish(async_op: Any, primitive: Callable[..., Work], /, *args: Any) -> Work | None:
+    """Check ``async_op`` (the last check), start ``primitive(*args)``, wait unless async."""
+    _check_async(async_op)
+    work = primitive(*args)
     if async_op:
         return work
     work.wait()
     return None
 
 
-def _check_async(async_op: Any) -> None:
-    if type(async_op) is not bool:
-        raise TypeError(f"async_op must be a bool, got {type(async_op).__name__} {async_op!r}.")
+def _data(backend: ProcessGroupBackend, x: Any, name: str, *, output: bool = True) -> None:
+    """Check an array that is moved (not reduced): the array, then its dtype."""
+    _array(backend, x, name, output=output)
+    backend.check_dtype(x.dtype, None)
+
+
+def _member_list(
+    backend: ProcessGroupBackend,
+    xs: Any,
+    name: str,
+    like: Any,
+    like_name: str,
+    *,
+    length: int,
+    output: bool = True,
+    on: tuple[Any, str] | None = None,
+) -> Sequence[Any]:
+    """``length`` arrays shaped and typed as ``like``, on its device (or on ``on``'s array's)."""
+    _arrays(backend, xs, name, length=length, like=like, like_name=like_name, output=output)
+    ref, ref_name = on or (like, like_name)
+    _same_device(xs, ref, name, ref_name)
+    return xs
+
+
+# The argument naming a root rank -> how messages call that rank, and whether its list receives.
+_ROOT_ROLES: dict[str, tuple[str, bool]] = {"dst": ("destination", True), "src": ("source", False)}
+
+
+def _rooted(
+    pg: ProcessGroup,
+    backend: ProcessGroupBackend,
+    tensor: Any,
+    xs: Any,
+    name: str,
+    *,
+    rank: Any,
+    rank_name: str,
+) -> tuple[int, Sequence[Any] | None]:
+    """The group rank of root ``rank`` and the list ``name`` (``gather_list``/``scatter_list``).
+
+    The list is required on the root (one array per member, like ``tensor``) and must be ``None``
+    (or empty) elsewhere, where ``None`` is returned for it.
+    """
+    root = _peer(pg, rank, rank_name)
+    role, receives = _ROOT_ROLES[rank_name]
+    if root != backend.rank:
+        if _given(xs):
+            raise ValueError(
+                f"{name} must be None on ranks other than the {role} {rank}; "
+                f"this is rank {pg.ranks[backend.rank]}."
+            )
+        return root, None
+    if not _given(xs):
+        raise ValueError(
+            f"{name} must be given on the {role} rank {rank}: a list of "
+            f"{pg.size()} arrays shaped like tensor."
+        )
+    return root, _member_list(
+        backend, xs, name, tensor, "tensor", length=pg.size(), output=receives
+    )
+
+
+def _per_device_lists(
+    pg: ProcessGroup,
+    backend: ProcessGroupBackend,
+    lists: Any,
+    name: str,
+    *,
+    per_device: Sequence[Any],
+    per_device_name: str,
+    output: bool,
+) -> None:
+    """``lists[i]``: ``size * L`` arrays like ``per_device[0]`` on the device of ``per_device[i]``.
+
+    The list-of-lists argument of the ``*_multigpu`` gathers and scatters, ``L = len(per_device)``.
+    """
+    local = len(per_device)
+    if not isinstance(lists, list | tuple) or len(lists) != local:
+        raise ValueError(
+            f"{name} must be a list of {local} lists (one per array of {per_device_name}), "
+            f"got {lists!r:.80}."
+        )
+    for i, xs in enumerate(lists):
+        item = f"{name}[{i}]"
+        first, own = f"{per_device_name}[0]", f"{per_device_name}[{i}]"
+        count = pg.size() * local
+        on = (per_device[i], own)
+        _member_list(backend, xs, item, per_device[0], first, length=count, output=output, on=on)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,11 +334,9 @@ def broadcast(tensor: Any, src: int, group: Any = None, async_op: bool = False) 
     if resolved is None:
         return None
     pg, backend = resolved
-    _array(backend, tensor, "tensor")
-    backend.check_dtype(tensor.dtype, None)
+    _data(backend, tensor, "tensor")
     root = _peer(pg, src, "src")
-    _check_async(async_op)
-    return _finish(backend.broadcast([tensor], root, 0), async_op)
+    return _finish(async_op, backend.broadcast, [tensor], root, 0)
 
 
 def all_reduce(
@@ -305,8 +396,7 @@ def reduce(
     _array(backend, tensor, "tensor")
     _reduction(backend, tensor.dtype, op)
     root = _peer(pg, dst, "dst")
-    _check_async(async_op)
-    return _finish(backend.reduce([tensor], root, 0, op), async_op)
+    return _finish(async_op, backend.reduce, [tensor], root, 0, op)
 
 
 def all_gather(
@@ -330,12 +420,9 @@ def all_gather(
     if resolved is None:
         return None
     pg, backend = resolved
-    _array(backend, tensor, "tensor", output=False)
-    backend.check_dtype(tensor.dtype, None)
-    _arrays(backend, tensor_list, "tensor_list", length=pg.size(), like=tensor, like_name="tensor")
-    _same_device(tensor_list, tensor, "tensor_list", "tensor")
-    _check_async(async_op)
-    return _finish(backend.all_gather([tensor_list], [tensor]), async_op)
+    _data(backend, tensor, "tensor", output=False)
+    _member_list(backend, tensor_list, "tensor_list", tensor, "tensor", length=pg.size())
+    return _finish(async_op, backend.all_gather, [tensor_list], [tensor])
 
 
 def gather(
@@ -363,27 +450,11 @@ def gather(
     if resolved is None:
         return None
     pg, backend = resolved
-    _array(backend, tensor, "tensor", output=False)
-    backend.check_dtype(tensor.dtype, None)
-    root = _peer(pg, dst, "dst")
-    outputs = None
-    if root == backend.rank:
-        if not _given(gather_list):
-            raise ValueError(
-                f"gather_list must be given on the destination rank {dst}: a list of "
-                f"{pg.size()} arrays shaped like tensor."
-            )
-        outputs = _arrays(
-            backend, gather_list, "gather_list", length=pg.size(), like=tensor, like_name="tensor"
-        )
-        _same_device(outputs, tensor, "gather_list", "tensor")
-    elif _given(gather_list):
-        raise ValueError(
-            f"gather_list must be None on ranks other than the destination {dst}; "
-            f"this is rank {pg.ranks[backend.rank]}."
-        )
-    _check_async(async_op)
-    return _finish(backend.gather(outputs, tensor, root), async_op)
+    _data(backend, tensor, "tensor", output=False)
+    root, outputs = _rooted(
+        pg, backend, tensor, gather_list, "gather_list", rank=dst, rank_name="dst"
+    )
+    return _finish(async_op, backend.gather, outputs, tensor, root)
 
 
 def scatter(
@@ -411,33 +482,11 @@ def scatter(
     if resolved is None:
         return None
     pg, backend = resolved
-    _array(backend, tensor, "tensor")
-    backend.check_dtype(tensor.dtype, None)
-    root = _peer(pg, src, "src")
-    inputs = None
-    if root == backend.rank:
-        if not _given(scatter_list):
-            raise ValueError(
-                f"scatter_list must be given on the source rank {src}: a list of "
-                f"{pg.size()} arrays shaped like tensor."
-            )
-        inputs = _arrays(
-            backend,
-            scatter_list,
-            "scatter_list",
-            length=pg.size(),
-            like=tensor,
-            like_name="tensor",
-            output=False,
-        )
-        _same_device(inputs, tensor, "scatter_list", "tensor")
-    elif _given(scatter_list):
-        raise ValueError(
-            f"scatter_list must be None on ranks other than the source {src}; "
-            f"this is rank {pg.ranks[backend.rank]}."
-        )
-    _check_async(async_op)
-    return _finish(backend.scatter(tensor, inputs, root), async_op)
+    _data(backend, tensor, "tensor")
+    root, inputs = _rooted(
+        pg, backend, tensor, scatter_list, "scatter_list", rank=src, rank_name="src"
+    )
+    return _finish(async_op, backend.scatter, tensor, inputs, root)
 
 
 def reduce_scatter(
@@ -464,18 +513,9 @@ def reduce_scatter(
     pg, backend = resolved
     _array(backend, output, "output")
     _reduction(backend, output.dtype, op)
-    _arrays(
-        backend,
-        input_list,
-        "input_list",
-        length=pg.size(),
-        like=output,
-        like_name="output",
-        output=False,
-    )
-    _same_device(input_list, output, "input_list", "output")
-    _check_async(async_op)
-    return _finish(backend.reduce_scatter([output], [input_list], op), async_op)
+    size = pg.size()
+    _member_list(backend, input_list, "input_list", output, "output", length=size, output=False)
+    return _finish(async_op, backend.reduce_scatter, [output], [input_list], op)
 
 
 def all_to_all(
@@ -519,8 +559,7 @@ def all_to_all(
                     f"{ref.dtype}; all_to_all moves one dtype."
                 )
         _same_device(xs, ref, name, "input_tensor_list[0]")
-    _check_async(async_op)
-    return _finish(backend.all_to_all(outputs, inputs), async_op)
+    return _finish(async_op, backend.all_to_all, outputs, inputs)
 
 
 def barrier(group: Any = None, async_op: bool = False) -> Work | None:
@@ -536,8 +575,7 @@ def barrier(group: Any = None, async_op: bool = False) -> Work | None:
     resolved = _backend_of(group)
     if resolved is None:
         return None
-    _check_async(async_op)
-    return _finish(resolved[1].barrier(), async_op)
+    return _finish(async_op, resolved[1].barrier)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,8 +587,7 @@ def _p2p(tensor: Any, peer: Any, name: str, group: Any, tag: Any) -> Any:
     if resolved is None:
         return None
     pg, backend = resolved
-    _array(backend, tensor, "tensor", output=name == "src")
-    backend.check_dtype(tensor.dtype, None)
+    _data(backend, tensor, "tensor", output=name == "src")
     tag = _tag(tag)
     if peer is None:
         if name != "src":
@@ -677,8 +714,7 @@ def all_reduce_coalesced(
     for x in tensors:
         _reduction(backend, x.dtype, op)
     _same_device(tensors, tensors[0], "tensors", "tensors[0]")
-    _check_async(async_op)
-    return _finish(backend.all_reduce_coalesced(tensors, op), async_op)
+    return _finish(async_op, backend.all_reduce_coalesced, tensors, op)
 
 
 def all_gather_coalesced(
@@ -723,8 +759,7 @@ def all_gather_coalesced(
         for k, (out, x) in enumerate(zip(outputs, inputs, strict=True)):
             _like(out, x, f"output_tensor_lists[{r}][{k}]", f"input_tensor_list[{k}]")
         _same_device(outputs, inputs[0], f"output_tensor_lists[{r}]", "input_tensor_list[0]")
-    _check_async(async_op)
-    return _finish(backend.all_gather_coalesced(output_tensor_lists, inputs), async_op)
+    return _finish(async_op, backend.all_gather_coalesced, output_tensor_lists, inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -768,8 +803,7 @@ def broadcast_multigpu(
     backend.check_dtype(tensor_list[0].dtype, None)
     root = _peer(pg, src, "src")
     index = _index(src_tensor, len(tensor_list), "src_tensor")
-    _check_async(async_op)
-    return _finish(backend.broadcast(tensor_list, root, index), async_op)
+    return _finish(async_op, backend.broadcast, tensor_list, root, index)
 
 
 def all_reduce_multigpu(
@@ -794,8 +828,7 @@ def all_reduce_multigpu(
     backend = resolved[1]
     _device_list(backend, tensor_list, "tensor_list")
     _reduction(backend, tensor_list[0].dtype, op)
-    _check_async(async_op)
-    return _finish(backend.all_reduce(tensor_list, op), async_op)
+    return _finish(async_op, backend.all_reduce, tensor_list, op)
 
 
 def reduce_multigpu(  # noqa: PLR0917 - torch's signature
@@ -827,8 +860,7 @@ def reduce_multigpu(  # noqa: PLR0917 - torch's signature
     _reduction(backend, tensor_list[0].dtype, op)
     root = _peer(pg, dst, "dst")
     index = _index(dst_tensor, len(tensor_list), "dst_tensor")
-    _check_async(async_op)
-    return _finish(backend.reduce(tensor_list, root, index, op), async_op)
+    return _finish(async_op, backend.reduce, tensor_list, root, index, op)
 
 
 def all_gather_multigpu(
@@ -858,20 +890,16 @@ def all_gather_multigpu(
     pg, backend = resolved
     inputs = _device_list(backend, input_tensor_list, "input_tensor_list", output=False)
     backend.check_dtype(inputs[0].dtype, None)
-    if not isinstance(output_tensor_lists, list | tuple) or len(output_tensor_lists) != len(inputs):
-        raise ValueError(
-            f"output_tensor_lists must be a list of {len(inputs)} lists (one per array of "
-            f"input_tensor_list), got {output_tensor_lists!r:.80}."
-        )
-    count = pg.size() * len(inputs)
-    for i, outputs in enumerate(output_tensor_lists):
-        name = f"output_tensor_lists[{i}]"
-        _arrays(
-            backend, outputs, name, length=count, like=inputs[0], like_name="input_tensor_list[0]"
-        )
-        _same_device(outputs, inputs[i], name, f"input_tensor_list[{i}]")
-    _check_async(async_op)
-    return _finish(backend.all_gather(output_tensor_lists, inputs), async_op)
+    _per_device_lists(
+        pg,
+        backend,
+        output_tensor_lists,
+        "output_tensor_lists",
+        per_device=inputs,
+        per_device_name="input_tensor_list",
+        output=True,
+    )
+    return _finish(async_op, backend.all_gather, output_tensor_lists, inputs)
 
 
 def reduce_scatter_multigpu(
@@ -906,23 +934,13 @@ def reduce_scatter_multigpu(
     pg, backend = resolved
     outputs = _device_list(backend, output_tensor_list, "output_tensor_list")
     _reduction(backend, outputs[0].dtype, op)
-    if not isinstance(input_tensor_lists, list | tuple) or len(input_tensor_lists) != len(outputs):
-        raise ValueError(
-            f"input_tensor_lists must be a list of {len(outputs)} lists (one per array of "
-            f"output_tensor_list), got {input_tensor_lists!r:.80}."
-        )
-    count = pg.size() * len(outputs)
-    for i, inputs in enumerate(input_tensor_lists):
-        name = f"input_tensor_lists[{i}]"
-        _arrays(
-            backend,
-            inputs,
-            name,
-            length=count,
-            like=outputs[0],
-            like_name="output_tensor_list[0]",
-            output=False,
-        )
-        _same_device(inputs, outputs[i], name, f"output_tensor_list[{i}]")
-    _check_async(async_op)
-    return _finish(backend.reduce_scatter(outputs, input_tensor_lists, op), async_op)
+    _per_device_lists(
+        pg,
+        backend,
+        input_tensor_lists,
+        "input_tensor_lists",
+        per_device=outputs,
+        per_device_name="output_tensor_list",
+        output=False,
+    )
+    return _finish(async_op, backend.reduce_scatter, outputs, input_tensor_lists, op)

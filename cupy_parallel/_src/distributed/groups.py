@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from cupy_parallel._src.distributed.backend import ProcessGroupBackend
+    from cupy_parallel._src.distributed.store import Store
 
 __all__ = [
     "GroupMember",
@@ -121,6 +122,9 @@ class ProcessGroup:
 
 
 _world: ProcessGroup | None = None
+# The store init_process_group opened from init_method (not one the user passed): closed with
+# the world.
+_owned_store: Store | None = None
 _subgroups: list[ProcessGroup] = []
 _group_count = 0
 
@@ -229,7 +233,9 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
     given, must agree with it, and ``init_method``/``store`` are not used. ``"nccl"`` meets its
     peers through ``store`` (with ``rank`` and ``world_size``) or ``init_method``: ``"env://"``
     (the default; reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``),
-    ``"tcp://host:port"`` or ``"file:///path"``, and waits until the whole world arrived.
+    ``"tcp://host:port"`` or ``"file:///path"``, and waits until the whole world arrived. Each
+    initialisation meets under its own key, so after ``destroy_process_group()`` the world can
+    initialise again on the same ``store``.
 
     Args:
         backend: ``"nccl"`` or ``"mpi"`` (any case) or a :class:`Backend`.
@@ -257,7 +263,7 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
         ...
         ValueError: backend must be 'nccl' or 'mpi', got 'gloo'. Use Backend.MPI ('mpi') ...
     """
-    global _world, _group_count
+    global _world, _group_count, _owned_store
     backend = Backend(backend)
     limit = seconds(timeout)
     world_size = _check_int(world_size, "world_size")
@@ -291,16 +297,25 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
             rank=rank, world_size=world_size, store=None, timeout=limit, group_name=name
         )
     else:
-        from cupy_parallel._src.distributed.rendezvous import rendezvous, wait_for_world
+        from cupy_parallel._src.distributed.rendezvous import init_key, rendezvous, wait_for_world
 
+        owned = None
         if store is None:
             store, rank, world_size = rendezvous(
                 init_method or "env://", rank, world_size, timeout=timeout
             )
-        wait_for_world(store, rank, world_size, timeout=timeout)
-        world = cls.create_world(
-            rank=rank, world_size=world_size, store=store, timeout=limit, group_name=name
-        )
+            owned = store
+        try:
+            key = init_key(store, name, world_size)
+            wait_for_world(store, rank, world_size, timeout=timeout, key=key)
+            world = cls.create_world(
+                rank=rank, world_size=world_size, store=store, timeout=limit, group_name=name
+            )
+        except BaseException:
+            if owned is not None:
+                owned.close()
+            raise
+        _owned_store = owned
     _world = ProcessGroup(world, tuple(range(world.size)), name)
     _group_count = 1
 
@@ -365,10 +380,14 @@ def new_group(
 def destroy_process_group(group: Any = None) -> None:
     """Release ``group``; with ``None``/``group.WORLD`` release every group and de-initialize.
 
+    De-initializing also closes the store ``init_process_group`` opened from ``init_method`` (a
+    ``FileStore``'s file goes once every rank closed it, a ``TCPStore`` server stops); a store
+    passed as ``store=`` stays open for its owner, who may initialize again on it.
+
     Example:
         >>> destroy_process_group(GroupMember.NON_GROUP_MEMBER)  # a non-member has nothing to free
     """
-    global _world, _group_count
+    global _world, _group_count, _owned_store
     if group is _NON_MEMBER:
         return
     pg = _world_group() if group is None or group is _WORLD else _resolve(group)
@@ -384,6 +403,9 @@ def destroy_process_group(group: Any = None) -> None:
     _release(pg)
     _world = None
     _group_count = 0
+    store, _owned_store = _owned_store, None
+    if store is not None:
+        store.close()
 
 
 def _release(pg: ProcessGroup) -> None:

@@ -683,47 +683,42 @@ class NCCLBackend(ProcessGroupBackend):
 
     def gather(self, outputs: Sequence[Any] | None, input: Any, root: int, /) -> Work:
         """Sends to the root, which receives each rank's bytes straight into ``outputs``."""
-        self._require_p2p("gather")
-        nbytes = input.nbytes
-
-        def issue(_: int, comm: Any, stream: int) -> None:
-            if not nbytes:
-                return
-            if outputs is None:
-                comm.send(input.data.ptr, nbytes, _UINT8, root, stream)
-                return
-            for r, out in enumerate(outputs):
-                if r != self.rank:
-                    comm.recv(out.data.ptr, nbytes, _UINT8, r, stream)
-
-        def after(_: int) -> None:
-            if outputs is not None:
-                self._unpack(input, [outputs[self.rank]])
-
-        keep = (input, outputs)
-        return self._launch("gather", _devices([input]), issue, after=after, keep=keep)
+        return self._rooted("gather", input, outputs, root, to_root=True)
 
     def scatter(self, output: Any, inputs: Sequence[Any] | None, root: int, /) -> Work:
         """The root sends each rank its array; the others receive into ``output``."""
-        self._require_p2p("scatter")
-        nbytes = output.nbytes
+        return self._rooted("scatter", output, inputs, root, to_root=False)
+
+    def _rooted(
+        self, name: str, mine: Any, per_rank: Sequence[Any] | None, root: int, /, *, to_root: bool
+    ) -> Work:
+        """Gather (``to_root``) or scatter as point-to-point calls between the root and the rest.
+
+        ``mine`` is this rank's array; ``per_rank`` the root's list of one array per rank
+        (``None`` elsewhere). The root's own array is copied locally after the exchange.
+        """
+        self._require_p2p(name)
+        nbytes = mine.nbytes
 
         def issue(_: int, comm: Any, stream: int) -> None:
             if not nbytes:
                 return
-            if inputs is None:
-                comm.recv(output.data.ptr, nbytes, _UINT8, root, stream)
+            if per_rank is None:
+                (comm.send if to_root else comm.recv)(mine.data.ptr, nbytes, _UINT8, root, stream)
                 return
-            for r, x in enumerate(inputs):
+            move = comm.recv if to_root else comm.send
+            for r, x in enumerate(per_rank):
                 if r != self.rank:
-                    comm.send(x.data.ptr, nbytes, _UINT8, r, stream)
+                    move(x.data.ptr, nbytes, _UINT8, r, stream)
 
         def after(_: int) -> None:
-            if inputs is not None:
-                self._unpack(inputs[self.rank], [output])
+            if per_rank is not None:
+                own = per_rank[self.rank]
+                source, target = (mine, own) if to_root else (own, mine)
+                self._unpack(source, [target])
 
-        keep = (output, inputs)
-        return self._launch("scatter", _devices([output]), issue, after=after, keep=keep)
+        keep = (mine, per_rank)
+        return self._launch(name, _devices([mine]), issue, after=after, keep=keep)
 
     def reduce_scatter(
         self, outputs: Sequence[Any], inputs: Sequence[Sequence[Any]], op: ReduceOp, /

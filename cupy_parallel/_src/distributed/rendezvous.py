@@ -9,7 +9,7 @@ the URL must agree. Unknown query parameters are refused rather than ignored (Py
 so that a typo does not go unnoticed.
 
 :func:`rendezvous` only opens the store; :func:`wait_for_world` then blocks until every rank has
-checked in.
+checked in, under a key :func:`init_key` makes fresh for each ``init_process_group`` on the store.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from datetime import timedelta
     from urllib.parse import ParseResult
 
-__all__ = ["InitMethod", "rendezvous", "wait_for_world"]
+__all__ = ["InitMethod", "init_key", "rendezvous", "wait_for_world"]
 
 _MISSING = -1
 _SHOWN_MISSING_RANKS = 8
@@ -262,6 +262,35 @@ def rendezvous(
     place = _merge(init_method, url, rank, world_size)
     store, place = _HANDLERS[method](url, place, timeout)
     return store, place.rank, place.world_size
+
+
+def init_key(store: Store, group_name: str, world_size: int) -> str:
+    """The rendezvous key of one ``init_process_group``: the same on every rank, new each time.
+
+    Every rank of every initialisation adds 1 to a join counter kept in ``store`` (one counter
+    per group name and world size). A rank cannot start the next initialisation before the
+    whole world finished this one's rendezvous, so the ``world_size`` joins of one
+    initialisation are consecutive and ``(count - 1) // world_size`` numbers it: a world can
+    destroy its group and initialise again on the same store, as in torch.
+
+    Args:
+        store: the store all ranks share.
+        group_name: the name of the world group.
+        world_size: the number of ranks of this initialisation.
+
+    Returns:
+        ``f"cupy_parallel/init/{group_name}/{world_size}/{generation}"``.
+
+    Example:
+        >>> from cupy_parallel._src.distributed.store import TCPStore
+        >>> with TCPStore("127.0.0.1", 0, is_master=True) as store:
+        ...     [init_key(store, "0", 2) for _ in range(4)]  # two ranks, two initialisations
+        ['cupy_parallel/init/0/2/0', 'cupy_parallel/init/0/2/0', \
+'cupy_parallel/init/0/2/1', 'cupy_parallel/init/0/2/1']
+    """
+    base = f"cupy_parallel/init/{group_name}/{world_size}"
+    generation = (store.add(f"{base}/joins", 1) - 1) // world_size
+    return f"{base}/{generation}"
 
 
 def wait_for_world(
