@@ -28,6 +28,7 @@ import functools
 import importlib.util
 import os
 import sys
+import time
 import warnings
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
 
@@ -76,6 +77,7 @@ def _mpi() -> Any:
 # Abort on exit after a timeout
 
 _stuck: list[str] = []
+_ABORT_GRACE_S = 0.5
 
 
 def _abort_if_stuck() -> None:
@@ -85,6 +87,9 @@ def _abort_if_stuck() -> None:
             "collective, so the peers would wait forever.\n"
         )
         sys.stderr.flush()
+        # mpiexec (MPICH's hydra) tears the job down on MPI_Abort without draining the ranks'
+        # forwarded output: give it a moment, or the messages explaining the abort can be lost.
+        time.sleep(_ABORT_GRACE_S)
         _mpi().COMM_WORLD.Abort(1)
 
 
