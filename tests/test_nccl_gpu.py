@@ -358,11 +358,11 @@ _ABSENT_PEER_SCRIPT = textwrap.dedent(
 )
 
 
-def test_a_peer_that_never_joins_ends_the_collective_within_the_timeout(tmp_path: Any) -> None:
-    path = str(tmp_path / "store")
+def _run_two_ranks(script: str, store_path: str) -> list[str]:
+    """Run ``script`` as ranks 0 and 1 (argv: rank, FileStore path); each must exit 0."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _ABSENT_PEER_SCRIPT, str(rank), path],
+            [sys.executable, "-c", script, str(rank), store_path],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -372,7 +372,12 @@ def test_a_peer_that_never_joins_ends_the_collective_within_the_timeout(tmp_path
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
-    assert outs[0][0].startswith(
+    return [out for out, _ in outs]
+
+
+def test_a_peer_that_never_joins_ends_the_collective_within_the_timeout(tmp_path: Any) -> None:
+    outs = _run_two_ranks(_ABSENT_PEER_SCRIPT, str(tmp_path / "store"))
+    assert outs[0].startswith(
         "TIMEOUT True NCCL set-up on process group '0' (rank 0 of 2): not every rank joined"
     )
 
@@ -495,17 +500,5 @@ _PEERS_SCRIPT = textwrap.dedent(
 
 @needs_two
 def test_two_processes_point_to_point_and_subgroups(tmp_path: Any) -> None:
-    path = str(tmp_path / "store")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _PEERS_SCRIPT, str(rank), path],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outs = [p.communicate(timeout=240) for p in procs]
-    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, err
-        assert out.strip() == f"OK {rank}"
+    outs = _run_two_ranks(_PEERS_SCRIPT, str(tmp_path / "store"))
+    assert [out.strip() for out in outs] == ["OK 0", "OK 1"]
