@@ -395,8 +395,9 @@ class HostArray(np.ndarray):
         kwargs: Mapping[str, Any],
     ) -> Any:
         operands: Any = (args, kwargs)
-        device = _common_device(optree.tree_leaves(operands), f"numpy.{func.__name__}")
-        plain_args, plain_kwargs = optree.tree_map(_plain, operands)
+        leaves, spec = optree.tree_flatten(operands)
+        device = _common_device(leaves, f"numpy.{func.__name__}")
+        plain_args, plain_kwargs = optree.tree_unflatten(spec, [_plain(x) for x in leaves])
         return optree.tree_map(lambda r: _on_device(r, device), func(*plain_args, **plain_kwargs))
 
     def __setitem__(self, key: Any, value: Any) -> None:
