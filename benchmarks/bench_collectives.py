@@ -5,7 +5,7 @@ Bandwidth: 16 MiB and 64 MiB; target at least 0.95× mpi4py's bandwidth. On 2 an
 
 Run ``python benchmarks/bench_collectives.py [--quick] [--json FILE.json]``: it starts
 ``mpiexec -n 2`` and ``-n 4`` itself (or, already under mpiexec, measures that world) and prints
-the suite's table (:func:`~cupy_parallel._src.benchmarking.script_main`). ``run(quick)`` returns
+the suite's table (:func:`~cupy_parallel._tools.benchmarking.script_main`). ``run(quick)`` returns
 the rows for ``cupy-parallel bench``. Each row's ``target`` is the largest ``ratio`` (ours over
 mpi4py) that meets the goal: ``1 + 10 us / mpi4py's time`` for latency, ``1 / 0.95`` for
 bandwidth; ``goal`` states it in words.
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cupy_parallel._src.benchmarking import result, script_main
+from cupy_parallel._tools.benchmarking import result, script_main
 
 LATENCY_TARGET_S = 10e-6
 BANDWIDTH_TARGET = 0.95

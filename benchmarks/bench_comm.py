@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src import comm
-from cupy_parallel._src.benchmarking import result, script_main
 from cupy_parallel._src.devices import _host_devices, _plain, set_host_device_count, to_device
+from cupy_parallel._tools.benchmarking import result, script_main
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from typing import Any
 
 import numpy as np
@@ -22,12 +20,13 @@ from cupy_parallel._src import ops
 from cupy_parallel._src.devices import devices, platform, set_host_device_count, to_device
 from cupy_parallel._src.parallel import data_parallel
 from cupy_parallel._src.tape import Tape
+from cupy_parallel._tools.benchmarking import compare, pinned_blas_threads
 
 NS = "cupy_parallel"
 DEVICES = 4
-# (batch, features, hidden, outputs, timed repeats)
-QUICK = (512, 32, 64, 8, 5)
-FULL = (4096, 64, 256, 16, 10)
+# (batch, features, hidden, outputs, timed rounds)
+QUICK = (512, 32, 64, 8, 9)
+FULL = (4096, 64, 256, 16, 15)
 
 
 def _mlp(params: dict[str, Any], x: Any) -> Any:
@@ -48,24 +47,19 @@ def _step(forward: Any, params: dict[str, Any], x: Any, y: Any, lr: float = 0.05
     return loss, grads, updated
 
 
-def _median_seconds(fn: Any, repeats: int) -> float:
-    fn()  # warm-up: memory pools, thread start-up, BLAS
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def train_step_benchmark(quick: bool) -> dict[str, Any]:
-    """Median seconds of one data-parallel train step on 4 devices and on one device.
+    """Seconds of one data-parallel train step on 4 devices and on one device.
 
+    The two steps are timed in interleaved rounds by
+    :func:`~cupy_parallel._tools.benchmarking.compare` (call it under
+    :func:`~cupy_parallel._tools.benchmarking.pinned_blas_threads`, as the suite runner does:
+    four replica threads each running a pool of BLAS threads over-subscribe a small machine).
     Returns a dict with ``platform``, ``devices`` (the data-parallel device names), ``batch``,
-    ``sizes`` (features, hidden, outputs), ``dtype``, ``repeats``, ``one_device_s``,
-    ``data_parallel_s``, ``ratio`` (``data_parallel_s / one_device_s``: below 1 means the
-    data-parallel step is faster), ``max_grad_diff`` (largest absolute gradient difference
-    between the two steps, a correctness check) and ``loss``.
+    ``sizes`` (features, hidden, outputs), ``dtype``, ``repeats``, ``one_device_s`` and
+    ``data_parallel_s`` (medians), ``ratio`` (median per-round ``data_parallel / one_device``:
+    below 1 means the data-parallel step is faster), ``timing`` (the whole
+    :class:`~cupy_parallel._tools.benchmarking.Timing`), ``max_grad_diff`` (largest absolute
+    gradient difference between the two steps, a correctness check) and ``loss``.
     """
     batch, features, hidden, outputs, repeats = QUICK if quick else FULL
     previous = len(devices()) if platform() == "host" else None
@@ -101,8 +95,11 @@ def train_step_benchmark(quick: bool) -> dict[str, Any]:
             )
             for k in params
         )
-        one_s = _median_seconds(lambda: _step(_mlp, params, x, y), repeats)
-        dp_s = _median_seconds(lambda: _step(parallel_forward, params, x, y), repeats)
+        timing = compare(
+            lambda: _step(parallel_forward, params, x, y),
+            lambda: _step(_mlp, params, x, y),
+            rounds=repeats,
+        )
     finally:
         if previous is not None and previous < DEVICES:
             set_host_device_count(previous)
@@ -113,9 +110,10 @@ def train_step_benchmark(quick: bool) -> dict[str, Any]:
         "sizes": [features, hidden, outputs],
         "dtype": "float64",
         "repeats": repeats,
-        "one_device_s": one_s,
-        "data_parallel_s": dp_s,
-        "ratio": dp_s / one_s,
+        "one_device_s": timing.baseline_seconds,
+        "data_parallel_s": timing.seconds,
+        "ratio": timing.ratio,
+        "timing": timing,
         "max_grad_diff": max_diff,
         "loss": float(np.asarray(to_device(loss, "cpu"))),
     }
@@ -125,7 +123,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     args = parser.parse_args()
-    print(json.dumps(train_step_benchmark(args.quick), indent=2))
+    with pinned_blas_threads():
+        measured = train_step_benchmark(args.quick)
+    measured["timing"] = vars(measured["timing"])
+    print(json.dumps(measured, indent=2))
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src import ops
-from cupy_parallel._src.benchmarking import result, script_main
 from cupy_parallel._src.tape import Tape
+from cupy_parallel._tools.benchmarking import result, script_main
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -150,11 +150,9 @@ def data_parallel_rows(quick: bool) -> list[dict[str, Any]]:
         )
     batch, (features, hidden, outputs) = measured["batch"], measured["sizes"]
     return [
-        result(
+        measured["timing"].row(
             f"data_parallel MLP train step ({batch}x{features}->{hidden}->{outputs}) on "
             f"{len(measured['devices'])} {measured['platform']} devices vs one device",
-            measured["data_parallel_s"],
-            measured["one_device_s"],
             2.0,
             max_grad_diff=measured["max_grad_diff"],
         )

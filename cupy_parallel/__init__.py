@@ -2,7 +2,8 @@
 
 The whole public API is re-exported here and in the public submodules ``comm``, ``functions``,
 ``ops``, ``distributed`` and ``testing``; the code lives in ``cupy_parallel._src``.
-``distributed`` and ``testing`` (which needs hypothesis) are imported on first access.
+``distributed`` and ``testing`` are imported on first access; ``testing`` is not in ``__all__``
+(its strategies need hypothesis, an extra), so ``from cupy_parallel import *`` never imports it.
 
 Example:
     >>> import numpy as np, cupy_parallel as cp
@@ -42,7 +43,8 @@ from cupy_parallel._src.tape import Function, FunctionContext, Tape
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from cupy_parallel import distributed, testing
+    from cupy_parallel import distributed
+    from cupy_parallel import testing as testing
 
 __version__ = "0.1.0"
 
@@ -76,7 +78,6 @@ __all__ = [
     "scatter",
     "scatter_kwargs",
     "set_host_device_count",
-    "testing",
     "to_device",
 ]
 

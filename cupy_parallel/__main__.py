@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from cupy_parallel._src.cli import main
+from cupy_parallel._tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

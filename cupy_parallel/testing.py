@@ -1,8 +1,50 @@
-"""Hypothesis strategies and assertions for property tests of multi-device code.
+"""Tools for testing multi-device code: hypothesis strategies and a bit-exact tree comparison.
 
-Needs hypothesis (a test dependency); ``import cupy_parallel`` does not import this module.
+The strategies (``arrays``, ``devices``, ``nested_structures``) and ``assert_tree_equal`` need
+hypothesis, which ``pip install 'cupy-parallel[hypothesis]'`` brings; they are imported on first
+use, so ``import cupy_parallel.testing`` works without it and names the extra when one is used.
+
+Example:
+    >>> import numpy as np
+    >>> import cupy_parallel.testing as cpt
+    >>> cpt.assert_tree_equal({"x": np.arange(3)}, {"x": np.arange(3)})
+    >>> cpt.assert_tree_equal({"x": np.arange(3)}, {"x": np.zeros(3)})
+    Traceback (most recent call last):
+    ...
+    AssertionError: ...
 """
 
-from cupy_parallel._src.testing import arrays, assert_tree_equal, devices, nested_structures
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cupy_parallel._src.testing import (
+        arrays,
+        assert_tree_equal,
+        devices,
+        nested_structures,
+    )
 
 __all__ = ["arrays", "assert_tree_equal", "devices", "nested_structures"]
+
+_NEEDS_HYPOTHESIS = frozenset({"arrays", "assert_tree_equal", "devices", "nested_structures"})
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NEEDS_HYPOTHESIS:
+        raise AttributeError(f"module 'cupy_parallel.testing' has no attribute {name!r}")
+    try:
+        module = importlib.import_module("cupy_parallel._src.testing")
+    except ModuleNotFoundError as error:
+        if error.name != "hypothesis":
+            raise
+        raise ModuleNotFoundError(
+            f"cupy_parallel.testing.{name} needs hypothesis, which is not installed; install it "
+            "with: pip install 'cupy-parallel[hypothesis]'",
+            name="hypothesis",
+        ) from error
+    value = getattr(module, name)
+    globals()[name] = value
+    return value

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import datetime
 import importlib.util
 import json
 import math
 import re
+import statistics
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,13 +33,17 @@ import numpy as np
 import cupy_parallel
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
 __all__ = [
+    "NOISY_SPREAD",
     "REQUIRED_KEYS",
+    "Timing",
+    "compare",
     "default_suite_dir",
     "discover",
     "format_table",
+    "pinned_blas_threads",
     "plot_bandwidth",
     "plot_ratios",
     "result",
@@ -59,6 +66,7 @@ def result(
     """One result dict of ``run(quick)``, its ``ratio`` computed; ``extra`` keys are added.
 
     Example:
+        >>> from cupy_parallel._tools.benchmarking import result
         >>> result("copy", 3.0, 2.0, 1.2, bytes=8)
         {'name': 'copy', 'seconds': 3.0, 'baseline_seconds': 2.0, 'ratio': 1.5, 'target': 1.2, \
 'bytes': 8}
@@ -73,16 +81,144 @@ def result(
     }
 
 
-def default_suite_dir() -> Path | None:
-    """The ``benchmarks/`` directory beside the package (a source checkout), or ``None``.
+#: A row whose per-round ratios spread more than this (interquartile range over the median)
+#: is flagged ``noisy``: its ratio is not a measurement to compare against a target.
+NOISY_SPREAD = 0.25
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What :func:`compare` measured: per-call seconds of a candidate and its baseline.
+
+    ``seconds``/``baseline_seconds`` are medians over the rounds, ``min_seconds``/
+    ``baseline_min_seconds`` the fastest round; ``ratio`` is the median of the per-round ratios
+    (each round times both, back to back, so load that comes and goes hits both alike) and
+    ``spread`` the interquartile range of those ratios divided by their median.
+    """
+
+    seconds: float
+    baseline_seconds: float
+    min_seconds: float
+    baseline_min_seconds: float
+    ratio: float
+    spread: float
+    rounds: int
+
+    @property
+    def noisy(self) -> bool:
+        """Whether the spread makes the ratio meaningless (more than :data:`NOISY_SPREAD`)."""
+        return self.spread > NOISY_SPREAD
+
+    def row(self, name: str, target: float | None, /, **extra: Any) -> dict[str, Any]:
+        """The result dict for ``run(quick)``: :func:`result`'s keys plus the statistics."""
+        return {
+            **result(name, self.seconds, self.baseline_seconds, target),
+            "ratio": self.ratio,
+            "min_seconds": self.min_seconds,
+            "baseline_min_seconds": self.baseline_min_seconds,
+            "spread": self.spread,
+            "rounds": self.rounds,
+            "noisy": self.noisy,
+            **extra,
+        }
+
+
+def compare(
+    candidate: Callable[[], object],
+    baseline: Callable[[], object],
+    /,
+    *,
+    rounds: int = 15,
+    number: int = 1,
+    warmup: int = 1,
+) -> Timing:
+    """Time ``candidate`` against ``baseline``: the one timing loop every benchmark uses.
+
+    After ``warmup`` untimed calls of each, every round times ``number`` calls of the candidate
+    and then ``number`` calls of the baseline, so both see the same machine state; the per-call
+    seconds of each round give the statistics of :class:`Timing`.
 
     Example:
-        >>> path = default_suite_dir()
-        >>> path is None or path.name == "benchmarks"
+        >>> from cupy_parallel._tools.benchmarking import compare
+        >>> timing = compare(lambda: sum(range(2000)), lambda: sum(range(1000)), rounds=5)
+        >>> timing.rounds, timing.ratio > 1
+        (5, True)
+    """
+    if rounds < 1 or number < 1 or warmup < 0:
+        raise ValueError(
+            f"rounds and number must be >= 1 and warmup >= 0, got rounds={rounds}, "
+            f"number={number}, warmup={warmup}."
+        )
+    for _ in range(warmup):
+        candidate()
+        baseline()
+    ours: list[float] = []
+    theirs: list[float] = []
+    for _ in range(rounds):
+        for fn, times in ((candidate, ours), (baseline, theirs)):
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            times.append((time.perf_counter() - start) / number)
+    ratios = sorted(a / b for a, b in zip(ours, theirs, strict=True))
+    middle = statistics.median(ratios)
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [middle, middle, middle]
+    return Timing(
+        seconds=statistics.median(ours),
+        baseline_seconds=statistics.median(theirs),
+        min_seconds=min(ours),
+        baseline_min_seconds=min(theirs),
+        ratio=middle,
+        spread=(quartiles[2] - quartiles[0]) / middle if middle > 0 else math.inf,
+        rounds=rounds,
+    )
+
+
+@contextlib.contextmanager
+def pinned_blas_threads() -> Iterator[str]:
+    """Run the block with one BLAS/OpenMP thread per process thread; yields what was done.
+
+    Benchmarks on few cores are otherwise at the mercy of BLAS: four replica threads each
+    starting a pool of OpenBLAS threads over-subscribe a 2-core machine and made the
+    data-parallel row swing from 0.27x to 28.7x between runs. threadpoolctl (the ``cli`` extra)
+    limits every BLAS and OpenMP pool the process has loaded.
+
+    Example:
+        >>> from cupy_parallel._tools.benchmarking import pinned_blas_threads
+        >>> with pinned_blas_threads() as state:
+        ...     state in ("1 BLAS thread", "unpinned (threadpoolctl is not installed)")
         True
     """
-    candidate = Path(cupy_parallel.__file__).resolve().parent.parent / "benchmarks"
-    return candidate if candidate.is_dir() else None
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield "unpinned (threadpoolctl is not installed)"
+        return
+    with threadpool_limits(limits=1):
+        yield "1 BLAS thread"
+
+
+def default_suite_dir() -> Path | None:
+    """The benchmark suite: ``benchmarks/`` of a source checkout, else the installed copy.
+
+    In a checkout the suite is the ``benchmarks/`` directory beside the package, the place people
+    read and edit it. A wheel ships the same modules as the package ``cupy_parallel.benchmarks``
+    (see ``pyproject.toml``), so ``cupy-parallel bench`` runs after ``pip install`` too. ``None``
+    when neither exists.
+
+    Example:
+        >>> from cupy_parallel._tools.benchmarking import default_suite_dir
+        >>> default_suite_dir().name
+        'benchmarks'
+    """
+    checkout = Path(cupy_parallel.__file__).resolve().parent.parent / "benchmarks"
+    if checkout.is_dir():
+        return checkout
+    spec = importlib.util.find_spec("cupy_parallel.benchmarks")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    installed = Path(next(iter(spec.submodule_search_locations)))
+    return installed if installed.is_dir() else None
 
 
 def _defines_run(path: Path) -> bool:
@@ -193,10 +329,12 @@ def run_all(
 ) -> dict[str, Any]:
     r"""Run every module with :func:`run_module`, showing progress on stderr; return the report.
 
-    The report is what ``bench.json`` holds: ``cupy_parallel`` (version), ``created`` (UTC,
-    ISO 8601), ``quick``, ``machine`` (what ``machine()`` returns, e.g. ``cupy-parallel info``
-    as a dict; it is called after the suites ran, so that probing CUDA or MPI initialises
-    nothing before a benchmark starts) and ``suites`` (one :func:`run_module` outcome each).
+    The suites run with BLAS pinned to one thread (:func:`pinned_blas_threads`). The report is
+    what ``bench.json`` holds: ``cupy_parallel`` (version), ``created`` (UTC, ISO 8601),
+    ``quick``, ``blas_threads`` (what the pinning did), ``machine`` (what ``machine()``
+    returns, e.g. ``cupy-parallel info`` as a dict; it is called after the suites ran, so that
+    probing CUDA or MPI initialises nothing before a benchmark starts) and ``suites`` (one
+    :func:`run_module` outcome each).
 
     Example:
         >>> import tempfile
@@ -220,18 +358,20 @@ def run_all(
     else:  # disable=None: a bar on a terminal, none in a log file
         bar = tqdm(total=len(modules), desc="bench", unit="suite", file=sys.stderr, disable=None)
     try:
-        for path in modules:
-            if bar is not None:
-                bar.set_postfix_str(path.stem)
-            outcome = run_module(path, quick=quick)
-            report["suites"].append(outcome)
-            status = "ok" if outcome["ok"] else f"FAILED ({outcome['error']})"
-            line = f"{path.stem}: {status} in {outcome['seconds']:.1f} s"
-            if bar is None:
-                print(line, file=sys.stderr, flush=True)
-            else:
-                bar.write(line, file=sys.stderr)
-                bar.update(1)
+        with pinned_blas_threads() as blas:
+            report["blas_threads"] = blas
+            for path in modules:
+                if bar is not None:
+                    bar.set_postfix_str(path.stem)
+                outcome = run_module(path, quick=quick)
+                report["suites"].append(outcome)
+                status = "ok" if outcome["ok"] else f"FAILED ({outcome['error']})"
+                line = f"{path.stem}: {status} in {outcome['seconds']:.1f} s"
+                if bar is None:
+                    print(line, file=sys.stderr, flush=True)
+                else:
+                    bar.write(line, file=sys.stderr)
+                    bar.update(1)
     finally:
         if bar is not None:
             bar.close()
@@ -403,48 +543,73 @@ def write_outputs(report: dict[str, Any], directory: Path, /) -> list[Path]:
     return written
 
 
-def _format_seconds(value: Any) -> str:
-    number = _number(value)
-    if math.isnan(number):
-        return "-"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(number) >= scale:
-            return f"{number / scale:.3g} {unit}"
-    return f"{number * 1e9:.3g} ns"
+_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
+
+
+def _unit(values: Sequence[float]) -> tuple[str, float]:
+    """One unit for a column: the largest in which its median value is at least 1."""
+    finite = sorted(v for v in values if not math.isnan(v) and v > 0)
+    if not finite:
+        return _UNITS[0]
+    middle = finite[len(finite) // 2]
+    return next(((u, s) for u, s in _UNITS if middle >= s), _UNITS[-1])
+
+
+def _status(row: dict[str, Any]) -> str:
+    if row.get("noisy"):
+        return "noisy: no verdict"
+    return {True: "ok", False: "misses target", None: "no target"}[_meets(row)]
 
 
 def format_table(report: dict[str, Any], /) -> str:
     """The results as a text table: one row per result, one per failed suite.
 
+    Both time columns use one unit, chosen for the whole table. ``spread`` is the interquartile
+    range of the per-round ratios over their median (rows timed with :func:`compare`); a row
+    whose spread exceeds :data:`NOISY_SPREAD` gets no verdict against its target.
+
     Example:
+        >>> from cupy_parallel._tools.benchmarking import format_table
         >>> report = {"suites": [
         ...     {"name": "s", "ok": True, "results": [{"name": "a", "seconds": 0.002,
-        ...      "baseline_seconds": 0.004, "ratio": 0.5, "target": 1.0}]},
+        ...      "baseline_seconds": 0.004, "ratio": 0.5, "target": 1.0, "spread": 0.05},
+        ...      {"name": "b", "seconds": 0.0005, "baseline_seconds": 0.0004, "ratio": 1.25,
+        ...      "target": 1.0, "spread": 0.6, "noisy": True}]},
         ...     {"name": "t", "ok": False, "error": "ImportError: no cupy", "results": []}]}
         >>> print(format_table(report))
-        suite  benchmark  seconds  baseline  ratio  target  status
-        s      a          2 ms     4 ms      0.5    1       ok
-        t      -          -        -         -      -       FAILED: ImportError: no cupy
+        suite  benchmark  ms     baseline ms  ratio  spread  target  status
+        s      a          2      4            0.5    5%      1       ok
+        s      b          0.5    0.4          1.25   60%     1       noisy: no verdict
+        t      -          -      -            -      -       -       FAILED: ImportError: no cupy
     """
-    header = ("suite", "benchmark", "seconds", "baseline", "ratio", "target", "status")
+    rows = _rows(report)
+    unit, scale = _unit(
+        [_number(r[key]) for _, r in rows for key in ("seconds", "baseline_seconds")]
+    )
+
+    def seconds(value: Any) -> str:
+        number = _number(value)
+        return "-" if math.isnan(number) else f"{number / scale:.4g}"
+
+    header = ("suite", "benchmark", unit, f"baseline {unit}", "ratio", "spread", "target", "status")
     table: list[tuple[str, ...]] = [header]
     for suite in report["suites"]:
         if not suite["ok"]:
-            table.append((suite["name"], "-", "-", "-", "-", "-", f"FAILED: {suite['error']}"))
+            failed = ("-",) * (len(header) - 2)
+            table.append((suite["name"], *failed, f"FAILED: {suite['error']}"))
             continue
         for row in suite["results"]:
-            meets = _meets(row)
-            status = {True: "ok", False: "misses target", None: "no target"}[meets]
-            target = _number(row.get("target"))
+            target, spread = _number(row.get("target")), _number(row.get("spread"))
             table.append(
                 (
                     suite["name"],
                     str(row["name"]),
-                    _format_seconds(row["seconds"]),
-                    _format_seconds(row["baseline_seconds"]),
+                    seconds(row["seconds"]),
+                    seconds(row["baseline_seconds"]),
                     f"{_number(row['ratio']):.3g}",
+                    "-" if math.isnan(spread) else f"{spread:.0%}",
                     "-" if math.isnan(target) else f"{target:.3g}",
-                    status,
+                    _status(row),
                 )
             )
     widths = [max(len(line[i]) for line in table) for i in range(len(header) - 1)]
@@ -465,8 +630,9 @@ def script_main(
 ) -> list[dict[str, Any]]:
     """The command line of one benchmark module: ``python bench_x.py [--quick] [--json PATH]``.
 
-    Calls ``run(quick)``, checks its rows as the suite runner does, prints them with
-    :func:`format_table` (as suite ``name``) and, with ``--json PATH``, writes them there.
+    Calls ``run(quick)`` with BLAS pinned to one thread, checks its rows as the suite runner does,
+    prints them with :func:`format_table` (as suite ``name``) and, with ``--json PATH``, writes
+    them there.
 
     Returns:
         The checked rows.
@@ -476,14 +642,15 @@ def script_main(
         ...     return [{"name": "x", "seconds": 1e-3, "baseline_seconds": 2e-3, "ratio": 0.5,
         ...              "target": 1.0}]
         >>> rows = script_main(run, "bench_x", "Times x.", argv=["--quick"])
-        suite    benchmark  seconds  baseline  ratio  target  status
-        bench_x  x          1 ms     2 ms      0.5    1       ok
+        suite    benchmark  ms  baseline ms  ratio  spread  target  status
+        bench_x  x          1   2            0.5    -       1       ok
     """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    rows = _check_results(run(args.quick))
+    with pinned_blas_threads():
+        rows = _check_results(run(args.quick))
     print(format_table({"suites": [{"name": name, "ok": True, "results": rows}]}))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")

@@ -69,7 +69,7 @@ def _probe(fn: Callable[[], str]) -> str:
 def _cupy_versions() -> dict[str, str]:
     cupy = cupy_module()
     if cupy is None:
-        missing = "not installed (pip install cupy-parallel[cuda12])"
+        missing = "not installed (pip install 'cupy-cuda12x[ctk]': the cuda12 extra)"
         return {"CuPy": missing, "CUDA runtime": missing, "CUDA driver": missing, "NCCL": missing}
     runtime = cupy.cuda.runtime
 
@@ -99,7 +99,7 @@ def _mpi_version() -> str:
     try:
         import mpi4py
     except ImportError:
-        return "not installed (pip install cupy-parallel[mpi])"
+        return "not installed (pip install mpi4py mpich, or the mpi extra of cupy-parallel)"
 
     def library() -> str:
         from mpi4py import MPI
@@ -273,7 +273,7 @@ def _progress_bar(total: int) -> tuple[Callable[[Sequence[float]], None] | None,
 
 
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from cupy_parallel._src import demo
+    from cupy_parallel._tools import demo
 
     devices = _demo_devices(args.devices, parser)
     out = _demo_out(args.out, parser)
@@ -327,12 +327,13 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from cupy_parallel._src import benchmarking
+    from cupy_parallel._tools import benchmarking
 
     suite = args.suite if args.suite is not None else benchmarking.default_suite_dir()
     if suite is None or not suite.is_dir():
         parser.error(
-            "argument --suite: no benchmarks/ directory found next to the package; pass --suite DIR"
+            "argument --suite: no benchmark suite found (no benchmarks/ beside the package, no "
+            "cupy_parallel.benchmarks installed); pass --suite DIR"
             if suite is None
             else f"argument --suite: {suite} is not a directory"
         )

@@ -1,0 +1,5 @@
+"""The tools built on the public package: the ``cupy-parallel`` CLI, its demo and the bench harness.
+
+This layer sits above the library: it imports ``cupy_parallel`` like any user does, and nothing in
+``cupy_parallel._src`` imports it.
+"""
