@@ -170,6 +170,27 @@ def test_demo_out_may_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert target.stat().st_size > 0
 
 
+def test_demo_out_without_extension_gets_png_appended(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "not-yet" / "results"  # neither a directory nor a file yet
+    argv = ["demo", "--steps", "1", "--devices", str(demo_device_count(2)), "--out", str(target)]
+    assert cli.main(argv) == 0
+    written = target.with_name("results.png")
+    assert f"loss curve: {written}" in capsys.readouterr().out
+    assert written.read_bytes().startswith(b"\x89PNG")
+    assert not target.exists()
+
+
+def test_demo_out_with_another_format_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--steps", "1", "--out", str(tmp_path / "curve.pdf")])
+    assert exit_info.value.code == 2
+    assert "argument --out: the loss curve is a PNG file, got" in capsys.readouterr().err
+
+
 def test_demo_fails_when_a_gradient_is_wrong(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -367,9 +388,12 @@ def test_bench_writes_json_plots_and_table(
         assert image.shape[1:] == (1100, 4) if size is None else image.shape == size
         assert image[..., :3].std() > 0  # something is drawn
     unit = re.search(r"suite\s+benchmark\s+(\w?s)\s+baseline (\w?s)\s+ratio\s+spread", printed)
-    assert unit is not None and unit[1] == unit[2]  # one unit for both time columns
+    assert unit is not None
+    assert unit[1] == unit[2]
     number = r"[\d.e+-]+"
-    assert re.search(rf"bench_tiny\s+sort 2048 B\s+{number}\s+{number}\s+{number}\s+-\s+1\s", printed)
+    assert re.search(
+        rf"bench_tiny\s+sort 2048 B\s+{number}\s+{number}\s+{number}\s+-\s+1\s", printed
+    )
     assert re.search(rf"bench_tiny\s+sum\s+{number}\s+{number}\s+0\.5\s+-\s+-\s+no target", printed)
     assert f"wrote {out / 'bench.json'}" in printed
 

@@ -245,9 +245,19 @@ def _demo_devices(requested: int | None, parser: argparse.ArgumentParser) -> lis
 
 
 def _demo_out(text: str, parser: argparse.ArgumentParser) -> Path:
+    """Where the loss curve goes, read from ``--out``.
+
+    ``--out`` names a PNG file; ``.png`` is appended when it has no extension (matplotlib's
+    habit), and an existing directory (or a path ending in ``/``) gets :data:`DEMO_PNG` inside
+    it. Missing parent directories are created.
+    """
     path = Path(text)
     if path.is_dir() or text.endswith(("/", os.sep)):
         path = path / DEMO_PNG
+    elif not path.suffix:
+        path = path.with_name(f"{path.name}.png")
+    elif path.suffix.lower() != ".png":
+        parser.error(f"argument --out: the loss curve is a PNG file, got {text!r}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -399,8 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--out",
         default=DEMO_PNG,
-        help=f"PNG file for the loss curve, or a directory to write {DEMO_PNG} into "
-        f"(default ./{DEMO_PNG})",
+        help=f"PNG file for the loss curve ('.png' is appended when there is no extension), or "
+        f"an existing directory to write {DEMO_PNG} into (default ./{DEMO_PNG})",
     )
     demo.add_argument("--seed", type=int, default=0, help="seeds data and parameters (default 0)")
     demo.add_argument(
