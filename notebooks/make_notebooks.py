@@ -263,8 +263,15 @@ from hypothesis import strategies as st
 from cupy_parallel.testing import arrays, assert_tree_equal, nested_structures
 from cupy_parallel.testing import devices as device_lists
 
+import warnings
+
+from hypothesis.errors import HypothesisWarning
+
 # Few examples keep the notebook quick; derandomize makes every run find the same examples.
 fast = settings(max_examples=30, deadline=None, derandomize=True, database=None)
+# Newer hypothesis builds the repr of a whole recursive strategy internally and warns that it
+# is long; there is nothing to act on, so that one warning is not shown.
+warnings.filterwarnings("ignore", "Generating overly large repr", HypothesisWarning)
 batches = nested_structures(arrays(max_dims=2, max_side=3), max_leaves=6)"""),
     md("""
 ## A first attempt
@@ -294,9 +301,20 @@ def check_round_trip(move_batch):
         moved = move_batch(batch, device)
         for leaf in optree.tree_leaves(moved, namespace="cupy_parallel"):
             if cupy_parallel.is_array(leaf):
-                assert cupy_parallel.device_of(leaf) == device
+                where = cupy_parallel.device_of(leaf)
+                assert where == device, f"an array stayed on {where}: its container was skipped"
         assert_tree_equal(move_batch(moved, "cpu"), batch)
     round_trip()
+
+def diagnosis(failure):  # what a failure of the round trip means, in words
+    text = str(failure)
+    if isinstance(failure, TypeError) and "__new__" in text:
+        return "a namedtuple was rebuilt from one generator argument"
+    if "differ in structure" in text:
+        return "a container came back as another type or lost its metadata"
+    if "its container was skipped" in text:
+        return "a container the recursion does not know (e.g. a deque) was passed through unmoved"
+    return "another failure: read the example"
 
 try:
     check_round_trip(move_batch_naive)
@@ -307,13 +325,18 @@ except Exception as error:  # hypothesis re-raises what failed on the smallest e
     for failure in failures:
         first_line = (str(failure).splitlines() or ["(no message)"])[0]
         print(f"- {type(failure).__name__}: {first_line}")
+        print(f"  meaning: {diagnosis(failure)}")
         for note in getattr(failure, "__notes__", []):
             if note.startswith(("Falsifying example", "Failing test case")):  # old, new hypothesis
                 print(note)"""),
     md("""
-Hypothesis shrinks the failure to a small structure: a namedtuple cannot be rebuilt from a
-generator, and a `defaultdict` or `deque` loses its type (or its `maxlen`). Rather than adding a
-branch per container, flatten with optree, act on the leaves, and unflatten, which keeps every
+Hypothesis shrinks each distinct failure to a small example, printed above with what it means.
+Which containers the shrunk examples show can vary with the hypothesis version, but the bugs are
+the same: `type(batch)(generator)` passes a namedtuple one argument instead of its fields;
+rebuilding a mapping or sequence by hand turns an `OrderedDict` into a `dict` (a `defaultdict`
+loses its `default_factory`); and a container the recursion does not list, such as a `deque`, is
+passed through with its arrays left where they were. Rather than adding a branch
+per container, flatten with optree, act on the leaves, and unflatten, which keeps every
 container and its metadata:
 """),
     code("""

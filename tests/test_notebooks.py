@@ -54,6 +54,10 @@ def test_property_testing(tmp_path: Path) -> None:
     assert re.search(r"the naive version fails in [1-9]\d* distinct way", text)
     # hypothesis's shrunk counterexample ("Failing test case" since hypothesis 6.16x)
     assert re.search(r"(Falsifying example|Failing test case): round_trip\(", text)
+    assert "HypothesisWarning" not in text  # no warning blocks in what users read
+    failures = re.findall(r"^- (\w+): .*\n  meaning: (.*)$", text, flags=re.MULTILINE)
+    assert failures  # each failure printed with what it means
+    assert all(meaning != "another failure: read the example" for _, meaning in failures)
     assert "move_batch: the round-trip property holds on 30 examples" in text
     assert "scatter/gather: the round-trip property holds on 30 examples" in text
 
