@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cupy_parallel._src.arrays import device_of, empty
 from cupy_parallel._src.cuda import nccl
 from cupy_parallel._src.cuda.pinned import release_after, staging_array
 from cupy_parallel._src.cuda.streams import (
@@ -25,7 +26,8 @@ from cupy_parallel._src.cuda.streams import (
     current_stream,
     wait_stream,
 )
-from cupy_parallel._src.devices import _plain, cupy_module, device_of, empty
+from cupy_parallel._src.devices import cupy_module
+from cupy_parallel._src.hostarray import plain_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -58,15 +60,15 @@ def copy_into(dst: Any, src: Any, *, stream: Any = None) -> None:
     """
     source, target = device_of(src), device_of(dst)
     if source.kind != "cuda" and target.kind != "cuda":
-        np.copyto(_plain(dst), _plain(src), casting="no")
+        np.copyto(plain_buffer(dst), plain_buffer(src), casting="no")
     elif src.size == 0:
         return
     elif target.kind == "cuda" and source.kind != "cuda":
         staged, memory = staging_array(src.shape, src.dtype)
-        np.copyto(staged, _plain(src), casting="no")
+        np.copyto(staged, plain_buffer(src), casting="no")
         _upload(dst, target.index, staged, memory, stream)
     elif source.kind == "cuda" and target.kind != "cuda":
-        _download(_plain(dst), src, source.index, stream)
+        _download(plain_buffer(dst), src, source.index, stream)
     elif source == target:
         _local(dst, src, target.index, stream)
     else:
@@ -147,7 +149,7 @@ def broadcast_from_host(array: Any, outs: Sequence[Any]) -> None:
     """Copy a host array into ``outs`` (GPU or host), staging it through pinned memory once."""
     if array.size == 0:
         return
-    source = _plain(array)
+    source = plain_buffer(array)
     staged, memory = staging_array(array.shape, array.dtype)
     np.copyto(staged, source, casting="no")
     for out in outs:
@@ -155,7 +157,7 @@ def broadcast_from_host(array: Any, outs: Sequence[Any]) -> None:
         if target.kind == "cuda":
             _upload(out, target.index, staged, memory, None)
         else:
-            np.copyto(_plain(out), source, casting="no")
+            np.copyto(plain_buffer(out), source, casting="no")
 
 
 def _flatten(arrays: Sequence[Any]) -> Any:
