@@ -26,7 +26,7 @@ from cupy_parallel._src.cuda.streams import (
     current_stream,
     wait_stream,
 )
-from cupy_parallel._src.devices import cupy_module
+from cupy_parallel._src.devices import require_cupy
 from cupy_parallel._src.hostarray import plain_buffer
 
 if TYPE_CHECKING:
@@ -42,13 +42,6 @@ __all__ = [
     "reduce_flat",
     "sum_into",
 ]
-
-
-def _cupy() -> Any:
-    cupy = cupy_module()
-    if cupy is None:  # only reachable with a CUDA array in hand, which needs CuPy
-        raise ImportError("CuPy is required for CUDA arrays; install cupy-cuda12x.")
-    return cupy
 
 
 def copy_into(dst: Any, src: Any, *, stream: Any = None) -> None:
@@ -76,7 +69,7 @@ def copy_into(dst: Any, src: Any, *, stream: Any = None) -> None:
 
 
 def _upload(dst: Any, device: int, staged: np.ndarray, memory: Any, stream: Any) -> None:
-    cupy = _cupy()
+    cupy = require_cupy()
     main = current_stream(device)
     copier = background_stream(device) if stream is None else stream
     with cupy.cuda.Device(device):
@@ -92,7 +85,7 @@ def _upload(dst: Any, device: int, staged: np.ndarray, memory: Any, stream: Any)
 
 
 def _download(dst: np.ndarray, src: Any, device: int, stream: Any) -> None:
-    cupy = _cupy()
+    cupy = require_cupy()
     with cupy.cuda.Device(device):
         main = current_stream(device)
         copier = main if stream is None else stream
@@ -104,7 +97,7 @@ def _download(dst: np.ndarray, src: Any, device: int, stream: Any) -> None:
 
 
 def _local(dst: Any, src: Any, device: int, stream: Any) -> None:
-    cupy = _cupy()
+    cupy = require_cupy()
     with cupy.cuda.Device(device):
         if stream is None:
             dst[...] = src
@@ -117,7 +110,7 @@ def _local(dst: Any, src: Any, device: int, stream: Any) -> None:
 
 
 def _peer(dst: Any, dst_device: int, src: Any, src_device: int, stream: Any) -> None:
-    cupy = _cupy()
+    cupy = require_cupy()
     src_main = current_stream(src_device)
     dst_main = current_stream(dst_device)
     copier = dst_main if stream is None else stream
@@ -162,7 +155,7 @@ def broadcast_from_host(array: Any, outs: Sequence[Any]) -> None:
 
 def _flatten(arrays: Sequence[Any]) -> Any:
     """The arrays (all on one GPU) raveled and joined into one new 1-d buffer on that GPU."""
-    cupy = _cupy()
+    cupy = require_cupy()
     with cupy.cuda.Device(device_of(arrays[0]).index):
         return cupy.concatenate([cupy.ravel(x) for x in arrays])
 
@@ -182,7 +175,7 @@ def broadcast_flat(members: Sequence[Any], targets: Sequence[Device]) -> list[An
 
 def sum_into(out: Any, terms: Sequence[Any]) -> None:
     """``out[...] = ((terms[0] + terms[1]) + ...)`` with every term already on ``out``'s GPU."""
-    cupy = _cupy()
+    cupy = require_cupy()
     with cupy.cuda.Device(device_of(out).index):
         if len(terms) == 1:
             out[...] = terms[0]
