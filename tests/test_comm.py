@@ -550,3 +550,86 @@ def test_errors_are_raised_before_anything_is_written() -> None:
     with pytest.raises(ValueError, match=r"out\[1\] has shape"):
         comm.scatter(x, out=[first[:3], cp.empty((3, 1), np.float64, "host:2")])
     assert_bits_equal(first, np.full(6, -1.0))
+
+
+# --------------------------------------------------------------------------------------------
+# out= arrays that cannot take the result: refused before the first copy
+
+
+def _filled(shape: Any, k: int, value: float = -1.0) -> Any:
+    array = cp.empty(shape, np.float64, f"host:{k}")
+    array[...] = value
+    return array
+
+
+def _read_only(shape: Any, k: int) -> Any:
+    array = _filled(shape, k)
+    array.flags.writeable = False
+    return array
+
+
+def test_a_read_only_out_is_refused_before_the_first_copy() -> None:
+    x = np.arange(6.0)
+    first = _filled((3,), 1)
+    with pytest.raises(ValueError, match=r"out\[1\] is read-only, but scatter writes"):
+        comm.scatter(x, out=[first, _read_only((3,), 2)])
+    with pytest.raises(ValueError, match=r"out\[1\] is read-only, but broadcast writes"):
+        comm.broadcast(x[:3], out=[first, _read_only((3,), 2)])
+    assert_bits_equal(first, np.full(3, -1.0))
+    parts = comm.scatter(x, hosts(2))
+    frozen = np.zeros(6)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"out is read-only, but gather writes its result"):
+        comm.gather(parts, out=frozen)
+
+
+def test_scatter_refuses_out_arrays_that_overlap_each_other_or_the_source() -> None:
+    # Old code wrote chunk 1 over the end of chunk 0 (a silently wrong out[0]).
+    x = np.arange(6.0)
+    buffer = _filled((5,), 1)
+    with pytest.raises(ValueError, match=r"out\[0\] and out\[1\] share memory, but scatter"):
+        comm.scatter(x, out=[buffer[:3], buffer[2:]])
+    assert_bits_equal(buffer, np.full(5, -1.0))
+    source = to_device(x, "host:1")
+    with pytest.raises(ValueError, match=r"out\[0\] shares memory with array, which scatter"):
+        comm.scatter(source, out=[source[1:4], _filled((3,), 2)])
+    assert_bits_equal(source, x)
+    # interleaved views of one buffer do not overlap, and are accepted
+    parts = comm.scatter(x[:5], out=[buffer[0::2], buffer[1::2]])
+    assert_bits_equal(buffer, np.array([0.0, 3.0, 1.0, 4.0, 2.0]))
+    assert [p.shape for p in parts] == [(3,), (2,)]
+
+
+def test_gather_refuses_an_out_that_overlaps_an_input_or_itself() -> None:
+    # gather([x[3:], x[:3]], out=x) used to read x[:3] after overwriting it.
+    x = to_device(np.arange(6.0), "host:0")
+    with pytest.raises(ValueError, match=r"out shares memory with arrays\[0\], which gather"):
+        comm.gather([x[3:], x[:3]], out=x)
+    assert_bits_equal(x, np.arange(6.0))
+    repeated = np.lib.stride_tricks.as_strided(np.zeros(1), shape=(6,), strides=(0,))
+    with pytest.raises(ValueError, match=r"out has strides \(0,\) for shape \(6,\): several"):
+        comm.gather([x[3:], x[:3]], out=repeated)
+
+
+def test_broadcast_refuses_overlapping_outs_but_accepts_the_source_as_its_own_out() -> None:
+    x = to_device(np.arange(4.0), "host:1")
+    buffer = _filled((6,), 2)
+    with pytest.raises(ValueError, match=r"out\[0\] and out\[1\] share memory, but broadcast"):
+        comm.broadcast(x, out=[buffer[:4], buffer[2:]])
+    longer = to_device(np.arange(5.0), "host:1")
+    with pytest.raises(ValueError, match=r"out\[0\] shares memory with array, which broadcast"):
+        comm.broadcast(longer[:4], out=[longer[1:], buffer[:4]])
+    assert_bits_equal(longer, np.arange(5.0))
+    assert_bits_equal(buffer, np.full(6, -1.0))
+    copies = comm.broadcast(x, out=[x, buffer[2:]])  # copying x onto itself is a no-op
+    assert copies[0] is x
+    assert_bits_equal(x, np.arange(4.0))
+    assert_bits_equal(buffer, np.array([-1.0, -1.0, 0.0, 1.0, 2.0, 3.0]))
+
+
+def test_reduce_add_coalesced_of_empty_lists_still_reads_the_destination() -> None:
+    with pytest.raises(ValueError, match="destination is not a usable device: device string"):
+        comm.reduce_add_coalesced([[], []], "bogus")
+    with pytest.raises(TypeError, match="destination is not a usable device: device must be"):
+        comm.reduce_add_coalesced([[], []], 1.5)
+    assert comm.reduce_add_coalesced([[], []]) == ()

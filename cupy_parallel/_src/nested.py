@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optree
 
-from cupy_parallel._src.comm import _axis, _chunk_count, _even_chunks, _read_int
+from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.comm import chunk_count, even_chunks, normalize_axis
 from cupy_parallel._src.devices import (
     Device,
     _read_device,
@@ -164,7 +165,7 @@ def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list
         (True, 'batch')
     """
     devices = _read_devices(target_devices, "target_devices", accelerators_only=True)
-    dim = _read_int(dim, "dim")
+    dim = read_int(dim, "dim")
     accessors, leaves, spec = _flatten(inputs)
     dims: dict[int, int] = {}
     for k, (accessor, leaf) in enumerate(zip(accessors, leaves, strict=True)):
@@ -176,15 +177,15 @@ def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list
                 f"{where} is a 0-d array, which cannot be split along dim={dim}; "
                 "give it a dimension (x.reshape(1)) or pass it as a Python scalar to share it."
             )
-        dims[k] = _axis(dim, leaf.ndim, f"array {where}")
+        dims[k] = normalize_axis(dim, leaf.ndim, f"array {where}")
     replicas = min(
-        (_chunk_count(leaves[k].shape[d], len(devices)) for k, d in dims.items()),
+        (chunk_count(leaves[k].shape[d], len(devices)) for k, d in dims.items()),
         default=len(devices),
     )
     columns: list[Any] = []
     for k, leaf in enumerate(leaves):
         if k in dims:
-            sizes = _even_chunks(leaf.shape[dims[k]], replicas)
+            sizes = even_chunks(leaf.shape[dims[k]], replicas)
             columns.append(_scatter_leaf(leaf, devices[:replicas], sizes, dims[k]))
         else:
             columns.append((leaf,) * replicas)
@@ -240,7 +241,7 @@ def scatter_kwargs(
             f"kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}."
         )
     devices = _read_devices(target_devices, "target_devices", accelerators_only=True)
-    _read_int(dim, "dim")
+    read_int(dim, "dim")
     scattered_inputs = [tuple(r) for r in scatter(inputs, devices, dim)] if inputs else []
     scattered_kwargs = [dict(r) for r in scatter(kwargs, devices, dim)] if kwargs else []
     count = max(len(scattered_inputs), len(scattered_kwargs))
@@ -292,7 +293,7 @@ def gather(outputs: Sequence[Any], /, target_device: Any, dim: int = 0) -> Any:
     if len(outputs) == 0:
         raise ValueError("outputs is empty; gather needs at least one replica's output.")
     target = _read_device(target_device, "target_device")
-    dim = _read_int(dim, "dim")
+    dim = read_int(dim, "dim")
 
     accessors, first, spec = _flatten(outputs[0])
     columns: list[list[Any]] = [[leaf] for leaf in first]
@@ -377,7 +378,7 @@ def _check_column(column: list[Any], dim: int, path: str) -> int | None:
                 f"stack along dim=0, not dim={dim}; give them a dimension (x.reshape(1))."
             )
         return 0
-    axis = _axis(dim, first.ndim, f"array outputs[0]{path}")
+    axis = normalize_axis(dim, first.ndim, f"array outputs[0]{path}")
     for r, array in enumerate(column[1:], start=1):
         if _shape_off(array.shape, axis) != _shape_off(first.shape, axis):
             raise ValueError(
