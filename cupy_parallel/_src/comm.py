@@ -271,10 +271,13 @@ def _shares_memory(a: Any, b: Any) -> bool:
     first, second = device_of(a), device_of(b)
     if first.kind == "cuda" or second.kind == "cuda":
         return first == second and bool(first.xp.shares_memory(a, b))
-    try:
-        return bool(np.shares_memory(_plain(a), _plain(b), max_work=1 << 16))
+    try:  # a bounded search: exact answers for ordinary layouts, "yes" for pathological ones
+        return bool(np.shares_memory(_plain(a), _plain(b), max_work=_SHARES_MEMORY_WORK))
     except np.exceptions.TooHardError:
         return True
+
+
+_SHARES_MEMORY_WORK: Any = 1 << 16  # numpy's stubs admit only -1 and 0, the runtime any bound
 
 
 def _layout(x: Any) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
