@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import cupy_parallel as cp
 from cupy_parallel import Device, comm, device_of, to_device
-from cupy_parallel._src.hostarray import plain_buffer
+from cupy_parallel._src.hostarray import host_array, plain_buffer
+from cupy_parallel._src.memory import POOL_THRESHOLD, get_host_memory_pool
 
 
 def shares(a: Any, b: Any) -> bool:
@@ -634,3 +635,62 @@ def test_reduce_add_coalesced_of_empty_lists_still_reads_the_destination() -> No
     with pytest.raises(TypeError, match="destination is not a usable device: device must be"):
         comm.reduce_add_coalesced([[], []], 1.5)
     assert comm.reduce_add_coalesced([[], []]) == ()
+
+
+# --------------------------------------------------------------------------------------------
+# dtypes CuPy lacks: one TypeError at the entry, whatever the size (the pool used to decide)
+
+LACKING = [
+    np.dtype(object),
+    np.dtype("U3"),
+    np.dtype("S3"),
+    np.dtype("datetime64[s]"),
+    np.dtype("timedelta64[ms]"),
+    np.dtype([("a", np.int32), ("b", np.float32)]),
+    np.dtype("V4"),
+    np.dtypes.StringDType(),
+]
+
+
+def _on_host(x: np.ndarray, k: int) -> Any:
+    """A host array around ``x`` as it is (to_device refuses these dtypes; comm must too)."""
+    return host_array(x, Device("host", k))
+
+
+def _lacking_calls(dtype: np.dtype[Any], n: int) -> list[tuple[str, Any, str]]:
+    x = np.zeros(n, dtype)
+    h0, h1 = _on_host(np.zeros(n, dtype), 0), _on_host(np.zeros(n, dtype), 1)
+    good = [to_device(np.zeros(n), f"host:{k}") for k in range(2)]
+    return [
+        ("scatter", lambda: comm.scatter(x, hosts(2)), "array"),
+        ("broadcast", lambda: comm.broadcast(x, hosts(2)), "array"),
+        ("broadcast_coalesced", lambda: comm.broadcast_coalesced([h0], hosts(2)), r"arrays\[0\]"),
+        ("gather", lambda: comm.gather([h0, h1], destination="cpu"), r"arrays\[0\]"),
+        ("gather-out", lambda: comm.gather(good, out=np.empty(2 * n, dtype)), "out"),
+        ("reduce_add", lambda: comm.reduce_add([h0, h1], "host:0"), r"inputs\[0\]"),
+        ("reduce_add-mixed", lambda: comm.reduce_add([good[0], h1], "host:0"), r"inputs\[1\]"),
+        (
+            "reduce_add_coalesced",
+            lambda: comm.reduce_add_coalesced([[h0], [h1]], "host:0"),
+            r"inputs\[0\]\[0\]",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("n", [4, POOL_THRESHOLD], ids=["small", "pooled"])
+@pytest.mark.parametrize("dtype", LACKING, ids=lambda d: d.str if d.kind != "V" else d.name)
+def test_dtypes_cupy_lacks_are_refused_by_every_function_at_every_size(
+    dtype: np.dtype[Any], n: int
+) -> None:
+    # The old code moved small object/string arrays and failed with NumPy's "Cannot change
+    # data-type" deep in the pool for big ones; reduce_add on strings truncated the sums.
+    calls = _lacking_calls(dtype, n)
+    used = get_host_memory_pool().used_bytes()
+    for name, call, argument in calls:
+        with pytest.raises(
+            TypeError,
+            match=rf"^{argument} has dtype .*, which device arrays cannot hold \(CuPy has bool, "
+            r"integer, float16/32/64 and complex64/128 arrays only\)",
+        ):
+            call()
+        assert get_host_memory_pool().used_bytes() == used, f"{name} allocated before refusing"

@@ -14,7 +14,9 @@ Conventions shared by all six functions, carried over from ``torch.cuda.comm``:
 * ``destination=None`` means the *current device*: CuPy's current GPU on the CUDA platform and
   ``host:0`` on the host platform (torch uses the current CUDA device).
 * dtypes are never converted: every dtype round-trips bit for bit, and arrays combined by one call
-  must share a dtype.
+  must share a dtype. Dtypes CuPy lacks (object, strings, datetime/timedelta, structured,
+  ``StringDType``, ``longdouble``) are refused with ``TypeError`` at the entry, at every size,
+  as CuPy cannot hold them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from cupy_parallel._src.cuda import nccl as _nccl
 from cupy_parallel._src.cuda import streams as _streams
 from cupy_parallel._src.cuda import transfer as _transfer
 from cupy_parallel._src.devices import Device, cupy_module, platform, read_device, read_devices
-from cupy_parallel._src.hostarray import plain_buffer
+from cupy_parallel._src.hostarray import check_device_dtype, plain_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -57,11 +59,18 @@ _HOST_MEMORY = frozenset({"cpu", "host"})
 
 
 def _check_array(x: Any, name: str) -> None:
+    """Refuse a non-array, and an array of a dtype CuPy lacks (whatever its size or device).
+
+    Only bool, integer, float16/32/64 and complex64/128 arrays pass, so no function here ever
+    moves an object or string array, and :func:`reduce_add` only adds numbers (NumPy's ``add`` on
+    fixed-width strings would concatenate and truncate into the output).
+    """
     if not is_array(x):
         raise TypeError(
             f"{name} must be an array (numpy.ndarray, HostArray or cupy.ndarray), "
             f"got {type(x).__name__}."
         )
+    check_device_dtype(x.dtype, name)
 
 
 def _read_arrays(seq: Any, name: str, *, allow_empty: bool = False) -> tuple[Any, ...]:
