@@ -203,7 +203,7 @@ def test_limit_refuses_an_allocation_past_it_with_a_clear_memory_error() -> None
     with pytest.raises(
         MemoryError,
         match=r"allocating 524,288 bytes would exceed the limit of 1,048,576 bytes set with "
-        r"set_limit \(786,432 bytes are held by live arrays\)",
+        r"set_limit \(the pool holds 786,432 bytes, 786,432 of them in live arrays\)",
     ):
         pool.empty((512 * KIB,), np.uint8)
     assert pool.used_bytes() == 768 * KIB  # nothing changed

@@ -159,7 +159,7 @@ class HostMemoryPool:
             chunk = self._best_fit(size)
             if chunk is None and self._fits(size):
                 chunk = self._new_segment(size)
-        if chunk is None:  # over the limit: drop what others still reference, then retry once
+        if chunk is None:  # over the limit: collect unreachable arrays (cycles), then retry once
             gc.collect()
             with self._lock:
                 self._commit_pending()
@@ -168,9 +168,9 @@ class HostMemoryPool:
                     if not self._fits(size):
                         raise MemoryError(
                             f"host memory pool: allocating {size:,} bytes would exceed the "
-                            f"limit of {self._limit:,} bytes set with set_limit "
-                            f"({self._used_bytes:,} bytes are held by live arrays); free arrays "
-                            f"or raise the limit with set_limit(size=...)."
+                            f"limit of {self._limit:,} bytes set with set_limit (the pool holds "
+                            f"{self._total_bytes:,} bytes, {self._used_bytes:,} of them in live "
+                            "arrays); free arrays or raise the limit with set_limit(size=...)."
                         )
                     chunk = self._new_segment(size)
         return chunk
