@@ -253,7 +253,7 @@ def _structure_difference(first: PyTreeSpec, second: PyTreeSpec) -> tuple[str, s
     return None
 
 
-def foreign_array_type(leaf: object) -> str | None:
+def _foreign_array_type(leaf: object) -> str | None:
     """The qualified type name of ``leaf`` if it is another library's array, else ``None``.
 
     Another library's array is anything with ``__dlpack__``, ``__array__``,
@@ -346,7 +346,7 @@ def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list
     dims: dict[int, int] = {}
     for k, (accessor, leaf) in enumerate(zip(accessors, leaves, strict=True)):
         if not is_array(leaf):
-            foreign = foreign_array_type(leaf)
+            foreign = _foreign_array_type(leaf)
             if foreign is not None:
                 raise TypeError(
                     f"{_key_path(accessor, 'inputs')} is a {foreign}, an array of another "
@@ -526,7 +526,7 @@ def _check_column(column: list[Any], dim: int, path: str) -> int | None:
     ``path`` is the leaf's key path in a replica, so ``outputs[r]{path}`` names the leaf.
     """
     for r, leaf in enumerate(column):
-        foreign = foreign_array_type(leaf)
+        foreign = _foreign_array_type(leaf)
         if foreign is not None:
             raise TypeError(
                 f"outputs[{r}]{path} is a {foreign}, an array of another library, which gather "
