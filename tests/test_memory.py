@@ -261,3 +261,29 @@ def test_set_limit_refuses_bad_arguments_and_keeps_the_old_limit(
     with pytest.raises(error, match=match):
         pool.set_limit(**kwargs)
     assert pool.get_limit() == 4096
+
+
+def test_400_scatter_gather_steps_through_the_library_stay_bounded() -> None:
+    # The same property end to end: comm.scatter / comm.gather of batches of random sizes
+    # allocate from the process-wide pool behind "host:k" and "cpu" arrays. Blocks of different
+    # segments never merge, so the plateau is a few times the working set (3.5 here); the old
+    # pool kept one block per size and grew with every new batch size.
+    from cupy_parallel import comm, get_host_memory_pool
+
+    pool = get_host_memory_pool()
+    pool.free_all_blocks()
+    start_total, start_used = pool.total_bytes(), pool.used_bytes()
+    rng = np.random.default_rng(1)
+    peak = 0
+    totals = []
+    for _ in range(400):
+        batch = np.ones((int(rng.integers(65, 257)), 1000), np.float32)
+        parts = comm.scatter(batch, ["host:0", "host:1"])
+        back = comm.gather(parts, destination="cpu")
+        peak = max(peak, pool.used_bytes() - start_used)
+        assert back.shape == batch.shape
+        del parts, back
+        totals.append(pool.total_bytes() - start_total)
+    assert pool.used_bytes() == start_used
+    assert max(totals) <= 4 * peak, (max(totals), peak)
+    assert totals[-1] == totals[199]  # no growth in the second half
