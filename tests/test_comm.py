@@ -694,3 +694,50 @@ def test_dtypes_cupy_lacks_are_refused_by_every_function_at_every_size(
         ):
             call()
         assert get_host_memory_pool().used_bytes() == used, f"{name} allocated before refusing"
+
+
+@st.composite
+def views_of_one_buffer(draw: st.DrawFn) -> tuple[int, list[tuple[int, int, int]]]:
+    """A buffer length and 1-3 (start, step, count) views of it: overlapping or not."""
+    length = draw(st.integers(4, 24))
+    views = []
+    for _ in range(draw(st.integers(1, 3))):
+        start = draw(st.integers(0, length - 1))
+        step = draw(st.integers(1, 3))
+        count = draw(st.integers(0, (length - 1 - start) // step + 1))
+        views.append((start, step, count))
+    return length, views
+
+
+@given(views_of_one_buffer(), st.sampled_from(["scatter", "broadcast"]))
+def test_out_views_are_refused_exactly_when_they_overlap(
+    case: tuple[int, list[tuple[int, int, int]]], operation: str
+) -> None:
+    # The oracle: the element indices each view covers, as Python sets.
+    length, views = case
+    if operation == "broadcast":  # every out has the source's shape
+        fewest = min(count for _, _, count in views)
+        views = [(start, step, fewest) for start, step, _ in views]
+    buffer = cp.empty((length,), np.float64, "host:1")
+    buffer[...] = -1.0
+    outs = [buffer[start : start + step * count : step] for start, step, count in views]
+    covered = [set(range(start, start + step * count, step)) for start, step, count in views]
+    overlap = any(a & b for a, b in itertools.combinations(covered, 2))
+    counts = [count for _, _, count in views]
+    if operation == "scatter":
+        source = np.arange(sum(counts), dtype=np.float64)
+        expected = split_oracle(source, counts, 0)
+    else:
+        source = np.arange(counts[0], dtype=np.float64)
+        expected = [source] * len(views)
+    call = getattr(comm, operation)
+    if overlap:
+        with pytest.raises(
+            ValueError, match=rf"out\[\d\] and out\[\d\] share memory, but {operation}"
+        ):
+            call(source, out=outs)
+        assert_bits_equal(buffer, np.full(length, -1.0))  # nothing was written
+    else:
+        call(source, out=outs)
+        for out, want in zip(outs, expected, strict=True):
+            assert_bits_equal(out, want)
