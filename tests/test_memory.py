@@ -125,6 +125,7 @@ def test_a_smaller_request_reuses_and_splits_a_cached_block() -> None:
     assert _address(rest) == address + _rounded(200 * KIB + 1)
     assert pool.total_bytes() == 600 * KIB
     assert pool.used_bytes() == _rounded(200 * KIB + 1) + 399 * KIB
+    assert pool.n_free_blocks() == 1  # the 512-byte tail of the split
     del small, rest
     again = pool.empty((600 * KIB,), np.uint8)  # the pieces merged back into one block
     assert _address(again) == address

@@ -99,11 +99,11 @@ class HostMemoryPool:
     """Caches freed host buffers so that later allocations reuse warm pages, as CuPy's pool does.
 
     The interface is the one ``cupy.get_default_memory_pool()`` offers: :meth:`used_bytes`,
-    :meth:`free_bytes`, :meth:`total_bytes`, :meth:`free_all_blocks`, :meth:`set_limit` and
-    :meth:`get_limit`. The pool accounts for what it serves, the arrays of at least
-    :data:`POOL_THRESHOLD` bytes that :func:`cupy_parallel.empty`, ``to_device`` and the ``comm``
-    functions allocate; smaller arrays and the results NumPy computes (``h + 1``) come from
-    NumPy's allocator and are outside its counts and its limit.
+    :meth:`free_bytes`, :meth:`total_bytes`, :meth:`n_free_blocks`, :meth:`free_all_blocks`,
+    :meth:`set_limit` and :meth:`get_limit`. The pool accounts for what it serves, the arrays
+    of at least :data:`POOL_THRESHOLD` bytes that :func:`cupy_parallel.empty`, ``to_device``
+    and the ``comm`` functions allocate; smaller arrays and the results NumPy computes
+    (``h + 1``) come from NumPy's allocator and are outside its counts and its limit.
 
     Thread-safe; freeing from any thread (or from the garbage collector inside the pool) never
     blocks.
@@ -290,6 +290,12 @@ class HostMemoryPool:
         with self._lock:
             self._commit_pending()
             return self._total_bytes - self._used_bytes
+
+    def n_free_blocks(self) -> int:
+        """How many cached chunks there are (CuPy's ``MemoryPool.n_free_blocks``)."""
+        with self._lock:
+            self._commit_pending()
+            return len(self._index)
 
     def total_bytes(self) -> int:
         """Bytes the pool holds from the system, in use or cached."""
