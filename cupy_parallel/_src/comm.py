@@ -70,7 +70,7 @@ def _check_array(x: Any, name: str) -> None:
             f"{name} must be an array (numpy.ndarray, HostArray or cupy.ndarray), "
             f"got {type(x).__name__}."
         )
-    check_device_dtype(x.dtype, name)
+    check_device_dtype(x.dtype, f"{name}'s dtype")
 
 
 def _read_arrays(seq: Any, name: str, *, allow_empty: bool = False) -> tuple[Any, ...]:
