@@ -385,8 +385,9 @@ def scatter(
         The chunks, one per used device, in device order (``tuple(out)`` when ``out`` is given).
 
     Raises:
-        TypeError: an argument has the wrong type.
-        ValueError: devices/out both or neither given, bad ``dim``, ``chunk_sizes`` or shapes.
+        TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
+        ValueError: devices/out both or neither given, bad ``dim``, ``chunk_sizes`` or shapes,
+            or an ``out`` that is read-only or overlaps another ``out`` or ``array``.
 
     Example:
         >>> from cupy_parallel import comm
@@ -472,9 +473,9 @@ def gather(arrays: Any, /, dim: int = 0, destination: Any = None, *, out: Any = 
         The gathered array (``out`` itself when given).
 
     Raises:
-        TypeError: an argument has the wrong type.
+        TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
         ValueError: no arrays, arrays on ``"cpu"``, mismatched shapes or dtypes, a bad ``dim``
-            or ``out``.
+            or ``out`` (of the wrong shape or dtype, read-only, or overlapping an input).
 
     Example:
         >>> from cupy_parallel import comm
@@ -546,8 +547,10 @@ def broadcast(array: Any, /, devices: Any = None, *, out: Any = None) -> tuple[A
         One array per device (``tuple(out)`` when ``out`` is given).
 
     Raises:
-        TypeError: an argument has the wrong type.
-        ValueError: devices/out both or neither given, or an ``out`` of the wrong shape/dtype.
+        TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
+        ValueError: devices/out both or neither given, or an ``out`` of the wrong shape/dtype,
+            read-only, or overlapping another ``out`` or ``array`` (``array`` itself is allowed:
+            copying onto itself changes nothing).
 
     Example:
         >>> from cupy_parallel import comm
@@ -613,7 +616,7 @@ def broadcast_coalesced(
         others hold copies that are views into the bucket buffers on their device.
 
     Raises:
-        TypeError: an argument has the wrong type.
+        TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
         ValueError: an array not on ``devices[0]``, no devices, or a non-positive buffer_size.
 
     Example:
@@ -692,7 +695,7 @@ def reduce_add(inputs: Any, /, destination: Any = None) -> Any:
         The elementwise sum on ``destination``.
 
     Raises:
-        TypeError: an argument has the wrong type.
+        TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
         ValueError: no inputs, inputs on ``"cpu"``, mismatched shapes/dtypes, or a destination
             that holds none of the inputs.
 
@@ -785,7 +788,7 @@ def reduce_add_coalesced(
         The sums, one per position.
 
     Raises:
-        TypeError: an argument has the wrong type.
+        TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
         ValueError: empty inputs, lists of different lengths, a list spread over devices,
             mismatched shapes/dtypes, a bad destination or buffer_size.
 
