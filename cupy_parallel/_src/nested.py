@@ -300,9 +300,13 @@ def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list
 
     Returns one structure per replica: replica ``i`` holds chunk ``i`` of every array, placed on
     ``target_devices[i]``. ``None`` passes through, and other leaves (numbers, strings, objects)
-    are shared by reference between the replicas; containers are rebuilt for each replica. An
-    object of a class not registered with optree is a leaf, shared whole even if it holds arrays.
-    A chunk that stays on its array's device may be a view of it, as in torch.
+    are shared by reference between the replicas; containers are rebuilt for each replica.
+    Subclasses of tuple, list, dict, ``OrderedDict``, ``defaultdict`` and ``deque`` are split like
+    their base and come back as the subclass when ``cls(contents)`` rebuilds exactly those
+    contents, else as the base (see the module notes). Any other object of a class not
+    registered with optree is a leaf, shared whole even if it holds arrays; arrays of other
+    libraries (torch, JAX) are refused. A chunk that stays on its array's device may be a view
+    of it, as in torch.
 
     The number of replicas is the fewest chunks any array produces. An array of size ``s`` along
     ``dim`` gives ``min(len(target_devices), s)`` chunks (one if ``s == 0``), so a batch smaller
