@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 from typing import Any
 
@@ -685,6 +686,7 @@ def test_dtypes_cupy_lacks_are_refused_by_every_function_at_every_size(
     # The old code moved small object/string arrays and failed with NumPy's "Cannot change
     # data-type" deep in the pool for big ones; reduce_add on strings truncated the sums.
     calls = _lacking_calls(dtype, n)
+    gc.collect()  # so that no other test's garbage is freed while this one counts
     used = get_host_memory_pool().used_bytes()
     for name, call, argument in calls:
         with pytest.raises(
@@ -693,7 +695,7 @@ def test_dtypes_cupy_lacks_are_refused_by_every_function_at_every_size(
             r"bool, integer, float16/32/64 and complex64/128 arrays only\)",
         ):
             call()
-        assert get_host_memory_pool().used_bytes() == used, f"{name} allocated before refusing"
+        assert get_host_memory_pool().used_bytes() <= used, f"{name} allocated before refusing"
 
 
 @st.composite

@@ -272,6 +272,7 @@ def test_400_scatter_gather_steps_through_the_library_stay_bounded() -> None:
     from cupy_parallel import comm, get_host_memory_pool
 
     pool = get_host_memory_pool()
+    gc.collect()  # so that no other test's garbage is freed while this one counts
     pool.free_all_blocks()
     start_total, start_used = pool.total_bytes(), pool.used_bytes()
     rng = np.random.default_rng(1)
