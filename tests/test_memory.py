@@ -289,3 +289,11 @@ def test_400_scatter_gather_steps_through_the_library_stay_bounded() -> None:
     assert pool.used_bytes() == start_used
     assert max(totals) <= 4 * peak, (max(totals), peak)
     assert totals[-1] == totals[199]  # no growth in the second half
+
+
+def test_counts_are_python_ints_whatever_the_shape_is_made_of() -> None:
+    pool = HostMemoryPool()
+    array = pool.empty((np.int64(POOL_THRESHOLD),), np.uint8)
+    counts = [pool.used_bytes(), pool.total_bytes(), pool.free_bytes(), pool.n_free_blocks()]
+    assert [type(c) for c in counts] == [int] * 4
+    assert array.shape == (POOL_THRESHOLD,)

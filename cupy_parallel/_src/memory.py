@@ -144,7 +144,7 @@ class HostMemoryPool:
                 would exceed it even after dropping every cached block.
         """
         dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
+        nbytes = int(math.prod(shape)) * dtype.itemsize
         if nbytes < POOL_THRESHOLD:
             return np.empty(shape, dtype)
         size = -(-nbytes // ALLOCATION_UNIT) * ALLOCATION_UNIT
