@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections import OrderedDict, defaultdict, deque, namedtuple
 from typing import Any
@@ -507,3 +508,214 @@ def test_round_trip_over_gpus():
     with cupy.cuda.Device(0):
         expected = {"a": cupy.asarray(x["a"]), "b": [labels, "tag"], "c": None}
     assert_tree_equal(gather(parts, gpus[0]), expected)
+
+
+# --------------------------------------------------------------------------------------------
+# Subclasses of the built-in containers are split like their base (torch's isinstance tests)
+
+
+class ListSub(list):
+    pass
+
+
+class TupleSub(tuple):
+    __slots__ = ()
+
+
+class DictSub(dict):
+    pass
+
+
+class OrderedSub(OrderedDict):
+    pass
+
+
+class DefaultSub(defaultdict):
+    pass
+
+
+class DequeSub(deque):
+    pass
+
+
+SUBCLASSED = [
+    (lambda: ListSub([np.arange(6), "tag"]), list),
+    (lambda: TupleSub((np.arange(6.0), 3)), tuple),
+    (lambda: DictSub(b=np.arange(6), a="tag"), dict),
+    (lambda: OrderedSub([("z", np.arange(6)), ("a", 1)]), OrderedDict),
+    (lambda: DefaultSub(list, {"w": np.ones((6, 2))}), defaultdict),
+    (lambda: DequeSub([np.arange(6), None], 4), deque),
+]
+
+
+def _as_base(container: Any, base: type) -> Any:
+    """The same contents in the base type (the oracle scatters that)."""
+    if base is defaultdict:
+        return defaultdict(container.default_factory, container)
+    if base is deque:
+        return deque(container, container.maxlen)
+    return base(container)
+
+
+@pytest.mark.parametrize(
+    ("make", "base"), SUBCLASSED, ids=[b.__name__ for _, b in SUBCLASSED]
+)  # fmt: skip
+def test_a_container_subclass_is_split_like_its_base_and_rebuilt(make: Any, base: type) -> None:
+    # The old code saw an unregistered subclass as a leaf and gave every replica the whole of it.
+    tree = {"s": make()}
+    parts = scatter(tree, H[:3])
+    expected = scatter({"s": _as_base(tree["s"], base)}, H[:3])
+    assert len(parts) == 3
+    for got, want in zip(parts, expected, strict=True):
+        assert type(got["s"]) is type(tree["s"])
+        assert_tree_equal(_as_base(got["s"], base), want["s"], check_device=True)
+    back = gather(parts, "cpu")
+    assert type(back["s"]) is type(tree["s"])
+    assert_tree_equal(_as_base(back["s"], base), _as_base(tree["s"], base))
+
+
+def test_subclasses_inside_subclasses_are_split_too() -> None:
+    tree = ListSub([DictSub(x=TupleSub((np.arange(4),))), np.arange(4)])
+    parts = scatter(tree, H[:2])
+    assert type(parts[1][0]["x"]) is TupleSub
+    assert parts[1][0]["x"][0].tolist() == [2, 3]
+    back = gather(parts, "cpu")
+    assert type(back) is ListSub
+    assert type(back[0]) is DictSub
+    assert type(back[0]["x"]) is TupleSub
+    assert back[0]["x"][0].tolist() == [0, 1, 2, 3]
+
+
+class NeedsName(dict):
+    """Its constructor needs a second argument: cannot be rebuilt from its contents alone."""
+
+    def __init__(self, data: Any, name: str) -> None:
+        super().__init__(data)
+        self.name = name
+
+
+class Doubling(list):
+    """Its constructor changes the contents: rebuilding it would not give the same contents."""
+
+    def __init__(self, items: Any = ()) -> None:
+        super().__init__([*items, *items])
+
+
+def test_a_subclass_that_cannot_be_rebuilt_comes_back_as_its_base() -> None:
+    doubled = Doubling()
+    doubled.extend([np.arange(4), 1])
+    tree = {"named": NeedsName({"x": np.arange(4)}, "train"), "doubled": doubled}
+    parts = scatter(tree, H[:2])
+    assert [type(p["named"]) for p in parts] == [dict, dict]
+    assert [type(p["doubled"]) for p in parts] == [list, list]
+    assert parts[1]["named"]["x"].tolist() == [2, 3]
+    assert parts[1]["doubled"][0].tolist() == [2, 3]
+    back = gather(parts, "cpu")
+    assert type(back["named"]) is dict
+    assert back["doubled"][0].tolist() == [0, 1, 2, 3]
+    assert back["doubled"][1] == 1
+
+
+def test_a_registered_subclass_keeps_its_own_registration() -> None:
+    class Registered(list):
+        pass
+
+    optree.register_pytree_node(
+        Registered,
+        lambda r: ((r[0],), len(r), None),  # only the first item is a child
+        lambda n, children: Registered([children[0], *["rest"] * (n - 1)]),
+        namespace=NS,
+    )
+    try:
+        parts = scatter(Registered([np.arange(4), "x"]), H[:2])
+        assert [type(p) for p in parts] == [Registered, Registered]
+        assert parts[1][0].tolist() == [2, 3]
+        assert parts[1][1] == "rest"
+    finally:
+        optree.unregister_pytree_node(Registered, namespace=NS)
+
+
+def test_a_self_containing_subclass_is_refused() -> None:
+    loop = ListSub([np.arange(2)])
+    loop.append(loop)
+    with pytest.raises(ValueError, match="the structure contains itself"):
+        scatter(loop, H[:2])
+
+
+def test_gather_mismatch_names_subclasses_and_unregistered_types() -> None:
+    replicas = [DictSub(a=_on(0, [1])), {"a": _on(1, [1])}]
+    with pytest.raises(
+        ValueError,
+        match=r"at key path \(the root\): outputs\[0\] has DictSub\(\{'a': \*\}\) but "
+        r"outputs\[1\] has \{'a': \*\}",
+    ):
+        gather(replicas, "cpu")
+    with pytest.raises(
+        ValueError,
+        match=r"outputs\[1\]\['o'\] is .* Only arrays are gathered; .* Opaque is not a "
+        r"container type registered with optree, so gather treats each Opaque as one value; "
+        r"if it holds arrays to gather, register it with optree.register_pytree_node\(Opaque, "
+        r"flatten, unflatten, namespace='cupy_parallel'\)",
+    ):
+        gather([{"o": Opaque(_on(r, [r]))} for r in range(2)], "cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# Arrays of other libraries are refused, not shared whole
+
+
+class DLPackOnly:
+    """Stands for a JAX/CuPy-like array of another library: it only speaks DLPack."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self.data.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.data.__dlpack_device__()
+
+
+class ArrayProtocolOnly:
+    """Converts with numpy.asarray (``__array__``) but is no array of ours."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return self.data
+
+
+def _foreign_arrays() -> list[Any]:
+    arrays = [DLPackOnly(np.arange(4)), ArrayProtocolOnly(np.arange(4))]
+    try:
+        import torch
+    except ImportError:  # torch is an optional oracle
+        return arrays
+    return [*arrays, torch.arange(4)]
+
+
+@pytest.mark.parametrize("foreign", _foreign_arrays(), ids=lambda x: type(x).__name__)
+def test_scatter_and_gather_refuse_arrays_of_other_libraries(foreign: Any) -> None:
+    # The old code shared such an array whole with every replica (no split, no placement).
+    name = re.escape(f"{type(foreign).__module__}.{type(foreign).__qualname__}")
+    with pytest.raises(
+        TypeError,
+        match=rf"inputs\['x'\]\[1\] is a {name}, an array of another library, which scatter "
+        r"cannot split or place .* convert it first with cupy_parallel.to_device\(x, device\)",
+    ):
+        scatter({"x": [np.arange(4), foreign]}, H[:2])
+    with pytest.raises(
+        TypeError,
+        match=rf"outputs\[1\]\['y'\] is a {name}, an array of another library, which gather "
+        r"cannot join; .* cupy_parallel.to_device\(x, device\)",
+    ):
+        gather([{"y": _on(0, [1])}, {"y": foreign}], "cpu")
+
+
+def test_numpy_scalars_are_values_and_still_shared() -> None:
+    lr = np.float32(0.5)
+    parts = scatter({"x": np.arange(4), "lr": lr}, H[:2])
+    assert all(p["lr"] is lr for p in parts)
+    assert gather(parts, "cpu")["lr"] is lr

@@ -14,22 +14,26 @@ Conventions shared by all six functions, carried over from ``torch.cuda.comm``:
 * ``destination=None`` means the *current device*: CuPy's current GPU on the CUDA platform and
   ``host:0`` on the host platform (torch uses the current CUDA device).
 * dtypes are never converted: every dtype round-trips bit for bit, and arrays combined by one call
-  must share a dtype.
+  must share a dtype. Dtypes CuPy lacks (object, strings, datetime/timedelta, structured,
+  ``StringDType``, ``longdouble``) are refused with ``TypeError`` at the entry, at every size,
+  as CuPy cannot hold them.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, empty, is_array
 from cupy_parallel._src.cuda import nccl as _nccl
 from cupy_parallel._src.cuda import streams as _streams
 from cupy_parallel._src.cuda import transfer as _transfer
 from cupy_parallel._src.devices import Device, cupy_module, platform, read_device, read_devices
-from cupy_parallel._src.hostarray import plain_buffer
+from cupy_parallel._src.hostarray import check_device_dtype, plain_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -55,11 +59,18 @@ _HOST_MEMORY = frozenset({"cpu", "host"})
 
 
 def _check_array(x: Any, name: str) -> None:
+    """Refuse a non-array, and an array of a dtype CuPy lacks (whatever its size or device).
+
+    Only bool, integer, float16/32/64 and complex64/128 arrays pass, so no function here ever
+    moves an object or string array, and :func:`reduce_add` only adds numbers (NumPy's ``add`` on
+    fixed-width strings would concatenate and truncate into the output).
+    """
     if not is_array(x):
         raise TypeError(
             f"{name} must be an array (numpy.ndarray, HostArray or cupy.ndarray), "
             f"got {type(x).__name__}."
         )
+    check_device_dtype(x.dtype, f"{name}'s dtype")
 
 
 def _read_arrays(seq: Any, name: str, *, allow_empty: bool = False) -> tuple[Any, ...]:
@@ -88,24 +99,18 @@ def _on_accelerator(x: Any, name: str, operation: str) -> Device:
     return device
 
 
-def _read_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
-    return int(value)
-
-
 def _read_dim(dim: Any, ndim: int, what: str) -> int:
     """``dim`` as an axis in ``[0, ndim)``; a negative ``dim`` counts from the end."""
-    dim = _read_int(dim, "dim")
+    dim = read_int(dim, "dim")
     if ndim == 0:
         raise ValueError(
             f"{what} is 0-d, so it has no dimension {dim} to split or join along; "
             "reshape it to at least one dimension (e.g. array.reshape(1))."
         )
-    return _axis(dim, ndim, what)
+    return normalize_axis(dim, ndim, what)
 
 
-def _axis(dim: int, ndim: int, what: str) -> int:
+def normalize_axis(dim: int, ndim: int, what: str) -> int:
     """``dim`` as an axis of the ``ndim``-d (``ndim >= 1``) ``what``, in ``[0, ndim)``."""
     if not -ndim <= dim < ndim:
         raise ValueError(
@@ -116,7 +121,7 @@ def _axis(dim: int, ndim: int, what: str) -> int:
 
 
 def _read_buffer_size(buffer_size: Any) -> int:
-    size = _read_int(buffer_size, "buffer_size")
+    size = read_int(buffer_size, "buffer_size")
     if size < 1:
         raise ValueError(f"buffer_size must be a positive number of bytes, got {size}.")
     return size
@@ -128,15 +133,12 @@ def _read_chunk_sizes(chunk_sizes: Any, count: int, total: int, dim: int) -> tup
             f"chunk_sizes must be a sequence of ints, got {type(chunk_sizes).__name__} "
             f"{chunk_sizes!r}."
         )
-    sizes = tuple(_read_int(s, f"chunk_sizes[{i}]") for i, s in enumerate(chunk_sizes))
+    sizes = tuple(read_int(s, f"chunk_sizes[{i}]", minimum=0) for i, s in enumerate(chunk_sizes))
     if len(sizes) != count:
         raise ValueError(
             f"chunk_sizes must have one entry per device: len(devices) = {count}, "
             f"but len(chunk_sizes) = {len(sizes)}."
         )
-    for i, s in enumerate(sizes):
-        if s < 0:
-            raise ValueError(f"chunk_sizes[{i}] must be >= 0, got {s}.")
     if sum(sizes) != total:
         raise ValueError(
             f"chunk_sizes must sum to the array's size along dim {dim}, {total}, "
@@ -196,6 +198,10 @@ def _not_with(name: str, value: Any, other: str) -> None:
         )
 
 
+def _named(name: str, arrays: Sequence[Any]) -> list[tuple[str, Any]]:
+    return [(f"{name}[{i}]", x) for i, x in enumerate(arrays)]
+
+
 def _brief(value: Any) -> str:
     if value is None:
         return "None"
@@ -212,6 +218,76 @@ def _check_same_dtype(x: Any, dtype: np.dtype[Any], name: str, reference: str) -
             f"{name} has dtype {x.dtype}, but {reference} has dtype {dtype}; dtypes are never "
             "converted here, cast with .astype() first."
         )
+
+
+def _check_outs(
+    outs: Sequence[tuple[str, Any]],
+    inputs: Sequence[tuple[str, Any]],
+    operation: str,
+    *,
+    self_copy: bool = False,
+) -> None:
+    """Refuse an ``out`` that cannot take the result, before anything is copied.
+
+    An ``out`` is refused when it is read-only, when it overlaps itself (a zero stride over more
+    than one element, as ``numpy.broadcast_to`` makes: torch's ``assert_no_internal_overlap``),
+    when it shares memory with another ``out``, or when it shares memory with an input that
+    the call reads (the copy would read what it already overwrote; torch's ``cat`` refuses that
+    as well). With ``self_copy=True`` an ``out`` occupying exactly the input's memory is
+    accepted: copying an array onto itself is a no-op (torch's ``copy_`` returns early).
+    ``outs`` and ``inputs`` are ``(name, array)`` pairs; the names appear in the messages.
+    """
+    for name, o in outs:
+        if not getattr(o.flags, "writeable", True):  # CuPy arrays have no read-only flag
+            raise ValueError(
+                f"{name} is read-only, but {operation} writes its result into it; pass a "
+                "writable array (for example a copy)."
+            )
+        if o.size > 1 and any(
+            stride == 0 and extent > 1 for stride, extent in zip(o.strides, o.shape, strict=True)
+        ):
+            raise ValueError(
+                f"{name} has strides {o.strides} for shape {o.shape}: several of its elements "
+                f"are one memory location, so {operation} cannot write a result into it; pass "
+                "an array whose elements do not overlap (for example a copy)."
+            )
+    for (name, o), (other, p) in itertools.combinations(outs, 2):
+        if _shares_memory(o, p):
+            raise ValueError(
+                f"{name} and {other} share memory, but {operation} writes into each of them; "
+                "pass out arrays that do not overlap."
+            )
+    for name, o in outs:
+        for source, x in inputs:
+            if _shares_memory(o, x) and not (self_copy and _layout(o) == _layout(x)):
+                raise ValueError(
+                    f"{name} shares memory with {source}, which {operation} reads, so writing "
+                    f"the result would overwrite its own input; pass an out that does not "
+                    f"overlap {source}."
+                )
+
+
+def _shares_memory(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` have an element in common (unknown counts as yes)."""
+    first, second = device_of(a), device_of(b)
+    if first.kind == "cuda" or second.kind == "cuda":
+        # CuPy's exact test builds a pointer per element on the GPU: only when the bounds meet.
+        cupy = first.xp
+        return first == second and cupy.may_share_memory(a, b) and bool(cupy.shares_memory(a, b))
+    buffers = plain_buffer(a), plain_buffer(b)
+    try:  # a bounded search: exact answers for ordinary layouts, "yes" for pathological ones
+        return bool(np.shares_memory(*buffers, max_work=_SHARES_MEMORY_WORK))
+    except np.exceptions.TooHardError:
+        return True
+
+
+_SHARES_MEMORY_WORK: Any = 1 << 16  # numpy's stubs admit only -1 and 0, the runtime any bound
+
+
+def _layout(x: Any) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Where ``x``'s memory starts, its shape and strides: equal for the same memory."""
+    pointer = x.data.ptr if device_of(x).kind == "cuda" else plain_buffer(x).ctypes.data
+    return int(pointer), tuple(x.shape), tuple(x.strides)
 
 
 def _current_device() -> Device:
@@ -238,12 +314,12 @@ def _offsets(sizes: Iterable[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def _chunk_count(size: int, devices: int) -> int:
+def chunk_count(size: int, devices: int) -> int:
     """How many chunks a size along the split dim gives on ``devices``: one when it is 0."""
     return 1 if size == 0 else min(size, devices)
 
 
-def _even_chunks(size: int, parts: int) -> tuple[int, ...]:
+def even_chunks(size: int, parts: int) -> tuple[int, ...]:
     """``parts`` sizes summing to ``size``, differing by at most one, larger first."""
     base, extra = divmod(size, parts)
     return (base + 1,) * extra + (base,) * (parts - extra)
@@ -311,8 +387,9 @@ def scatter(
         The chunks, one per used device, in device order (``tuple(out)`` when ``out`` is given).
 
     Raises:
-        TypeError: an argument has the wrong type.
-        ValueError: devices/out both or neither given, bad ``dim``, ``chunk_sizes`` or shapes.
+        TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
+        ValueError: devices/out both or neither given, bad ``dim``, ``chunk_sizes`` or shapes,
+            or an ``out`` that is read-only or overlaps another ``out`` or ``array``.
 
     Example:
         >>> from cupy_parallel import comm
@@ -334,7 +411,7 @@ def scatter(
         axis = _read_dim(dim, array.ndim, "array")
         total = array.shape[axis]
         if chunk_sizes is None:
-            sizes = _even_chunks(total, _chunk_count(total, len(targets)))
+            sizes = even_chunks(total, chunk_count(total, len(targets)))
         else:
             sizes = _read_chunk_sizes(chunk_sizes, len(targets), total, axis)
         copy_streams = _read_streams(streams, targets)[: len(sizes)]
@@ -354,6 +431,7 @@ def scatter(
                 f"{array.shape[axis]}, but they sum to {sum(sizes)} ({list(sizes)})."
             )
         copy_streams = _read_streams(streams, targets)
+        _check_outs(_named("out", outs), [("array", array)], "scatter")
     source = device_of(array)
     chunks = []
     for i, (device, (start, stop)) in enumerate(zip(targets, _offsets(sizes), strict=True)):
@@ -397,9 +475,9 @@ def gather(arrays: Any, /, dim: int = 0, destination: Any = None, *, out: Any = 
         The gathered array (``out`` itself when given).
 
     Raises:
-        TypeError: an argument has the wrong type.
+        TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
         ValueError: no arrays, arrays on ``"cpu"``, mismatched shapes or dtypes, a bad ``dim``
-            or ``out``.
+            or ``out`` (of the wrong shape or dtype, read-only, or overlapping an input).
 
     Example:
         >>> from cupy_parallel import comm
@@ -441,6 +519,7 @@ def gather(arrays: Any, /, dim: int = 0, destination: Any = None, *, out: Any = 
         if out.shape != shape:
             raise ValueError(f"out must have the gathered shape {shape}, got {out.shape}.")
         _check_same_dtype(out, first.dtype, "out", "arrays[0]")
+        _check_outs([("out", out)], _named("arrays", items), "gather")
         result = out
     spans = _offsets(x.shape[axis] for x in items)
     for x, (start, stop) in zip(items, spans, strict=True):
@@ -470,8 +549,10 @@ def broadcast(array: Any, /, devices: Any = None, *, out: Any = None) -> tuple[A
         One array per device (``tuple(out)`` when ``out`` is given).
 
     Raises:
-        TypeError: an argument has the wrong type.
-        ValueError: devices/out both or neither given, or an ``out`` of the wrong shape/dtype.
+        TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
+        ValueError: devices/out both or neither given, or an ``out`` of the wrong shape/dtype,
+            read-only, or overlapping another ``out`` or ``array`` (``array`` itself is allowed:
+            copying onto itself changes nothing).
 
     Example:
         >>> from cupy_parallel import comm
@@ -493,6 +574,7 @@ def broadcast(array: Any, /, devices: Any = None, *, out: Any = None) -> tuple[A
                 f"{array.shape}."
             )
         _check_same_dtype(o, array.dtype, f"out[{i}]", "array")
+    _check_outs(_named("out", outs), [("array", array)], "broadcast", self_copy=True)
     if not _nccl.broadcast_into(array, outs):
         for o in outs:
             _transfer.copy_into(o, array)
@@ -536,7 +618,7 @@ def broadcast_coalesced(
         others hold copies that are views into the bucket buffers on their device.
 
     Raises:
-        TypeError: an argument has the wrong type.
+        TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
         ValueError: an array not on ``devices[0]``, no devices, or a non-positive buffer_size.
 
     Example:
@@ -615,7 +697,7 @@ def reduce_add(inputs: Any, /, destination: Any = None) -> Any:
         The elementwise sum on ``destination``.
 
     Raises:
-        TypeError: an argument has the wrong type.
+        TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
         ValueError: no inputs, inputs on ``"cpu"``, mismatched shapes/dtypes, or a destination
             that holds none of the inputs.
 
@@ -708,7 +790,7 @@ def reduce_add_coalesced(
         The sums, one per position.
 
     Raises:
-        TypeError: an argument has the wrong type.
+        TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
         ValueError: empty inputs, lists of different lengths, a list spread over devices,
             mismatched shapes/dtypes, a bad destination or buffer_size.
 
@@ -760,7 +842,9 @@ def reduce_add_coalesced(
         if place is not None:
             places.append(place)
     limit = _read_buffer_size(buffer_size)
-    if count == 0:
+    if count == 0:  # nothing to sum, but a destination that names no device is still an error
+        if destination is not None:
+            read_device(destination, "destination")
         return ()
     target = _read_reduce_destination(destination, places, "inputs lists")
     results: list[Any] = [None] * count

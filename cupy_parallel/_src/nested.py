@@ -7,6 +7,17 @@ dict, namedtuple, ``OrderedDict`` (order kept), ``defaultdict`` (``default_facto
 ``deque`` (``maxlen`` kept) and any class registered with
 ``optree.register_pytree_node(..., namespace="cupy_parallel")``.
 
+Subclasses of tuple, list, dict, ``OrderedDict``, ``defaultdict`` and ``deque`` that are not
+registered with optree are split like their base, as torch's ``isinstance`` tests treat them
+(optree alone would see such an object as one leaf and share it whole). They come back as the
+subclass when it *can be rebuilt*: calling the class with the base's contents, ``cls(items)``
+(``cls(default_factory, items)`` for a ``defaultdict``, ``cls(items, maxlen)`` for a
+``deque``), as torch rebuilds dicts with ``type(obj)(items)``, must return an instance of the
+class holding exactly those contents (same keys in the same order, the same objects). Otherwise
+(the constructor needs other arguments, refuses, or changes the contents) the nearest base comes
+back, as torch returns plain lists and tuples for subclasses. Attributes an instance holds
+besides its contents are not carried over; register the class with optree to control this.
+
 Arrays move through the differentiable :class:`~cupy_parallel.functions.Scatter` and
 :class:`~cupy_parallel.functions.Gather`, so both directions are recorded on an active
 :class:`~cupy_parallel.Tape`.
@@ -17,14 +28,16 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import optree
 
+from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, is_array
-from cupy_parallel._src.comm import _axis, _chunk_count, _even_chunks, _read_int
+from cupy_parallel._src.comm import chunk_count, even_chunks, normalize_axis
 from cupy_parallel._src.devices import Device, read_device, read_devices
 from cupy_parallel._src.functions import _SCALARS_WARNING, Gather, Scatter
 from cupy_parallel._src.tape import NAMESPACE
@@ -52,8 +65,146 @@ def _gather_leaves(arrays: Sequence[Any], target: Device, dim: int) -> Any:
 # Structure helpers shared with cupy_parallel.testing
 
 
+_CONTAINER_BASES: tuple[type[Any], ...] = (OrderedDict, defaultdict, dict, deque, list, tuple)
+"""Built-in containers whose unregistered subclasses are split like them (most derived first)."""
+
+
 def _flatten(tree: Any) -> tuple[list[PyTreeAccessor], list[Any], PyTreeSpec]:
+    """Flatten with optree, seeing unregistered container subclasses through their base.
+
+    optree leaves such an instance whole (a leaf). When a leaf is one, every such instance is
+    replaced by a :class:`_Subclassed` node (a registered node type that flattens like the base
+    and whose unflatten rebuilds the subclass) and the tree is flattened again.
+    """
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
+    if not any(isinstance(leaf, _CONTAINER_BASES) for leaf in leaves):
+        return accessors, leaves, spec
+    try:
+        tree = _view_through_base(tree)
+    except RecursionError:
+        raise ValueError(
+            "the structure contains itself (a container subclass holds a container that holds "
+            "it) or nests deeper than Python's recursion limit, so it cannot be flattened; pass "
+            "a structure without cycles."
+        ) from None
     return optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
+
+
+def _is_unregistered_subclass(node: object) -> bool:
+    return (
+        isinstance(node, _CONTAINER_BASES)
+        and optree.register_pytree_node.get(type(node), namespace=NAMESPACE) is None
+    )
+
+
+def _view_through_base(tree: Any) -> Any:
+    """``tree`` with every unregistered container subclass instance as a :class:`_Subclassed`."""
+    return optree.tree_map(
+        lambda leaf: _Subclassed(leaf) if _is_unregistered_subclass(leaf) else leaf,
+        tree,
+        is_leaf=_is_unregistered_subclass,
+        namespace=NAMESPACE,
+    )
+
+
+class _Subclassed:
+    """An instance of an unregistered subclass of a built-in container, seen through its base."""
+
+    __slots__ = ("base", "cls")
+
+    def __init__(self, instance: Any) -> None:
+        self.cls = type(instance)
+        base = next(b for b in _CONTAINER_BASES if isinstance(instance, b))
+        if base is defaultdict:
+            contents: Any = defaultdict(instance.default_factory, instance)
+        elif base is deque:
+            contents = deque(instance, instance.maxlen)
+        else:
+            contents = base(instance)
+        self.base = _view_through_base(contents)  # subclasses inside are seen the same way
+
+
+class _SubclassMetadata:
+    """The node data of a :class:`_Subclassed` node: the class and its base's node data."""
+
+    __slots__ = ("base_metadata", "cls")
+
+    def __init__(self, cls: type, base_metadata: Any) -> None:
+        self.cls = cls
+        self.base_metadata = base_metadata
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _SubclassMetadata)
+            and self.cls is other.cls
+            and self.base_metadata == other.base_metadata
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.cls)
+
+    def __repr__(self) -> str:
+        return f"{self.cls.__qualname__}, {self.base_metadata!r}"
+
+
+def _subclassed_flatten(node: _Subclassed) -> tuple[list[Any], _SubclassMetadata, tuple[Any, ...]]:
+    children, metadata, entries, _ = optree.tree_flatten_one_level(node.base, namespace=NAMESPACE)
+    return children, _SubclassMetadata(node.cls, metadata), entries
+
+
+def _subclassed_unflatten(metadata: Any, children: Any) -> Any:
+    base_type = next(b for b in _CONTAINER_BASES if issubclass(metadata.cls, b))
+    base = _BASE_UNFLATTEN[base_type](metadata.base_metadata, list(children))
+    return _rebuild(metadata.cls, base_type, base)
+
+
+def _rebuild(cls: type, base_type: type, base: Any) -> Any:
+    """``cls`` holding ``base``'s contents if its constructor rebuilds them exactly, else ``base``.
+
+    See the module docstring for what "rebuilt exactly" means.
+    """
+    try:
+        if base_type is defaultdict:
+            rebuilt = cls(base.default_factory, base)
+        elif base_type is deque:
+            rebuilt = cls(base, base.maxlen)
+        else:
+            rebuilt = cls(base)
+    except Exception:  # noqa: BLE001 - a constructor that cannot rebuild: the base comes back
+        return base
+    if type(rebuilt) is not cls or not _same_contents(rebuilt, base, base_type):
+        return base
+    return rebuilt
+
+
+def _same_contents(rebuilt: Any, base: Any, base_type: Any) -> bool:
+    """Whether ``rebuilt`` stores exactly ``base``'s entries (read through the base's methods)."""
+    if issubclass(base_type, dict):
+        mine, theirs = list(dict.items(rebuilt)), list(dict.items(base))
+        same = len(mine) == len(theirs) and all(
+            k is j and v is w for (k, v), (j, w) in zip(mine, theirs, strict=True)
+        )
+        if base_type is defaultdict:
+            same = same and rebuilt.default_factory is base.default_factory
+        return same
+    mine, theirs = list(base_type.__iter__(rebuilt)), list(base)
+    same = len(mine) == len(theirs) and all(a is b for a, b in zip(mine, theirs, strict=True))
+    if base_type is deque:
+        same = same and rebuilt.maxlen == base.maxlen
+    return same
+
+
+_BASE_UNFLATTEN: dict[type, Callable[[Any, list[Any]], Any]] = {
+    base: optree.tree_flatten_one_level(base(), namespace=NAMESPACE).unflatten_func
+    for base in _CONTAINER_BASES
+}
+optree.register_pytree_node(
+    _Subclassed,  # type: ignore[arg-type]
+    _subclassed_flatten,  # type: ignore[arg-type]
+    _subclassed_unflatten,
+    path_entry_type=optree.GetItemEntry,
+    namespace=NAMESPACE,
+)
 
 
 def _key_path(accessor: PyTreeAccessor, root: str = "") -> str:
@@ -64,9 +215,18 @@ def _key_path(accessor: PyTreeAccessor, root: str = "") -> str:
     return accessor.codify(root) or "(the root)"
 
 
+class _Placeholder:
+    def __repr__(self) -> str:
+        return "*"
+
+
 def _describe(spec: PyTreeSpec) -> str:
     if spec.is_leaf():
         return "a leaf"
+    node = spec.one_level()
+    if node is not None and spec.type is _Subclassed:  # rebuilt with placeholders
+        instance = node.unflatten([_Placeholder()] * node.num_leaves)
+        return f"{type(instance).__qualname__}({_Subclassed(instance).base!r})"
     text = repr(spec.one_level()).removeprefix("PyTreeSpec(").removesuffix(")")
     return text.removesuffix(f", namespace={NAMESPACE!r}")
 
@@ -91,6 +251,25 @@ def _structure_difference(first: PyTreeSpec, second: PyTreeSpec) -> tuple[str, s
         children = zip(top_a.accessors(), a.children(), b.children(), strict=True)
         pending.extend(reversed([(path + acc, ca, cb) for acc, ca, cb in children]))
     return None
+
+
+def _foreign_array_type(leaf: object) -> str | None:
+    """The qualified type name of ``leaf`` if it is another library's array, else ``None``.
+
+    Another library's array is anything with ``__dlpack__``, ``__array__``,
+    ``__array_interface__`` or ``__cuda_array_interface__`` that :func:`is_array` does not
+    accept (torch tensors, JAX arrays, ...); NumPy scalars are values, not arrays.
+    """
+    if is_array(leaf) or isinstance(leaf, np.generic):
+        return None
+    cls = type(leaf)
+    if any(hasattr(cls, name) for name in _ARRAY_PROTOCOLS):
+        return f"{cls.__module__}.{cls.__qualname__}"
+    return None
+
+
+_ARRAY_PROTOCOLS = ("__dlpack__", "__array__", "__array_interface__", "__cuda_array_interface__")
+_VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, np.generic)
 
 
 def _leaves_equal(a: object, b: object) -> bool:
@@ -121,9 +300,13 @@ def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list
 
     Returns one structure per replica: replica ``i`` holds chunk ``i`` of every array, placed on
     ``target_devices[i]``. ``None`` passes through, and other leaves (numbers, strings, objects)
-    are shared by reference between the replicas; containers are rebuilt for each replica. An
-    object of a class not registered with optree is a leaf, shared whole even if it holds arrays.
-    A chunk that stays on its array's device may be a view of it, as in torch.
+    are shared by reference between the replicas; containers are rebuilt for each replica.
+    Subclasses of tuple, list, dict, ``OrderedDict``, ``defaultdict`` and ``deque`` are split like
+    their base and come back as the subclass when ``cls(contents)`` rebuilds exactly those
+    contents, else as the base (see the module notes). Any other object of a class not
+    registered with optree is a leaf, shared whole even if it holds arrays; arrays of other
+    libraries (torch, JAX) are refused. A chunk that stays on its array's device may be a view
+    of it, as in torch.
 
     The number of replicas is the fewest chunks any array produces. An array of size ``s`` along
     ``dim`` gives ``min(len(target_devices), s)`` chunks (one if ``s == 0``), so a batch smaller
@@ -146,7 +329,10 @@ def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list
         A list of structures like ``inputs``, one per replica.
 
     Raises:
-        TypeError: ``target_devices`` is not a sequence of devices, or ``dim`` is not an int.
+        TypeError: ``target_devices`` is not a sequence of devices, ``dim`` is not an int, or a
+            leaf is an array of another library (a torch tensor, a JAX array, anything with
+            ``__dlpack__`` or ``__array__`` that is not a NumPy, HostArray or CuPy array):
+            scatter cannot place it, and sharing it whole would give every replica all of it.
         ValueError: ``target_devices`` is empty or names a missing device, or an array leaf has
             no dimension ``dim`` (the message names its key path).
 
@@ -159,11 +345,18 @@ def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list
         (True, 'batch')
     """
     devices = read_devices(target_devices, "target_devices", accelerators_only=True)
-    dim = _read_int(dim, "dim")
+    dim = read_int(dim, "dim")
     accessors, leaves, spec = _flatten(inputs)
     dims: dict[int, int] = {}
     for k, (accessor, leaf) in enumerate(zip(accessors, leaves, strict=True)):
         if not is_array(leaf):
+            foreign = _foreign_array_type(leaf)
+            if foreign is not None:
+                raise TypeError(
+                    f"{_key_path(accessor, 'inputs')} is a {foreign}, an array of another "
+                    "library, which scatter cannot split or place (it would be shared whole by "
+                    "every replica); convert it first with cupy_parallel.to_device(x, device)."
+                )
             continue
         where = _key_path(accessor, "inputs")
         if leaf.ndim == 0:
@@ -171,15 +364,15 @@ def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list
                 f"{where} is a 0-d array, which cannot be split along dim={dim}; "
                 "give it a dimension (x.reshape(1)) or pass it as a Python scalar to share it."
             )
-        dims[k] = _axis(dim, leaf.ndim, f"array {where}")
+        dims[k] = normalize_axis(dim, leaf.ndim, f"array {where}")
     replicas = min(
-        (_chunk_count(leaves[k].shape[d], len(devices)) for k, d in dims.items()),
+        (chunk_count(leaves[k].shape[d], len(devices)) for k, d in dims.items()),
         default=len(devices),
     )
     columns: list[Any] = []
     for k, leaf in enumerate(leaves):
         if k in dims:
-            sizes = _even_chunks(leaf.shape[dims[k]], replicas)
+            sizes = even_chunks(leaf.shape[dims[k]], replicas)
             columns.append(_scatter_leaf(leaf, devices[:replicas], sizes, dims[k]))
         else:
             columns.append((leaf,) * replicas)
@@ -235,7 +428,7 @@ def scatter_kwargs(
             f"kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}."
         )
     devices = read_devices(target_devices, "target_devices", accelerators_only=True)
-    _read_int(dim, "dim")
+    read_int(dim, "dim")
     scattered_inputs = [tuple(r) for r in scatter(inputs, devices, dim)] if inputs else []
     scattered_kwargs = [dict(r) for r in scatter(kwargs, devices, dim)] if kwargs else []
     count = max(len(scattered_inputs), len(scattered_kwargs))
@@ -269,7 +462,8 @@ def gather(outputs: Sequence[Any], /, target_device: Any, dim: int = 0) -> Any:
         One structure like each of ``outputs``.
 
     Raises:
-        TypeError: ``outputs`` is not a list or tuple, or ``dim`` is not an int.
+        TypeError: ``outputs`` is not a list or tuple, ``dim`` is not an int, or a leaf is an
+            array of another library (see :func:`scatter`).
         ValueError: ``outputs`` is empty, ``target_device`` is unusable, or the replicas differ
             in structure, in a non-array leaf, in an array's ndim, dtype or shape off ``dim``, or
             an array has no dimension ``dim``. The message names the key path.
@@ -287,7 +481,7 @@ def gather(outputs: Sequence[Any], /, target_device: Any, dim: int = 0) -> Any:
     if len(outputs) == 0:
         raise ValueError("outputs is empty; gather needs at least one replica's output.")
     target = read_device(target_device, "target_device")
-    dim = _read_int(dim, "dim")
+    dim = read_int(dim, "dim")
 
     accessors, first, spec = _flatten(outputs[0])
     columns: list[list[Any]] = [[leaf] for leaf in first]
@@ -335,6 +529,14 @@ def _check_column(column: list[Any], dim: int, path: str) -> int | None:
 
     ``path`` is the leaf's key path in a replica, so ``outputs[r]{path}`` names the leaf.
     """
+    for r, leaf in enumerate(column):
+        foreign = _foreign_array_type(leaf)
+        if foreign is not None:
+            raise TypeError(
+                f"outputs[{r}]{path} is a {foreign}, an array of another library, which gather "
+                "cannot join; return arrays of this library from every replica (convert with "
+                "cupy_parallel.to_device(x, device))."
+            )
     arrays = [is_array(leaf) for leaf in column]
     if not any(arrays):
         for r, leaf in enumerate(column[1:], start=1):
@@ -342,6 +544,7 @@ def _check_column(column: list[Any], dim: int, path: str) -> int | None:
                 raise ValueError(
                     f"outputs[{r}]{path} is {leaf!r} but outputs[0]{path} is {column[0]!r}. "
                     "Only arrays are gathered; other leaves must be equal in every replica."
+                    + _unregistered_hint(leaf)
                 )
         return None
     if not all(arrays):
@@ -372,7 +575,7 @@ def _check_column(column: list[Any], dim: int, path: str) -> int | None:
                 f"stack along dim=0, not dim={dim}; give them a dimension (x.reshape(1))."
             )
         return 0
-    axis = _axis(dim, first.ndim, f"array outputs[0]{path}")
+    axis = normalize_axis(dim, first.ndim, f"array outputs[0]{path}")
     for r, array in enumerate(column[1:], start=1):
         if _shape_off(array.shape, axis) != _shape_off(first.shape, axis):
             raise ValueError(
@@ -380,6 +583,18 @@ def _check_column(column: list[Any], dim: int, path: str) -> int | None:
                 f"{first.shape}; gather along dim {axis} needs them equal in every other dim."
             )
     return axis
+
+
+def _unregistered_hint(leaf: object) -> str:
+    """For an object that may be a container optree does not know: how to register it."""
+    if isinstance(leaf, _VALUE_TYPES):
+        return ""
+    name = type(leaf).__qualname__
+    return (
+        f" {name} is not a container type registered with optree, so gather treats each "
+        f"{name} as one value; if it holds arrays to gather, register it with "
+        f"optree.register_pytree_node({name}, flatten, unflatten, namespace='cupy_parallel')."
+    )
 
 
 def _shape_off(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:

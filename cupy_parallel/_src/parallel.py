@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import optree
 
 from cupy_parallel._src import comm
+from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.devices import Device, cupy_module, devices, read_device, read_devices
 from cupy_parallel._src.functions import Broadcast
@@ -399,7 +400,7 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
     if not callable(fn):
         raise TypeError(f"fn must be callable as fn(params, *inputs), got {type(fn).__name__}.")
     ids, output = _placement(device_ids, output_device)
-    dim = comm._read_int(dim, "dim")
+    dim = read_int(dim, "dim")
     if module_kwargs is not None and not isinstance(module_kwargs, Mapping):
         raise TypeError(
             f"module_kwargs must be a mapping or None, got {type(module_kwargs).__name__}."
@@ -462,7 +463,7 @@ class DataParallel:
             raise TypeError(f"fn must be callable as fn(params, *inputs), got {type(fn).__name__}.")
         self.fn = fn
         self.device_ids, self.output_device = _placement(device_ids, output_device)
-        self.dim = comm._read_int(dim, "dim")
+        self.dim = read_int(dim, "dim")
         _check_params_on(params, self.device_ids[0], "DataParallel")
         self.params = params
 
