@@ -7,7 +7,7 @@ Python and NumPy scalars are accepted as constants. Results are always arrays (N
 results come back as 0-d arrays, not NumPy scalars, as in CuPy).
 
 Recording is the hot path of a training step, so each op records itself directly
-(``Tape._record_unary``/``_record_binary``) rather than through :class:`~cupy_parallel.Function`.
+(``record_unary``/``record_binary``) rather than through :class:`~cupy_parallel.Function`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from numpy.lib.array_utils import normalize_axis_tuple
 
 from cupy_parallel._src.devices import cupy_module, is_array
-from cupy_parallel._src.tape import _ACTIVE, cuda_device
+from cupy_parallel._src.tape import cuda_device, is_recording, record_binary, record_unary
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -111,8 +111,7 @@ def add(a: Any, b: Any, /) -> Any:
         array([2., 3.])
     """
     z = _binary(np.add, a, b)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_binary(_add_vjp, a, b, z, None)
+    record_binary(_add_vjp, a, b, z, None)
     return z
 
 
@@ -129,8 +128,7 @@ def subtract(a: Any, b: Any, /) -> Any:
         array([0.5, 1.5])
     """
     z = _binary(np.subtract, a, b)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_binary(_subtract_vjp, a, b, z, None)
+    record_binary(_subtract_vjp, a, b, z, None)
     return z
 
 
@@ -147,14 +145,16 @@ def multiply(a: Any, b: Any, /) -> Any:
         array([3., 6.])
     """
     z = _binary(np.multiply, a, b)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_binary(_multiply_vjp, a, b, z, None)
+    record_binary(_multiply_vjp, a, b, z, None)
     return z
 
 
 def _multiply_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
     (g,), (a, b) = gs, xs
-    return (_fit(g * b, a) if needs[0] else None, _fit(g * a, b) if needs[1] else None)
+    return (
+        _fit(multiply(g, b), a) if needs[0] else None,
+        _fit(multiply(g, a), b) if needs[1] else None,
+    )
 
 
 def divide(a: Any, b: Any, /) -> Any:
@@ -165,8 +165,7 @@ def divide(a: Any, b: Any, /) -> Any:
         array([0.25, 0.5 ])
     """
     z = _binary(np.divide, a, b)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_binary(_divide_vjp, a, b, z, None)
+    record_binary(_divide_vjp, a, b, z, None)
     return z
 
 
@@ -187,8 +186,7 @@ def negative(x: Any, /) -> Any:
         array([-1.,  2.])
     """
     z = _compute(np.negative, x, x)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_unary(_negative_vjp, x, z, None)
+    record_unary(_negative_vjp, x, z, None)
     return z
 
 
@@ -204,13 +202,12 @@ def square(x: Any, /) -> Any:
         array([1., 9.])
     """
     z = _compute(np.square, x, x)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_unary(_square_vjp, x, z, None)
+    record_unary(_square_vjp, x, z, None)
     return z
 
 
 def _square_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
-    return (_fit(gs[0] * (2 * xs[0]), xs[0]),)
+    return (_fit(multiply(gs[0], multiply(2.0, xs[0])), xs[0]),)
 
 
 def exp(x: Any, /) -> Any:
@@ -221,13 +218,12 @@ def exp(x: Any, /) -> Any:
         array([1.        , 2.71828183])
     """
     z = _compute(np.exp, x, x)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_unary(_exp_vjp, x, z, None)
+    record_unary(_exp_vjp, x, z, None)
     return z
 
 
 def _exp_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
-    return (_fit(gs[0] * zs[0], xs[0]),)
+    return (_fit(multiply(gs[0], zs[0]), xs[0]),)
 
 
 def log(x: Any, /) -> Any:
@@ -238,8 +234,7 @@ def log(x: Any, /) -> Any:
         array([0., 1.])
     """
     z = _compute(np.log, x, x)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_unary(_log_vjp, x, z, None)
+    record_unary(_log_vjp, x, z, None)
     return z
 
 
@@ -255,8 +250,7 @@ def tanh(x: Any, /) -> Any:
         array([0.])
     """
     z = _compute(np.tanh, x, x)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_unary(_tanh_vjp, x, z, None)
+    record_unary(_tanh_vjp, x, z, None)
     return z
 
 
@@ -273,8 +267,7 @@ def relu(x: Any, /) -> Any:
         array([0., 2.])
     """
     z = _compute(np.maximum, x, x, 0)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_unary(_relu_vjp, x, z, None)
+    record_unary(_relu_vjp, x, z, None)
     return z
 
 
@@ -296,8 +289,7 @@ def matmul(a: Any, b: Any, /) -> Any:
     _require_array(a, "matmul")
     _require_array(b, "matmul")
     z = _compute(np.matmul, a, a, b)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_binary(_matmul_vjp, a, b, z, None)
+    record_binary(_matmul_vjp, a, b, z, None)
     return z
 
 
@@ -334,8 +326,7 @@ def sum(x: Any, /, axis: int | tuple[int, ...] | None = None, *, keepdims: bool 
     _require_array(x, "sum")
     axes = _axes(x, axis)
     z = _compute(np.sum, x, x, axis=axes, keepdims=keepdims)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_unary(_sum_vjp, x, z, axes)
+    record_unary(_sum_vjp, x, z, axes)
     return z
 
 
@@ -359,8 +350,7 @@ def mean(x: Any, /, axis: int | tuple[int, ...] | None = None, *, keepdims: bool
             f"ops.mean over axis {axis} of an array of shape {x.shape} averages no elements."
         )
     z = _compute(np.mean, x, x, axis=axes, keepdims=keepdims)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_unary(_mean_vjp, x, z, (axes, count))
+    record_unary(_mean_vjp, x, z, (axes, count))
     return z
 
 
@@ -379,8 +369,7 @@ def reshape(x: Any, /, shape: int | tuple[int, ...]) -> Any:
     """
     _require_array(x, "reshape")
     z = _compute(np.reshape, x, x, shape)
-    if (tape := _ACTIVE.get()) is not None:
-        tape._record_unary(_reshape_vjp, x, z, None)
+    record_unary(_reshape_vjp, x, z, None)
     return z
 
 
@@ -397,11 +386,11 @@ def transpose(x: Any, /, axes: tuple[int, ...] | None = None) -> Any:
     """
     _require_array(x, "transpose")
     z = _compute(np.transpose, x, x, axes)
-    if (tape := _ACTIVE.get()) is not None:
+    if is_recording():
         inverse = (
             None if axes is None else tuple(int(i) for i in np.argsort([i % z.ndim for i in axes]))
         )
-        tape._record_unary(_transpose_vjp, x, z, inverse)
+        record_unary(_transpose_vjp, x, z, inverse)
     return z
 
 
