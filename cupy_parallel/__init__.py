@@ -37,7 +37,7 @@ from cupy_parallel._src.gradcheck import GradcheckError, gradcheck
 from cupy_parallel._src.memory import HostMemoryPool, get_host_memory_pool
 from cupy_parallel._src.nested import gather, scatter, scatter_kwargs
 from cupy_parallel._src.parallel import DataParallel, data_parallel, parallel_apply, replicate
-from cupy_parallel._src.tape import Function, FunctionContext, Tape
+from cupy_parallel._src.tape import Function, FunctionContext, Tape, stop_gradient
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -76,6 +76,7 @@ __all__ = [
     "scatter",
     "scatter_kwargs",
     "set_host_device_count",
+    "stop_gradient",
     "testing",
     "to_device",
 ]

@@ -21,7 +21,8 @@ import optree
 from cupy_parallel._src import ops
 from cupy_parallel._src.devices import Device, as_device, to_device
 from cupy_parallel._src.parallel import DataParallel
-from cupy_parallel._src.tape import NAMESPACE, Tape
+from cupy_parallel._src.tape import Tape
+from cupy_parallel._src.tree import NAMESPACE
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

@@ -8,7 +8,8 @@ import numpy as np
 import optree
 
 from cupy_parallel._src.devices import is_array, to_device
-from cupy_parallel._src.tape import NAMESPACE, Tape, on_device_of, zeros_like
+from cupy_parallel._src.tape import Tape, on_device_of, pullback, zeros_like
+from cupy_parallel._src.tree import NAMESPACE
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -190,7 +191,7 @@ def _analytic_jacobian(
         rows: list[list[np.ndarray]] = [[] for _ in wrt]
         for j in range(y.size):
             seed = _one_hot(y, j)
-            grads = tape._pullback([y], [seed], sources) if tape.tracks(y) else [None] * len(wrt)
+            grads = pullback(tape, [y], [seed], sources) if tape.tracks(y) else [None] * len(wrt)
             for k, g in enumerate(grads):
                 rows[k].append(np.zeros(sources[k].size) if g is None else _flat(g))
         jacobians.append(

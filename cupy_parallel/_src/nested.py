@@ -32,7 +32,7 @@ from cupy_parallel._src.devices import (
     is_array,
 )
 from cupy_parallel._src.functions import _SCALARS_WARNING, Gather, Scatter
-from cupy_parallel._src.tape import NAMESPACE
+from cupy_parallel._src.tree import NAMESPACE
 
 if TYPE_CHECKING:
     from optree import PyTreeAccessor, PyTreeSpec

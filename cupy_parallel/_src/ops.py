@@ -34,7 +34,13 @@ from numpy.lib.array_utils import normalize_axis_index, normalize_axis_tuple
 
 from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.devices import HostArray, cupy_module, device_of, is_array
-from cupy_parallel._src.tape import _ACTIVE, cuda_device
+from cupy_parallel._src.tape import (
+    cuda_device,
+    is_recording,
+    record,
+    record_binary,
+    record_unary,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -72,37 +78,6 @@ __all__ = [
     "var",
     "where",
 ]
-
-# --- recording (contract 3 names; thin adapter over the current tape) ------------------------
-
-_NEEDS2 = ((None, (False, True)), ((True, False), (True, True)))
-
-
-def is_recording() -> bool:
-    """Whether a tape records in this context."""
-    return _ACTIVE.get() is not None
-
-
-def record(vjp: Any, inputs: tuple[Any, ...], outputs: tuple[Any, ...], aux: Any) -> None:
-    """Record ``outputs = op(*inputs)`` on the active tape when it tracks an input."""
-    tape = _ACTIVE.get()
-    if tape is not None and (needs := tape._needs(inputs)) is not None:
-        tape._record(vjp, inputs, needs, outputs, aux, tracked=outputs)
-
-
-def record_unary(vjp: Any, x: Any, z: Any, aux: Any) -> None:
-    """Record ``z = op(x)``."""
-    tape = _ACTIVE.get()
-    if tape is not None:
-        tape._record_unary(vjp, x, z, aux)
-
-
-def record_binary(vjp: Any, a: Any, b: Any, z: Any, aux: Any) -> None:
-    """Record ``z = op(a, b)``."""
-    tape = _ACTIVE.get()
-    if tape is not None:
-        tape._record_binary(vjp, a, b, z, aux)
-
 
 # --- host arrays: compute on their buffers --------------------------------------------------
 

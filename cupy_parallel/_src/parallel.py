@@ -36,7 +36,7 @@ from cupy_parallel._src.devices import (
 )
 from cupy_parallel._src.functions import Broadcast
 from cupy_parallel._src.nested import _flatten, _key_path, gather, scatter_kwargs
-from cupy_parallel._src.tape import NAMESPACE
+from cupy_parallel._src.tree import NAMESPACE
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
