@@ -61,8 +61,10 @@ def _stored(oracle: dict[str, Any], prefix: str, n: int) -> torch_oracle.Result:
     )
 
 
-def _compare_first(fn: Any, xs: list[np.ndarray], seed: int, expected: torch_oracle.Result) -> None:
-    value, first = torch_oracle.ours_first(fn, xs, seed)
+def _compare_first(
+    fn: Any, xs: list[np.ndarray], seed: int, expected: torch_oracle.Result, device: str = "cpu"
+) -> None:
+    value, first = torch_oracle.ours_first(fn, xs, seed, device)
     _close(value, expected.value, "value")
     for i, (a, e) in enumerate(zip(first, expected.first, strict=True)):
         assert a.shape == e.shape, f"vjp {i}: shape {a.shape}, PyTorch {e.shape}"
@@ -70,9 +72,9 @@ def _compare_first(fn: Any, xs: list[np.ndarray], seed: int, expected: torch_ora
 
 
 def _compare_second(
-    fn: Any, xs: list[np.ndarray], seed: int, expected: torch_oracle.Result
+    fn: Any, xs: list[np.ndarray], seed: int, expected: torch_oracle.Result, device: str = "cpu"
 ) -> None:
-    result = torch_oracle.ours(fn, xs, seed)
+    result = torch_oracle.ours(fn, xs, seed, device)
     for i, (a, e) in enumerate(zip(result.second, expected.second, strict=True)):
         _close(a, e, f"Hessian-vector product with respect to input {i}")
     _close(result.second_g, expected.second_g, "Jacobian-vector product (d/d cotangent)")
@@ -97,6 +99,15 @@ def test_case_second_order_matches_pytorch(name: str, oracle: Any) -> None:
     xs = torch_oracle.case_inputs(name)
     expected = _stored(oracle, f"case/{name}", len(xs))
     _compare_second(torch_oracle.CASES[name].ours, xs, 0, expected)
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_case_on_a_host_device_matches_pytorch(name: str, oracle: Any) -> None:
+    """The same derivatives with every array on host:1 (ops compute on the host buffers)."""
+    xs = torch_oracle.case_inputs(name)
+    expected = _stored(oracle, f"case/{name}", len(xs))
+    _compare_first(torch_oracle.CASES[name].ours, xs, 0, expected, "host:1")
+    _compare_second(torch_oracle.CASES[name].ours, xs, 0, expected, "host:1")
 
 
 KINKS = {"relu", "clip-lower"}  # inputs sit on the kink on purpose: finite differences disagree

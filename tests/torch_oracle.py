@@ -60,6 +60,11 @@ _LABELS = np.array([2, 0, 3])
 _IDX = np.array([0, 2, 0, 0])
 
 
+def _beside(x: Any, constant: np.ndarray) -> Any:
+    """``constant`` on ``x``'s device (a mask or labels must live with the data, as in CuPy)."""
+    return cupy_parallel.to_device(constant, cupy_parallel.device_of(x))
+
+
 @dataclass(frozen=True)
 class Case:
     """One op under test."""
@@ -112,7 +117,7 @@ CASES: dict[str, Case] = {
         lambda rng: [_u(rng, 3, 4), _u(rng, 4) * 0.5 - 0.3, _u(rng, 3, 1) * 0.3 + 0.4],
     ),
     "where": Case(
-        lambda a, b: ops.where(_MASK, a, b),
+        lambda a, b: ops.where(_beside(a, _MASK), a, b),
         lambda t, a, b: t.where(t.as_tensor(_MASK), a, b),
         _shapes((3, 4), (4,)),
     ),
@@ -141,17 +146,17 @@ CASES: dict[str, Case] = {
     "softmax": Case(lambda x: ops.softmax(x, 0), lambda t, x: t.softmax(x, 0), _shapes((3, 4))),
     "log_softmax": Case(ops.log_softmax, lambda t, x: t.log_softmax(x, -1), _shapes((3, 4))),
     "softmax_cross_entropy": Case(
-        lambda x: ops.softmax_cross_entropy(x, _LABELS),
+        lambda x: ops.softmax_cross_entropy(x, _beside(x, _LABELS)),
         lambda t, x: t.nn.functional.cross_entropy(x, t.as_tensor(_LABELS)),
         _shapes((3, 4)),
     ),
     "softmax_cross_entropy-sum": Case(
-        lambda x: ops.softmax_cross_entropy(x, _LABELS, reduction="sum"),
+        lambda x: ops.softmax_cross_entropy(x, _beside(x, _LABELS), reduction="sum"),
         lambda t, x: t.nn.functional.cross_entropy(x, t.as_tensor(_LABELS), reduction="sum"),
         _shapes((3, 4)),
     ),
     "softmax_cross_entropy-none": Case(
-        lambda x: ops.softmax_cross_entropy(x, _LABELS, reduction="none"),
+        lambda x: ops.softmax_cross_entropy(x, _beside(x, _LABELS), reduction="none"),
         lambda t, x: t.nn.functional.cross_entropy(x, t.as_tensor(_LABELS), reduction="none"),
         _shapes((3, 4)),
     ),
@@ -242,10 +247,12 @@ def _host(x: Any) -> np.ndarray:
     return np.array(cupy_parallel.to_device(x, "cpu"))
 
 
-def ours_first(fn: Callable[..., Any], xs: list[np.ndarray], seed: int) -> tuple[Any, list[Any]]:
-    """Value and vjp of ``fn`` on one tape."""
-    xs = [x.copy() for x in xs]
+def ours_first(
+    fn: Callable[..., Any], xs: list[np.ndarray], seed: int, device: str = "cpu"
+) -> tuple[Any, list[Any]]:
+    """Value and vjp of ``fn`` on one tape, with the inputs on ``device``."""
     g, _ = directions(xs, fn(*xs).shape, seed)
+    xs, g = _on(xs, device), _on([g], device)[0]
     with Tape() as tape:
         tape.watch(xs)
         y = fn(*xs)
@@ -253,11 +260,15 @@ def ours_first(fn: Callable[..., Any], xs: list[np.ndarray], seed: int) -> tuple
     return _host(y), [_host(f) for f in first]
 
 
-def ours(fn: Callable[..., Any], xs: list[np.ndarray], seed: int) -> Result:
-    """Value, vjp and double vjp of ``fn`` with nested tapes (higher order on the tape)."""
-    xs = [x.copy() for x in xs]
-    y0 = fn(*xs)
-    g, us = directions(xs, y0.shape, seed)
+def _on(arrays: list[np.ndarray], device: str) -> list[Any]:
+    return [cupy_parallel.to_device(a.copy(), device) for a in arrays]
+
+
+def ours(fn: Callable[..., Any], xs: list[np.ndarray], seed: int, device: str = "cpu") -> Result:
+    """Value, vjp and double vjp of ``fn`` with nested tapes, with the inputs on ``device``."""
+    g, us = directions(xs, fn(*xs).shape, seed)
+    xs, us = _on(xs, device), _on(us, device)
+    g = _on([g], device)[0]
     with Tape() as outer:
         outer.watch([*xs, g])
         with Tape() as inner:

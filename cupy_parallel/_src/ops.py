@@ -324,11 +324,14 @@ def _power_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Gr
                 ga = where(_on_device(_power_grad_base_kernel, b, b), ga, 0.0)
         ga = _fit(ga, a)
     if needs[1]:
-        positive = a > 0 if isinstance(a, _SCALARS) else _on_device(_positive_kernel, a, a)  # type: ignore[operator]
-        safe = where(positive, a, 1.0)
-        gb = multiply(multiply(g, z), log(safe))
+        gz = multiply(g, z)
         fill = _on_device(_power_exponent_fill_kernel, b, a, b, z.dtype)
-        gb = _fit(where(positive, gb, fill), b)
+        if isinstance(a, _SCALARS):  # a constant base: keep every array on b's device
+            gb = multiply(gz, math.log(a)) if a > 0 else add(multiply(gz, 0.0), fill)  # type: ignore[operator, arg-type]
+        else:
+            positive = _on_device(_positive_kernel, a, a)
+            gb = where(positive, multiply(gz, log(where(positive, a, 1.0))), fill)
+        gb = _fit(gb, b)
     return ga, gb
 
 
