@@ -31,8 +31,8 @@ from cupy_parallel._src.devices import (
     is_array,
     platform,
     set_host_device_count,
-    to_device,
 )
+from cupy_parallel._src.functions import to_device
 from cupy_parallel._src.gradcheck import GradcheckError, gradcheck
 from cupy_parallel._src.memory import HostMemoryPool, get_host_memory_pool
 from cupy_parallel._src.nested import gather, scatter, scatter_kwargs
