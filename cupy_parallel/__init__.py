@@ -32,6 +32,7 @@ from cupy_parallel._src.devices import (
     platform,
     set_host_device_count,
 )
+from cupy_parallel._src.functional import grad, value_and_grad
 from cupy_parallel._src.functions import to_device
 from cupy_parallel._src.gradcheck import GradcheckError, gradcheck
 from cupy_parallel._src.memory import HostMemoryPool, get_host_memory_pool
@@ -67,6 +68,7 @@ __all__ = [
     "functions",
     "gather",
     "get_host_memory_pool",
+    "grad",
     "gradcheck",
     "is_array",
     "ops",
@@ -79,6 +81,7 @@ __all__ = [
     "stop_gradient",
     "testing",
     "to_device",
+    "value_and_grad",
 ]
 
 _LAZY_SUBMODULES = ("distributed", "testing")
