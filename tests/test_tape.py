@@ -652,7 +652,9 @@ def test_unconnected_gradients() -> None:
     assert gu is None
     np.testing.assert_allclose(gx, np.exp(x))
     assert tape.gradient(y, [unused], unconnected_gradients="none") == [None]  # no error
-    np.testing.assert_array_equal(tape.gradient(y, unused), np.zeros(2))  # "zero", the default
+    np.testing.assert_array_equal(tape.gradient(y, (x, unused))[1], np.zeros(2))  # the default
+    with pytest.raises(ValueError, match="does not depend on any of the sources"):
+        tape.gradient(y, unused)  # "zero" refuses a target that depends on no source
     with pytest.raises(ValueError, match=r'unconnected_gradients must be "zero" or "none", got 0'):
         tape.gradient(y, x, unconnected_gradients=0)  # type: ignore[arg-type]
 
