@@ -569,7 +569,8 @@ def pullback(
     """
     grads: dict[int, Any] = {}  # id(array) -> gradient accumulated so far
     for t, s in zip(targets, seeds, strict=True):
-        _add_into(grads, t, s)
+        k = id(t)
+        grads[k] = s if k not in grads else _sum_pair(grads[k], s)
     keep = {id(x) for x in sources} - tape._leaves  # sources that are intermediate results
     kept: dict[int, Any] = {}
     pop = grads.pop
@@ -588,7 +589,8 @@ def pullback(
                     in_grads = vjp(out_grads, inputs, needs, outputs, aux)
             for x, need, g in zip(inputs, needs, in_grads, strict=True):
                 if need and g is not None:
-                    _add_into(grads, x, g)
+                    k = id(x)
+                    grads[k] = g if (total := grads.get(k)) is None else _sum_pair(total, g)
     kept.update(grads)
     return [kept.get(id(x)) for x in sources]
 
@@ -620,11 +622,6 @@ def _paused(tape: Tape) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
-
-
-def _add_into(grads: dict[int, Any], x: Any, g: Any) -> None:
-    k = id(x)
-    grads[k] = g if (total := grads.get(k)) is None else _sum_pair(total, g)
 
 
 def _keep(kept: dict[int, Any], keep: set[int], outputs: tuple[Any, ...], grads: list[Any]) -> None:
