@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 import numpy as np
 import optree
 
-from cupy_parallel._src.devices import device_of, is_array
+from cupy_parallel._src.arrays import device_of, is_array
+from cupy_parallel._src.hostarray import HostArray
 from cupy_parallel._src.tree import NAMESPACE, flatten_with_names
 
 if TYPE_CHECKING:
@@ -77,9 +78,9 @@ Node: TypeAlias = "tuple[Vjp, tuple[Any, ...], tuple[bool, ...], tuple[Any, ...]
 
 def cuda_device(x: Any, /) -> Any:
     """The ``cupy.cuda.Device`` of a CuPy array, ``None`` for host arrays and scalars."""
-    if isinstance(x, np.ndarray) or not is_array(x):
+    if isinstance(x, np.ndarray) or type(x) is HostArray or not is_array(x):
         return None
-    return x.device if device_of(x).kind == "cuda" else None
+    return x.device
 
 
 def on_device_of(x: Any, fn: Callable[..., Any], /, *args: Any) -> Any:
