@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src import ops
+from cupy_parallel._src.arrays import to_device
 from cupy_parallel._src.benchmarking import result, script_main
-from cupy_parallel._src.devices import Device, devices, set_host_device_count, to_device
+from cupy_parallel._src.devices import Device, devices, set_host_device_count
 from cupy_parallel._src.tape import Tape, is_recording, record_binary
 
 if TYPE_CHECKING:

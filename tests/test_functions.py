@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import to_numpy
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -96,7 +97,7 @@ def test_gather_of_scalars_unsqueezes_with_a_warning_and_squeezes_gradients_back
         with pytest.warns(UserWarning, match="0-d arrays along dim 0"):
             vector = Gather.apply("host:0", 0, *scalars)
         loss = ops.sum(ops.multiply(vector, to_device(np.array([10.0, 20.0, 30.0]), "host:0")))
-    np.testing.assert_array_equal(np.asarray(vector), [1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(to_numpy(vector), [1.0, 2.0, 3.0])
     grads = tape.gradient(loss, scalars)
     assert [g.shape for g in grads] == [(), (), ()]
     assert [str(g.device) for g in grads] == ["host:0", "host:1", "host:2"]
@@ -114,14 +115,14 @@ def test_data_parallel_pattern_gradients_match_one_device() -> None:
         parallel = ops.sum(ops.square(Gather.apply("cpu", 0, *outs)))
     gx, gw = tape.gradient(parallel, (x, w))
     assert device_of(gw) == Device("host", 0)
-    wp = np.asarray(w)
+    wp = to_numpy(w)
     with Tape() as tape:
         tape.watch((x, wp))
         single = ops.sum(ops.square(ops.tanh(ops.matmul(x, wp))))
     rx, rw = tape.gradient(single, (x, wp))
     np.testing.assert_allclose(parallel, single, rtol=1e-14)
     np.testing.assert_allclose(gx, rx, rtol=1e-13)
-    np.testing.assert_allclose(np.asarray(gw), rw, rtol=1e-13)
+    np.testing.assert_allclose(to_numpy(gw), rw, rtol=1e-13)
 
 
 def test_gradcheck_scatter_and_gather() -> None:
@@ -197,7 +198,7 @@ def test_broadcast_copies_of_untracked_inputs_are_non_differentiable() -> None:
     assert tape.tracks(w1)
     assert not tape.tracks(b0)
     assert not tape.tracks(b1)
-    np.testing.assert_array_equal(np.asarray(tape.gradient(loss, w)), np.full((2, 2), 2.0))
+    np.testing.assert_array_equal(to_numpy(tape.gradient(loss, w)), np.full((2, 2), 2.0))
 
 
 def test_gradcheck_broadcast_and_reduce_add() -> None:
@@ -255,3 +256,67 @@ def test_cuda_scatter_gather_broadcast_reduce_gradients() -> None:
     np.testing.assert_allclose(gx, 2 * r @ np.asarray(to_device(w, "cpu")).T, rtol=1e-12)
     np.testing.assert_allclose(cupy.asnumpy(gw), 2 * x.T @ r, rtol=1e-12)
     assert gradcheck(lambda w: ReduceAddCoalesced.apply(gpus[0], 1, *Broadcast.apply(gpus, w)), [w])
+
+
+# --------------------------------------------------------------------------------------------
+# to_device: differentiable, as torch's .to()
+
+
+def test_to_device_round_trip_keeps_the_path() -> None:
+    """Table row 2: the hop to host:1 and back used to drop the exp path (gradient 2w)."""
+    w = to_device(rand((3,), 0), "host:0")
+    with Tape() as tape:
+        tape.watch(w)
+        w1 = to_device(w, "host:1")
+        back = to_device(ops.exp(w1), "host:0")
+        loss = ops.sum(ops.add(ops.square(w), back))
+    grad = tape.gradient(loss, w)
+    assert device_of(grad) == Device("host", 0)
+    expected = 2 * np.asarray(to_device(w, "cpu")) + np.exp(np.asarray(to_device(w, "cpu")))
+    np.testing.assert_allclose(np.asarray(to_device(grad, "cpu")), expected, rtol=1e-14)
+
+
+@pytest.mark.parametrize("source", ["cpu", "host:0", "host:3"])
+def test_to_device_gradcheck_over_hops(source: str) -> None:
+    x = to_device(rand((2, 3), 1), source)
+
+    def hops(x: Any) -> Any:
+        far = ops.exp(to_device(x, "host:2"))
+        return ops.multiply(to_device(far, source), x)
+
+    assert gradcheck(hops, [x])
+
+
+def test_to_device_to_its_own_device_is_recorded_as_a_new_view() -> None:
+    x = rand((3,), 2)
+    assert to_device(x, "cpu") is x  # outside a tape: returned as it is
+    with Tape() as tape:
+        tape.watch(x)
+        y = to_device(x, "cpu")
+        loss = ops.sum(ops.multiply(y, x))
+    assert y is not x
+    np.testing.assert_array_equal(tape.gradient(loss, x), 2 * x)
+
+
+def test_to_device_second_derivative() -> None:
+    x = to_device(rand((3,), 3), "host:1")
+    with Tape() as outer:
+        outer.watch(x)
+        with Tape() as inner:
+            inner.watch(x)
+            y = ops.sum(ops.exp(to_device(x, "host:4")))
+        g = inner.gradient(y, x)
+        s = ops.sum(g)
+    assert device_of(g) == Device("host", 1)
+    np.testing.assert_allclose(
+        np.asarray(to_device(outer.gradient(s, x), "cpu")),
+        np.exp(np.asarray(to_device(x, "cpu"))),
+        rtol=1e-14,
+    )
+
+
+def test_to_device_refuses_non_arrays_under_a_tape() -> None:
+    with Tape() as tape:
+        tape.watch(rand((1,), 0))
+        with pytest.raises(TypeError, match=r"array must be .*got list"):
+            to_device([1.0], "host:1")

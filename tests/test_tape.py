@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import to_numpy
 
 import cupy_parallel
 from cupy_parallel import Function, Tape, gradcheck, ops, to_device
@@ -65,10 +66,10 @@ def test_unconnected_source_gets_zeros_on_its_device() -> None:
         tape.watch((x, unused))
         loss = ops.sum(x)
     gx, gu = tape.gradient(loss, (x, unused))
-    np.testing.assert_array_equal(np.asarray(gx), np.ones(3))
+    np.testing.assert_array_equal(to_numpy(gx), np.ones(3))
     assert gu.device == unused.device
     assert gu.dtype == np.float32
-    np.testing.assert_array_equal(np.asarray(gu), np.zeros((2, 2)))
+    np.testing.assert_array_equal(to_numpy(gu), np.zeros((2, 2)))
 
 
 def test_gradient_with_respect_to_an_intermediate_result() -> None:
@@ -362,7 +363,7 @@ def test_non_array_leaves_of_params_are_skipped_like_replicate_skips_them() -> N
         loss = ops.sum(ops.multiply(params["w"], float(params["n"])))
     grads = tape.gradient(loss, params)
     assert grads == {"w": grads["w"], "n": None, "act": None, "none": None}
-    np.testing.assert_array_equal(np.asarray(grads["w"]), np.full(2, 3.0))
+    np.testing.assert_array_equal(grads["w"].get(), np.full(2, 3.0))
     replicated = cupy_parallel.replicate(params, ["host:0"])[0]
     assert (replicated["n"], replicated["act"]) == (3, "tanh")
 
@@ -545,6 +546,118 @@ def test_bad_backward_is_named(
         y = function.apply(*[x] * arity)
     with pytest.raises(ValueError, match=match):
         tape.gradient(y, x, output_gradients=np.ones_like(y))
+
+
+class Float32Backward(Function):
+    @staticmethod
+    def forward(ctx: Any, x: Any) -> Any:
+        return x * 0.1
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        return (g * 0.1).astype(np.float32)
+
+
+def test_function_gradient_gets_its_input_dtype() -> None:
+    """Table row 6: a float32 backward result for a float64 input used to come back float32."""
+    x = rand(3)
+    with Tape() as tape:
+        tape.watch(x)
+        y = ops.sum(Float32Backward.apply(x))
+    g = tape.gradient(y, x)
+    assert g.dtype == np.float64  # cast, as torch does
+    np.testing.assert_array_equal(g, np.full(3, np.float32(0.1), dtype=np.float64))
+
+
+def test_function_complex_gradient_for_a_real_input_is_refused() -> None:
+    function = type(
+        "ComplexBackward",
+        (Function,),
+        {
+            "forward": staticmethod(lambda ctx, x: x * 1.0),
+            "backward": staticmethod(lambda ctx, g: g * (1 + 1j)),
+        },
+    )
+    x = rand(2)
+    with Tape() as tape:
+        tape.watch(x)
+        y = function.apply(x)
+    with pytest.raises(
+        TypeError,
+        match=r"ComplexBackward.backward returned a complex gradient \(complex128\) for argument "
+        r"0 \('x'\), which is real \(float64\)",
+    ):
+        tape.gradient(y, x, output_gradients=np.ones(2))
+
+
+def test_function_integer_outputs_are_not_differentiable() -> None:
+    class ValueAndArgmax(Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any) -> Any:
+            return x * 2.0, np.argmax(x).reshape(1)
+
+        @staticmethod
+        def backward(ctx: Any, g: Any, g_index: Any) -> Any:
+            assert g_index.dtype.kind == "i"
+            assert not g_index.any()
+            return g * 2.0
+
+    x = rand(3)
+    with Tape() as tape:
+        tape.watch(x)
+        y, index = ValueAndArgmax.apply(x)
+    assert tape.tracks(y)
+    assert not tape.tracks(index)
+    np.testing.assert_array_equal(tape.gradient(y, x, output_gradients=np.ones(3)), np.full(3, 2.0))
+
+
+def test_apply_takes_keyword_arguments() -> None:
+    class Affine(Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, scale: Any = 2.0, *, offset: float = 0.0) -> Any:
+            ctx.save_for_backward(x)
+            ctx.scale = scale
+            return x * scale + offset
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            (x,) = ctx.saved_tensors
+            return g * ctx.scale, g * x if ctx.needs_input_grad[1] else None
+
+    x, scale = rand(3), rand(3, seed=1)
+    with Tape() as tape:
+        tape.watch((x, scale))
+        y = Affine.apply(x, scale=scale, offset=1.0)
+        z = Affine.apply(x=x)  # the default scale
+    np.testing.assert_array_equal(y, x * scale + 1.0)
+    gx, gs = tape.gradient({"y": y, "z": z}, (x, scale), {"y": np.ones(3), "z": np.ones(3)})
+    np.testing.assert_array_equal(gx, scale + 2.0)
+    np.testing.assert_array_equal(gs, x)
+    with pytest.raises(TypeError, match=r"Affine.apply: got an unexpected keyword argument 'w'"):
+        Affine.apply(x, w=1.0)
+    with Tape() as tape:
+        tape.watch(x)
+        with pytest.raises(
+            ValueError,
+            match=r"Affine.apply: keyword-only argument 'offset' is an array a tape tracks",
+        ):
+            Affine.apply(scale, offset=x)
+
+
+def test_unconnected_gradients() -> None:
+    x, unused = rand(3), rand(2, seed=1)
+    with Tape(persistent=True) as tape:
+        tape.watch((x, unused))
+        y = ops.sum(ops.exp(x))
+    gx, gu = tape.gradient(y, (x, unused), unconnected_gradients="none")
+    assert gu is None
+    np.testing.assert_allclose(gx, np.exp(x))
+    assert tape.gradient(y, [unused], unconnected_gradients="none") == [None]  # no error
+    np.testing.assert_array_equal(tape.gradient(y, (x, unused))[1], np.zeros(2))  # the default
+    with pytest.raises(ValueError, match="does not depend on any of the sources"):
+        tape.gradient(y, unused)  # "zero" refuses a target that depends on no source
+    with pytest.raises(ValueError, match=r'unconnected_gradients must be "zero" or "none", got 0'):
+        tape.gradient(y, x, unconnected_gradients=0)  # type: ignore[arg-type]
 
 
 def test_ctx_argument_errors() -> None:

@@ -21,7 +21,8 @@ import numpy as np
 import optree
 
 from cupy_parallel._src import ops
-from cupy_parallel._src.devices import Device, as_device, to_device
+from cupy_parallel._src.arrays import to_device
+from cupy_parallel._src.devices import Device, as_device
 from cupy_parallel._src.functional import value_and_grad
 from cupy_parallel._src.parallel import DataParallel
 from cupy_parallel._src.tree import NAMESPACE

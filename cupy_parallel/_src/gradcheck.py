@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optree
 
-from cupy_parallel._src.devices import is_array, to_device
+from cupy_parallel._src.arrays import is_array, to_device
 from cupy_parallel._src.tape import Tape, on_device_of, pullback, zeros_like
 from cupy_parallel._src.tree import NAMESPACE
 

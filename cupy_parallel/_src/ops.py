@@ -33,7 +33,9 @@ import numpy as np
 from numpy.lib.array_utils import normalize_axis_index, normalize_axis_tuple
 
 from cupy_parallel._src.arguments import read_int
-from cupy_parallel._src.devices import HostArray, cupy_module, device_of, is_array
+from cupy_parallel._src.arrays import device_of, is_array
+from cupy_parallel._src.devices import cupy_module
+from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer
 from cupy_parallel._src.tape import (
     cuda_device,
     is_recording,
@@ -78,21 +80,6 @@ __all__ = [
     "var",
     "where",
 ]
-
-# --- host arrays: compute on their buffers --------------------------------------------------
-
-
-def host_buffer(x: Any) -> np.ndarray:
-    """The NumPy buffer of a host array (no copy)."""
-    return x.view(np.ndarray)
-
-
-def host_array(data: np.ndarray, device: Any) -> Any:
-    """Wrap ``data`` as a host array on ``device`` (no copy)."""
-    h = data.view(HostArray)
-    h._device = device
-    return h
-
 
 # --------------------------------------------------------------------------------------------
 # Where ops compute

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 import numpy as np
 import optree
 
-from cupy_parallel._src.devices import device_of, is_array
+from cupy_parallel._src.arrays import device_of, is_array
+from cupy_parallel._src.hostarray import HostArray
 from cupy_parallel._src.tree import NAMESPACE, flatten_with_names
 
 if TYPE_CHECKING:
@@ -77,9 +78,9 @@ Node: TypeAlias = "tuple[Vjp, tuple[Any, ...], tuple[bool, ...], tuple[Any, ...]
 
 def cuda_device(x: Any, /) -> Any:
     """The ``cupy.cuda.Device`` of a CuPy array, ``None`` for host arrays and scalars."""
-    if isinstance(x, np.ndarray) or not is_array(x):
+    if isinstance(x, np.ndarray) or type(x) is HostArray or not is_array(x):
         return None
-    return x.device if device_of(x).kind == "cuda" else None
+    return x.device
 
 
 def on_device_of(x: Any, fn: Callable[..., Any], /, *args: Any) -> Any:
@@ -569,7 +570,8 @@ def pullback(
     """
     grads: dict[int, Any] = {}  # id(array) -> gradient accumulated so far
     for t, s in zip(targets, seeds, strict=True):
-        _add_into(grads, t, s)
+        k = id(t)
+        grads[k] = s if k not in grads else _sum_pair(grads[k], s)
     keep = {id(x) for x in sources} - tape._leaves  # sources that are intermediate results
     kept: dict[int, Any] = {}
     pop = grads.pop
@@ -588,7 +590,8 @@ def pullback(
                     in_grads = vjp(out_grads, inputs, needs, outputs, aux)
             for x, need, g in zip(inputs, needs, in_grads, strict=True):
                 if need and g is not None:
-                    _add_into(grads, x, g)
+                    k = id(x)
+                    grads[k] = g if (total := grads.get(k)) is None else _sum_pair(total, g)
     kept.update(grads)
     return [kept.get(id(x)) for x in sources]
 
@@ -620,11 +623,6 @@ def _paused(tape: Tape) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
-
-
-def _add_into(grads: dict[int, Any], x: Any, g: Any) -> None:
-    k = id(x)
-    grads[k] = g if (total := grads.get(k)) is None else _sum_pair(total, g)
 
 
 def _keep(kept: dict[int, Any], keep: set[int], outputs: tuple[Any, ...], grads: list[Any]) -> None:
