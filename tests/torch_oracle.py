@@ -408,8 +408,10 @@ builtin_sum = sum
 
 def _graph_ops_ours() -> dict[str, Callable[..., Any]]:
     def hop(x: Any, k: int) -> Any:
-        away = cupy_parallel.to_device(x, f"host:{k}")
-        return cupy_parallel.to_device(ops.exp(ops.tanh(away)), "cpu")
+        """cpu -> host:k -> host:(k % 3 + 1) -> cpu, computing on each host device."""
+        away = ops.tanh(cupy_parallel.to_device(x, f"host:{k}"))
+        further = ops.exp(cupy_parallel.to_device(away, f"host:{k % 3 + 1}"))
+        return cupy_parallel.to_device(further, "cpu")
 
     return {
         "negative": ops.negative,
@@ -542,11 +544,7 @@ def graph_functions(graph: Graph) -> tuple[Callable[..., Any], Callable[..., Any
     return f_ours, f_theirs
 
 
-def seeded_graph(seed: int, *, steps: int = 8, hops: bool = False) -> Graph:
+def seeded_graph(seed: int, *, steps: int = 8, hops: bool = True) -> Graph:
     """The graph a ``random.Random(seed)`` draws (the stored oracle's graphs)."""
     rnd = random.Random(seed)
     return make_graph(rnd.randrange, steps=steps, hops=hops)
-
-
-HOPS = False
-"""Whether graphs include ``to_device`` hops across host devices (needs a differentiable move)."""
