@@ -371,12 +371,16 @@ def _binary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Any, Any]
     slow = _named(name)
 
     def op(a: Any, b: Any, /) -> Any:
-        x = b if isinstance(a, _SCALARS) else a
-        if type(x) is np.ndarray or isinstance(x, _SCALARS):
+        if type(a) is np.ndarray:  # the hot path: NumPy refuses a host array as b itself
             z = ufunc(a, b)
             z = z if type(z) is np.ndarray else np.asarray(z)
         else:
-            z = _on_device(slow, x, a, b)
+            x = b if isinstance(a, _SCALARS) else a
+            if type(x) is np.ndarray or isinstance(x, _SCALARS):
+                z = ufunc(a, b)
+                z = z if type(z) is np.ndarray else np.asarray(z)
+            else:
+                z = _on_device(slow, x, a, b)
         if is_recording():
             record_binary(vjp, a, b, z, None)
         return z
