@@ -98,7 +98,7 @@ def _result(z: Any) -> Any:
 def _host_operand(a: Any, device: Any, name: str) -> Any:
     """The buffer of a host-array operand on ``device``; refuse arrays elsewhere."""
     if isinstance(a, HostArray):
-        if a.device != device:
+        if a.device is not device and a.device != device:
             raise ValueError(
                 f"ops.{name} got arrays on different devices, {device} and {a.device}. "
                 "Move them to one device with cupy_parallel.to_device(array, device)."
@@ -356,6 +356,9 @@ def _unary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Any], Any]
         if type(x) is np.ndarray or isinstance(x, _SCALARS):
             z = ufunc(x)
             z = z if type(z) is np.ndarray else np.asarray(z)
+        elif type(x) is HostArray:
+            z = ufunc(host_buffer(x))
+            z = host_array(z if type(z) is np.ndarray else np.asarray(z), x.device)
         else:
             z = _on_device(slow, x, x)
         if is_recording():
@@ -367,6 +370,22 @@ def _unary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Any], Any]
     return op
 
 
+def _host_binary(ufunc: Any, name: str, a: Any, b: Any) -> Any:
+    """``ufunc(a, b)`` on host buffers; ``a`` (or ``b``, when ``a`` is a scalar) is a host array."""
+    if type(a) is HostArray:
+        device = a.device
+        ra = host_buffer(a)
+        if type(b) is HostArray and b.device is device:
+            rb = host_buffer(b)
+        else:
+            rb = b if isinstance(b, _SCALARS) else _host_operand(b, device, name)
+    else:
+        device = b.device
+        ra, rb = a, host_buffer(b)
+    z = ufunc(ra, rb)
+    return host_array(z if type(z) is np.ndarray else np.asarray(z), device)
+
+
 def _binary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Any, Any], Any]:
     slow = _named(name)
 
@@ -376,7 +395,9 @@ def _binary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Any, Any]
             z = z if type(z) is np.ndarray else np.asarray(z)
         else:
             x = b if isinstance(a, _SCALARS) else a
-            if type(x) is np.ndarray or isinstance(x, _SCALARS):
+            if type(x) is HostArray:
+                z = _host_binary(ufunc, name, a, b)
+            elif type(x) is np.ndarray or isinstance(x, _SCALARS):
                 z = ufunc(a, b)
                 z = z if type(z) is np.ndarray else np.asarray(z)
             else:
