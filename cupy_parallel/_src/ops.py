@@ -372,6 +372,8 @@ def _unary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Any], Any]
 
 def _host_binary(ufunc: Any, name: str, a: Any, b: Any) -> Any:
     """``ufunc(a, b)`` on host buffers; ``a`` (or ``b``, when ``a`` is a scalar) is a host array."""
+    ra: Any
+    rb: Any
     if type(a) is HostArray:
         device = a.device
         ra = host_buffer(a)
