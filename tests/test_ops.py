@@ -288,7 +288,7 @@ def test_gradcheck_argument_errors() -> None:
         gradcheck(ops.exp, np.ones(2))
     with pytest.raises(ValueError, match="at least one floating-point array"):
         gradcheck(lambda n: ops.exp(np.ones(n)), [2])
-    with pytest.raises(ValueError, match="eps must be a finite positive number, got 0.0"):
+    with pytest.raises(ValueError, match=r"eps must be a finite positive number, got 0\.0"):
         gradcheck(ops.exp, [np.ones(2)], eps=0.0)
     with pytest.raises(TypeError, match="output 0 is a float"):
         gradcheck(lambda x: 1.0, [np.ones(2)])
@@ -452,6 +452,18 @@ def test_third_derivative_through_three_tapes() -> None:
     ("call", "error", "match"),
     [
         (lambda: ops.getitem(np.ones(3), np.array([0.5])), IndexError, "got a float64 array"),
+        (
+            lambda: ops.getitem(
+                to_device(np.ones(3), "host:1"), to_device(np.array([True, False, True]), "host:2")
+            ),
+            ValueError,
+            "different devices, host:1 and host:2",
+        ),
+        (
+            lambda: ops.getitem(np.ones(3), to_device(np.array([0, 2]), "host:2")),
+            TypeError,
+            "with an index array on host:2",
+        ),
         (lambda: ops.clip(np.ones(2)), ValueError, "ops.clip needs lo or hi"),
         (lambda: ops.var(np.ones(2), ddof=2), ValueError, "no degrees of freedom with ddof=2"),
         (lambda: ops.var(np.ones(2), ddof=-1), ValueError, "ddof"),
@@ -496,6 +508,8 @@ def test_third_derivative_through_three_tapes() -> None:
     ],
     ids=[
         "getitem-float",
+        "getitem-index-device",
+        "getitem-index-on-host-device",
         "clip-no-bounds",
         "var-ddof",
         "var-negative-ddof",

@@ -436,7 +436,7 @@ _BINARY_RULES: dict[str, tuple[Any, Any]] = {
 """The elementwise binary ops (NumPy broadcasting): name -> (NumPy ufunc, vjp)."""
 
 
-def _unary_doc(summary: str, call: str, result: str) -> str:
+def _doc(summary: str, call: str, result: str) -> str:
     return f"""{summary}, differentiable to any order.
 
     Example:
@@ -450,37 +450,37 @@ def _unary_doc(summary: str, call: str, result: str) -> str:
 negative = _unary_op(
     "negative",
     *_UNARY_RULES["negative"],
-    _unary_doc("``-x``", "ops.negative(np.array([1.0, -2.0]))", "array([-1.,  2.])"),
+    _doc("``-x``", "ops.negative(np.array([1.0, -2.0]))", "array([-1.,  2.])"),
 )
 square = _unary_op(
     "square",
     *_UNARY_RULES["square"],
-    _unary_doc("``x ** 2``", "ops.square(np.array([1.0, -3.0]))", "array([1., 9.])"),
+    _doc("``x ** 2``", "ops.square(np.array([1.0, -3.0]))", "array([1., 9.])"),
 )
 exp = _unary_op(
     "exp",
     *_UNARY_RULES["exp"],
-    _unary_doc("``e ** x``", "ops.exp(np.array([0.0, 1.0]))", "array([1.        , 2.71828183])"),
+    _doc("``e ** x``", "ops.exp(np.array([0.0, 1.0]))", "array([1.        , 2.71828183])"),
 )
 log = _unary_op(
     "log",
     *_UNARY_RULES["log"],
-    _unary_doc("Natural logarithm", "ops.log(np.array([1.0, np.e]))", "array([0., 1.])"),
+    _doc("Natural logarithm", "ops.log(np.array([1.0, np.e]))", "array([0., 1.])"),
 )
 tanh = _unary_op(
     "tanh",
     *_UNARY_RULES["tanh"],
-    _unary_doc("Hyperbolic tangent", "ops.tanh(np.array([0.0]))", "array([0.])"),
+    _doc("Hyperbolic tangent", "ops.tanh(np.array([0.0]))", "array([0.])"),
 )
 sqrt = _unary_op(
     "sqrt",
     *_UNARY_RULES["sqrt"],
-    _unary_doc("Square root", "ops.sqrt(np.array([4.0, 9.0]))", "array([2., 3.])"),
+    _doc("Square root", "ops.sqrt(np.array([4.0, 9.0]))", "array([2., 3.])"),
 )
 abs = _unary_op(
     "abs",
     *_UNARY_RULES["abs"],
-    _unary_doc(
+    _doc(
         "``|x|``; the gradient at 0 is 0, as in PyTorch",
         "ops.abs(np.array([-1.5, 2.0]))",
         "array([1.5, 2. ])",
@@ -489,33 +489,31 @@ abs = _unary_op(
 add = _binary_op(
     "add",
     *_BINARY_RULES["add"],
-    _unary_doc("``a + b``", "ops.add(np.array([1.0, 2.0]), 1.0)", "array([2., 3.])"),
+    _doc("``a + b``", "ops.add(np.array([1.0, 2.0]), 1.0)", "array([2., 3.])"),
 )
 subtract = _binary_op(
     "subtract",
     *_BINARY_RULES["subtract"],
-    _unary_doc(
+    _doc(
         "``a - b``", "ops.subtract(np.array([1.0, 2.0]), np.array([0.5, 0.5]))", "array([0.5, 1.5])"
     ),
 )
 multiply = _binary_op(
     "multiply",
     *_BINARY_RULES["multiply"],
-    _unary_doc(
-        "``a * b`` elementwise", "ops.multiply(np.array([1.0, 2.0]), 3.0)", "array([3., 6.])"
-    ),
+    _doc("``a * b`` elementwise", "ops.multiply(np.array([1.0, 2.0]), 3.0)", "array([3., 6.])"),
 )
 divide = _binary_op(
     "divide",
     *_BINARY_RULES["divide"],
-    _unary_doc(
+    _doc(
         "``a / b`` (true division)", "ops.divide(np.array([1.0, 2.0]), 4.0)", "array([0.25, 0.5 ])"
     ),
 )
 power = _binary_op(
     "power",
     *_BINARY_RULES["power"],
-    _unary_doc(
+    _doc(
         "``a ** b`` elementwise; differentiable in both",
         "ops.power(np.array([2.0, 3.0]), 2.0)",
         "array([4., 9.])",
@@ -524,7 +522,7 @@ power = _binary_op(
 maximum = _binary_op(
     "maximum",
     *_BINARY_RULES["maximum"],
-    _unary_doc(
+    _doc(
         "Elementwise maximum; equal operands share the gradient evenly, as in PyTorch",
         "ops.maximum(np.array([1.0, 5.0]), 2.0)",
         "array([2., 5.])",
@@ -533,7 +531,7 @@ maximum = _binary_op(
 minimum = _binary_op(
     "minimum",
     *_BINARY_RULES["minimum"],
-    _unary_doc(
+    _doc(
         "Elementwise minimum; equal operands share the gradient evenly, as in PyTorch",
         "ops.minimum(np.array([1.0, 5.0]), 2.0)",
         "array([1., 2.])",
@@ -1010,7 +1008,13 @@ def _read_key(x: Any, index: Any) -> tuple[tuple[Any, ...], bool]:
     repeats = False
     for c in key:
         if isinstance(c, HostArray):
-            c = host_buffer(c)  # noqa: PLW2901 - an index array is a constant
+            if not isinstance(x, HostArray):
+                raise TypeError(
+                    f"ops.getitem indexes an array on {device_of(x)} with an index array on "
+                    f"{c.device}. Move the index with cupy_parallel.to_device(index, "
+                    f"'{device_of(x)}')."
+                )
+            c = _host_operand(c, x.device, "getitem")  # noqa: PLW2901 - an index is a constant
         elif isinstance(c, list | tuple):
             c = np.asarray(c)  # noqa: PLW2901
         elif is_array(c) and c.dtype.kind == "f":
