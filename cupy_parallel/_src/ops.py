@@ -177,8 +177,9 @@ def _fit(g: Any, x: Any) -> Any:
             *(lead + i for i, n in enumerate(x.shape) if n == 1 and g.shape[lead + i] != 1),
         )
         g = reshape(sum(g, axes, keepdims=True), x.shape)
-    if g.dtype != x.dtype:
-        g = _astype(g, x.dtype)
+    dtype = x.dtype
+    if g.dtype is not dtype and g.dtype != dtype:  # NumPy's builtin dtypes are singletons
+        g = _astype(g, dtype)
     return g
 
 
