@@ -21,7 +21,13 @@ from numpy.lib.array_utils import normalize_axis_tuple
 from cupy_parallel._src.arrays import is_array
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.hostarray import HostArray
-from cupy_parallel._src.tape import cuda_device, is_recording, record_binary, record_unary
+from cupy_parallel._src.tape import (
+    cuda_device,
+    is_recording,
+    record_binary,
+    record_unary,
+    unguarded,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -52,7 +58,7 @@ _HOST = (*_ARRAYS, *_SCALARS)
 def _compute(fn: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` in the namespace of ``x`` (the placing operand), on its device."""
     if isinstance(x, _HOST):
-        z = fn(*args, **kwargs)
+        z = fn(*args, **kwargs) if type(x) is not HostArray else unguarded(fn, *args, **kwargs)
         return z if isinstance(z, _ARRAYS) else np.asarray(z)
     device = cuda_device(x)
     if device is None:
@@ -67,7 +73,7 @@ def _compute(fn: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Any:
 def _binary(fn: Callable[..., Any], a: Any, b: Any) -> Any:
     x = b if isinstance(a, _SCALARS) else a
     if isinstance(x, _HOST):  # inlined fast path of _compute
-        z = fn(a, b)
+        z = fn(a, b) if type(x) is not HostArray else unguarded(fn, a, b)
         return z if isinstance(z, _ARRAYS) else np.asarray(z)
     return _compute(fn, x, a, b)
 
