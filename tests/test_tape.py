@@ -731,3 +731,154 @@ def test_eight_threads_record_concurrently_like_a_sequential_run() -> None:
     rx, rw = oracle.gradient(total, (x, w))
     np.testing.assert_allclose(gx, rx, rtol=1e-13)
     np.testing.assert_allclose(gw, rw, rtol=1e-13)
+
+
+# --------------------------------------------------------------------------------------------
+# Host arrays: in-place writes and raw NumPy are caught
+
+
+def on_host(x: np.ndarray, k: int = 0) -> Any:
+    return to_device(x, f"host:{k}")
+
+
+def test_writing_into_a_recorded_output_inside_the_tape_is_refused() -> None:
+    """Table row 3 (inside the block): ``y += 1`` used to give exp(x) + 1."""
+    x = on_host(rand(3))
+    with Tape() as tape:
+        tape.watch(x)
+        y = ops.exp(x)
+        with pytest.raises(TypeError, match=r"operator \+= writes in place into an array a tape"):
+            y += 1
+    np.testing.assert_allclose(tape.gradient(y, x, on_host(np.ones(3))).get(), np.exp(x.get()))
+
+
+def test_writing_into_a_recorded_output_before_gradient_raises() -> None:
+    """Table row 3 (after the block): the version counter names the op, as torch does."""
+    x = on_host(rand(3))
+    with Tape() as tape:
+        tape.watch(x)
+        y = ops.exp(x)
+    y += 1
+    with pytest.raises(
+        RuntimeError,
+        match=r"gradient of ops.exp needs was modified in place.*output 0 \(shape \(3,\), on "
+        r"host:0\) is at version 1, expected 0",
+    ):
+        tape.gradient(y, x, on_host(np.ones(3)))
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["inside", "after"])
+def test_refilling_a_saved_input_buffer_raises(inside: bool) -> None:
+    """Table row 4: a data buffer refilled before gradient used to give the new data's gradient."""
+    w, batch = on_host(rand(3)), on_host(rand(3, seed=1))  # the batch is a constant: not watched
+    with Tape() as tape:
+        tape.watch(w)
+        loss = ops.sum(ops.multiply(batch, w))
+        if inside:
+            batch[...] = 0  # untracked, so not refused here; its version moves on
+    if not inside:
+        batch[...] = 0
+    with pytest.raises(RuntimeError, match=r"ops.multiply.*input 0 .* at version 1, expected 0"):
+        tape.gradient(loss, w)
+
+
+def test_raw_numpy_on_a_recorded_host_array_is_refused() -> None:
+    """Table row 5: ``np.sin(w)`` inside the tape used to drop the sin path (2w, not 2w + cos w)."""
+    w = on_host(rand(3))
+    with Tape() as tape:
+        tape.watch(w)
+        with pytest.raises(
+            TypeError,
+            match=r"numpy.sin is raw NumPy on an array a tape is recording.*silently miss this "
+            r"path.*a cupy_parallel.ops function.*cupy_parallel.stop_gradient\(x\)",
+        ):
+            ops.add(ops.square(w), np.sin(w))
+
+
+@pytest.mark.parametrize(
+    ("compute", "name", "suggestion"),
+    [
+        (lambda w: w * 2.0, r"operator \*", r"cupy_parallel\.ops\.multiply"),
+        (lambda w: 1.0 - w, "operator -", r"cupy_parallel\.ops\.subtract"),
+        (lambda w: -w, "operator -", r"cupy_parallel\.ops\.negative"),
+        (lambda w: w @ w, "operator @", r"cupy_parallel\.ops\.matmul"),
+        (lambda w: w.sum(), "HostArray.sum", r"cupy_parallel\.ops\.sum"),
+        (np.exp, "numpy.exp", r"cupy_parallel\.ops\.exp"),
+        (
+            lambda w: np.concatenate([w, w]),
+            "numpy.concatenate",
+            r"(cupy_parallel\.ops\.|a cupy_parallel\.ops f)",
+        ),
+        (lambda w: w.copy(), "HostArray.copy", r"a cupy_parallel\.ops function"),
+    ],
+    ids=["mul", "rsub", "neg", "matmul", "sum-method", "exp", "concatenate", "copy"],
+)
+def test_raw_numpy_error_names_the_ops_equivalent(compute: Any, name: str, suggestion: str) -> None:
+    w = on_host(rand(3))
+    with Tape() as tape:
+        tape.watch(w)
+        y = ops.tanh(w)  # recorded results are guarded like watched arrays
+        with pytest.raises(TypeError, match=rf"^{name} is raw NumPy.*Use {suggestion}"):
+            compute(w)
+        with pytest.raises(TypeError, match=rf"^{name} is raw NumPy"):
+            compute(y)
+
+
+def test_raw_numpy_that_cannot_drop_a_gradient_is_allowed() -> None:
+    w, data = on_host(rand(4)), on_host(rand(4, seed=1))
+    with Tape() as tape:
+        tape.watch(w)
+        y = ops.multiply(w, data)
+        mask = (w > 0).get()  # comparisons and argmax carry no gradient
+        index = int(np.argmax(y))
+        scaled = data * 2.0  # untracked arrays are constants
+        constant = np.exp(cupy_parallel.stop_gradient(w))
+        with tape.stop_recording():
+            paused = np.sin(w)
+        loss = ops.sum(ops.add(y, ops.multiply(scaled, constant)))
+    after = w * 3.0  # outside the block nothing records: raw NumPy is fine
+    np.testing.assert_array_equal(mask, w.get() > 0)
+    assert index == int(np.argmax(w.get() * data.get()))
+    np.testing.assert_allclose(paused.get(), np.sin(w.get()))
+    np.testing.assert_allclose(after.get(), 3 * w.get())
+    np.testing.assert_allclose(tape.gradient(loss, w).get(), data.get())
+
+
+def test_raw_numpy_inside_function_forward_and_backward_is_allowed() -> None:
+    class HostCube(Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any) -> Any:
+            ctx.save_for_backward(x)
+            return x * x * x  # raw NumPy on a watched host array: recording is paused here
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            (x,) = ctx.saved_tensors
+            return 3.0 * x * x * g
+
+    x = on_host(rand(3))
+    with Tape() as tape:
+        tape.watch(x)
+        y = ops.sum(HostCube.apply(x))
+    np.testing.assert_allclose(tape.gradient(y, x).get(), 3 * x.get() ** 2, rtol=1e-14)
+    with Tape() as tape:
+        tape.watch(x)
+        y = ops.sum(HostCube.apply(x))
+    x[0] = 5.0  # a saved array written before backward: named by the Function
+    with pytest.raises(RuntimeError, match=r"gradient of HostCube needs.*saved array 0"):
+        tape.gradient(y, x)
+
+
+def test_the_guard_follows_the_tapes_in_this_context() -> None:
+    w = on_host(rand(2))
+    with Tape() as tape:
+        tape.watch(w)
+        with pytest.raises(TypeError, match="raw NumPy"):
+            np.exp(w)
+        # a thread that did not copy the context has no active tape: nothing to refuse there
+        result: list[Any] = []
+        worker = threading.Thread(target=lambda: result.append(np.exp(w)))
+        worker.start()
+        worker.join()
+    np.testing.assert_allclose(result[0].get(), np.exp(w.get()))
+    np.testing.assert_allclose(np.exp(w).get(), np.exp(w.get()))  # the tape has exited

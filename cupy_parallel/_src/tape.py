@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import operator
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
@@ -42,7 +43,14 @@ import numpy as np
 import optree
 
 from cupy_parallel._src.arrays import device_of, is_array
-from cupy_parallel._src.hostarray import HostArray
+from cupy_parallel._src.hostarray import (
+    HostArray,
+    host_array,
+    host_buffer,
+    plain_buffer,
+    set_dispatch_guard,
+    version,
+)
 from cupy_parallel._src.tree import NAMESPACE, flatten_with_names
 
 if TYPE_CHECKING:
@@ -60,6 +68,7 @@ __all__ = [
     "record_binary",
     "record_unary",
     "stop_gradient",
+    "unguarded",
 ]
 
 _ACTIVE: contextvars.ContextVar[tuple[Tape, ...]] = contextvars.ContextVar(
@@ -92,18 +101,38 @@ def on_device_of(x: Any, fn: Callable[..., Any], /, *args: Any) -> Any:
         return fn(*args)
 
 
-def _namespace(x: Any) -> Any:
-    return np if isinstance(x, np.ndarray) else device_of(x).xp
+def _compute(fn: Callable[..., Any], x: Any, /, *args: Any) -> Any:
+    """``fn(x, *args)`` on ``x``'s device; a HostArray through its buffer.
+
+    For the tape's own arithmetic (zeros, sums of gradients, casts): the buffers skip the
+    HostArray dispatch guard, which refuses raw NumPy on recorded arrays in *user* code.
+    """
+    if type(x) is HostArray:
+        z = fn(host_buffer(x), *[plain_buffer(a) for a in args])
+        return host_array(z if type(z) is np.ndarray else np.asarray(z), x.device)
+    return on_device_of(x, fn, x, *args)
+
+
+def _xp(x: Any) -> Any:
+    return np if type(x) is np.ndarray or type(x) is HostArray else device_of(x).xp
 
 
 def zeros_like(x: Any, /) -> Any:
     """Zeros shaped like ``x`` on ``x``'s device (a HostArray stays on its host device)."""
-    return on_device_of(x, _namespace(x).zeros_like, x)
+    return _compute(_xp(x).zeros_like, x)
 
 
 def ones_like(x: Any, /) -> Any:
     """Ones shaped like ``x`` on ``x``'s device."""
-    return on_device_of(x, _namespace(x).ones_like, x)
+    return _compute(_xp(x).ones_like, x)
+
+
+def _astype(x: Any, dtype: Any) -> Any:
+    return x.astype(dtype)
+
+
+def _copy_of(x: Any) -> Any:
+    return x.copy()
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,6 +159,24 @@ def pause_recording() -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+class _Versions(tuple[int | None, ...]):
+    """A node's last slot on host devices: the versions of its inputs and outputs when recorded."""
+
+    __slots__ = ()
+
+
+def _placement(inputs: tuple[Any, ...], outputs: tuple[Any, ...]) -> Any:
+    """A node's last slot: ``None`` on NumPy, the CUDA device for CuPy, versions on hosts.
+
+    On host devices the slot holds the version of each input and output when recorded
+    (torch's version-counter rule, checked before the vjp runs).
+    """
+    y = outputs[0]
+    if type(y) is HostArray:
+        return _Versions([version(a) for a in (*inputs, *outputs)])
+    return cuda_device(y)
+
+
 def record(vjp: Vjp, inputs: tuple[Any, ...], outputs: tuple[Any, ...], aux: Any, /) -> None:
     """Record ``outputs = op(*inputs)`` on every active tape that tracks one of ``inputs``.
 
@@ -140,12 +187,12 @@ def record(vjp: Vjp, inputs: tuple[Any, ...], outputs: tuple[Any, ...], aux: Any
     tapes = _ACTIVE.get()
     if not tapes:
         return
-    cuda = cuda_device(outputs[0]) if outputs else None
+    extra = _placement(inputs, outputs) if outputs else None
     tracked = [y for y in outputs if is_array(y)]
     for tape in tapes:
         needs = tape._needs(inputs)
         if needs is not None:
-            tape._append((vjp, inputs, needs, outputs, aux, cuda), tracked)
+            tape._append((vjp, inputs, needs, outputs, aux, extra), tracked)
 
 
 def record_unary(vjp: Vjp, x: Any, z: Any, aux: Any, /) -> None:
@@ -158,7 +205,7 @@ def record_unary(vjp: Vjp, x: Any, z: Any, aux: Any, /) -> None:
                 (True,),
                 (z,),
                 aux,
-                None if isinstance(z, np.ndarray) else cuda_device(z),
+                None if isinstance(z, np.ndarray) else _placement((x,), (z,)),
             )
             with tape._lock:
                 tape._nodes.append(node)
@@ -181,7 +228,7 @@ def record_binary(vjp: Vjp, a: Any, b: Any, z: Any, aux: Any, /) -> None:
                 needs,
                 (z,),
                 aux,
-                None if isinstance(z, np.ndarray) else cuda_device(z),
+                None if isinstance(z, np.ndarray) else _placement((a, b), (z,)),
             )
             with tape._lock:
                 tape._nodes.append(node)
@@ -194,11 +241,11 @@ def record_binary(vjp: Vjp, a: Any, b: Any, z: Any, aux: Any, /) -> None:
 
 def _sum_pair(total: Any, grad: Any) -> Any:
     """``total + grad`` of two gradients of one array (same shape), recorded."""
-    if isinstance(total, np.ndarray):
+    if type(total) is np.ndarray:
         z = total + grad
-        z = z if isinstance(z, np.ndarray) else np.asarray(z)  # 0-d NumPy
+        z = z if type(z) is np.ndarray else np.asarray(z)  # 0-d NumPy
     else:
-        z = on_device_of(total, total.__add__, grad)
+        z = _compute(operator.add, total, grad)
     if _ACTIVE.get():
         record_binary(_sum_pair_vjp, total, grad, z, None)
     return z
@@ -210,7 +257,7 @@ def _sum_pair_vjp(gs: list[Any], xs: tuple[Any, ...], needs: Any, zs: Any, aux: 
 
 def _cast(x: Any, dtype: Any, /) -> Any:
     """``x`` as ``dtype`` (a new array), recorded; its gradient is cast back."""
-    z = on_device_of(x, x.astype, dtype)
+    z = _compute(_astype, x, dtype)
     record_unary(_cast_vjp, x, z, None)
     return z
 
@@ -221,7 +268,7 @@ def _cast_vjp(gs: list[Any], xs: tuple[Any, ...], needs: Any, zs: Any, aux: None
 
 def _copy(x: Any, /) -> Any:
     """A copy of ``x``, recorded (the identity)."""
-    z = on_device_of(x, x.copy)
+    z = _compute(_copy_of, x)
     record_unary(_copy_vjp, x, z, None)
     return z
 
@@ -255,6 +302,91 @@ def stop_gradient(x: Any, /) -> Any:
         x,
         namespace=NAMESPACE,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The HostArray dispatch guard: raw NumPy on a recorded host array would drop its gradient path
+
+
+def unguarded(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with no tape active, so the dispatch guard lets raw NumPy pass.
+
+    For library code that computes with raw NumPy on recorded host arrays and records the
+    result itself (the ops).
+    """
+    token = _ACTIVE.set(())
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _ACTIVE.reset(token)
+
+
+_NON_DIFFERENTIABLE = frozenset(
+    {
+        *("==", "!=", "<", "<=", ">", ">="),
+        *("equal", "not_equal", "less", "less_equal", "greater", "greater_equal"),
+        *("isnan", "isinf", "isfinite", "isclose", "allclose", "array_equal", "signbit"),
+        *("argmax", "argmin", "argsort", "argpartition", "nonzero", "flatnonzero"),
+        *("count_nonzero", "searchsorted", "all", "any"),
+        *("logical_and", "logical_or", "logical_not", "logical_xor"),
+        *("shape", "ndim", "size", "result_type"),
+    }
+)
+"""Operations whose results carry no gradient: raw NumPy may compute them on recorded arrays."""
+
+_OPS_NAMES = {"+": "add", "-": "subtract", "*": "multiply", "/": "divide", "true_divide": "divide"}
+_OPS_NAMES |= {"@": "matmul", "**": "power", "abs": "abs", "absolute": "abs", "amax": "max"}
+"""Operator and NumPy names whose ``cupy_parallel.ops`` function has another name."""
+
+_IN_PLACE = frozenset({"fill", "set", "sort", "partition", "put", "[]=", "copyto"})
+
+
+def _refuse_raw_numpy(operation: str, operands: tuple[Any, ...]) -> None:
+    """The dispatch guard: raise if ``operation`` touches a host array an active tape tracks."""
+    tapes = _ACTIVE.get()
+    if not tapes:
+        return
+    leaves: list[Any] = optree.tree_leaves(operands, namespace=NAMESPACE)  # type: ignore[arg-type]
+    for x in leaves:
+        if type(x) is HostArray and any(id(x) in t._tracked for t in tapes):
+            name = operation.rpartition(" " if operation.startswith("operator") else ".")[2]
+            if name not in _NON_DIFFERENTIABLE:
+                raise TypeError(_raw_numpy_message(operation, name, len(operands)))
+            return
+
+
+def _raw_numpy_message(operation: str, name: str, count: int) -> str:
+    from cupy_parallel._src import ops  # ops builds on this module: imported when needed
+
+    if name in _IN_PLACE or (operation.startswith("operator") and name.endswith("=")):
+        return (
+            f"{operation} writes in place into an array a tape is recording, which would "
+            "change the values its gradient is computed from. Write into a copy, compute a new "
+            "array with cupy_parallel.ops, or write outside the `with tape:` block before the "
+            "array is used."
+        )
+    op = "negative" if name == "-" and count == 1 else _OPS_NAMES.get(name, name)
+    use = f"cupy_parallel.ops.{op}" if op in ops.__all__ else "a cupy_parallel.ops function"
+    return (
+        f"{operation} is raw NumPy on an array a tape is recording: the tape cannot see it, so "
+        "the gradient would silently miss this path (on a GPU nothing could catch it). Use "
+        f"{use} (or a cupy_parallel.Function), or cupy_parallel.stop_gradient(x) to use the "
+        "values as a constant."
+    )
+
+
+_entered = 0  # tapes inside their `with` block, in all threads: the guard is installed while > 0
+_entered_lock = threading.Lock()
+
+
+def _count_entered(change: int) -> None:
+    global _entered  # one process-wide guard, as hostarray has one hook
+    with _entered_lock:
+        _entered += change
+        if _entered == change == 1:
+            set_dispatch_guard(_refuse_raw_numpy)
+        elif _entered == 0:
+            set_dispatch_guard(None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,12 +457,14 @@ class Tape:
             raise RuntimeError("This tape is already recording; a tape cannot be entered twice.")
         self._check_unused("record")
         self._token = _ACTIVE.set((*_ACTIVE.get(), self))
+        _count_entered(1)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         if self._token is not None:
             _ACTIVE.reset(self._token)
             self._token = None
+            _count_entered(-1)
 
     def _check_unused(self, action: str) -> None:
         if self._used:
@@ -576,24 +710,56 @@ def pullback(
     kept: dict[int, Any] = {}
     pop = grads.pop
     with _paused(tape):
-        for vjp, inputs, needs, outputs, aux, cuda in reversed(tape._nodes):
+        for node in reversed(tape._nodes):
+            vjp, inputs, needs, outputs, aux, extra = node
             size = len(grads)
             out_grads = [pop(id(y), None) for y in outputs]  # complete: consumers came later
             if len(grads) == size:
                 continue  # no gradient reaches this node
             if keep:
                 _keep(kept, keep, outputs, out_grads)
-            if cuda is None:
+            if extra is None:
                 in_grads = vjp(out_grads, inputs, needs, outputs, aux)
             else:
-                with cuda:
-                    in_grads = vjp(out_grads, inputs, needs, outputs, aux)
+                in_grads = _placed_vjp(node, out_grads)
             for x, need, g in zip(inputs, needs, in_grads, strict=True):
                 if need and g is not None:
                     k = id(x)
                     grads[k] = g if (total := grads.get(k)) is None else _sum_pair(total, g)
     kept.update(grads)
     return [kept.get(id(x)) for x in sources]
+
+
+def _placed_vjp(node: Node, gs: list[Any]) -> Sequence[Any]:
+    """Run a node's vjp on its CUDA device, or after checking its host arrays' versions."""
+    vjp, inputs, needs, outputs, aux, extra = node
+    if type(extra) is _Versions:
+        arrays = (*inputs, *outputs)
+        for i, (a, recorded) in enumerate(zip(arrays, extra, strict=True)):
+            if recorded is not None and version(a) != recorded:
+                where = f"input {i}" if i < len(inputs) else f"output {i - len(inputs)}"
+                raise _modified_error(_op_name(vjp, aux), where, a, recorded)
+        return vjp(gs, inputs, needs, outputs, aux)
+    with extra:
+        return vjp(gs, inputs, needs, outputs, aux)
+
+
+def _op_name(vjp: Vjp, aux: Any) -> str:
+    """How errors name a node's operation: the Function's class or the op behind a vjp."""
+    if vjp is _function_vjp:
+        return str(aux[0].__name__)
+    name = getattr(vjp, "__name__", repr(vjp))
+    return f"ops.{name.strip('_').removesuffix('_vjp')}" if name.endswith("_vjp") else name
+
+
+def _modified_error(op: str, where: str, array: Any, recorded: int) -> RuntimeError:
+    return RuntimeError(
+        f"An array the gradient of {op} needs was modified in place after {op} was recorded: "
+        f"its {where} (shape {array.shape}, on {device_of(array)}) is at version "
+        f"{version(array)}, expected {recorded}. Writes such as x[...] = v, x += 1, x.fill(v) "
+        "or out=x change the values the gradient is computed from (PyTorch raises here too). "
+        "Write into a copy, or compute a new array with cupy_parallel.ops."
+    )
 
 
 def _returned(name: str, source: Any, grad: Any, fill: bool) -> Any:
@@ -649,6 +815,7 @@ class FunctionContext:
     def __init__(self, needs_input_grad: tuple[bool, ...], /) -> None:
         self.needs_input_grad = needs_input_grad
         self._saved: tuple[Any, ...] = ()
+        self._versions: tuple[int | None, ...] = ()
         self._non_differentiable: set[int] = set()
 
     if TYPE_CHECKING:  # forward stores arbitrary attributes for backward (ctx.dim = dim)
@@ -665,6 +832,13 @@ class FunctionContext:
                     f"position {i}. Store other values as ctx attributes (ctx.name = value)."
                 )
         self._saved = arrays
+        self._versions = tuple(version(a) for a in arrays)
+
+    def _check_saved(self, function: str) -> None:
+        """Raise if a saved host array was written in place since it was saved."""
+        for i, (a, recorded) in enumerate(zip(self._saved, self._versions, strict=True)):
+            if recorded is not None and version(a) != recorded:
+                raise _modified_error(function, f"saved array {i}", a, recorded)
 
     @property
     def saved_arrays(self) -> tuple[Any, ...]:
@@ -854,6 +1028,7 @@ def _function_vjp(
     aux: tuple[type[Function], FunctionContext],
 ) -> Sequence[Any]:
     cls, ctx = aux
+    ctx._check_saved(cls.__name__)
     filled = [
         zeros_like(y) if g is None and is_array(y) else g
         for y, g in zip(outputs, cotangents, strict=True)
