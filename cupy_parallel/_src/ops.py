@@ -177,10 +177,7 @@ def _fit(g: Any, x: Any) -> Any:
             *(lead + i for i, n in enumerate(x.shape) if n == 1 and g.shape[lead + i] != 1),
         )
         g = reshape(sum(g, axes, keepdims=True), x.shape)
-    dtype = x.dtype
-    if g.dtype is not dtype and g.dtype != dtype:  # NumPy's builtin dtypes are singletons
-        g = _astype(g, dtype)
-    return g
+    return g if g.dtype == x.dtype else _astype(g, x.dtype)
 
 
 def _astype_kernel(xp: Any, x: Any, dtype: Any) -> Any:
