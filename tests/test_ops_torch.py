@@ -111,6 +111,16 @@ def test_case_on_a_host_device_matches_pytorch(name: str, oracle: Any) -> None:
     _compare_second(torch_oracle.CASES[name].ours, xs, 0, expected, "host:1")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_case_on_a_gpu_matches_pytorch(name: str, oracle: Any) -> None:
+    """The same derivatives with every array on the first GPU (CuPy kernels)."""
+    xs = torch_oracle.case_inputs(name)
+    expected = _stored(oracle, f"case/{name}", len(xs))
+    _compare_first(torch_oracle.CASES[name].ours, xs, 0, expected, "cuda:0")
+    _compare_second(torch_oracle.CASES[name].ours, xs, 0, expected, "cuda:0")
+
+
 KINKS = {"relu", "clip-lower"}  # inputs sit on the kink on purpose: finite differences disagree
 
 
