@@ -14,14 +14,25 @@ Decisions:
   are computed raw, as constants.
 - The elementwise ops come from one rule table (:data:`_UNARY_RULES`, :data:`_BINARY_RULES`,
   HIPS autograd's ``defvjp``): a rule is the NumPy ufunc and its vjp. The wrappers the table
-  generates are as fast as hand-written ones: recording is the hot path of a training step, so
-  an op checks ``is_recording()`` once and records through ``record_unary``/``record_binary``.
+  generates are as fast as hand-written ones (measured: within noise): recording is the hot path
+  of a training step, so an op checks ``is_recording()`` once and records through
+  ``record_unary``/``record_binary``. Ops with arguments (axes, shapes, indices) are written
+  out, each with its checks.
 - Gradients at kinks and ties follow PyTorch: ``relu'(0) = abs'(0) = 0``, ``maximum``/``minimum``
   split the gradient evenly between equal operands, ``clip`` passes it where
   ``lo <= x <= hi``, ``power``'s gradient is 0 where the exponent is 0 and, for the exponent,
   0 where the base is 0 and the exponent non-negative (NaN for a negative base).
 - ``softmax``, ``log_softmax`` and ``softmax_cross_entropy`` take the class axis last
   (``axis=-1``), as jax/optax do (PyTorch's ``cross_entropy`` takes classes on axis 1).
+- Host arrays compute on their buffers (``host_buffer``) and wrap the result on their device
+  (``host_array``): ops never go through the HostArray's NumPy dispatch, so the tape's guard
+  against raw NumPy on recorded host arrays never fires for them, and they stay fast. Operands
+  on another device, or plain NumPy arrays mixed with host arrays, are refused as CuPy refuses
+  them. Constants such as masks and labels must live on the data's device too.
+- ``getitem``'s adjoint adds the gradient into zeros at the index: by assignment for basic
+  indices and masks (no element repeats), by ``add.at`` (``ufunc.at``, in NumPy and CuPy) for
+  integer-array indices, so repeated elements sum their gradients. ``var`` and
+  ``softmax_cross_entropy`` are built from the other ops (no vjp of their own).
 """
 
 from __future__ import annotations
