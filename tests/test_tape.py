@@ -882,3 +882,46 @@ def test_the_guard_follows_the_tapes_in_this_context() -> None:
         worker.join()
     np.testing.assert_allclose(result[0].get(), np.exp(w.get()))
     np.testing.assert_allclose(np.exp(w).get(), np.exp(w.get()))  # the tape has exited
+
+
+# --------------------------------------------------------------------------------------------
+# NumPy arrays: in-place writes caught by the opt-in fingerprints
+
+
+def test_check_writes_catches_a_write_into_a_numpy_output() -> None:
+    x = rand(3)
+    with Tape(check_writes=True) as tape:
+        tape.watch(x)
+        y = ops.exp(x)
+    y += 1
+    with pytest.raises(
+        RuntimeError,
+        match=r"check_writes=True\): an array ops.exp recorded was modified in place: its output 0 "
+        r"\(shape \(3,\), on cpu\)",
+    ):
+        tape.gradient(y, x, np.ones(3))
+
+
+def test_check_writes_catches_a_refilled_numpy_batch() -> None:
+    w, batch = rand(3), rand(3, seed=1)
+    with Tape(check_writes=True) as tape:
+        tape.watch(w)
+        loss = ops.sum(ops.multiply(batch, w))
+    batch[1] = 0.0
+    with pytest.raises(RuntimeError, match=r"ops.multiply recorded was modified.*input 0"):
+        tape.gradient(loss, w)
+
+
+def test_check_writes_leaves_an_untouched_graph_alone() -> None:
+    x, w = rand(4, 3), rand(3, seed=1)
+    with Tape(check_writes=True, persistent=True) as tape:
+        tape.watch((x, w))
+        loss = ops.sum(ops.square(ops.matmul(x, w)))
+        after = ops.multiply(loss, 2.0)
+    gx, gw = tape.gradient(loss, (x, w))
+    r = x @ w
+    np.testing.assert_allclose(gx, 2 * np.outer(r, w), rtol=1e-13)
+    np.testing.assert_allclose(gw, 2 * x.T @ r, rtol=1e-13)
+    np.testing.assert_allclose(tape.gradient(after, w), 2 * gw, rtol=1e-13)
+    with pytest.raises(TypeError, match="check_writes must be a bool, got str"):
+        Tape(check_writes="yes")  # type: ignore[arg-type]

@@ -37,6 +37,7 @@ import contextvars
 import inspect
 import operator
 import threading
+import zlib
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import numpy as np
@@ -421,9 +422,34 @@ class Tape:
     - Gradients with respect to intermediate results are allowed (as TensorFlow).
     - Worker threads record when they run in a copy of the recording context
       (``contextvars.copy_context().run``, which ``parallel_apply`` does).
+    - Gradients have their source's dtype: another floating dtype is cast (as PyTorch does), a
+      complex gradient for a real source is refused.
+
+    What is caught, so that no gradient is silently wrong:
+
+    - **Host arrays** (``"host:k"``, where the library owns the array class), always: writing
+      in place (``x[...] = v``, ``x += 1``, ``fill``, ``out=``) into an array a recorded
+      operation consumed or produced makes :meth:`gradient` raise ``RuntimeError`` naming the
+      operation (PyTorch's version-counter rule; for ``cupy_parallel.ops`` every input and
+      output counts, since a vjp may read any of them; for a :class:`Function`, the arrays it
+      saved). While a tape records, raw NumPy (a ufunc, a ``numpy`` function, an operator, a
+      computing method) on an array it tracks raises ``TypeError`` naming the ``ops``
+      equivalent or :func:`stop_gradient`, because the tape cannot see it; operations whose
+      result carries no gradient (comparisons, ``argmax``, ...) pass, and so does everything
+      inside ``Function.forward`` and a non-differentiable ``backward`` (recording is paused).
+    - **NumPy and CuPy arrays**: the library cannot see operations on them. Raw NumPy/CuPy on
+      a tracked array is not recorded (the target is then "not recorded on this tape" if the
+      chain breaks completely, but a side path is silently dropped), and in-place writes are
+      only caught with ``check_writes=True``, which fingerprints (CRC-32) every array each
+      recorded operation touched and verifies them in :meth:`gradient`. Decision: the check is
+      opt-in, because it reads every recorded array twice (a CuPy array through a copy to the
+      host), far more than the recording itself costs.
 
     Args:
         persistent: allow :meth:`gradient` to be called more than once.
+        check_writes: also catch in-place writes into NumPy and CuPy arrays the tape recorded
+            (see below), at the cost of reading every recorded array twice (CuPy arrays are
+            copied to the host to be read): a debugging aid, as PyTorch's anomaly mode.
 
     Example:
         >>> from cupy_parallel import ops
@@ -435,13 +461,15 @@ class Tape:
         array([2., 4.])
     """
 
-    def __init__(self, *, persistent: bool = False) -> None:
+    def __init__(self, *, persistent: bool = False, check_writes: bool = False) -> None:
         if not isinstance(persistent, bool):
             raise TypeError(f"persistent must be a bool, got {type(persistent).__name__}.")
+        if not isinstance(check_writes, bool):
+            raise TypeError(f"check_writes must be a bool, got {type(check_writes).__name__}.")
         self.persistent = persistent
         self._tracked: dict[int, Any] = {}  # id -> array: every tracked array, kept alive
         self._leaves: set[int] = set()  # ids of watched arrays no recorded operation produced
-        self._nodes: list[Node] = []
+        self._nodes: list[Node] = _FingerprintedNodes() if check_writes else []
         self._lock = threading.Lock()
         self._token: contextvars.Token[tuple[Tape, ...]] | None = None
         self._used = False
@@ -596,6 +624,8 @@ class Tape:
             {'x': array(4.), 'y': array(3.)}
         """
         self._check_unused("compute gradients")
+        if isinstance(self._nodes, _FingerprintedNodes):
+            self._nodes.verify()
         if unconnected_gradients not in _UNCONNECTED:
             raise ValueError(
                 f'unconnected_gradients must be "zero" or "none", got {unconnected_gradients!r}.'
@@ -691,6 +721,51 @@ class Tape:
                     f"{s.shape} on {device_of(s)}. Move it with cupy_parallel.to_device."
                 )
         return targets, seeds
+
+
+class _FingerprintedNodes(list[Node]):
+    """The node list of a ``Tape(check_writes=True)``: fingerprints what each node touched.
+
+    Every NumPy and CuPy array among a node's inputs and outputs gets a CRC-32 of its bytes when
+    the node is appended (host arrays have version counters instead); :meth:`verify` recomputes
+    them. Recording appends through ``list.append``, so ordinary tapes pay nothing for this.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fingerprints: list[tuple[tuple[int, Any, int], ...]] = []
+
+    def append(self, node: Node, /) -> None:
+        arrays = (*node[1], *node[3])
+        self.fingerprints.append(
+            tuple((i, a, _fingerprint(a)) for i, a in enumerate(arrays) if _has_bytes(a))
+        )
+        super().append(node)
+
+    def verify(self) -> None:
+        """Raise ``RuntimeError`` naming the first node whose array's bytes changed."""
+        for node, prints in zip(self, self.fingerprints, strict=True):
+            for i, a, crc in prints:
+                if _fingerprint(a) != crc:
+                    count = len(node[1])
+                    where = f"input {i}" if i < count else f"output {i - count}"
+                    op = _op_name(node[0], node[4])
+                    raise RuntimeError(
+                        f"Tape(check_writes=True): an array {op} recorded was modified in place: "
+                        f"its {where} (shape {a.shape}, on {device_of(a)}) no longer holds the "
+                        f"values {op} saw, so the gradient would be computed from other data. "
+                        "Write into a copy, or compute a new array with cupy_parallel.ops."
+                    )
+
+
+def _has_bytes(x: Any) -> bool:
+    """Whether ``x`` is an array ``check_writes`` fingerprints (NumPy or CuPy)."""
+    return isinstance(x, np.ndarray) or (is_array(x) and type(x) is not HostArray)
+
+
+def _fingerprint(x: Any) -> int:
+    data = x if isinstance(x, np.ndarray) else x.get()
+    return zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
 
 
 def pullback(
