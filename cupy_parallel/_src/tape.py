@@ -11,12 +11,17 @@ gradient it stops recording, but the other active tapes go on; vector-Jacobian p
 with recorded operations are therefore recorded on an outer tape, which gives second derivatives
 and Hessian-vector products.
 
-A recorded operation is a *node*, a plain tuple ``(vjp, inputs, needs, outputs, aux, cuda)``:
+A recorded operation is a *node*, a plain tuple ``(vjp, inputs, needs, outputs, aux, extra)``:
 
 - ``vjp(cotangents, inputs, needs, outputs, aux)`` maps the list of output gradients to one
   gradient (or ``None``) per input; ``aux`` carries whatever else it needs (axes, a ctx);
 - ``needs[i]`` says whether input ``i`` is tracked by this tape (only those receive gradients);
-- ``cuda`` is the ``cupy.cuda.Device`` the vjp runs on, ``None`` on the host.
+- ``extra`` is ``None`` for NumPy, the ``cupy.cuda.Device`` the vjp runs on for CuPy, and for
+  host arrays the versions of the inputs and outputs when recorded (an in-place write since
+  then makes the gradient raise, as PyTorch's version counter does).
+
+While a tape is entered, a HostArray dispatch guard refuses raw NumPy on arrays an active tape
+tracks (the tape could not record it); the tape's own arithmetic runs on the host buffers.
 
 Operations record themselves with :func:`record` (or its fast paths :func:`record_unary` and
 :func:`record_binary`). Nodes are tuples and vjps module-level functions (no closures) because
