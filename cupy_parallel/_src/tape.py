@@ -11,14 +11,16 @@ gradient it stops recording, but the other active tapes go on; vector-Jacobian p
 with recorded operations are therefore recorded on an outer tape, which gives second derivatives
 and Hessian-vector products.
 
-A recorded operation is a *node*, a plain tuple ``(vjp, inputs, needs, outputs, aux, extra)``:
+A recorded operation is a *node*, a plain tuple ``(vjp, inputs, needs, outputs, aux, cuda)``:
 
 - ``vjp(cotangents, inputs, needs, outputs, aux)`` maps the list of output gradients to one
   gradient (or ``None``) per input; ``aux`` carries whatever else it needs (axes, a ctx);
 - ``needs[i]`` says whether input ``i`` is tracked by this tape (only those receive gradients);
-- ``extra`` is ``None`` for NumPy, the ``cupy.cuda.Device`` the vjp runs on for CuPy, and for
-  host arrays the versions of the inputs and outputs when recorded (an in-place write since
-  then makes the gradient raise, as PyTorch's version counter does).
+- ``cuda`` is the ``cupy.cuda.Device`` the vjp runs on, ``None`` on the host.
+
+On host devices the tape also notes the version of every host array a node touches when it
+first sees it; a node whose array was written in place since refuses to run (PyTorch's version
+counter).
 
 While a tape is entered, a HostArray dispatch guard refuses raw NumPy on arrays an active tape
 tracks (the tape could not record it); the tape's own arithmetic runs on the host buffers.
@@ -165,21 +167,20 @@ def pause_recording() -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-class _Versions(tuple[int | None, ...]):
-    """A node's last slot on host devices: the versions of its inputs and outputs when recorded."""
+def _placement(tape: Tape, inputs: tuple[Any, ...], outputs: tuple[Any, ...]) -> Any:
+    """A node's last slot: the CUDA device its vjp runs on for CuPy, else ``None``.
 
-    __slots__ = ()
-
-
-def _placement(inputs: tuple[Any, ...], outputs: tuple[Any, ...]) -> Any:
-    """A node's last slot: ``None`` on NumPy, the CUDA device for CuPy, versions on hosts.
-
-    On host devices the slot holds the version of each input and output when recorded
-    (torch's version-counter rule, checked before the vjp runs).
+    On host devices, first notes on ``tape`` the version of each host array the node touches
+    that the tape has not seen yet (PyTorch's version-counter rule: :func:`pullback` refuses
+    nodes whose arrays were written in place since).
     """
     y = outputs[0]
     if type(y) is HostArray:
-        return _Versions([version(a) for a in (*inputs, *outputs)])
+        seen = tape._versions
+        for a in (*inputs, *outputs):
+            if type(a) is HostArray and id(a) not in seen:
+                seen[id(a)] = (a, version(a))
+        return None
     return cuda_device(y)
 
 
@@ -193,11 +194,11 @@ def record(vjp: Vjp, inputs: tuple[Any, ...], outputs: tuple[Any, ...], aux: Any
     tapes = _ACTIVE.get()
     if not tapes:
         return
-    extra = _placement(inputs, outputs) if outputs else None
     tracked = [y for y in outputs if is_array(y)]
     for tape in tapes:
         needs = tape._needs(inputs)
         if needs is not None:
+            extra = _placement(tape, inputs, outputs) if outputs else None
             tape._append((vjp, inputs, needs, outputs, aux, extra), tracked)
 
 
@@ -211,7 +212,7 @@ def record_unary(vjp: Vjp, x: Any, z: Any, aux: Any, /) -> None:
                 (True,),
                 (z,),
                 aux,
-                None if isinstance(z, np.ndarray) else _placement((x,), (z,)),
+                None if isinstance(z, np.ndarray) else _placement(tape, (x,), (z,)),
             )
             with tape._lock:
                 tape._nodes.append(node)
@@ -234,7 +235,7 @@ def record_binary(vjp: Vjp, a: Any, b: Any, z: Any, aux: Any, /) -> None:
                 needs,
                 (z,),
                 aux,
-                None if isinstance(z, np.ndarray) else _placement((a, b), (z,)),
+                None if isinstance(z, np.ndarray) else _placement(tape, (a, b), (z,)),
             )
             with tape._lock:
                 tape._nodes.append(node)
@@ -475,6 +476,7 @@ class Tape:
         self._tracked: dict[int, Any] = {}  # id -> array: every tracked array, kept alive
         self._leaves: set[int] = set()  # ids of watched arrays no recorded operation produced
         self._nodes: list[Node] = _FingerprintedNodes() if check_writes else []
+        self._versions: dict[int, tuple[Any, int | None]] = {}  # id -> (host array, 1st version)
         self._lock = threading.Lock()
         self._token: contextvars.Token[tuple[Tape, ...]] | None = None
         self._used = False
@@ -657,7 +659,7 @@ class Tape:
         result = iter(self._finish(array_names, arrays, grads, seeds, fill))
         if not self.persistent:
             self._used = True
-            self._nodes, self._tracked, self._leaves = [], {}, set()
+            self._nodes, self._tracked, self._leaves, self._versions = [], {}, set(), {}
         return optree.tree_unflatten(
             source_def, [next(result) if is_array(leaf) else None for leaf in leaves]
         )
@@ -788,20 +790,24 @@ def pullback(
         grads[k] = s if k not in grads else _sum_pair(grads[k], s)
     keep = {id(x) for x in sources} - tape._leaves  # sources that are intermediate results
     kept: dict[int, Any] = {}
+    written = _written(tape)  # ids of host arrays written in place since they were recorded
     pop = grads.pop
     with _paused(tape):
         for node in reversed(tape._nodes):
-            vjp, inputs, needs, outputs, aux, extra = node
+            vjp, inputs, needs, outputs, aux, cuda = node
             size = len(grads)
             out_grads = [pop(id(y), None) for y in outputs]  # complete: consumers came later
             if len(grads) == size:
                 continue  # no gradient reaches this node
             if keep:
                 _keep(kept, keep, outputs, out_grads)
-            if extra is None:
+            if written:
+                _refuse_written(tape, node, written)
+            if cuda is None:
                 in_grads = vjp(out_grads, inputs, needs, outputs, aux)
             else:
-                in_grads = _placed_vjp(node, out_grads)
+                with cuda:
+                    in_grads = vjp(out_grads, inputs, needs, outputs, aux)
             for x, need, g in zip(inputs, needs, in_grads, strict=True):
                 if need and g is not None:
                     k = id(x)
@@ -810,18 +816,18 @@ def pullback(
     return [kept.get(id(x)) for x in sources]
 
 
-def _placed_vjp(node: Node, gs: list[Any]) -> Sequence[Any]:
-    """Run a node's vjp on its CUDA device, or after checking its host arrays' versions."""
-    vjp, inputs, needs, outputs, aux, extra = node
-    if type(extra) is _Versions:
-        arrays = (*inputs, *outputs)
-        for i, (a, recorded) in enumerate(zip(arrays, extra, strict=True)):
-            if recorded is not None and version(a) != recorded:
-                where = f"input {i}" if i < len(inputs) else f"output {i - len(inputs)}"
-                raise _modified_error(_op_name(vjp, aux), where, a, recorded)
-        return vjp(gs, inputs, needs, outputs, aux)
-    with extra:
-        return vjp(gs, inputs, needs, outputs, aux)
+def _written(tape: Tape) -> set[int]:
+    """Ids of the host arrays on ``tape`` whose version moved since the tape first saw them."""
+    return {k for k, (a, recorded) in tape._versions.items() if version(a) != recorded}
+
+
+def _refuse_written(tape: Tape, node: Node, written: set[int]) -> None:
+    """Raise if the node about to run consumed or produced an array written in place since."""
+    inputs = node[1]
+    for i, a in enumerate((*inputs, *node[3])):
+        if id(a) in written:
+            where = f"input {i}" if i < len(inputs) else f"output {i - len(inputs)}"
+            raise _modified_error(_op_name(node[0], node[4]), where, a, tape._versions[id(a)][1])
 
 
 def _op_name(vjp: Vjp, aux: Any) -> str:
@@ -832,7 +838,7 @@ def _op_name(vjp: Vjp, aux: Any) -> str:
     return f"ops.{name.strip('_').removesuffix('_vjp')}" if name.endswith("_vjp") else name
 
 
-def _modified_error(op: str, where: str, array: Any, recorded: int) -> RuntimeError:
+def _modified_error(op: str, where: str, array: Any, recorded: int | None) -> RuntimeError:
     return RuntimeError(
         f"An array the gradient of {op} needs was modified in place after {op} was recorded: "
         f"its {where} (shape {array.shape}, on {device_of(array)}) is at version "
