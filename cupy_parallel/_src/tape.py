@@ -174,14 +174,16 @@ def _placement(tape: Tape, inputs: tuple[Any, ...], outputs: tuple[Any, ...]) ->
     that the tape has not seen yet (PyTorch's version-counter rule: :func:`pullback` refuses
     nodes whose arrays were written in place since).
     """
-    y = outputs[0]
-    if type(y) is HostArray:
+    if type(outputs[0]) is HostArray:
         seen = tape._versions
-        for a in (*inputs, *outputs):
+        for a in inputs:
             if type(a) is HostArray and id(a) not in seen:
                 seen[id(a)] = (a, version(a))
+        for y in outputs:
+            if type(y) is HostArray and id(y) not in seen:  # an output owning its memory is new
+                seen[id(y)] = (y, 0 if host_buffer(y).base is None else version(y))
         return None
-    return cuda_device(y)
+    return cuda_device(outputs[0])
 
 
 def record(vjp: Vjp, inputs: tuple[Any, ...], outputs: tuple[Any, ...], aux: Any, /) -> None:
