@@ -925,3 +925,73 @@ def test_check_writes_leaves_an_untouched_graph_alone() -> None:
     np.testing.assert_allclose(tape.gradient(after, w), 2 * gw, rtol=1e-13)
     with pytest.raises(TypeError, match="check_writes must be a bool, got str"):
         Tape(check_writes="yes")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------
+# The recording interface ops are built on (record, record_unary, record_binary, is_recording)
+
+
+def _split_vjp(gs: list[Any], xs: Any, needs: Any, zs: Any, aux: Any) -> Any:
+    first, second = (np.zeros_like(z) if g is None else g for g, z in zip(gs, zs, strict=True))
+    return (np.concatenate([first, second]) if needs[0] else None, None)
+
+
+def halves(x: Any, scale: Any) -> tuple[Any, Any]:
+    """An op with two outputs and a second input that gets no gradient, via ``record``."""
+    first, second = x[:2] * 1.0, x[2:] * 1.0
+    tape_module.record(_split_vjp, (x, scale), (first, second), None)
+    return first, second
+
+
+tape_module = cupy_parallel._src.tape
+
+
+def test_record_is_a_no_op_without_a_tape_and_records_on_each_tape_that_tracks_an_input() -> None:
+    x, y = rand(4), rand(4, seed=1)
+    assert not tape_module.is_recording()
+    halves(x, y)  # nothing to record on
+    with Tape() as outer:
+        outer.watch(x)
+        with Tape() as inner:
+            inner.watch(rand(1))
+            assert tape_module.is_recording()
+            assert tape_module.active_tapes() == (outer, inner)
+            first, second = halves(x, y)  # recorded on outer only: inner tracks neither input
+            with tape_module.pause_recording():
+                assert not tape_module.is_recording()
+    assert outer.tracks(first)
+    assert outer.tracks(second)
+    assert not inner.tracks(first)
+    g = outer.gradient(first, x, output_gradients=np.ones(2))  # second's gradient: zeros
+    np.testing.assert_array_equal(g, [1.0, 1.0, 0.0, 0.0])
+
+
+def test_record_binary_needs_follow_each_tape() -> None:
+    seen: list[tuple[bool, ...]] = []
+
+    def vjp(gs: list[Any], xs: Any, needs: Any, zs: Any, aux: Any) -> Any:
+        seen.append(needs)
+        return tuple(gs[0] if n else None for n in needs)
+
+    a, b = rand(2), rand(2, seed=1)
+    with Tape() as ta, Tape() as tb:
+        ta.watch(a)
+        tb.watch(b)
+        z = a + b
+        tape_module.record_binary(vjp, a, b, z, None)
+    np.testing.assert_array_equal(ta.gradient(z, a, np.ones(2)), np.ones(2))
+    np.testing.assert_array_equal(tb.gradient(z, b, np.ones(2)), np.ones(2))
+    assert seen == [(True, False), (False, True)]
+
+
+def test_a_wrongly_shaped_gradient_is_named_not_returned() -> None:
+    def bad_vjp(gs: list[Any], xs: Any, needs: Any, zs: Any, aux: Any) -> Any:
+        return (gs[0].sum(),)  # a scalar for a (2,) input
+
+    x = rand(2)
+    with Tape() as tape:
+        tape.watch(x)
+        z = x * 2.0
+        tape_module.record_unary(bad_vjp, x, z, None)
+    with pytest.raises(ValueError, match=r"gradient of sources has shape \(\), its source \(2,\)"):
+        tape.gradient(z, x, np.ones(2))
