@@ -284,7 +284,7 @@ def _wrap(result: Any, device: Device) -> Any:
     """A NumPy result as device arrays: arrays and NumPy scalars become arrays on ``device``."""
     if type(result) is np.ndarray:
         if result.dtype.char not in _DEVICE_DTYPE_CHARS:
-            check_device_dtype(result.dtype, "the result")
+            check_device_dtype(result.dtype, "the result's dtype")
         return host_array(result, device)
     if isinstance(result, np.generic):
         return _wrap(np.asarray(result), device)
