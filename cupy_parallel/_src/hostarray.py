@@ -1006,27 +1006,34 @@ class HostArray:
     # -- NumPy's dispatch protocols ------------------------------------------------------------
 
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        if method == "__call__" and not kwargs and ufunc not in _UFUNC_OBJECTS_CUPY_LACKS:
-            device = self._device  # the hot path: array and scalar operands, no keywords
-            read = []
-            for x in inputs:
-                t = type(x)
-                if t is HostArray and (x._device is device or x._device == device):
-                    read.append(x._data)
-                elif t in _SCALAR_TYPES:
-                    read.append(x)
-                else:
-                    return _apply_ufunc(device, ufunc, method, inputs, kwargs)
+        device = self._device
+        if kwargs or method != "__call__" or ufunc in _UFUNC_OBJECTS_CUPY_LACKS or len(inputs) > 2:
+            return _apply_ufunc(device, ufunc, method, inputs, kwargs)
+        if len(inputs) == 2:  # the hot path: two operands, each an array here or a scalar
+            a, b = inputs
+            if type(a) is HostArray and (a._device is device or a._device == device):
+                a = a._data
+            elif type(a) not in _SCALAR_TYPES:
+                return _apply_ufunc(device, ufunc, method, inputs, kwargs)
+            if type(b) is HostArray and (b._device is device or b._device == device):
+                b = b._data
+            elif type(b) not in _SCALAR_TYPES:
+                return _apply_ufunc(device, ufunc, method, inputs, kwargs)
             if _guard is not None:
                 _guard(f"numpy.{ufunc.__name__}", inputs)
-            r = ufunc(*read)
-            if ufunc.nout == 1:
-                h = _new(HostArray)
-                h._data = r if type(r) is np.ndarray else np.asarray(r)
-                h._device = device
-                return h
-            return tuple(host_array(_zero_d(y), device) for y in r)
-        return _apply_ufunc(self._device, ufunc, method, inputs, kwargs)
+            r = ufunc(a, b)
+        else:  # one operand, which is this array
+            if _guard is not None:
+                _guard(f"numpy.{ufunc.__name__}", inputs)
+            r = ufunc(self._data)
+        if type(r) is np.ndarray:
+            h = _new(HostArray)
+            h._data = r
+            h._device = device
+            return h
+        if ufunc.nout == 1:
+            return host_array(np.asarray(r), device)
+        return tuple(host_array(_zero_d(y), device) for y in r)
 
     def __array_function__(
         self,
