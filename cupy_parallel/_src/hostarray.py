@@ -88,8 +88,10 @@ _guard: Callable[[str, tuple[Any, ...]], None] | None = None
 def set_dispatch_guard(guard: Callable[[str, tuple[Any, ...]], None] | None, /) -> None:
     """Install ``guard(operation, operands)``, called before every raw NumPy computation.
 
-    ``operation`` names the entry (``"numpy.add"``, ``"operator +"``, ``"HostArray.sum"``);
-    ``operands`` are the call's operands. If the guard raises, nothing is computed or written.
+    ``operation`` names the entry (``"numpy.add"``, ``"operator +"``, ``"HostArray.sum"``,
+    ``"operator []="``); ``operands`` are the call's operands (for NumPy functions, the arguments
+    flattened, so ``np.concatenate([a, b])`` passes ``a`` and ``b``). If the guard raises, nothing
+    is computed or written.
     Indexing reads, views and metadata (shape, dtype, device) do not call it, nor do
     :func:`host_buffer` and :func:`host_array`. ``None`` removes the guard. There is one
     guard per process (the tape installs it).
@@ -1305,7 +1307,7 @@ def _apply_function(
     if isinstance(read_kwargs.get("out"), tuple):
         written.extend(read_kwargs["out"])
     if _guard is not None and not creation:
-        _guard(operation, (*args, *kwargs.values()))
+        _guard(operation, tuple(leaves))  # the arguments flattened (a list of arrays opened)
     result = func(*read_args, **read_kwargs)
     for buffer in written:
         if isinstance(buffer, np.ndarray):
