@@ -50,7 +50,7 @@ CONTRACT: dict[str, list[tuple[str, Any]]] = {
         ("dim", 0),
     ],
     "cupy_parallel.gather": [("outputs", _), ("target_device", _), ("dim", 0)],
-    "cupy_parallel.Tape": [("persistent", False)],
+    "cupy_parallel.Tape": [("persistent", False), ("check_writes", False)],
     "cupy_parallel.Tape.gradient": [
         ("self", _),
         ("target", _),

@@ -882,3 +882,116 @@ def test_the_guard_follows_the_tapes_in_this_context() -> None:
         worker.join()
     np.testing.assert_allclose(result[0].get(), np.exp(w.get()))
     np.testing.assert_allclose(np.exp(w).get(), np.exp(w.get()))  # the tape has exited
+
+
+# --------------------------------------------------------------------------------------------
+# NumPy arrays: in-place writes caught by the opt-in fingerprints
+
+
+def test_check_writes_catches_a_write_into_a_numpy_output() -> None:
+    x = rand(3)
+    with Tape(check_writes=True) as tape:
+        tape.watch(x)
+        y = ops.exp(x)
+    y += 1
+    with pytest.raises(
+        RuntimeError,
+        match=r"check_writes=True\): an array ops.exp recorded was modified in place: its output 0 "
+        r"\(shape \(3,\), on cpu\)",
+    ):
+        tape.gradient(y, x, np.ones(3))
+
+
+def test_check_writes_catches_a_refilled_numpy_batch() -> None:
+    w, batch = rand(3), rand(3, seed=1)
+    with Tape(check_writes=True) as tape:
+        tape.watch(w)
+        loss = ops.sum(ops.multiply(batch, w))
+    batch[1] = 0.0
+    with pytest.raises(RuntimeError, match=r"ops.multiply recorded was modified.*input 0"):
+        tape.gradient(loss, w)
+
+
+def test_check_writes_leaves_an_untouched_graph_alone() -> None:
+    x, w = rand(4, 3), rand(3, seed=1)
+    with Tape(check_writes=True, persistent=True) as tape:
+        tape.watch((x, w))
+        loss = ops.sum(ops.square(ops.matmul(x, w)))
+        after = ops.multiply(loss, 2.0)
+    gx, gw = tape.gradient(loss, (x, w))
+    r = x @ w
+    np.testing.assert_allclose(gx, 2 * np.outer(r, w), rtol=1e-13)
+    np.testing.assert_allclose(gw, 2 * x.T @ r, rtol=1e-13)
+    np.testing.assert_allclose(tape.gradient(after, w), 2 * gw, rtol=1e-13)
+    with pytest.raises(TypeError, match="check_writes must be a bool, got str"):
+        Tape(check_writes="yes")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------
+# The recording interface ops are built on (record, record_unary, record_binary, is_recording)
+
+
+def _split_vjp(gs: list[Any], xs: Any, needs: Any, zs: Any, aux: Any) -> Any:
+    first, second = (np.zeros_like(z) if g is None else g for g, z in zip(gs, zs, strict=True))
+    return (np.concatenate([first, second]) if needs[0] else None, None)
+
+
+def halves(x: Any, scale: Any) -> tuple[Any, Any]:
+    """An op with two outputs and a second input that gets no gradient, via ``record``."""
+    first, second = x[:2] * 1.0, x[2:] * 1.0
+    tape_module.record(_split_vjp, (x, scale), (first, second), None)
+    return first, second
+
+
+tape_module = cupy_parallel._src.tape
+
+
+def test_record_is_a_no_op_without_a_tape_and_records_on_each_tape_that_tracks_an_input() -> None:
+    x, y = rand(4), rand(4, seed=1)
+    assert not tape_module.is_recording()
+    halves(x, y)  # nothing to record on
+    with Tape() as outer:
+        outer.watch(x)
+        with Tape() as inner:
+            inner.watch(rand(1))
+            assert tape_module.is_recording()
+            assert tape_module.active_tapes() == (outer, inner)
+            first, second = halves(x, y)  # recorded on outer only: inner tracks neither input
+            with tape_module.pause_recording():
+                assert not tape_module.is_recording()
+    assert outer.tracks(first)
+    assert outer.tracks(second)
+    assert not inner.tracks(first)
+    g = outer.gradient(first, x, output_gradients=np.ones(2))  # second's gradient: zeros
+    np.testing.assert_array_equal(g, [1.0, 1.0, 0.0, 0.0])
+
+
+def test_record_binary_needs_follow_each_tape() -> None:
+    seen: list[tuple[bool, ...]] = []
+
+    def vjp(gs: list[Any], xs: Any, needs: Any, zs: Any, aux: Any) -> Any:
+        seen.append(needs)
+        return tuple(gs[0] if n else None for n in needs)
+
+    a, b = rand(2), rand(2, seed=1)
+    with Tape() as ta, Tape() as tb:
+        ta.watch(a)
+        tb.watch(b)
+        z = a + b
+        tape_module.record_binary(vjp, a, b, z, None)
+    np.testing.assert_array_equal(ta.gradient(z, a, np.ones(2)), np.ones(2))
+    np.testing.assert_array_equal(tb.gradient(z, b, np.ones(2)), np.ones(2))
+    assert seen == [(True, False), (False, True)]
+
+
+def test_a_wrongly_shaped_gradient_is_named_not_returned() -> None:
+    def bad_vjp(gs: list[Any], xs: Any, needs: Any, zs: Any, aux: Any) -> Any:
+        return (gs[0].sum(),)  # a scalar for a (2,) input
+
+    x = rand(2)
+    with Tape() as tape:
+        tape.watch(x)
+        z = x * 2.0
+        tape_module.record_unary(bad_vjp, x, z, None)
+    with pytest.raises(ValueError, match=r"gradient of sources has shape \(\), its source \(2,\)"):
+        tape.gradient(z, x, np.ones(2))

@@ -80,10 +80,11 @@ class Scatter(Function):
         return (None, None, None, Gather.apply(ctx.input_device, ctx.dim, *grads))
 
 
-_SCALARS_WARNING = (
+SCALARS_WARNING = (
     "Gather was asked to join 0-d arrays along dim 0; they are joined as 1-element vectors "
     "and the result is a vector (as torch does)."
 )
+"""Gather's warning for 0-d inputs (``nested.gather`` filters it where it expects them)."""
 
 
 class Gather(Function):
@@ -114,7 +115,7 @@ class Gather(Function):
         ctx.input_devices = tuple(device_of(x) for x in arrays)
         ctx.unsqueezed_scalar = bool(arrays) and dim == 0 and all(x.ndim == 0 for x in arrays)
         if ctx.unsqueezed_scalar:
-            warnings.warn(_SCALARS_WARNING, UserWarning, stacklevel=3)
+            warnings.warn(SCALARS_WARNING, UserWarning, stacklevel=3)
             arrays = tuple(x.reshape(1) for x in arrays)
         result = comm.gather(arrays, dim, target_device)
         ctx.dim = dim % result.ndim

@@ -18,6 +18,13 @@ A recorded operation is a *node*, a plain tuple ``(vjp, inputs, needs, outputs, 
 - ``needs[i]`` says whether input ``i`` is tracked by this tape (only those receive gradients);
 - ``cuda`` is the ``cupy.cuda.Device`` the vjp runs on, ``None`` on the host.
 
+On host devices the tape also notes the version of every host array a node touches when it
+first sees it; a node whose array was written in place since refuses to run (PyTorch's version
+counter).
+
+While a tape is entered, a HostArray dispatch guard refuses raw NumPy on arrays an active tape
+tracks (the tape could not record it); the tape's own arithmetic runs on the host buffers.
+
 Operations record themselves with :func:`record` (or its fast paths :func:`record_unary` and
 :func:`record_binary`). Nodes are tuples and vjps module-level functions (no closures) because
 recording is the hot path of a training step: fewer allocations, and far fewer objects for
@@ -37,6 +44,7 @@ import contextvars
 import inspect
 import operator
 import threading
+import zlib
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import numpy as np
@@ -159,22 +167,23 @@ def pause_recording() -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-class _Versions(tuple[int | None, ...]):
-    """A node's last slot on host devices: the versions of its inputs and outputs when recorded."""
+def _placement(tape: Tape, inputs: tuple[Any, ...], outputs: tuple[Any, ...]) -> Any:
+    """A node's last slot: the CUDA device its vjp runs on for CuPy, else ``None``.
 
-    __slots__ = ()
-
-
-def _placement(inputs: tuple[Any, ...], outputs: tuple[Any, ...]) -> Any:
-    """A node's last slot: ``None`` on NumPy, the CUDA device for CuPy, versions on hosts.
-
-    On host devices the slot holds the version of each input and output when recorded
-    (torch's version-counter rule, checked before the vjp runs).
+    On host devices, first notes on ``tape`` the version of each host array the node touches
+    that the tape has not seen yet (PyTorch's version-counter rule: :func:`pullback` refuses
+    nodes whose arrays were written in place since).
     """
-    y = outputs[0]
-    if type(y) is HostArray:
-        return _Versions([version(a) for a in (*inputs, *outputs)])
-    return cuda_device(y)
+    if type(outputs[0]) is HostArray:
+        seen = tape._versions
+        for a in inputs:
+            if type(a) is HostArray and id(a) not in seen:
+                seen[id(a)] = (a, version(a))
+        for y in outputs:
+            if type(y) is HostArray and id(y) not in seen:  # an output owning its memory is new
+                seen[id(y)] = (y, 0 if host_buffer(y).base is None else version(y))
+        return None
+    return cuda_device(outputs[0])
 
 
 def record(vjp: Vjp, inputs: tuple[Any, ...], outputs: tuple[Any, ...], aux: Any, /) -> None:
@@ -187,11 +196,11 @@ def record(vjp: Vjp, inputs: tuple[Any, ...], outputs: tuple[Any, ...], aux: Any
     tapes = _ACTIVE.get()
     if not tapes:
         return
-    extra = _placement(inputs, outputs) if outputs else None
     tracked = [y for y in outputs if is_array(y)]
     for tape in tapes:
         needs = tape._needs(inputs)
         if needs is not None:
+            extra = _placement(tape, inputs, outputs) if outputs else None
             tape._append((vjp, inputs, needs, outputs, aux, extra), tracked)
 
 
@@ -205,7 +214,7 @@ def record_unary(vjp: Vjp, x: Any, z: Any, aux: Any, /) -> None:
                 (True,),
                 (z,),
                 aux,
-                None if isinstance(z, np.ndarray) else _placement((x,), (z,)),
+                None if isinstance(z, np.ndarray) else _placement(tape, (x,), (z,)),
             )
             with tape._lock:
                 tape._nodes.append(node)
@@ -228,7 +237,7 @@ def record_binary(vjp: Vjp, a: Any, b: Any, z: Any, aux: Any, /) -> None:
                 needs,
                 (z,),
                 aux,
-                None if isinstance(z, np.ndarray) else _placement((a, b), (z,)),
+                None if isinstance(z, np.ndarray) else _placement(tape, (a, b), (z,)),
             )
             with tape._lock:
                 tape._nodes.append(node)
@@ -421,9 +430,34 @@ class Tape:
     - Gradients with respect to intermediate results are allowed (as TensorFlow).
     - Worker threads record when they run in a copy of the recording context
       (``contextvars.copy_context().run``, which ``parallel_apply`` does).
+    - Gradients have their source's dtype: another floating dtype is cast (as PyTorch does), a
+      complex gradient for a real source is refused.
+
+    What is caught, so that no gradient is silently wrong:
+
+    - **Host arrays** (``"host:k"``, where the library owns the array class), always: writing
+      in place (``x[...] = v``, ``x += 1``, ``fill``, ``out=``) into an array a recorded
+      operation consumed or produced makes :meth:`gradient` raise ``RuntimeError`` naming the
+      operation (PyTorch's version-counter rule; for ``cupy_parallel.ops`` every input and
+      output counts, since a vjp may read any of them; for a :class:`Function`, the arrays it
+      saved). While a tape records, raw NumPy (a ufunc, a ``numpy`` function, an operator, a
+      computing method) on an array it tracks raises ``TypeError`` naming the ``ops``
+      equivalent or :func:`stop_gradient`, because the tape cannot see it; operations whose
+      result carries no gradient (comparisons, ``argmax``, ...) pass, and so does everything
+      inside ``Function.forward`` and a non-differentiable ``backward`` (recording is paused).
+    - **NumPy and CuPy arrays**: the library cannot see operations on them. Raw NumPy/CuPy on
+      a tracked array is not recorded (the target is then "not recorded on this tape" if the
+      chain breaks completely, but a side path is silently dropped), and in-place writes are
+      only caught with ``check_writes=True``, which fingerprints (CRC-32) every array each
+      recorded operation touched and verifies them in :meth:`gradient`. Decision: the check is
+      opt-in, because it reads every recorded array twice (a CuPy array through a copy to the
+      host), far more than the recording itself costs.
 
     Args:
         persistent: allow :meth:`gradient` to be called more than once.
+        check_writes: also catch in-place writes into NumPy and CuPy arrays the tape recorded
+            (see below), at the cost of reading every recorded array twice (CuPy arrays are
+            copied to the host to be read): a debugging aid, as PyTorch's anomaly mode.
 
     Example:
         >>> from cupy_parallel import ops
@@ -435,13 +469,16 @@ class Tape:
         array([2., 4.])
     """
 
-    def __init__(self, *, persistent: bool = False) -> None:
+    def __init__(self, *, persistent: bool = False, check_writes: bool = False) -> None:
         if not isinstance(persistent, bool):
             raise TypeError(f"persistent must be a bool, got {type(persistent).__name__}.")
+        if not isinstance(check_writes, bool):
+            raise TypeError(f"check_writes must be a bool, got {type(check_writes).__name__}.")
         self.persistent = persistent
         self._tracked: dict[int, Any] = {}  # id -> array: every tracked array, kept alive
         self._leaves: set[int] = set()  # ids of watched arrays no recorded operation produced
-        self._nodes: list[Node] = []
+        self._nodes: list[Node] = _FingerprintedNodes() if check_writes else []
+        self._versions: dict[int, tuple[Any, int | None]] = {}  # id -> (host array, 1st version)
         self._lock = threading.Lock()
         self._token: contextvars.Token[tuple[Tape, ...]] | None = None
         self._used = False
@@ -596,6 +633,8 @@ class Tape:
             {'x': array(4.), 'y': array(3.)}
         """
         self._check_unused("compute gradients")
+        if isinstance(self._nodes, _FingerprintedNodes):
+            self._nodes.verify()
         if unconnected_gradients not in _UNCONNECTED:
             raise ValueError(
                 f'unconnected_gradients must be "zero" or "none", got {unconnected_gradients!r}.'
@@ -622,7 +661,7 @@ class Tape:
         result = iter(self._finish(array_names, arrays, grads, seeds, fill))
         if not self.persistent:
             self._used = True
-            self._nodes, self._tracked, self._leaves = [], {}, set()
+            self._nodes, self._tracked, self._leaves, self._versions = [], {}, set(), {}
         return optree.tree_unflatten(
             source_def, [next(result) if is_array(leaf) else None for leaf in leaves]
         )
@@ -693,6 +732,51 @@ class Tape:
         return targets, seeds
 
 
+class _FingerprintedNodes(list[Node]):
+    """The node list of a ``Tape(check_writes=True)``: fingerprints what each node touched.
+
+    Every NumPy and CuPy array among a node's inputs and outputs gets a CRC-32 of its bytes when
+    the node is appended (host arrays have version counters instead); :meth:`verify` recomputes
+    them. Recording appends through ``list.append``, so ordinary tapes pay nothing for this.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fingerprints: list[tuple[tuple[int, Any, int], ...]] = []
+
+    def append(self, node: Node, /) -> None:
+        arrays = (*node[1], *node[3])
+        self.fingerprints.append(
+            tuple((i, a, _fingerprint(a)) for i, a in enumerate(arrays) if _has_bytes(a))
+        )
+        super().append(node)
+
+    def verify(self) -> None:
+        """Raise ``RuntimeError`` naming the first node whose array's bytes changed."""
+        for node, prints in zip(self, self.fingerprints, strict=True):
+            for i, a, crc in prints:
+                if _fingerprint(a) != crc:
+                    count = len(node[1])
+                    where = f"input {i}" if i < count else f"output {i - count}"
+                    op = _op_name(node[0], node[4])
+                    raise RuntimeError(
+                        f"Tape(check_writes=True): an array {op} recorded was modified in place: "
+                        f"its {where} (shape {a.shape}, on {device_of(a)}) no longer holds the "
+                        f"values {op} saw, so the gradient would be computed from other data. "
+                        "Write into a copy, or compute a new array with cupy_parallel.ops."
+                    )
+
+
+def _has_bytes(x: Any) -> bool:
+    """Whether ``x`` is an array ``check_writes`` fingerprints (NumPy or CuPy)."""
+    return isinstance(x, np.ndarray) or (is_array(x) and type(x) is not HostArray)
+
+
+def _fingerprint(x: Any) -> int:
+    data = x if isinstance(x, np.ndarray) else x.get()
+    return zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+
+
 def pullback(
     tape: Tape, targets: Sequence[Any], seeds: Sequence[Any], sources: Sequence[Any], /
 ) -> list[Any]:
@@ -708,20 +792,24 @@ def pullback(
         grads[k] = s if k not in grads else _sum_pair(grads[k], s)
     keep = {id(x) for x in sources} - tape._leaves  # sources that are intermediate results
     kept: dict[int, Any] = {}
+    written = _written(tape)  # ids of host arrays written in place since they were recorded
     pop = grads.pop
     with _paused(tape):
         for node in reversed(tape._nodes):
-            vjp, inputs, needs, outputs, aux, extra = node
+            vjp, inputs, needs, outputs, aux, cuda = node
             size = len(grads)
             out_grads = [pop(id(y), None) for y in outputs]  # complete: consumers came later
             if len(grads) == size:
                 continue  # no gradient reaches this node
             if keep:
                 _keep(kept, keep, outputs, out_grads)
-            if extra is None:
+            if written:
+                _refuse_written(tape, node, written)
+            if cuda is None:
                 in_grads = vjp(out_grads, inputs, needs, outputs, aux)
             else:
-                in_grads = _placed_vjp(node, out_grads)
+                with cuda:
+                    in_grads = vjp(out_grads, inputs, needs, outputs, aux)
             for x, need, g in zip(inputs, needs, in_grads, strict=True):
                 if need and g is not None:
                     k = id(x)
@@ -730,18 +818,18 @@ def pullback(
     return [kept.get(id(x)) for x in sources]
 
 
-def _placed_vjp(node: Node, gs: list[Any]) -> Sequence[Any]:
-    """Run a node's vjp on its CUDA device, or after checking its host arrays' versions."""
-    vjp, inputs, needs, outputs, aux, extra = node
-    if type(extra) is _Versions:
-        arrays = (*inputs, *outputs)
-        for i, (a, recorded) in enumerate(zip(arrays, extra, strict=True)):
-            if recorded is not None and version(a) != recorded:
-                where = f"input {i}" if i < len(inputs) else f"output {i - len(inputs)}"
-                raise _modified_error(_op_name(vjp, aux), where, a, recorded)
-        return vjp(gs, inputs, needs, outputs, aux)
-    with extra:
-        return vjp(gs, inputs, needs, outputs, aux)
+def _written(tape: Tape) -> set[int]:
+    """Ids of the host arrays on ``tape`` whose version moved since the tape first saw them."""
+    return {k for k, (a, recorded) in tape._versions.items() if version(a) != recorded}
+
+
+def _refuse_written(tape: Tape, node: Node, written: set[int]) -> None:
+    """Raise if the node about to run consumed or produced an array written in place since."""
+    inputs = node[1]
+    for i, a in enumerate((*inputs, *node[3])):
+        if id(a) in written:
+            where = f"input {i}" if i < len(inputs) else f"output {i - len(inputs)}"
+            raise _modified_error(_op_name(node[0], node[4]), where, a, tape._versions[id(a)][1])
 
 
 def _op_name(vjp: Vjp, aux: Any) -> str:
@@ -752,7 +840,7 @@ def _op_name(vjp: Vjp, aux: Any) -> str:
     return f"ops.{name.strip('_').removesuffix('_vjp')}" if name.endswith("_vjp") else name
 
 
-def _modified_error(op: str, where: str, array: Any, recorded: int) -> RuntimeError:
+def _modified_error(op: str, where: str, array: Any, recorded: int | None) -> RuntimeError:
     return RuntimeError(
         f"An array the gradient of {op} needs was modified in place after {op} was recorded: "
         f"its {where} (shape {array.shape}, on {device_of(array)}) is at version "
