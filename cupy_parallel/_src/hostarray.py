@@ -62,19 +62,24 @@ _SCALAR_TYPES = frozenset(
 def check_device_dtype(dtype: Any, name: str, /) -> np.dtype[Any]:
     """``numpy.dtype(dtype)`` if CuPy has it, else ``TypeError`` naming ``name``.
 
-    CuPy arrays are bool, integer, float16/32/64 or complex64/128; object, string, datetime,
-    timedelta, structured, ``longdouble`` and ``StringDType`` arrays exist only on the CPU.
+    CuPy computes on bool, integer, float16/32/64 and complex64/128 arrays in native byte order
+    (``cupy/_core/_dtype.pyx``, ``check_supported_dtype``); object, string, datetime,
+    timedelta, ``longdouble`` and ``StringDType`` arrays exist only on the cpu, and CuPy refuses
+    big-endian dtypes. Structured and void dtypes are refused too: CuPy's main branch can hold
+    their bytes but computes nothing on them, so a host device refuses them at the boundary.
+    The error is a ``TypeError`` (CuPy raises ``ValueError('Unsupported dtype ...')``), the same
+    at every size.
 
     Example:
         >>> check_device_dtype("float32", "dtype")
         dtype('float32')
     """
     read = np.dtype(dtype)
-    if read.char not in _DEVICE_DTYPE_CHARS:
+    if read.char not in _DEVICE_DTYPE_CHARS or not read.isnative:
         raise TypeError(
             f"{name} is {read}, a dtype device arrays cannot hold (CuPy has bool, integer, "
-            "float16/32/64 and complex64/128 arrays only); keep such data on the cpu as a "
-            "NumPy array."
+            "float16/32/64 and complex64/128 arrays only, in native byte order); keep such "
+            "data on the cpu as a NumPy array."
         )
     return read
 
