@@ -623,8 +623,32 @@ ROWS = [
     ),
     Row(
         "np.einsum(x, numpy)",
-        f"{CORE}:__array_function__ -> cupy.einsum",
+        "cupy/linalg/_einsum.py:_parse_einsum_input (cupy.asarray uploads operands)",
         lambda x, y, i, z, n: np.einsum("ij,j->i", x, n),
+        DEVICE,
+    ),
+    Row(
+        "np.isclose(x, numpy)",
+        "cupy/_logic/comparison.py:isclose (cupy.asanyarray uploads b)",
+        lambda x, y, i, z, n: np.isclose(x, n),
+        DEVICE,
+    ),
+    Row(
+        "np.copyto(x, 1-element numpy)",
+        "cupy/_manipulation/basic.py:copyto (a one-element numpy source is a scalar)",
+        lambda x, y, i, z, n: np.copyto(x, n[:1]),
+        DEVICE,
+    ),
+    Row(
+        "np.copyto(x, numpy vector)",
+        "cupy/_manipulation/basic.py:copyto ('non-scalar numpy.ndarray')",
+        lambda x, y, i, z, n: np.copyto(x, n),
+        ValueError,
+    ),
+    Row(
+        "np.dot(x, y, numpy out)",
+        f"{CORE}:dot (out is a cupy ndarray)",
+        lambda x, y, i, z, n: np.dot(x[0], y[0], np.zeros(())),
         TypeError,
     ),
     Row(
