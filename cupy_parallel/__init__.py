@@ -21,14 +21,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 from cupy_parallel import comm, functions, ops
-from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array, to_device
+from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array
 from cupy_parallel._src.devices import Device, as_device, devices, platform, set_host_device_count
+from cupy_parallel._src.functional import grad, value_and_grad
+from cupy_parallel._src.functions import to_device
 from cupy_parallel._src.gradcheck import GradcheckError, gradcheck
 from cupy_parallel._src.hostarray import HostArray
 from cupy_parallel._src.memory import HostMemoryPool, get_host_memory_pool
 from cupy_parallel._src.nested import gather, scatter, scatter_kwargs
 from cupy_parallel._src.parallel import DataParallel, data_parallel, parallel_apply, replicate
-from cupy_parallel._src.tape import Function, FunctionContext, Tape
+from cupy_parallel._src.tape import Function, FunctionContext, Tape, stop_gradient
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -59,6 +61,7 @@ __all__ = [
     "functions",
     "gather",
     "get_host_memory_pool",
+    "grad",
     "gradcheck",
     "is_array",
     "ops",
@@ -68,7 +71,9 @@ __all__ = [
     "scatter",
     "scatter_kwargs",
     "set_host_device_count",
+    "stop_gradient",
     "to_device",
+    "value_and_grad",
 ]
 
 _LAZY_SUBMODULES = ("distributed", "testing")

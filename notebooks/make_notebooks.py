@@ -55,8 +55,8 @@ strictly as GPUs do.
     md("""
 ## Devices and arrays
 
-A device is `"cpu"` (plain NumPy), `"cuda:k"` (CuPy) or `"host:k"` (a `HostArray`, a NumPy
-subclass that knows its device). `to_device` moves an array, `device_of` tells where it is.
+A device is `"cpu"` (plain NumPy), `"cuda:k"` (CuPy) or `"host:k"` (a `HostArray`, a device
+array holding NumPy memory). `to_device` moves an array, `device_of` tells where it is.
 """),
     code("""
 x = cupy_parallel.to_device(np.arange(6.0), devices[0])
@@ -142,52 +142,66 @@ TRAINING = [
 # Data-parallel training
 
 A *module* is a pure function `fn(params, *inputs)` and its parameter pytree. We train a small MLP
-with `cupy_parallel.DataParallel`, which splits every batch over the devices, runs a replica per
-device in its own thread and gathers the outputs, all recorded on a `cupy_parallel.Tape` so that
-gradients flow back to the parameters. Finally we check that the data-parallel gradients equal
-those of the same step on one device.
+classifier with `cupy_parallel.DataParallel`, which splits every batch over the devices, runs a
+replica per device in its own thread and gathers the outputs, all recorded on a tape so that
+gradients flow back to the parameters; `cupy_parallel.value_and_grad` gives the loss and its
+gradients in one call. Finally we check that the data-parallel gradients equal those of the same
+step on one device.
 """),
     code(SETUP),
     md("""
-## The tape
+## Gradients
 
 `Tape` records the operations of `cupy_parallel.ops` on arrays it watches; `tape.gradient` runs
-reverse-mode differentiation. `gradcheck` compares it against finite differences.
+reverse-mode differentiation. `cupy_parallel.grad(fn)` is the same as a function transformation
+(jax's shape), and since gradients are themselves recorded, `grad` of a `grad` gives second
+derivatives. `gradcheck` compares the tape against finite differences.
 """),
     code("""
 from cupy_parallel import ops
+
+def on_host(a):
+    return cupy_parallel.to_device(a, "cpu")
 
 w = cupy_parallel.to_device(np.array([1.0, -2.0, 3.0]), devices[0])
 with cupy_parallel.Tape() as tape:
     tape.watch(w)
     loss = ops.sum(ops.square(w))
-print("gradient of sum(w**2):", cupy_parallel.to_device(tape.gradient(loss, w), "cpu"))
+print("tape.gradient:", on_host(tape.gradient(loss, w)))
+
+grad_of_square = cupy_parallel.grad(lambda v: ops.sum(ops.square(v)))
+print("gradient of sum(w**2):", on_host(grad_of_square(w)))
+# d/dw sum(grad(w) * w) = d/dw sum(2 w**2) = 4 w: a derivative of a derivative
+second = cupy_parallel.grad(lambda v: ops.sum(ops.multiply(grad_of_square(v), v)))
+print("second order:", on_host(second(w)))
 ok = cupy_parallel.gradcheck(lambda v: ops.sum(ops.tanh(v)), (w,), eps=1e-6, atol=1e-6, rtol=1e-4)
 print("gradcheck:", ok)"""),
     md("""
 ## The model and its data
+
+Three classes, picked by a random teacher network; the loss is softmax cross-entropy against
+the integer labels (`ops.softmax_cross_entropy`, classes on the last axis).
 """),
     code("""
 rng = np.random.default_rng(0)
 x_all = rng.standard_normal((2048, 8))
-y_all = np.tanh(x_all @ rng.standard_normal((8, 1)))
+teacher = np.tanh(x_all @ rng.standard_normal((8, 8))) @ rng.standard_normal((8, 3))
+labels_all = np.argmax(teacher, axis=1)
 first = devices[0]
-x_all, y_all = cupy_parallel.to_device(x_all, first), cupy_parallel.to_device(y_all, first)
+x_all = cupy_parallel.to_device(x_all, first)
+labels_all = cupy_parallel.to_device(labels_all, first)
 
 def init(rng):
     return {
         "w1": rng.standard_normal((8, 32)) / np.sqrt(8), "b1": np.zeros(32),
-        "w2": rng.standard_normal((32, 1)) / np.sqrt(32), "b2": np.zeros(1),
+        "w2": rng.standard_normal((32, 3)) / np.sqrt(32), "b2": np.zeros(3),
     }
 
 params = {k: cupy_parallel.to_device(v, first) for k, v in init(np.random.default_rng(1)).items()}
 
 def mlp(p, x):
     hidden = ops.tanh(ops.add(ops.matmul(x, p["w1"]), p["b1"]))
-    return ops.add(ops.matmul(hidden, p["w2"]), p["b2"])
-
-def mse(prediction, target):
-    return ops.mean(ops.square(ops.subtract(prediction, target)))"""),
+    return ops.add(ops.matmul(hidden, p["w2"]), p["b2"])"""),
     md("""
 ## Replicas
 
@@ -198,24 +212,24 @@ gradient of each original is the sum of its replicas' gradients.
 replicas = cupy_parallel.replicate(params, devices)
 print([str(cupy_parallel.device_of(r["w1"])) for r in replicas])"""),
     md("""
-## Training with `DataParallel`
+## Training with `DataParallel` and `value_and_grad`
 """),
     code("""
 model = cupy_parallel.DataParallel(mlp, params, device_ids=devices)
 print(model)
 
-def step(params, x, y, forward):
-    with cupy_parallel.Tape() as tape:
-        tape.watch(params)
-        loss = mse(forward(x), y)
-    return float(loss), tape.gradient(loss, params)
+def objective(p, x, labels):
+    model.params = p  # the replicas are broadcast from these (differentiated) arrays
+    return ops.softmax_cross_entropy(model(x), labels)
+
+step = cupy_parallel.value_and_grad(objective)  # (params, x, labels) -> (loss, grads)
 
 losses = []
 for i in range(150):
     rows = slice(256 * (i % 8), 256 * (i % 8 + 1))
-    loss, grads = step(model.params, x_all[rows], y_all[rows], model)
-    model.params = {k: model.params[k] - 0.2 * grads[k] for k in model.params}
-    losses.append(loss)
+    loss, grads = step(model.params, x_all[rows], labels_all[rows])
+    model.params = {k: model.params[k] - 0.5 * grads[k] for k in model.params}
+    losses.append(float(on_host(loss)))
 print(f"loss: first {losses[0]:.4f}, last {losses[-1]:.4f}")"""),
     code("""
 import matplotlib.pyplot as plt
@@ -223,7 +237,7 @@ import matplotlib.pyplot as plt
 plt.figure(figsize=(6, 3.5))
 plt.semilogy(losses)
 plt.xlabel("SGD step")
-plt.ylabel("mean squared error")
+plt.ylabel("cross-entropy")
 plt.title(f"DataParallel on {len(devices)} device(s)")
 plt.show()"""),
     md("""
@@ -233,12 +247,10 @@ The same batch, the same parameters: once through `DataParallel`, once through `
 device with no data parallelism. The gradients agree to rounding.
 """),
     code("""
-x, y = x_all[:512], y_all[:512]
-_, parallel = step(model.params, x, y, model)
-_, single = step(model.params, x, y, lambda batch: mlp(model.params, batch))
-def on_host(a):
-    return cupy_parallel.to_device(a, "cpu")
-
+x, labels = x_all[:512], labels_all[:512]
+_, parallel = step(model.params, x, labels)
+one_device = cupy_parallel.value_and_grad(lambda p: ops.softmax_cross_entropy(mlp(p, x), labels))
+_, single = one_device(model.params)
 difference = max(float(np.max(np.abs(on_host(parallel[k]) - on_host(single[k])))) for k in params)
 print(f"max |DataParallel - one device| = {difference:.3e}")"""),
 ]

@@ -256,3 +256,67 @@ def test_cuda_scatter_gather_broadcast_reduce_gradients() -> None:
     np.testing.assert_allclose(gx, 2 * r @ np.asarray(to_device(w, "cpu")).T, rtol=1e-12)
     np.testing.assert_allclose(cupy.asnumpy(gw), 2 * x.T @ r, rtol=1e-12)
     assert gradcheck(lambda w: ReduceAddCoalesced.apply(gpus[0], 1, *Broadcast.apply(gpus, w)), [w])
+
+
+# --------------------------------------------------------------------------------------------
+# to_device: differentiable, as torch's .to()
+
+
+def test_to_device_round_trip_keeps_the_path() -> None:
+    """Table row 2: the hop to host:1 and back used to drop the exp path (gradient 2w)."""
+    w = to_device(rand((3,), 0), "host:0")
+    with Tape() as tape:
+        tape.watch(w)
+        w1 = to_device(w, "host:1")
+        back = to_device(ops.exp(w1), "host:0")
+        loss = ops.sum(ops.add(ops.square(w), back))
+    grad = tape.gradient(loss, w)
+    assert device_of(grad) == Device("host", 0)
+    expected = 2 * np.asarray(to_device(w, "cpu")) + np.exp(np.asarray(to_device(w, "cpu")))
+    np.testing.assert_allclose(np.asarray(to_device(grad, "cpu")), expected, rtol=1e-14)
+
+
+@pytest.mark.parametrize("source", ["cpu", "host:0", "host:3"])
+def test_to_device_gradcheck_over_hops(source: str) -> None:
+    x = to_device(rand((2, 3), 1), source)
+
+    def hops(x: Any) -> Any:
+        far = ops.exp(to_device(x, "host:2"))
+        return ops.multiply(to_device(far, source), x)
+
+    assert gradcheck(hops, [x])
+
+
+def test_to_device_to_its_own_device_is_recorded_as_a_new_view() -> None:
+    x = rand((3,), 2)
+    assert to_device(x, "cpu") is x  # outside a tape: returned as it is
+    with Tape() as tape:
+        tape.watch(x)
+        y = to_device(x, "cpu")
+        loss = ops.sum(ops.multiply(y, x))
+    assert y is not x
+    np.testing.assert_array_equal(tape.gradient(loss, x), 2 * x)
+
+
+def test_to_device_second_derivative() -> None:
+    x = to_device(rand((3,), 3), "host:1")
+    with Tape() as outer:
+        outer.watch(x)
+        with Tape() as inner:
+            inner.watch(x)
+            y = ops.sum(ops.exp(to_device(x, "host:4")))
+        g = inner.gradient(y, x)
+        s = ops.sum(g)
+    assert device_of(g) == Device("host", 1)
+    np.testing.assert_allclose(
+        np.asarray(to_device(outer.gradient(s, x), "cpu")),
+        np.exp(np.asarray(to_device(x, "cpu"))),
+        rtol=1e-14,
+    )
+
+
+def test_to_device_refuses_non_arrays_under_a_tape() -> None:
+    with Tape() as tape:
+        tape.watch(rand((1,), 0))
+        with pytest.raises(TypeError, match=r"array must be .*got list"):
+            to_device([1.0], "host:1")

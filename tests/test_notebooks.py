@@ -40,7 +40,9 @@ def test_tour(tmp_path: Path) -> None:
 
 def test_data_parallel_training(tmp_path: Path) -> None:
     text, outputs = execute("02_data_parallel_training.ipynb", tmp_path)
-    assert "gradient of sum(w**2): [ 2. -4.  6.]" in text
+    assert "tape.gradient: [ 2. -4.  6.]" in text
+    assert "gradient of sum(w**2): [ 2. -4.  6.]" in text  # cupy_parallel.grad
+    assert "second order: [ 4. -8. 12.]" in text  # grad of a grad
     assert "gradcheck: True" in text
     first, last = map(float, re.search(r"loss: first (\S+), last (\S+)", text).groups())
     assert last < 0.5 * first

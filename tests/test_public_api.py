@@ -50,13 +50,17 @@ CONTRACT: dict[str, list[tuple[str, Any]]] = {
         ("dim", 0),
     ],
     "cupy_parallel.gather": [("outputs", _), ("target_device", _), ("dim", 0)],
-    "cupy_parallel.Tape": [("persistent", False)],
+    "cupy_parallel.Tape": [("persistent", False), ("check_writes", False)],
     "cupy_parallel.Tape.gradient": [
         ("self", _),
         ("target", _),
         ("sources", _),
         ("output_gradients", None),
+        ("unconnected_gradients", "zero"),
     ],
+    "cupy_parallel.grad": [("fn", _), ("argnums", 0), ("has_aux", False)],
+    "cupy_parallel.value_and_grad": [("fn", _), ("argnums", 0), ("has_aux", False)],
+    "cupy_parallel.stop_gradient": [("x", _)],
     "cupy_parallel.replicate": [("params", _), ("devices", _), ("detach", False)],
     "cupy_parallel.parallel_apply": [
         ("fns", _),

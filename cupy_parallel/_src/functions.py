@@ -4,6 +4,12 @@ Two adjoint pairs: :class:`Scatter` and :class:`Gather` (split along a dimension
 :class:`Broadcast` and :class:`ReduceAddCoalesced` (copy everywhere / sum back). The backward of
 each is the other, applied through ``.apply`` so that the moves stay the library's primitives in
 :mod:`cupy_parallel._src.comm`. Arguments are checked by ``comm`` before anything is copied.
+:class:`ToDevice` (the public :func:`cupy_parallel.to_device`) is its own adjoint: its backward
+moves the gradient back, as PyTorch's ``.to()`` does.
+
+Every backward here is written with recorded operations (``differentiable_backward = True``),
+so gradients through the moves are themselves differentiable (Hessian-vector products through
+:func:`~cupy_parallel.data_parallel`).
 
 On CUDA, :class:`Scatter` copies host (``"cpu"``) input on a background stream per target GPU and
 the consumer's current stream waits for it, as torch's ``_get_stream`` pattern does
@@ -15,13 +21,14 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from cupy_parallel._src import comm
-from cupy_parallel._src.arrays import device_of, is_array, to_device
+from cupy_parallel._src import comm, ops
+from cupy_parallel._src.arrays import device_of, is_array
+from cupy_parallel._src.arrays import to_device as move
 from cupy_parallel._src.cuda.streams import background_stream
 from cupy_parallel._src.devices import Device, read_devices
-from cupy_parallel._src.tape import Function, FunctionContext
+from cupy_parallel._src.tape import Function, FunctionContext, is_recording
 
-__all__ = ["Broadcast", "Gather", "ReduceAddCoalesced", "Scatter"]
+__all__ = ["Broadcast", "Gather", "ReduceAddCoalesced", "Scatter", "ToDevice", "to_device"]
 
 
 def _copy_streams(source: Device, targets: tuple[Device, ...]) -> list[Any] | None:
@@ -50,6 +57,8 @@ class Scatter(Function):
         array([1., 1., 2., 2.])
     """
 
+    differentiable_backward = True
+
     @staticmethod
     def forward(
         ctx: FunctionContext, target_devices: Any, chunk_sizes: Any, dim: int, array: Any
@@ -71,10 +80,11 @@ class Scatter(Function):
         return (None, None, None, Gather.apply(ctx.input_device, ctx.dim, *grads))
 
 
-_SCALARS_WARNING = (
+SCALARS_WARNING = (
     "Gather was asked to join 0-d arrays along dim 0; they are joined as 1-element vectors "
     "and the result is a vector (as torch does)."
 )
+"""Gather's warning for 0-d inputs (``nested.gather`` filters it where it expects them)."""
 
 
 class Gather(Function):
@@ -92,6 +102,8 @@ class Gather(Function):
         array([1., 1., 0.])
     """
 
+    differentiable_backward = True
+
     @staticmethod
     def forward(ctx: FunctionContext, target_device: Any, dim: int, *arrays: Any) -> Any:
         """Concatenate ``arrays`` on ``target_device``."""
@@ -103,7 +115,7 @@ class Gather(Function):
         ctx.input_devices = tuple(device_of(x) for x in arrays)
         ctx.unsqueezed_scalar = bool(arrays) and dim == 0 and all(x.ndim == 0 for x in arrays)
         if ctx.unsqueezed_scalar:
-            warnings.warn(_SCALARS_WARNING, UserWarning, stacklevel=3)
+            warnings.warn(SCALARS_WARNING, UserWarning, stacklevel=3)
             arrays = tuple(x.reshape(1) for x in arrays)
         result = comm.gather(arrays, dim, target_device)
         ctx.dim = dim % result.ndim
@@ -115,7 +127,7 @@ class Gather(Function):
         """Scatter the output gradient back to the inputs' devices, in their sizes."""
         pieces = Scatter.apply(ctx.input_devices, ctx.input_sizes, ctx.dim, grad)
         if ctx.unsqueezed_scalar:
-            pieces = tuple(p.reshape(()) for p in pieces)
+            pieces = tuple(ops.reshape(p, ()) for p in pieces)
         return (None, None, *pieces)
 
 
@@ -133,6 +145,8 @@ class Broadcast(Function):
         >>> [str(x.device) for x in Broadcast.apply(["host:0", "host:1"], w, b)]
         ['host:0', 'host:0', 'host:1', 'host:1']
     """
+
+    differentiable_backward = True
 
     @staticmethod
     def forward(ctx: FunctionContext, target_devices: Any, *arrays: Any) -> tuple[Any, ...]:
@@ -169,6 +183,8 @@ class ReduceAddCoalesced(Function):
         (HostArray([6., 6.], device='host:0'),)
     """
 
+    differentiable_backward = True
+
     @staticmethod
     def forward(
         ctx: FunctionContext, destination: Any, num_inputs: int, *grads: Any
@@ -196,5 +212,72 @@ class ReduceAddCoalesced(Function):
     def backward(ctx: FunctionContext, *grads: Any) -> tuple[Any, ...]:
         """Broadcast the sums' gradients back to every group's device."""
         source = ctx.target_devices[0]
-        grads = tuple(to_device(g, source) for g in grads)
+        grads = tuple(ToDevice.apply(g, source, None) for g in grads)
         return (None, None, *Broadcast.apply(ctx.target_devices, *grads))
+
+
+class ToDevice(Function):
+    """Copy an array to a device; the backward moves the gradient back to the source device.
+
+    ``ToDevice.apply(array, device, stream)``: see :func:`to_device`, which calls it while a tape
+    records.
+
+    Example:
+        >>> x = np.array([1.0, 2.0])
+        >>> with cupy_parallel.Tape() as tape:
+        ...     tape.watch(x)
+        ...     y = ToDevice.apply(x, "host:1", None)
+        >>> tape.gradient(y, x, output_gradients=to_device(np.ones(2), "host:1"))
+        array([1., 1.])
+    """
+
+    differentiable_backward = True
+
+    @staticmethod
+    def forward(ctx: FunctionContext, array: Any, device: Any, stream: Any) -> Any:
+        """Copy ``array`` to ``device`` (returned as it is when it is there already)."""
+        ctx.source = device_of(array)
+        return move(array, device, stream=stream)
+
+    @staticmethod
+    def backward(ctx: FunctionContext, grad: Any) -> tuple[Any, ...]:
+        """Move the gradient back to the source device."""
+        return ToDevice.apply(grad, ctx.source, None), None, None
+
+
+def to_device(array: Any, device: Any, /, *, stream: Any = None) -> Any:
+    """Copy ``array`` to ``device``, differentiably; one already there is returned as it is.
+
+    Like PyTorch's ``.to()``: while a tape records, the move is recorded and the gradient is
+    moved back to ``array``'s device (then an array already on ``device`` comes back as a new
+    view, so that the graph stays acyclic). The copy is C-contiguous with the same dtype and
+    bits. ``stream`` (a ``cupy.cuda.Stream``) orders CUDA copies; host copies are synchronous
+    and ignore it.
+
+    Args:
+        array: a NumPy, HostArray or CuPy array.
+        device: the target device (``"cpu"``, ``"host:k"``, ``"cuda:k"`` or a Device).
+        stream: the CUDA stream of the copy (``None``: the current stream).
+
+    Returns:
+        The array on ``device``.
+
+    Raises:
+        TypeError: ``array`` is not an array or ``device`` not a device.
+        ValueError: ``device`` does not exist.
+
+    Example:
+        >>> from cupy_parallel import Tape, ops
+        >>> w = np.array([1.0, 2.0])
+        >>> with Tape() as tape:
+        ...     tape.watch(w)
+        ...     far = cupy_parallel.to_device(w, "host:1")
+        ...     loss = ops.sum(ops.square(far))
+        >>> far
+        HostArray([1., 2.], device='host:1')
+        >>> tape.gradient(loss, w)  # moved back to w's device
+        array([2., 4.])
+    """
+    if not is_recording():
+        return move(array, device, stream=stream)
+    return ToDevice.apply(array, device, stream)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import optree
 
 from cupy_parallel._src.arrays import is_array, to_device
-from cupy_parallel._src.tape import NAMESPACE, Tape, on_device_of, zeros_like
+from cupy_parallel._src.tape import Tape, on_device_of, pullback, zeros_like
+from cupy_parallel._src.tree import NAMESPACE
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -62,10 +65,12 @@ def gradcheck(
 ) -> bool:
     """Compare the Jacobian the tape computes for ``fn(*inputs)`` with central differences.
 
-    Floating-point array inputs are differentiated, in float64 on their own devices (a float32
-    input is promoted, as finite differences need the precision); other inputs are passed
-    through. ``fn`` returns an array or a pytree of arrays. Every Jacobian entry ``(output
-    element, input element)`` must satisfy ``|analytic - numeric| <= atol + rtol * |numeric|``;
+    Floating-point array inputs are differentiated, in float64 on their own devices; other
+    inputs are passed through. Finite differences need float64: a float16/float32 input draws a
+    ``UserWarning`` (PyTorch's ``gradcheck`` warns on non-double inputs too) and is checked on a
+    float64 copy, so the check tests the math of ``fn``, not its rounding in low precision.
+    ``fn`` returns an array or a pytree of arrays. Every Jacobian entry ``(output element, input
+    element)`` must satisfy ``|analytic - numeric| <= atol + rtol * |numeric|``;
     analytic columns come from one tape gradient per output element (outputs that do not depend
     on the inputs have a zero Jacobian).
 
@@ -81,8 +86,13 @@ def gradcheck(
 
     Raises:
         GradcheckError: naming the worst entry (output, input, indices, both values).
-        TypeError: ``inputs`` is not a sequence or ``fn`` returns non-arrays.
-        ValueError: no floating-point array input or a non-positive ``eps``.
+        TypeError: ``inputs`` is not a sequence, ``fn`` returns non-arrays, or ``eps``,
+            ``atol`` or ``rtol`` is not a real number.
+        ValueError: no floating-point array input, ``eps`` not positive and finite, or
+            ``atol``/``rtol`` negative or not finite.
+
+    Warns:
+        UserWarning: a floating-point input is not float64 (it is checked in float64).
 
     Example:
         >>> from cupy_parallel import ops
@@ -95,11 +105,21 @@ def gradcheck(
             f"inputs must be a list or tuple of fn's arguments, got {type(inputs).__name__}; "
             "wrap a single array as [x]."
         )
-    if not eps > 0:
-        raise ValueError(f"eps must be positive, got {eps}.")
-    args = [
-        x.astype(np.float64) if is_array(x) and x.dtype.kind == "f" else x for x in list(inputs)
-    ]
+    eps, atol, rtol = (
+        _read_tolerance(v, name, positive=name == "eps")
+        for v, name in ((eps, "eps"), (atol, "atol"), (rtol, "rtol"))
+    )
+    args = list(inputs)
+    for i, x in enumerate(args):
+        if is_array(x) and x.dtype.kind == "f" and x.dtype != np.float64:
+            warnings.warn(
+                f"gradcheck input {i} has dtype {x.dtype}; finite differences need float64, so "
+                "it is checked on a float64 copy. Pass x.astype(numpy.float64) to check in "
+                "float64 explicitly.",
+                UserWarning,
+                stacklevel=2,
+            )
+            args[i] = on_device_of(x, x.astype, np.float64)
     wrt = [i for i, x in enumerate(args) if is_array(x) and x.dtype.kind == "f"]
     if not wrt:
         raise ValueError("gradcheck needs at least one floating-point array among inputs.")
@@ -126,6 +146,17 @@ def gradcheck(
     if worst is not None:
         raise GradcheckError(f"Jacobian mismatch for {worst[1]}.")
     return True
+
+
+def _read_tolerance(value: Any, name: str, *, positive: bool) -> float:
+    """A finite real ``value`` (> 0 when ``positive``, else >= 0) as a float."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}.")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "positive" if positive else "non-negative"
+        raise ValueError(f"{name} must be a finite {bound} number, got {value}.")
+    return value
 
 
 def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -190,7 +221,7 @@ def _analytic_jacobian(
         rows: list[list[np.ndarray]] = [[] for _ in wrt]
         for j in range(y.size):
             seed = _one_hot(y, j)
-            grads = tape._pullback([y], [seed], sources) if tape.tracks(y) else [None] * len(wrt)
+            grads = pullback(tape, [y], [seed], sources) if tape.tracks(y) else [None] * len(wrt)
             for k, g in enumerate(grads):
                 rows[k].append(np.zeros(sources[k].size) if g is None else _flat(g))
         jacobians.append(

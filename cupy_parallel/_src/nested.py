@@ -39,8 +39,8 @@ from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.comm import chunk_count, even_chunks, normalize_axis
 from cupy_parallel._src.devices import Device, read_device, read_devices
-from cupy_parallel._src.functions import _SCALARS_WARNING, Gather, Scatter
-from cupy_parallel._src.tape import NAMESPACE
+from cupy_parallel._src.functions import SCALARS_WARNING, Gather, Scatter
+from cupy_parallel._src.tree import NAMESPACE
 
 if TYPE_CHECKING:
     from optree import PyTreeAccessor, PyTreeSpec
@@ -516,7 +516,7 @@ def gather(outputs: Sequence[Any], /, target_device: Any, dim: int = 0) -> Any:
         )
     with warnings.catch_warnings():
         # Gather warns per 0-d leaf; this call has warned once for all of them above.
-        warnings.filterwarnings("ignore", re.escape(_SCALARS_WARNING), UserWarning)
+        warnings.filterwarnings("ignore", re.escape(SCALARS_WARNING), UserWarning)
         gathered = [
             column[0] if plan is None else _gather_leaves(column, target, plan)
             for plan, column in zip(plans, columns, strict=True)

@@ -30,7 +30,7 @@ from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.devices import Device, cupy_module, devices, read_device, read_devices
 from cupy_parallel._src.functions import Broadcast
 from cupy_parallel._src.nested import _flatten, _key_path, gather, scatter_kwargs
-from cupy_parallel._src.tape import NAMESPACE
+from cupy_parallel._src.tree import NAMESPACE
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager

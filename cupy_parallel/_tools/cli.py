@@ -296,7 +296,8 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
     names = ", ".join(str(d) for d in devices)
     print(
-        f"Training a {config.features}-{config.hidden}-1 MLP ({config.dtype}, batch "
+        f"Training a {config.features}-{config.hidden}-{config.classes} MLP classifier "
+        f"({config.dtype}, batch "
         f"{config.batch_size}) for {config.steps} SGD steps with DataParallel on "
         f"{len(devices)} device{'s' if len(devices) != 1 else ''}: {names}"
     )
@@ -393,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo",
         help="train a small MLP with DataParallel on every device",
-        description="Train a small MLP regression with DataParallel on every available device "
+        description="Train a small MLP classifier with DataParallel on every available device "
         f"(every GPU; without one, {DEMO_HOST_DEVICES} host devices), check the first step's "
         "gradients against one device, report loss and throughput and write the loss curve. "
         "Exits with status 1 when the gradient check fails.",

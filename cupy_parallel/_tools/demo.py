@@ -1,11 +1,13 @@
-"""The ``cupy-parallel demo`` model: a small MLP regression trained with :class:`DataParallel`.
+"""The ``cupy-parallel demo`` model: a small MLP classifier trained with :class:`DataParallel`.
 
 Everything the command does is importable here, so that the pieces can be reused and tested:
-:func:`make_dataset` draws a synthetic regression problem, :func:`init_params` and :func:`mlp`
+:func:`make_dataset` draws a synthetic classification problem, :func:`init_params` and :func:`mlp`
 define the model as a pure function of a parameter pytree (the library's notion of a "module"),
-:func:`single_device_step` and :func:`data_parallel_step` compute the loss and its gradients, and
-:func:`train` runs SGD while checking, on the first step, that the data-parallel gradients equal the
-single-device ones. :func:`plot_losses` draws the loss curve.
+:func:`cross_entropy` is its loss (softmax cross-entropy with integer labels),
+:func:`single_device_step` and :func:`data_parallel_step` compute the loss and its gradients with
+:func:`cupy_parallel.value_and_grad`, and :func:`train` runs SGD while checking, on the first step,
+that the data-parallel gradients equal the single-device ones. :func:`plot_losses` draws the loss
+curve.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import optree
 from cupy_parallel._src import ops
 from cupy_parallel._src.arrays import to_device
 from cupy_parallel._src.devices import Device, as_device
+from cupy_parallel._src.functional import value_and_grad
 from cupy_parallel._src.parallel import DataParallel
-from cupy_parallel._src.tape import NAMESPACE, Tape
+from cupy_parallel._src.tree import NAMESPACE
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -32,12 +35,12 @@ __all__ = [
     "TOLERANCES",
     "DemoConfig",
     "DemoResult",
+    "cross_entropy",
     "data_parallel_step",
     "init_params",
     "make_dataset",
     "max_abs_difference",
     "mlp",
-    "mse",
     "plot_losses",
     "single_device_step",
     "train",
@@ -62,6 +65,7 @@ class DemoConfig:
         dtype: ``"float64"`` (the check's tolerance is 1e-10) or ``"float32"`` (1e-4).
         features: input features.
         hidden: hidden units.
+        classes: output classes.
         batch_size: samples per step (the whole batch, before it is split over devices).
         batches: how many distinct batches the dataset holds; steps cycle through them.
         learning_rate: the SGD step size.
@@ -77,9 +81,10 @@ class DemoConfig:
     dtype: str = "float64"
     features: int = 16
     hidden: int = 64
+    classes: int = 4
     batch_size: int = 512
     batches: int = 8
-    learning_rate: float = 0.1
+    learning_rate: float = 0.5
 
     def __post_init__(self) -> None:
         devices = tuple(as_device(d) for d in self.devices)
@@ -88,7 +93,7 @@ class DemoConfig:
         object.__setattr__(self, "devices", devices)
         if self.dtype not in TOLERANCES:
             raise ValueError(f"dtype must be one of {sorted(TOLERANCES)}, got {self.dtype!r}.")
-        for name in ("steps", "features", "hidden", "batch_size", "batches"):
+        for name in ("steps", "features", "hidden", "classes", "batch_size", "batches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
@@ -131,79 +136,88 @@ class DemoResult:
 
 
 def make_dataset(
-    n_samples: int, n_features: int, /, *, seed: int, dtype: str = "float64"
+    n_samples: int, n_features: int, /, *, seed: int, dtype: str = "float64", classes: int = 4
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A synthetic regression problem: targets of a random one-layer ``tanh`` teacher plus noise.
+    """A synthetic classification problem: the classes a random two-layer ``tanh`` teacher picks.
 
     Args:
         n_samples: rows.
         n_features: input columns.
         seed: seeds :func:`numpy.random.default_rng`; equal seeds give equal data.
-        dtype: dtype of both arrays.
+        dtype: dtype of the inputs.
+        classes: the number of classes.
 
     Returns:
-        ``(x, y)``: NumPy arrays of shapes ``(n_samples, n_features)`` and ``(n_samples, 1)``.
+        ``(x, labels)``: NumPy arrays of shapes ``(n_samples, n_features)`` (``dtype``) and
+        ``(n_samples,)`` (int64 class indices in ``[0, classes)``).
 
     Example:
-        >>> x, y = make_dataset(5, 3, seed=0)
-        >>> x.shape, y.shape, x.dtype
-        ((5, 3), (5, 1), dtype('float64'))
+        >>> x, labels = make_dataset(5, 3, seed=0)
+        >>> x.shape, labels.shape, x.dtype, labels.dtype
+        ((5, 3), (5,), dtype('float64'), dtype('int64'))
     """
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n_samples, n_features))
     teacher_hidden = rng.standard_normal((n_features, 8)) / math.sqrt(n_features)
-    teacher_out = rng.standard_normal((8, 1))
-    y = np.tanh(x @ teacher_hidden) @ teacher_out + 0.05 * rng.standard_normal((n_samples, 1))
-    return x.astype(dtype), y.astype(dtype)
+    teacher_out = rng.standard_normal((8, classes))
+    labels = np.argmax(np.tanh(x @ teacher_hidden) @ teacher_out, axis=1)
+    return x.astype(dtype), labels.astype(np.int64)
 
 
 def init_params(
-    n_features: int, hidden: int, /, *, seed: int, dtype: str = "float64", device: Any = "cpu"
+    n_features: int,
+    hidden: int,
+    /,
+    *,
+    seed: int,
+    dtype: str = "float64",
+    device: Any = "cpu",
+    classes: int = 4,
 ) -> Params:
-    """Parameters of a ``n_features → hidden → 1`` MLP on ``device`` (scaled normal weights).
+    """Parameters of a ``n_features → hidden → classes`` MLP on ``device`` (scaled normal weights).
 
     Example:
         >>> p = init_params(3, 4, seed=0)
         >>> {k: v.shape for k, v in p.items()}
-        {'w1': (3, 4), 'b1': (4,), 'w2': (4, 1), 'b2': (1,)}
+        {'w1': (3, 4), 'b1': (4,), 'w2': (4, 4), 'b2': (4,)}
     """
     rng = np.random.default_rng(seed + 1)
     host = {
         "w1": rng.standard_normal((n_features, hidden)) / math.sqrt(n_features),
         "b1": np.zeros(hidden),
-        "w2": rng.standard_normal((hidden, 1)) / math.sqrt(hidden),
-        "b2": np.zeros(1),
+        "w2": rng.standard_normal((hidden, classes)) / math.sqrt(hidden),
+        "b2": np.zeros(classes),
     }
     return {k: to_device(v.astype(dtype), device) for k, v in host.items()}
 
 
 def mlp(params: Params, x: Any, /) -> Any:
-    """The model: ``tanh(x @ w1 + b1) @ w2 + b2``, recorded on the active tape.
+    """The model: class scores (logits) ``tanh(x @ w1 + b1) @ w2 + b2``.
 
     Example:
         >>> p = init_params(3, 4, seed=0)
         >>> mlp(p, np.ones((2, 3))).shape
-        (2, 1)
+        (2, 4)
     """
     hidden = ops.tanh(ops.add(ops.matmul(x, params["w1"]), params["b1"]))
     return ops.add(ops.matmul(hidden, params["w2"]), params["b2"])
 
 
-def mse(prediction: Any, target: Any, /) -> Any:
-    """Mean squared error, recorded on the active tape.
+def cross_entropy(logits: Any, labels: Any, /) -> Any:
+    """The loss: mean softmax cross-entropy of ``logits`` against integer ``labels``.
 
     Example:
-        >>> float(mse(np.array([1.0, 2.0]), np.array([1.0, 4.0])))
-        2.0
+        >>> float(cross_entropy(np.zeros((2, 4)), np.array([0, 3])))  # uniform: log(4)
+        1.3862943611198906
     """
-    return ops.mean(ops.square(ops.subtract(prediction, target)))
+    return ops.softmax_cross_entropy(logits, labels)
 
 
-def single_device_step(params: Params, x: Any, y: Any, /) -> tuple[float, Params]:
+def single_device_step(params: Params, x: Any, labels: Any, /) -> tuple[float, Params]:
     """Loss and gradients of one batch on the parameters' device, without data parallelism.
 
-    ``x`` and ``y`` must live on the parameters' device. This is the oracle the data-parallel step
-    is checked against.
+    ``x`` and ``labels`` must live on the parameters' device. This is the oracle the
+    data-parallel step is checked against.
 
     Example:
         >>> p = init_params(3, 4, seed=0, device="host:0")
@@ -212,18 +226,16 @@ def single_device_step(params: Params, x: Any, y: Any, /) -> tuple[float, Params
         >>> sorted(grads) == sorted(p), grads["w1"].shape, grads["w1"].device
         (True, (3, 4), Device('host:0'))
     """
-    with Tape() as tape:
-        tape.watch(params)
-        loss = mse(mlp(params, x), y)
-    return float(loss), tape.gradient(loss, params)
+    loss, grads = value_and_grad(lambda p: cross_entropy(mlp(p, x), labels))(params)
+    return float(to_device(loss, "cpu")), grads
 
 
-def data_parallel_step(model: Any, params: Params, x: Any, y: Any, /) -> tuple[float, Params]:
+def data_parallel_step(model: Any, params: Params, x: Any, labels: Any, /) -> tuple[float, Params]:
     """Loss and gradients of one batch with ``model``, a :class:`cupy_parallel.DataParallel`.
 
-    The batch is split over the model's devices, each replica runs :func:`mlp`, the predictions
-    are gathered on the output device, where ``y`` must live, and the gradients flow back to
-    ``params`` on the first device.
+    ``params`` become the model's parameters. The batch is split over the model's devices, each
+    replica runs :func:`mlp`, the logits are gathered on the output device, where ``labels``
+    must live, and the gradients flow back to ``params`` on the first device.
 
     Example:
         >>> cupy_parallel.set_host_device_count(2)
@@ -234,10 +246,13 @@ def data_parallel_step(model: Any, params: Params, x: Any, y: Any, /) -> tuple[f
         >>> grads["w1"].device
         Device('host:0')
     """
-    with Tape() as tape:
-        tape.watch(params)
-        loss = mse(model(x), y)
-    return float(loss), tape.gradient(loss, params)
+
+    def objective(params: Params) -> Any:
+        model.params = params  # the replicas are broadcast from these very (watched) arrays
+        return cross_entropy(model(x), labels)
+
+    loss, grads = value_and_grad(objective)(params)
+    return float(to_device(loss, "cpu")), grads
 
 
 def max_abs_difference(a: Any, b: Any, /) -> float:
@@ -289,10 +304,16 @@ def train(
             config.features,
             seed=config.seed,
             dtype=config.dtype,
+            classes=config.classes,
         )
     )
     params = init_params(
-        config.features, config.hidden, seed=config.seed, dtype=config.dtype, device=first
+        config.features,
+        config.hidden,
+        seed=config.seed,
+        dtype=config.dtype,
+        device=first,
+        classes=config.classes,
     )
     model = DataParallel(mlp, params, device_ids=list(config.devices))
     result = DemoResult(tolerance=TOLERANCES[config.dtype])
@@ -309,7 +330,6 @@ def train(
         if step == 0:
             result.max_abs_difference = max_abs_difference(grads, reference)
         params = {name: params[name] - config.learning_rate * grads[name] for name in params}
-        model.params = params
         result.losses.append(loss)
         if progress is not None:
             progress(result.losses)
@@ -334,7 +354,7 @@ def plot_losses(losses: Sequence[float], path: Path, /, *, title: str) -> Path:
     axes.plot(np.arange(len(losses)), np.asarray(losses, dtype=float))
     axes.set_yscale("log")
     axes.set_xlabel("SGD step")
-    axes.set_ylabel("mean squared error")
+    axes.set_ylabel("cross-entropy")
     axes.set_title(title)
     axes.grid(visible=True, which="both", alpha=0.3)
     figure.tight_layout()

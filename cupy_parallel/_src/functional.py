@@ -1,0 +1,126 @@
+"""The functional form of the tape: ``grad`` and ``value_and_grad`` (JAX's shape).
+
+``value_and_grad(fn)(params, *args)`` watches the arguments named by ``argnums`` on a fresh
+:class:`~cupy_parallel.Tape`, calls ``fn``, and returns its value with the gradient of that
+value with respect to those arguments, each in its argument's pytree shape. Because every active
+tape records, these compose: ``grad(grad(f))`` differentiates the gradient, and a ``grad`` called
+under an outer tape is recorded on it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from cupy_parallel._src.arguments import read_bool
+from cupy_parallel._src.tape import Tape
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["grad", "value_and_grad"]
+
+
+def _read_argnums(argnums: Any) -> tuple[int, ...]:
+    """``argnums`` as a tuple of ints (a single int is one); refuse anything else."""
+    single = isinstance(argnums, int) and not isinstance(argnums, bool)
+    numbers = (argnums,) if single else argnums
+    if not isinstance(numbers, tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in numbers
+    ):
+        raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}.")
+    if not numbers:
+        raise ValueError("argnums must name at least one argument, got an empty tuple.")
+    if len(set(numbers)) != len(numbers):
+        raise ValueError(f"argnums must not repeat an argument, got {argnums!r}.")
+    return numbers
+
+
+def value_and_grad(
+    fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any]]:
+    """``fn`` turned into a function returning ``(value, gradient)``, as ``jax.value_and_grad``.
+
+    The returned function takes ``fn``'s arguments. Arguments named by ``argnums`` are pytrees
+    of floating-point arrays (leaves that are not arrays are skipped and get ``None``, as
+    :meth:`Tape.watch <cupy_parallel.Tape.watch>` skips them); ``fn`` must return an array with
+    one element built from recorded operations (or, with ``has_aux``, a pair ``(value, aux)``).
+
+    Args:
+        fn: the function to differentiate.
+        argnums: the position of the argument to differentiate with respect to, or a tuple of
+            positions (then the gradient is a tuple, one entry per position).
+        has_aux: ``fn`` returns ``(value, aux)``; ``aux`` is passed through undifferentiated.
+
+    Returns:
+        A function returning ``(value, gradient)``, or ``((value, aux), gradient)``.
+
+    Raises:
+        TypeError: ``fn`` is not callable, ``argnums`` is not an int or tuple of ints,
+            ``has_aux`` is not a bool (at once); with ``has_aux``, ``fn`` did not return a
+            pair (when called).
+        ValueError: ``argnums`` names no argument or repeats one (at once), or an argument
+            the call does not have (when called); the errors of
+            :meth:`Tape.gradient <cupy_parallel.Tape.gradient>`.
+
+    Example:
+        >>> from cupy_parallel import ops
+        >>> loss = lambda p, x: ops.sum(ops.square(ops.multiply(p["w"], x)))
+        >>> value, grads = cupy_parallel.value_and_grad(loss)({"w": np.array(2.0)}, np.ones(3))
+        >>> value, grads
+        (array(12.), {'w': array(12.)})
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
+    numbers = _read_argnums(argnums)
+    aux_flag = read_bool(has_aux, "has_aux")
+    single = not isinstance(argnums, tuple)
+
+    @functools.wraps(fn)
+    def value_and_gradient(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        for i in numbers:
+            if not -len(args) <= i < len(args):
+                raise ValueError(
+                    f"argnums names argument {i}, but the function was called with "
+                    f"{len(args)} positional arguments."
+                )
+        sources = tuple(args[i] for i in numbers)
+        with Tape() as tape:
+            tape.watch(sources)
+            out = fn(*args, **kwargs)
+        if aux_flag and not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"has_aux=True needs fn to return a pair (value, aux), got {type(out).__name__}."
+            )
+        value = out[0] if aux_flag else out
+        grads = tape.gradient(value, sources)
+        return out, grads[0] if single else grads
+
+    return value_and_gradient
+
+
+def grad(
+    fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False
+) -> Callable[..., Any]:
+    """``fn`` turned into a function returning its gradient, as ``jax.grad``.
+
+    See :func:`value_and_grad` for the arguments; with ``has_aux`` the function returns
+    ``(gradient, aux)``. Applied twice, it differentiates the gradient.
+
+    Example:
+        >>> from cupy_parallel import ops
+        >>> cube = lambda x: ops.sum(ops.multiply(ops.multiply(x, x), x))
+        >>> x = np.array([1.0, 2.0])
+        >>> cupy_parallel.grad(cube)(x)
+        array([ 3., 12.])
+        >>> cupy_parallel.grad(lambda x: ops.sum(cupy_parallel.grad(cube)(x)))(x)  # 6 x
+        array([ 6., 12.])
+    """
+    inner = value_and_grad(fn, argnums, has_aux=has_aux)
+
+    @functools.wraps(fn)
+    def gradient(*args: Any, **kwargs: Any) -> Any:
+        out, grads = inner(*args, **kwargs)
+        return (grads, out[1]) if has_aux else grads
+
+    return gradient

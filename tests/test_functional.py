@@ -1,0 +1,127 @@
+"""grad and value_and_grad: against closed forms, finite differences and the tape itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cupy_parallel as cp
+from cupy_parallel import Tape, gradcheck, ops, to_device
+
+
+def rand(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-1.0, 1.0, shape)
+
+
+def loss(params: dict[str, Any], x: Any) -> Any:
+    """``sum((w x)^2) + sum(exp(b))``."""
+    scaled = ops.multiply(params["w"], x)
+    return ops.add(ops.sum(ops.square(scaled)), ops.sum(ops.exp(params["b"])))
+
+
+def params_and_input() -> tuple[dict[str, Any], np.ndarray]:
+    return {"w": rand(3), "b": rand(3, seed=1), "activation": "tanh"}, rand(3, seed=2)
+
+
+def test_grad_over_a_params_pytree_matches_the_closed_form() -> None:
+    params, x = params_and_input()
+    grads = cp.grad(loss)(params, x)
+    assert grads["activation"] is None  # non-array leaves are skipped, as replicate skips them
+    np.testing.assert_allclose(grads["w"], 2 * params["w"] * x * x, rtol=1e-14)
+    np.testing.assert_allclose(grads["b"], np.exp(params["b"]), rtol=1e-14)
+
+
+def test_value_and_grad_returns_the_value_and_the_tape_gradient() -> None:
+    params, x = params_and_input()
+    value, grads = cp.value_and_grad(loss)(params, x)
+    np.testing.assert_allclose(value, np.sum((params["w"] * x) ** 2) + np.exp(params["b"]).sum())
+    with Tape() as tape:
+        watched = {"w": params["w"], "b": params["b"]}
+        tape.watch(watched)
+        expected = tape.gradient(loss({**params, **watched}, x), watched)
+    np.testing.assert_array_equal(grads["w"], expected["w"])
+    np.testing.assert_array_equal(grads["b"], expected["b"])
+
+
+def test_argnums_tuple_and_negative_positions() -> None:
+    params, x = params_and_input()
+    grads = cp.grad(loss, argnums=(0, -1))(params, x)
+    assert isinstance(grads, tuple)
+    assert len(grads) == 2
+    np.testing.assert_allclose(grads[1], 2 * params["w"] ** 2 * x, rtol=1e-14)
+    np.testing.assert_allclose(grads[0]["w"], 2 * params["w"] * x * x, rtol=1e-14)
+
+
+def test_has_aux_passes_aux_through() -> None:
+    params, x = params_and_input()
+
+    def with_aux(p: Any, x: Any) -> Any:
+        value = loss(p, x)
+        return value, {"value": value}
+
+    (value, aux), grads = cp.value_and_grad(with_aux, has_aux=True)(params, x)
+    assert aux["value"] is value
+    grads_only, aux_only = cp.grad(with_aux, has_aux=True)(params, x)
+    np.testing.assert_array_equal(grads_only["w"], grads["w"])
+    np.testing.assert_array_equal(aux_only["value"], value)
+
+
+def cube(x: Any) -> Any:
+    return ops.sum(ops.multiply(ops.multiply(x, x), x))
+
+
+def test_grad_of_grad_is_the_second_derivative() -> None:
+    x = rand(4)
+    second = cp.grad(lambda x: ops.sum(cp.grad(cube)(x)))(x)
+    np.testing.assert_allclose(second, 6 * x, rtol=1e-14)
+    assert gradcheck(cp.grad(cube), [x])  # the Hessian of cube against finite differences
+
+
+def test_grad_on_host_devices_keeps_the_devices() -> None:
+    x = to_device(rand(3), "host:2")
+    g = cp.grad(lambda x: ops.sum(ops.exp(to_device(x, "host:0"))))(x)
+    assert g.device == x.device
+    np.testing.assert_allclose(np.asarray(to_device(g, "cpu")), np.exp(rand(3)), rtol=1e-14)
+
+
+def test_grad_under_an_outer_tape_is_recorded() -> None:
+    x, v = rand(3), rand(3, seed=1)
+    with Tape() as outer:
+        outer.watch(x)
+        g = cp.grad(cube)(x)
+        gv = ops.sum(ops.multiply(g, v))
+    np.testing.assert_allclose(outer.gradient(gv, x), 6 * x * v, rtol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"argnums": 1.0}, TypeError, r"argnums must be an int or a tuple of ints, got 1.0"),
+        ({"argnums": True}, TypeError, "argnums must be an int or a tuple of ints, got True"),
+        ({"argnums": [0]}, TypeError, r"argnums must be an int or a tuple of ints, got \[0\]"),
+        ({"argnums": ()}, ValueError, "argnums must name at least one argument"),
+        ({"argnums": (0, 0)}, ValueError, r"must not repeat an argument, got \(0, 0\)"),
+        ({"has_aux": 1}, TypeError, "has_aux"),
+    ],
+    ids=["float", "bool", "list", "empty", "repeated", "has-aux"],
+)
+def test_bad_arguments_are_refused_at_once(kwargs: Any, error: type, match: str) -> None:
+    for transform in (cp.grad, cp.value_and_grad):
+        with pytest.raises(error, match=match):
+            transform(cube, **kwargs)
+
+
+def test_errors_when_called() -> None:
+    x = rand(3)
+    with pytest.raises(TypeError, match="fn must be callable, got int"):
+        cp.grad(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="argnums names argument 2, but the function was called"):
+        cp.grad(lambda a, b: cube(a), argnums=2)(x, x)
+    with pytest.raises(TypeError, match="has_aux=True needs fn to return a pair"):
+        cp.grad(cube, has_aux=True)(x)
+    with pytest.raises(ValueError, match=r"target has shape \(3,\): an implicit output gradient"):
+        cp.grad(ops.exp)(x)
+    with pytest.raises(ValueError, match="target was not recorded on this tape"):
+        cp.grad(lambda a, b: cube(b))(x, x.copy())  # a value independent of argnums: refused
