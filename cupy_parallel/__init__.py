@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from cupy_parallel import comm, functions, ops
 from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array
+from cupy_parallel._src.arraytypes import Array
 from cupy_parallel._src.devices import Device, as_device, devices, platform, set_host_device_count
 from cupy_parallel._src.functional import grad, value_and_grad
 from cupy_parallel._src.functions import to_device
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "Array",
     "DataParallel",
     "Device",
     "Function",
