@@ -26,6 +26,11 @@ from cupy_parallel._src.memory import get_host_memory_pool
 if TYPE_CHECKING:
     from types import ModuleType
 
+    from numpy.typing import DTypeLike
+
+    from cupy_parallel._src.arraytypes import Array
+    from cupy_parallel._src.devices import DeviceLike
+
 __all__ = ["array_namespace", "device_of", "empty", "is_array", "to_device"]
 
 _KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 1, 2, 3, 13
@@ -42,7 +47,7 @@ def is_array(x: object, /) -> bool:
     return type(x) is HostArray or isinstance(x, np.ndarray) or is_cupy_array(x)
 
 
-def device_of(array: Any, /) -> Device:
+def device_of(array: Array, /) -> Device:
     """The device an array lives on: ``cpu`` for NumPy, ``host:k`` for HostArray, ``cuda:k``.
 
     Example:
@@ -61,7 +66,7 @@ def device_of(array: Any, /) -> Device:
     )
 
 
-def array_namespace(array: Any, /) -> ModuleType:
+def array_namespace(array: Array, /) -> ModuleType:
     """``numpy`` or ``cupy``: the module that computes on ``array``'s device.
 
     NumPy computes on host arrays through its dispatch protocols (the result stays on the
@@ -76,7 +81,7 @@ def array_namespace(array: Any, /) -> ModuleType:
     return device_of(array).xp
 
 
-def empty(shape: tuple[int, ...] | int, dtype: Any, device: Any, /) -> Any:
+def empty(shape: tuple[int, ...] | int, dtype: DTypeLike, device: DeviceLike, /) -> Array:
     """An uninitialised C-contiguous array on ``device``.
 
     Host and cpu arrays of 128 KiB or more come from the host memory pool (see

@@ -24,7 +24,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -91,7 +91,16 @@ if TYPE_CHECKING:
         def __invert__(self) -> Any: ...
 
 
-__all__ = ["Array", "Scalar"]
+__all__ = ["Array", "Output", "Params", "Scalar", "Tree"]
+
+Tree = TypeVar("Tree")
+"""A pytree given to a function that returns one of the same structure (and so the same type)."""
+
+Params = TypeVar("Params")
+"""The parameter pytree of a module function ``fn(params, *inputs)``."""
+
+Output = TypeVar("Output")
+"""What a user function returns."""
 
 Scalar: TypeAlias = "bool | int | float | complex | np.generic"
 """A scalar operand of :mod:`cupy_parallel.ops` (Python numbers and NumPy scalars)."""

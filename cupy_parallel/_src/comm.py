@@ -38,6 +38,9 @@ from cupy_parallel._src.hostarray import check_device_dtype, plain_buffer
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from cupy_parallel._src.arraytypes import Array
+    from cupy_parallel._src.devices import DeviceLike
+
 __all__ = [
     "DEFAULT_BUFFER_SIZE",
     "broadcast",
@@ -351,15 +354,15 @@ def _buckets(arrays: Sequence[Any], limit: int) -> list[list[int]]:
 
 
 def scatter(
-    array: Any,
+    array: Array,
     /,
-    devices: Any = None,
-    chunk_sizes: Any = None,
+    devices: Sequence[DeviceLike] | None = None,
+    chunk_sizes: Sequence[int] | None = None,
     dim: int = 0,
-    streams: Any = None,
+    streams: Sequence[Any] | None = None,
     *,
-    out: Any = None,
-) -> tuple[Any, ...]:
+    out: Sequence[Array] | None = None,
+) -> tuple[Array, ...]:
     """Split ``array`` along ``dim`` and place the pieces on ``devices`` (or into ``out``).
 
     Without ``chunk_sizes`` the array is cut into ``min(len(devices), array.shape[dim])``
@@ -456,7 +459,14 @@ def _check_scatter_out(o: Any, i: int, array: Any, axis: int) -> None:
     _check_same_dtype(o, array.dtype, f"out[{i}]", "array")
 
 
-def gather(arrays: Any, /, dim: int = 0, destination: Any = None, *, out: Any = None) -> Any:
+def gather(
+    arrays: Sequence[Array],
+    /,
+    dim: int = 0,
+    destination: DeviceLike | None = None,
+    *,
+    out: Array | None = None,
+) -> Array:
     """Concatenate ``arrays`` (from accelerator devices) along ``dim`` on one device.
 
     ``destination`` may be any device; ``"cpu"`` or ``-1`` gives a plain ``numpy.ndarray`` (``-1``
@@ -531,7 +541,13 @@ def gather(arrays: Any, /, dim: int = 0, destination: Any = None, *, out: Any = 
 # broadcast
 
 
-def broadcast(array: Any, /, devices: Any = None, *, out: Any = None) -> tuple[Any, ...]:
+def broadcast(
+    array: Array,
+    /,
+    devices: Sequence[DeviceLike] | None = None,
+    *,
+    out: Sequence[Array] | None = None,
+) -> tuple[Array, ...]:
     """Copy ``array`` to every device in ``devices`` (or into every array in ``out``).
 
     With ``devices``, the entry for the array's own device is ``array`` itself (torch does the
@@ -600,8 +616,11 @@ def _broadcast_copies(array: Any, outs: Sequence[Any]) -> None:
 
 
 def broadcast_coalesced(
-    arrays: Any, /, devices: Any, buffer_size: int = DEFAULT_BUFFER_SIZE
-) -> tuple[tuple[Any, ...], ...]:
+    arrays: Sequence[Array],
+    /,
+    devices: Sequence[DeviceLike],
+    buffer_size: int = DEFAULT_BUFFER_SIZE,
+) -> tuple[tuple[Array, ...], ...]:
     """Broadcast many arrays at once, packing them into buckets of up to ``buffer_size`` bytes.
 
     Every array must live on ``devices[0]``. Arrays of one dtype are packed into flat buckets of
@@ -679,7 +698,7 @@ def _unflatten(flat: Any, like: Sequence[Any]) -> list[Any]:
 # reduce_add
 
 
-def reduce_add(inputs: Any, /, destination: Any = None) -> Any:
+def reduce_add(inputs: Sequence[Array], /, destination: DeviceLike | None = None) -> Array:
     """Sum arrays of one shape and dtype living on (usually) different devices.
 
     The sum lands on ``destination``, which must be the device of one of the inputs (as torch
@@ -771,8 +790,11 @@ def _sum_into(out: Any, terms: Sequence[Any]) -> None:
 
 
 def reduce_add_coalesced(
-    inputs: Any, /, destination: Any = None, buffer_size: int = DEFAULT_BUFFER_SIZE
-) -> tuple[Any, ...]:
+    inputs: Sequence[Sequence[Array]],
+    /,
+    destination: DeviceLike | None = None,
+    buffer_size: int = DEFAULT_BUFFER_SIZE,
+) -> tuple[Array, ...]:
     """Sum lists of arrays across devices, packing them into buckets of ``buffer_size`` bytes.
 
     ``inputs[k]`` is device ``k``'s list; all lists have the same length and the arrays at one

@@ -18,12 +18,14 @@ import os
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
 
 import numpy as np
 
 if TYPE_CHECKING:
     from types import ModuleType
+
+    from cupy_parallel._src.arraytypes import CupyArray
 
 __all__ = [
     "CPU",
@@ -98,7 +100,7 @@ def _cuda_device_count() -> int:
         return 0
 
 
-def is_cupy_array(x: object, /) -> bool:
+def is_cupy_array(x: object, /) -> TypeGuard[CupyArray]:
     """Whether ``x`` is a ``cupy.ndarray`` (cheap when it is not: CuPy is never imported for it)."""
     cupy = cupy_module() if "cupy" in type(x).__module__ else None
     return cupy is not None and isinstance(x, cupy.ndarray)

@@ -30,7 +30,7 @@ import re
 import warnings
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import optree
@@ -44,6 +44,9 @@ from cupy_parallel._src.tree import NAMESPACE
 
 if TYPE_CHECKING:
     from optree import PyTreeAccessor, PyTreeSpec
+
+    from cupy_parallel._src.arraytypes import Tree
+    from cupy_parallel._src.devices import DeviceLike
 
 __all__ = ["gather", "scatter", "scatter_kwargs"]
 
@@ -295,7 +298,7 @@ def _leaves_equal(a: object, b: object) -> bool:
 # Public functions
 
 
-def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list[Any]:
+def scatter(inputs: Tree, /, target_devices: Sequence[DeviceLike], dim: int = 0) -> list[Tree]:
     """Split every array in a nested structure along ``dim`` and spread the pieces over devices.
 
     Returns one structure per replica: replica ``i`` holds chunk ``i`` of every array, placed on
@@ -376,14 +379,17 @@ def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list
             columns.append(_scatter_leaf(leaf, devices[:replicas], sizes, dims[k]))
         else:
             columns.append((leaf,) * replicas)
-    return [spec.unflatten([column[r] for column in columns]) for r in range(replicas)]
+    # optree types an unflattened tree as PyTree[Any]; it has the structure (type) of inputs
+    return [
+        cast("Tree", spec.unflatten([column[r] for column in columns])) for r in range(replicas)
+    ]
 
 
 def scatter_kwargs(
     inputs: Sequence[Any] | None,
     kwargs: Mapping[str, Any] | None,
     /,
-    target_devices: Sequence[Any],
+    target_devices: Sequence[DeviceLike],
     dim: int = 0,
 ) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
     """:func:`scatter` positional arguments and keyword arguments together, one pair per replica.
@@ -437,7 +443,7 @@ def scatter_kwargs(
     return tuple(scattered_inputs), tuple(scattered_kwargs)
 
 
-def gather(outputs: Sequence[Any], /, target_device: Any, dim: int = 0) -> Any:
+def gather(outputs: Sequence[Tree], /, target_device: DeviceLike, dim: int = 0) -> Tree:
     """Join per-replica structures into one: arrays are concatenated along ``dim`` on a device.
 
     ``outputs`` holds one structure per replica, all of the same structure. Array leaves are
@@ -521,7 +527,7 @@ def gather(outputs: Sequence[Any], /, target_device: Any, dim: int = 0) -> Any:
             column[0] if plan is None else _gather_leaves(column, target, plan)
             for plan, column in zip(plans, columns, strict=True)
         ]
-    return spec.unflatten(gathered)
+    return cast("Tree", spec.unflatten(gathered))  # the structure of every replica
 
 
 def _check_column(column: list[Any], dim: int, path: str) -> int | None:

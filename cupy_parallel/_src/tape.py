@@ -64,6 +64,8 @@ from cupy_parallel._src.tree import NAMESPACE, flatten_with_names
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
+    from cupy_parallel._src.arraytypes import Array, Tree
+
 __all__ = [
     "Function",
     "FunctionContext",
@@ -290,7 +292,7 @@ def _constant_vjp(gs: list[Any], xs: tuple[Any, ...], needs: Any, zs: Any, aux: 
     return (zeros_like(xs[0]),)
 
 
-def stop_gradient(x: Any, /) -> Any:
+def stop_gradient(x: Tree, /) -> Tree:
     """``x``'s values as arrays no tape tracks: a constant for differentiation.
 
     Each array leaf of the pytree ``x`` becomes a new view of the same memory (so writing into
@@ -306,9 +308,9 @@ def stop_gradient(x: Any, /) -> Any:
         >>> tape.gradient(y, x, output_gradients=np.ones(2))
         array([1., 2.])
     """
-    return optree.tree_map(
+    return optree.tree_map(  # type: ignore[return-value]  # optree: PyTree[Any]; same structure
         lambda leaf: on_device_of(leaf, leaf.view) if is_array(leaf) else leaf,
-        x,
+        x,  # type: ignore[arg-type]
         namespace=NAMESPACE,
     )
 
@@ -539,7 +541,7 @@ class Tape:
 
     # -- tracking ------------------------------------------------------------------------
 
-    def watch(self, params: Any, /) -> None:
+    def watch(self, params: object, /) -> None:
         """Track every array leaf of the pytree ``params`` (namespace ``"cupy_parallel"``).
 
         Leaves that are not arrays are skipped (as :func:`~cupy_parallel.replicate` does);
@@ -593,12 +595,12 @@ class Tape:
 
     def gradient(
         self,
-        target: Any,
-        sources: Any,
-        output_gradients: Any = None,
+        target: object,
+        sources: Tree,
+        output_gradients: object = None,
         *,
         unconnected_gradients: str = "zero",
-    ) -> Any:
+    ) -> Tree:
         """Gradients of ``target`` with respect to ``sources``, in the sources' pytree shape.
 
         Args:
@@ -662,7 +664,7 @@ class Tape:
         if not self.persistent:
             self._used = True
             self._nodes, self._tracked, self._leaves, self._versions = [], {}, set(), {}
-        return optree.tree_unflatten(
+        return optree.tree_unflatten(  # type: ignore[return-value]  # the structure of sources
             source_def, [next(result) if is_array(leaf) else None for leaf in leaves]
         )
 
@@ -929,12 +931,12 @@ class FunctionContext:
                 raise _modified_error(function, f"saved array {i}", a, recorded)
 
     @property
-    def saved_arrays(self) -> tuple[Any, ...]:
+    def saved_arrays(self) -> tuple[Array, ...]:
         """The arrays given to :meth:`save_for_backward`, in order."""
         return self._saved
 
     @property
-    def saved_tensors(self) -> tuple[Any, ...]:
+    def saved_tensors(self) -> tuple[Array, ...]:
         """PyTorch's name for :attr:`saved_arrays` (the same tuple)."""
         return self._saved
 

@@ -138,7 +138,7 @@ def reduce(inputs: Sequence[Any], target: Device) -> Any:
     """The elementwise sum of ``inputs`` on ``target`` (one of their GPUs), by one NCCL reduce."""
     nccl, cupy = _modules()
     first = inputs[0]
-    out = empty(first.shape, first.dtype, target)
+    out: Any = empty(first.shape, first.dtype, target)  # a cupy.ndarray (untyped)
     if first.size == 0:
         return out
     type_name, element, op_name = _REDUCE_TYPES[first.dtype]
