@@ -10,7 +10,7 @@ under an outer tape is recorded on it.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, overload
 
 from cupy_parallel._src.arguments import read_bool
 from cupy_parallel._src.tape import Tape
@@ -18,7 +18,11 @@ from cupy_parallel._src.tape import Tape
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from cupy_parallel._src.arraytypes import Output, Tree
+
 __all__ = ["grad", "value_and_grad"]
+
+Args = ParamSpec("Args")  # the arguments of the function differentiated
 
 
 def _read_argnums(argnums: Any) -> tuple[int, ...]:
@@ -36,6 +40,14 @@ def _read_argnums(argnums: Any) -> tuple[int, ...]:
     return numbers
 
 
+@overload  # argnums=0: the gradient has the first argument's type (first match wins)
+def value_and_grad(  # type: ignore[overload-overlap]
+    fn: Callable[Concatenate[Tree, Args], Output], argnums: Literal[0] = 0, *, has_aux: bool = False
+) -> Callable[Concatenate[Tree, Args], tuple[Output, Tree]]: ...
+@overload
+def value_and_grad(
+    fn: Callable[Args, Output], argnums: int | tuple[int, ...], *, has_aux: bool = False
+) -> Callable[Args, tuple[Output, Any]]: ...
 def value_and_grad(
     fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False
 ) -> Callable[..., tuple[Any, Any]]:
@@ -99,6 +111,21 @@ def value_and_grad(
     return value_and_gradient
 
 
+@overload  # argnums=0: the gradient has the first argument's type (first match wins)
+def grad(  # type: ignore[overload-overlap]
+    fn: Callable[Concatenate[Tree, Args], Any],
+    argnums: Literal[0] = 0,
+    *,
+    has_aux: Literal[False] = False,
+) -> Callable[Concatenate[Tree, Args], Tree]: ...
+@overload
+def grad(  # type: ignore[overload-overlap]
+    fn: Callable[Concatenate[Tree, Args], Any], argnums: Literal[0] = 0, *, has_aux: Literal[True]
+) -> Callable[Concatenate[Tree, Args], tuple[Tree, Any]]: ...
+@overload
+def grad(
+    fn: Callable[Args, Any], argnums: int | tuple[int, ...], *, has_aux: bool = False
+) -> Callable[Args, Any]: ...
 def grad(
     fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False
 ) -> Callable[..., Any]:

@@ -19,7 +19,7 @@ the consumer's current stream waits for it, as torch's ``_get_stream`` pattern d
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from cupy_parallel._src import comm, ops
 from cupy_parallel._src.arrays import device_of, is_array
@@ -27,6 +27,12 @@ from cupy_parallel._src.arrays import to_device as move
 from cupy_parallel._src.cuda.streams import background_stream
 from cupy_parallel._src.devices import Device, read_devices
 from cupy_parallel._src.tape import Function, FunctionContext, is_recording
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+    from cupy_parallel._src.arraytypes import Array
+    from cupy_parallel._src.devices import DeviceLike
 
 __all__ = ["Broadcast", "Gather", "ReduceAddCoalesced", "Scatter", "ToDevice", "to_device"]
 
@@ -245,6 +251,12 @@ class ToDevice(Function):
         return ToDevice.apply(grad, ctx.source, None), None, None
 
 
+@overload
+def to_device(
+    array: Array, device: Literal["cpu", -1], /, *, stream: Any = None
+) -> NDArray[Any]: ...
+@overload
+def to_device(array: Array, device: DeviceLike, /, *, stream: Any = None) -> Array: ...
 def to_device(array: Any, device: Any, /, *, stream: Any = None) -> Any:
     """Copy ``array`` to ``device``, differentiably; one already there is returned as it is.
 

@@ -20,13 +20,14 @@ import contextvars
 import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, Generic
 
 import optree
 
 from cupy_parallel._src import comm
 from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, is_array
+from cupy_parallel._src.arraytypes import Output, Params, Tree
 from cupy_parallel._src.devices import Device, cupy_module, devices, read_device, read_devices
 from cupy_parallel._src.functions import Broadcast
 from cupy_parallel._src.nested import _flatten, _key_path, gather, scatter_kwargs
@@ -34,6 +35,8 @@ from cupy_parallel._src.tree import NAMESPACE
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
+
+    from cupy_parallel._src.devices import DeviceLike
 
 __all__ = ["DataParallel", "data_parallel", "parallel_apply", "replicate"]
 
@@ -58,7 +61,7 @@ def _check_params_on(params: Any, device: Device, where: str) -> None:
 # replicate
 
 
-def replicate(params: Any, /, devices: Sequence[Any], detach: bool = False) -> list[Any]:
+def replicate(params: Tree, /, devices: Sequence[DeviceLike], detach: bool = False) -> list[Tree]:
     """Copy a parameter pytree onto each of ``devices``: one pytree per device.
 
     All array leaves are broadcast together, coalesced into a few buffers per dtype, through
@@ -100,7 +103,7 @@ def replicate(params: Any, /, devices: Sequence[Any], detach: bool = False) -> l
     if not targets:
         return []
     _check_params_on(params, targets[0], "replicate")
-    leaves, treedef = optree.tree_flatten(params, namespace=NAMESPACE)
+    leaves, treedef = optree.tree_flatten(params, namespace=NAMESPACE)  # type: ignore[arg-type, var-annotated]
     slots = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
     arrays = [leaves[i] for i in slots]
     copies: Sequence[Sequence[Any]]
@@ -118,7 +121,7 @@ def replicate(params: Any, /, devices: Sequence[Any], detach: bool = False) -> l
         for slot, array in zip(slots, copy, strict=True):
             replica_leaves[slot] = array
         replicas.append(optree.tree_unflatten(treedef, replica_leaves))
-    return replicas
+    return replicas  # type: ignore[return-value]  # optree: PyTree[Any]; params' structure
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,12 +194,12 @@ def _run_replica(
 
 
 def parallel_apply(
-    fns: Sequence[Callable[..., Any]],
+    fns: Sequence[Callable[..., Output]],
     inputs: Sequence[Any],
     /,
     kwargs_tup: Sequence[Mapping[str, Any]] | None = None,
-    devices: Sequence[Any] | None = None,
-) -> list[Any]:
+    devices: Sequence[DeviceLike | None] | None = None,
+) -> list[Output]:
     """Call ``fns[i](*inputs[i], **kwargs_tup[i])`` for every ``i`` at once, one thread each.
 
     Each call runs in its own thread (a single call runs in the caller's thread, as in torch)
@@ -345,15 +348,15 @@ def _placement(device_ids: Any, output_device: Any) -> tuple[list[Device], Devic
 
 
 def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options positionally
-    fn: Callable[..., Any],
-    params: Any,
+    fn: Callable[Concatenate[Params, ...], Output],
+    params: Params,
     inputs: Any,
     /,
-    device_ids: Sequence[Any] | None = None,
-    output_device: Any = None,
+    device_ids: Sequence[DeviceLike] | None = None,
+    output_device: DeviceLike | None = None,
     dim: int = 0,
     module_kwargs: Mapping[str, Any] | None = None,
-) -> Any:
+) -> Output:
     """Evaluate ``fn(params, *inputs, **module_kwargs)`` with the batch split over devices.
 
     The functional form of ``torch.nn.parallel.data_parallel``. The arrays in ``inputs`` and
@@ -423,7 +426,7 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
     return gather(outputs, output, dim)
 
 
-class DataParallel:
+class DataParallel(Generic[Params, Output]):
     """A module function and its parameters, evaluated data-parallel when called.
 
     The counterpart of ``torch.nn.DataParallel`` for pure functions: ``dp(*inputs, **kwargs)`` is
@@ -453,10 +456,10 @@ class DataParallel:
 
     def __init__(
         self,
-        fn: Callable[..., Any],
-        params: Any,
-        device_ids: Sequence[Any] | None = None,
-        output_device: Any = None,
+        fn: Callable[Concatenate[Params, ...], Output],
+        params: Params,
+        device_ids: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
         dim: int = 0,
     ) -> None:
         if not callable(fn):
@@ -467,7 +470,7 @@ class DataParallel:
         _check_params_on(params, self.device_ids[0], "DataParallel")
         self.params = params
 
-    def __call__(self, /, *inputs: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *inputs: Any, **kwargs: Any) -> Output:
         """``data_parallel`` of the stored function and parameters on ``inputs``."""
         return data_parallel(
             self.fn,
