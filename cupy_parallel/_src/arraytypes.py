@@ -91,7 +91,7 @@ if TYPE_CHECKING:
         def __invert__(self) -> Any: ...
 
 
-__all__ = ["Array", "Output", "Params", "Scalar", "Tree"]
+__all__ = ["Array", "Operand", "Output", "Params", "Scalar", "Tree"]
 
 Tree = TypeVar("Tree")
 """A pytree given to a function that returns one of the same structure (and so the same type)."""
@@ -104,6 +104,9 @@ Output = TypeVar("Output")
 
 Scalar: TypeAlias = "bool | int | float | complex | np.generic"
 """A scalar operand of :mod:`cupy_parallel.ops` (Python numbers and NumPy scalars)."""
+
+Operand: TypeAlias = "Array | Scalar"
+"""An operand of the element-wise :mod:`cupy_parallel.ops`: an array or a scalar."""
 
 if TYPE_CHECKING:
     Array: TypeAlias = "NDArray[Any] | HostArray | CupyArray"

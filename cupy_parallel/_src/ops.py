@@ -58,6 +58,8 @@ from cupy_parallel._src.tape import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from cupy_parallel._src.arraytypes import Array, Operand
+
 __all__ = [
     "abs",
     "add",
@@ -358,7 +360,7 @@ def _minimum_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> 
     return _extremum_vjp(gs[0], xs[0], xs[1], needs, larger_first=False)
 
 
-def _unary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Any], Any]:
+def _unary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Operand], Array]:
     slow = _named(name)
 
     def op(x: Any, /) -> Any:
@@ -397,7 +399,7 @@ def _host_binary(ufunc: Any, name: str, a: Any, b: Any) -> Any:
     return host_array(z if type(z) is np.ndarray else np.asarray(z), device)
 
 
-def _binary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Any, Any], Any]:
+def _binary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Operand, Operand], Array]:
     slow = _named(name)
 
     def op(a: Any, b: Any, /) -> Any:
@@ -550,7 +552,7 @@ minimum = _binary_op(
 _maximum_kernel = _named("maximum")
 
 
-def relu(x: Any, /) -> Any:
+def relu(x: Operand, /) -> Array:
     """``max(x, 0)``, differentiable; the gradient at 0 is 0, as in PyTorch.
 
     Example:
@@ -573,7 +575,7 @@ def _where_kernel(xp: Any, cond: Any, x: Any, y: Any) -> Any:
     return xp.where(cond, x, y)
 
 
-def where(condition: Any, x: Any, y: Any, /) -> Any:
+def where(condition: Array, x: Operand, y: Operand, /) -> Array:
     """``x`` where ``condition`` holds, else ``y`` (broadcast), differentiable in ``x`` and ``y``.
 
     ``condition`` is a constant (a boolean array); ``x`` and ``y`` may be scalars.
@@ -613,7 +615,7 @@ def _clip_masks_kernel(xp: Any, x: Any, lo: Any, hi: Any) -> list[Any]:
     return [inside, below, above]
 
 
-def clip(x: Any, lo: Any = None, hi: Any = None, /) -> Any:
+def clip(x: Operand, lo: Operand | None = None, hi: Operand | None = None, /) -> Array:
     """``x`` limited to ``[lo, hi]`` (either bound may be ``None``), differentiable.
 
     The gradient flows to ``x`` where ``lo <= x <= hi``, to an array ``lo`` where ``x < lo`` and
@@ -651,7 +653,7 @@ def _clip_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Gra
 _matmul_kernel = _named("matmul")
 
 
-def matmul(a: Any, b: Any, /) -> Any:
+def matmul(a: Array, b: Array, /) -> Array:
     """``a @ b`` with NumPy's rules (1-d operands, batch broadcasting), differentiable.
 
     Example:
@@ -711,7 +713,7 @@ _sum_kernel = _named("sum")
 _mean_kernel = _named("mean")
 
 
-def sum(x: Any, /, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Any:
+def sum(x: Array, /, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Array:
     """Sum over ``axis`` (all axes by default), differentiable.
 
     Example:
@@ -732,7 +734,9 @@ def _sum_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: tuple[Any, bo
     return (_spread(gs[0], xs[0], *aux),)
 
 
-def mean(x: Any, /, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Any:
+def mean(
+    x: Array, /, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False
+) -> Array:
     """Mean over ``axis`` (all axes by default), differentiable.
 
     Example:
@@ -761,13 +765,13 @@ def _mean_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: tuple[Any, .
 
 
 def var(
-    x: Any,
+    x: Array,
     /,
     axis: int | tuple[int, ...] | None = None,
     *,
     ddof: int = 0,
     keepdims: bool = False,
-) -> Any:
+) -> Array:
     """Variance over ``axis`` with ``ddof`` delta degrees of freedom (NumPy's default 0).
 
     PyTorch's ``var`` defaults to the unbiased estimate (``correction=1``); pass ``ddof=1`` for
@@ -807,8 +811,8 @@ def _logsumexp_kernel(xp: Any, x: Any, axes: tuple[int, ...], keepdims: bool) ->
 
 
 def logsumexp(
-    x: Any, /, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False
-) -> Any:
+    x: Array, /, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False
+) -> Array:
     """``log(sum(exp(x)))`` over ``axis`` (all by default), computed stably, differentiable.
 
     Example:
@@ -853,7 +857,7 @@ def _class_axis(x: Any, axis: Any, op: str) -> int:
     return int(normalize_axis_index(read_int(axis, "axis"), x.ndim))
 
 
-def softmax(x: Any, /, axis: int = -1) -> Any:
+def softmax(x: Array, /, axis: int = -1) -> Array:
     """``exp(x) / sum(exp(x))`` along ``axis`` (the last by default), differentiable.
 
     Example:
@@ -874,7 +878,7 @@ def _softmax_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, axis: int) -> 
     return (_fit(multiply(z, subtract(g, sum(multiply(g, z), axis, keepdims=True))), xs[0]),)
 
 
-def log_softmax(x: Any, /, axis: int = -1) -> Any:
+def log_softmax(x: Array, /, axis: int = -1) -> Array:
     """``x - logsumexp(x)`` along ``axis`` (the last by default), computed stably.
 
     Example:
@@ -906,7 +910,7 @@ def _label_range_kernel(xp: Any, labels: Any) -> list[Any]:
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def softmax_cross_entropy(logits: Any, labels: Any, /, *, reduction: str = "mean") -> Any:
+def softmax_cross_entropy(logits: Array, labels: Array, /, *, reduction: str = "mean") -> Array:
     """Cross-entropy of ``softmax(logits)`` against integer class ``labels``, differentiable.
 
     ``logits`` has classes on its last axis, shape ``(..., C)``; ``labels`` has shape ``(...)``
@@ -966,7 +970,7 @@ _reshape_kernel = _named("reshape")
 _transpose_kernel = _named("transpose")
 
 
-def reshape(x: Any, /, shape: int | tuple[int, ...]) -> Any:
+def reshape(x: Array, /, shape: int | tuple[int, ...]) -> Array:
     """``x`` with a new shape (one entry may be -1), differentiable.
 
     Example:
@@ -987,7 +991,7 @@ def _reshape_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> 
     return (reshape(gs[0], xs[0].shape),)
 
 
-def transpose(x: Any, /, axes: tuple[int, ...] | None = None) -> Any:
+def transpose(x: Array, /, axes: tuple[int, ...] | None = None) -> Array:
     """``x`` with its axes permuted (reversed by default), differentiable.
 
     Example:
@@ -1043,7 +1047,7 @@ def _getitem_kernel(xp: Any, x: Any, key: tuple[Any, ...]) -> Any:
     return x[key]
 
 
-def getitem(x: Any, index: Any, /) -> Any:
+def getitem(x: Array, index: Any, /) -> Array:
     """``x[index]`` with NumPy's rules, differentiable.
 
     ``index`` may hold ints, slices, ``None``, ``...``, integer arrays (repeated elements get
@@ -1110,7 +1114,7 @@ def _concatenate_kernel(xp: Any, arrays: Sequence[Any], axis: int) -> Any:
     return xp.concatenate(arrays, axis=axis)
 
 
-def concatenate(arrays: Sequence[Any], /, axis: int = 0) -> Any:
+def concatenate(arrays: Sequence[Array], /, axis: int = 0) -> Array:
     """Join ``arrays`` along an existing ``axis``, differentiable.
 
     Example:
@@ -1138,7 +1142,7 @@ def _stack_kernel(xp: Any, arrays: Sequence[Any], axis: int) -> Any:
     return xp.stack(arrays, axis=axis)
 
 
-def stack(arrays: Sequence[Any], /, axis: int = 0) -> Any:
+def stack(arrays: Sequence[Array], /, axis: int = 0) -> Array:
     """Join ``arrays`` of one shape along a new ``axis``, differentiable.
 
     Example:
@@ -1167,7 +1171,7 @@ def _split_kernel(xp: Any, x: Any, sections: Any, axis: int) -> list[Any]:
     return list(xp.split(x, sections, axis=axis))
 
 
-def split(x: Any, indices_or_sections: int | Sequence[int], /, axis: int = 0) -> list[Any]:
+def split(x: Array, indices_or_sections: int | Sequence[int], /, axis: int = 0) -> list[Array]:
     """Split ``x`` along ``axis`` into equal sections or at indices (``numpy.split``).
 
     Example:
