@@ -11,14 +11,16 @@ from __future__ import annotations
 import tempfile
 from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-from numpy.typing import NDArray
 
 import cupy_parallel as cp
 from cupy_parallel import distributed as dist
 from cupy_parallel import ops
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
 
 Params = dict[str, cp.Array]
 
@@ -63,7 +65,7 @@ def comm_round_trip(x: NDArray[np.float64], devices: list[cp.Device]) -> None:
 
 def nested_round_trip(batch: Batch, devices: list[cp.Device]) -> Batch:
     replicas: list[Batch] = cp.scatter(batch, devices)
-    assert all(cp.device_of(r.x) == d for r, d in zip(replicas, devices))
+    assert all(cp.device_of(r.x) == d for r, d in zip(replicas, devices, strict=True))
     whole: Batch = cp.gather(replicas, "cpu")
     return whole
 
@@ -86,17 +88,19 @@ def train(devices: list[cp.Device], steps: int) -> list[float]:
         dp.params = params
         losses.append(float(host(loss)))
     # the functional form agrees with the tape
-    value, grads = cp.value_and_grad(loss_fn)(params, data.x, data.y)
+    x, y = cp.to_device(data.x, devices[0]), cp.to_device(data.y, devices[0])
+    value, grads = cp.value_and_grad(loss_fn)(params, x, y)
     gradient_fn = cp.grad(loss_fn)
     assert float(host(value)) >= 0.0
-    assert set(gradient_fn(params, data.x, data.y)) == set(grads) == {"w", "b"}
+    assert set(gradient_fn(params, x, y)) == set(grads) == {"w", "b"}
     return losses
 
 
 def replicate_and_apply(params: Params, devices: list[cp.Device]) -> list[cp.Array]:
     replicas = cp.replicate(params, devices)
     inputs = cp.scatter((np.ones((len(devices), 3)),), devices)
-    return cp.parallel_apply([model] * len(replicas), [(r, *i) for r, i in zip(replicas, inputs)])
+    args = [(r, *i) for r, i in zip(replicas, inputs, strict=True)]
+    return cp.parallel_apply([model] * len(replicas), args)
 
 
 def distributed_step(tmp: Path) -> float:
