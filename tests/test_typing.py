@@ -1,0 +1,96 @@
+"""Type checkers: ``mypy --strict`` on a user's script and on ``assert_type`` pins of the API.
+
+``tests/typing/user_script.py`` is a training script written against the public API (comm and
+nested scatter/gather, DataParallel, Tape, grad, ops, to_device, distributed and a store) with
+no ``cast`` or ``type: ignore``; ``tests/typing/check_types.py`` pins what the API returns
+(``Tape.gradient(loss, params)`` has ``params``' type, ``all_reduce(x)`` is ``None`` and
+``all_reduce(x, async_op=True)`` a ``Work``, ...) and marks calls a checker must refuse. The
+oracle is mypy itself: with the library's arrays typed ``Any`` the script fails ``--strict``
+(``no-any-return``) and the pins fail (``assert-type``). ``cupy_parallel`` is found through
+``MYPYPATH`` and its own errors are silenced (``tests/typing/mypy.ini``), as mypy silences an
+installed package's; the repository's ``mypy`` run checks the library itself.
+
+The script also runs (on two host devices, with a one-process MPI world), so the types it
+states are the types it gets.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mypy")
+
+ROOT = Path(__file__).resolve().parent.parent
+TYPING = ROOT / "tests" / "typing"
+FILES = ("user_script.py", "check_types.py")
+
+
+@pytest.fixture(scope="module")
+def mypy_output() -> dict[str, list[str]]:
+    """mypy's messages per checked file, from one ``mypy --strict`` run on both files."""
+    command = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--strict",
+        "--config-file",
+        str(TYPING / "mypy.ini"),
+        "--cache-dir",
+        str(ROOT / ".mypy_cache" / "typing-tests"),
+        "--no-color-output",
+        "--no-error-summary",
+        *(str(TYPING / name) for name in FILES),
+    ]
+    env = {**os.environ, "MYPYPATH": str(ROOT)}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode in {0, 1}, f"mypy crashed:\n{done.stdout}\n{done.stderr}"
+    messages: dict[str, list[str]] = {name: [] for name in FILES}
+    for line in done.stdout.splitlines():
+        name = Path(line.split(":", 1)[0]).name
+        messages.setdefault(name, []).append(line)
+    assert set(messages) == set(FILES), f"mypy reported on other files:\n{done.stdout}"
+    return messages
+
+
+def test_user_script_passes_mypy_strict(mypy_output: dict[str, list[str]]) -> None:
+    assert mypy_output["user_script.py"] == [], "\n".join(mypy_output["user_script.py"])
+
+
+def test_public_api_types_are_the_pinned_ones(mypy_output: dict[str, list[str]]) -> None:
+    assert mypy_output["check_types.py"] == [], "\n".join(mypy_output["check_types.py"])
+
+
+def test_the_pins_include_refused_calls() -> None:
+    """check_types.py marks misuse a checker must refuse; --strict errs on a needless ignore."""
+    text = (TYPING / "check_types.py").read_text(encoding="utf-8")
+    for code in ("arg-type", "call-overload", "call-arg", "func-returns-value"):
+        assert f"# type: ignore[{code}]" in text, code
+
+
+def test_user_script_runs_on_host_devices() -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "CUPY_PARALLEL_PLATFORM": "host",
+        "OPENBLAS_NUM_THREADS": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, str(TYPING / "user_script.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    word, first, last = done.stdout.split()
+    assert word == "ok"
+    assert float(last) < float(first)
