@@ -344,7 +344,7 @@ _NON_DIFFERENTIABLE = frozenset(
 """Operations whose results carry no gradient: raw NumPy may compute them on recorded arrays."""
 
 _OPS_NAMES = {"+": "add", "-": "subtract", "*": "multiply", "/": "divide", "true_divide": "divide"}
-_OPS_NAMES |= {"@": "matmul", "**": "power", "abs": "abs", "absolute": "abs", "amax": "max"}
+_OPS_NAMES |= {"@": "matmul", "**": "power", "absolute": "abs", "amax": "max", "amin": "min"}
 """Operator and NumPy names whose ``cupy_parallel.ops`` function has another name."""
 
 _IN_PLACE = frozenset({"fill", "set", "sort", "partition", "put", "[]=", "copyto"})
