@@ -181,12 +181,9 @@ def _placement(tape: Tape, inputs: tuple[Any, ...], outputs: tuple[Any, ...]) ->
     """
     if type(outputs[0]) is HostArray:
         seen = tape._versions
-        for a in inputs:
+        for a in (*inputs, *outputs):
             if type(a) is HostArray and id(a) not in seen:
                 seen[id(a)] = (a, version(a))
-        for y in outputs:
-            if type(y) is HostArray and id(y) not in seen:  # an output owning its memory is new
-                seen[id(y)] = (y, 0 if host_buffer(y).base is None else version(y))
         return None
     return cuda_device(outputs[0])
 
