@@ -587,7 +587,14 @@ class HostArray:
       device instead; silently moving data is what host devices exist to catch).
     * ``__array_namespace__`` is ``numpy``, which computes on host arrays through the
       dispatch protocols (as ``cupy_parallel.array_namespace`` says).
-    * Out-of-bounds indices raise ``IndexError`` as in NumPy (CuPy wraps them silently).
+    * Values are NumPy's, bit for bit: where CuPy's defaults differ (``put``'s ``mode`` is
+      ``'wrap'`` in CuPy, ``'raise'`` in NumPy) or CuPy is silently different (it wraps
+      out-of-bounds indices), the host array does what NumPy does, so errors are raised.
+    * Known places where it is stricter or looser than CuPy: structured and void dtypes are
+      refused (CuPy's main branch holds their bytes); a refused dtype is a ``TypeError``
+      (CuPy: ``ValueError``); Python numbers nested in a NumPy function's list arguments
+      (``np.concatenate([h, [1, 2]])``) are passed to NumPy, where some CuPy functions refuse
+      them; which NumPy functions, keywords and ufunc methods exist follows CuPy 14.2.
 
     Example:
         >>> import numpy as np
