@@ -489,6 +489,11 @@ def _computing_method(name: str, out_position: int | None) -> Callable[..., Any]
             for i, a in enumerate(args)
         ]
         given = kwargs
+        if kwargs.keys() & _METHOD_KEYWORDS_CUPY_LACKS:
+            raise TypeError(
+                f"{operation}() got keyword arguments cupy.ndarray.{name} does not take: "
+                f"{sorted(kwargs.keys() & _METHOD_KEYWORDS_CUPY_LACKS)}."
+            )
         if kwargs:
             kwargs = {
                 k: _method_argument(v, device, operation, host_data=False)
@@ -582,7 +587,14 @@ class HostArray:
       device instead; silently moving data is what host devices exist to catch).
     * ``__array_namespace__`` is ``numpy``, which computes on host arrays through the
       dispatch protocols (as ``cupy_parallel.array_namespace`` says).
-    * Out-of-bounds indices raise ``IndexError`` as in NumPy (CuPy wraps them silently).
+    * Values are NumPy's, bit for bit: where CuPy's defaults differ (``put``'s ``mode`` is
+      ``'wrap'`` in CuPy, ``'raise'`` in NumPy) or CuPy is silently different (it wraps
+      out-of-bounds indices), the host array does what NumPy does, so errors are raised.
+    * Known places where it is stricter or looser than CuPy: structured and void dtypes are
+      refused (CuPy's main branch holds their bytes); a refused dtype is a ``TypeError``
+      (CuPy: ``ValueError``); Python numbers nested in a NumPy function's list arguments
+      (``np.concatenate([h, [1, 2]])``) are passed to NumPy, where some CuPy functions refuse
+      them; which NumPy functions, keywords and ufunc methods exist follows CuPy 14.2.
 
     Example:
         >>> import numpy as np
@@ -1291,6 +1303,66 @@ _FUNCTIONS_CUPY_LACKS = frozenset(
 ``cupy.ndarray.__array_function__`` returns ``NotImplemented`` and NumPy raises ``TypeError``."""
 
 
+_KEYWORDS_CUPY_LACKS: dict[str, frozenset[str]] = {
+    name: frozenset(keywords.split())
+    for name, keywords in {
+        "numpy.all": "where",
+        "numpy.amax": "initial where",
+        "numpy.amin": "initial where",
+        "numpy.any": "where",
+        "numpy.argpartition": "kind order",
+        "numpy.argsort": "order stable",
+        "numpy.astype": "device",
+        "numpy.broadcast_arrays": "subok",
+        "numpy.broadcast_to": "subok",
+        "numpy.clip": "min max",
+        "numpy.copy": "subok",
+        "numpy.count_nonzero": "keepdims",
+        "numpy.isin": "kind",
+        "numpy.lexsort": "axis",
+        "numpy.linalg.cholesky": "upper",
+        "numpy.linalg.matrix_rank": "hermitian rtol",
+        "numpy.linalg.pinv": "hermitian rtol",
+        "numpy.linalg.svd": "hermitian",
+        "numpy.max": "initial where",
+        "numpy.mean": "where",
+        "numpy.min": "initial where",
+        "numpy.nanmax": "initial where",
+        "numpy.nanmean": "where",
+        "numpy.nanmin": "initial where",
+        "numpy.nanprod": "initial where",
+        "numpy.nanstd": "correction mean where",
+        "numpy.nansum": "initial where",
+        "numpy.nanvar": "correction mean where",
+        "numpy.partition": "kind order",
+        "numpy.percentile": "weights",
+        "numpy.prod": "initial where",
+        "numpy.quantile": "weights",
+        "numpy.reshape": "shape",
+        "numpy.sort": "order stable",
+        "numpy.std": "correction mean where",
+        "numpy.sum": "initial where",
+        "numpy.take": "mode",
+        "numpy.trim_zeros": "axis",
+        "numpy.unique": "sorted",
+        "numpy.unpackbits": "count",
+        "numpy.var": "correction mean where",
+        **{
+            f"numpy.fft.{transform}": "out"
+            for transform in ("fft", "fft2", "fftn", "hfft", "ifft", "ifft2", "ifftn", "ihfft")
+        },
+        **{
+            f"numpy.fft.{transform}": "out"
+            for transform in ("irfft", "irfft2", "irfftn", "rfft", "rfft2", "rfftn")
+        },
+    }.items()
+}
+"""Keywords NumPy's function takes and CuPy's counterpart does not (CuPy 14.2, NumPy 2.4): CuPy
+raises ``TypeError`` (an unexpected keyword argument), so a host array does too."""
+
+_METHOD_KEYWORDS_CUPY_LACKS = frozenset({"where", "initial", "correction", "mean"})
+"""Reduction keywords NumPy's ndarray methods take and ``cupy.ndarray``'s do not."""
+
 _HOST_DATA_PARAMETERS: dict[str, frozenset[str]] = {
     name: frozenset(parameters.split())
     for name, parameters in {
@@ -1365,6 +1437,12 @@ def _apply_function(
 ) -> Any:
     operation = f"numpy.{func.__name__}"
     qualified = f"{func.__module__}.{func.__name__}"
+    unknown = set(kwargs) & _KEYWORDS_CUPY_LACKS.get(qualified, frozenset())
+    if unknown:
+        raise TypeError(
+            f"{qualified}() got keyword arguments CuPy's {qualified.replace('numpy', 'cupy', 1)} "
+            f"does not take: {sorted(unknown)}."
+        )
     if qualified in _HOST_DATA_PARAMETERS:
         args, kwargs = _upload_host_data(device, qualified, func, args, kwargs)
     elif func is np.copyto:
