@@ -243,6 +243,7 @@ IN_PLACE = {
     "method out=": lambda x: x[:2].cumsum(out=x[2:]),
     "function out=": lambda x: np.einsum("i,i->i", x, x, out=x),
     "positional out": lambda x: np.dot(x[:1], x[:1], x[0]),
+    "nan_to_num(copy=False)": lambda x: np.nan_to_num(x, copy=False),
 }
 
 

@@ -1472,6 +1472,8 @@ def _apply_function(
     ]
     if isinstance(read_kwargs.get("out"), tuple):
         written.extend(read_kwargs["out"])
+    if func is np.nan_to_num and (read_args[1:2] or [read_kwargs.get("copy", True)])[0] is False:
+        written.append(read_args[0])  # nan_to_num(x, copy=False) writes into x
     if _guard is not None and not creation:
         _guard(operation, tuple(leaves))  # the arguments flattened (a list of arrays opened)
     result = func(*read_args, **read_kwargs)
