@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = [
     "Op",
@@ -199,7 +201,7 @@ class Simulation:
         return error
 
     def defer(self, error: RaceError) -> None:
-        """Note a race found where nothing can raise (a finaliser); raised when the simulation ends."""
+        """Note a race found where nothing can raise (a finaliser); raised at the end."""
         self.races.append(error)
         self.deferred.append(error)
 

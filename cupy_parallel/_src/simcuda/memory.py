@@ -114,7 +114,7 @@ class Block:
         return f"{where} block {self.address:#x} ({self.size} bytes)"
 
 
-def access(simulation: Simulation, block: Block, region: Region, write: bool, op: Op) -> None:
+def access(simulation: Simulation, block: Block, region: Region, op: Op, *, write: bool) -> None:
     """Check ``op``'s access to ``region`` of ``block`` against the history, then record it."""
     if region.start == region.end:
         return
@@ -251,7 +251,7 @@ class PinnedPool:
             block = Block("pinned", -1, rounded)
             registry_of(self._simulation).add(block)
         op = self._simulation.host_op("the host writing pinned memory from alloc_pinned_memory")
-        access(self._simulation, block, Region(0, block.size), True, op)
+        access(self._simulation, block, Region(0, block.size), op, write=True)
         return block
 
     def free(self, block: Block) -> None:

@@ -18,16 +18,18 @@ blocking copy on the current stream.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import optree
 
 from cupy_parallel._src.simcuda.clock import Op, Simulation, state
 from cupy_parallel._src.simcuda.memory import Region, access
-from cupy_parallel._src.simcuda.pointers import MemoryPointer, alloc
+from cupy_parallel._src.simcuda.pointers import Memory, MemoryPointer, alloc
 from cupy_parallel._src.simcuda.streams import Device, Stream, current_device, timeline_of
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["apply", "empty", "launch", "ndarray"]
 
@@ -77,7 +79,9 @@ class ndarray:  # noqa: N801 - CuPy's name
         strides: Any = None,
         order: str = "C",
     ) -> None:
-        shape = (int(shape),) if isinstance(shape, int | np.integer) else tuple(int(n) for n in shape)
+        shape = (
+            (int(shape),) if isinstance(shape, int | np.integer) else tuple(int(n) for n in shape)
+        )
         dtype = _check_dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         self.data = alloc(nbytes) if memptr is None else memptr
@@ -102,6 +106,12 @@ class ndarray:  # noqa: N801 - CuPy's name
         view._simulation = base._simulation
         return view
 
+    @classmethod
+    def _bare(cls, shape: tuple[int, ...], dtype: np.dtype[Any], device: int) -> ndarray:
+        """An array with no elements on ``device`` (it owns no memory)."""
+        simulation = state()
+        return cls(shape, dtype, MemoryPointer(Memory(None, device, simulation), 0))
+
     def _layout_probe(self) -> np.ndarray:
         """A NumPy array with this layout over this memory (no access is checked)."""
         mem = self.data.mem
@@ -117,10 +127,10 @@ class ndarray:  # noqa: N801 - CuPy's name
         offset = self.data.ptr - (0 if block is None else block.address)
         return block, Region.of_view(offset, self._shape, self._strides, self._dtype.itemsize)
 
-    def _access(self, op: Op, write: bool) -> None:
+    def _access(self, op: Op, *, write: bool) -> None:
         block, region = self._region()
         if block is not None and self.size:
-            access(self._simulation, block, region, write, op)
+            access(self._simulation, block, region, op, write=write)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -180,7 +190,13 @@ class ndarray:  # noqa: N801 - CuPy's name
 
     # -- host transfers -------------------------------------------------------------------
 
-    def get(self, stream: Stream | None = None, order: str = "C", out: np.ndarray | None = None, blocking: bool = True) -> np.ndarray:
+    def get(
+        self,
+        stream: Stream | None = None,
+        order: str = "C",
+        out: np.ndarray | None = None,
+        blocking: bool = True,
+    ) -> np.ndarray:
         """A host copy (into ``out`` if given) on ``stream`` (default: the current stream)."""
         if stream is None:
             stream = _current_stream()
@@ -190,9 +206,13 @@ class ndarray:  # noqa: N801 - CuPy's name
             if out.dtype != self._dtype:
                 raise TypeError(f"{out.dtype} array cannot be obtained from {self._dtype} array")
             if out.shape != self._shape:
-                raise ValueError(f"Shape mismatch. Expected shape: {self._shape}, actual shape: {out.shape}")
+                raise ValueError(
+                    f"Shape mismatch. Expected shape: {self._shape}, actual shape: {out.shape}"
+                )
             if not out.flags.c_contiguous:
-                raise RuntimeError("`out` cannot be specified when copying to non-contiguous ndarray")
+                raise RuntimeError(
+                    "`out` cannot be specified when copying to non-contiguous ndarray"
+                )
             host = out
         else:
             host = np.empty(self._shape, self._dtype)
@@ -275,13 +295,14 @@ class ndarray:  # noqa: N801 - CuPy's name
         return apply(func, args, kwargs, name=f"numpy.{func.__name__}")
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if isinstance(value, np.ndarray) or isinstance(value, list | tuple):
+        if isinstance(value, (np.ndarray, list | tuple)):
             raise TypeError(
                 f"Unsupported type {type(value)}: a cupy.ndarray accepts device arrays and "
                 "scalars; move host data with cupy.asarray first."
             )
         target = self[key] if _is_basic(key) else self
-        reads = [a for a in optree.tree_leaves((key, value)) if isinstance(a, ndarray)]
+        operands: Any = (key, value)
+        reads = [a for a in optree.tree_leaves(operands) if isinstance(a, ndarray)]
 
         def compute() -> None:
             host = self._layout_probe()
@@ -293,7 +314,9 @@ class ndarray:  # noqa: N801 - CuPy's name
         """A new contiguous copy on the current stream of the array's device."""
         with self.device:
             out = ndarray(self._shape, self._dtype, order="F" if order == "F" else "C")
-            launch("copy", [self], [out], lambda: np.copyto(out._layout_probe(), self._layout_probe()))
+            launch(
+                "copy", [self], [out], lambda: np.copyto(out._layout_probe(), self._layout_probe())
+            )
         return out
 
     def view(self, dtype: Any = None) -> Any:
@@ -326,7 +349,21 @@ def _operator(name: str, reflected: bool = False, inplace: bool = False) -> Call
     return method
 
 
-for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"):
+for _name in (
+    "add",
+    "sub",
+    "mul",
+    "truediv",
+    "floordiv",
+    "mod",
+    "pow",
+    "matmul",
+    "and",
+    "or",
+    "xor",
+    "lshift",
+    "rshift",
+):
     setattr(ndarray, f"__{_name}__", _operator(_name))
     setattr(ndarray, f"__r{_name}__", _operator(_name, reflected=True))
     setattr(ndarray, f"__i{_name}__", _operator(_name, inplace=True))
@@ -336,9 +373,7 @@ for _name in ("eq", "ne", "lt", "le", "gt", "ge", "neg", "pos", "abs", "invert")
 
 def _is_basic(key: Any) -> bool:
     keys = key if isinstance(key, tuple) else (key,)
-    return all(
-        k is None or k is Ellipsis or isinstance(k, int | np.integer | slice) for k in keys
-    )
+    return all(k is None or k is Ellipsis or isinstance(k, int | np.integer | slice) for k in keys)
 
 
 def _host_leaves(tree: Any) -> Any:
@@ -363,7 +398,9 @@ def empty(shape: Any, dtype: Any = float, order: str = "C") -> ndarray:
     return ndarray(shape, dtype, order=order)
 
 
-def launch(name: str, reads: list[ndarray], writes: list[ndarray], compute: Callable[[], Any]) -> Any:
+def launch(
+    name: str, reads: list[ndarray], writes: list[ndarray], compute: Callable[[], Any]
+) -> Any:
     """Run ``compute`` as one kernel on the current stream of the current device."""
     simulation = state()
     with simulation.lock:
@@ -383,9 +420,10 @@ def launch(name: str, reads: list[ndarray], writes: list[ndarray], compute: Call
             )
         op = simulation.enqueue(timeline, f"kernel {name}")
         for x in reads:
-            x._access(op, False)
+            if not any(x is w for w in writes):
+                x._access(op, write=False)
         for x in writes:
-            x._access(op, True)
+            x._access(op, write=True)
         return compute()
 
 
@@ -410,15 +448,18 @@ def apply(
     Results that share memory with an operand become views of it (no kernel); other results
     are copied into new arrays on the current device, written by the kernel.
     """
-    leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    operands: Any = (args, kwargs)
+    leaves: list[Any]
+    leaves, spec = optree.tree_flatten(operands, none_is_leaf=True)
     arrays = [x for x in leaves if isinstance(x, ndarray)]
     for leaf in leaves:
         _refuse_host(leaf, name)
-    out = kwargs.get("out")
+    out: Any = kwargs.get("out")
     outs = [x for x in optree.tree_leaves(out) if isinstance(x, ndarray)]
     writes = outs + (arrays[:1] if writes_self else [])
     host_leaves = [x._layout_probe() if isinstance(x, ndarray) else x for x in leaves]
-    host_args, host_kwargs = optree.tree_unflatten(spec, host_leaves)
+    host: Any = optree.tree_unflatten(spec, host_leaves)
+    host_args, host_kwargs = host
     simulation = state()
     with simulation.lock:
         result = fn(*host_args, **host_kwargs)
@@ -437,6 +478,9 @@ def _views_only(result: Any, arrays: list[ndarray]) -> Any:
             if isinstance(r, np.generic):
                 return None
             mapped.append(r)
+            continue
+        if r.size == 0 and arrays:  # no memory, no kernel
+            mapped.append(ndarray._bare(r.shape, r.dtype, arrays[0].data.device_id))
             continue
         base = _owner(r, arrays)
         if base is None:
@@ -462,7 +506,7 @@ def _finish(name: str, reads: list[ndarray], writes: list[ndarray], result: Any)
     created = []
     for i, r in enumerate(results):
         if isinstance(r, np.generic):
-            r = np.asarray(r)
+            r = results[i] = np.asarray(r)  # noqa: PLW2901 - a 0-d array, like CuPy
         if not isinstance(r, np.ndarray):
             continue
         written = [w for w in writes if _same(r, w)]

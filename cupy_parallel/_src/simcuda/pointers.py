@@ -53,7 +53,7 @@ def device_pool() -> DevicePool:
     pool = simulation.extensions.get("pool")
     if pool is None:
         pool = simulation.extensions["pool"] = DevicePool(simulation)
-    return pool  # type: ignore[no-any-return]
+    return pool
 
 
 def pinned_pool() -> PinnedPool:
@@ -62,7 +62,7 @@ def pinned_pool() -> PinnedPool:
     pool = simulation.extensions.get("pinned_pool")
     if pool is None:
         pool = simulation.extensions["pinned_pool"] = PinnedPool(simulation)
-    return pool  # type: ignore[no-any-return]
+    return pool
 
 
 class Memory:
@@ -108,17 +108,43 @@ class MemoryPointer:
     def __sub__(self, offset: int) -> MemoryPointer:
         return self + -int(offset)
 
-    def copy_from_device_async(self, src: MemoryPointer, size: int, stream: Stream | None = None) -> None:
+    def copy_from_device_async(
+        self, src: MemoryPointer, size: int, stream: Stream | None = None
+    ) -> None:
         """Copy ``size`` bytes from device pointer ``src`` (any GPU) on ``stream``."""
-        copy(self.ptr, src.ptr, size, stream, "copy_from_device_async", into="device", out_of="device")
+        copy(
+            self.ptr,
+            src.ptr,
+            size,
+            stream,
+            "copy_from_device_async",
+            into="device",
+            out_of="device",
+        )
 
     def copy_from_host_async(self, mem: Any, size: int, stream: Stream | None = None) -> None:
         """Copy ``size`` bytes from host address ``mem`` (pinned for true asynchrony)."""
-        copy(self.ptr, _address(mem), size, stream, "copy_from_host_async", into="device", out_of="host")
+        copy(
+            self.ptr,
+            _address(mem),
+            size,
+            stream,
+            "copy_from_host_async",
+            into="device",
+            out_of="host",
+        )
 
     def copy_to_host_async(self, mem: Any, size: int, stream: Stream | None = None) -> None:
         """Copy ``size`` bytes to host address ``mem``."""
-        copy(_address(mem), self.ptr, size, stream, "copy_to_host_async", into="host", out_of="device")
+        copy(
+            _address(mem),
+            self.ptr,
+            size,
+            stream,
+            "copy_to_host_async",
+            into="host",
+            out_of="device",
+        )
 
     def copy_from_async(self, mem: Any, size: int, stream: Stream | None = None) -> None:
         """Copy from a device pointer or a host address."""
@@ -129,15 +155,42 @@ class MemoryPointer:
 
     def copy_from_device(self, src: MemoryPointer, size: int) -> None:
         """Synchronous copy on the legacy null stream (CuPy's ``cudaMemcpy``)."""
-        copy(self.ptr, src.ptr, size, Stream.null, "copy_from_device", into="device", out_of="device", blocking=True)
+        copy(
+            self.ptr,
+            src.ptr,
+            size,
+            Stream.null,
+            "copy_from_device",
+            into="device",
+            out_of="device",
+            blocking=True,
+        )
 
     def copy_from_host(self, mem: Any, size: int) -> None:
         """Synchronous copy from host memory on the legacy null stream."""
-        copy(self.ptr, _address(mem), size, Stream.null, "copy_from_host", into="device", out_of="host", blocking=True)
+        copy(
+            self.ptr,
+            _address(mem),
+            size,
+            Stream.null,
+            "copy_from_host",
+            into="device",
+            out_of="host",
+            blocking=True,
+        )
 
     def copy_to_host(self, mem: Any, size: int) -> None:
         """Synchronous copy to host memory on the legacy null stream."""
-        copy(_address(mem), self.ptr, size, Stream.null, "copy_to_host", into="host", out_of="device", blocking=True)
+        copy(
+            _address(mem),
+            self.ptr,
+            size,
+            Stream.null,
+            "copy_to_host",
+            into="host",
+            out_of="device",
+            blocking=True,
+        )
 
     def copy_from(self, mem: Any, size: int) -> None:
         """Synchronous copy from a device pointer or a host address."""
@@ -154,7 +207,7 @@ class MemoryPointer:
                 return
             found = _device_range(simulation, self.ptr, size, "memset_async")
             op = simulation.enqueue(timeline_of(stream), "memset_async")
-            access(simulation, found[0], Region(found[1], found[1] + size), True, op)
+            access(simulation, found[0], Region(found[1], found[1] + size), op, write=True)
             ctypes.memset(self.ptr, value, size)
 
 
@@ -173,7 +226,9 @@ def alloc(size: int) -> MemoryPointer:
 def _device_range(simulation: Simulation, address: int, size: int, what: str) -> tuple[Block, int]:
     found = resolve(simulation, address, size)
     if found is None or found[0].kind != "device":
-        raise SimulationError(f"cudaErrorInvalidValue: {what} needs device memory, got address {address:#x}.")
+        raise SimulationError(
+            f"cudaErrorInvalidValue: {what} needs device memory, got address {address:#x}."
+        )
     return found
 
 
@@ -213,14 +268,14 @@ def copy(
         for found, write in zip(ends, (False, True), strict=True):
             if found is not None:
                 block, offset = found
-                access(simulation, block, Region(offset, offset + size), write, op)
+                access(simulation, block, Region(offset, offset + size), op, write=write)
         ctypes.memmove(dst, src, size)
         if blocking or ends[1] is None:
             simulation.synchronize_host(op.clock)
 
 
 @functools.cache
-def _pinned_type(size: int) -> type:
+def _pinned_type(size: int) -> Any:
     return type("PinnedMemoryPointer", (ctypes.c_ubyte * size, _PinnedMixin), {})
 
 

@@ -12,7 +12,13 @@ from typing import Any
 
 from cupy_parallel._src.simcuda import pointers
 from cupy_parallel._src.simcuda.clock import state
-from cupy_parallel._src.simcuda.streams import Device, ExternalStream, Stream, current_device, set_device
+from cupy_parallel._src.simcuda.streams import (
+    Device,
+    ExternalStream,
+    Stream,
+    current_device,
+    set_device,
+)
 
 __all__ = [
     "CUDARuntimeError",
@@ -114,14 +120,20 @@ def memcpy(dst: int, src: int, size: int, kind: int) -> None:
     pointers.copy(dst, src, size, Stream.null, "memcpy", into=into, out_of=out_of, blocking=True)
 
 
-def memcpyPeerAsync(dst: int, dst_device: int, src: int, src_device: int, size: int, stream: int) -> None:  # noqa: N802
+def memcpyPeerAsync(  # noqa: N802, PLR0917 - CUDA's name and signature
+    dst: int, dst_device: int, src: int, src_device: int, size: int, stream: int
+) -> None:
     """``cudaMemcpyPeerAsync`` between two GPUs' memory."""
-    pointers.copy(dst, src, size, _stream(stream), "memcpyPeerAsync", into="device", out_of="device")
+    pointers.copy(
+        dst, src, size, _stream(stream), "memcpyPeerAsync", into="device", out_of="device"
+    )
 
 
 def memcpyPeer(dst: int, dst_device: int, src: int, src_device: int, size: int) -> None:  # noqa: N802
     """``cudaMemcpyPeer``: the host waits for it."""
-    pointers.copy(dst, src, size, Stream.null, "memcpyPeer", into="device", out_of="device", blocking=True)
+    pointers.copy(
+        dst, src, size, Stream.null, "memcpyPeer", into="device", out_of="device", blocking=True
+    )
 
 
 def streamSynchronize(stream: int) -> None:  # noqa: N802

@@ -8,13 +8,16 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 from cupy_parallel._src.arguments import read_bool, read_int
 from cupy_parallel._src.cuda import pinned, streams
 from cupy_parallel._src.devices import substitute_cupy
 from cupy_parallel._src.simcuda import clock, xp
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from types import ModuleType
 
 __all__ = ["simulated_cuda"]
 
@@ -51,7 +54,9 @@ def simulated_cuda(
         >>> from cupy_parallel.testing import simulated_cuda
         >>> with simulated_cuda(2) as cupy:
         ...     x = cupy_parallel.to_device(np.arange(3.0), "cuda:1")
-        ...     cupy_parallel.devices(), cupy_parallel.to_device(x * 2, "cpu")
+        ...     with cupy.cuda.Device(1):
+        ...         y = x * 2
+        ...     cupy_parallel.devices(), cupy_parallel.to_device(y, "cpu")
         ([Device('cuda:0'), Device('cuda:1')], array([0., 2., 4.]))
         >>> cupy_parallel.platform()
         'host'

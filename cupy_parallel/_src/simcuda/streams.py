@@ -54,7 +54,7 @@ def _local(simulation: Simulation) -> threading.local:
     if tls is None:
         with simulation.lock:
             tls = simulation.extensions.setdefault("tls", threading.local())
-    return tls  # type: ignore[no-any-return]
+    return tls
 
 
 def current_device() -> int:
@@ -125,7 +125,11 @@ class Stream:
     ptds: ClassVar[Stream]
 
     def __init__(
-        self, null: bool = False, non_blocking: bool = False, ptds: bool = False, priority: Any = None
+        self,
+        null: bool = False,
+        non_blocking: bool = False,
+        ptds: bool = False,
+        priority: Any = None,
     ) -> None:
         self._simulation: Simulation | None = None
         self._timeline: Timeline | None = None
@@ -271,7 +275,7 @@ def get_current_stream(device_id: int = -1) -> Stream:
     stream = current.get(device)
     if stream is None:
         return Stream.ptds if simulation.per_thread_default_stream else Stream.null
-    return stream  # type: ignore[no-any-return]
+    return stream
 
 
 def timeline_of(stream: Stream | None) -> Timeline:

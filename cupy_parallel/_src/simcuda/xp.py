@@ -8,16 +8,19 @@ stream (see :func:`.ndarray.apply`); NumPy types and constants (``float32``, ``p
 
 from __future__ import annotations
 
-import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cupy_parallel._src.simcuda import cuda
 from cupy_parallel._src.simcuda.clock import Simulation, state
-from cupy_parallel._src.simcuda.memory import DevicePool, PinnedPool
 from cupy_parallel._src.simcuda.ndarray import apply, launch, ndarray
 from cupy_parallel._src.simcuda.pointers import device_pool, pinned_pool
+
+if TYPE_CHECKING:
+    import types
+
+    from cupy_parallel._src.simcuda.memory import DevicePool, PinnedPool
 
 __all__ = [
     "array",
@@ -98,7 +101,9 @@ def ones_like(a: ndarray, dtype: Any = None, shape: Any = None) -> ndarray:
 
 def full_like(a: ndarray, fill_value: Any, dtype: Any = None, shape: Any = None) -> ndarray:
     """``fill_value`` like ``a`` (its data is not read)."""
-    return full(a.shape if shape is None else shape, fill_value, a.dtype if dtype is None else dtype)
+    return full(
+        a.shape if shape is None else shape, fill_value, a.dtype if dtype is None else dtype
+    )
 
 
 def array(obj: Any, dtype: Any = None, copy: bool = True, order: str = "K") -> ndarray:
@@ -129,11 +134,13 @@ def ascontiguousarray(a: ndarray, dtype: Any = None) -> ndarray:
     return a if a.flags.c_contiguous else a.copy()
 
 
-def asnumpy(a: Any, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True) -> np.ndarray:
+def asnumpy(
+    a: Any, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True
+) -> np.ndarray:
     """A host copy of a device array (NumPy input is returned as an array)."""
     if isinstance(a, ndarray):
         return a.get(stream=stream, order=order, out=out, blocking=blocking)
-    return np.asarray(a, order=order)
+    return np.asarray(a, order=order)  # type: ignore[call-overload]
 
 
 def get_array_module(*args: Any) -> types.ModuleType:
