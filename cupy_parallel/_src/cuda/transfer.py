@@ -82,9 +82,8 @@ def _upload(dst: Any, device: int, staged: np.ndarray, memory: Any, stream: Any)
         target = dst if dst.flags.c_contiguous else cupy.empty(dst.shape, dst.dtype)
         source = ctypes.c_void_p(staged.ctypes.data)
         target.data.copy_from_host_async(source, staged.nbytes, stream=copier)
-        done = copier.record()
-        release_after(done, memory)
-        main.wait_event(done)
+        release_after(copier, memory)  # the pinned buffer returns to the pool after the copy
+        wait_stream(main, device, copier, device)
         if target is not dst:
             dst[...] = target
 
