@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from cupy_parallel._src.devices import cupy_module
+from cupy_parallel._src.devices import cupy_module, require_cupy
 
 __all__ = [
     "StreamHandoff",
@@ -30,13 +30,6 @@ __all__ = [
 
 _lock = threading.Lock()
 _background: dict[int, Any] = {}
-
-
-def _cupy() -> Any:
-    cupy = cupy_module()
-    if cupy is None:  # only reachable with a CUDA array in hand, which needs CuPy
-        raise ImportError("CuPy is required for CUDA arrays; install cupy-cuda12x.")
-    return cupy
 
 
 def is_stream(obj: object) -> bool:
@@ -62,7 +55,7 @@ def background_stream(device: int) -> Any:
     with _lock:
         stream = _background.get(device)
         if stream is None:
-            cupy = _cupy()
+            cupy = require_cupy()
             with cupy.cuda.Device(device):
                 stream = _background[device] = cupy.cuda.Stream(non_blocking=True)
     return stream
@@ -80,12 +73,12 @@ def forget_background_streams() -> None:
 
 def current_stream(device: int) -> Any:
     """CuPy's current stream on GPU ``device`` for the calling thread."""
-    return _cupy().cuda.get_current_stream(device)
+    return require_cupy().cuda.get_current_stream(device)
 
 
 def record_event(stream: Any, device: int) -> Any:
     """A new event recorded on ``stream`` of GPU ``device`` (events belong to a device)."""
-    cupy = _cupy()
+    cupy = require_cupy()
     with cupy.cuda.Device(device):
         event = cupy.cuda.Event(disable_timing=True)
         event.record(stream)
@@ -102,14 +95,14 @@ def wait_stream(waiter: Any, waiter_device: int, waitee: Any, waitee_device: int
     if waiter_device == waitee_device and waiter == waitee:
         return None
     event = record_event(waitee, waitee_device)
-    with _cupy().cuda.Device(waiter_device):
+    with require_cupy().cuda.Device(waiter_device):
         waiter.wait_event(event)
     return event
 
 
 def is_per_thread(stream: Any) -> bool:
     """Whether ``stream`` is the per-thread default stream handle (another stream per thread)."""
-    return bool(stream == _cupy().cuda.Stream.ptds)
+    return bool(stream == require_cupy().cuda.Stream.ptds)
 
 
 class StreamHandoff:
@@ -147,5 +140,5 @@ class StreamHandoff:
     def finish(self) -> None:
         """In the calling thread, after the worker ended: order the caller after its work."""
         if self._done is not None:
-            with _cupy().cuda.Device(self._device):
+            with require_cupy().cuda.Device(self._device):
                 current_stream(self._device).wait_event(self._done)
