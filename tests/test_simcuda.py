@@ -318,3 +318,35 @@ def test_simulated_cuda_reads_its_arguments(count: Any, error: type, match: str)
 def test_simulations_do_not_nest() -> None:
     with simulated_cuda(1), pytest.raises(RuntimeError, match="do not nest"), simulated_cuda(1):
         pass
+
+
+def test_a_group_operation_orders_every_stream_after_all_participants(cupy: ModuleType) -> None:
+    simulation = cupy.simulation()
+    with cupy.cuda.Device(0):
+        a = cupy.cuda.Stream(non_blocking=True)
+        x = ready(cupy, cupy.zeros(4))
+        with a:
+            x += 1  # written on a
+    with cupy.cuda.Device(1):
+        b = cupy.cuda.Stream(non_blocking=True)
+    with simulation.lock:
+        _, on_b = simulation.enqueue_group([a.timeline(), b.timeline()], "group")
+    with cupy.cuda.Device(1):
+        after = b.record()
+    with cupy.cuda.Device(0):
+        c = cupy.cuda.Stream(non_blocking=True)
+        c.wait_event(after)  # ordered after the group on b, hence after the write on a
+        with c:
+            assert float((x * 2).sum()) == 8.0
+    assert on_b.clock[a.timeline().id] >= 1
+
+
+def test_strided_regions_race_only_where_they_overlap(cupy: ModuleType) -> None:
+    x = ready(cupy, cupy.zeros((4, 6)))
+    first, second = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with first:
+        x[:, ::2] = 1.0  # even columns
+    with second:
+        x[:, 1::2] = 2.0  # odd columns: interleaved bytes, none shared
+    with second, pytest.raises(RaceError, match="bytes"):
+        x[:, ::3] = 3.0  # columns 0 and 3: column 0 was written on the other stream
