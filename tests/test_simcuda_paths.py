@@ -104,6 +104,36 @@ def test_to_device_gpu_to_cpu_reads_on_the_arrays_device_stream(cupy: ModuleType
     assert_bits_equal(host, np.arange(5.0) + 1)
 
 
+def test_to_device_to_cpu_on_a_given_stream_waits_for_the_current_stream(cupy: ModuleType) -> None:
+    device = last_gpu(cupy)
+    with cupy.cuda.Device(device):
+        reader = cupy.cuda.Stream(non_blocking=True)
+        x = cupy.arange(7.0) * 2  # on the current stream
+        host = to_device(x, "cpu", stream=reader)
+    assert_bits_equal(host, np.arange(7.0) * 2)
+
+
+def test_scatter_from_a_gpu_on_explicit_streams_is_ordered_both_ways(cupy: ModuleType) -> None:
+    targets = gpus(cupy, 2)  # one GPU: two copies on it; more: peer copies
+    copy_streams = []
+    for target in targets:
+        with cupy.cuda.Device(target.index):
+            copy_streams.append(cupy.cuda.Stream(non_blocking=True))
+            busy = cupy.ones(len(targets) * 3 // len(targets) * 2)
+            assert float(busy.sum()) == busy.size
+            del busy  # this block goes to the next allocation on the current stream
+    with cupy.cuda.Device(0):
+        x = cupy.arange(len(targets) * 6.0).reshape(-1, 2) + 1  # on the current stream
+    parts = comm.scatter(x, targets, streams=copy_streams)
+    for part, target in zip(parts, targets, strict=True):
+        with cupy.cuda.Device(target.index):
+            doubled = part * 2  # on the current stream: must see the copy
+        assert device_of(doubled) == target
+    expected = np.split((np.arange(len(targets) * 6.0).reshape(-1, 2) + 1), len(targets))
+    for part, want in zip(parts, expected, strict=True):
+        assert_bits_equal(to_device(part, "cpu"), want)
+
+
 # -- parallel_apply and data_parallel ---------------------------------------------------------
 
 
