@@ -119,8 +119,8 @@ def test_scatter_from_a_gpu_on_explicit_streams_is_ordered_both_ways(cupy: Modul
     for target in targets:
         with cupy.cuda.Device(target.index):
             copy_streams.append(cupy.cuda.Stream(non_blocking=True))
-            busy = cupy.ones(len(targets) * 3 // len(targets) * 2)
-            assert float(busy.sum()) == busy.size
+            busy = cupy.ones(6)
+            busy.sum()  # a read still queued on the current stream (the host does not wait)
             del busy  # this block goes to the next allocation on the current stream
     with cupy.cuda.Device(0):
         x = cupy.arange(len(targets) * 6.0).reshape(-1, 2) + 1  # on the current stream
@@ -132,6 +132,20 @@ def test_scatter_from_a_gpu_on_explicit_streams_is_ordered_both_ways(cupy: Modul
     expected = np.split((np.arange(len(targets) * 6.0).reshape(-1, 2) + 1), len(targets))
     for part, want in zip(parts, expected, strict=True):
         assert_bits_equal(to_device(part, "cpu"), want)
+
+
+def test_scatter_into_outs_on_the_source_gpu_on_explicit_streams(cupy: ModuleType) -> None:
+    device = last_gpu(cupy)
+    with cupy.cuda.Device(device):
+        x = cupy.arange(12.0).reshape(6, 2) + 1  # written on the current stream
+        outs = [cupy.zeros((3, 2)) for _ in range(2)]  # written on the current stream
+        copy_streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    result = comm.scatter(x, streams=copy_streams, out=outs)  # same-GPU copies on the streams
+    with cupy.cuda.Device(device):
+        doubled = [o * 2 for o in result]  # on the current stream: must see the copies
+    expected = np.arange(12.0).reshape(6, 2) + 1
+    for got, want in zip(doubled, np.split(expected, 2), strict=True):
+        assert_bits_equal(to_device(got, "cpu"), want * 2)
 
 
 # -- parallel_apply and data_parallel ---------------------------------------------------------
