@@ -244,13 +244,24 @@ def as_device(spec: Any, /) -> Device:
     if isinstance(spec, bool):
         raise TypeError(f"device must be a str, int or Device, got bool {spec!r}.")
     if isinstance(spec, int | np.integer):
-        return CPU if spec == -1 else Device(platform(), int(spec))
+        return CPU if spec == -1 else _interned(platform(), int(spec))
     if type(spec).__name__ == "Device" and "cupy" in type(spec).__module__:
-        return Device("cuda", int(spec.id))
+        return _interned("cuda", int(spec.id))
     raise TypeError(
         f"device must be a str ('cpu', 'cuda:0', 'host:1'), an int or a Device, "
         f"got {type(spec).__name__} {spec!r}."
     )
+
+
+_INTERNED: dict[tuple[str, int], Device] = {}
+
+
+def _interned(kind: Kind, index: int) -> Device:
+    """One ``Device`` object per device, so that comparing devices is mostly an ``is`` test."""
+    device = _INTERNED.get((kind, index))
+    if device is None:
+        device = _INTERNED.setdefault((kind, index), Device(kind, index))
+    return device
 
 
 def _parse_device(text: str) -> Device:
@@ -274,7 +285,7 @@ def _parse_device(text: str) -> Device:
         if int(index) != 0:
             raise ValueError(f"the cpu device has only index 0 ('cpu' or 'cpu:0'), got {text!r}.")
         return CPU
-    return Device(kind, int(index))
+    return _interned(kind, int(index))
 
 
 # --------------------------------------------------------------------------------------------

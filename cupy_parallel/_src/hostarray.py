@@ -72,7 +72,7 @@ def check_device_dtype(dtype: Any, name: str, /) -> np.dtype[Any]:
     read = np.dtype(dtype)
     if read.char not in _DEVICE_DTYPE_CHARS:
         raise TypeError(
-            f"{name} has dtype {read}, which device arrays cannot hold (CuPy has bool, integer, "
+            f"{name} is {read}, a dtype device arrays cannot hold (CuPy has bool, integer, "
             "float16/32/64 and complex64/128 arrays only); keep such data on the cpu as a "
             "NumPy array."
         )
@@ -221,7 +221,7 @@ def _out_error(operation: str, device: Device, out: Any) -> TypeError:
 def _operand(x: Any, device: Device, operation: str) -> Any:
     """The NumPy value computing for operand ``x`` of an elementwise operation on ``device``."""
     if type(x) is HostArray:
-        if x._device != device:
+        if x._device is not device and x._device != device:
             raise _cross_device(operation, device, x._device)
         return x._data
     if type(x) in _SCALAR_TYPES:
@@ -321,7 +321,7 @@ def _binary(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
     def method(self: HostArray, other: Any) -> Any:
         t = type(other)
         if t is HostArray:
-            if other._device != self._device:
+            if other._device is not self._device and other._device != self._device:
                 raise _cross_device(operation, self._device, other._device)
             b = other._data
         elif t in _SCALAR_TYPES:
@@ -362,7 +362,7 @@ def _inplace(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
 
     def method(self: HostArray, other: Any) -> Any:
         if type(other) is HostArray:
-            if other._device != self._device:
+            if other._device is not self._device and other._device != self._device:
                 raise _cross_device(operation, self._device, other._device)
             b = other._data
         elif type(other) in _SCALAR_TYPES:
@@ -470,26 +470,31 @@ def _computing_method(name: str, out_position: int | None) -> Callable[..., Any]
 
     def method(self: HostArray, *args: Any, **kwargs: Any) -> Any:
         device = self._device
+        if not args and not kwargs:  # the hot path: x.sum(), x.copy(), x.ravel()
+            if guarded and _guard is not None:
+                _guard(operation, (self,))
+            return _wrap(getattr(self._data, name)(), device)
+        out = kwargs.pop("out", None)
+        if out_position is not None and len(args) > out_position:
+            out, args = args[out_position], args[:out_position] + args[out_position + 1 :]
         read = [
             _method_argument(a, device, operation, host_data=i == host_data or not guarded)
             for i, a in enumerate(args)
         ]
-        written = None
-        if out_position is not None and len(args) > out_position and args[out_position] is not None:
-            written = read[out_position] = _out(args[out_position], device, operation)
+        given = kwargs
         if kwargs:
             kwargs = {
                 k: _method_argument(v, device, operation, host_data=False)
                 for k, v in kwargs.items()
             }
-            if kwargs.get("out") is not None:
-                written = kwargs["out"] = _out(kwargs["out"], device, operation)
+        if out is not None:
+            kwargs["out"] = _out(out, device, operation)
         if guarded and _guard is not None:
-            _guard(operation, (self, *args, *kwargs.values()))
+            _guard(operation, (self, *args, *given.values(), *(() if out is None else (out,))))
         result = getattr(self._data, name)(*read, **kwargs)
-        if written is not None:
-            _bump(written)
-            return args[out_position] if kwargs.get("out") is None else kwargs["out"]  # type: ignore[index]
+        if out is not None:
+            _bump(kwargs["out"])
+            return out
         return _wrap(result, device)
 
     method.__name__ = name
@@ -500,7 +505,7 @@ def _computing_method(name: str, out_position: int | None) -> Callable[..., Any]
 def _method_argument(x: Any, device: Device, operation: str, *, host_data: bool) -> Any:
     """A method argument: arrays must be on ``device``; host data only where CuPy converts it."""
     if type(x) is HostArray:
-        if x._device != device:
+        if x._device is not device and x._device != device:
             raise _cross_device(operation, device, x._device)
         return x._data
     if isinstance(x, np.ndarray | list | tuple) and not host_data:
@@ -531,7 +536,7 @@ def _index(key: Any, device: Device) -> tuple[Any, ...]:
 
 def _index_item(k: Any, device: Device) -> Any:
     if type(k) is HostArray:
-        if k._device != device:
+        if k._device is not device and k._device != device:
             raise _cross_device("indexing", device, k._device)
         return k._data
     if is_cupy_array(k):
@@ -954,8 +959,11 @@ class HostArray:
 
     def __getitem__(self, key: Any) -> HostArray:
         t = type(key)
-        if t is int:
-            return host_array(self._data[key, ...], self._device)  # a 0-d view, not a scalar
+        if t is int:  # a 0-d view, not a NumPy scalar
+            h = _new(HostArray)
+            h._data = self._data[key, ...]
+            h._device = self._device
+            return h
         if t is not slice:
             key = _index(key, self._device)
         r = self._data[key]
@@ -998,6 +1006,26 @@ class HostArray:
     # -- NumPy's dispatch protocols ------------------------------------------------------------
 
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        if method == "__call__" and not kwargs and ufunc not in _UFUNC_OBJECTS_CUPY_LACKS:
+            device = self._device  # the hot path: array and scalar operands, no keywords
+            read = []
+            for x in inputs:
+                t = type(x)
+                if t is HostArray and (x._device is device or x._device == device):
+                    read.append(x._data)
+                elif t in _SCALAR_TYPES:
+                    read.append(x)
+                else:
+                    return _apply_ufunc(device, ufunc, method, inputs, kwargs)
+            if _guard is not None:
+                _guard(f"numpy.{ufunc.__name__}", inputs)
+            r = ufunc(*read)
+            if ufunc.nout == 1:
+                h = _new(HostArray)
+                h._data = r if type(r) is np.ndarray else np.asarray(r)
+                h._device = device
+                return h
+            return tuple(host_array(_zero_d(y), device) for y in r)
         return _apply_ufunc(self._device, ufunc, method, inputs, kwargs)
 
     def __array_function__(
@@ -1098,6 +1126,10 @@ _UFUNC_METHODS_CUPY_HAS: dict[str, frozenset[str] | None] = {
     ),
 }
 _UFUNCS_CUPY_LACKS = frozenset({"isnat", "matvec", "spacing", "vecdot", "vecmat"})
+"""NumPy ufuncs with no CuPy counterpart (CuPy 14.2): ``__array_ufunc__`` returns NotImplemented."""
+_UFUNC_OBJECTS_CUPY_LACKS = frozenset(
+    getattr(np, name) for name in _UFUNCS_CUPY_LACKS if hasattr(np, name)
+)
 _COMPARISONS = frozenset(
     {np.equal, np.not_equal, np.less, np.less_equal, np.greater, np.greater_equal}
 )
@@ -1213,10 +1245,47 @@ def _written_positions(func: Any) -> tuple[tuple[int, str], ...]:
     return tuple((i, p) for i, p in enumerate(parameters) if p in names)
 
 
+_FUNCTIONS_CUPY_LACKS = frozenset(
+    {
+        "numpy.block",
+        "numpy.busday_count",
+        "numpy.busday_offset",
+        "numpy.datetime_as_string",
+        "numpy.einsum_path",
+        "numpy.geomspace",
+        "numpy.histogram_bin_edges",
+        "numpy.insert",
+        "numpy.is_busday",
+        "numpy.linalg.diagonal",
+        "numpy.linalg.matrix_norm",
+        "numpy.linalg.multi_dot",
+        "numpy.linalg.outer",
+        "numpy.linalg.svdvals",
+        "numpy.linalg.tensordot",
+        "numpy.linalg.trace",
+        "numpy.linalg.vecdot",
+        "numpy.linalg.vector_norm",
+        "numpy.nanpercentile",
+        "numpy.nanquantile",
+        "numpy.polyder",
+        "numpy.polydiv",
+        "numpy.polyint",
+        "numpy.unstack",
+    }
+)
+"""NumPy functions with no CuPy counterpart (CuPy 14.2, NumPy 2.4): on a GPU array,
+``cupy.ndarray.__array_function__`` returns ``NotImplemented`` and NumPy raises ``TypeError``."""
+
+
 def _apply_function(
     device: Device, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> Any:
     operation = f"numpy.{func.__name__}"
+    if f"{func.__module__}.{func.__name__}" in _FUNCTIONS_CUPY_LACKS:
+        raise TypeError(
+            f"no implementation found for '{func.__module__}.{func.__name__}' on device arrays "
+            f"(CuPy has no {func.__module__.replace('numpy', 'cupy', 1)}.{func.__name__})."
+        )
     creation = func in _CREATION_FUNCTIONS
     leaves: list[Any]
     leaves, spec = optree.tree_flatten(cast("Any", (args, dict(kwargs))), none_is_leaf=True)
@@ -1241,7 +1310,7 @@ def _apply_function(
 
 def _function_leaf(x: Any, device: Device, operation: str, creation: bool) -> Any:
     if type(x) is HostArray:
-        if x._device != device:
+        if x._device is not device and x._device != device:
             raise _cross_device(operation, device, x._device)
         return x._data
     if isinstance(x, np.ndarray):
