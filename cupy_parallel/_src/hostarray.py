@@ -88,8 +88,10 @@ _guard: Callable[[str, tuple[Any, ...]], None] | None = None
 def set_dispatch_guard(guard: Callable[[str, tuple[Any, ...]], None] | None, /) -> None:
     """Install ``guard(operation, operands)``, called before every raw NumPy computation.
 
-    ``operation`` names the entry (``"numpy.add"``, ``"operator +"``, ``"HostArray.sum"``);
-    ``operands`` are the call's operands. If the guard raises, nothing is computed or written.
+    ``operation`` names the entry (``"numpy.add"``, ``"operator +"``, ``"HostArray.sum"``,
+    ``"operator []="``); ``operands`` are the call's operands (for NumPy functions, the arguments
+    flattened, so ``np.concatenate([a, b])`` passes ``a`` and ``b``). If the guard raises, nothing
+    is computed or written.
     Indexing reads, views and metadata (shape, dtype, device) do not call it, nor do
     :func:`host_buffer` and :func:`host_array`. ``None`` removes the guard. There is one
     guard per process (the tape installs it).
@@ -284,7 +286,7 @@ def _wrap(result: Any, device: Device) -> Any:
     """A NumPy result as device arrays: arrays and NumPy scalars become arrays on ``device``."""
     if type(result) is np.ndarray:
         if result.dtype.char not in _DEVICE_DTYPE_CHARS:
-            check_device_dtype(result.dtype, "the result")
+            check_device_dtype(result.dtype, "the result's dtype")
         return host_array(result, device)
     if isinstance(result, np.generic):
         return _wrap(np.asarray(result), device)
@@ -1006,27 +1008,34 @@ class HostArray:
     # -- NumPy's dispatch protocols ------------------------------------------------------------
 
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        if method == "__call__" and not kwargs and ufunc not in _UFUNC_OBJECTS_CUPY_LACKS:
-            device = self._device  # the hot path: array and scalar operands, no keywords
-            read = []
-            for x in inputs:
-                t = type(x)
-                if t is HostArray and (x._device is device or x._device == device):
-                    read.append(x._data)
-                elif t in _SCALAR_TYPES:
-                    read.append(x)
-                else:
-                    return _apply_ufunc(device, ufunc, method, inputs, kwargs)
+        device = self._device
+        if kwargs or method != "__call__" or ufunc in _UFUNC_OBJECTS_CUPY_LACKS or len(inputs) > 2:
+            return _apply_ufunc(device, ufunc, method, inputs, kwargs)
+        if len(inputs) == 2:  # the hot path: two operands, each an array here or a scalar
+            a, b = inputs
+            if type(a) is HostArray and (a._device is device or a._device == device):
+                a = a._data
+            elif type(a) not in _SCALAR_TYPES:
+                return _apply_ufunc(device, ufunc, method, inputs, kwargs)
+            if type(b) is HostArray and (b._device is device or b._device == device):
+                b = b._data
+            elif type(b) not in _SCALAR_TYPES:
+                return _apply_ufunc(device, ufunc, method, inputs, kwargs)
             if _guard is not None:
                 _guard(f"numpy.{ufunc.__name__}", inputs)
-            r = ufunc(*read)
-            if ufunc.nout == 1:
-                h = _new(HostArray)
-                h._data = r if type(r) is np.ndarray else np.asarray(r)
-                h._device = device
-                return h
-            return tuple(host_array(_zero_d(y), device) for y in r)
-        return _apply_ufunc(self._device, ufunc, method, inputs, kwargs)
+            r = ufunc(a, b)
+        else:  # one operand, which is this array
+            if _guard is not None:
+                _guard(f"numpy.{ufunc.__name__}", inputs)
+            r = ufunc(self._data)
+        if type(r) is np.ndarray:
+            h = _new(HostArray)
+            h._data = r
+            h._device = device
+            return h
+        if ufunc.nout == 1:
+            return host_array(np.asarray(r), device)
+        return tuple(host_array(_zero_d(y), device) for y in r)
 
     def __array_function__(
         self,
@@ -1298,7 +1307,7 @@ def _apply_function(
     if isinstance(read_kwargs.get("out"), tuple):
         written.extend(read_kwargs["out"])
     if _guard is not None and not creation:
-        _guard(operation, (*args, *kwargs.values()))
+        _guard(operation, tuple(leaves))  # the arguments flattened (a list of arrays opened)
     result = func(*read_args, **read_kwargs)
     for buffer in written:
         if isinstance(buffer, np.ndarray):
