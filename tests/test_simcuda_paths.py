@@ -113,6 +113,24 @@ def test_to_device_to_cpu_on_a_given_stream_waits_for_the_current_stream(cupy: M
     assert_bits_equal(host, np.arange(7.0) * 2)
 
 
+def test_to_device_checks_its_stream_before_copying() -> None:
+    with simulated_cuda(2) as cupy:
+        with cupy.cuda.Device(1):
+            other = cupy.cuda.Stream()
+        pool = cupy.get_default_pinned_memory_pool()
+        with pytest.raises(
+            TypeError, match=r"stream must be a cupy\.cuda\.Stream or None, got str"
+        ):
+            to_device(np.ones(2), "cuda:0", stream="s")
+        with pytest.raises(
+            ValueError, match=r"stream belongs to cuda:1, but this copy runs on cuda:0"
+        ):
+            to_device(np.ones(2), "cuda:0", stream=other)
+        assert pool.n_free_blocks() == 0  # nothing was staged
+        x = to_device(np.arange(3.0), "cuda:1", stream=other)
+        assert_bits_equal(to_device(x, "cpu", stream=other), np.arange(3.0))
+
+
 def test_scatter_from_a_gpu_on_explicit_streams_is_ordered_both_ways(cupy: ModuleType) -> None:
     targets = gpus(cupy, 2)  # one GPU: two copies on it; more: peer copies
     copy_streams = []
