@@ -35,9 +35,14 @@ def cupy(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
         yield module
 
 
-@pytest.fixture(params=[False, True], ids=["legacy", "per-thread"])
+@pytest.fixture(
+    params=[(n, ptds) for n in (1, 2, 4) for ptds in (False, True)],
+    ids=[f"{n}gpu-{'per-thread' if ptds else 'legacy'}" for n in (1, 2, 4) for ptds in (0, 1)],
+)
 def per_thread_cupy(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
-    with simulated_cuda(2, per_thread_default_stream=request.param) as module:
+    """The simulated CUDA with legacy or per-thread default streams, on 1, 2 and 4 GPUs."""
+    count, per_thread = request.param
+    with simulated_cuda(count, per_thread_default_stream=per_thread) as module:
         yield module
 
 
