@@ -204,6 +204,7 @@ UNSUPPORTED = [
     np.dtype("V8"),
     np.dtype(np.longdouble),
     np.dtypes.StringDType(),
+    np.dtype(">f8" if np.little_endian else "<f8"),  # CuPy refuses non-native byte order
 ]
 
 

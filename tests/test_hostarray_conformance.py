@@ -623,8 +623,32 @@ ROWS = [
     ),
     Row(
         "np.einsum(x, numpy)",
-        f"{CORE}:__array_function__ -> cupy.einsum",
+        "cupy/linalg/_einsum.py:_parse_einsum_input (cupy.asarray uploads operands)",
         lambda x, y, i, z, n: np.einsum("ij,j->i", x, n),
+        DEVICE,
+    ),
+    Row(
+        "np.isclose(x, numpy)",
+        "cupy/_logic/comparison.py:isclose (cupy.asanyarray uploads b)",
+        lambda x, y, i, z, n: np.isclose(x, n),
+        DEVICE,
+    ),
+    Row(
+        "np.copyto(x, 1-element numpy)",
+        "cupy/_manipulation/basic.py:copyto (a one-element numpy source is a scalar)",
+        lambda x, y, i, z, n: np.copyto(x, n[:1]),
+        DEVICE,
+    ),
+    Row(
+        "np.copyto(x, numpy vector)",
+        "cupy/_manipulation/basic.py:copyto ('non-scalar numpy.ndarray')",
+        lambda x, y, i, z, n: np.copyto(x, n),
+        ValueError,
+    ),
+    Row(
+        "np.dot(x, y, numpy out)",
+        f"{CORE}:dot (out is a cupy ndarray)",
+        lambda x, y, i, z, n: np.dot(x[0], y[0], np.zeros(())),
         TypeError,
     ),
     Row(
@@ -643,6 +667,30 @@ ROWS = [
         "np.linalg.multi_dot",
         f"{CORE}:__array_function__ (no cupy.linalg.multi_dot)",
         lambda x, y, i, z, n: np.linalg.multi_dot([x, y.T, x]),
+        TypeError,
+    ),
+    Row(
+        "np.sum(x, where=...)",
+        "cupy/_math/sumprod.py:sum (no where parameter)",
+        lambda x, y, i, z, n: np.sum(x, where=x > 2),
+        TypeError,
+    ),
+    Row(
+        "np.max(x, initial=0)",
+        "cupy/_statistics/order.py:amax (no initial parameter)",
+        lambda x, y, i, z, n: np.max(x, initial=0.0),
+        TypeError,
+    ),
+    Row(
+        "x.sum(where=...)",
+        f"{CORE}:sum (axis, dtype, out, keepdims only)",
+        lambda x, y, i, z, n: x.sum(where=x > 2),
+        TypeError,
+    ),
+    Row(
+        "np.sort(x, stable=True)",
+        "cupy/_sorting/sort.py:sort (no stable parameter)",
+        lambda x, y, i, z, n: np.sort(x, stable=True),
         TypeError,
     ),
     # ---- NEP 35 like= ------------------------------------------------------------------------

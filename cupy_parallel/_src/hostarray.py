@@ -62,19 +62,24 @@ _SCALAR_TYPES = frozenset(
 def check_device_dtype(dtype: Any, name: str, /) -> np.dtype[Any]:
     """``numpy.dtype(dtype)`` if CuPy has it, else ``TypeError`` naming ``name``.
 
-    CuPy arrays are bool, integer, float16/32/64 or complex64/128; object, string, datetime,
-    timedelta, structured, ``longdouble`` and ``StringDType`` arrays exist only on the CPU.
+    CuPy computes on bool, integer, float16/32/64 and complex64/128 arrays in native byte order
+    (``cupy/_core/_dtype.pyx``, ``check_supported_dtype``); object, string, datetime,
+    timedelta, ``longdouble`` and ``StringDType`` arrays exist only on the cpu, and CuPy refuses
+    big-endian dtypes. Structured and void dtypes are refused too: CuPy's main branch can hold
+    their bytes but computes nothing on them, so a host device refuses them at the boundary.
+    The error is a ``TypeError`` (CuPy raises ``ValueError('Unsupported dtype ...')``), the same
+    at every size.
 
     Example:
         >>> check_device_dtype("float32", "dtype")
         dtype('float32')
     """
     read = np.dtype(dtype)
-    if read.char not in _DEVICE_DTYPE_CHARS:
+    if read.char not in _DEVICE_DTYPE_CHARS or not read.isnative:
         raise TypeError(
             f"{name} is {read}, a dtype device arrays cannot hold (CuPy has bool, integer, "
-            "float16/32/64 and complex64/128 arrays only); keep such data on the cpu as a "
-            "NumPy array."
+            "float16/32/64 and complex64/128 arrays only, in native byte order); keep such "
+            "data on the cpu as a NumPy array."
         )
     return read
 
@@ -484,6 +489,11 @@ def _computing_method(name: str, out_position: int | None) -> Callable[..., Any]
             for i, a in enumerate(args)
         ]
         given = kwargs
+        if kwargs.keys() & _METHOD_KEYWORDS_CUPY_LACKS:
+            raise TypeError(
+                f"{operation}() got keyword arguments cupy.ndarray.{name} does not take: "
+                f"{sorted(kwargs.keys() & _METHOD_KEYWORDS_CUPY_LACKS)}."
+            )
         if kwargs:
             kwargs = {
                 k: _method_argument(v, device, operation, host_data=False)
@@ -577,7 +587,14 @@ class HostArray:
       device instead; silently moving data is what host devices exist to catch).
     * ``__array_namespace__`` is ``numpy``, which computes on host arrays through the
       dispatch protocols (as ``cupy_parallel.array_namespace`` says).
-    * Out-of-bounds indices raise ``IndexError`` as in NumPy (CuPy wraps them silently).
+    * Values are NumPy's, bit for bit: where CuPy's defaults differ (``put``'s ``mode`` is
+      ``'wrap'`` in CuPy, ``'raise'`` in NumPy) or CuPy is silently different (it wraps
+      out-of-bounds indices), the host array does what NumPy does, so errors are raised.
+    * Known places where it is stricter or looser than CuPy: structured and void dtypes are
+      refused (CuPy's main branch holds their bytes); a refused dtype is a ``TypeError``
+      (CuPy: ``ValueError``); Python numbers nested in a NumPy function's list arguments
+      (``np.concatenate([h, [1, 2]])``) are passed to NumPy, where some CuPy functions refuse
+      them; which NumPy functions, keywords and ufunc methods exist follows CuPy 14.2.
 
     Example:
         >>> import numpy as np
@@ -1286,11 +1303,151 @@ _FUNCTIONS_CUPY_LACKS = frozenset(
 ``cupy.ndarray.__array_function__`` returns ``NotImplemented`` and NumPy raises ``TypeError``."""
 
 
+_KEYWORDS_CUPY_LACKS: dict[str, frozenset[str]] = {
+    name: frozenset(keywords.split())
+    for name, keywords in {
+        "numpy.all": "where",
+        "numpy.amax": "initial where",
+        "numpy.amin": "initial where",
+        "numpy.any": "where",
+        "numpy.argpartition": "kind order",
+        "numpy.argsort": "order stable",
+        "numpy.astype": "device",
+        "numpy.broadcast_arrays": "subok",
+        "numpy.broadcast_to": "subok",
+        "numpy.clip": "min max",
+        "numpy.copy": "subok",
+        "numpy.count_nonzero": "keepdims",
+        "numpy.isin": "kind",
+        "numpy.lexsort": "axis",
+        "numpy.linalg.cholesky": "upper",
+        "numpy.linalg.matrix_rank": "hermitian rtol",
+        "numpy.linalg.pinv": "hermitian rtol",
+        "numpy.linalg.svd": "hermitian",
+        "numpy.max": "initial where",
+        "numpy.mean": "where",
+        "numpy.min": "initial where",
+        "numpy.nanmax": "initial where",
+        "numpy.nanmean": "where",
+        "numpy.nanmin": "initial where",
+        "numpy.nanprod": "initial where",
+        "numpy.nanstd": "correction mean where",
+        "numpy.nansum": "initial where",
+        "numpy.nanvar": "correction mean where",
+        "numpy.partition": "kind order",
+        "numpy.percentile": "weights",
+        "numpy.prod": "initial where",
+        "numpy.quantile": "weights",
+        "numpy.reshape": "shape",
+        "numpy.sort": "order stable",
+        "numpy.std": "correction mean where",
+        "numpy.sum": "initial where",
+        "numpy.take": "mode",
+        "numpy.trim_zeros": "axis",
+        "numpy.unique": "sorted",
+        "numpy.unpackbits": "count",
+        "numpy.var": "correction mean where",
+        **{
+            f"numpy.fft.{transform}": "out"
+            for transform in ("fft", "fft2", "fftn", "hfft", "ifft", "ifft2", "ifftn", "ihfft")
+        },
+        **{
+            f"numpy.fft.{transform}": "out"
+            for transform in ("irfft", "irfft2", "irfftn", "rfft", "rfft2", "rfftn")
+        },
+    }.items()
+}
+"""Keywords NumPy's function takes and CuPy's counterpart does not (CuPy 14.2, NumPy 2.4): CuPy
+raises ``TypeError`` (an unexpected keyword argument), so a host array does too."""
+
+_METHOD_KEYWORDS_CUPY_LACKS = frozenset({"where", "initial", "correction", "mean"})
+"""Reduction keywords NumPy's ndarray methods take and ``cupy.ndarray``'s do not."""
+
+_HOST_DATA_PARAMETERS: dict[str, frozenset[str]] = {
+    name: frozenset(parameters.split())
+    for name, parameters in {
+        "numpy.append": "arr values",
+        "numpy.around": "a",
+        "numpy.average": "a",
+        "numpy.cov": "y",
+        "numpy.cross": "a b",
+        "numpy.diag": "v",
+        "numpy.diff": "a prepend append",
+        "numpy.einsum": "operands",
+        "numpy.extract": "condition",
+        "numpy.gradient": "f",
+        "numpy.histogramdd": "weights",
+        "numpy.imag": "val",
+        "numpy.isclose": "a b",
+        "numpy.linspace": "start stop",
+        "numpy.place": "mask vals",
+        "numpy.polyval": "x",
+        "numpy.real": "val",
+        "numpy.resize": "a",
+        "numpy.tril": "m",
+        "numpy.triu": "m",
+        "numpy.unwrap": "p",
+        "numpy.vander": "x",
+        "numpy.linalg.cond": "x",
+        "numpy.fft.fftshift": "x",
+        "numpy.fft.ifftshift": "x",
+    }.items()
+}
+"""Parameters whose CuPy implementation uploads host data (``x = cupy.asarray(x)``, CuPy 14.2):
+NumPy arrays passed there are accepted and copied to the device, as CuPy copies them."""
+
+
+@functools.cache
+def _signature(func: Any) -> inspect.Signature:
+    return inspect.signature(func)
+
+
+def _upload_host_data(
+    device: Device, name: str, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments with NumPy arrays in host-data parameters copied to ``device``."""
+    bound = _signature(func).bind(*args, **kwargs)
+    for parameter in _HOST_DATA_PARAMETERS[name]:
+        if parameter not in bound.arguments:
+            continue
+        value = bound.arguments[parameter]
+        if _signature(func).parameters[parameter].kind is inspect.Parameter.VAR_POSITIONAL:
+            bound.arguments[parameter] = tuple(
+                host_array(v.copy(), device) if type(v) is np.ndarray else v for v in value
+            )
+        elif type(value) is np.ndarray:
+            bound.arguments[parameter] = host_array(value.copy(), device)
+    return bound.args, bound.kwargs
+
+
+def _copyto_source(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """CuPy's ``copyto`` takes a NumPy source of one element as a scalar, refuses larger ones."""
+    if len(args) >= 2 and type(args[1]) is np.ndarray:
+        if args[1].size != 1:
+            raise ValueError(
+                "non-scalar numpy.ndarray cannot be used for copyto (as in CuPy); move it with "
+                "cupy_parallel.to_device first."
+            )
+        return (args[0], args[1].reshape(())[()], *args[2:])
+    return args
+
+
 def _apply_function(
     device: Device, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> Any:
     operation = f"numpy.{func.__name__}"
-    if f"{func.__module__}.{func.__name__}" in _FUNCTIONS_CUPY_LACKS:
+    qualified = f"{func.__module__}.{func.__name__}"
+    unknown = set(kwargs) & _KEYWORDS_CUPY_LACKS.get(qualified, frozenset())
+    if unknown:
+        raise TypeError(
+            f"{qualified}() got keyword arguments CuPy's {qualified.replace('numpy', 'cupy', 1)} "
+            f"does not take: {sorted(unknown)}."
+        )
+    if qualified in _HOST_DATA_PARAMETERS:
+        args, kwargs = _upload_host_data(device, qualified, func, args, kwargs)
+    elif func is np.copyto:
+        args = _copyto_source(args, kwargs)
+    if qualified in _FUNCTIONS_CUPY_LACKS:
         raise TypeError(
             f"no implementation found for '{func.__module__}.{func.__name__}' on device arrays "
             f"(CuPy has no {func.__module__.replace('numpy', 'cupy', 1)}.{func.__name__})."
