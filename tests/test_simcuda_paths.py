@@ -171,6 +171,31 @@ def test_scatter_into_outs_on_the_source_gpu_on_explicit_streams(cupy: ModuleTyp
         assert_bits_equal(to_device(got, "cpu"), want * 2)
 
 
+def test_comm_writes_into_noncontiguous_outs_on_gpus(cupy: ModuleType) -> None:
+    targets = gpus(cupy, 2)
+    x = random_bits((3, 4), np.int32)
+    outs = []
+    for target in targets:
+        with cupy.cuda.Device(target.index):
+            outs.append(cupy.zeros((4, 6), np.int32).T[::2])  # (3, 4), strided
+    comm.broadcast(x, out=outs)  # one pinned staging buffer, uploads into strided outs
+    for out in outs:
+        assert_bits_equal(out, x)
+    with cupy.cuda.Device(targets[-1].index):
+        source = (cupy.arange(24, dtype=np.int32).reshape(4, 6) * 3).T[::2]
+    comm.broadcast(source, out=outs)  # GPU to GPU (or same GPU) into strided outs
+    for out in outs:
+        assert_bits_equal(out, (np.arange(24, dtype=np.int32).reshape(4, 6) * 3).T[::2])
+    with cupy.cuda.Device(0):
+        joined = cupy.zeros((6, 2 * len(targets)), np.int32)[::2]  # (3, 2n), strided
+    comm.gather([o[:, :2] for o in outs], 1, out=joined)
+    expected = (np.arange(24, dtype=np.int32).reshape(4, 6) * 3).T[::2][:, :2]
+    assert_bits_equal(joined, np.concatenate([expected] * len(targets), axis=1))
+    host = np.zeros((6, 2 * len(targets)), np.int32)[::2]
+    comm.gather([o[:, :2] for o in outs], 1, out=host)  # downloads into a strided host array
+    assert_bits_equal(host, np.concatenate([expected] * len(targets), axis=1))
+
+
 # -- parallel_apply and data_parallel ---------------------------------------------------------
 
 
