@@ -1261,14 +1261,22 @@ _WRITTEN_ARGUMENTS: dict[Any, str] = {
 
 
 @functools.cache
-def _written_positions(func: Any) -> tuple[tuple[int, str], ...]:
-    """(position, name) of the arguments ``func`` writes into: ``out`` and the table above."""
+def _written_positions(func: Any) -> tuple[tuple[int | None, str], ...]:
+    """(position, name) of the arguments ``func`` writes into: ``out`` and the table above.
+
+    The position is ``None`` for a keyword-only parameter (``einsum(*operands, out=None)``).
+    """
     names = {"out", _WRITTEN_ARGUMENTS.get(func, "out")}
     try:
-        parameters = list(inspect.signature(func).parameters)
+        parameters = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: out= by keyword only
-        return ()
-    return tuple((i, p) for i, p in enumerate(parameters) if p in names)
+        return ((None, "out"),)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(
+        (i if p.kind in positional else None, p.name)
+        for i, p in enumerate(parameters)
+        if p.name in names
+    )
 
 
 _FUNCTIONS_CUPY_LACKS = frozenset(
@@ -1458,11 +1466,14 @@ def _apply_function(
     read = [_function_leaf(x, device, operation, creation) for x in leaves]
     read_args, read_kwargs = optree.tree_unflatten(spec, read)
     written = [
-        read_kwargs[name] if name in read_kwargs else read_args[i] if i < len(read_args) else None
+        read_kwargs[name] if name in read_kwargs else read_args[i]
         for i, name in _written_positions(func)
+        if name in read_kwargs or (i is not None and i < len(read_args))
     ]
     if isinstance(read_kwargs.get("out"), tuple):
         written.extend(read_kwargs["out"])
+    if func is np.nan_to_num and (read_args[1:2] or [read_kwargs.get("copy", True)])[0] is False:
+        written.append(read_args[0])  # nan_to_num(x, copy=False) writes into x
     if _guard is not None and not creation:
         _guard(operation, tuple(leaves))  # the arguments flattened (a list of arrays opened)
     result = func(*read_args, **read_kwargs)
