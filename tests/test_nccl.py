@@ -21,11 +21,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cupy_parallel import distributed as dist
+from cupy_parallel._src.cuda import nccl as cuda_nccl
 from cupy_parallel._src.devices import _cuda_device_count, cupy_module
 from cupy_parallel._src.distributed import groups
 from cupy_parallel._src.distributed import nccl as nccl_backend
 from cupy_parallel._src.distributed.enums import Backend, ReduceOp
-from cupy_parallel._src.distributed.nccl_tables import (
+from cupy_parallel._src.cuda.nccl_tables import (
     AVG_VERSION,
     P2P_VERSION,
     NcclDataType,
@@ -94,6 +95,21 @@ def test_is_nccl_available_tells_the_truth() -> None:
     truth = _real_nccl() is not None and _cuda_device_count() > 0
     assert dist.is_nccl_available() is truth
     assert nccl_backend.NCCLBackend.is_available() is truth
+    assert cuda_nccl.is_available() is truth  # comm's NCCL: one meaning of "available"
+
+
+@pytest.mark.parametrize(("runtime", "package"), [(12090, "cu12"), (13000, "cu13")])
+def test_missing_libnccl_names_the_package_for_cupys_cuda(
+    monkeypatch: pytest.MonkeyPatch, runtime: int, package: str
+) -> None:
+    versions = types.SimpleNamespace(runtimeGetVersion=lambda: runtime)
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=versions))
+    monkeypatch.setattr(cuda_nccl, "cupy_module", lambda: fake_cupy)
+    monkeypatch.setattr(cuda_nccl, "nccl_module", lambda: None)
+    assert cuda_nccl.unavailable_reason() == (
+        "CuPy is installed, but its NCCL library (libnccl) cannot be loaded; install NCCL for "
+        f"CuPy's CUDA version (`pip install nvidia-nccl-{package}`)."
+    )
 
 
 @pytest.mark.parametrize(
@@ -105,23 +121,31 @@ def test_is_nccl_available_tells_the_truth() -> None:
             0,
             r"CuPy is not installed; install it with `pip install cupy-parallel\[cuda12\]`",
         ),
-        (True, False, 0, r"CuPy is installed, but its NCCL library \(libnccl\) cannot be loaded"),
+        (
+            True,
+            False,
+            0,
+            r"CuPy is installed, but its NCCL library \(libnccl\) cannot be loaded; install NCCL "
+            r"for CuPy's CUDA version \(`pip install nvidia-nccl-cu12`\)",
+        ),
         (True, True, 0, r"CuPy and NCCL load, but CuPy sees no GPU \(no CUDA device is visible"),
     ],
 )
 def test_unavailable_backend_says_what_is_missing(
     monkeypatch: pytest.MonkeyPatch, cupy: bool, nccl: bool, gpus: int, why: str
 ) -> None:
-    monkeypatch.setattr(
-        nccl_backend, "cupy_module", lambda: types.SimpleNamespace() if cupy else None
-    )
-    monkeypatch.setattr(nccl_backend, "nccl_module", lambda: _fake_nccl(NEW) if nccl else None)
-    monkeypatch.setattr(nccl_backend, "_cuda_device_count", lambda: gpus)
+    runtime = types.SimpleNamespace(runtimeGetVersion=lambda: 12090)
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    monkeypatch.setattr(cuda_nccl, "cupy_module", lambda: fake_cupy if cupy else None)
+    monkeypatch.setattr(cuda_nccl, "nccl_module", lambda: _fake_nccl(NEW) if nccl else None)
+    monkeypatch.setattr(cuda_nccl, "_cuda_device_count", lambda: gpus)
     assert not nccl_backend.NCCLBackend.is_available()
+    assert not cuda_nccl.is_available()
     with pytest.raises(RuntimeError, match=rf"^The 'nccl' backend is not available here: {why}"):
         groups._backend_class(Backend.NCCL)
-    monkeypatch.setattr(nccl_backend, "_cuda_device_count", lambda: 1)
+    monkeypatch.setattr(cuda_nccl, "_cuda_device_count", lambda: 1)
     assert nccl_backend.NCCLBackend.is_available() is (cupy and nccl)
+    assert cuda_nccl.is_available() is (cupy and nccl)
 
 
 @pytest.mark.skipif(_real_nccl() is not None, reason="NCCL loads here")

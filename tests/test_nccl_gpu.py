@@ -25,7 +25,7 @@ from cupy_parallel import distributed as dist
 from cupy_parallel._src.devices import _cuda_device_count, cupy_module
 from cupy_parallel._src.distributed import groups
 from cupy_parallel._src.distributed.enums import ReduceOp
-from cupy_parallel._src.distributed.nccl_tables import version_code
+from cupy_parallel._src.cuda.nccl_tables import version_code
 
 pytestmark = [
     pytest.mark.gpu,

@@ -29,7 +29,7 @@
 * Set-up: creating a communicator waits for every member; past the group's timeout it raises
   ``TimeoutError`` (a peer that never joins, or died) and the group is unusable.
 * Data: moving data (broadcast, gather, scatter, all_gather, all_to_all, send/recv) copies bytes
-  (every dtype, bit-exactly); reductions follow :mod:`.nccl_tables`. All collectives of one call
+  (every dtype, bit-exactly); reductions follow ``cuda.nccl_tables``. All collectives of one call
   are issued inside one NCCL group, so ``*_coalesced`` forms and p2p patterns launch together.
   Temporary buffers are filled on the caller's stream before the call and emptied on the internal
   stream after it, with ``cudaMemcpyAsync``.
@@ -43,15 +43,12 @@ import contextlib
 import functools
 import threading
 import time
-import warnings
 import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cupy_parallel._src.devices import _cuda_device_count, cupy_module
-from cupy_parallel._src.distributed.backend import ProcessGroupBackend
-from cupy_parallel._src.distributed.enums import Backend, ReduceOp
-from cupy_parallel._src.distributed.nccl_tables import (
+from cupy_parallel._src.cuda.nccl import nccl_module, nccl_version, unavailable_reason
+from cupy_parallel._src.cuda.nccl_tables import (
     P2P_VERSION,
     NcclDataType,
     NcclRedOp,
@@ -60,11 +57,13 @@ from cupy_parallel._src.distributed.nccl_tables import (
     transfer,
     version_string,
 )
+from cupy_parallel._src.devices import cupy_module
+from cupy_parallel._src.distributed.backend import ProcessGroupBackend
+from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.work import Work
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
-    from types import ModuleType
 
     import numpy as np
 
@@ -74,48 +73,6 @@ __all__ = ["NCCLBackend", "nccl_module", "unavailable_reason"]
 _WATCH_INTERVAL = 0.1
 _UINT8 = int(NcclDataType.UINT8)
 _SUM = int(NcclRedOp.SUM)
-
-
-def unavailable_reason() -> str | None:
-    """Why the NCCL backend cannot run here, or ``None`` when it can.
-
-    Example:
-        >>> reason = unavailable_reason()
-        >>> reason is None or "NCCL" in reason or "GPU" in reason
-        True
-    """
-    if cupy_module() is None:
-        return "CuPy is not installed; install it with `pip install cupy-parallel[cuda12]`."
-    if nccl_module() is None:
-        return (
-            "CuPy is installed, but its NCCL library (libnccl) cannot be loaded; install NCCL "
-            "for your CUDA version (for CUDA 12: `pip install nvidia-nccl-cu12`)."
-        )
-    if _cuda_device_count() == 0:
-        return (
-            "CuPy and NCCL load, but CuPy sees no GPU (no CUDA device is visible: check the "
-            "driver with `nvidia-smi` and CUDA_VISIBLE_DEVICES, or use the 'mpi' backend)."
-        )
-    return None
-
-
-@functools.cache
-def nccl_module() -> ModuleType | None:
-    """``cupy.cuda.nccl`` when CuPy is installed and its NCCL library loads, else ``None``.
-
-    Example:
-        >>> m = nccl_module()
-        >>> m is None or m.available
-        True
-    """
-    cupy = cupy_module()
-    if cupy is None:
-        return None
-    with warnings.catch_warnings():
-        # CuPy warns when libnccl is missing; that is what this function reports.
-        warnings.simplefilter("ignore")
-        from cupy.cuda import nccl
-    return nccl if nccl.available else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,7 +280,7 @@ class NCCLBackend(ProcessGroupBackend):
         self._cupy: Any = cupy_module()
         self._store = store
         # Features are gated on the older of the NCCL CuPy was built with and the one loaded.
-        self._version: int = min(nccl.get_version(), nccl.get_build_version())
+        self._version: int = nccl_version(nccl)
         self._comms: dict[tuple[int, ...], list[Any]] = {}
         self._streams: dict[int, Any] = {}
         self._made = 0  # communicators made so far: numbers the unique-id keys
@@ -446,7 +403,7 @@ class NCCLBackend(ProcessGroupBackend):
                 return
 
     def check_dtype(self, dtype: np.dtype[Any], op: ReduceOp | None, /) -> None:
-        """Refuse what NCCL cannot move (object arrays) or reduce (see :mod:`.nccl_tables`)."""
+        """Refuse what NCCL cannot move (object arrays) or reduce (see ``cuda.nccl_tables``)."""
         if op is None:
             transfer(dtype)
         elif (dtype, op) not in self._plans:
