@@ -77,18 +77,22 @@ def nccl_module() -> ModuleType | None:
     if cupy is None:
         return None
     if sys.modules.get("cupy") is not cupy:  # a stand-in CuPy carries its own NCCL
-        nccl = getattr(cupy.cuda, "nccl", None)
-        return nccl if nccl is not None and getattr(nccl, "available", False) else None
+        own = getattr(cupy.cuda, "nccl", None)
+        return own if own is not None and getattr(own, "available", False) else None
     if "nccl" not in _loaded:
-        with warnings.catch_warnings():
-            # CuPy warns when libnccl is missing; unavailable_reason() reports it instead.
-            warnings.simplefilter("ignore")
-            try:
-                from cupy.cuda import nccl
-            except ImportError:
-                nccl = None
-        _loaded["nccl"] = nccl if nccl is not None and getattr(nccl, "available", False) else None
+        _loaded["nccl"] = _import_nccl()
     return _loaded["nccl"]
+
+
+def _import_nccl() -> ModuleType | None:
+    with warnings.catch_warnings():
+        # CuPy warns when libnccl is missing; unavailable_reason() reports it instead.
+        warnings.simplefilter("ignore")
+        try:
+            from cupy.cuda import nccl
+        except ImportError:
+            return None
+    return nccl if getattr(nccl, "available", False) else None
 
 
 def _nccl_package(cupy: Any) -> str:
