@@ -605,6 +605,7 @@ class _SimEvent:
     def __init__(self, sim: _SimNccl) -> None:
         self.sim = sim
         self.held = False
+        sim.events.append(self)
 
     def record(self, stream: object = None) -> None:
         self.held = self.sim.hold
@@ -629,6 +630,7 @@ def _sim_cupy(sim: _SimNccl) -> types.SimpleNamespace:
         memcpyAsync=memcpy,
         memcpyDeviceToDevice=3,
         getDevice=lambda: getattr(_SimDevice.current, "id", 0),
+        getDeviceCount=lambda: sim.device_count,
     )
     cuda = types.SimpleNamespace(
         Device=_SimDevice,
@@ -658,6 +660,9 @@ class _SimNccl:
         self.counters: dict[tuple, int] = {}
         self.local = threading.local()
         self.hold = False  # events recorded now never fire on their own (a hung peer)
+        self.device_count = 4
+        self.events: list[_SimEvent] = []
+        self.torn_down: list[str] = []  # messages of process tear-downs (os.abort in real life)
         self.aborted: list[Any] = []  # communicators aborted (ncclCommAbort), in order
         self.destroyed: list[Any] = []
         sim = self
@@ -682,6 +687,12 @@ class _SimNccl:
 
         self.NcclCommunicator = Communicator
 
+    def release(self) -> None:
+        """The device catches up: every held event fires, and later ones fire at once."""
+        self.hold = False
+        for event in self.events:
+            event.held = False
+
     def get_version(self) -> int:
         return self.version
 
@@ -696,10 +707,16 @@ class _SimNccl:
     def groupEnd(self) -> None:
         pending, self.local.pending = self.local.pending, []
         keys = [self._deposit(comm, kind, args) for comm, kind, args in pending]
+        comms = {id(comm) for comm, _, _ in pending}
+        deadline = time.monotonic() + 30
         with self.lock:
             for key, expected in keys:
                 while len(self.slots[key]) < expected:
-                    assert self.lock.wait(30), f"simulated NCCL: {key} never matched"
+                    # ncclCommAbort from another thread makes a blocked groupEnd return an error.
+                    if any(id(c) in comms for c in self.aborted):
+                        raise self.NcclError("NCCL_ERROR_REMOTE_ERROR: communicator aborted")
+                    assert time.monotonic() < deadline, f"simulated NCCL: {key} never matched"
+                    self.lock.wait(0.01)
 
     def _deposit(self, comm: Any, kind: str, args: tuple) -> tuple[tuple, int]:
         if kind in ("send", "recv"):
@@ -770,6 +787,7 @@ def sim(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> _Sim
     cupy = _sim_cupy(nccl)
     monkeypatch.setattr(nccl_backend, "nccl_module", lambda: nccl)
     monkeypatch.setattr(nccl_backend, "cupy_module", lambda: cupy)
+    monkeypatch.setattr(nccl_backend, "_tear_down", nccl.torn_down.append)
     nccl_backend._divide_kernel.cache_clear()
     yield nccl
     nccl_backend._divide_kernel.cache_clear()
@@ -996,19 +1014,47 @@ def test_sim_wait_orders_the_callers_stream_and_does_not_block(sim: _SimNccl, st
         # the caller's stream: once before the call (ready event, on the internal stream) no;
         # after wait() it waits on exactly this work's completion event.
         assert stream.waited == [done.event]
-        # A synchronous call through the public layer returns the same way.
-        assert dist.barrier(group=pg) is None
+        # A synchronous call (what the public layer does for async_op=False) returns the same way.
+        assert backend.broadcast([_SimArray(np.ones(2), 0)], 0, 0).wait() is True
         assert len(stream.waited) == 2
         assert not stream.waited[1].done
-        for event in stream.waited:
-            event.held = False  # the device catches up
+        sim.release()  # the device catches up
         assert work.is_completed()
         assert work.is_success()
     finally:
-        sim.hold = False
-        for event in _current_stream().waited:
-            event.held = False
+        sim.release()
         backend.shutdown()
+
+
+def test_sim_barrier_blocks_the_host_until_every_rank_arrived(sim: _SimNccl, store: Any) -> None:
+    # torch's barrier blocks the host (defect: it used to return at once, stream-ordered only).
+    backend = _held_backend(sim, store, timeout=30.0)
+    pg = groups.ProcessGroup(backend, (0,), "g")
+    returned = threading.Event()
+    waiter = threading.Thread(target=lambda: (dist.barrier(group=pg), returned.set()))
+    try:
+        waiter.start()
+        assert not returned.wait(0.3)  # the barrier's kernel has not finished: the host waits
+        sim.release()
+        assert returned.wait(10)
+    finally:
+        sim.release()
+        waiter.join(10)
+        backend.shutdown()
+
+
+def test_sim_first_barrier_uses_gpu_rank_mod_device_count(sim: _SimNccl, store: Any) -> None:
+    # Every rank of a node starts on GPU 0; a barrier before any collective must still spread
+    # the ranks over the GPUs as torch does (rank % device_count), not all pick the current one.
+    sim.device_count = 2
+
+    def body(r: int, b: nccl_backend.NCCLBackend) -> Any:
+        dist.barrier(group=groups.ProcessGroup(b, tuple(range(3)), "0"))
+        keys = list(b._comms)
+        b.shutdown()
+        return keys
+
+    assert _on_ranks(_world(store, 3), body) == [[(0,)], [(1,)], [(0,)]]
 
 
 def test_sim_wait_with_timeout_blocks_aborts_and_raises(sim: _SimNccl, store: Any) -> None:
@@ -1060,7 +1106,72 @@ def test_sim_watchdog_aborts_a_hung_collective(sim: _SimNccl, store: Any) -> Non
     with pytest.raises(RuntimeError, match=rf"^process group 'g' is unusable: {pinned}"):
         dist.barrier(group=pg)
     _until(lambda: not watchdog.thread.is_alive())  # its group failed: nothing left to watch
+    # wait() had made the caller's stream wait on the collective: that stream now runs on with
+    # partial data, so the process is torn down (os.abort() outside this simulation).
+    (message,) = sim.torn_down
+    assert re.match(
+        rf"cupy_parallel: process group 'g' \(rank 0 of 1\) was aborted: {pinned}", message
+    )
+    assert message.endswith(
+        "CUDA streams already wait on all_reduce, whose results are partial; the process is "
+        "ended so that they are not used silently (set CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING=2 "
+        "to keep running with the group unusable instead)."
+    )
     backend.shutdown()
+
+
+@pytest.mark.parametrize(("handling", "ordered"), [("2", True), ("1", False)])
+def test_sim_abort_tears_down_only_when_a_stream_waits(
+    sim: _SimNccl, store: Any, monkeypatch: pytest.MonkeyPatch, handling: str, ordered: bool
+) -> None:
+    monkeypatch.setenv("CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING", handling)
+    backend = _held_backend(sim, store, timeout=0.2)
+    work = backend.all_reduce([_SimArray(np.ones(3), 0)], ReduceOp.SUM)
+    if ordered:
+        work.wait()  # a stream waits, but the user chose to keep running
+    _until(lambda: backend.failure is not None)
+    assert isinstance(work.exception(), TimeoutError)
+    assert sim.torn_down == []
+    backend.shutdown()
+
+
+@pytest.mark.parametrize("value", ["0", "3", "yes"])
+def test_error_handling_variable_is_checked(
+    fake_backend: nccl_backend.NCCLBackend, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING", value)
+    with pytest.raises(
+        ValueError,
+        match=rf"^CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING must be 1 .* or 2 .*, got '{value}'\.",
+    ):
+        fake_backend.new_subgroup([0, 1], timeout=1.0, group_name="1")
+
+
+def test_sim_a_peer_that_joined_but_stalls_times_out(sim: _SimNccl, store: Any) -> None:
+    # NCCL connects lazily inside the first groupEnd, which blocks until the peer issues the
+    # same call. The work must be watched from before groupEnd, or this hangs forever.
+    backends = _world(store, 2)
+    for b in backends:
+        b.timeout = 0.3
+
+    def body(r: int, b: nccl_backend.NCCLBackend) -> Any:
+        b.all_reduce([_SimArray(np.ones(1), 0)], ReduceOp.SUM).wait()  # both join
+        if r == 1:
+            return None  # alive, but never reaches the next collective
+        start = time.monotonic()
+        with pytest.raises(
+            TimeoutError,
+            match=r"^all_reduce timed out after 0\.3 s on process group '0' \(rank 0 of 2\); "
+            r"the watchdog aborted its NCCL communicators\.",
+        ):
+            b.all_reduce([_SimArray(np.ones(1), 0)], ReduceOp.SUM)
+        return time.monotonic() - start
+
+    elapsed = _on_ranks(backends, body)[0]
+    assert 0.3 <= elapsed < 5.0
+    assert sim.torn_down == []  # nothing waited on it
+    for b in backends:
+        b.shutdown()
 
 
 def test_sim_watchdog_releases_finished_work_and_stops_on_shutdown(

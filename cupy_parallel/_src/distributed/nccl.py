@@ -26,6 +26,19 @@
   communicators (``ncclCommAbort``: kernels stuck in them exit, so a host synchronising on their
   data returns), records a ``TimeoutError`` naming the operation, group and timeout on the work
   and sets ``failure``: the next call on the group raises, and so does any later ``wait()``.
+  Works are watched from before their ``groupEnd`` (NCCL connects peers lazily inside the first
+  one, which blocks while a peer that joined the communicator stalls), so that hang times out too.
+* Partial data: a stream that already waits on an aborted collective (every synchronous call
+  orders one) runs on once the aborted kernels exit, reading partial results, and no host call
+  can stop it. So such an abort ends the process with the reason on stderr, as torch's default
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` does; ``CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING=2`` keeps
+  the process running with the group unusable instead (:func:`tears_down_on_abort`). An abort
+  no stream waits on (async work not yet waited, a blocking ``wait(timeout=...)``) only fails
+  the group and its works.
+* Threads: the calls of one group are issued under a lock from ``groupStart`` to ``groupEnd``, so
+  two threads sharing a group never interleave their calls on its communicators.
+* Barrier: ``barrier().wait()`` blocks the host until every rank arrived (torch's); before any
+  other call it runs on GPU ``rank % device_count``, as torch's does.
 * Set-up: creating a communicator waits for every member; past the group's timeout it raises
   ``TimeoutError`` (a peer that never joins, or died) and the group is unusable.
 * Data: moving data (broadcast, gather, scatter, all_gather, all_to_all, send/recv) copies bytes
@@ -41,6 +54,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 import threading
 import time
 import weakref
@@ -67,12 +82,55 @@ if TYPE_CHECKING:
 
     import numpy as np
 
-__all__ = ["NCCLBackend", "nccl_module", "unavailable_reason"]
+__all__ = [
+    "ERROR_HANDLING_VARIABLE",
+    "NCCLBackend",
+    "nccl_module",
+    "tears_down_on_abort",
+    "unavailable_reason",
+]
 
 #: The watchdog polls this often (seconds), or ten times per group timeout when that is shorter.
 _WATCH_INTERVAL = 0.1
 _UINT8 = int(NcclDataType.UINT8)
 _SUM = int(NcclRedOp.SUM)
+
+#: What an abort does when a CUDA stream already waits on an operation it cut short (torch's
+#: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` numbers): ``1`` (default) ends the process, ``2`` keeps it
+#: running with the group unusable.
+ERROR_HANDLING_VARIABLE = "CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def tears_down_on_abort() -> bool:
+    """Whether an abort ends the process when a stream waits on a cut-short operation.
+
+    Read from ``CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING``: ``1`` (the default) tears the process
+    down, as torch's default ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` does: the stream will run on with
+    partial data and nothing on the host can stop it, so continuing would be silently wrong.
+    ``2`` only cleans up (communicators aborted, every later call and ``wait()`` raises).
+
+    Raises:
+        ValueError: the variable holds another value.
+
+    Example:
+        >>> import os
+        >>> tears_down_on_abort() is (os.environ.get(ERROR_HANDLING_VARIABLE, "1") == "1")
+        True
+    """
+    value = os.environ.get(ERROR_HANDLING_VARIABLE, "1").strip()
+    if value not in {"1", "2"}:
+        raise ValueError(
+            f"{ERROR_HANDLING_VARIABLE} must be 1 (end the process when an abort leaves CUDA "
+            f"streams with partial data) or 2 (keep running, the group unusable), got {value!r}."
+        )
+    return value == "1"
+
+
+def _tear_down(message: str) -> None:
+    """End the process after an abort left streams with partial data (says why on stderr)."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    os.abort()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,25 +200,37 @@ def _share_unique_id(
 class _NCCLWork(Work):
     """Work of one NCCL call: done when its completion events (one per device) have fired.
 
-    ``wait()`` (no timeout) orders the caller's current streams after the events and returns;
-    ``wait(timeout=t)`` blocks the host too. State changes take the backend's lock, since the
-    watchdog thread completes or fails works concurrently with the caller.
+    The work exists (and the watchdog watches it) from before ``groupEnd``: until the call was
+    issued it has no events (``None``) and is not done, so a ``groupEnd`` that waits forever on
+    a stalled peer times out like any collective. ``wait()`` (no timeout) orders the caller's
+    current streams after the events and returns; ``wait(timeout=t)`` blocks the host too; a
+    barrier's ``wait()`` always blocks the host (torch's). State changes take the backend's
+    lock, since the watchdog thread completes or fails works concurrently with the caller.
     """
 
-    __slots__ = ("_backend", "_comms", "_events", "_keep", "_started")
+    __slots__ = ("_backend", "_blocking", "_comms", "_events", "_keep", "_ordered", "_started")
 
     def __init__(
-        self, description: str, backend: NCCLBackend, comms: list[Any], events: list[Any], keep: Any
+        self,
+        description: str,
+        backend: NCCLBackend,
+        comms: list[Any],
+        keep: Any,
+        *,
+        blocking: bool = False,
     ) -> None:
         Work.__init__(self, description, backend.group_name, backend.timeout)
         self._backend = backend
         self._comms = comms
-        self._events = events
+        self._events: list[_Done] | None = None  # set once the call was issued
         self._keep = keep  # arrays NCCL reads or writes until the events fire
+        self._blocking = blocking
+        self._ordered = False  # whether some stream was made to wait on the events
         self._started = time.monotonic()
 
     def _events_done(self) -> bool:
-        return all(event.done for event in self._events)
+        events = self._events
+        return events is not None and all(event.done for event in events)
 
     def _test(self) -> bool:
         if self._events_done():
@@ -202,6 +272,8 @@ class _NCCLWork(Work):
         )
 
     def _order_on_device(self) -> bool:
+        if self._blocking:  # a barrier blocks the host, as torch's does
+            return False
         if self.is_completed():  # finished or failed: let wait() report it
             return False
         self._order(None)
@@ -209,7 +281,8 @@ class _NCCLWork(Work):
 
     def _order(self, stream: Any) -> None:
         cupy = self._backend._cupy
-        for event in self._events:
+        self._ordered = True
+        for event in self._events or ():
             if stream is None:
                 with cupy.cuda.Device(event.device_id):
                     cupy.cuda.get_current_stream().wait_event(event.event)
@@ -257,6 +330,7 @@ class NCCLBackend(ProcessGroupBackend):
     * ``work.wait(timeout=t)``: the same ordering, and the host blocks until the collective
       finished; past ``t`` the communicators are aborted and ``TimeoutError`` is raised.
     * ``work.wait_stream(stream)``: ``stream`` waits for the collective; the host does not.
+    * ``barrier()`` (and its work's ``wait()``): the host blocks until every rank arrived.
     * The watchdog thread aborts the group when a collective is older than the group's timeout;
       the work then holds a ``TimeoutError`` and every later call on the group raises
       ``RuntimeError`` quoting it.
@@ -288,6 +362,8 @@ class NCCLBackend(ProcessGroupBackend):
         self._in_flight: list[_NCCLWork] = []  # unfinished works, pruned by the watchdog
         self._plans: dict[tuple[np.dtype[Any], ReduceOp], Reduction] = {}
         self._lock = threading.RLock()  # guards _in_flight, _comms and the works' states
+        self._group_lock = threading.Lock()  # held from groupStart to groupEnd
+        self._tear_down = tears_down_on_abort()
         self._watchdog: _Watchdog | None = None
         self._closed = False
 
@@ -364,9 +440,20 @@ class NCCLBackend(ProcessGroupBackend):
                 else:
                     work._fail(RuntimeError(f"{work._description} cannot complete: {reason}"))
             comms, self._comms = list(self._comms.values()), {}
+            # Streams already made to wait on an unfinished work run on once the aborted kernels
+            # exit, reading partial results; nothing can stop a CUDA stream from the host.
+            waited = [w._description for w in in_flight if w._ordered and not w._events_done()]
         for group in comms:
             for comm in group:
                 comm.abort()
+        if waited and self._tear_down:
+            _tear_down(
+                f"cupy_parallel: process group {self.group_name!r} (rank {self.rank} of "
+                f"{self.size}) was aborted: {reason} CUDA streams already wait on "
+                f"{', '.join(waited)}, whose results are partial; the process is ended so that "
+                f"they are not used silently (set {ERROR_HANDLING_VARIABLE}=2 to keep running "
+                "with the group unusable instead)."
+            )
 
     def _watch(self) -> None:
         """One round of the watchdog: retire finished works, abort on an error or a timeout."""
@@ -496,12 +583,14 @@ class NCCLBackend(ProcessGroupBackend):
         *,
         after: Callable[[int], object] | None = None,
         keep: Any = None,
+        blocking: bool = False,
     ) -> _NCCLWork:
         """Run one NCCL call on ``devices`` (one entry per local participant ``j``).
 
         Everything queued on the caller's current streams so far comes first. ``issue(j, comm,
         stream_ptr)`` makes participant ``j``'s NCCL calls (inside one NCCL group);
         ``after(j)`` then queues participant ``j``'s follow-up work on the internal stream.
+        ``blocking``: the work's ``wait()`` blocks the host (barriers).
         """
         if self._closed:
             raise RuntimeError(f"process group {self.group_name!r} was shut down.")
@@ -513,29 +602,44 @@ class NCCLBackend(ProcessGroupBackend):
                 ready = cupy.cuda.Event(disable_timing=True)
                 ready.record(cupy.cuda.get_current_stream())
                 stream.wait_event(ready)
-        nccl.groupStart()
+        # Watched from before groupEnd: NCCL connects peers lazily inside the first groupEnd of
+        # a communicator, which blocks until they issue the same call. A peer that joined but
+        # stalls is then a timed-out work the watchdog aborts (which makes groupEnd return).
+        work = _NCCLWork(description, self, comms, keep, blocking=blocking)
+        with self._lock:
+            self._in_flight.append(work)
+            if self._watchdog is None:
+                self._watchdog = _Watchdog(self)
         try:
-            for j, device in enumerate(devices):
-                with cupy.cuda.Device(device):
-                    issue(j, comms[j], streams[j].ptr)
-        finally:
-            nccl.groupEnd()
+            with self._group_lock:  # threads sharing the group never interleave their calls
+                nccl.groupStart()
+                try:
+                    for j, device in enumerate(devices):
+                        with cupy.cuda.Device(device):
+                            issue(j, comms[j], streams[j].ptr)
+                finally:
+                    nccl.groupEnd()
+        except Exception as error:
+            if not work._done:
+                self._abort(
+                    f"{description} failed while being issued to NCCL ({error!r}) on process "
+                    f"group {self.group_name!r}; its NCCL communicators were aborted.",
+                    culprit=work,
+                )
+            raise work._exception or error from error
         events = []
         for j, device in enumerate(devices):
             stream = streams[j]
             with cupy.cuda.Device(device):
-                if after is not None:
+                if after is not None and not work._done:
                     with stream:
                         after(j)
                 done = cupy.cuda.Event(disable_timing=True)
                 done.record(stream)
             events.append(_Done(done, device))
-        self._last_devices = devices
-        work = _NCCLWork(description, self, comms, events, keep)
         with self._lock:
-            self._in_flight.append(work)
-            if self._watchdog is None:
-                self._watchdog = _Watchdog(self)
+            work._events = events
+        self._last_devices = devices
         return work
 
     def _copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
@@ -716,9 +820,13 @@ class NCCLBackend(ProcessGroupBackend):
         return self._launch("all_to_all", _devices(inputs[:1]), issue, after=after, keep=keep)
 
     def barrier(self) -> Work:
-        """An all-reduce of one byte on the devices of the last call (else the current one)."""
+        """An all-reduce of one byte; its ``wait()`` blocks the host until every rank arrived.
+
+        As torch's: on the devices of the last call, or before any call on GPU
+        ``rank % device_count`` (one GPU per rank of a node, whichever device is current).
+        """
         cupy = self._cupy
-        devices = self._last_devices or (cupy.cuda.runtime.getDevice(),)
+        devices = self._last_devices or (self.rank % cupy.cuda.runtime.getDeviceCount(),)
         flags = []
         for device in devices:
             with cupy.cuda.Device(device):
@@ -730,7 +838,7 @@ class NCCLBackend(ProcessGroupBackend):
                 ptr, ptr, 1, _UINT8, int(self._plan(flags[j].dtype, ReduceOp.MAX).op), stream
             )
 
-        return self._launch("barrier", devices, issue, keep=flags)
+        return self._launch("barrier", devices, issue, keep=flags, blocking=True)
 
     def send(self, array: Any, dst: int, tag: int, /) -> Work:
         """``ncclSend`` of the array's bytes (``tag`` is not used: NCCL has no tags)."""
