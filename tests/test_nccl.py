@@ -22,10 +22,6 @@ from hypothesis import strategies as st
 
 from cupy_parallel import distributed as dist
 from cupy_parallel._src.cuda import nccl as cuda_nccl
-from cupy_parallel._src.devices import _cuda_device_count, cupy_module
-from cupy_parallel._src.distributed import groups
-from cupy_parallel._src.distributed import nccl as nccl_backend
-from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.cuda.nccl_tables import (
     AVG_VERSION,
     P2P_VERSION,
@@ -37,6 +33,10 @@ from cupy_parallel._src.cuda.nccl_tables import (
     version_code,
     version_string,
 )
+from cupy_parallel._src.devices import _cuda_device_count, cupy_module
+from cupy_parallel._src.distributed import groups
+from cupy_parallel._src.distributed import nccl as nccl_backend
+from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.store import FileStore, TCPStore
 
 NEW = version_code(2, 18, 5)  # has ncclAvg and bfloat16
@@ -125,8 +125,10 @@ def test_missing_libnccl_names_the_package_for_cupys_cuda(
             True,
             False,
             0,
-            r"CuPy is installed, but its NCCL library \(libnccl\) cannot be loaded; install NCCL "
-            r"for CuPy's CUDA version \(`pip install nvidia-nccl-cu12`\)",
+            (
+                r"CuPy is installed, but its NCCL library \(libnccl\) cannot be loaded; install "
+                r"NCCL for CuPy's CUDA version \(`pip install nvidia-nccl-cu12`\)"
+            ),
         ),
         (True, True, 0, r"CuPy and NCCL load, but CuPy sees no GPU \(no CUDA device is visible"),
     ],
@@ -1000,7 +1002,6 @@ def _until(condition: Any, limit: float = 10.0) -> float:
 
 def test_sim_wait_orders_the_callers_stream_and_does_not_block(sim: _SimNccl, store: Any) -> None:
     backend = _held_backend(sim, store, timeout=30.0)
-    pg = groups.ProcessGroup(backend, (0,), "g")
     try:
         stream = _current_stream()
         stream.waited.clear()
