@@ -7,6 +7,7 @@ two), and point-to-point calls run between two processes (two GPUs).
 from __future__ import annotations
 
 import gc
+import re
 import subprocess
 import sys
 import textwrap
@@ -22,10 +23,10 @@ from test_nccl import _refusal
 from test_nccl import _values as _sample  # values whose sums and products are exact
 
 from cupy_parallel import distributed as dist
+from cupy_parallel._src.cuda.nccl_tables import version_code
 from cupy_parallel._src.devices import _cuda_device_count, cupy_module
 from cupy_parallel._src.distributed import groups
 from cupy_parallel._src.distributed.enums import ReduceOp
-from cupy_parallel._src.cuda.nccl_tables import version_code
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,6 +79,9 @@ def world(tmp_path: Any) -> Any:
     dist.init_process_group(
         "nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60)
     )
+    # Make GPU 0's communicator now (0.1-1 s on a real GPU, and blocking: barrier waits on the
+    # host), so no test times communicator creation as if it were the collective.
+    dist.barrier()
     yield _backend()
     dist.destroy_process_group()
     store.close()
@@ -240,6 +244,8 @@ def test_async_work_keeps_its_arrays_alive_until_done(world: Any) -> None:
 
 def test_synchronous_collective_is_stream_ordered(world: Any) -> None:
     # torch's semantics: a synchronous call orders the caller's stream and returns at once.
+    # (The world fixture made the communicator: only the calls are timed, not its creation.)
+    assert world._comms
     side = cupy.cuda.Stream(non_blocking=True)
     x = cupy.zeros(4096, cupy.int32)
     cupy.cuda.Device().synchronize()
@@ -266,6 +272,8 @@ _HUNG_SCRIPT = textwrap.dedent(
     from cupy_parallel._src.distributed import groups
 
     mode, path = sys.argv[1], sys.argv[2]
+    if mode == "watchdog":  # keep running after the abort, to look at the group
+        os.environ["CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING"] = "2"
     spin = cupy.RawKernel(r'''
     extern "C" __global__ void spin(long long cycles) {
         long long start = clock64();
@@ -302,7 +310,7 @@ _HUNG_SCRIPT = textwrap.dedent(
 )
 
 
-def _run(script: str, *args: str) -> list[str]:
+def _run(script: str, *args: str, returncode: int = 0) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
         [sys.executable, "-c", script, *args],
         capture_output=True,
@@ -310,13 +318,13 @@ def _run(script: str, *args: str) -> list[str]:
         timeout=240,
         check=False,
     )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.splitlines()
+    assert done.returncode == returncode, done.stderr
+    return done
 
 
 def test_watchdog_aborts_a_hung_collective(tmp_path: Any) -> None:
     # A separate process: the aborted communicator must not affect the other tests.
-    lines = _run(_HUNG_SCRIPT, "watchdog", str(tmp_path / "store"))
+    lines = _run(_HUNG_SCRIPT, "watchdog", str(tmp_path / "store")).stdout.splitlines()
     assert lines[0] == "ABORTED True"  # within the group's 2 s timeout, plus polling
     reason = "all_reduce timed out after 2 s on process group '0' (rank 0 of 1); the watchdog"
     assert lines[1].startswith(f"WORK TimeoutError {reason}")
@@ -324,12 +332,23 @@ def test_watchdog_aborts_a_hung_collective(tmp_path: Any) -> None:
 
 
 def test_blocking_wait_times_out_and_aborts(tmp_path: Any) -> None:
-    lines = _run(_HUNG_SCRIPT, "blocking", str(tmp_path / "store"))
+    lines = _run(_HUNG_SCRIPT, "blocking", str(tmp_path / "store")).stdout.splitlines()
     assert lines[0].startswith(
         "TIMEOUT all_reduce on process group '0' did not complete within 1 s"
     )
     assert lines[1].startswith(
         "UNUSABLE process group '0' is unusable: all_reduce was abandoned by a blocking wait()"
+    )
+
+
+def test_watchdog_abort_ends_the_process_when_a_stream_waits(tmp_path: Any) -> None:
+    # The default: the stream that waits on the aborted collective would run on with partial
+    # data, so the process ends (SIGABRT) saying why, as torch's default does.
+    done = _run(_HUNG_SCRIPT, "teardown", str(tmp_path / "store"), returncode=-6)
+    assert re.search(
+        r"cupy_parallel: process group '0' \(rank 0 of 1\) was aborted: all_reduce timed out "
+        r"after 2 s .* CUDA streams already wait on all_reduce, whose results are partial",
+        done.stderr,
     )
 
 
@@ -380,6 +399,92 @@ def test_a_peer_that_never_joins_ends_the_collective_within_the_timeout(tmp_path
     assert outs[0].startswith(
         "TIMEOUT True NCCL set-up on process group '0' (rank 0 of 2): not every rank joined"
     )
+
+
+_STALLED_PEER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from datetime import timedelta
+    import cupy
+    from cupy_parallel import distributed as dist
+
+    os.environ["CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    rank, path = int(sys.argv[1]), sys.argv[2]
+    cupy.cuda.Device(rank).use()
+    store = dist.FileStore(path, 2)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=3))
+    x = cupy.ones(1024)
+    dist.all_reduce(x)  # both join the communicator
+    cupy.cuda.Device().synchronize()
+    if rank == 1:  # alive, but never posts the receive
+        store.wait(["rank 0 done"], timedelta(seconds=120))
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        # NCCL connects send/recv peers lazily, inside this call's groupEnd: without the
+        # watchdog covering it, it could block forever.
+        dist.send(x, dst=1, async_op=True).wait(timeout=60)
+    except TimeoutError as error:
+        print("TIMEOUT", 3 <= time.monotonic() - start < 8, error, flush=True)
+    store.set("rank 0 done", b"1")
+    os._exit(0)
+    """
+)
+
+
+@needs_two
+def test_a_peer_that_joined_but_stalls_ends_the_call_within_the_timeout(tmp_path: Any) -> None:
+    outs = _run_two_ranks(_STALLED_PEER_SCRIPT, str(tmp_path / "store"))
+    assert outs[0].startswith(
+        "TIMEOUT True send to group rank 1 timed out after 3 s on process group '0' (rank 0 of 2)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes and streams: the internal stream is ordered against whichever stream the caller uses
+
+STREAMS = ["null", "blocking", "non_blocking", "per_thread"]
+
+
+def _stream(kind: str) -> Any:
+    if kind == "null":
+        return cupy.cuda.Stream.null
+    if kind == "per_thread":
+        return cupy.cuda.Stream.ptds
+    return cupy.cuda.Stream(non_blocking=kind == "non_blocking")
+
+
+@pytest.mark.parametrize("kind", STREAMS)
+@pytest.mark.parametrize("size", [1, 1000, 1 << 22])  # int32: 4 B to 16 MiB
+def test_collectives_follow_the_callers_stream_at_every_size(
+    world: Any, kind: str, size: int
+) -> None:
+    stream = _stream(kind)
+    with stream:
+        x = cupy.zeros(size, cupy.int32)
+        _spin_then_fill(x, 3, seconds=0.05)  # the producer still runs when the call is issued
+        dist.all_reduce(x)  # synchronous: stream-ordered, the host does not wait
+        outs = [cupy.full(size, -1, cupy.int32)]
+        dist.all_gather(outs, x * 2)
+        z = outs[0] + 1
+        dist.broadcast(z, src=0)
+        pieces = [cupy.empty_like(z)]
+        dist.all_to_all(pieces, [z])
+        total = pieces[0].astype(cupy.int64).sum()
+    stream.synchronize()
+    assert int(total) == 7 * size
+
+
+def test_barrier_blocks_the_host_while_the_gpu_is_busy(world: Any) -> None:
+    # torch's barrier blocks the host until the barrier's kernel ran, which waits for the work
+    # queued before it on the current stream.
+    x = cupy.zeros(1, cupy.int32)
+    _spin_then_fill(x, 1, seconds=0.5)
+    start = time.perf_counter()
+    dist.barrier()
+    assert time.perf_counter() - start >= 0.4
+    assert int(x[0]) == 1
 
 
 # ---------------------------------------------------------------------------------------------
