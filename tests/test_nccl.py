@@ -616,6 +616,10 @@ class _SimEvent:
     def done(self) -> bool:
         return not self.held or bool(self.sim.aborted)
 
+    def synchronize(self) -> None:
+        while not self.done:
+            time.sleep(0.005)
+
 
 def _sim_cupy(sim: _SimNccl) -> types.SimpleNamespace:
     def empty(n: int, dtype: object) -> _SimArray:

@@ -262,6 +262,34 @@ class _NCCLWork(Work):
             self._comms = []
             super()._fail(error)
 
+    def _block(self, deadline: float) -> bool:
+        """Block the host until the events fired (``True``) or the deadline (``False``).
+
+        A helper thread synchronises with the events (``cudaEventSynchronize``: a GPU that
+        finishes is seen at once, and a simulated GPU, which finishes only when the host waits
+        for it, finishes too) while this thread waits for it until the deadline. A failure of
+        the group (a watchdog abort) ends the wait early. After a timeout the helper stays
+        blocked until the aborted kernels exit; it is a daemon thread.
+        """
+        if self._test():
+            return True
+        synced = threading.Event()
+
+        def synchronize() -> None:
+            try:
+                for done in self._events or ():
+                    done.event.synchronize()
+            finally:
+                synced.set()
+
+        threading.Thread(
+            target=synchronize, name=f"cupy_parallel NCCL wait ({self._description})", daemon=True
+        ).start()
+        while not synced.wait(min(max(deadline - time.monotonic(), 0.0), _WATCH_INTERVAL)):
+            if self._backend.failure is not None or time.monotonic() >= deadline:
+                return self._test()
+        return self._test()
+
     def _on_timeout(self) -> None:
         backend = self._backend
         backend._abort(
