@@ -16,7 +16,7 @@ import numpy as np
 
 from cupy_parallel._src.devices import cupy_module
 
-__all__ = ["in_flight", "release_after", "staging_array"]
+__all__ = ["forget_in_flight", "in_flight", "release_after", "staging_array"]
 
 _lock = threading.Lock()
 _in_flight: list[tuple[Any, Any]] = []
@@ -51,3 +51,15 @@ def in_flight() -> int:
     with _lock:
         _in_flight[:] = [(e, m) for e, m in _in_flight if not e.done]
         return len(_in_flight)
+
+
+def forget_in_flight() -> None:
+    """Drop every buffer still waiting (when the CUDA behind ``cupy_module()`` goes away).
+
+    Example:
+        >>> forget_in_flight()
+        >>> in_flight()
+        0
+    """
+    with _lock:
+        _in_flight.clear()

@@ -16,7 +16,14 @@ from typing import Any
 
 from cupy_parallel._src.devices import cupy_module
 
-__all__ = ["background_stream", "current_stream", "is_stream", "stream_device", "wait_stream"]
+__all__ = [
+    "background_stream",
+    "current_stream",
+    "forget_background_streams",
+    "is_stream",
+    "stream_device",
+    "wait_stream",
+]
 
 _lock = threading.Lock()
 _background: dict[int, Any] = {}
@@ -56,6 +63,16 @@ def background_stream(device: int) -> Any:
             with cupy.cuda.Device(device):
                 stream = _background[device] = cupy.cuda.Stream(non_blocking=True)
     return stream
+
+
+def forget_background_streams() -> None:
+    """Drop the cached background streams (when the CUDA behind ``cupy_module()`` changes).
+
+    Example:
+        >>> forget_background_streams()
+    """
+    with _lock:
+        _background.clear()
 
 
 def current_stream(device: int) -> Any:
