@@ -648,11 +648,10 @@ class NCCLBackend(ProcessGroupBackend):
                 finally:
                     nccl.groupEnd()
         except Exception as error:
-            if not work._done:
+            if not work._done:  # NCCL refused the call: the peers' calls cannot match it
                 self._abort(
                     f"{description} failed while being issued to NCCL ({error!r}) on process "
-                    f"group {self.group_name!r}; its NCCL communicators were aborted.",
-                    culprit=work,
+                    f"group {self.group_name!r}; its NCCL communicators were aborted."
                 )
             raise work._exception or error from error
         events = []
