@@ -258,7 +258,7 @@ def _run(pending: list[Any]) -> None:
     with nccl.changed:
         for what, target, comm in waits:
             while not _settled(what, target):
-                if what == "join" and target.error is not None:
+                if isinstance(target, _Clique) and target.error is not None:
                     raise NcclError(NCCL_ERROR_INVALID_USAGE, target.error)
                 if comm._aborted:
                     raise NcclError(
