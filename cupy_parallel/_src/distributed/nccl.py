@@ -53,7 +53,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 import threading
@@ -699,10 +698,19 @@ class NCCLBackend(ProcessGroupBackend):
             offset += x.nbytes
 
     def _divide(self, arrays: Sequence[Any], count: int) -> None:
-        """``AVG`` without ``ncclAvg``: divide in place; integers round toward zero, as there."""
-        kernel = _divide_kernel()
+        """``AVG`` without ``ncclAvg``: divide in place; integers round toward zero, as there.
+
+        Integers: ``x - fmod(x, n)`` is an exact multiple of ``n`` (``fmod`` keeps the sign of
+        ``x``), so the floor division after it is exact, i.e. C's division toward zero.
+        """
+        cupy = self._cupy
         for x in arrays:
-            kernel(x.dtype.type(count), x)
+            n = x.dtype.type(count)
+            if x.dtype.kind in "iu":
+                cupy.subtract(x, cupy.fmod(x, n), out=x)
+                cupy.floor_divide(x, n, out=x)
+            else:
+                cupy.divide(x, n, out=x)
 
     # --------------------------------------------------------------------------- collectives
 
@@ -981,12 +989,6 @@ class _Watchdog:
         self._stop.set()
         if threading.current_thread() is not self.thread:
             self.thread.join()
-
-
-@functools.cache
-def _divide_kernel() -> Any:
-    cupy: Any = cupy_module()
-    return cupy.ElementwiseKernel("T n", "T x", "x = x / n", "cupy_parallel_nccl_average")
 
 
 def _devices(arrays: Sequence[Any]) -> tuple[int, ...]:

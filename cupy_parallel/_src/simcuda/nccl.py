@@ -165,6 +165,7 @@ class _Slot:
     expected: int
     calls: dict[Any, _Call] = field(default_factory=dict)
     done: bool = False
+    error: str | None = None  # the members' calls do not match
 
 
 @dataclass(eq=False)
@@ -254,12 +255,17 @@ def _run(pending: list[Any]) -> None:
             waits.append(("join", item._clique, item))
         else:
             waits.append(_launch(nccl, item))
+            time.sleep(0)  # let other threads launch in between, as they can on a machine
     deadline = time.monotonic() + nccl.deadlock_limit
     with nccl.changed:
         for what, target, comm in waits:
-            while not _settled(what, target):
-                if isinstance(target, _Clique) and target.error is not None:
-                    raise NcclError(NCCL_ERROR_INVALID_USAGE, target.error)
+            while True:
+                if target.error is not None:
+                    if isinstance(target, _Clique):
+                        raise NcclError(NCCL_ERROR_INVALID_USAGE, target.error)
+                    raise SimulationError(target.error)
+                if _settled(what, target):
+                    break
                 if comm._aborted:
                     raise NcclError(
                         NCCL_ERROR_REMOTE_ERROR,
@@ -387,7 +393,11 @@ def _launch(nccl: _State, call: _Call) -> tuple[str, _Slot, NcclCommunicator]:
         key = (channel[0], *channel[1:3], sequence) if call.kind in ("send", "recv") else sequence
         slot = clique.slots.setdefault(key, _Slot(expected))
         for other in slot.calls.values():
-            _check_match(call, other)
+            mismatch = _mismatch(call, other)
+            if mismatch is not None:
+                slot.error = mismatch
+                nccl.changed.notify_all()
+                raise SimulationError(mismatch)
         slot.calls[member] = call
         if len(slot.calls) == expected:
             with simulation.lock:
@@ -398,19 +408,23 @@ def _launch(nccl: _State, call: _Call) -> tuple[str, _Slot, NcclCommunicator]:
     return ("call", slot, comm)
 
 
-def _check_match(call: _Call, other: _Call) -> None:
+def _mismatch(call: _Call, other: _Call) -> str | None:
+    """Why two calls that meet in one operation do not match, or ``None``."""
     if call.kind in ("send", "recv"):
         same = call.args["count"] == other.args["count"] and (
             call.args["datatype"] == other.args["datatype"]
         )
     else:
         keys = ("count", "datatype", "op", "root")
-        same = call.kind == other.kind and all(call.args.get(k) == other.args.get(k) for k in keys)
-    if not same:
-        raise SimulationError(
-            f"simulated NCCL: mismatched calls on one communicator: {call.describe()} meets "
-            f"{other.describe()} (every rank must make the same calls in the same order)."
+        same = call.kind == other.kind and all(
+            call.args.get(k) == other.args.get(k) for k in keys
         )
+    if same:
+        return None
+    return (
+        f"simulated NCCL: mismatched calls on one communicator: {call.describe()} meets "
+        f"{other.describe()} (every rank must make the same calls in the same order)."
+    )
 
 
 def _memory(ptr: int, count: int, wire: np.dtype[Any]) -> np.ndarray:
