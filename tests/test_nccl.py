@@ -1128,7 +1128,7 @@ def test_sim_comm_nccl_calls_of_two_threads_do_not_interleave(
 
         def body(t: int, _: Any) -> list[bool]:
             ok = []
-            for i in range(20):
+            for i in range(60):
                 value = 100 * t + i
                 with cupy.cuda.Device(0):
                     x = cupy.full(4 + t, value, np.int64)  # the threads' sizes differ
@@ -1137,7 +1137,7 @@ def test_sim_comm_nccl_calls_of_two_threads_do_not_interleave(
             return ok
 
         results = _on_ranks([None, None], body)
-    assert results == [[True] * 20, [True] * 20]
+    assert results == [[True] * 60, [True] * 60]
 
 
 # ---------------------------------------------------------------------------------------------
