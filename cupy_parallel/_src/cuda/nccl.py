@@ -34,9 +34,10 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from cupy_parallel._src.arrays import device_of, empty
 from cupy_parallel._src.cuda.nccl_tables import reduction
 from cupy_parallel._src.cuda.streams import current_stream
-from cupy_parallel._src.devices import _cuda_device_count, cupy_module, device_of, empty
+from cupy_parallel._src.devices import _cuda_device_count, cupy_module
 from cupy_parallel._src.distributed.enums import ReduceOp
 
 if TYPE_CHECKING:
