@@ -39,6 +39,23 @@ How it runs:
 
 Knobs for tests: :func:`set_version` (the NCCL version both getters report; default 2.18.5),
 :func:`set_deadlock_limit`, :meth:`NcclCommunicator.inject_async_error`.
+
+Example:
+    >>> from cupy_parallel.testing import simulated_cuda
+    >>> with simulated_cuda(2) as cupy:
+    ...     nccl = cupy.cuda.nccl
+    ...     comms = nccl.NcclCommunicator.initAll([0, 1])
+    ...     xs = []
+    ...     for device in (0, 1):
+    ...         with cupy.cuda.Device(device):
+    ...             xs.append(cupy.full(3, device + 1.0))
+    ...     nccl.groupStart()
+    ...     for comm, x in zip(comms, xs):
+    ...         with cupy.cuda.Device(comm.device_id()):
+    ...             comm.allReduce(x.data.ptr, x.data.ptr, 3, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, 0)
+    ...     nccl.groupEnd()
+    ...     [x.get().tolist() for x in xs]
+    [[3.0, 3.0, 3.0], [3.0, 3.0, 3.0]]
 """
 
 from __future__ import annotations
