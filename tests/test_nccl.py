@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cupy_parallel import Device
 from cupy_parallel import distributed as dist
 from cupy_parallel._src.cuda import nccl as cuda_nccl
 from cupy_parallel._src.cuda.nccl_tables import (
@@ -1187,3 +1188,31 @@ def test_error_handling_variable_is_checked(
         match=rf"^CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING must be 1 .* or 2 .*, got '{value}'\.",
     ):
         fake_backend.new_subgroup([0, 1], timeout=1.0, group_name="1")
+
+
+@pytest.mark.parametrize(
+    "dtype", ["bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float64", "complex64"]
+)
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_sim_comm_reduce_add_and_broadcast_through_nccl(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, dtype: str
+) -> None:
+    # comm's NCCL reduce goes through nccl_tables (the one dtype table): bool sums as a logical
+    # or, complex as pairs of reals, float16 in float16; int16 has no NCCL type and falls back.
+    hosts = [_values(dtype, (3, 4), 60 + k) for k in range(gpus)]
+    expected = hosts[0].copy()
+    with np.errstate(over="ignore"):
+        for h in hosts[1:]:
+            expected = (expected | h) if expected.dtype == bool else (expected + h)
+    with _gpus(gpus, monkeypatch) as (cupy, _):
+        from cupy_parallel import comm
+
+        inputs = [_on(cupy, k, h) for k, h in enumerate(hosts)]
+        target = f"cuda:{gpus - 1}"
+        uses_nccl = cuda_nccl.can_reduce(inputs, Device("cuda", gpus - 1))
+        total = comm.reduce_add(inputs, destination=target)
+        copies = comm.broadcast(inputs[1], [f"cuda:{k}" for k in range(gpus)])
+        np.testing.assert_array_equal(_host(total), expected)
+        for copy in copies:
+            assert _host(copy).tobytes() == hosts[1].tobytes()
+    assert uses_nccl is (dtype != "int16")
