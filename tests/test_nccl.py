@@ -1216,3 +1216,35 @@ def test_sim_comm_reduce_add_and_broadcast_through_nccl(
         for copy in copies:
             assert _host(copy).tobytes() == hosts[1].tobytes()
     assert uses_nccl is (dtype != "int16")
+
+
+class _StuckEvent:
+    """A CUDA event behind a kernel that never ends (until ``release``)."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self.released.is_set()
+
+    def synchronize(self) -> None:
+        self.released.wait(30)
+
+
+def test_blocking_wait_gives_up_at_its_deadline(fake_backend: nccl_backend.NCCLBackend) -> None:
+    # wait(timeout=t) synchronises in a helper thread; when the event does not fire within t
+    # the caller gets TimeoutError at t (not when the helper returns) and the group is aborted.
+    event = _StuckEvent()
+    work = nccl_backend._NCCLWork("all_reduce", fake_backend, [], keep=None)
+    work._events = [nccl_backend._Done(event, 0)]
+    start = time.monotonic()
+    try:
+        with pytest.raises(
+            TimeoutError, match=r"^all_reduce on process group 'g' did not complete within 0\.2 s"
+        ):
+            work.wait(timeout=0.2)
+        assert 0.2 <= time.monotonic() - start < 2.0
+        assert re.match(r"all_reduce was abandoned by a blocking wait\(\)", fake_backend.failure)
+    finally:
+        event.released.set()
