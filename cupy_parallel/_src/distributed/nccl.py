@@ -276,6 +276,8 @@ class _NCCLWork(Work):
 
         def synchronize() -> None:
             try:
+                while self._events is None and not self._done and time.monotonic() < deadline:
+                    time.sleep(0.001)  # another thread is still issuing it (inside groupEnd)
                 for done in self._events or ():
                     done.event.synchronize()
             finally:
