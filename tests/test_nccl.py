@@ -1250,3 +1250,54 @@ def test_blocking_wait_gives_up_at_its_deadline(fake_backend: nccl_backend.NCCLB
         )
     finally:
         event.released.set()
+
+
+def test_sim_watchdog_aborts_on_an_asynchronous_nccl_error(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    # ncclCommGetAsyncError reports a dead peer: the watchdog aborts at once, not at the timeout.
+    monkeypatch.setenv("CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING", "2")
+    with _gpus(1, monkeypatch) as (cupy, _):
+        (backend,) = _world(store, 1, name="g", timeout=30.0)
+        work = backend.all_reduce([cupy.ones(2)], ReduceOp.SUM)
+        (comm,) = sim_nccl_comms(cupy)
+        comm.inject_async_error()
+        elapsed = _until(lambda: backend.failure is not None)
+        assert elapsed < 5.0
+        assert re.match(
+            r"all_reduce failed in NCCL \(NCCL_ERROR_REMOTE_ERROR: asynchronous error on rank 0\) "
+            r"on process group 'g'; its NCCL communicators were aborted\.",
+            backend.failure or "",
+        )
+        with pytest.raises(RuntimeError, match=r"^all_reduce cannot complete: all_reduce failed"):
+            work.wait()
+        assert comm._aborted
+        backend.shutdown()
+
+
+def test_sim_nccl_abort_wakes_a_call_waiting_for_its_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _gpus(2, monkeypatch) as (cupy, _):
+        comms = sim_nccl.NcclCommunicator.initAll([0, 1])
+        raised: list[BaseException] = []
+
+        def lonely() -> None:  # rank 0 sends; rank 1 never receives
+            x = cupy.ones(4)
+            try:
+                comms[0].send(x.data.ptr, 4, sim_nccl.NCCL_FLOAT64, 1, 0)
+            except sim_nccl.NcclError as error:
+                raised.append(error)
+
+        thread = threading.Thread(target=lonely)
+        thread.start()
+        time.sleep(0.2)
+        assert thread.is_alive()  # blocked until the peer calls
+        comms[0].abort()
+        thread.join(5)
+        assert not thread.is_alive()
+        (error,) = raised
+        assert str(error) == (
+            "NCCL_ERROR_REMOTE_ERROR: communicator of rank 0 was aborted while waiting for its "
+            "peers"
+        )
+        with pytest.raises(sim_nccl.NcclError, match=r"rank 0's communicator was aborted"):
+            comms[0].check_async_error()
