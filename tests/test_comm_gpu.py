@@ -17,8 +17,8 @@ import pytest
 from helpers import assert_bits_equal, random_bits, to_numpy
 
 from cupy_parallel import Device, comm, device_of, to_device
+from cupy_parallel._src.cuda import copies, pinned, streams, transfer
 from cupy_parallel._src.cuda import nccl as cuda_nccl
-from cupy_parallel._src.cuda import pinned, streams, transfer
 from cupy_parallel._src.devices import _cuda_device_count
 from cupy_parallel.testing import simulated_cuda
 
@@ -73,7 +73,7 @@ def test_scatter_from_numpy_stages_through_pinned_memory_and_orders_streams(
         staged.append(shape)
         return pinned.staging_array(shape, dtype)
 
-    monkeypatch.setattr(transfer, "staging_array", spy)
+    monkeypatch.setattr(copies, "staging_array", spy)
     x = random_bits((1 << 18, 8), np.float32)  # 8 MiB: the copies take long enough to race
     devices = targets(4)
     parts = comm.scatter(x, devices)

@@ -45,7 +45,8 @@ def test_unordered_streams_race_and_the_error_names_both(cupy: ModuleType) -> No
         reader,
         pytest.raises(
             RaceError,
-            match=r"read by `kernel operator mul on stream .*non-blocking.*write by `kernel operator add on stream",
+            match=r"read by `kernel operator mul on stream .*non-blocking.*"
+            r"write by `kernel operator add on stream",
         ),
     ):
         x * 2
@@ -152,11 +153,13 @@ def test_events_belong_to_their_device_and_streams_to_theirs(cupy: ModuleType) -
     event = cupy.cuda.Event()
     with pytest.raises(RuntimeError, match=r"created on cuda:0 cannot be recorded"):
         event.record(other)
-    with pytest.raises(
-        RuntimeError, match=r"created on \(1\) does not match .* current device \(0\)"
+    with (
+        pytest.raises(
+            RuntimeError, match=r"created on \(1\) does not match .* current device \(0\)"
+        ),
+        other,
     ):
-        with other:
-            pass
+        pass
 
 
 # -- kernels and copies --------------------------------------------------------------------
@@ -190,7 +193,8 @@ def test_arithmetic_and_views_match_numpy(cupy: ModuleType) -> None:
     np.testing.assert_array_equal(cupy.concatenate([x, x[:1]]).get(), np.concatenate([a, a[:1]]))
     assert float(x.sum()) == a.sum()
     view = x[1:3, ::2]
-    assert view.base is x and not view.flags.c_contiguous
+    assert view.base is x
+    assert not view.flags.c_contiguous
     view[...] = 0
     a[1:3, ::2] = 0
     np.testing.assert_array_equal(x.get(), a)
@@ -226,7 +230,8 @@ def test_a_freed_block_goes_to_the_next_allocation_on_its_stream_without_a_sync(
     assert y.data.ptr == address  # CuPy's rule: same stream, same size, reused at once
     with pytest.raises(
         RaceError,
-        match=r"write by `kernel ndarray.fill on legacy null stream.*write by `kernel setitem on stream",
+        match=r"write by `kernel ndarray.fill on legacy null stream.*"
+        r"write by `kernel setitem on stream",
     ):
         y.fill(2.0)
 
@@ -240,17 +245,23 @@ def test_a_block_freed_on_one_stream_is_not_reused_by_another(cupy: ModuleType) 
     assert y.data.ptr != address
 
 
-def test_pinned_memory_reused_before_the_copy_read_it_is_a_race() -> None:
-    with pytest.raises(RaceError, match=r"freed .* while `copy_from_host_async"):  # at the end
-        with simulated_cuda(1) as cupy:
-            target = cupy.empty(8, np.uint8)
-            memory = cupy.cuda.alloc_pinned_memory(8)
-            target.data.copy_from_host_async(ctypes.addressof(memory), 8)
-            del memory  # back to the pool while the copy may still read it
+def free_pinned_memory_under_a_copy(*, reuse: bool) -> None:
+    """Free a pinned buffer while a copy may still read it (and reuse it at once if asked)."""
+    with simulated_cuda(1) as cupy:
+        target = cupy.empty(8, np.uint8)
+        memory = cupy.cuda.alloc_pinned_memory(8)
+        target.data.copy_from_host_async(ctypes.addressof(memory), 8)
+        del memory  # back to the pool while the copy may still read it
+        if reuse:
             with pytest.raises(
                 RaceError, match=r"host writing pinned memory .*read by `copy_from_host_async"
             ):
                 cupy.cuda.alloc_pinned_memory(8)
+
+
+def test_pinned_memory_reused_before_the_copy_read_it_is_a_race() -> None:
+    with pytest.raises(RaceError, match=r"freed .* while `copy_from_host_async"):  # at the end
+        free_pinned_memory_under_a_copy(reuse=True)
 
 
 def test_pinned_memory_kept_until_the_copy_is_done_is_clean(cupy: ModuleType) -> None:
@@ -271,11 +282,7 @@ def test_freeing_pinned_memory_in_use_is_reported_when_the_simulation_ends() -> 
     with pytest.raises(
         RaceError, match=r"pinned host memory .* was freed .* while `copy_from_host_async"
     ):
-        with simulated_cuda(1) as cupy:
-            target = cupy.empty(8, np.uint8)
-            memory = cupy.cuda.alloc_pinned_memory(8)
-            target.data.copy_from_host_async(ctypes.addressof(memory), 8)
-            del memory
+        free_pinned_memory_under_a_copy(reuse=False)
 
 
 # -- the session ---------------------------------------------------------------------------
@@ -311,3 +318,35 @@ def test_simulated_cuda_reads_its_arguments(count: Any, error: type, match: str)
 def test_simulations_do_not_nest() -> None:
     with simulated_cuda(1), pytest.raises(RuntimeError, match="do not nest"), simulated_cuda(1):
         pass
+
+
+def test_a_group_operation_orders_every_stream_after_all_participants(cupy: ModuleType) -> None:
+    simulation = cupy.simulation()
+    with cupy.cuda.Device(0):
+        a = cupy.cuda.Stream(non_blocking=True)
+        x = ready(cupy, cupy.zeros(4))
+        with a:
+            x += 1  # written on a
+    with cupy.cuda.Device(1):
+        b = cupy.cuda.Stream(non_blocking=True)
+    with simulation.lock:
+        _, on_b = simulation.enqueue_group([a.timeline(), b.timeline()], "group")
+    with cupy.cuda.Device(1):
+        after = b.record()
+    with cupy.cuda.Device(0):
+        c = cupy.cuda.Stream(non_blocking=True)
+        c.wait_event(after)  # ordered after the group on b, hence after the write on a
+        with c:
+            assert float((x * 2).sum()) == 8.0
+    assert on_b.clock[a.timeline().id] >= 1
+
+
+def test_strided_regions_race_only_where_they_overlap(cupy: ModuleType) -> None:
+    x = ready(cupy, cupy.zeros((4, 6)))
+    first, second = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with first:
+        x[:, ::2] = 1.0  # even columns
+    with second:
+        x[:, 1::2] = 2.0  # odd columns: interleaved bytes, none shared
+    with second, pytest.raises(RaceError, match="bytes"):
+        x[:, ::3] = 3.0  # columns 0 and 3: column 0 was written on the other stream

@@ -23,8 +23,12 @@ adversarial legal schedule), and host functions (``Stream.launch_host_func``) ru
 synchronises with a point after them.
 
 Public (for :mod:`.nccl` and tests): :func:`state`, :class:`Simulation` (``enqueue``,
-``host_op``, ``synchronize_host``, ``happens_before``), :class:`Timeline`, :class:`Op`,
-:class:`RaceError`.
+``enqueue_group`` for collectives, ``host_op``, ``synchronize_host``, ``known_done``, ``lock``,
+``extensions`` for add-on state, ``races``), :func:`happens_before`, :class:`Timeline`,
+:class:`Op`, :class:`RaceError`. An add-on operation on memory does, under ``state().lock``:
+``op = state().enqueue(streams.timeline_of(stream), "name")`` (or ``enqueue_group``), then
+``memory.access(sim, block, Region(offset, offset + n), op, write=...)`` for each buffer
+(``memory.resolve(sim, ptr, n)`` gives ``(block, offset)``), then the effect (``ctypes.memmove``).
 """
 
 from __future__ import annotations
@@ -57,7 +61,21 @@ class SimulationError(RuntimeError):
 
 
 class RaceError(RuntimeError):
-    """Two conflicting accesses to device or pinned memory that CUDA does not order."""
+    """Two conflicting accesses to device or pinned memory that CUDA does not order.
+
+    The message names both operations and the streams they ran on.
+
+    Example:
+        >>> from cupy_parallel.testing import RaceError, simulated_cuda
+        >>> with simulated_cuda(1) as cupy:
+        ...     x = cupy.zeros(3)  # written on the legacy null stream
+        ...     with cupy.cuda.Stream(non_blocking=True):  # which this one does not wait for
+        ...         try:
+        ...             x += 1
+        ...         except RaceError as error:
+        ...             print(str(error).split(":")[0])
+        Data race on cuda
+    """
 
 
 def join(into: Clock, other: Clock) -> None:
@@ -161,6 +179,27 @@ class Simulation:
 
     def enqueue(self, timeline: Timeline, name: str) -> Op:
         """Stamp a new operation on a stream: after the host's past and CUDA's implicit syncs."""
+        self._prepare(timeline)
+        return Op(name, timeline, timeline.tick())
+
+    def enqueue_group(self, timelines: list[Timeline], name: str) -> list[Op]:
+        """Stamp one operation on each stream that completes only when all of them started.
+
+        For collectives (an NCCL call on each rank's stream inside one group): each rank's
+        operation happens after everything queued before it on *every* participating stream,
+        so a rank's receive is ordered after each peer's writes of the data it sends.
+        """
+        joint: Clock = {}
+        for timeline in timelines:
+            self._prepare(timeline)
+            join(joint, timeline.clock)
+        ops = []
+        for timeline in timelines:
+            join(timeline.clock, joint)
+            ops.append(Op(name, timeline, timeline.tick()))
+        return ops
+
+    def _prepare(self, timeline: Timeline) -> None:
         clock = timeline.clock
         join(clock, self.host.clock)
         if timeline.kind == "legacy":
@@ -169,7 +208,6 @@ class Simulation:
                     join(clock, other.clock)
         elif timeline.blocking:
             join(clock, self.legacy[timeline.device].clock)
-        return Op(name, timeline, timeline.tick())
 
     def host_op(self, name: str) -> Op:
         """Stamp an operation of the host (e.g. a host write of pinned memory)."""

@@ -14,9 +14,9 @@ from cupy_parallel._src.simcuda import pointers
 from cupy_parallel._src.simcuda.clock import state
 from cupy_parallel._src.simcuda.streams import (
     Device,
-    ExternalStream,
     Stream,
     current_device,
+    from_handle,
     set_device,
 )
 
@@ -100,18 +100,10 @@ def getDeviceProperties(device: int) -> dict[str, Any]:  # noqa: N802
     return {"name": b"Simulated GPU", "totalGlobalMem": 1 << 34, "major": 9, "minor": 0}
 
 
-def _stream(handle: int) -> Stream:
-    if handle in (0, streamLegacy):
-        return Stream.null
-    if handle == streamPerThread:
-        return Stream.ptds
-    return ExternalStream(handle)
-
-
 def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:  # noqa: N802
     """``cudaMemcpyAsync`` on the stream with handle ``stream``."""
     into, out_of = _SIDES[kind]
-    pointers.copy(dst, src, size, _stream(stream), "memcpyAsync", into=into, out_of=out_of)
+    pointers.copy(dst, src, size, from_handle(stream), "memcpyAsync", into=into, out_of=out_of)
 
 
 def memcpy(dst: int, src: int, size: int, kind: int) -> None:
@@ -125,7 +117,7 @@ def memcpyPeerAsync(  # noqa: N802, PLR0917 - CUDA's name and signature
 ) -> None:
     """``cudaMemcpyPeerAsync`` between two GPUs' memory."""
     pointers.copy(
-        dst, src, size, _stream(stream), "memcpyPeerAsync", into="device", out_of="device"
+        dst, src, size, from_handle(stream), "memcpyPeerAsync", into="device", out_of="device"
     )
 
 
@@ -138,4 +130,4 @@ def memcpyPeer(dst: int, dst_device: int, src: int, src_device: int, size: int) 
 
 def streamSynchronize(stream: int) -> None:  # noqa: N802
     """The host waits for the stream with handle ``stream``."""
-    _stream(stream).synchronize()
+    from_handle(stream).synchronize()

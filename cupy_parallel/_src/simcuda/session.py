@@ -74,8 +74,8 @@ def simulated_cuda(
         with substitute_cupy(module):
             yield module
     finally:
+        clock.deactivate(simulation)  # first: what is dropped below is not freed into it
         pinned.forget_in_flight()
         streams.forget_background_streams()
-        clock.deactivate(simulation)
     if simulation.deferred:
         raise simulation.deferred[0]

@@ -14,7 +14,8 @@ An ``Event`` belongs to the device current at its creation and can only be recor
 of that device; ``Stream.wait_event`` accepts events of any device.
 
 For add-ons (:mod:`.nccl`): :func:`timeline_of` resolves a stream (or ``None``: the current
-stream) to its :class:`.clock.Timeline`; :func:`current_device` / :func:`set_device`;
+stream) to its :class:`.clock.Timeline`; :func:`from_handle` reads a raw stream handle
+(``stream.ptr``, as NCCL calls take it); :func:`current_device` / :func:`set_device`;
 ``Event.op`` is the recorded :class:`.clock.Op` (``None`` before ``record``).
 """
 
@@ -39,6 +40,7 @@ __all__ = [
     "ExternalStream",
     "Stream",
     "current_device",
+    "from_handle",
     "get_current_stream",
     "set_device",
     "timeline_of",
@@ -250,6 +252,15 @@ class ExternalStream(Stream):
                 raise SimulationError(f"cudaErrorInvalidResourceHandle: no stream {self.ptr:#x}.")
             self._simulation, self._timeline = simulation, known.timeline()
             self._non_blocking = known.is_non_blocking
+
+
+def from_handle(handle: int) -> Stream:
+    """The stream with raw handle ``handle`` (``Stream.ptr``; 0 or 1 legacy, 2 per-thread)."""
+    if handle in (_LEGACY_PTR, 1):
+        return Stream.null
+    if handle == _PER_THREAD_PTR:
+        return Stream.ptds
+    return ExternalStream(handle)
 
 
 def _check_current(device_id: int) -> int:
