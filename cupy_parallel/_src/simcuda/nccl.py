@@ -14,11 +14,13 @@ How it runs:
   ranks of a communicator can be threads (one ``NcclCommunicator(n, uid, rank)`` each, the unique
   id handed over as bytes) or the GPUs of one thread (``initAll``, or several constructors inside
   ``groupStart``/``groupEnd``).
-- Each call is an NCCL kernel on the member's stream, stamped there with the simulation's vector
-  clock when it is launched (at the call, or at ``groupEnd`` inside a group), and it reads its
-  send buffer and writes its receive buffer through the race checker: using a buffer before the
-  work that produced it is ordered before the call, or reusing it while the call may still read
-  it, raises ``RaceError`` naming both operations and their streams.
+- Each call is an NCCL kernel on the member's stream. When the last member has launched its
+  call (at the call, or at ``groupEnd`` inside a group), every member's kernel is stamped with
+  the simulation's vector clock, all together (each completes only after all started, as NCCL's
+  kernels synchronise), and reads its send buffer and writes its receive buffer through the race
+  checker: using a buffer before the work that produced it is ordered before the call, or
+  reusing it while the call may still read it, raises ``RaceError`` naming both operations and
+  their streams.
 - Calls of a communicator match in order: the k-th collective of every member, and the k-th
   send from rank a to rank b with the k-th receive at b from a. Members that disagree (another
   operation, count, datatype, reduction or root) raise :class:`SimulationError` naming both
@@ -68,9 +70,9 @@ from typing import Any
 
 import numpy as np
 
-from cupy_parallel._src.simcuda.clock import Op, Simulation, SimulationError, state
+from cupy_parallel._src.simcuda.clock import Op, Simulation, SimulationError, Timeline, state
 from cupy_parallel._src.simcuda.memory import Region, access, resolve
-from cupy_parallel._src.simcuda.streams import ExternalStream, Stream, current_device, set_device
+from cupy_parallel._src.simcuda.streams import current_device, from_handle, set_device
 
 __all__ = [
     "NCCL_AVG",
@@ -190,6 +192,7 @@ class _Call:
     kind: str
     comm: NcclCommunicator
     args: dict[str, int]
+    timeline: Timeline | None = None
     op: Op | None = None
 
     def describe(self) -> str:
@@ -324,32 +327,23 @@ def _call(comm: NcclCommunicator, kind: str, **args: int) -> None:
 # Launching and matching
 
 
-def _stream(handle: int) -> Stream:
-    if handle in (0, 1):  # 0: the null stream; 1: cudaStreamLegacy
-        return Stream.null
-    if handle == 2:  # cudaStreamPerThread
-        return Stream.ptds
-    return ExternalStream(handle)
-
-
-def _touch(
-    simulation: Simulation, comm: NcclCommunicator, ptr: int, nbytes: int, *, write: bool, op: Op
-) -> None:
-    if nbytes == 0:
-        return
+def _block_of(
+    simulation: Simulation, comm: NcclCommunicator, ptr: int, nbytes: int, what: str
+) -> tuple[Any, int]:
+    """The device block and offset of a buffer of ``comm``'s GPU (else NCCL's error)."""
     found = resolve(simulation, ptr, nbytes)
     if found is None or found[0].kind != "device":
         raise NcclError(
             NCCL_ERROR_INVALID_ARGUMENT,
-            f"{op.name}: {ptr:#x} is not device memory (NCCL takes device pointers)",
+            f"{what}: {ptr:#x} is not device memory (NCCL takes device pointers)",
         )
     block, offset = found
     if block.device != comm._device:
         raise SimulationError(
-            f"{op.name}: the buffer at {ptr:#x} is on cuda:{block.device}, but rank "
+            f"{what}: the buffer at {ptr:#x} is on cuda:{block.device}, but rank "
             f"{comm._rank}'s communicator drives cuda:{comm._device}."
         )
-    access(simulation, block, Region(offset, offset + nbytes), op, write=write)
+    return block, offset
 
 
 def _regions(call: _Call) -> list[tuple[int, int, bool]]:
@@ -376,25 +370,24 @@ def _regions(call: _Call) -> list[tuple[int, int, bool]]:
 
 
 def _launch(nccl: _State, call: _Call) -> tuple[str, _Slot, NcclCommunicator]:
-    """Stamp ``call`` on its stream, check its memory accesses, and deposit it for matching."""
+    """Check ``call``'s stream and buffers and deposit it; the last member runs the operation."""
     simulation = state()
     comm = call.comm
     with simulation.lock:
         previous = current_device()
         set_device(comm._device)  # a null/per-thread stream handle means the comm's GPU's
         try:
-            timeline = _stream(call.args["stream"]).timeline()
+            call.timeline = from_handle(call.args["stream"]).timeline()
         finally:
             set_device(previous)
-        if timeline.device != comm._device:
+        if call.timeline.device != comm._device:
             raise SimulationError(
                 f"nccl {call.kind} of rank {comm._rank} (communicator on cuda:{comm._device}) "
-                f"was launched on the {timeline.name}."
+                f"was launched on the {call.timeline.name}."
             )
-        name = f"nccl {call.describe()}"
-        call.op = simulation.enqueue(timeline, name)
-        for ptr, nbytes, write in _regions(call):
-            _touch(simulation, comm, ptr, nbytes, write=write, op=call.op)
+        for ptr, nbytes, _ in _regions(call):
+            if nbytes:
+                _block_of(simulation, comm, ptr, nbytes, f"nccl {call.kind}")
     clique = comm._clique
     with nccl.changed:
         if call.kind in ("send", "recv"):
@@ -417,12 +410,37 @@ def _launch(nccl: _State, call: _Call) -> tuple[str, _Slot, NcclCommunicator]:
                 raise SimulationError(mismatch)
         slot.calls[member] = call
         if len(slot.calls) == expected:
-            with simulation.lock:
-                _perform(slot)
+            try:
+                with simulation.lock:
+                    _run_matched(simulation, slot)
+            except Exception as error:
+                slot.error = f"{type(error).__name__}: {error}"
+                raise
+            finally:
+                del clique.slots[key]
+                nccl.changed.notify_all()
             slot.done = True
-            del clique.slots[key]
-            nccl.changed.notify_all()
     return ("call", slot, comm)
+
+
+def _run_matched(simulation: Simulation, slot: _Slot) -> None:
+    """Stamp every member's kernel, check their memory accesses, and move the data.
+
+    The members' kernels are stamped together (:meth:`.clock.Simulation.enqueue_group`): each
+    completes only after all have started, so work queued after the call on any member's
+    stream is ordered after what every member queued before it, as NCCL's kernels synchronise.
+    """
+    calls = [slot.calls[k] for k in sorted(slot.calls, key=str)]
+    timelines = [call.timeline for call in calls]
+    ops = simulation.enqueue_group(timelines, "nccl")  # type: ignore[arg-type]
+    for call, op in zip(calls, ops, strict=True):
+        op.name = f"nccl {call.describe()}"
+        call.op = op
+        for ptr, nbytes, write in _regions(call):
+            if nbytes:
+                block, offset = _block_of(simulation, call.comm, ptr, nbytes, op.name)
+                access(simulation, block, Region(offset, offset + nbytes), op, write=write)
+    _perform(slot)
 
 
 def _mismatch(call: _Call, other: _Call) -> str | None:
@@ -433,9 +451,7 @@ def _mismatch(call: _Call, other: _Call) -> str | None:
         )
     else:
         keys = ("count", "datatype", "op", "root")
-        same = call.kind == other.kind and all(
-            call.args.get(k) == other.args.get(k) for k in keys
-        )
+        same = call.kind == other.kind and all(call.args.get(k) == other.args.get(k) for k in keys)
     if same:
         return None
     return (
