@@ -1301,3 +1301,27 @@ def test_sim_nccl_abort_wakes_a_call_waiting_for_its_peer(monkeypatch: pytest.Mo
         )
         with pytest.raises(sim_nccl.NcclError, match=r"rank 0's communicator was aborted"):
             comms[0].check_async_error()
+
+
+def test_sim_two_threads_sharing_a_group_do_not_interleave_their_calls(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    # One rank driving two GPUs: each call is a group of two NCCL calls. Two threads calling at
+    # once must not mix their groups on the shared communicators (torch's per-group mutex).
+    with _gpus(2, monkeypatch) as (cupy, _):
+        (backend,) = _world(store, 1)
+        warm = [_on(cupy, d, np.ones(1)) for d in (0, 1)]
+        backend.all_reduce(warm, ReduceOp.SUM).wait()  # makes the communicators first
+
+        def body(t: int, _: Any) -> list[bool]:
+            ok = []
+            for i in range(40):
+                xs = [_on(cupy, d, np.full(3 + t, 10.0 * i + t + d)) for d in (0, 1)]
+                backend.all_reduce(xs, ReduceOp.SUM).wait()
+                want = 2 * (10.0 * i + t) + 1
+                ok.append(all(bool((_host(x) == want).all()) for x in xs))
+            return ok
+
+        results = _on_ranks([None, None], body)
+        _shutdown(cupy, [backend])
+    assert results == [[True] * 40, [True] * 40]
