@@ -168,7 +168,7 @@ def group(nccl: Any, /) -> Iterator[None]:
     Every grouped call of ``comm`` runs inside this, so threads never interleave their calls on
     the cached communicators. The lock is re-entrant (``initAll`` inside a group is fine).
     """
-    with _group_lock:
+    with _group_lock:  # until groupEnd
         nccl.groupStart()
         try:
             yield

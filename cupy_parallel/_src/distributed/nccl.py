@@ -640,7 +640,7 @@ class NCCLBackend(ProcessGroupBackend):
             if self._watchdog is None:
                 self._watchdog = _Watchdog(self)
         try:
-            with self._group_lock:  # threads sharing the group never interleave their calls
+            with self._group_lock:  # threads never interleave their calls
                 nccl.groupStart()
                 try:
                     for j, device in enumerate(devices):
