@@ -3,7 +3,7 @@
 Run ``python tests/nccl_mutations.py`` from the repository root (about a minute). It reuses the
 harness of ``tests/simcuda_mutations.py`` (copy the tree, remove one call, run the tests, list the
 failures) on the NCCL code: every ``wait_event``/``record``/``synchronize`` of the NCCL backend
-and the two locks that serialise grouped calls. The simulated NCCL tests run with ``-x``: without
+and the three locks that serialise grouped calls and communicator set-up. The simulated NCCL tests run with ``-x``: without
 a synchronisation every barrier would wait out its group's timeout. Not collected by pytest.
 """
 
@@ -34,6 +34,11 @@ harness.MUTATIONS = [
         BACKEND,
         "            with self._group_lock:  # threads never interleave their calls",
         "            with contextlib.nullcontext():",
+    ),
+    (
+        BACKEND,
+        "        with self._setup_lock:  # two threads of this rank make one set, not two",
+        "        with contextlib.nullcontext():",
     ),
     (COMM, "    with _group_lock:  # until groupEnd", "    with contextlib.nullcontext():"),
 ]

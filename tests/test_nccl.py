@@ -1310,11 +1310,11 @@ def test_sim_two_threads_sharing_a_group_do_not_interleave_their_calls(
     # once must not mix their groups on the shared communicators (torch's per-group mutex).
     with _gpus(2, monkeypatch) as (cupy, _):
         (backend,) = _world(store, 1)
-        warm = [_on(cupy, d, np.ones(1)) for d in (0, 1)]
-        backend.all_reduce(warm, ReduceOp.SUM).wait()  # makes the communicators first
+        start = threading.Barrier(2)
 
         def body(t: int, _: Any) -> list[bool]:
             ok = []
+            start.wait(10)  # both threads' first calls find no communicators
             for i in range(40):
                 xs = [_on(cupy, d, np.full(3 + t, 10.0 * i + t + d)) for d in (0, 1)]
                 backend.all_reduce(xs, ReduceOp.SUM).wait()
@@ -1325,3 +1325,4 @@ def test_sim_two_threads_sharing_a_group_do_not_interleave_their_calls(
         results = _on_ranks([None, None], body)
         _shutdown(cupy, [backend])
     assert results == [[True] * 40, [True] * 40]
+    assert backend._made == 1  # the two threads' first calls made one set of communicators

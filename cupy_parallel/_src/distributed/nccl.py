@@ -36,7 +36,8 @@
   no stream waits on (async work not yet waited, a blocking ``wait(timeout=...)``) only fails
   the group and its works.
 * Threads: the calls of one group are issued under a lock from ``groupStart`` to ``groupEnd``, so
-  two threads sharing a group never interleave their calls on its communicators.
+  two threads sharing a group never interleave their calls on its communicators; communicators
+  are made under another lock, so two threads' first calls make one set.
 * Barrier: ``barrier().wait()`` blocks the host until every rank arrived (torch's); before any
   other call it runs on GPU ``rank % device_count``, as torch's does.
 * Set-up: creating a communicator waits for every member; past the group's timeout it raises
@@ -392,6 +393,7 @@ class NCCLBackend(ProcessGroupBackend):
         self._plans: dict[tuple[np.dtype[Any], ReduceOp], Reduction] = {}
         self._lock = threading.RLock()  # guards _in_flight, _comms and the works' states
         self._group_lock = threading.Lock()  # held from groupStart to groupEnd
+        self._setup_lock = threading.Lock()  # held while communicators are made
         self._tear_down = tears_down_on_abort()
         self._watchdog: _Watchdog | None = None
         self._closed = False
@@ -552,6 +554,11 @@ class NCCLBackend(ProcessGroupBackend):
         comms = self._comms.get(devices)
         if comms is not None:
             return comms
+        with self._setup_lock:  # two threads of this rank make one set, not two
+            comms = self._comms.get(devices)
+            return comms if comms is not None else self._make_communicators(devices)
+
+    def _make_communicators(self, devices: tuple[int, ...]) -> list[Any]:
         nccl, cupy = self._nccl, self._cupy
         local = len(devices)
         key = f"cupy_parallel/nccl/{self.group_name}/{self._made}"
