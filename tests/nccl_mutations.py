@@ -3,8 +3,9 @@
 Run ``python tests/nccl_mutations.py`` from the repository root (about a minute). It reuses the
 harness of ``tests/simcuda_mutations.py`` (copy the tree, remove one call, run the tests, list the
 failures) on the NCCL code: every ``wait_event``/``record``/``synchronize`` of the NCCL backend
-and the three locks that serialise grouped calls and communicator set-up. The simulated NCCL tests run with ``-x``: without
-a synchronisation every barrier would wait out its group's timeout. Not collected by pytest.
+and the three locks that serialise grouped calls and communicator set-up. The simulated NCCL
+tests run with ``-x``: without a synchronisation every barrier would wait out its group's
+timeout. Not collected by pytest.
 """
 
 from __future__ import annotations
