@@ -178,6 +178,12 @@ def test_kernels_refuse_arrays_of_another_device_and_host_arrays(cupy: ModuleTyp
         np.asarray(x)
 
 
+@pytest.mark.parametrize("dtype", [object, "U3", ">f8", "M8[s]"], ids=str)
+def test_arrays_refuse_dtypes_cupy_lacks(cupy: ModuleType, dtype: Any) -> None:
+    with pytest.raises(ValueError, match="Unsupported dtype"):
+        cupy.empty(3, dtype)
+
+
 def test_set_checks_the_shape_like_cupy(cupy: ModuleType) -> None:
     x = cupy.empty((), np.float64)
     with pytest.raises(ValueError, match=r"Shape mismatch. Old shape: \(\), new shape: \(1,\)"):

@@ -35,9 +35,14 @@ def cupy(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
         yield module
 
 
-@pytest.fixture(params=[False, True], ids=["legacy", "per-thread"])
+@pytest.fixture(
+    params=[(n, ptds) for n in (1, 2, 4) for ptds in (False, True)],
+    ids=[f"{n}gpu-{'per-thread' if ptds else 'legacy'}" for n in (1, 2, 4) for ptds in (0, 1)],
+)
 def per_thread_cupy(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
-    with simulated_cuda(2, per_thread_default_stream=request.param) as module:
+    """The simulated CUDA with legacy or per-thread default streams, on 1, 2 and 4 GPUs."""
+    count, per_thread = request.param
+    with simulated_cuda(count, per_thread_default_stream=per_thread) as module:
         yield module
 
 
@@ -113,14 +118,32 @@ def test_to_device_to_cpu_on_a_given_stream_waits_for_the_current_stream(cupy: M
     assert_bits_equal(host, np.arange(7.0) * 2)
 
 
+def test_to_device_checks_its_stream_before_copying() -> None:
+    with simulated_cuda(2) as cupy:
+        with cupy.cuda.Device(1):
+            other = cupy.cuda.Stream()
+        pool = cupy.get_default_pinned_memory_pool()
+        with pytest.raises(
+            TypeError, match=r"stream must be a cupy\.cuda\.Stream or None, got str"
+        ):
+            to_device(np.ones(2), "cuda:0", stream="s")
+        with pytest.raises(
+            ValueError, match=r"stream belongs to cuda:1, but this copy runs on cuda:0"
+        ):
+            to_device(np.ones(2), "cuda:0", stream=other)
+        assert pool.n_free_blocks() == 0  # nothing was staged
+        x = to_device(np.arange(3.0), "cuda:1", stream=other)
+        assert_bits_equal(to_device(x, "cpu", stream=other), np.arange(3.0))
+
+
 def test_scatter_from_a_gpu_on_explicit_streams_is_ordered_both_ways(cupy: ModuleType) -> None:
     targets = gpus(cupy, 2)  # one GPU: two copies on it; more: peer copies
     copy_streams = []
     for target in targets:
         with cupy.cuda.Device(target.index):
             copy_streams.append(cupy.cuda.Stream(non_blocking=True))
-            busy = cupy.ones(len(targets) * 3 // len(targets) * 2)
-            assert float(busy.sum()) == busy.size
+            busy = cupy.ones(6)
+            busy.sum()  # a read still queued on the current stream (the host does not wait)
             del busy  # this block goes to the next allocation on the current stream
     with cupy.cuda.Device(0):
         x = cupy.arange(len(targets) * 6.0).reshape(-1, 2) + 1  # on the current stream
@@ -132,6 +155,45 @@ def test_scatter_from_a_gpu_on_explicit_streams_is_ordered_both_ways(cupy: Modul
     expected = np.split((np.arange(len(targets) * 6.0).reshape(-1, 2) + 1), len(targets))
     for part, want in zip(parts, expected, strict=True):
         assert_bits_equal(to_device(part, "cpu"), want)
+
+
+def test_scatter_into_outs_on_the_source_gpu_on_explicit_streams(cupy: ModuleType) -> None:
+    device = last_gpu(cupy)
+    with cupy.cuda.Device(device):
+        x = cupy.arange(12.0).reshape(6, 2) + 1  # written on the current stream
+        outs = [cupy.zeros((3, 2)) for _ in range(2)]  # written on the current stream
+        copy_streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    result = comm.scatter(x, streams=copy_streams, out=outs)  # same-GPU copies on the streams
+    with cupy.cuda.Device(device):
+        doubled = [o * 2 for o in result]  # on the current stream: must see the copies
+    expected = np.arange(12.0).reshape(6, 2) + 1
+    for got, want in zip(doubled, np.split(expected, 2), strict=True):
+        assert_bits_equal(to_device(got, "cpu"), want * 2)
+
+
+def test_comm_writes_into_noncontiguous_outs_on_gpus(cupy: ModuleType) -> None:
+    targets = gpus(cupy, 2)
+    x = random_bits((3, 4), np.int32)
+    outs = []
+    for target in targets:
+        with cupy.cuda.Device(target.index):
+            outs.append(cupy.zeros((4, 6), np.int32).T[::2])  # (3, 4), strided
+    comm.broadcast(x, out=outs)  # one pinned staging buffer, uploads into strided outs
+    for out in outs:
+        assert_bits_equal(out, x)
+    with cupy.cuda.Device(targets[-1].index):
+        source = (cupy.arange(24, dtype=np.int32).reshape(4, 6) * 3).T[::2]
+    comm.broadcast(source, out=outs)  # GPU to GPU (or same GPU) into strided outs
+    for out in outs:
+        assert_bits_equal(out, (np.arange(24, dtype=np.int32).reshape(4, 6) * 3).T[::2])
+    with cupy.cuda.Device(0):
+        joined = cupy.zeros((6, 2 * len(targets)), np.int32)[::2]  # (3, 2n), strided
+    comm.gather([o[:, :2] for o in outs], 1, out=joined)
+    expected = (np.arange(24, dtype=np.int32).reshape(4, 6) * 3).T[::2][:, :2]
+    assert_bits_equal(joined, np.concatenate([expected] * len(targets), axis=1))
+    host = np.zeros((6, 2 * len(targets)), np.int32)[::2]
+    comm.gather([o[:, :2] for o in outs], 1, out=host)  # downloads into a strided host array
+    assert_bits_equal(host, np.concatenate([expected] * len(targets), axis=1))
 
 
 # -- parallel_apply and data_parallel ---------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cupy_parallel._src.cuda import copies
+from cupy_parallel._src.cuda import copies, streams
 from cupy_parallel._src.devices import (
     CPU,
     Device,
@@ -162,6 +162,8 @@ def to_device(array: Any, device: Any, /, *, stream: Any = None) -> Any:
     check_exists(target)
     if target.kind != "cpu":
         check_device_dtype(source_array.dtype, "array's dtype")
+    if stream is not None:
+        _check_stream(stream, target if target.kind == "cuda" else source)
     out = empty(source_array.shape, source_array.dtype, target)
     if source.kind == "cuda" and target.kind == "cuda":
         copies.peer(out, target.index, source_array, source.index, stream)
@@ -172,6 +174,21 @@ def to_device(array: Any, device: Any, /, *, stream: Any = None) -> Any:
     else:
         np.copyto(_buffer(out), _buffer(source_array), casting="no")
     return out
+
+
+def _check_stream(stream: Any, gpu: Device) -> None:
+    """``stream`` must be a CuPy stream, of ``gpu`` (the GPU side of the copy) when it is one."""
+    if not streams.is_stream(stream):
+        raise TypeError(f"stream must be a cupy.cuda.Stream or None, got {type(stream).__name__}.")
+    if gpu.kind != "cuda":
+        return  # a host copy: synchronous, the stream is not used
+    owner = streams.stream_device(stream)
+    if owner not in (-1, gpu.index):
+        raise ValueError(
+            f"stream belongs to cuda:{owner}, but this copy runs on {gpu} (the target for "
+            f"uploads and GPU-to-GPU copies, the source for downloads); create it under "
+            f"cupy.cuda.Device({gpu.index})."
+        )
 
 
 def _buffer(x: Any) -> Any:

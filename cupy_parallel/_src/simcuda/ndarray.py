@@ -39,8 +39,8 @@ _REFUSED_KINDS = "OSUVMm"  # object, strings, void/structured, datetimes: CuPy l
 
 def _check_dtype(dtype: Any) -> np.dtype[Any]:
     dtype = np.dtype(dtype)
-    if dtype.kind in _REFUSED_KINDS:
-        raise TypeError(f"Unsupported type {dtype}")
+    if dtype.kind in _REFUSED_KINDS or not dtype.isnative:
+        raise ValueError(f"Unsupported dtype {dtype}")  # CuPy's error
     return dtype
 
 
