@@ -26,11 +26,14 @@ harness.MUTATIONS = [
     (BACKEND, "                stream.wait_event(event.event)", "                pass"),
     (
         BACKEND,
-        "                ready.record(cupy.cuda.get_current_stream())",
-        "                pass",
+        "            wait_stream(stream, device, current_stream(device), device)",
+        "            pass",
     ),
-    (BACKEND, "                stream.wait_event(ready)", "                pass"),
-    (BACKEND, "                done.record(stream)", "                pass"),
+    (
+        BACKEND,
+        "            events.append(_Done(record_event(stream, device), device))",
+        "            events.append(_Done(cupy.cuda.Event(disable_timing=True), device))",
+    ),
     (
         BACKEND,
         "            with self._group_lock:  # threads never interleave their calls",

@@ -72,6 +72,7 @@ from cupy_parallel._src.cuda.nccl_tables import (
     transfer,
     version_string,
 )
+from cupy_parallel._src.cuda.streams import current_stream, record_event, wait_stream
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend
 from cupy_parallel._src.distributed.enums import Backend, ReduceOp
@@ -634,10 +635,7 @@ class NCCLBackend(ProcessGroupBackend):
         cupy, nccl = self._cupy, self._nccl
         streams = [self._stream(device) for device in devices]
         for device, stream in zip(devices, streams, strict=True):
-            with cupy.cuda.Device(device):
-                ready = cupy.cuda.Event(disable_timing=True)
-                ready.record(cupy.cuda.get_current_stream())
-                stream.wait_event(ready)
+            wait_stream(stream, device, current_stream(device), device)
         # Watched from before groupEnd: NCCL connects peers lazily inside the first groupEnd of
         # a communicator, which blocks until they issue the same call. A peer that joined but
         # stalls is then a timed-out work the watchdog aborts (which makes groupEnd return).
@@ -665,13 +663,10 @@ class NCCLBackend(ProcessGroupBackend):
         events = []
         for j, device in enumerate(devices):
             stream = streams[j]
-            with cupy.cuda.Device(device):
-                if after is not None and not work._done:
-                    with stream:
-                        after(j)
-                done = cupy.cuda.Event(disable_timing=True)
-                done.record(stream)
-            events.append(_Done(done, device))
+            if after is not None and not work._done:
+                with cupy.cuda.Device(device), stream:
+                    after(j)
+            events.append(_Done(record_event(stream, device), device))
         with self._lock:
             work._events = events
         self._last_devices = devices
