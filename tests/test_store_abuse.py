@@ -117,7 +117,8 @@ _SERVER = """
 import resource, sys
 limit = int(sys.argv[1])
 if limit:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
 from cupy_parallel.distributed import TCPStore
 store = TCPStore("127.0.0.1", 0, is_master=True, timeout=60)
 print(store.port, flush=True)
@@ -266,26 +267,25 @@ def test_half_sent_huge_frames_are_capped() -> None:
 
 
 def test_emfile_backs_off_and_keeps_serving_existing_clients() -> None:
-    with _server_process(nofile=48) as (pid, port):
-        with TCPStore(HOST, port, timeout=10) as existing:
-            flood = []
-            try:
-                for _ in range(80):  # well past the limit: accept() fails with EMFILE
-                    flood.append(socket.create_connection((HOST, port), timeout=5))
-                time.sleep(0.3)
-                cpu = _cpu_seconds(pid)
-                start = time.monotonic()
-                for i in range(20):
-                    existing.set(f"k{i}", "v")
-                    assert existing.get(f"k{i}") == b"v"
-                time.sleep(max(0.0, 1.0 - (time.monotonic() - start)))
-                busy = (_cpu_seconds(pid) - cpu) / (time.monotonic() - start)
-            finally:
-                for sock in flood:
-                    sock.close()
-            assert busy < 0.3, f"the server used {busy:.0%} of a CPU while out of descriptors"
-            time.sleep(1.5)  # the backoff ends; descriptors are free again
-            _served(port)
+    with _server_process(nofile=48) as (pid, port), TCPStore(HOST, port, timeout=10) as existing:
+        flood: list[socket.socket] = []
+        try:
+            # well past the limit: accept() fails with EMFILE
+            flood.extend(socket.create_connection((HOST, port), timeout=5) for _ in range(80))
+            time.sleep(0.3)
+            cpu = _cpu_seconds(pid)
+            start = time.monotonic()
+            for i in range(20):
+                existing.set(f"k{i}", "v")
+                assert existing.get(f"k{i}") == b"v"
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - start)))
+            busy = (_cpu_seconds(pid) - cpu) / (time.monotonic() - start)
+        finally:
+            for sock in flood:
+                sock.close()
+        assert busy < 0.3, f"the server used {busy:.0%} of a CPU while out of descriptors"
+        time.sleep(1.5)  # the backoff ends; descriptors are free again
+        _served(port)
 
 
 # --------------------------------------------------------------------------------------------
@@ -421,10 +421,11 @@ def test_a_torn_tail_is_skipped_then_cut(tmp_path: os.PathLike[str]) -> None:
         with open(path, "ab") as f:  # a record that promises 200 bytes: its writer died
             f.write(struct.pack(">II", 200, 0) + b"\x01" + _blob(b"b") + b"xx")
         with FileStore(path) as reader:
-            assert reader.check(["a"]) and not reader.check(["b"])
+            assert reader.check(["a"])
+            assert not reader.check(["b"])
             reader.set("c", "3")  # a writer cuts the torn tail before appending
             assert reader.get("c") == b"3"
-        assert store.get("c") == b"3" and store.get("a") == b"1" and not store.check(["b"])
+        assert (store.get("c"), store.get("a"), store.check(["b"])) == (b"3", b"1", False)
 
 
 def test_corruption_before_the_tail_is_an_error(tmp_path: os.PathLike[str]) -> None:
@@ -454,4 +455,4 @@ def test_the_log_is_compacted(tmp_path: os.PathLike[str]) -> None:
         assert other.get("n") == b"40"
         assert writer.get("v") == value
     with FileStore(path) as reopened:
-        assert reopened.get("n") == b"40" and reopened.get("v") == value
+        assert (reopened.get("n"), reopened.get("v")) == (b"40", value)

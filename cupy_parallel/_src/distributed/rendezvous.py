@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 _MISSING = -1
+_DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout, 30 minutes
 _SHOWN_MISSING_RANKS = 8
 
 
@@ -223,7 +224,11 @@ _HANDLERS: dict[InitMethod, Callable[[ParseResult, _Place, float], tuple[Store, 
 
 
 def rendezvous(
-    init_method: str, rank: int = -1, world_size: int = -1, *, timeout: timedelta | float
+    init_method: str,
+    rank: int = -1,
+    world_size: int = -1,
+    *,
+    timeout: timedelta | float = _DEFAULT_TIMEOUT_S,
 ) -> tuple[Store, int, int]:
     """Open the store named by ``init_method``; return it with this process's rank and the size.
 
@@ -236,7 +241,8 @@ def rendezvous(
             ``?rank=R&world_size=W``.
         rank: this process's rank, or -1.
         world_size: the number of processes, or -1.
-        timeout: how long to wait for the store (and, later, for its keys).
+        timeout: how long to wait for the store (and, later, for its keys); 30 minutes by
+            default, as torch.
 
     Returns:
         ``(store, rank, world_size)``.
