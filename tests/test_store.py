@@ -731,3 +731,11 @@ def test_file_store_checks_its_arguments(tmp_path: os.PathLike[str]) -> None:
         FileStore(foreign)
     with open(foreign) as f:
         assert f.read() == "not a store"
+
+
+def test_a_returned_set_is_seen_by_every_other_handle(master: TCPStore) -> None:
+    """set() waits for the server (torch's does not): no stale read on another connection."""
+    with TCPStore(HOST, master.port) as client:
+        for i in range(200):
+            client.set("latest", str(i))
+            assert master.get("latest") == str(i).encode()

@@ -128,7 +128,7 @@ class Server:
         self._accept_paused_until: float | None = None
         self._stopping = False
         self.error: BaseException | None = None
-        self._handlers: dict[Op, Callable[[_Conn, Reader], None]] = {
+        self._handlers: dict[int, Callable[[_Conn, Reader], None]] = {
             Op.SET: self._op_set,
             Op.GET: self._op_get,
             Op.ADD: self._op_add,
@@ -292,17 +292,21 @@ class Server:
                 return
             if len(conn.inbuf) < U32.size + length:
                 return
-            with memoryview(conn.inbuf) as view:
-                body = bytes(view[U32.size : U32.size + length])
-            del conn.inbuf[: U32.size + length]
+            if len(conn.inbuf) == U32.size + length:  # the usual case: one whole request
+                body = bytes(conn.inbuf)
+                conn.inbuf.clear()
+            else:
+                with memoryview(conn.inbuf) as view:
+                    body = bytes(view[: U32.size + length])
+                del conn.inbuf[: U32.size + length]
             self._buffered -= U32.size + length
-            reader = Reader(body)
+            reader = Reader(body, U32.size + 1)
             try:
-                op = Op(reader.u8())
-                if not conn.authed and op is not Op.AUTH:
-                    raise ProtocolError("the first request must be AUTH")
-                self._handlers[op](conn, reader)
-            except (ValueError, ProtocolError):  # an unknown opcode or a malformed body
+                handler = self._handlers.get(body[U32.size])
+                if handler is None or not (conn.authed or body[U32.size] == Op.AUTH):
+                    raise ProtocolError("an unknown opcode, or no AUTH first")
+                handler(conn, reader)
+            except ProtocolError:  # a malformed body
                 self._close(conn)
                 return
 
@@ -333,7 +337,10 @@ class Server:
         out = conn.out
         while out:
             try:
-                sent = conn.sock.sendmsg(list(itertools.islice(out, _SEND_BUFFERS)))
+                if len(out) == 1:
+                    sent = conn.sock.send(out[0])
+                else:
+                    sent = conn.sock.sendmsg(list(itertools.islice(out, _SEND_BUFFERS)))
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:

@@ -106,9 +106,9 @@ class Reader:
 
     __slots__ = ("_body", "_pos")
 
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes, start: int = 0) -> None:
         self._body = body
-        self._pos = 0
+        self._pos = start
 
     def _take(self, n: int) -> bytes:
         end = self._pos + n
