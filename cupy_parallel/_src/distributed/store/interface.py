@@ -176,18 +176,23 @@ def key_bytes(key: str) -> bytes:
     return data
 
 
-def next_counter(old: bytes | None, amount: int, key: str) -> int:
+def next_counter(old: bytes | None, amount: int, key: bytes) -> int:
     """The value ``add`` leaves behind, or ``ValueError`` when ``old`` is not a counter."""
     if old is None:
-        old = b"0"
-    if _COUNTER.fullmatch(old) is None:
+        new = amount
+    elif _COUNTER.fullmatch(old) is None:
         raise ValueError(
-            f"add({key!r}, ...): the key holds {old[:40]!r}, which is not an integer counter; "
-            "use add() only on keys that add() created or that hold a decimal integer."
+            f"add({key.decode(errors='replace')!r}, ...): the key holds {old[:40]!r}, which is "
+            "not an integer counter; use add() only on keys that add() created or that hold a "
+            "decimal integer."
         )
-    new = int(old) + amount
+    else:
+        new = int(old) + amount
     if not I64_MIN <= new <= I64_MAX:
-        raise ValueError(f"add({key!r}, {amount}): the counter would leave the int64 range.")
+        raise ValueError(
+            f"add({key.decode(errors='replace')!r}, {amount}): the counter would leave the "
+            "int64 range."
+        )
     return new
 
 

@@ -39,8 +39,7 @@ class Table:
 
     def add(self, key: bytes, amount: int) -> bytes:
         """Add to a counter; returns the new value as stored (ASCII decimal)."""
-        new = str(next_counter(self.data.get(key), amount, key.decode(errors="replace")))
-        value = new.encode()
+        value = b"%d" % next_counter(self.data.get(key), amount, key)
         self.data[key] = value
         return value
 
