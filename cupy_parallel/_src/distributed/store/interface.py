@@ -62,7 +62,13 @@ _COUNTER = re.compile(rb"[+-]?[0-9]{1,19}")
 
 
 class DistError(RuntimeError):
-    """Base of the errors stores raise (``torch.distributed.DistError``)."""
+    """Base of the errors stores raise (``torch.distributed.DistError``).
+
+    Example:
+        >>> from cupy_parallel.distributed import DistError, DistNetworkError, DistStoreError
+        >>> issubclass(DistStoreError, DistError), issubclass(DistNetworkError, RuntimeError)
+        (True, True)
+    """
 
 
 class DistStoreError(DistError, TimeoutError):
@@ -79,11 +85,31 @@ class DistStoreError(DistError, TimeoutError):
 
 
 class DistNetworkError(DistError, ConnectionError):
-    """A TCP store could not be reached, lost its connection, or its server thread died."""
+    """A TCP store could not be reached, lost its connection, or its server thread died.
+
+    Example:
+        >>> import socket
+        >>> from cupy_parallel.distributed import DistNetworkError, TCPStore
+        >>> with socket.socket() as probe:  # a port nobody listens on
+        ...     probe.bind(("127.0.0.1", 0))
+        ...     port = probe.getsockname()[1]
+        >>> try:
+        ...     TCPStore("127.0.0.1", port, timeout=0.1)
+        ... except ConnectionError as error:  # or RuntimeError, as torch code catches it
+        ...     print(type(error).__name__)
+        DistNetworkError
+    """
 
 
 class QueueEmptyError(DistStoreError):
-    """``queue_pop(key, block=False)`` found the queue empty (torch's ``QueueEmptyError``)."""
+    """``queue_pop(key, block=False)`` found the queue empty (torch's ``QueueEmptyError``).
+
+    Example:
+        >>> from cupy_parallel.distributed import HashStore
+        >>> HashStore().queue_pop("jobs", block=False)
+        Traceback (most recent call last):
+        cupy_parallel._src.distributed.store.interface.QueueEmptyError: HashStore.queue_pop(...
+    """
 
 
 class Missing(Exception):  # noqa: N818 - an internal signal, never seen by users
