@@ -739,3 +739,13 @@ def test_a_returned_set_is_seen_by_every_other_handle(master: TCPStore) -> None:
         for i in range(200):
             client.set("latest", str(i))
             assert master.get("latest") == str(i).encode()
+
+
+@pytest.mark.slow
+def test_multi_get_refuses_an_answer_over_the_bound(master: TCPStore) -> None:
+    big = bytes(MAX_VALUE_BYTES // 2 + 1)
+    master.multi_set(["b1"], [big])
+    master.multi_set(["b2"], [big])
+    with pytest.raises(ValueError, match=r"multi_get would return 67108866 bytes; one call"):
+        master.multi_get(["b1", "b2"])
+    assert master.multi_get(["b1"]) == [big]

@@ -8,6 +8,14 @@
 the URL must agree. Unknown query parameters are refused rather than ignored (PyTorch ignores them),
 so that a typo does not go unnoticed.
 
+``MASTER_ADDR`` (or the host of ``tcp://``) is where rank 0's server listens *and* where the
+other ranks connect: rank 0 binds exactly that address (see :class:`TCPStore`). On one machine
+``127.0.0.1`` keeps the store off the network; across nodes it must be an address of rank 0's
+node that the others can reach (its IP on the cluster network, not a name that resolves to
+loopback there); ``0.0.0.0`` listens everywhere but is no address to connect to from another
+node. The store has no authentication unless ``CUPY_PARALLEL_STORE_SECRET`` is set to the same
+value in every process.
+
 :func:`rendezvous` only opens the store; :func:`wait_for_world` then blocks until every rank has
 checked in, under a key :func:`init_key` makes fresh for each ``init_process_group`` on the store.
 """

@@ -275,6 +275,8 @@ class Store:
         (True, 3)
     """
 
+    _timeout_s = DEFAULT_TIMEOUT_S  # for subclasses that skip Store.__init__
+
     def __init__(self, timeout: timedelta | float = DEFAULT_TIMEOUT_S) -> None:
         self._timeout_s = read_timeout(timeout, "timeout")
 

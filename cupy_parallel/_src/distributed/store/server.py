@@ -450,9 +450,21 @@ class Server:
         if waiter.op is Op.GET:
             self._answer(waiter, Status.VALUE, data[waiter.keys[0]])
         elif waiter.op is Op.MULTI_GET:
-            self._answer(waiter, Status.VALUES, blobs([data[key] for key in waiter.keys]))
+            self._answer(waiter, *self._values(waiter.keys))
         else:
             self._answer(waiter, Status.OK, b"")
+
+    def _values(self, keys: tuple[bytes, ...]) -> tuple[Status, bytes]:
+        """The answer to a ``multi_get`` of keys that are all set: their values, if they fit."""
+        values = [self._table.data[key] for key in keys]
+        total = sum(len(value) for value in values)
+        if total > MAX_VALUE_BYTES:
+            message = (
+                f"multi_get would return {total} bytes; one call moves at most "
+                f"{MAX_VALUE_BYTES} bytes. Ask for fewer keys at a time."
+            )
+            return Status.ERROR, message.encode()
+        return Status.VALUES, blobs(values)
 
     def _notify(self, key: bytes) -> None:
         """Answer the waiters that ``key`` being set completes."""
@@ -557,8 +569,7 @@ class Server:
         if self._table.missing(keys):
             self._park(conn, op, keys, seconds)
         elif op is Op.MULTI_GET:
-            data = self._table.data
-            self._reply(conn, Status.VALUES, blobs([data[key] for key in keys]))
+            self._reply(conn, *self._values(keys))
         else:
             self._reply(conn, Status.OK)
 
