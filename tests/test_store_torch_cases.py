@@ -17,15 +17,25 @@ Cases that do not apply, and why:
   internal; ``init_process_group`` is the public entry). Torch raises ``AssertionError`` when
   rank/world_size appear in the URL *and* as arguments even if equal; we raise only when they
   conflict (equal values are not ambiguous).
-- ``test_dns_timeout`` expects ``TimeoutError`` "client socket has timed out"; an unresolvable
-  host raises our ``DistNetworkError`` (a ``ConnectionError``) naming the host, once the
-  client's timeout has passed.
-- libuv/non-libuv backend variants (``use_libuv``) and ``master_listen_fd``: one backend here.
+- ``test_dns_timeout``: the type is torch's (``DistNetworkError``, a ``DistError``); the text
+  is ours (it names the host, not "client socket has timed out").
+- libuv/non-libuv variants (``LibUvTCPStoreTest``, ``test_tcp_store_url_with_libuv``,
+  ``InitPgWithNonUvStore``, ``libuvBackend``): there is one server implementation here.
+- ``test_repr``: torch's repr shows its C++ socket objects; ours is ``TCPStore(host, port,
+  is_master=...)``.
+- ``test_agent_store`` (``TORCHELASTIC_USE_AGENT_STORE``): we have no elastic agent.
+- ``test_underlying_non_prefix_store`` tests a private torch attribute.
+- ``test_get_underlying_store`` also expects ``PrefixStore("prefix", None)`` to raise
+  ``ValueError``; ours raises ``TypeError`` (a wrong type, by the project's rules).
+- Message texts such as "wait timeout after 100ms, keys: /k" are torch's; ours say
+  "timeout after 0.1 s" and name the keys (pinned in the tests below and in test_store.py).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -143,14 +153,17 @@ def test_check(store: Store) -> None:
 
 
 def test_queues(store: Store) -> None:
-    """torch: test_queues (FIFO order, length, non-blocking pop, blocking pop timeout)."""
+    """torch: test_queues, test_queues_nonblocking, test_queues_timeout."""
+    assert not store.check(["q"])
     assert store.queue_len("q") == 0
     store.queue_push("q", "1")
     store.queue_push("q", b"2")
+    assert store.check(["q"])  # check and wait see a non-empty queue, as in torch
+    store.wait(["q"])
     assert store.queue_len("q") == 2
     assert store.queue_pop("q") == b"1"
     assert store.queue_pop("q", block=False) == b"2"
-    assert not store.check(["q"])  # queues live apart from keys
+    assert not store.check(["q"])
     with pytest.raises(QueueEmptyError, match=r"queue_pop\('(test_prefix/)?q', block=False\)"):
         store.queue_pop("q", block=False)
     store.set_timeout(timedelta(seconds=0.2))
@@ -168,6 +181,39 @@ def test_queue_pop_waits_for_a_push(store: Store) -> None:
     assert store.queue_len("jobs") == 0
     if not isinstance(other, HashStore | PrefixStore):
         other.close()
+
+
+def test_queues_bidirectional(store: Store) -> None:
+    """torch: test_queues_bidirectional (two threads, each with a clone, exchange values)."""
+    store.set_timeout(timedelta(seconds=10))
+    got: dict[str, bytes] = {}
+
+    def worker_a() -> None:
+        mine = store.clone()
+        mine.queue_push("a", "a1")
+        got["a"] = mine.queue_pop("b")
+
+    def worker_b() -> None:
+        mine = store.clone()
+        got["b"] = mine.queue_pop("a")
+        mine.queue_push("b", "b1")
+
+    threads = [threading.Thread(target=worker_a), threading.Thread(target=worker_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(15)
+    assert got == {"a": b"b1", "b": b"a1"}
+
+
+def test_a_wait_for_a_queue_is_released_by_a_push(store: Store) -> None:
+    """torch: test_queues (wait on a queue key), from another handle."""
+    twin = store.clone()
+    timer = threading.Timer(0.1, twin.queue_push, ("later", "x"))
+    timer.start()
+    store.wait(["later"], timedelta(seconds=10))
+    timer.join()
+    assert store.queue_pop("later") == b"x"
 
 
 def test_clone(store: Store) -> None:
@@ -225,9 +271,60 @@ def test_address_already_in_use() -> None:
     """torch: TCPStoreTest.test_address_already_in_use."""
     with (
         TCPStore(HOST, 0, 1, True) as first,
-        pytest.raises(RuntimeError, match=r"could not listen"),
+        pytest.raises(DistNetworkError, match=r"could not listen"),
     ):
         TCPStore(HOST, first.port, 1, True)
+
+
+def test_take_over_listen_socket() -> None:
+    """torch: TCPStoreTest.test_take_over_listen_socket (master_listen_fd)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((HOST, 0))
+    port = listener.getsockname()[1]
+    with TCPStore(HOST, port, 1, is_master=True, master_listen_fd=listener.detach()) as store:
+        store.set("key", "value")
+        assert store.get("key") == b"value"
+
+
+def test_store_timeout_on_missing_clients() -> None:
+    """torch: TCPStoreTest.test_store_timeout_on_missing_clients."""
+    with pytest.raises(DistStoreError, match=r"timeout after 0\.5 s waiting for workers: 1 of 2"):
+        TCPStore("localhost", 0, 2, True, timeout=0.5)
+    TCPStore("localhost", 0, 2, True, timeout=0.5, wait_for_workers=False).close()
+
+
+def test_world_size_0_raises() -> None:
+    """torch: TCPStoreTest.test_world_size_0_raises."""
+    with pytest.raises(ValueError, match=r"world_size must be >= 1, got 0"):
+        TCPStore("localhost", 0, world_size=0, is_master=False)
+
+
+def test_interrupt_doesnt_break_wait() -> None:
+    """torch: TimeoutTest.test_interrupt_doesnt_break_wait (a signal hits the waiting thread)."""
+    with TCPStore(HOST, 0, 2, True, wait_for_workers=False) as rank0:
+        rank1 = TCPStore(HOST, rank0.port, 2, wait_for_workers=False)
+        result: list[object] = []
+
+        def wait() -> None:
+            try:
+                rank1.wait(["foo"], timedelta(seconds=10))
+                result.append(True)
+            except Exception as exc:  # noqa: BLE001 - recorded, asserted below
+                result.append(exc)
+
+        previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+        try:
+            thread = threading.Thread(target=wait)
+            thread.start()
+            time.sleep(0.3)
+            signal.pthread_kill(thread.ident, signal.SIGUSR1)  # type: ignore[arg-type]
+            time.sleep(0.3)
+            rank0.set("foo", "bar")
+            thread.join(10)
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        rank1.close()
+    assert result == [True]
 
 
 def test_multitenancy() -> None:
@@ -357,6 +454,27 @@ def test_optional_methods_fail(through_prefix: bool) -> None:
     ):
         with pytest.raises(RuntimeError, match=r"Store\.\w+: Not implemented\."):
             call()
+
+
+def test_extended_methods_fallbacks() -> None:
+    """torch: test_extended_methods_fallbacks (append/multi_* built on compare_set/get/set)."""
+
+    class WithCompareSet(_PythonStore):
+        def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+            assert isinstance(expected, bytes)
+            assert isinstance(desired, bytes)
+            current = self.data.get(key)
+            if current is None or current == expected:
+                self.data[key] = current = desired
+            return current
+
+    store = PrefixStore("p", WithCompareSet())
+    assert not store.has_extended_api()
+    store.append("foo", b"po")
+    store.append("foo", b"tato")
+    assert store.get("foo") == b"potato"
+    store.multi_set(["a", "b"], [b"c", b"d"])
+    assert store.multi_get(["a", "b", "foo"]) == [b"c", b"d", b"potato"]
 
 
 def test_extended_api_roundtrips_through_a_prefix() -> None:

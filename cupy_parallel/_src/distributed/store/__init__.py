@@ -17,7 +17,8 @@ Decisions where PyTorch is silent or differs:
 
 - ``num_keys`` counts only keys written through the API (PyTorch's TCPStore adds one for its
   own bookkeeping key; here worker registration lives outside the key space). Queues live
-  apart from keys: ``check``/``get``/``num_keys`` do not see them.
+  beside keys: ``check`` and ``wait`` see a non-empty queue (as torch's), ``get`` and
+  ``num_keys`` do not.
 - ``add`` keeps the counter as the ASCII decimal of its value, as PyTorch does, so ``get``
   after ``add(key, 5)`` returns ``b"5"``. Adding to a key that holds anything else raises
   ``ValueError`` (PyTorch's server drops the connection). Counters are signed 64-bit integers.

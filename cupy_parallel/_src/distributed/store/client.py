@@ -72,6 +72,18 @@ def listen(host: str, port: int) -> socket.socket:
         ) from exc
 
 
+def _adopt(fd: int) -> socket.socket:
+    """A listening socket made of a bound socket's file descriptor."""
+    try:
+        sock = socket.socket(fileno=fd)
+        sock.listen(1024)
+    except OSError as exc:
+        raise DistNetworkError(
+            f"master_listen_fd={fd} is not a bound TCP socket this process can listen on ({exc})."
+        ) from exc
+    return sock
+
+
 def _secret() -> bytes | None:
     value = os.environ.get(SECRET_ENV, "")
     return value.encode() if value else None
@@ -302,6 +314,8 @@ class TCPStore(Store):
         wait_for_workers: whether the master waits for ``world_size`` workers on creation.
         multi_tenant: share one server among the masters this process creates on the same
             host and port (torch's ``multi_tenant``).
+        master_listen_fd: a bound socket's file descriptor for the master to listen on (and
+            own from then on) instead of binding ``host_name:port`` itself.
 
     Raises:
         DistNetworkError: no server answered within ``timeout``, or the master cannot listen.
@@ -330,6 +344,7 @@ class TCPStore(Store):
         wait_for_workers: bool = True,
         *,
         multi_tenant: bool = False,
+        master_listen_fd: int | None = None,
     ) -> None:
         super().__init__(timeout)
         if not isinstance(host_name, str) or not host_name:
@@ -340,16 +355,24 @@ class TCPStore(Store):
         is_master = read_bool(is_master, "is_master")
         wait_for_workers = read_bool(wait_for_workers, "wait_for_workers")
         multi_tenant = read_bool(multi_tenant, "multi_tenant")
+        if world_size is not None:
+            world_size = read_int(world_size, "world_size", minimum=1)
         if port == 0 and not is_master:
             raise ValueError(
                 "port=0 lets the master pick a port; a client needs the real port "
                 "(the master's TCPStore.port)."
             )
-        if world_size is not None:
-            world_size = read_int(world_size, "world_size", minimum=1)
+        if master_listen_fd is not None:
+            master_listen_fd = read_int(master_listen_fd, "master_listen_fd", minimum=0)
+            if not is_master:
+                raise ValueError("master_listen_fd is for the master; pass is_master=True.")
         self._host = host_name
         self._is_master = is_master
-        self._server = _start_server(host_name, port, multi_tenant) if is_master else None
+        self._server: Server | None = None
+        if master_listen_fd is not None:
+            self._server = Server(_adopt(master_listen_fd), _secret())
+        elif is_master:
+            self._server = _start_server(host_name, port, multi_tenant)
         self._port = self._server.port if self._server is not None else port
         self._client: _Client | None = None
         try:

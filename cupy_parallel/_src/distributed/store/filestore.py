@@ -402,7 +402,7 @@ class FileStore(Store):
 
         def probe(table: Table) -> bool:
             nonlocal missing
-            missing = table.missing(names)
+            missing = table.unset(names)
             if not missing:
                 found.extend(table.data[name] for name in names)
             return not missing

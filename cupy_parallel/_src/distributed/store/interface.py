@@ -385,7 +385,7 @@ class Store:
         return self._num_keys()
 
     def queue_push(self, key: str, value: bytes | str) -> None:
-        """Append ``value`` to the FIFO queue ``key`` (queues live apart from keys)."""
+        """Append ``value`` to the FIFO queue ``key`` (``check``/``wait`` see it while non-empty)."""
         self._queue_push(check_key(key), check_value(value))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
@@ -419,7 +419,11 @@ class Store:
         raise _not_implemented(self, "clone")
 
     def has_extended_api(self) -> bool:
-        """Whether ``append``, ``multi_get`` and ``multi_set`` are implemented."""
+        """Whether ``append``, ``multi_get`` and ``multi_set`` are native.
+
+        Otherwise they fall back on ``compare_set``/``get``/``set`` (raising "Not implemented."
+        when those are missing too).
+        """
         return False
 
     def close(self) -> None:
@@ -457,14 +461,22 @@ class Store:
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         raise _not_implemented(self, "compare_set")
 
+    # append, multi_get and multi_set fall back on the public compare_set, get and set, so a
+    # subclass that overrides those gets them too (torch's defaults; not atomic for multi_*).
+
     def _append(self, key: str, value: bytes) -> None:
-        raise _not_implemented(self, "append")
+        expected, desired = b"", value  # get() might wait forever on a missing key
+        current = self.compare_set(key, expected, desired)
+        while current != desired:
+            expected, desired = current, current + value
+            current = self.compare_set(key, expected, desired)
 
     def _multi_get(self, keys: list[str], seconds: float) -> list[bytes]:
-        raise _not_implemented(self, "multi_get")
+        return [self.get(key) for key in keys]
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
-        raise _not_implemented(self, "multi_set")
+        for key, value in zip(keys, values, strict=True):
+            self.set(key, value)
 
     def _wait(self, keys: list[str], seconds: float) -> None:
         """Return when all keys are set; raise :class:`Missing` (the missing keys) on timeout."""

@@ -423,15 +423,24 @@ class Server:
                 if not found:
                     del lists[key]
 
+    def _missing(self, waiter: _Waiter) -> list[bytes]:
+        """What ``waiter`` still waits for: values (get, multi_get) or values or queues (wait)."""
+        if waiter.op is Op.WAIT:
+            return self._table.missing(waiter.keys)
+        return self._table.unset(waiter.keys)
+
     def _advance(self, waiter: _Waiter) -> bool:
         """Move past the keys that are set; whether all are."""
-        data = self._table.data
+        data, queues = self._table.data, self._table.queues
         keys = waiter.keys
-        while waiter.position < len(keys) and keys[waiter.position] in data:
+        either = waiter.op is Op.WAIT
+        while waiter.position < len(keys) and (
+            keys[waiter.position] in data or (either and keys[waiter.position] in queues)
+        ):
             waiter.position += 1
         if waiter.position < len(keys):
             return False
-        missing = self._table.missing(keys)  # an earlier key may have been deleted since
+        missing = self._missing(waiter)  # an earlier key may have been deleted since
         if missing:
             waiter.position = keys.index(missing[0])
             return False
@@ -488,7 +497,7 @@ class Server:
             if waiter.op is Op.WAIT_JOINED:
                 payload = I64.pack(self._joined)
             else:
-                payload = blobs(self._table.missing(waiter.keys))
+                payload = blobs(self._missing(waiter))
             self._answer(waiter, Status.TIMEOUT, payload)
 
     # -- requests -----------------------------------------------------------------------------
@@ -566,7 +575,7 @@ class Server:
         keys = reader.key_list()
         seconds = reader.seconds()
         reader.end()
-        if self._table.missing(keys):
+        if (self._table.missing if op is Op.WAIT else self._table.unset)(keys):
             self._park(conn, op, keys, seconds)
         elif op is Op.MULTI_GET:
             self._reply(conn, *self._values(keys))
@@ -606,6 +615,7 @@ class Server:
                 break
         else:
             self._table.queue_push(key, value)
+            self._notify(key)  # wait() and check() see a non-empty queue, as in torch
         if waiters is not None and not waiters:
             del self._queue_watch[key]
 

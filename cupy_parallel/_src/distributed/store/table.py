@@ -69,6 +69,12 @@ class Table:
         return self.data.pop(key, None) is not None
 
     def missing(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Keys that are neither set nor a non-empty queue (what ``check``/``wait`` see)."""
+        data, queues = self.data, self.queues
+        return [key for key in keys if key not in data and key not in queues]
+
+    def unset(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Keys without a value (what ``get``/``multi_get`` wait for)."""
         data = self.data
         return [key for key in keys if key not in data]
 
@@ -166,13 +172,12 @@ class HashStore(Store):
         self._change(lambda t: t.append(key_bytes(key), value))
 
     def _multi_get(self, keys: list[str], seconds: float) -> list[bytes]:
-        self._wait(keys, seconds)
+        names = [key_bytes(key) for key in keys]
         with self._changed:
+            if not self._changed.wait_for(lambda: not self._table.unset(names), seconds):
+                raise Missing([name.decode() for name in self._table.unset(names)])
             data = self._table.data
-            found = [data.get(key_bytes(key)) for key in keys]
-        if any(value is None for value in found):  # deleted between the wait and the read
-            raise Missing([key for key, value in zip(keys, found, strict=True) if value is None])
-        return found  # type: ignore[return-value]
+            return [data[name] for name in names]
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
         self._change(lambda t: t.multi_set([key_bytes(key) for key in keys], values))
