@@ -385,7 +385,7 @@ class Store:
         return self._num_keys()
 
     def queue_push(self, key: str, value: bytes | str) -> None:
-        """Append ``value`` to the FIFO queue ``key`` (``check``/``wait`` see it while non-empty)."""
+        """Append ``value`` to the FIFO queue ``key`` (``check``/``wait`` see it if non-empty)."""
         self._queue_push(check_key(key), check_value(value))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
