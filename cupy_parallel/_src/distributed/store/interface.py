@@ -204,7 +204,7 @@ def key_bytes(key: str) -> bytes:
 
 def next_counter(old: bytes | None, amount: int, key: bytes) -> int:
     """The value ``add`` leaves behind, or ``ValueError`` when ``old`` is not a counter."""
-    if old is None:
+    if not old:  # missing or empty counts as 0, as in torch
         new = amount
     elif _COUNTER.fullmatch(old) is None:
         raise ValueError(
