@@ -156,7 +156,7 @@ class _Client:
 
     def _dead_server(self) -> DistNetworkError | None:
         server = self._server
-        if server is None or server.alive:
+        if server is None or (server.alive and server.error is None):
             return None
         return DistNetworkError(
             f"the TCPStore server of this process ({self._where}) stopped serving "
