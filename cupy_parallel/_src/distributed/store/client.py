@@ -301,6 +301,11 @@ class TCPStore(Store):
     by any other synchronisation (an MPI barrier, say) never lets another rank read the old
     value.
 
+    **Limits.** The server survives any client (see :mod:`.server`): it stops reading from a
+    client that does not read its answers, and resets the connection holding the most bytes
+    once 256 MiB of requests and answers are buffered over all connections (so a handful of
+    concurrent 64 MiB ``set`` calls is the most it takes at once).
+
     **Threads.** Calls from several threads on one ``TCPStore`` object share its connection
     and run one at a time; threads that wait independently should each use :meth:`clone`.
 
