@@ -101,6 +101,8 @@ class _Client:
         self._server = server
         self._secret = _secret()
         self._closed = False
+        self._small = bytearray(_RECV_BYTES)
+        self._small_view = memoryview(self._small)
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = self._connect(retry=True)
 
@@ -227,10 +229,15 @@ class _Client:
             if remaining <= 0:
                 raise TimeoutError("no answer in time")
             sock.settimeout(remaining)
-            chunk = sock.recv(want)
-            if not chunk:
+            if want > _RECV_BYTES:  # the rest of a large answer, in one allocation
+                chunk = sock.recv(want)
+                n = len(chunk)
+                buf += chunk
+            else:  # small answers go through one reused buffer: no allocation per read
+                n = sock.recv_into(self._small)
+                buf += self._small_view[:n]
+            if not n:
                 raise ConnectionError("the server closed the connection")
-            buf += chunk
 
     def _drop(self) -> None:
         self._rbuf = bytearray()

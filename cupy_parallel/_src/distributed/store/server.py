@@ -123,6 +123,8 @@ class Server:
         self._sequence = itertools.count()
         self._runnable: deque[_Conn] = deque()
         self._buffered = 0
+        self._recv_buffer = bytearray(_RECV_BYTES)
+        self._recv_view = memoryview(self._recv_buffer)
         self._parked = 0
         self._backoff = _BACKOFF_S[0]
         self._accept_paused_until: float | None = None
@@ -258,17 +260,17 @@ class Server:
 
     def _receive(self, conn: _Conn) -> None:
         try:
-            chunk = conn.sock.recv(_RECV_BYTES)
+            n = conn.sock.recv_into(self._recv_buffer)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             self._close(conn)
             return
-        if not chunk:
+        if not n:
             self._close(conn)
             return
-        conn.inbuf += chunk
-        self._buffered += len(chunk)
+        conn.inbuf += self._recv_view[:n]  # one reused buffer: no allocation per read
+        self._buffered += n
         if len(conn.inbuf) > U32.size + MAX_FRAME_BYTES:
             self._close(conn)  # more unanswered bytes than any legal request
             return
