@@ -444,6 +444,9 @@ def test_corruption_before_the_tail_is_an_error(tmp_path: os.PathLike[str]) -> N
 
 def test_the_log_is_compacted(tmp_path: os.PathLike[str]) -> None:
     path = os.path.join(tmp_path, "store")
+    stale = path + ".compact-999999-1"  # what a compactor killed mid-copy leaves behind
+    with open(stale, "wb") as f:
+        f.write(bytes(MiB))
     value = os.urandom(MiB)
     with FileStore(path) as writer, FileStore(path) as other:
         for i in range(40):  # 40 MiB written; the live state is 1 MiB
@@ -456,3 +459,4 @@ def test_the_log_is_compacted(tmp_path: os.PathLike[str]) -> None:
         assert writer.get("v") == value
     with FileStore(path) as reopened:
         assert (reopened.get("n"), reopened.get("v")) == (b"40", value)
+    assert sorted(os.listdir(tmp_path)) == ["store"]

@@ -11,7 +11,8 @@ appended since. Writers hold an exclusive ``flock``, readers a shared one.
   A bad record that is *not* the last one is corruption: every call raises ``ValueError``.
 - **Compaction.** When the log grows past twice its live content plus 1 MiB, the writer
   holding the lock writes the live state to a new file and renames it over the path; other
-  processes notice (the path's inode changed) when they next take the lock, and reopen.
+  processes notice (the path's inode changed) when they next take the lock, and reopen. A
+  copy left by a compactor that was killed is removed by the next compaction.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import fcntl
+import glob
 import os
 import threading
 import weakref
@@ -220,6 +222,11 @@ class _Log:
         self._compact_at = 2 * live + COMPACT_MIN_BYTES
         if self.offset < self._compact_at:
             return
+        # Under the lock no other compaction runs: any copy left beside the file is from a
+        # compactor that was killed; remove it.
+        for stale in glob.glob(glob.escape(self.path) + ".compact-*"):
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
         temporary = f"{self.path}.compact-{os.getpid()}-{threading.get_ident()}"
         fd = -1
         try:
