@@ -22,7 +22,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from cupy_parallel._src.benchmarking import result, script_main
+from cupy_parallel._tools.benchmarking import result, script_main
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
