@@ -1,8 +1,12 @@
-"""Tools for testing multi-device code: hypothesis strategies and a bit-exact tree comparison.
+"""Tools for testing multi-device code: hypothesis strategies, tree checks, a simulated CUDA.
+
+:func:`simulated_cuda` is a stand-in CUDA whose streams, events, pools and NCCL follow CUDA's
+ordering rules and report every race (:class:`RaceError`).
 
 The strategies (``arrays``, ``devices``, ``nested_structures``) and ``assert_tree_equal`` need
 hypothesis, which ``pip install 'cupy-parallel[hypothesis]'`` brings; they are imported on first
-use, so ``import cupy_parallel.testing`` works without it and names the extra when one is used.
+use, so ``import cupy_parallel.testing`` (and :func:`simulated_cuda`) works without it and names
+the extra when one is used.
 
 Example:
     >>> import numpy as np
@@ -19,6 +23,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from cupy_parallel._src.simcuda import RaceError, simulated_cuda
+
 if TYPE_CHECKING:
     from cupy_parallel._src.testing import (
         arrays,
@@ -27,7 +33,14 @@ if TYPE_CHECKING:
         nested_structures,
     )
 
-__all__ = ["arrays", "assert_tree_equal", "devices", "nested_structures"]
+__all__ = [
+    "RaceError",
+    "arrays",
+    "assert_tree_equal",
+    "devices",
+    "nested_structures",
+    "simulated_cuda",
+]
 
 _NEEDS_HYPOTHESIS = frozenset({"arrays", "assert_tree_equal", "devices", "nested_structures"})
 

@@ -1,27 +1,47 @@
 """cupy_parallel.comm's CUDA paths: pinned staging, stream ordering, peer copies, NCCL.
 
-Every test is ``gpu``-marked (skipped without a GPU). With one GPU the multi-device tests use it
-several times (``cuda:0`` twice), which still runs the staging, local-copy and coalescing paths;
-the NCCL and peer-copy checks that need two distinct GPUs skip below that.
+Every test runs on the simulated CUDA with 1, 2 and 4 GPUs (whose race checker fails a test on
+any unordered access), and on the real GPUs (``gpu``-marked, skipped without one). With one GPU
+the multi-device tests use it several times (``cuda:0`` twice), which still runs the staging,
+local-copy and coalescing paths; the NCCL and peer-copy checks that need two distinct GPUs skip
+below that.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 from helpers import assert_bits_equal, random_bits, to_numpy
 
 from cupy_parallel import Device, comm, device_of, to_device
+from cupy_parallel._src.cuda import copies, pinned, streams, transfer
 from cupy_parallel._src.cuda import nccl as cuda_nccl
-from cupy_parallel._src.cuda import pinned, streams, transfer
 from cupy_parallel._src.devices import _cuda_device_count
+from cupy_parallel.testing import simulated_cuda
 
-pytestmark = pytest.mark.gpu
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from types import ModuleType
 
-cupy = pytest.importorskip("cupy")
+
+@pytest.fixture(
+    params=[
+        pytest.param(1, id="sim1"),
+        pytest.param(2, id="sim2"),
+        pytest.param(4, id="sim4"),
+        pytest.param(0, id="gpu", marks=pytest.mark.gpu),
+    ]
+)
+def cupy(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
+    """CuPy on the real GPUs (``gpu``), or the simulated CUDA with 1, 2 or 4 GPUs."""
+    if request.param == 0:
+        yield pytest.importorskip("cupy")
+        return
+    with simulated_cuda(request.param) as module:
+        yield module
 
 
 def targets(at_least: int = 2) -> list[Device]:
@@ -36,7 +56,7 @@ def distinct_gpus(n: int = 2) -> list[Device]:
     return [Device("cuda", k) for k in range(n)]
 
 
-def synchronize_all() -> None:
+def synchronize_all(cupy: ModuleType) -> None:
     for k in range(_cuda_device_count()):
         with cupy.cuda.Device(k):
             cupy.cuda.get_current_stream().synchronize()
@@ -44,6 +64,7 @@ def synchronize_all() -> None:
 
 
 def test_scatter_from_numpy_stages_through_pinned_memory_and_orders_streams(
+    cupy: ModuleType,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     staged = []
@@ -52,7 +73,7 @@ def test_scatter_from_numpy_stages_through_pinned_memory_and_orders_streams(
         staged.append(shape)
         return pinned.staging_array(shape, dtype)
 
-    monkeypatch.setattr(transfer, "staging_array", spy)
+    monkeypatch.setattr(copies, "staging_array", spy)
     x = random_bits((1 << 18, 8), np.float32)  # 8 MiB: the copies take long enough to race
     devices = targets(4)
     parts = comm.scatter(x, devices)
@@ -66,14 +87,14 @@ def test_scatter_from_numpy_stages_through_pinned_memory_and_orders_streams(
     assert staged == [c.shape for c in chunks]
     for got, want in zip(flipped, chunks, strict=True):
         assert to_numpy(got).tobytes() == (want.view(np.uint32) ^ np.uint32(0xFFFFFFFF)).tobytes()
-    synchronize_all()
+    synchronize_all(cupy)
     assert pinned.in_flight() == 0
 
 
 @pytest.mark.parametrize("dtype", [np.bool_, np.int16, np.uint64, np.float16, np.complex128])
-def test_scatter_gather_round_trip_on_gpus(dtype: Any) -> None:
+def test_scatter_gather_round_trip_on_gpus(cupy: ModuleType, dtype: Any) -> None:
     x = random_bits((9, 5), dtype)[:, ::2]  # non-contiguous source
-    parts = comm.scatter(x, targets(3), dim=1, chunk_sizes=[0, 2, 1])
+    parts = comm.scatter(x, targets(3)[:3], dim=1, chunk_sizes=[0, 2, 1])
     for part, want in zip(parts, np.split(x, [0, 2], axis=1), strict=True):
         assert_bits_equal(part, want)
     assert_bits_equal(comm.gather(parts, 1, "cpu"), x)
@@ -83,8 +104,8 @@ def test_scatter_gather_round_trip_on_gpus(dtype: Any) -> None:
     assert_bits_equal(comm.gather(parts, 1, "host:1"), x)
 
 
-def test_scatter_on_explicit_streams_into_noncontiguous_out() -> None:
-    devices = targets(2)
+def test_scatter_on_explicit_streams_into_noncontiguous_out(cupy: ModuleType) -> None:
+    devices = targets(2)[:2]
     copy_streams = []
     for device in devices:
         with cupy.cuda.Device(device.index):
@@ -100,7 +121,7 @@ def test_scatter_on_explicit_streams_into_noncontiguous_out() -> None:
     assert_bits_equal(outs[1], x[4:])
 
 
-def test_scatter_refuses_a_stream_of_another_gpu() -> None:
+def test_scatter_refuses_a_stream_of_another_gpu(cupy: ModuleType) -> None:
     first, second = distinct_gpus(2)
     with cupy.cuda.Device(second.index):
         wrong = cupy.cuda.Stream()
@@ -108,7 +129,7 @@ def test_scatter_refuses_a_stream_of_another_gpu() -> None:
         comm.scatter(np.arange(4.0), [first, second], streams=[wrong, None])
 
 
-def test_gather_uses_peer_copies_between_gpus() -> None:
+def test_gather_uses_peer_copies_between_gpus(cupy: ModuleType) -> None:
     first, second = distinct_gpus(2)
     x = random_bits((6, 4), np.int32)
     with cupy.cuda.Device(second.index):
@@ -121,7 +142,9 @@ def test_gather_uses_peer_copies_between_gpus() -> None:
     assert_bits_equal(comm.gather([piece, head], 0, second), np.concatenate([x[3:], x[:3]]))
 
 
-def test_broadcast_from_numpy_stages_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_broadcast_from_numpy_stages_once(
+    cupy: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = []
     monkeypatch.setattr(
         transfer,
@@ -135,7 +158,7 @@ def test_broadcast_from_numpy_stages_once(monkeypatch: pytest.MonkeyPatch) -> No
         assert_bits_equal(c, x)
 
 
-def test_broadcast_from_a_gpu_returns_the_source_and_copies_elsewhere() -> None:
+def test_broadcast_from_a_gpu_returns_the_source_and_copies_elsewhere(cupy: ModuleType) -> None:
     devices = sorted(set(targets(2)), key=lambda d: d.index)
     with cupy.cuda.Device(0):
         x = cupy.asarray(random_bits((5, 7), np.float16))
@@ -146,7 +169,7 @@ def test_broadcast_from_a_gpu_returns_the_source_and_copies_elsewhere() -> None:
         assert to_numpy(copy).tobytes() == to_numpy(x).tobytes()
 
 
-def test_nccl_broadcast_and_reduce_match_numpy() -> None:
+def test_nccl_broadcast_and_reduce_match_numpy(cupy: ModuleType) -> None:
     if not cuda_nccl.is_available():
         pytest.skip("NCCL is not available")
     gpus = distinct_gpus(2)
@@ -162,16 +185,16 @@ def test_nccl_broadcast_and_reduce_match_numpy() -> None:
     assert_bits_equal(total, functools.reduce(np.add, values))  # small integers: exact
 
 
-def test_reduce_add_falls_back_to_copies_for_dtypes_nccl_lacks() -> None:
+def test_reduce_add_falls_back_to_copies_for_dtypes_nccl_lacks(cupy: ModuleType) -> None:
     values = [random_bits((4, 4), np.int16, seed=k) for k in range(3)]
-    devices = targets(3)
+    devices = targets(3)[:3]
     inputs = [to_device(v, d) for v, d in zip(values, devices, strict=True)]
     assert not cuda_nccl.can_reduce(inputs, devices[0])
     total = comm.reduce_add(inputs, destination=devices[0])
     assert_bits_equal(total, functools.reduce(np.add, values))
 
 
-def test_coalesced_broadcast_and_reduce_on_gpus() -> None:
+def test_coalesced_broadcast_and_reduce_on_gpus(cupy: ModuleType) -> None:
     devices = targets(3)
     arrays = [
         random_bits((3, 5), np.float32, 1),

@@ -241,6 +241,9 @@ IN_PLACE = {
     "np.put": lambda x: np.put(x, [0], [5.0]),
     "ufunc.at": lambda x: np.add.at(x, [0], 1.0),
     "method out=": lambda x: x[:2].cumsum(out=x[2:]),
+    "function out=": lambda x: np.einsum("i,i->i", x, x, out=x),
+    "positional out": lambda x: np.dot(x[:1], x[:1], x[0]),
+    "nan_to_num(copy=False)": lambda x: np.nan_to_num(x, copy=False),
 }
 
 
@@ -253,7 +256,7 @@ def test_every_in_place_write_counts_for_every_view(write: Any) -> None:
     write(x)
     assert version(x) == version(view) == 1
     assert version(other) == 0
-    _ = x + 1, x.sum(), x[0], np.exp(x)  # reads do not count
+    _ = x + 1, x.sum(), x[0], np.exp(x), np.einsum("i,i->", x, x)  # reads do not count
     assert version(x) == 1
     assert version(np.zeros(2)) is None
 

@@ -669,6 +669,30 @@ ROWS = [
         lambda x, y, i, z, n: np.linalg.multi_dot([x, y.T, x]),
         TypeError,
     ),
+    Row(
+        "np.sum(x, where=...)",
+        "cupy/_math/sumprod.py:sum (no where parameter)",
+        lambda x, y, i, z, n: np.sum(x, where=x > 2),
+        TypeError,
+    ),
+    Row(
+        "np.max(x, initial=0)",
+        "cupy/_statistics/order.py:amax (no initial parameter)",
+        lambda x, y, i, z, n: np.max(x, initial=0.0),
+        TypeError,
+    ),
+    Row(
+        "x.sum(where=...)",
+        f"{CORE}:sum (axis, dtype, out, keepdims only)",
+        lambda x, y, i, z, n: x.sum(where=x > 2),
+        TypeError,
+    ),
+    Row(
+        "np.sort(x, stable=True)",
+        "cupy/_sorting/sort.py:sort (no stable parameter)",
+        lambda x, y, i, z, n: np.sort(x, stable=True),
+        TypeError,
+    ),
     # ---- NEP 35 like= ------------------------------------------------------------------------
     Row(
         "np.asarray(list, like=x)",

@@ -1,8 +1,8 @@
-"""The NCCL backend without a GPU: import, dtype/op tables, the unique id through real stores."""
+"""The NCCL backend without a GPU: tables, the unique id, and every call on simulated GPUs."""
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import enum
 import os
 import re
@@ -13,19 +13,17 @@ import time
 import types
 import warnings
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cupy_parallel import Device
 from cupy_parallel import distributed as dist
-from cupy_parallel._src.devices import _cuda_device_count, cupy_module
-from cupy_parallel._src.distributed import groups
-from cupy_parallel._src.distributed import nccl as nccl_backend
-from cupy_parallel._src.distributed.enums import Backend, ReduceOp
-from cupy_parallel._src.distributed.nccl_tables import (
+from cupy_parallel._src.cuda import nccl as cuda_nccl
+from cupy_parallel._src.cuda.nccl_tables import (
     AVG_VERSION,
     P2P_VERSION,
     NcclDataType,
@@ -36,7 +34,17 @@ from cupy_parallel._src.distributed.nccl_tables import (
     version_code,
     version_string,
 )
+from cupy_parallel._src.devices import _cuda_device_count, cupy_module
+from cupy_parallel._src.distributed import groups
+from cupy_parallel._src.distributed import nccl as nccl_backend
+from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.store import FileStore, TCPStore
+from cupy_parallel._src.simcuda import SimulationError
+from cupy_parallel._src.simcuda import nccl as sim_nccl
+from cupy_parallel.testing import RaceError, simulated_cuda
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 NEW = version_code(2, 18, 5)  # has ncclAvg and bfloat16
 OLD = version_code(2, 9, 9)  # has neither
@@ -94,6 +102,21 @@ def test_is_nccl_available_tells_the_truth() -> None:
     truth = _real_nccl() is not None and _cuda_device_count() > 0
     assert dist.is_nccl_available() is truth
     assert nccl_backend.NCCLBackend.is_available() is truth
+    assert cuda_nccl.is_available() is truth  # comm's NCCL: one meaning of "available"
+
+
+@pytest.mark.parametrize(("runtime", "package"), [(12090, "cu12"), (13000, "cu13")])
+def test_missing_libnccl_names_the_package_for_cupys_cuda(
+    monkeypatch: pytest.MonkeyPatch, runtime: int, package: str
+) -> None:
+    versions = types.SimpleNamespace(runtimeGetVersion=lambda: runtime)
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=versions))
+    monkeypatch.setattr(cuda_nccl, "cupy_module", lambda: fake_cupy)
+    monkeypatch.setattr(cuda_nccl, "nccl_module", lambda: None)
+    assert cuda_nccl.unavailable_reason() == (
+        "CuPy is installed, but its NCCL library (libnccl) cannot be loaded; install NCCL for "
+        f"CuPy's CUDA version (`pip install nvidia-nccl-{package}`)."
+    )
 
 
 @pytest.mark.parametrize(
@@ -105,23 +128,33 @@ def test_is_nccl_available_tells_the_truth() -> None:
             0,
             r"CuPy is not installed; install it with `pip install cupy-parallel\[cuda12\]`",
         ),
-        (True, False, 0, r"CuPy is installed, but its NCCL library \(libnccl\) cannot be loaded"),
+        (
+            True,
+            False,
+            0,
+            (
+                r"CuPy is installed, but its NCCL library \(libnccl\) cannot be loaded; install "
+                r"NCCL for CuPy's CUDA version \(`pip install nvidia-nccl-cu12`\)"
+            ),
+        ),
         (True, True, 0, r"CuPy and NCCL load, but CuPy sees no GPU \(no CUDA device is visible"),
     ],
 )
 def test_unavailable_backend_says_what_is_missing(
     monkeypatch: pytest.MonkeyPatch, cupy: bool, nccl: bool, gpus: int, why: str
 ) -> None:
-    monkeypatch.setattr(
-        nccl_backend, "cupy_module", lambda: types.SimpleNamespace() if cupy else None
-    )
-    monkeypatch.setattr(nccl_backend, "nccl_module", lambda: _fake_nccl(NEW) if nccl else None)
-    monkeypatch.setattr(nccl_backend, "_cuda_device_count", lambda: gpus)
+    runtime = types.SimpleNamespace(runtimeGetVersion=lambda: 12090)
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    monkeypatch.setattr(cuda_nccl, "cupy_module", lambda: fake_cupy if cupy else None)
+    monkeypatch.setattr(cuda_nccl, "nccl_module", lambda: _fake_nccl(NEW) if nccl else None)
+    monkeypatch.setattr(cuda_nccl, "_cuda_device_count", lambda: gpus)
     assert not nccl_backend.NCCLBackend.is_available()
+    assert not cuda_nccl.is_available()
     with pytest.raises(RuntimeError, match=rf"^The 'nccl' backend is not available here: {why}"):
         groups._backend_class(Backend.NCCL)
-    monkeypatch.setattr(nccl_backend, "_cuda_device_count", lambda: 1)
+    monkeypatch.setattr(cuda_nccl, "_cuda_device_count", lambda: 1)
     assert nccl_backend.NCCLBackend.is_available() is (cupy and nccl)
+    assert cuda_nccl.is_available() is (cupy and nccl)
 
 
 @pytest.mark.skipif(_real_nccl() is not None, reason="NCCL loads here")
@@ -509,251 +542,41 @@ def test_unique_id_wait_times_out_naming_the_key(tmp_path: os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The whole backend on a simulated GPU and NCCL
+# The whole backend on the simulated CUDA and NCCL (cupy_parallel._src.simcuda)
 #
-# Device arrays are NumPy buffers addressed by raw pointer, as CuPy's are; the simulated NCCL
-# performs each call at ``groupEnd`` once every member has issued it (members are threads, or
-# the devices of one thread), reading and writing memory through the pointers it was given. So
-# the backend's pointer arithmetic, packing, member numbering, element counts and in-group
-# ordering are checked against NumPy without a GPU.
+# Ranks are threads; each NCCL call is a kernel on the backend's internal stream of the simulated
+# GPU, stamped with the simulation's vector clock, and every access of device memory (the
+# caller's kernels, the backend's copies, NCCL's reads and writes) is checked against the race
+# rules. So these tests check the results against NumPy AND that every result is ordered after
+# its producers and before its consumers by CUDA's rules, on 1, 2 and 4 simulated GPUs.
+
+# gpus -> (world size, GPUs per rank)
+LAYOUTS = [
+    pytest.param(gpus, size, local, id=f"{gpus}gpu-{size}x{local}")
+    for gpus, shapes in ((1, [(1, 1)]), (2, [(2, 1), (1, 2)]), (4, [(4, 1), (2, 2), (1, 4)]))
+    for size, local in shapes
+]
+WORLDS = [pytest.param(gpus, id=f"{gpus}gpu") for gpus in (1, 2, 4)]
 
 
-def _memory(ptr: int, nbytes: int) -> np.ndarray:
-    return np.frombuffer((ctypes.c_char * nbytes).from_address(ptr), np.uint8)
+@contextlib.contextmanager
+def _gpus(
+    n: int, monkeypatch: pytest.MonkeyPatch, *, version: int = NEW, ptds: bool = False
+) -> Iterator[tuple[Any, list[str]]]:
+    """``n`` simulated GPUs with a simulated NCCL of ``version``; yields (cupy, tear-downs).
+
+    A tear-down (``os.abort()`` outside tests) is recorded instead of ending pytest.
+    """
+    torn: list[str] = []
+    monkeypatch.setattr(nccl_backend, "_tear_down", torn.append)
+    with simulated_cuda(n, per_thread_default_stream=ptds) as cupy:
+        sim_nccl.set_version(version)
+        yield cupy, torn
 
 
-class _SimArray:
-    """A "device array": ``.data.ptr``, ``.device``, ``.nbytes``... over a NumPy buffer."""
-
-    def __init__(self, host: np.ndarray, device: int) -> None:
-        self.host = np.ascontiguousarray(host).copy()
-        self.device = _SimDevice(device)
-        self.data = types.SimpleNamespace(ptr=self.host.ctypes.data)
-        self.dtype, self.size, self.nbytes = self.host.dtype, self.host.size, self.host.nbytes
-
-
-class _SimDevice:
-    current = threading.local()
-
-    def __init__(self, device_id: int) -> None:
-        self.id = device_id
-
-    def __enter__(self) -> _SimDevice:
-        self.previous = getattr(_SimDevice.current, "id", 0)
-        _SimDevice.current.id = self.id
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _SimDevice.current.id = self.previous
-
-
-class _SimStream:
-    """A stream that records the events it was told to wait on."""
-
-    ptr = 0
-    current = threading.local()  # each thread's current stream, as CUDA's per-thread default
-
-    def __init__(self) -> None:
-        self.waited: list[_SimEvent] = []
-
-    def wait_event(self, event: _SimEvent) -> None:
-        self.waited.append(event)
-
-    def __enter__(self) -> _SimStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-def _current_stream() -> _SimStream:
-    stream = getattr(_SimStream.current, "stream", None)
-    if stream is None:
-        stream = _SimStream.current.stream = _SimStream()
-    return stream
-
-
-class _SimEvent:
-    """A CUDA event; the simulated NCCL performs calls at ``groupEnd``, so recorded events have
-    fired unless the simulation holds them (a hung peer: a kernel that never returns), until a
-    communicator is aborted (``ncclCommAbort`` makes stuck kernels exit)."""
-
-    def __init__(self, sim: _SimNccl) -> None:
-        self.sim = sim
-        self.held = False
-
-    def record(self, stream: object = None) -> None:
-        self.held = self.sim.hold
-
-    @property
-    def done(self) -> bool:
-        return not self.held or bool(self.sim.aborted)
-
-
-def _sim_cupy(sim: _SimNccl) -> types.SimpleNamespace:
-    def empty(n: int, dtype: object) -> _SimArray:
-        return _SimArray(np.zeros(n, dtype), getattr(_SimDevice.current, "id", 0))
-
-    def divide(n: object, x: _SimArray) -> None:  # the kernel "x = x / n" (C division)
-        h = x.host
-        h[...] = h / n if h.dtype.kind in "fc" else np.sign(h) * (np.abs(h) // n)
-
-    def memcpy(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
-        ctypes.memmove(dst, src, nbytes)
-
-    runtime = types.SimpleNamespace(
-        memcpyAsync=memcpy,
-        memcpyDeviceToDevice=3,
-        getDevice=lambda: getattr(_SimDevice.current, "id", 0),
-    )
-    cuda = types.SimpleNamespace(
-        Device=_SimDevice,
-        Stream=lambda non_blocking=False: _SimStream(),
-        Event=lambda disable_timing=False: _SimEvent(sim),
-        get_current_stream=_current_stream,
-        runtime=runtime,
-    )
-    return types.SimpleNamespace(
-        cuda=cuda,
-        uint8=np.uint8,
-        empty=empty,
-        zeros=empty,
-        ElementwiseKernel=lambda *args: divide,
-    )
-
-
-class _SimNccl:
-    """NCCL's semantics on shared memory; calls rendezvous by (communicator, kind, sequence)."""
-
-    NcclError = type("NcclError", (RuntimeError,), {})
-
-    def __init__(self, version: int) -> None:
-        self.version = version
-        self.lock = threading.Condition()
-        self.slots: dict[tuple, dict[int, tuple]] = {}
-        self.counters: dict[tuple, int] = {}
-        self.local = threading.local()
-        self.hold = False  # events recorded now never fire on their own (a hung peer)
-        self.aborted: list[Any] = []  # communicators aborted (ncclCommAbort), in order
-        self.destroyed: list[Any] = []
-        sim = self
-
-        class Communicator:
-            def __init__(self, nranks: int, uid: bytes, rank: int) -> None:
-                assert isinstance(uid, bytes)
-                assert len(uid) == 128
-                self.uid, self.nranks, self.rank = uid, nranks, rank
-
-            def abort(self) -> None:
-                sim.aborted.append(self)
-
-            def destroy(self) -> None:
-                sim.destroyed.append(self)
-
-            def check_async_error(self) -> None:
-                pass
-
-            def __getattr__(self, kind: str) -> object:
-                return lambda *args: sim.local.pending.append((self, kind, args))
-
-        self.NcclCommunicator = Communicator
-
-    def get_version(self) -> int:
-        return self.version
-
-    get_build_version = get_version
-
-    def get_unique_id(self) -> bytes:
-        return os.urandom(128)
-
-    def groupStart(self) -> None:
-        self.local.pending = []
-
-    def groupEnd(self) -> None:
-        pending, self.local.pending = self.local.pending, []
-        keys = [self._deposit(comm, kind, args) for comm, kind, args in pending]
-        with self.lock:
-            for key, expected in keys:
-                while len(self.slots[key]) < expected:
-                    assert self.lock.wait(30), f"simulated NCCL: {key} never matched"
-
-    def _deposit(self, comm: Any, kind: str, args: tuple) -> tuple[tuple, int]:
-        if kind in ("send", "recv"):
-            peer = args[3]
-            src, dst = (comm.rank, peer) if kind == "send" else (peer, comm.rank)
-            channel = (comm.uid, src, dst, kind)
-            key, expected, member = (comm.uid, src, dst), 2, kind
-        else:
-            channel = (comm.uid, comm.rank)
-            key, expected, member = (comm.uid, kind), comm.nranks, comm.rank
-        with self.lock:
-            n = self.counters.get(channel, 0)
-            self.counters[channel] = n + 1
-            key = (*key, n)
-            slot = self.slots.setdefault(key, {})
-            slot[member] = args
-            if len(slot) == expected:
-                self._run(key, slot)
-                self.lock.notify_all()
-        return key, expected
-
-    def _run(self, key: tuple, slot: dict) -> None:
-        if "send" in slot:  # send(ptr, count, type, peer, stream) meets recv(ptr, ...)
-            s, r = slot["send"], slot["recv"]
-            _memory(r[0], r[1])[...] = _memory(s[0], s[1])
-            return
-        kind, n = key[1], len(slot)
-        wire = WIRE_NUMPY[NcclDataType(slot[0][3])]
-        size = np.dtype(wire).itemsize
-
-        def view(ptr: int, count: int) -> np.ndarray:
-            return _memory(ptr, count * size).view(wire)
-
-        if kind == "broadcast":  # (send, recv, count, type, root, stream)
-            root = slot[0][4]
-            for args in slot.values():
-                view(args[1], args[2])[...] = view(slot[root][0], args[2])
-        elif kind == "allGather":  # (send, recv, count, type, stream)
-            for args in slot.values():
-                for r in range(n):
-                    chunk = view(args[1], n * args[2])[r * args[2] : (r + 1) * args[2]]
-                    chunk[...] = view(slot[r][0], args[2])
-        elif kind in ("allReduce", "reduce"):  # (send, recv, count, type, op[, root], stream)
-            reduced = _nccl_reduce([view(slot[r][0], slot[r][2]) for r in range(n)], slot[0][4])
-            targets = range(n) if kind == "allReduce" else [slot[0][5]]
-            for r in targets:
-                view(slot[r][1], slot[r][2])[...] = reduced
-        else:  # reduceScatter (send, recv, recvcount, type, op, stream)
-            count = slot[0][2]
-            sends = [view(slot[r][0], n * count) for r in range(n)]
-            for r in range(n):
-                chunk = [s[r * count : (r + 1) * count] for s in sends]
-                view(slot[r][1], count)[...] = _nccl_reduce(chunk, slot[0][4])
-
-
-def _nccl_reduce(parts: list[np.ndarray], op: int) -> np.ndarray:
-    stack = np.stack(parts)
-    with np.errstate(over="ignore"):
-        if op == NcclRedOp.AVG:
-            return _average(stack.sum(axis=0, dtype=stack.dtype), len(parts))
-        ufunc = {NcclRedOp.SUM: np.add, NcclRedOp.PROD: np.multiply, NcclRedOp.MAX: np.maximum}
-        return ufunc.get(NcclRedOp(op), np.minimum).reduce(stack, axis=0, dtype=stack.dtype)
-
-
-@pytest.fixture(params=[OLD, NEW], ids=["nccl-2.9", "nccl-2.18"])
-def sim(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> _SimNccl:
-    nccl = _SimNccl(request.param)
-    cupy = _sim_cupy(nccl)
-    monkeypatch.setattr(nccl_backend, "nccl_module", lambda: nccl)
-    monkeypatch.setattr(nccl_backend, "cupy_module", lambda: cupy)
-    nccl_backend._divide_kernel.cache_clear()
-    yield nccl
-    nccl_backend._divide_kernel.cache_clear()
-
-
-def _world(store: Any, size: int, name: str = "0") -> list[nccl_backend.NCCLBackend]:
+def _world(store: Any, size: int, name: str = "0", timeout: float = 30.0) -> list[Any]:
     return [
-        nccl_backend.NCCLBackend(r, size, store=store, timeout=30.0, group_name=name)
+        nccl_backend.NCCLBackend(r, size, store=store, timeout=timeout, group_name=name)
         for r in range(size)
     ]
 
@@ -779,6 +602,14 @@ def _on_ranks(backends: list, body: Any) -> list:
     return [results[r] for r in range(len(backends))]
 
 
+def _shutdown(cupy: Any, backends: list) -> None:
+    """The host waits for every GPU (the simulated GPU finishes only then), then shuts down."""
+    for device in range(cupy.cuda.runtime.getDeviceCount()):
+        cupy.cuda.Device(device).synchronize()
+    for b in backends:
+        b.shutdown()
+
+
 def _values(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     dt = np.dtype(dtype)
@@ -790,6 +621,16 @@ def _values(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     return values.astype(dt)
 
 
+def _on(cupy: Any, device: int, host: np.ndarray) -> Any:
+    with cupy.cuda.Device(device):
+        return cupy.asarray(host)
+
+
+def _host(x: Any) -> np.ndarray:
+    with x.device:
+        return x.get()
+
+
 @pytest.fixture
 def store(tmp_path: os.PathLike) -> Any:
     with FileStore(os.path.join(tmp_path, "store"), -1) as s:
@@ -797,120 +638,173 @@ def store(tmp_path: os.PathLike) -> Any:
 
 
 @pytest.mark.parametrize("op", list(ReduceOp), ids=lambda op: op.name)
-@pytest.mark.parametrize("dtype", ["bool", "int8", "uint32", "int64", "float32", "complex128"])
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint32", "int64", "float16", "complex128"])
+@pytest.mark.parametrize(("gpus", "size", "local"), LAYOUTS)
 def test_sim_reductions_over_ranks_and_devices(
-    sim: _SimNccl, store: Any, dtype: str, op: ReduceOp
+    monkeypatch: pytest.MonkeyPatch,
+    store: Any,
+    gpus: int,
+    size: int,
+    local: int,
+    dtype: str,
+    op: ReduceOp,
 ) -> None:
     if _refusal(dtype, op) is not None:
         return
-    size, local = 2, 2  # 2 ranks x 2 devices = 4 NCCL members
     hosts = [[_values(dtype, (3, 2), 4 * r + j) for j in range(local)] for r in range(size)]
-    flat = [h for row in hosts for h in row]
-    expected = _meaning(op, flat)
-    chunks = [[_values(dtype, (2,), 50 + 8 * r + k) for k in range(size * local)] for r in range(2)]
+    expected = _meaning(op, [h for row in hosts for h in row])
+    members = size * local
+    chunks = [[_values(dtype, (2,), 50 + 8 * r + k) for k in range(members)] for r in range(size)]
 
-    def body(r: int, b: nccl_backend.NCCLBackend) -> tuple:
-        b.check_dtype(np.dtype(dtype), op)
-        xs = [_SimArray(h, j) for j, h in enumerate(hosts[r])]
-        b.all_reduce(xs, op).wait()
-        ys = [_SimArray(h, j) for j, h in enumerate(hosts[r])]
-        b.reduce(ys, 1, 0, op).wait()
-        outs = [_SimArray(np.zeros(2, dtype), j) for j in range(local)]
-        ins = [[_SimArray(c, j) for c in chunks[r]] for j in range(local)]
-        b.reduce_scatter(outs, ins, op).wait()
-        return [x.host for x in xs], [y.host for y in ys], [o.host for o in outs]
+    with _gpus(gpus, monkeypatch) as (cupy, torn):
 
-    results = _on_ranks(_world(store, size), body)
+        def body(r: int, b: Any) -> tuple:
+            devices = [r * local + j for j in range(local)]
+            b.check_dtype(np.dtype(dtype), op)
+            xs = [_on(cupy, d, h) for d, h in zip(devices, hosts[r], strict=True)]
+            b.all_reduce(xs, op).wait()  # synchronous: stream-ordered
+            ys = [_on(cupy, d, h) for d, h in zip(devices, hosts[r], strict=True)]
+            b.reduce(ys, size - 1, local - 1, op).wait()
+            outs = [_on(cupy, d, np.zeros(2, dtype)) for d in devices]
+            ins = [[_on(cupy, d, c) for c in chunks[r]] for d in devices]
+            b.reduce_scatter(outs, ins, op).wait()
+            return [_host(x) for x in xs], [_host(y) for y in ys], [_host(o) for o in outs]
+
+        backends = _world(store, size)
+        results = _on_ranks(backends, body)
+        _shutdown(cupy, backends)
+        assert torn == []
     for r, (xs, ys, outs) in enumerate(results):
         for x in xs:
             np.testing.assert_array_equal(x, expected)
-        np.testing.assert_array_equal(ys[0], expected if r == 1 else hosts[r][0])
-        np.testing.assert_array_equal(ys[1], hosts[r][1])  # only the root array changes
+        for j, y in enumerate(ys):  # only the root's array changes
+            root = r == size - 1 and j == local - 1
+            np.testing.assert_array_equal(y, expected if root else hosts[r][j])
         for j, out in enumerate(outs):
-            # member r * L + j gets the reduction of chunk r * L + j of every member's list
-            member = r * local + j
-            parts = [chunks[q][member] for q in range(size) for _ in range(local)]
+            # member r * L + j gets the reduction of entry r * L + j of every member's list
+            parts = [chunks[q][r * local + j] for q in range(size) for _ in range(local)]
             np.testing.assert_array_equal(out, _meaning(op, parts))
 
 
+@pytest.mark.parametrize("dtype", ["int32", "int8", "float32", "complex64"])
+@pytest.mark.parametrize(("gpus", "size", "local"), LAYOUTS)
+def test_sim_average_without_ncclavg_divides_after_the_sum(
+    monkeypatch: pytest.MonkeyPatch, store: Any, gpus: int, size: int, local: int, dtype: str
+) -> None:
+    hosts = [[_values(dtype, (7,), 9 * r + j) for j in range(local)] for r in range(size)]
+    expected = _meaning(ReduceOp.AVG, [h for row in hosts for h in row])
+    with _gpus(gpus, monkeypatch, version=OLD) as (cupy, _):
+
+        def body(r: int, b: Any) -> list:
+            assert b._plan(np.dtype(dtype), ReduceOp.AVG).divide
+            xs = [_on(cupy, r * local + j, h) for j, h in enumerate(hosts[r])]
+            b.all_reduce(xs, ReduceOp.AVG).wait()
+            return [_host(x) for x in xs]
+
+        backends = _world(store, size)
+        results = _on_ranks(backends, body)
+        _shutdown(cupy, backends)
+    for row in results:
+        for x in row:
+            np.testing.assert_array_equal(x, expected)
+
+
 @pytest.mark.parametrize("dtype", ["bool", "int16", "float16", "complex64"])
-def test_sim_data_movement_over_ranks_and_devices(sim: _SimNccl, store: Any, dtype: str) -> None:
-    size, local = 2, 2
+@pytest.mark.parametrize(("gpus", "size", "local"), LAYOUTS)
+def test_sim_data_movement_over_ranks_and_devices(
+    monkeypatch: pytest.MonkeyPatch, store: Any, gpus: int, size: int, local: int, dtype: str
+) -> None:
     hosts = [[_values(dtype, (2, 3), 10 * r + j) for j in range(local)] for r in range(size)]
     flat = [h for row in hosts for h in row]
+    with _gpus(gpus, monkeypatch) as (cupy, _):
 
-    def body(r: int, b: nccl_backend.NCCLBackend) -> tuple:
-        xs = [_SimArray(h, j) for j, h in enumerate(hosts[r])]
-        b.broadcast(xs, 1, 1).wait()  # from rank 1's second device
-        outs = [[_SimArray(np.zeros((2, 3), dtype), i) for _ in flat] for i in range(local)]
-        ins = [_SimArray(h, j) for j, h in enumerate(hosts[r])]
-        b.all_gather(outs, ins).wait()
-        return [x.host for x in xs], [[o.host for o in row] for row in outs]
+        def body(r: int, b: Any) -> tuple:
+            devices = [r * local + j for j in range(local)]
+            xs = [_on(cupy, d, h) for d, h in zip(devices, hosts[r], strict=True)]
+            b.broadcast(xs, size - 1, local - 1).wait()  # from the last rank's last GPU
+            outs = [[_on(cupy, d, np.zeros((2, 3), dtype)) for _ in flat] for d in devices]
+            ins = [_on(cupy, d, h) for d, h in zip(devices, hosts[r], strict=True)]
+            b.all_gather(outs, ins).wait()
+            return [_host(x) for x in xs], [[_host(o) for o in row] for row in outs]
 
-    for xs, outs in _on_ranks(_world(store, size), body):
+        backends = _world(store, size)
+        results = _on_ranks(backends, body)
+        _shutdown(cupy, backends)
+    for xs, outs in results:
         for x in xs:
-            np.testing.assert_array_equal(x, hosts[1][1])
+            np.testing.assert_array_equal(x, hosts[-1][-1])
         for row in outs:
             for got, want in zip(row, flat, strict=True):
                 np.testing.assert_array_equal(got, want)
 
 
-def test_sim_point_to_point_and_rooted_calls(sim: _SimNccl, store: Any) -> None:
-    if sim.version < P2P_VERSION:
-        return
-    size = 3
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_sim_point_to_point_and_rooted_calls(
+    monkeypatch: pytest.MonkeyPatch, store: Any, size: int
+) -> None:
     data = [_values("complex64", (4,), r) for r in range(size)]
+    with _gpus(4, monkeypatch) as (cupy, _):
 
-    def body(r: int, b: nccl_backend.NCCLBackend) -> dict:
-        out: dict[str, Any] = {}
-        mine = _SimArray(data[r], 0)
-        gathered = [_SimArray(np.zeros(4, np.complex64), 0) for _ in range(size)]
-        b.gather(gathered if r == 1 else None, mine, 1).wait()
-        out["gather"] = [g.host for g in gathered] if r == 1 else None
-        piece = _SimArray(np.zeros(4, np.complex64), 0)
-        parts = [_SimArray(d, 0) for d in data] if r == 2 else None
-        b.scatter(piece, parts, 2).wait()
-        out["scatter"] = piece.host
-        # rank r sends r + s + 1 int8 values, all 10 * r + s, to rank s
-        ins = [_SimArray(np.full(r + s + 1, 10 * r + s, np.int8), 0) for s in range(size)]
-        outs = [_SimArray(np.zeros(s + r + 1, np.int8), 0) for s in range(size)]
-        b.all_to_all(outs, ins).wait()
-        out["all_to_all"] = [o.host for o in outs]
-        message = _SimArray(np.arange(5.0) * (r + 1), 0)
-        if r == 0:
-            b.send(message, 2, 0).wait()
-        elif r == 2:
-            work = b.recv(message, 0, 0)
-            work.wait()
-            out["recv"] = (message.host, work.source_rank())
-        b.barrier().wait()
-        return out
+        def body(r: int, b: Any) -> dict:
+            cupy.cuda.Device(r).use()
+            out: dict[str, Any] = {}
+            mine = cupy.asarray(data[r])
+            gathered = [cupy.zeros(4, np.complex64) for _ in range(size)]
+            b.gather(gathered if r == 1 else None, mine, 1).wait()
+            out["gather"] = [g.get() for g in gathered] if r == 1 else None
+            piece = cupy.zeros(4, np.complex64)
+            parts = [cupy.asarray(d) for d in data] if r == size - 1 else None
+            b.scatter(piece, parts, size - 1).wait()
+            out["scatter"] = piece.get()
+            # rank r sends r + s + 1 int8 values, all 10 * r + s, to rank s
+            ins = [cupy.full(r + s + 1, 10 * r + s, np.int8) for s in range(size)]
+            outs = [cupy.zeros(s + r + 1, np.int8) for s in range(size)]
+            b.all_to_all(outs, ins).wait()
+            out["all_to_all"] = [o.get() for o in outs]
+            message = cupy.asarray(np.arange(5.0) * (r + 1))
+            if r == 0:
+                b.send(message, size - 1, 0).wait()
+            elif r == size - 1:
+                work = b.recv(message, 0, 0)
+                work.wait()
+                out["recv"] = (message.get(), work.source_rank())
+            b.barrier().wait()
+            return out
 
-    results = _on_ranks(_world(store, size), body)
+        backends = _world(store, size)
+        results = _on_ranks(backends, body)
+        _shutdown(cupy, backends)
     for got, want in zip(results[1]["gather"], data, strict=True):
         np.testing.assert_array_equal(got, want)
     for r in range(size):
         np.testing.assert_array_equal(results[r]["scatter"], data[r])
         for s, got in enumerate(results[r]["all_to_all"]):
             np.testing.assert_array_equal(got, np.full(s + r + 1, 10 * s + r, np.int8))
-    received, source = results[2]["recv"]
+    received, source = results[size - 1]["recv"]
     np.testing.assert_array_equal(received, np.arange(5.0))
     assert source == 0
 
 
-def test_sim_coalesced_calls_mix_dtypes_and_shapes(sim: _SimNccl, store: Any) -> None:
-    size = 2
+@pytest.mark.parametrize("gpus", WORLDS)
+def test_sim_coalesced_calls_mix_dtypes_and_shapes(
+    monkeypatch: pytest.MonkeyPatch, store: Any, gpus: int
+) -> None:
     shapes = [("float64", (2, 2)), ("int32", (3,)), ("complex64", (0,)), ("uint8", ())]
-    hosts = [[_values(d, s, 7 * r + k) for k, (d, s) in enumerate(shapes)] for r in range(size)]
+    hosts = [[_values(d, s, 7 * r + k) for k, (d, s) in enumerate(shapes)] for r in range(gpus)]
+    with _gpus(gpus, monkeypatch) as (cupy, _):
 
-    def body(r: int, b: nccl_backend.NCCLBackend) -> tuple:
-        arrays = [_SimArray(h, 0) for h in hosts[r]]
-        b.all_reduce_coalesced(arrays, ReduceOp.AVG).wait()
-        outs = [[_SimArray(np.zeros_like(h), 0) for h in hosts[r]] for _ in range(size)]
-        b.all_gather_coalesced(outs, [_SimArray(h, 0) for h in hosts[r]]).wait()
-        return [a.host for a in arrays], [[o.host for o in row] for row in outs]
+        def body(r: int, b: Any) -> tuple:
+            cupy.cuda.Device(r).use()
+            arrays = [cupy.asarray(h) for h in hosts[r]]
+            b.all_reduce_coalesced(arrays, ReduceOp.AVG).wait()
+            outs = [[cupy.zeros_like(a) for a in arrays] for _ in range(gpus)]
+            b.all_gather_coalesced(outs, [cupy.asarray(h) for h in hosts[r]]).wait()
+            return [a.get() for a in arrays], [[o.get() for o in row] for row in outs]
 
-    for averaged, gathered in _on_ranks(_world(store, size), body):
+        backends = _world(store, gpus)
+        results = _on_ranks(backends, body)
+        _shutdown(cupy, backends)
+    for averaged, gathered in results:
         for k, got in enumerate(averaged):
             np.testing.assert_array_equal(got, _meaning(ReduceOp.AVG, [h[k] for h in hosts]))
         for r, row in enumerate(gathered):
@@ -918,33 +812,136 @@ def test_sim_coalesced_calls_mix_dtypes_and_shapes(sim: _SimNccl, store: Any) ->
                 np.testing.assert_array_equal(got, want)
 
 
-def test_sim_subgroups_and_shutdown(sim: _SimNccl, store: Any) -> None:
-    def body(r: int, b: nccl_backend.NCCLBackend) -> Any:
-        sub = b.new_subgroup([0, 2], timeout=30.0, group_name="1")
-        x = _SimArray(np.array([r + 1.0]), 0)
-        if sub is not None:
-            sub.all_reduce([x], ReduceOp.PRODUCT).wait()
-            sub.shutdown()
-        b.all_reduce([_SimArray(np.ones(1), 0)], ReduceOp.SUM).wait()
-        b.shutdown()
-        return x.host[0], b._comms
+def test_sim_subgroups_and_shutdown(monkeypatch: pytest.MonkeyPatch, store: Any) -> None:
+    with _gpus(4, monkeypatch) as (cupy, _):
 
-    results = _on_ranks(_world(store, 3), body)
-    assert [x for x, _ in results] == [3.0, 2.0, 3.0]  # ranks 0 and 2: 1 * 3
-    assert all(comms == {} for _, comms in results)
+        def body(r: int, b: Any) -> Any:
+            cupy.cuda.Device(r).use()
+            sub = b.new_subgroup([0, 2], timeout=30.0, group_name="1")
+            x = cupy.asarray(np.array([r + 1.0]))
+            if sub is not None:
+                sub.all_reduce([x], ReduceOp.PRODUCT).wait()
+                value = float(x.get()[0])
+                sub.shutdown()
+            else:
+                value = float(x.get()[0])
+            y = cupy.ones(1)
+            b.all_reduce([y], ReduceOp.SUM).wait()
+            total = float(y.get()[0])
+            b.shutdown()
+            return value, total, b._comms
+
+        results = _on_ranks(_world(store, 3), body)
+    assert [(v, t) for v, t, _ in results] == [(3.0, 3.0), (2.0, 3.0), (3.0, 3.0)]
+    assert all(comms == {} for _, _, comms in results)
     assert store.num_keys() == 0  # every unique id was read by all and removed
 
 
 # ---------------------------------------------------------------------------------------------
-# Waiting (torch's ProcessGroupNCCL semantics), timeouts and the watchdog, on the simulation
+# Streams: the internal stream is ordered after the caller's stream and before its consumers
 
 
-def _held_backend(sim: _SimNccl, store: Any, timeout: float) -> nccl_backend.NCCLBackend:
-    """A world of one whose next calls never finish on the device (a hung peer's kernel)."""
-    backend = nccl_backend.NCCLBackend(0, 1, store=store, timeout=timeout, group_name="g")
-    backend.all_reduce([_SimArray(np.ones(1), 0)], ReduceOp.SUM).wait()  # makes the communicator
-    sim.hold = True
-    return backend
+STREAM_KINDS = ["legacy", "per-thread", "blocking", "non-blocking"]
+
+
+def _user_stream(cupy: Any, kind: str) -> Any:
+    if kind in ("legacy", "per-thread"):
+        return cupy.cuda.get_current_stream()  # the default stream of this simulation
+    return cupy.cuda.Stream(non_blocking=kind == "non-blocking")
+
+
+@pytest.mark.parametrize("n", [1, 1000, 1 << 16])
+@pytest.mark.parametrize("kind", STREAM_KINDS)
+@pytest.mark.parametrize("gpus", WORLDS)
+def test_sim_sync_and_async_calls_are_ordered_on_every_stream(
+    monkeypatch: pytest.MonkeyPatch, store: Any, gpus: int, kind: str, n: int
+) -> None:
+    with _gpus(gpus, monkeypatch, ptds=kind == "per-thread") as (cupy, torn):
+
+        def body(r: int, b: Any) -> tuple:
+            cupy.cuda.Device(r).use()
+            stream = _user_stream(cupy, kind)
+            with stream:
+                x = cupy.arange(n, dtype=np.int64) * (r + 1)  # produced on the stream
+                b.all_reduce([x], ReduceOp.SUM).wait()  # synchronous
+                y = x * 2  # consumed on the stream
+                z = cupy.full(n, r, np.int64)
+                work = b.broadcast([z], gpus - 1, 0)  # asynchronous
+                work.wait_stream(stream)
+                total = y + z
+                work = b.all_reduce([total], ReduceOp.MAX)
+            other = cupy.cuda.Stream(non_blocking=True)
+            work.wait_stream(other)  # a stream given explicitly
+            with other:
+                return total.get(stream=other)
+
+        backends = _world(store, gpus)
+        results = _on_ranks(backends, body)
+        _shutdown(cupy, backends)
+        assert torn == []
+    triangle = gpus * (gpus + 1) // 2
+    expected = np.arange(n, dtype=np.int64) * 2 * triangle + (gpus - 1)
+    for result in results:
+        np.testing.assert_array_equal(result, expected)
+
+
+def test_sim_a_consumer_not_ordered_after_an_async_call_is_a_race(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    # The checker sees the internal stream: reading the result of an async collective on a
+    # stream that never waited for it is reported, naming NCCL's write and the stream.
+    with _gpus(1, monkeypatch) as (cupy, _):
+        (backend,) = _world(store, 1)
+        x = cupy.ones(8)
+        work = backend.all_reduce([x], ReduceOp.SUM)
+        with (
+            cupy.cuda.Stream(non_blocking=True),
+            pytest.raises(RaceError, match=r"not ordered after the write by `nccl allReduce"),
+        ):
+            x * 2  # the read is the point
+        work.wait()
+        _shutdown(cupy, [backend])
+
+
+# ---------------------------------------------------------------------------------------------
+# Barrier, the watchdog and stalled peers
+
+
+def test_sim_barrier_blocks_the_host_until_the_device_finished(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    # torch's barrier blocks the host; a stream-ordered barrier (the old one) leaves the work
+    # queued before it unfinished, which the simulated GPU shows as not done.
+    with _gpus(2, monkeypatch) as (cupy, _):
+
+        def body(r: int, b: Any) -> tuple[bool, bool]:
+            cupy.cuda.Device(r).use()
+            stream = cupy.cuda.get_current_stream()
+            x = cupy.ones(10) * 2  # a kernel before the barrier
+            before = stream.done
+            b.barrier().wait()
+            return before, stream.done and float(x.get()[0]) == 2.0
+
+        backends = _world(store, 2)
+        results = _on_ranks(backends, body)
+        _shutdown(cupy, backends)
+    assert results == [(False, True), (False, True)]
+
+
+def test_sim_first_barrier_uses_gpu_rank_mod_device_count(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    # Every rank of a node starts on GPU 0; before any collective a barrier must spread the
+    # ranks over the GPUs (rank % device_count), as torch's does. NCCL refuses one GPU twice.
+    with _gpus(4, monkeypatch) as (cupy, _):
+
+        def body(r: int, b: Any) -> Any:
+            b.barrier().wait()
+            return list(b._comms)
+
+        backends = _world(store, 4)
+        assert _on_ranks(backends, body) == [[(0,)], [(1,)], [(2,)], [(3,)]]
+        _shutdown(cupy, backends)
 
 
 def _until(condition: Any, limit: float = 10.0) -> float:
@@ -956,126 +953,376 @@ def _until(condition: Any, limit: float = 10.0) -> float:
     return time.monotonic() - start
 
 
-def test_sim_wait_orders_the_callers_stream_and_does_not_block(sim: _SimNccl, store: Any) -> None:
-    backend = _held_backend(sim, store, timeout=30.0)
-    pg = groups.ProcessGroup(backend, (0,), "g")
-    try:
-        stream = _current_stream()
-        stream.waited.clear()
-        work = backend.all_reduce([_SimArray(np.ones(3), 0)], ReduceOp.SUM)
+def test_sim_watchdog_aborts_a_collective_that_does_not_finish(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    # The simulated GPU finishes work only when the host waits for it: a collective nobody
+    # waits for looks hung to the watchdog, which aborts the group after its timeout.
+    with _gpus(1, monkeypatch) as (cupy, torn):
+        (backend,) = _world(store, 1, name="g", timeout=0.3)
+        pg = groups.ProcessGroup(backend, (0,), "g")
+        x = cupy.ones(3)
         start = time.monotonic()
-        assert work.wait() is True  # stream-ordered: returns while the device is still busy
-        assert time.monotonic() - start < 1.0
-        (done,) = work._events
-        assert not done.event.done
-        assert not work.is_completed()
-        # the caller's stream: once before the call (ready event, on the internal stream) no;
-        # after wait() it waits on exactly this work's completion event.
-        assert stream.waited == [done.event]
-        # A synchronous call through the public layer returns the same way.
-        assert dist.barrier(group=pg) is None
-        assert len(stream.waited) == 2
-        assert not stream.waited[1].done
-        for event in stream.waited:
-            event.held = False  # the device catches up
-        assert work.is_completed()
-        assert work.is_success()
-    finally:
-        sim.hold = False
-        for event in _current_stream().waited:
-            event.held = False
+        work = backend.all_reduce([x], ReduceOp.SUM)
+        assert work.wait() is True  # stream-ordered: the host does not wait
+        watchdog = backend._watchdog
+        assert watchdog is not None
+        assert watchdog.thread.daemon
+        _until(lambda: backend.failure is not None)
+        assert time.monotonic() - start >= 0.3
+        comms = sim_nccl_comms(cupy)
+        assert all(c._aborted for c in comms)
+        pinned = (
+            r"all_reduce timed out after 0\.3 s on process group 'g' \(rank 0 of 1\); the "
+            r"watchdog aborted its NCCL communicators\."
+        )
+        assert isinstance(work.exception(), TimeoutError)
+        assert re.fullmatch(pinned, str(work.exception()))
+        with pytest.raises(TimeoutError, match=pinned):
+            work.wait()
+        with pytest.raises(RuntimeError, match=rf"^process group 'g' is unusable: {pinned}"):
+            dist.barrier(group=pg)
+        _until(lambda: not watchdog.thread.is_alive())
+        # wait() had made the caller's stream wait on the collective: that stream runs on with
+        # partial data, so the process is torn down (os.abort() outside this test).
+        (message,) = torn
+        assert re.match(
+            rf"cupy_parallel: process group 'g' \(rank 0 of 1\) was aborted: {pinned}", message
+        )
+        assert message.endswith(
+            "CUDA streams already wait on all_reduce, whose results are partial; the process "
+            "is ended so that they are not used silently (set "
+            "CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING=2 to keep running with the group unusable "
+            "instead)."
+        )
         backend.shutdown()
 
 
-def test_sim_wait_with_timeout_blocks_aborts_and_raises(sim: _SimNccl, store: Any) -> None:
-    backend = _held_backend(sim, store, timeout=30.0)
-    comms = [c for group in backend._comms.values() for c in group]
-    other = backend.broadcast([_SimArray(np.ones(2), 0)], 0, 0)
-    work = backend.all_reduce([_SimArray(np.ones(3), 0)], ReduceOp.SUM)
-    start = time.monotonic()
-    with pytest.raises(
-        TimeoutError, match=r"^all_reduce on process group 'g' did not complete within 0\.2 s"
-    ):
-        work.wait(timeout=0.2)
-    assert 0.2 <= time.monotonic() - start < 5.0  # the host blocked until the deadline
-    assert sim.aborted == comms
-    assert backend._comms == {}
-    pinned = r"all_reduce was abandoned by a blocking wait\(\) on process group 'g' \(rank 0 of 1\)"
-    assert re.match(pinned, backend.failure or "")
-    with pytest.raises(TimeoutError, match=pinned):
-        work.wait()  # the work keeps its error
-    with pytest.raises(RuntimeError, match=r"^broadcast cannot complete: all_reduce was abandoned"):
-        other.wait()
-    backend.shutdown()
-    assert sim.destroyed == []  # aborted communicators are not destroyed again
+def sim_nccl_comms(cupy: Any) -> list[Any]:
+    """Every communicator the simulated NCCL made in this simulation."""
+    state = cupy.simulation().extensions["nccl"]
+    return [c for clique in state.cliques.values() for c in clique.members.values()]
 
 
-def test_sim_watchdog_aborts_a_hung_collective(sim: _SimNccl, store: Any) -> None:
-    backend = _held_backend(sim, store, timeout=0.3)
-    pg = groups.ProcessGroup(backend, (0,), "g")
-    watchdog = backend._watchdog
-    assert watchdog is not None
-    assert watchdog.thread.daemon
-    assert watchdog.thread.is_alive()
-    comms = [c for group in backend._comms.values() for c in group]
-    work = backend.all_reduce([_SimArray(np.ones(3), 0)], ReduceOp.SUM)
-    start = time.monotonic()
-    assert work.wait() is True  # nobody blocks: only the watchdog can notice
-    elapsed = _until(lambda: backend.failure is not None)
-    assert time.monotonic() - start >= 0.3
-    assert elapsed < 3.0
-    assert sim.aborted == comms
-    pinned = (
-        r"all_reduce timed out after 0\.3 s on process group 'g' \(rank 0 of 1\); the watchdog "
-        r"aborted its NCCL communicators\."
-    )
-    assert isinstance(work.exception(), TimeoutError)
-    assert re.fullmatch(pinned, str(work.exception()))
-    with pytest.raises(TimeoutError, match=pinned):
-        work.wait()
-    with pytest.raises(RuntimeError, match=rf"^process group 'g' is unusable: {pinned}"):
-        dist.barrier(group=pg)
-    _until(lambda: not watchdog.thread.is_alive())  # its group failed: nothing left to watch
-    backend.shutdown()
+@pytest.mark.parametrize(("handling", "ordered"), [("2", True), ("1", False)])
+def test_sim_abort_tears_down_only_when_a_stream_waits(
+    monkeypatch: pytest.MonkeyPatch, store: Any, handling: str, ordered: bool
+) -> None:
+    monkeypatch.setenv("CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING", handling)
+    with _gpus(1, monkeypatch) as (cupy, torn):
+        (backend,) = _world(store, 1, timeout=0.2)
+        work = backend.all_reduce([cupy.ones(3)], ReduceOp.SUM)
+        if ordered:
+            work.wait()  # a stream waits, but the user chose to keep running
+        _until(lambda: backend.failure is not None)
+        assert isinstance(work.exception(), TimeoutError)
+        assert torn == []
+        backend.shutdown()
 
 
 def test_sim_watchdog_releases_finished_work_and_stops_on_shutdown(
-    sim: _SimNccl, store: Any
+    monkeypatch: pytest.MonkeyPatch, store: Any
 ) -> None:
-    backend = nccl_backend.NCCLBackend(0, 1, store=store, timeout=0.2, group_name="g")
-    assert backend._watchdog is None  # started lazily
-    x = _SimArray(np.arange(4.0), 0)
-    work = backend.all_reduce([x], ReduceOp.SUM)
-    watchdog = backend._watchdog
-    assert watchdog is not None
-    assert watchdog.thread.daemon
-    # The watchdog retires the finished work (releasing its arrays) without anybody waiting.
-    _until(lambda: work._done)
-    assert work._keep is None
-    assert backend._in_flight == []
-    time.sleep(0.3)  # longer than the timeout: a finished work never trips the watchdog
-    assert backend.failure is None
-    assert sim.aborted == []
-    backend.shutdown()
-    assert not watchdog.thread.is_alive()
-    assert backend._watchdog is None
-    assert len(sim.destroyed) == 1
-    with pytest.raises(RuntimeError, match=r"process group 'g' was shut down"):
-        backend.all_reduce([x], ReduceOp.SUM)
+    with _gpus(1, monkeypatch) as (cupy, _):
+        (backend,) = _world(store, 1, name="g", timeout=0.2)
+        assert backend._watchdog is None  # started lazily
+        x = cupy.arange(4.0)
+        work = backend.all_reduce([x], ReduceOp.SUM)
+        watchdog = backend._watchdog
+        assert watchdog is not None
+        work.wait()
+        np.testing.assert_array_equal(x.get(), np.arange(4.0))  # the host waits for the GPU
+        _until(lambda: work._done)  # the watchdog retires it, releasing its arrays
+        assert work._keep is None
+        assert backend._in_flight == []
+        time.sleep(0.3)  # longer than the timeout: a finished work never trips the watchdog
+        assert backend.failure is None
+        backend.shutdown()
+        assert not watchdog.thread.is_alive()
+        assert backend._watchdog is None
+        assert all(c._destroyed and not c._aborted for c in sim_nccl_comms(cupy))
+        with pytest.raises(RuntimeError, match=r"process group 'g' was shut down"):
+            backend.all_reduce([x], ReduceOp.SUM)
 
 
-def test_sim_set_up_times_out_when_a_peer_never_joins(sim: _SimNccl, store: Any) -> None:
-    # Rank 0 of two: its peer never calls, so the communicator cannot form.
-    backend = nccl_backend.NCCLBackend(0, 2, store=store, timeout=0.3, group_name="g")
-    blocked = threading.Event()
-    sim.NcclCommunicator = lambda *args: blocked.wait(30)  # ncclCommInitRank waits for peers
-    start = time.monotonic()
+def test_sim_blocking_wait_synchronises_and_releases(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    # wait(timeout=...) blocks the host until the collective finished: afterwards the result
+    # is readable with no further ordering, and the work is complete.
+    with _gpus(2, monkeypatch) as (cupy, _):
+
+        def body(r: int, b: Any) -> np.ndarray:
+            cupy.cuda.Device(r).use()
+            x = cupy.full(5, r + 1.0)
+            work = b.all_reduce([x], ReduceOp.SUM)
+            assert work.wait(timeout=10) is True
+            assert work.is_completed()
+            with cupy.cuda.Stream(non_blocking=True):  # any stream: the host synchronised
+                return (x * 1).get()
+
+        backends = _world(store, 2)
+        results = _on_ranks(backends, body)
+        _shutdown(cupy, backends)
+    for result in results:
+        np.testing.assert_array_equal(result, np.full(5, 3.0))
+
+
+def test_sim_a_peer_that_joined_but_stalls_times_out(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    # NCCL connects lazily inside the first groupEnd, which blocks until the peer issues the
+    # same call. The work must be watched from before groupEnd, or this hangs forever.
+    with _gpus(2, monkeypatch) as (cupy, torn):
+        backends = _world(store, 2, timeout=0.3)
+
+        def body(r: int, b: Any) -> Any:
+            cupy.cuda.Device(r).use()
+            x = cupy.ones(1)
+            b.all_reduce([x], ReduceOp.SUM).wait()  # both join
+            assert float(x.get()[0]) == 2.0
+            if r == 1:
+                return None  # alive, but never reaches the next collective
+            start = time.monotonic()
+            with pytest.raises(
+                TimeoutError,
+                match=r"^all_reduce timed out after 0\.3 s on process group '0' \(rank 0 of 2\); "
+                r"the watchdog aborted its NCCL communicators\.",
+            ):
+                b.all_reduce([x], ReduceOp.SUM)
+            return time.monotonic() - start
+
+        elapsed = _on_ranks(backends, body)[0]
+        assert 0.3 <= elapsed < 5.0
+        assert torn == []  # nothing waited on it
+        for b in backends:
+            b.shutdown()
+
+
+def test_sim_set_up_times_out_when_a_peer_never_joins(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    with _gpus(2, monkeypatch) as (cupy, _):
+        sim_nccl.set_deadlock_limit(1.0)  # the set-up thread left behind gives up soon
+        # Rank 0 of two: its peer never calls, so the communicator cannot form.
+        backend = nccl_backend.NCCLBackend(0, 2, store=store, timeout=0.3, group_name="g")
+        start = time.monotonic()
+        with pytest.raises(
+            TimeoutError,
+            match=r"^NCCL set-up on process group 'g' \(rank 0 of 2\): not every rank joined the "
+            r"communicator within 0\.3 s",
+        ):
+            backend.all_reduce([cupy.ones(1)], ReduceOp.SUM)
+        assert 0.3 <= time.monotonic() - start < 5.0
+        assert (backend.failure or "").startswith("NCCL set-up on process group 'g'")
+
+
+# ---------------------------------------------------------------------------------------------
+# comm's NCCL: one thread's grouped calls never interleave with another's (defect 8)
+
+
+def test_sim_comm_nccl_calls_of_two_threads_do_not_interleave(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with _gpus(2, monkeypatch) as (cupy, _):
+        from cupy_parallel import comm
+
+        def body(t: int, _: Any) -> list[bool]:
+            ok = []
+            for i in range(60):
+                value = 100 * t + i
+                with cupy.cuda.Device(0):
+                    x = cupy.full(4 + t, value, np.int64)  # the threads' sizes differ
+                copies = comm.broadcast(x, ["cuda:0", "cuda:1"])
+                ok.append(bool((_host(copies[1]) == value).all()))
+            return ok
+
+        results = _on_ranks([None, None], body)
+    assert results == [[True] * 60, [True] * 60]
+
+
+# ---------------------------------------------------------------------------------------------
+# The simulated NCCL itself
+
+
+def test_sim_nccl_reports_mismatched_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _gpus(2, monkeypatch) as (cupy, _):
+        uid = sim_nccl.get_unique_id()
+
+        def body(r: int, _: Any) -> None:
+            cupy.cuda.Device(r).use()
+            comm = sim_nccl.NcclCommunicator(2, uid, r)
+            x = cupy.zeros(4 + r, np.float32)
+            stream = cupy.cuda.get_current_stream().ptr
+            comm.allReduce(x.data.ptr, x.data.ptr, x.size, sim_nccl.NCCL_FLOAT32, 0, stream)
+
+        with pytest.raises(
+            SimulationError,
+            match=r"mismatched calls on one communicator: allReduce\(count=\d, .*\) by rank \d "
+            r"meets allReduce\(count=\d",
+        ):
+            _on_ranks([None, None], body)
+
+
+def test_sim_nccl_refuses_one_gpu_twice_and_bad_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _gpus(2, monkeypatch):
+        with pytest.raises(TypeError, match=r"Argument 'commId' has incorrect type"):
+            sim_nccl.NcclCommunicator(1, tuple(range(128)), 0)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"commId length 3 != 128"):
+            sim_nccl.NcclCommunicator(1, b"abc", 0)
+        uid = sim_nccl.get_unique_id()
+        sim_nccl.groupStart()
+        sim_nccl.NcclCommunicator(2, uid, 0)
+        sim_nccl.NcclCommunicator(2, uid, 1)  # the same (current) GPU
+        with pytest.raises(sim_nccl.NcclError, match=r"Duplicate GPU detected: rank 0 and rank 1"):
+            sim_nccl.groupEnd()
+
+
+@pytest.mark.parametrize("value", ["0", "3", "yes"])
+def test_error_handling_variable_is_checked(
+    fake_backend: nccl_backend.NCCLBackend, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING", value)
     with pytest.raises(
-        TimeoutError,
-        match=r"^NCCL set-up on process group 'g' \(rank 0 of 2\): not every rank joined the "
-        r"communicator within 0\.3 s",
+        ValueError,
+        match=rf"^CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING must be 1 .* or 2 .*, got '{value}'\.",
     ):
-        backend.all_reduce([_SimArray(np.ones(1), 0)], ReduceOp.SUM)
-    assert 0.3 <= time.monotonic() - start < 5.0
-    assert (backend.failure or "").startswith("NCCL set-up on process group 'g'")
-    blocked.set()
+        fake_backend.new_subgroup([0, 1], timeout=1.0, group_name="1")
+
+
+@pytest.mark.parametrize(
+    "dtype", ["bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float64", "complex64"]
+)
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_sim_comm_reduce_add_and_broadcast_through_nccl(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, dtype: str
+) -> None:
+    # comm's NCCL reduce goes through nccl_tables (the one dtype table): bool sums as a logical
+    # or, complex as pairs of reals, float16 in float16; int16 has no NCCL type and falls back.
+    hosts = [_values(dtype, (3, 4), 60 + k) for k in range(gpus)]
+    expected = hosts[0].copy()
+    with np.errstate(over="ignore"):
+        for h in hosts[1:]:
+            expected = (expected | h) if expected.dtype == bool else (expected + h)
+    with _gpus(gpus, monkeypatch) as (cupy, _):
+        from cupy_parallel import comm
+
+        inputs = [_on(cupy, k, h) for k, h in enumerate(hosts)]
+        target = f"cuda:{gpus - 1}"
+        uses_nccl = cuda_nccl.can_reduce(inputs, Device("cuda", gpus - 1))
+        total = comm.reduce_add(inputs, destination=target)
+        copies = comm.broadcast(inputs[1], [f"cuda:{k}" for k in range(gpus)])
+        np.testing.assert_array_equal(_host(total), expected)
+        for copy in copies:
+            assert _host(copy).tobytes() == hosts[1].tobytes()
+    assert uses_nccl is (dtype != "int16")
+
+
+class _StuckEvent:
+    """A CUDA event behind a kernel that never ends (until ``release``)."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self.released.is_set()
+
+    def synchronize(self) -> None:
+        self.released.wait(30)
+
+
+def test_blocking_wait_gives_up_at_its_deadline(fake_backend: nccl_backend.NCCLBackend) -> None:
+    # wait(timeout=t) synchronises in a helper thread; when the event does not fire within t
+    # the caller gets TimeoutError at t (not when the helper returns) and the group is aborted.
+    event = _StuckEvent()
+    work = nccl_backend._NCCLWork("all_reduce", fake_backend, [], keep=None)
+    work._events = [nccl_backend._Done(event, 0)]
+    start = time.monotonic()
+    try:
+        with pytest.raises(
+            TimeoutError, match=r"^all_reduce on process group 'g' did not complete within 0\.2 s"
+        ):
+            work.wait(timeout=0.2)
+        assert 0.2 <= time.monotonic() - start < 2.0
+        assert re.match(
+            r"all_reduce was abandoned by a blocking wait\(\)", fake_backend.failure or ""
+        )
+    finally:
+        event.released.set()
+
+
+def test_sim_watchdog_aborts_on_an_asynchronous_nccl_error(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    # ncclCommGetAsyncError reports a dead peer: the watchdog aborts at once, not at the timeout.
+    monkeypatch.setenv("CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING", "2")
+    with _gpus(1, monkeypatch) as (cupy, _):
+        (backend,) = _world(store, 1, name="g", timeout=30.0)
+        work = backend.all_reduce([cupy.ones(2)], ReduceOp.SUM)
+        (comm,) = sim_nccl_comms(cupy)
+        comm.inject_async_error()
+        elapsed = _until(lambda: backend.failure is not None)
+        assert elapsed < 5.0
+        assert re.match(
+            r"all_reduce failed in NCCL \(NCCL_ERROR_REMOTE_ERROR: asynchronous error on rank 0\) "
+            r"on process group 'g'; its NCCL communicators were aborted\.",
+            backend.failure or "",
+        )
+        with pytest.raises(RuntimeError, match=r"^all_reduce cannot complete: all_reduce failed"):
+            work.wait()
+        assert comm._aborted
+        backend.shutdown()
+
+
+def test_sim_nccl_abort_wakes_a_call_waiting_for_its_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _gpus(2, monkeypatch) as (cupy, _):
+        comms = sim_nccl.NcclCommunicator.initAll([0, 1])
+        raised: list[BaseException] = []
+
+        def lonely() -> None:  # rank 0 sends; rank 1 never receives
+            x = cupy.ones(4)
+            try:
+                comms[0].send(x.data.ptr, 4, sim_nccl.NCCL_FLOAT64, 1, 0)
+            except sim_nccl.NcclError as error:
+                raised.append(error)
+
+        thread = threading.Thread(target=lonely)
+        thread.start()
+        time.sleep(0.2)
+        assert thread.is_alive()  # blocked until the peer calls
+        comms[0].abort()
+        thread.join(5)
+        assert not thread.is_alive()
+        (error,) = raised
+        assert str(error) == (
+            "NCCL_ERROR_REMOTE_ERROR: communicator of rank 0 was aborted while waiting for its "
+            "peers"
+        )
+        with pytest.raises(sim_nccl.NcclError, match=r"rank 0's communicator was aborted"):
+            comms[0].check_async_error()
+
+
+def test_sim_two_threads_sharing_a_group_do_not_interleave_their_calls(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    # One rank driving two GPUs: each call is a group of two NCCL calls. Two threads calling at
+    # once must not mix their groups on the shared communicators (torch's per-group mutex).
+    with _gpus(2, monkeypatch) as (cupy, _):
+        (backend,) = _world(store, 1)
+        start = threading.Barrier(2)
+
+        def body(t: int, _: Any) -> list[bool]:
+            ok = []
+            start.wait(10)  # both threads' first calls find no communicators
+            for i in range(40):
+                xs = [_on(cupy, d, np.full(3 + t, 10.0 * i + t + d)) for d in (0, 1)]
+                backend.all_reduce(xs, ReduceOp.SUM).wait()
+                want = 2 * (10.0 * i + t) + 1
+                ok.append(all(bool((_host(x) == want).all()) for x in xs))
+            return ok
+
+        results = _on_ranks([None, None], body)
+        _shutdown(cupy, [backend])
+    assert results == [[True] * 40, [True] * 40]
+    assert backend._made == 1  # the two threads' first calls made one set of communicators

@@ -1,19 +1,25 @@
-"""The NCCL backend on real GPUs: every collective against NumPy, streams, async work, timeouts.
+"""The NCCL backend through the public API: every collective against NumPy, streams, timeouts.
 
-A world of one process runs on one GPU; the ``*_multigpu`` forms use every visible GPU (at least
-two), and point-to-point calls run between two processes (two GPUs).
+A world of one process runs on GPU 0; the ``*_multigpu`` forms use every GPU (at least two).
+These tests run on the simulated CUDA with 1, 2 and 4 GPUs (its race checker fails a test on any
+unordered access) and on the real GPUs (``gpu``-marked, skipped without NCCL and a GPU): the
+``world`` fixture makes the module's ``cupy`` the one of its run. On the simulated GPU a
+"spinning" producer kernel is a plain fill (it never finishes before the host waits anyway).
+Timing, hung kernels, process tear-down and several processes need real GPUs (``real_gpu``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import re
 import subprocess
 import sys
 import textwrap
 import time
 import weakref
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -22,19 +28,28 @@ from test_nccl import _refusal
 from test_nccl import _values as _sample  # values whose sums and products are exact
 
 from cupy_parallel import distributed as dist
+from cupy_parallel._src.cuda.nccl_tables import version_code
 from cupy_parallel._src.devices import _cuda_device_count, cupy_module
 from cupy_parallel._src.distributed import groups
 from cupy_parallel._src.distributed.enums import ReduceOp
-from cupy_parallel._src.distributed.nccl_tables import version_code
+from cupy_parallel.testing import simulated_cuda
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not dist.is_nccl_available(), reason="needs CuPy's NCCL and a GPU"),
-]
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
-cupy: Any = cupy_module()
-GPUS = _cuda_device_count()
-needs_two = pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
+REAL = dist.is_nccl_available()
+
+
+def real_gpu(test: Any) -> Any:
+    """Mark a test that needs real GPUs with NCCL (timing, hung kernels, several processes)."""
+    marks = [pytest.mark.gpu, pytest.mark.skipif(not REAL, reason="needs CuPy's NCCL and a GPU")]
+    for mark in marks:
+        test = mark(test)
+    return test
+
+
+cupy: Any = cupy_module()  # the world fixture swaps in the module of its run
+needs_two = pytest.mark.skipif(_cuda_device_count() < 2, reason="needs two GPUs")
 
 MOVED = [
     "bool",
@@ -71,13 +86,48 @@ def _backend() -> Any:
     return groups._world._backend
 
 
-@pytest.fixture
-def world(tmp_path: Any) -> Any:
+def _need(gpus: int) -> None:
+    if _cuda_device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(1, id="sim1"),
+        pytest.param(2, id="sim2"),
+        pytest.param(4, id="sim4"),
+        pytest.param(
+            0,
+            id="gpu",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not REAL, reason="needs CuPy's NCCL and a GPU"),
+            ],
+        ),
+    ]
+)
+def world(
+    request: pytest.FixtureRequest, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
+    """A one-process NCCL world on GPU 0 of the simulated CUDA (1, 2, 4 GPUs) or the real one."""
+    with contextlib.ExitStack() as stack:
+        if request.param:
+            module = stack.enter_context(simulated_cuda(request.param))
+            monkeypatch.setattr(sys.modules[__name__], "cupy", module)
+        yield from _world(tmp_path)
+        for device in range(_cuda_device_count()):  # the simulated GPU finishes when waited for
+            cupy.cuda.Device(device).synchronize()
+
+
+def _world(tmp_path: Any) -> Iterator[Any]:
     cupy.cuda.Device(0).use()
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group(
         "nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60)
     )
+    # Make GPU 0's communicator now (0.1-1 s on a real GPU, and blocking: barrier waits on the
+    # host), so no test times communicator creation as if it were the collective.
+    dist.barrier()
     yield _backend()
     dist.destroy_process_group()
     store.close()
@@ -94,6 +144,9 @@ extern "C" __global__ void spin_then_fill(long long cycles, int* out, int value,
 
 def _spin_then_fill(x: Any, value: int, seconds: float) -> None:
     """Queue on the current stream: busy-wait ``seconds``, then fill the int32 ``x``."""
+    if not hasattr(cupy, "RawKernel"):  # the simulated GPU: a fill, never done before a wait
+        x.fill(value)
+        return
     kernel = cupy.RawKernel(_SPIN, "spin_then_fill")
     cycles = int(seconds * cupy.cuda.Device().attributes["ClockRate"] * 1000)
     kernel((1,), (128,), (np.int64(cycles), x, np.int32(value), np.int32(x.size)))
@@ -240,6 +293,8 @@ def test_async_work_keeps_its_arrays_alive_until_done(world: Any) -> None:
 
 def test_synchronous_collective_is_stream_ordered(world: Any) -> None:
     # torch's semantics: a synchronous call orders the caller's stream and returns at once.
+    # (The world fixture made the communicator: only the calls are timed, not its creation.)
+    assert world._comms
     side = cupy.cuda.Stream(non_blocking=True)
     x = cupy.zeros(4096, cupy.int32)
     cupy.cuda.Device().synchronize()
@@ -266,6 +321,8 @@ _HUNG_SCRIPT = textwrap.dedent(
     from cupy_parallel._src.distributed import groups
 
     mode, path = sys.argv[1], sys.argv[2]
+    if mode == "watchdog":  # keep running after the abort, to look at the group
+        os.environ["CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING"] = "2"
     spin = cupy.RawKernel(r'''
     extern "C" __global__ void spin(long long cycles) {
         long long start = clock64();
@@ -302,7 +359,7 @@ _HUNG_SCRIPT = textwrap.dedent(
 )
 
 
-def _run(script: str, *args: str) -> list[str]:
+def _run(script: str, *args: str, returncode: int = 0) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
         [sys.executable, "-c", script, *args],
         capture_output=True,
@@ -310,26 +367,40 @@ def _run(script: str, *args: str) -> list[str]:
         timeout=240,
         check=False,
     )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.splitlines()
+    assert done.returncode == returncode, done.stderr
+    return done
 
 
+@real_gpu
 def test_watchdog_aborts_a_hung_collective(tmp_path: Any) -> None:
     # A separate process: the aborted communicator must not affect the other tests.
-    lines = _run(_HUNG_SCRIPT, "watchdog", str(tmp_path / "store"))
+    lines = _run(_HUNG_SCRIPT, "watchdog", str(tmp_path / "store")).stdout.splitlines()
     assert lines[0] == "ABORTED True"  # within the group's 2 s timeout, plus polling
     reason = "all_reduce timed out after 2 s on process group '0' (rank 0 of 1); the watchdog"
     assert lines[1].startswith(f"WORK TimeoutError {reason}")
     assert lines[2].startswith(f"UNUSABLE process group '0' is unusable: {reason}")
 
 
+@real_gpu
 def test_blocking_wait_times_out_and_aborts(tmp_path: Any) -> None:
-    lines = _run(_HUNG_SCRIPT, "blocking", str(tmp_path / "store"))
+    lines = _run(_HUNG_SCRIPT, "blocking", str(tmp_path / "store")).stdout.splitlines()
     assert lines[0].startswith(
         "TIMEOUT all_reduce on process group '0' did not complete within 1 s"
     )
     assert lines[1].startswith(
         "UNUSABLE process group '0' is unusable: all_reduce was abandoned by a blocking wait()"
+    )
+
+
+@real_gpu
+def test_watchdog_abort_ends_the_process_when_a_stream_waits(tmp_path: Any) -> None:
+    # The default: the stream that waits on the aborted collective would run on with partial
+    # data, so the process ends (SIGABRT) saying why, as torch's default does.
+    done = _run(_HUNG_SCRIPT, "teardown", str(tmp_path / "store"), returncode=-6)
+    assert re.search(
+        r"cupy_parallel: process group '0' \(rank 0 of 1\) was aborted: all_reduce timed out "
+        r"after 2 s .* CUDA streams already wait on all_reduce, whose results are partial",
+        done.stderr,
     )
 
 
@@ -375,6 +446,7 @@ def _run_two_ranks(script: str, store_path: str) -> list[str]:
     return [out for out, _ in outs]
 
 
+@real_gpu
 def test_a_peer_that_never_joins_ends_the_collective_within_the_timeout(tmp_path: Any) -> None:
     outs = _run_two_ranks(_ABSENT_PEER_SCRIPT, str(tmp_path / "store"))
     assert outs[0].startswith(
@@ -382,15 +454,104 @@ def test_a_peer_that_never_joins_ends_the_collective_within_the_timeout(tmp_path
     )
 
 
+_STALLED_PEER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from datetime import timedelta
+    import cupy
+    from cupy_parallel import distributed as dist
+
+    os.environ["CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    rank, path = int(sys.argv[1]), sys.argv[2]
+    cupy.cuda.Device(rank).use()
+    store = dist.FileStore(path, 2)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=3))
+    x = cupy.ones(1024)
+    dist.all_reduce(x)  # both join the communicator
+    cupy.cuda.Device().synchronize()
+    if rank == 1:  # alive, but never posts the receive
+        store.wait(["rank 0 done"], timedelta(seconds=120))
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        # NCCL connects send/recv peers lazily, inside this call's groupEnd: without the
+        # watchdog covering it, it could block forever.
+        dist.send(x, dst=1, async_op=True).wait(timeout=60)
+    except TimeoutError as error:
+        print("TIMEOUT", 3 <= time.monotonic() - start < 8, error, flush=True)
+    store.set("rank 0 done", b"1")
+    os._exit(0)
+    """
+)
+
+
+@real_gpu
+@needs_two
+def test_a_peer_that_joined_but_stalls_ends_the_call_within_the_timeout(tmp_path: Any) -> None:
+    outs = _run_two_ranks(_STALLED_PEER_SCRIPT, str(tmp_path / "store"))
+    assert outs[0].startswith(
+        "TIMEOUT True send to group rank 1 timed out after 3 s on process group '0' (rank 0 of 2)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes and streams: the internal stream is ordered against whichever stream the caller uses
+
+STREAMS = ["null", "blocking", "non_blocking", "per_thread"]
+
+
+def _stream(kind: str) -> Any:
+    if kind == "null":
+        return cupy.cuda.Stream.null
+    if kind == "per_thread":
+        return cupy.cuda.Stream.ptds
+    return cupy.cuda.Stream(non_blocking=kind == "non_blocking")
+
+
+@pytest.mark.parametrize("kind", STREAMS)
+@pytest.mark.parametrize("size", [1, 1000, 1 << 22])  # int32: 4 B to 16 MiB
+def test_collectives_follow_the_callers_stream_at_every_size(
+    world: Any, kind: str, size: int
+) -> None:
+    stream = _stream(kind)
+    with stream:
+        x = cupy.zeros(size, cupy.int32)
+        _spin_then_fill(x, 3, seconds=0.05)  # the producer still runs when the call is issued
+        dist.all_reduce(x)  # synchronous: stream-ordered, the host does not wait
+        outs = [cupy.full(size, -1, cupy.int32)]
+        dist.all_gather(outs, x * 2)
+        z = outs[0] + 1
+        dist.broadcast(z, src=0)
+        pieces = [cupy.empty_like(z)]
+        dist.all_to_all(pieces, [z])
+        total = pieces[0].astype(cupy.int64).sum()
+    stream.synchronize()
+    assert int(total) == 7 * size
+
+
+@real_gpu
+def test_barrier_blocks_the_host_while_the_gpu_is_busy(world: Any) -> None:
+    # torch's barrier blocks the host until the barrier's kernel ran, which waits for the work
+    # queued before it on the current stream.
+    x = cupy.zeros(1, cupy.int32)
+    _spin_then_fill(x, 1, seconds=0.5)
+    start = time.perf_counter()
+    dist.barrier()
+    assert time.perf_counter() - start >= 0.4
+    assert int(x[0]) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Several GPUs in one process: the *_multigpu forms
 
 
-@needs_two
 @pytest.mark.parametrize("version", ["native", "old"])
 @pytest.mark.parametrize("op", list(ReduceOp), ids=lambda op: op.name)
 @pytest.mark.parametrize("dtype", ["bool", "int32", "int64", "float32", "float64", "complex64"])
 def test_all_reduce_and_reduce_multigpu(world: Any, dtype: str, op: ReduceOp, version: str) -> None:
+    _need(2)
+    GPUS = _cuda_device_count()
     if _refusal(dtype, op) is not None:
         return
     if version == "old":
@@ -408,8 +569,9 @@ def test_all_reduce_and_reduce_multigpu(world: Any, dtype: str, op: ReduceOp, ve
         np.testing.assert_array_equal(y.get(), h)  # the other arrays keep their values
 
 
-@needs_two
 def test_movement_multigpu(world: Any) -> None:
+    _need(2)
+    GPUS = _cuda_device_count()
     hosts = [_sample("complex128", (3, 2), 20 + k) for k in range(GPUS)]
     xs = [_on(k, h) for k, h in enumerate(hosts)]
     dist.broadcast_multigpu(xs, src=0, src_tensor=1)
@@ -423,8 +585,9 @@ def test_movement_multigpu(world: Any) -> None:
             np.testing.assert_array_equal(out.get(), h)
 
 
-@needs_two
 def test_reduce_scatter_multigpu(world: Any) -> None:
+    _need(2)
+    GPUS = _cuda_device_count()
     # inputs[i][j] on GPU i; output j receives the sum over i of inputs[i][j].
     hosts = [[_sample("int64", (4,), 30 + GPUS * i + j) for j in range(GPUS)] for i in range(GPUS)]
     inputs = [[_on(i, h) for h in row] for i, row in enumerate(hosts)]
@@ -498,6 +661,7 @@ _PEERS_SCRIPT = textwrap.dedent(
 )
 
 
+@real_gpu
 @needs_two
 def test_two_processes_point_to_point_and_subgroups(tmp_path: Any) -> None:
     outs = _run_two_ranks(_PEERS_SCRIPT, str(tmp_path / "store"))

@@ -995,3 +995,56 @@ def test_a_wrongly_shaped_gradient_is_named_not_returned() -> None:
         tape_module.record_unary(bad_vjp, x, z, None)
     with pytest.raises(ValueError, match=r"gradient of sources has shape \(\), its source \(2,\)"):
         tape.gradient(z, x, np.ones(2))
+
+
+def test_a_raw_backward_declared_differentiable_is_named_under_an_outer_tape() -> None:
+    class RawButDeclared(Function):
+        differentiable_backward = True  # wrongly: backward uses raw NumPy
+
+        @staticmethod
+        def forward(ctx: Any, x: Any) -> Any:
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            (x,) = ctx.saved_tensors
+            return 2.0 * x * g
+
+    x = on_host(rand(3))
+    with Tape() as outer:
+        outer.watch(x)
+        with Tape() as inner:
+            inner.watch(x)
+            y = ops.sum(RawButDeclared.apply(x))
+        with pytest.raises(TypeError, match=r"inside a gradient computation.*higher order"):
+            inner.gradient(y, x)
+    with Tape() as tape:  # first order alone is fine: no other tape records
+        tape.watch(x)
+        y = ops.sum(RawButDeclared.apply(x))
+    np.testing.assert_allclose(tape.gradient(y, x).get(), 2 * x.get(), rtol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("gradient_dtype", "outcome"),
+    [(np.float32, "cast"), (np.complex128, "refused")],
+    ids=["float32-cast", "complex-refused"],
+)
+def test_gradient_takes_the_source_dtype_or_refuses_complex(
+    gradient_dtype: Any, outcome: str
+) -> None:
+    def vjp(gs: list[Any], xs: Any, needs: Any, zs: Any, aux: Any) -> Any:
+        return ((gs[0] * 0.1).astype(gradient_dtype),)
+
+    x = rand(3)
+    with Tape() as tape:
+        tape.watch(x)
+        z = x * 1.0
+        tape_module.record_unary(vjp, x, z, None)
+    if outcome == "refused":
+        with pytest.raises(TypeError, match=r"gradient of sources is complex \(complex128\) but"):
+            tape.gradient(z, x, np.ones(3))
+        return
+    g = tape.gradient(z, x, np.ones(3))
+    assert g.dtype == np.float64
+    np.testing.assert_array_equal(g, np.full(3, np.float32(0.1), dtype=np.float64))

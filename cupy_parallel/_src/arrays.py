@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cupy_parallel._src.cuda import copies, streams
 from cupy_parallel._src.devices import (
     CPU,
     Device,
@@ -128,11 +129,16 @@ def _from_dlpack(array: Any) -> Any:
 def to_device(array: Any, device: Any, /, *, stream: Any = None) -> Any:
     """Copy ``array`` to ``device``; one already there is returned as it is (as torch's ``.to``).
 
-    The copy is C-contiguous with the same dtype and bits. ``stream`` (a ``cupy.cuda.Stream``)
-    orders CUDA copies; host copies are synchronous and ignore it. Any DLPack producer (a torch
-    tensor, a JAX array) is accepted and copied: a producer is never "already there", since the
-    result is ours. Dtypes CuPy lacks (object, strings, datetime, structured) cannot go to an
-    accelerator (``TypeError``, at every size).
+    The copy is C-contiguous with the same dtype and bits. CUDA copies are ordered against the
+    current streams of the devices involved (see :mod:`cupy_parallel._src.cuda.copies`): the
+    result is ready for work queued next on the target's current stream, a GPU source is read
+    after the work queued on its device's current stream and is not reused before it was read,
+    and a copy to the host returns when the data is there. ``stream`` (a ``cupy.cuda.Stream`` of
+    the GPU side: the target's for uploads and GPU-to-GPU copies, the source's for downloads)
+    carries the copy instead, ordered the same way; host copies are synchronous and ignore it.
+    Any DLPack producer (a torch tensor, a JAX array) is accepted and copied: a producer is
+    never "already there", since the result is ours. Dtypes CuPy lacks (object, strings,
+    datetime, structured) cannot go to an accelerator (``TypeError``, at every size).
 
     Example:
         >>> import numpy as np
@@ -161,22 +167,33 @@ def to_device(array: Any, device: Any, /, *, stream: Any = None) -> Any:
     check_exists(target)
     if target.kind != "cpu":
         check_device_dtype(source_array.dtype, "array's dtype")
-    if target.kind == "cuda":
-        cupy = target.xp
-        with target:
-            out = cupy.empty(source_array.shape, source_array.dtype)
-            if source.kind == "cuda":
-                src = cupy.ascontiguousarray(source_array)
-                out.data.copy_from_device_async(src.data, src.nbytes, stream=stream)
-            else:
-                out.set(np.ascontiguousarray(_buffer(source_array)), stream=stream)
-        return out
+    if stream is not None:
+        _check_stream(stream, target if target.kind == "cuda" else source)
     out = empty(source_array.shape, source_array.dtype, target)
-    if source.kind == "cuda":
-        _buffer(out)[...] = source_array.get(stream=stream)
+    if source.kind == "cuda" and target.kind == "cuda":
+        copies.peer(out, target.index, source_array, source.index, stream)
+    elif target.kind == "cuda":
+        copies.upload(out, target.index, _buffer(source_array), stream)
+    elif source.kind == "cuda":
+        copies.download(_buffer(out), source_array, source.index, stream)
     else:
         np.copyto(_buffer(out), _buffer(source_array), casting="no")
     return out
+
+
+def _check_stream(stream: Any, gpu: Device) -> None:
+    """``stream`` must be a CuPy stream, of ``gpu`` (the GPU side of the copy) when it is one."""
+    if not streams.is_stream(stream):
+        raise TypeError(f"stream must be a cupy.cuda.Stream or None, got {type(stream).__name__}.")
+    if gpu.kind != "cuda":
+        return  # a host copy: synchronous, the stream is not used
+    owner = streams.stream_device(stream)
+    if owner not in (-1, gpu.index):
+        raise ValueError(
+            f"stream belongs to cuda:{owner}, but this copy runs on {gpu} (the target for "
+            f"uploads and GPU-to-GPU copies, the source for downloads); create it under "
+            f"cupy.cuda.Device({gpu.index})."
+        )
 
 
 def _buffer(x: Any) -> Any:

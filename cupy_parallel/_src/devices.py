@@ -13,6 +13,7 @@ in :mod:`cupy_parallel._src.hostarray`; placing and moving arrays in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
 import numpy as np
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from types import ModuleType
 
     from cupy_parallel._src.arraytypes import CupyArray
@@ -51,19 +53,51 @@ _PLATFORMS: tuple[Kind, ...] = ("cuda", "host")
 # CuPy, optional
 
 
-@functools.cache
+_substitutes: list[ModuleType] = []  # stand-ins for CuPy (the simulated CUDA), innermost last
+
+
 def cupy_module() -> ModuleType | None:
     """CuPy if it can be imported, else ``None``. CuPy is never needed to import this package.
+
+    Inside :func:`substitute_cupy` (``cupy_parallel.testing.simulated_cuda``), the stand-in.
 
     Example:
         >>> cupy_module() is None or cupy_module().__name__ == "cupy"
         True
     """
+    if _substitutes:
+        return _substitutes[-1]
+    return _import_cupy()
+
+
+@functools.cache
+def _import_cupy() -> ModuleType | None:
     try:
         import cupy
     except ImportError:
         return None
     return cupy
+
+
+@contextlib.contextmanager
+def substitute_cupy(module: ModuleType) -> Iterator[None]:
+    """Make :func:`cupy_module` return ``module`` (a stand-in for CuPy) inside the block.
+
+    The device count and platform follow the stand-in (its ``cuda.runtime.getDeviceCount()``).
+
+    Example:
+        >>> import types
+        >>> with substitute_cupy(types.ModuleType("stand_in")):
+        ...     cupy_module().__name__
+        'stand_in'
+    """
+    _substitutes.append(module)
+    _cuda_device_count.cache_clear()
+    try:
+        yield
+    finally:
+        _substitutes.remove(module)
+        _cuda_device_count.cache_clear()
 
 
 def require_cupy() -> ModuleType:

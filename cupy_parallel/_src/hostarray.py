@@ -489,6 +489,11 @@ def _computing_method(name: str, out_position: int | None) -> Callable[..., Any]
             for i, a in enumerate(args)
         ]
         given = kwargs
+        if kwargs.keys() & _METHOD_KEYWORDS_CUPY_LACKS:
+            raise TypeError(
+                f"{operation}() got keyword arguments cupy.ndarray.{name} does not take: "
+                f"{sorted(kwargs.keys() & _METHOD_KEYWORDS_CUPY_LACKS)}."
+            )
         if kwargs:
             kwargs = {
                 k: _method_argument(v, device, operation, host_data=False)
@@ -582,7 +587,14 @@ class HostArray:
       device instead; silently moving data is what host devices exist to catch).
     * ``__array_namespace__`` is ``numpy``, which computes on host arrays through the
       dispatch protocols (as ``cupy_parallel.array_namespace`` says).
-    * Out-of-bounds indices raise ``IndexError`` as in NumPy (CuPy wraps them silently).
+    * Values are NumPy's, bit for bit: where CuPy's defaults differ (``put``'s ``mode`` is
+      ``'wrap'`` in CuPy, ``'raise'`` in NumPy) or CuPy is silently different (it wraps
+      out-of-bounds indices), the host array does what NumPy does, so errors are raised.
+    * Known places where it is stricter or looser than CuPy: structured and void dtypes are
+      refused (CuPy's main branch holds their bytes); a refused dtype is a ``TypeError``
+      (CuPy: ``ValueError``); Python numbers nested in a NumPy function's list arguments
+      (``np.concatenate([h, [1, 2]])``) are passed to NumPy, where some CuPy functions refuse
+      them; which NumPy functions, keywords and ufunc methods exist follows CuPy 14.2.
 
     Example:
         >>> import numpy as np
@@ -1300,14 +1312,22 @@ _WRITTEN_ARGUMENTS: dict[Any, str] = {
 
 
 @functools.cache
-def _written_positions(func: Any) -> tuple[tuple[int, str], ...]:
-    """(position, name) of the arguments ``func`` writes into: ``out`` and the table above."""
+def _written_positions(func: Any) -> tuple[tuple[int | None, str], ...]:
+    """(position, name) of the arguments ``func`` writes into: ``out`` and the table above.
+
+    The position is ``None`` for a keyword-only parameter (``einsum(*operands, out=None)``).
+    """
     names = {"out", _WRITTEN_ARGUMENTS.get(func, "out")}
     try:
-        parameters = list(inspect.signature(func).parameters)
+        parameters = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: out= by keyword only
-        return ()
-    return tuple((i, p) for i, p in enumerate(parameters) if p in names)
+        return ((None, "out"),)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(
+        (i if p.kind in positional else None, p.name)
+        for i, p in enumerate(parameters)
+        if p.name in names
+    )
 
 
 _FUNCTIONS_CUPY_LACKS = frozenset(
@@ -1341,6 +1361,66 @@ _FUNCTIONS_CUPY_LACKS = frozenset(
 """NumPy functions with no CuPy counterpart (CuPy 14.2, NumPy 2.4): on a GPU array,
 ``cupy.ndarray.__array_function__`` returns ``NotImplemented`` and NumPy raises ``TypeError``."""
 
+
+_KEYWORDS_CUPY_LACKS: dict[str, frozenset[str]] = {
+    name: frozenset(keywords.split())
+    for name, keywords in {
+        "numpy.all": "where",
+        "numpy.amax": "initial where",
+        "numpy.amin": "initial where",
+        "numpy.any": "where",
+        "numpy.argpartition": "kind order",
+        "numpy.argsort": "order stable",
+        "numpy.astype": "device",
+        "numpy.broadcast_arrays": "subok",
+        "numpy.broadcast_to": "subok",
+        "numpy.clip": "min max",
+        "numpy.copy": "subok",
+        "numpy.count_nonzero": "keepdims",
+        "numpy.isin": "kind",
+        "numpy.lexsort": "axis",
+        "numpy.linalg.cholesky": "upper",
+        "numpy.linalg.matrix_rank": "hermitian rtol",
+        "numpy.linalg.pinv": "hermitian rtol",
+        "numpy.linalg.svd": "hermitian",
+        "numpy.max": "initial where",
+        "numpy.mean": "where",
+        "numpy.min": "initial where",
+        "numpy.nanmax": "initial where",
+        "numpy.nanmean": "where",
+        "numpy.nanmin": "initial where",
+        "numpy.nanprod": "initial where",
+        "numpy.nanstd": "correction mean where",
+        "numpy.nansum": "initial where",
+        "numpy.nanvar": "correction mean where",
+        "numpy.partition": "kind order",
+        "numpy.percentile": "weights",
+        "numpy.prod": "initial where",
+        "numpy.quantile": "weights",
+        "numpy.reshape": "shape",
+        "numpy.sort": "order stable",
+        "numpy.std": "correction mean where",
+        "numpy.sum": "initial where",
+        "numpy.take": "mode",
+        "numpy.trim_zeros": "axis",
+        "numpy.unique": "sorted",
+        "numpy.unpackbits": "count",
+        "numpy.var": "correction mean where",
+        **{
+            f"numpy.fft.{transform}": "out"
+            for transform in ("fft", "fft2", "fftn", "hfft", "ifft", "ifft2", "ifftn", "ihfft")
+        },
+        **{
+            f"numpy.fft.{transform}": "out"
+            for transform in ("irfft", "irfft2", "irfftn", "rfft", "rfft2", "rfftn")
+        },
+    }.items()
+}
+"""Keywords NumPy's function takes and CuPy's counterpart does not (CuPy 14.2, NumPy 2.4): CuPy
+raises ``TypeError`` (an unexpected keyword argument), so a host array does too."""
+
+_METHOD_KEYWORDS_CUPY_LACKS = frozenset({"where", "initial", "correction", "mean"})
+"""Reduction keywords NumPy's ndarray methods take and ``cupy.ndarray``'s do not."""
 
 _HOST_DATA_PARAMETERS: dict[str, frozenset[str]] = {
     name: frozenset(parameters.split())
@@ -1416,6 +1496,12 @@ def _apply_function(
 ) -> Any:
     operation = f"numpy.{func.__name__}"
     qualified = f"{func.__module__}.{func.__name__}"
+    unknown = set(kwargs) & _KEYWORDS_CUPY_LACKS.get(qualified, frozenset())
+    if unknown:
+        raise TypeError(
+            f"{qualified}() got keyword arguments CuPy's {qualified.replace('numpy', 'cupy', 1)} "
+            f"does not take: {sorted(unknown)}."
+        )
     if qualified in _HOST_DATA_PARAMETERS:
         args, kwargs = _upload_host_data(device, qualified, func, args, kwargs)
     elif func is np.copyto:
@@ -1431,11 +1517,14 @@ def _apply_function(
     read = [_function_leaf(x, device, operation, creation) for x in leaves]
     read_args, read_kwargs = optree.tree_unflatten(spec, read)
     written = [
-        read_kwargs[name] if name in read_kwargs else read_args[i] if i < len(read_args) else None
+        read_kwargs[name] if name in read_kwargs else read_args[i]
         for i, name in _written_positions(func)
+        if name in read_kwargs or (i is not None and i < len(read_args))
     ]
     if isinstance(read_kwargs.get("out"), tuple):
         written.extend(read_kwargs["out"])
+    if func is np.nan_to_num and (read_args[1:2] or [read_kwargs.get("copy", True)])[0] is False:
+        written.append(read_args[0])  # nan_to_num(x, copy=False) writes into x
     if _guard is not None and not creation:
         _guard(operation, tuple(leaves))  # the arguments flattened (a list of arrays opened)
     result = func(*read_args, **read_kwargs)

@@ -28,14 +28,13 @@ from cupy_parallel._src import comm
 from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.arraytypes import Output, Params, Tree
+from cupy_parallel._src.cuda.streams import StreamHandoff
 from cupy_parallel._src.devices import Device, cupy_module, devices, read_device, read_devices
 from cupy_parallel._src.functions import Broadcast
 from cupy_parallel._src.nested import _flatten, _key_path, gather, scatter_kwargs
 from cupy_parallel._src.tree import NAMESPACE
 
 if TYPE_CHECKING:
-    from contextlib import AbstractContextManager
-
     from cupy_parallel._src.devices import DeviceLike
 
 __all__ = ["DataParallel", "data_parallel", "parallel_apply", "replicate"]
@@ -163,15 +162,11 @@ def _first_array_device(tree: Any) -> Device | None:
     return None
 
 
-def _cuda_stream(device: Device | None) -> AbstractContextManager[Any] | None:
-    """The caller's current CuPy stream on a CUDA ``device``, for the worker to run on."""
-    if device is None or device.kind != "cuda":
+def _cuda_stream(device: Device | None) -> StreamHandoff | None:
+    """The caller's current CuPy stream on a CUDA ``device``, handed to the worker thread."""
+    if device is None or device.kind != "cuda" or cupy_module() is None:
         return None
-    cupy = cupy_module()
-    if cupy is None:
-        return None
-    stream: AbstractContextManager[Any] = cupy.cuda.get_current_stream(device.index)
-    return stream
+    return StreamHandoff(device.index)
 
 
 def _run_replica(
@@ -179,7 +174,7 @@ def _run_replica(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     device: Device | None,
-    stream: AbstractContextManager[Any] | None,
+    stream: StreamHandoff | None,
 ) -> Any:
     try:
         if device is None:
@@ -205,6 +200,9 @@ def parallel_apply(
     Each call runs in its own thread (a single call runs in the caller's thread, as in torch)
     inside its device's context: on CUDA the device is made current and the caller's current
     CuPy stream on that device is used, so the work is ordered as if the caller had launched it.
+    Under per-thread default streams (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``) the caller's
+    stream cannot be named in another thread, so each worker's own stream first waits for the
+    caller's and the caller's waits for the worker's when ``parallel_apply`` returns.
     Each thread runs in a copy of the caller's :mod:`contextvars` context, so operations in the
     workers are recorded on the caller's active tape and can be differentiated afterwards.
 
@@ -312,6 +310,9 @@ def parallel_apply(
             thread.start()
         for thread in threads:
             thread.join()
+    for handoff in streams:
+        if handoff is not None:
+            handoff.finish()
     for i, (result, device) in enumerate(zip(results, places, strict=True)):
         if isinstance(result, _Failure):
             _reraise(i, device, result.error)

@@ -85,6 +85,11 @@ _ACTIVE: contextvars.ContextVar[tuple[Tape, ...]] = contextvars.ContextVar(
     "cupy_parallel_active_tapes", default=()
 )
 
+_IN_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "cupy_parallel_in_backward", default=False
+)
+"""Whether a :func:`pullback` runs in this context (for the guard's message)."""
+
 Vjp: TypeAlias = (
     "Callable[[list[Any], tuple[Any, ...], tuple[bool, ...], tuple[Any, ...], Any], Sequence[Any]]"
 )
@@ -178,12 +183,9 @@ def _placement(tape: Tape, inputs: tuple[Any, ...], outputs: tuple[Any, ...]) ->
     """
     if type(outputs[0]) is HostArray:
         seen = tape._versions
-        for a in inputs:
+        for a in (*inputs, *outputs):
             if type(a) is HostArray and id(a) not in seen:
                 seen[id(a)] = (a, version(a))
-        for y in outputs:
-            if type(y) is HostArray and id(y) not in seen:  # an output owning its memory is new
-                seen[id(y)] = (y, 0 if host_buffer(y).base is None else version(y))
         return None
     return cuda_device(outputs[0])
 
@@ -346,7 +348,7 @@ _NON_DIFFERENTIABLE = frozenset(
 """Operations whose results carry no gradient: raw NumPy may compute them on recorded arrays."""
 
 _OPS_NAMES = {"+": "add", "-": "subtract", "*": "multiply", "/": "divide", "true_divide": "divide"}
-_OPS_NAMES |= {"@": "matmul", "**": "power", "abs": "abs", "absolute": "abs", "amax": "max"}
+_OPS_NAMES |= {"@": "matmul", "**": "power", "absolute": "abs", "amax": "max", "amin": "min"}
 """Operator and NumPy names whose ``cupy_parallel.ops`` function has another name."""
 
 _IN_PLACE = frozenset({"fill", "set", "sort", "partition", "put", "[]=", "copyto"})
@@ -375,6 +377,14 @@ def _raw_numpy_message(operation: str, name: str, count: int) -> str:
             "change the values its gradient is computed from. Write into a copy, compute a new "
             "array with cupy_parallel.ops, or write outside the `with tape:` block before the "
             "array is used."
+        )
+    if _IN_BACKWARD.get():
+        return (
+            f"{operation} is raw NumPy on an array an outer tape is recording, inside a "
+            "gradient computation: a vector-Jacobian product (of an op, or the backward of a "
+            "Function with differentiable_backward = True) is not written with recorded "
+            "operations, so this gradient cannot be differentiated again (higher order). Write "
+            "it with cupy_parallel.ops, or leave differentiable_backward False."
         )
     op = "negative" if name == "-" and count == 1 else _OPS_NAMES.get(name, name)
     use = f"cupy_parallel.ops.{op}" if op in ops.__all__ else "a cupy_parallel.ops function"
@@ -796,7 +806,7 @@ def pullback(
     kept: dict[int, Any] = {}
     written = _written(tape)  # ids of host arrays written in place since they were recorded
     pop = grads.pop
-    with _paused(tape):
+    with _paused(tape, backward=True):
         for node in reversed(tape._nodes):
             vjp, inputs, needs, outputs, aux, cuda = node
             size = len(grads)
@@ -872,12 +882,14 @@ def _returned(name: str, source: Any, grad: Any, fill: bool) -> Any:
 
 
 @contextlib.contextmanager
-def _paused(tape: Tape) -> Iterator[None]:
+def _paused(tape: Tape, *, backward: bool = False) -> Iterator[None]:
     """``tape`` records nothing inside the block; the other active tapes go on."""
     token = _ACTIVE.set(tuple(t for t in _ACTIVE.get() if t is not tape))
+    in_backward = _IN_BACKWARD.set(backward)
     try:
         yield
     finally:
+        _IN_BACKWARD.reset(in_backward)
         _ACTIVE.reset(token)
 
 

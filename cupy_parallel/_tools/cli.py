@@ -20,11 +20,12 @@ import json
 import os
 import platform as _system
 import sys
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import cupy_parallel
+from cupy_parallel._src.cuda import nccl as cuda_nccl
+from cupy_parallel._src.cuda.nccl_tables import version_string
 from cupy_parallel._src.devices import Device, cupy_module
 
 if TYPE_CHECKING:
@@ -52,13 +53,6 @@ def _cuda_version(number: int) -> str:
     return f"{number // 1000}.{number % 1000 // 10}"
 
 
-def _nccl_version(number: int) -> str:
-    # NCCL encodes 2.9+ as major*10000 + minor*100 + patch, older releases as major*1000 + ...
-    if number >= 20900:
-        return f"{number // 10000}.{number % 10000 // 100}.{number % 100}"
-    return f"{number // 1000}.{number % 1000 // 100}.{number % 100}"
-
-
 def _probe(fn: Callable[[], str]) -> str:
     try:
         return fn()
@@ -80,12 +74,10 @@ def _cupy_versions() -> dict[str, str]:
         return _cuda_version(number)
 
     def nccl() -> str:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # CuPy warns when libnccl is missing
-            from cupy.cuda import nccl as module
-        if not getattr(module, "available", False):
-            return "not available (CuPy found no libnccl; pip install nvidia-nccl-cu12)"
-        return _nccl_version(int(module.get_version()))
+        module = cuda_nccl.nccl_module()
+        if module is None:
+            return f"not available ({cuda_nccl.unavailable_reason()})"
+        return version_string(int(module.get_version()))
 
     return {
         "CuPy": str(cupy.__version__),

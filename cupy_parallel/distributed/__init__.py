@@ -52,15 +52,30 @@ from cupy_parallel._src.distributed.groups import (
     is_nccl_available,
     new_group,
 )
-from cupy_parallel._src.distributed.store import FileStore, PrefixStore, Store, TCPStore
+from cupy_parallel._src.distributed.store import (
+    DistError,
+    DistNetworkError,
+    DistStoreError,
+    FileStore,
+    HashStore,
+    PrefixStore,
+    QueueEmptyError,
+    Store,
+    TCPStore,
+)
 from cupy_parallel._src.distributed.work import Work
 
 __all__ = [
     "Backend",
+    "DistError",
+    "DistNetworkError",
+    "DistStoreError",
     "FileStore",
     "GroupMember",
+    "HashStore",
     "PrefixStore",
     "ProcessGroup",
+    "QueueEmptyError",
     "ReduceOp",
     "Store",
     "TCPStore",

@@ -1,9 +1,14 @@
 """CUDA plumbing behind :mod:`cupy_parallel._src.comm`: streams, pinned staging, NCCL, copies.
 
 Every module here imports CuPy lazily, only when a CUDA array reaches it, so the package imports
-without CuPy. The modules are small and layered: :mod:`.streams` (background copy streams and
-event ordering) and :mod:`.pinned` (page-locked staging buffers) underlie :mod:`.transfer`
-(host/device/peer copies) and :mod:`.nccl` (communicators and collectives).
+without CuPy. The modules are small and layered: :mod:`.streams` (background copy streams, the
+one "stream A waits for stream B" helper, the per-thread stream hand-off) and :mod:`.pinned`
+(page-locked staging buffers) underlie :mod:`.copies` (the four CUDA copies, each ordered
+against the current streams); these three use only :mod:`cupy_parallel._src.devices`, so
+:func:`cupy_parallel._src.arrays.to_device` moves CUDA data through them too. :mod:`.transfer`
+(``comm``'s copies, broadcast and reduce buffers) and :mod:`.nccl` (communicators and
+collectives) sit on top. Every CUDA path runs in the tests on the simulated CUDA
+(:mod:`cupy_parallel._src.simcuda`), whose race checker fails a test on any unordered access.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A copy from pageable NumPy memory cannot overlap with other work; staging it through pinned
 memory makes ``cudaMemcpyAsync`` truly asynchronous. Buffers come from CuPy's pinned memory pool
 (:func:`cupy.cuda.alloc_pinned_memory`) and must outlive the copies that read them: after queuing
-a copy, :func:`release_after` keeps the buffer alive until an event recorded behind the copy
-completes, then drops it back into the pool.
+a copy, :func:`release_after` keeps the buffer alive until the copy completes, then drops it back
+into the pool.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import numpy as np
 
 from cupy_parallel._src.devices import require_cupy
 
-__all__ = ["in_flight", "release_after", "staging_array"]
+__all__ = ["forget_in_flight", "in_flight", "release_after", "staging_array"]
 
 _lock = threading.Lock()
-_in_flight: list[tuple[Any, Any]] = []
+_in_flight: dict[object, Any] = {}  # token -> pinned memory still read by queued copies
 
 
 def staging_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[np.ndarray, Any]:
@@ -32,11 +32,26 @@ def staging_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[np.ndar
     return array, memory
 
 
-def release_after(event: Any, memory: Any) -> None:
-    """Keep ``memory`` alive until ``event`` (recorded after the copies reading it) completes."""
+def release_after(stream: Any, memory: Any) -> None:
+    """Keep ``memory`` alive until the copies queued on ``stream`` so far complete, then drop it.
+
+    The reference is dropped by a host function queued on ``stream`` (``launch_host_func``), so
+    a buffer goes back to the pool as soon as its copies finish, not at the next upload.
+    Dropping it only returns it to CuPy's pinned pool (a host-side list operation; CUDA forbids
+    CUDA calls in host functions, and the pool makes none). With the pool disabled
+    (``cupy.cuda.set_pinned_memory_allocator(None)``) the drop would call ``cudaFreeHost``; that
+    setting is not supported by the staging path.
+    """
+    token = object()
     with _lock:
-        _in_flight.append((event, memory))
-        _in_flight[:] = [(e, m) for e, m in _in_flight if not e.done]
+        _in_flight[token] = memory
+    stream.launch_host_func(_release, token)
+
+
+def _release(token: object) -> None:
+    with _lock:
+        memory = _in_flight.pop(token, None)
+    del memory  # outside the lock: the pool's own lock is taken when the buffer goes back
 
 
 def in_flight() -> int:
@@ -47,5 +62,16 @@ def in_flight() -> int:
         True
     """
     with _lock:
-        _in_flight[:] = [(e, m) for e, m in _in_flight if not e.done]
         return len(_in_flight)
+
+
+def forget_in_flight() -> None:
+    """Drop every buffer still waiting (when the CUDA behind ``cupy_module()`` goes away).
+
+    Example:
+        >>> forget_in_flight()
+        >>> in_flight()
+        0
+    """
+    with _lock:
+        _in_flight.clear()

@@ -2,30 +2,22 @@
 
 Copies between host memories (``"cpu"`` and ``"host:k"``) are one ``numpy.copyto``.
 
-Every copy is ordered against CuPy's *current* streams of the devices involved, so its result is
-ready for whatever the caller queues next on those streams (see :mod:`.streams` for why outputs
-are allocated on the current stream). Host-to-GPU copies run on a background stream per GPU (or
-the stream the caller passes) from pinned memory, so the host-side staging of the next chunk
-overlaps with the DMA of the previous one. GPU-to-GPU copies follow torch's two-way rule: the
-copy waits for the source's stream, and the source's stream waits for the copy, so the source's
-memory is not reused before it has been read.
+Copies that touch a GPU go through :mod:`.copies`, which orders each against CuPy's *current*
+streams of the devices involved (see there and :mod:`.streams`). Host-to-GPU copies run on a
+background stream per GPU (or the stream the caller passes) from pinned memory, so the
+host-side staging of the next chunk overlaps with the DMA of the previous one.
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cupy_parallel._src.arrays import device_of, empty
 from cupy_parallel._src.cuda import nccl
-from cupy_parallel._src.cuda.pinned import release_after, staging_array
-from cupy_parallel._src.cuda.streams import (
-    background_stream,
-    current_stream,
-    wait_stream,
-)
+from cupy_parallel._src.cuda.copies import download, local, peer, upload, upload_staged
+from cupy_parallel._src.cuda.pinned import staging_array
 from cupy_parallel._src.devices import require_cupy
 from cupy_parallel._src.hostarray import plain_buffer
 
@@ -57,76 +49,13 @@ def copy_into(dst: Any, src: Any, *, stream: Any = None) -> None:
     elif src.size == 0:
         return
     elif target.kind == "cuda" and source.kind != "cuda":
-        staged, memory = staging_array(src.shape, src.dtype)
-        np.copyto(staged, plain_buffer(src), casting="no")
-        _upload(dst, target.index, staged, memory, stream)
+        upload(dst, target.index, plain_buffer(src), stream)
     elif source.kind == "cuda" and target.kind != "cuda":
-        _download(plain_buffer(dst), src, source.index, stream)
+        download(plain_buffer(dst), src, source.index, stream)
     elif source == target:
-        _local(dst, src, target.index, stream)
+        local(dst, src, target.index, stream)
     else:
-        _peer(dst, target.index, src, source.index, stream)
-
-
-def _upload(dst: Any, device: int, staged: np.ndarray, memory: Any, stream: Any) -> None:
-    cupy = require_cupy()
-    main = current_stream(device)
-    copier = background_stream(device) if stream is None else stream
-    with cupy.cuda.Device(device):
-        wait_stream(copier, device, main, device)  # dst's block may still be in use on main
-        target = dst if dst.flags.c_contiguous else cupy.empty(dst.shape, dst.dtype)
-        source = ctypes.c_void_p(staged.ctypes.data)
-        target.data.copy_from_host_async(source, staged.nbytes, stream=copier)
-        done = copier.record()
-        release_after(done, memory)
-        main.wait_event(done)
-        if target is not dst:
-            dst[...] = target
-
-
-def _download(dst: np.ndarray, src: Any, device: int, stream: Any) -> None:
-    cupy = require_cupy()
-    with cupy.cuda.Device(device):
-        main = current_stream(device)
-        copier = main if stream is None else stream
-        wait_stream(copier, device, main, device)
-        if dst.flags.c_contiguous:
-            src.get(stream=copier, out=dst)  # blocking: dst is filled on return
-        else:
-            np.copyto(dst, src.get(stream=copier), casting="no")
-
-
-def _local(dst: Any, src: Any, device: int, stream: Any) -> None:
-    cupy = require_cupy()
-    with cupy.cuda.Device(device):
-        if stream is None:
-            dst[...] = src
-            return
-        main = current_stream(device)
-        wait_stream(stream, device, main, device)
-        with stream:
-            dst[...] = src
-        wait_stream(main, device, stream, device)
-
-
-def _peer(dst: Any, dst_device: int, src: Any, src_device: int, stream: Any) -> None:
-    cupy = require_cupy()
-    src_main = current_stream(src_device)
-    dst_main = current_stream(dst_device)
-    copier = dst_main if stream is None else stream
-    with cupy.cuda.Device(src_device):
-        contiguous = cupy.ascontiguousarray(src)
-    with cupy.cuda.Device(dst_device):
-        target = dst if dst.flags.c_contiguous else cupy.empty(dst.shape, dst.dtype)
-    wait_stream(copier, dst_device, src_main, src_device)  # the source is ready
-    wait_stream(copier, dst_device, dst_main, dst_device)  # the target block is free
-    with cupy.cuda.Device(dst_device):
-        target.data.copy_from_device_async(contiguous.data, contiguous.nbytes, stream=copier)
-    wait_stream(src_main, src_device, copier, dst_device)  # the source is read before reuse
-    wait_stream(dst_main, dst_device, copier, dst_device)
-    if target is not dst:
-        with cupy.cuda.Device(dst_device):
-            dst[...] = target
+        peer(dst, target.index, src, source.index, stream)
 
 
 def move(x: Any, device: Device) -> Any:
@@ -148,7 +77,7 @@ def broadcast_from_host(array: Any, outs: Sequence[Any]) -> None:
     for out in outs:
         target = device_of(out)
         if target.kind == "cuda":
-            _upload(out, target.index, staged, memory, None)
+            upload_staged(out, target.index, staged, memory, None)
         else:
             np.copyto(plain_buffer(out), source, casting="no")
 

@@ -26,10 +26,24 @@
   communicators (``ncclCommAbort``: kernels stuck in them exit, so a host synchronising on their
   data returns), records a ``TimeoutError`` naming the operation, group and timeout on the work
   and sets ``failure``: the next call on the group raises, and so does any later ``wait()``.
+  Works are watched from before their ``groupEnd`` (NCCL connects peers lazily inside the first
+  one, which blocks while a peer that joined the communicator stalls), so that hang times out too.
+* Partial data: a stream that already waits on an aborted collective (every synchronous call
+  orders one) runs on once the aborted kernels exit, reading partial results, and no host call
+  can stop it. So such an abort ends the process with the reason on stderr, as torch's default
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` does; ``CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING=2`` keeps
+  the process running with the group unusable instead (:func:`tears_down_on_abort`). An abort
+  no stream waits on (async work not yet waited, a blocking ``wait(timeout=...)``) only fails
+  the group and its works.
+* Threads: the calls of one group are issued under a lock from ``groupStart`` to ``groupEnd``, so
+  two threads sharing a group never interleave their calls on its communicators; communicators
+  are made under another lock, so two threads' first calls make one set.
+* Barrier: ``barrier().wait()`` blocks the host until every rank arrived (torch's); before any
+  other call it runs on GPU ``rank % device_count``, as torch's does.
 * Set-up: creating a communicator waits for every member; past the group's timeout it raises
   ``TimeoutError`` (a peer that never joins, or died) and the group is unusable.
 * Data: moving data (broadcast, gather, scatter, all_gather, all_to_all, send/recv) copies bytes
-  (every dtype, bit-exactly); reductions follow :mod:`.nccl_tables`. All collectives of one call
+  (every dtype, bit-exactly); reductions follow ``cuda.nccl_tables``. All collectives of one call
   are issued inside one NCCL group, so ``*_coalesced`` forms and p2p patterns launch together.
   Temporary buffers are filled on the caller's stream before the call and emptied on the internal
   stream after it, with ``cudaMemcpyAsync``.
@@ -40,18 +54,16 @@
 from __future__ import annotations
 
 import contextlib
-import functools
+import os
+import sys
 import threading
 import time
-import warnings
 import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cupy_parallel._src.devices import _cuda_device_count, cupy_module
-from cupy_parallel._src.distributed.backend import ProcessGroupBackend
-from cupy_parallel._src.distributed.enums import Backend, ReduceOp
-from cupy_parallel._src.distributed.nccl_tables import (
+from cupy_parallel._src.cuda.nccl import nccl_module, nccl_version, unavailable_reason
+from cupy_parallel._src.cuda.nccl_tables import (
     P2P_VERSION,
     NcclDataType,
     NcclRedOp,
@@ -60,62 +72,66 @@ from cupy_parallel._src.distributed.nccl_tables import (
     transfer,
     version_string,
 )
+from cupy_parallel._src.cuda.streams import current_stream, record_event, wait_stream
+from cupy_parallel._src.devices import cupy_module
+from cupy_parallel._src.distributed.backend import ProcessGroupBackend
+from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.work import Work
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
-    from types import ModuleType
 
     import numpy as np
 
-__all__ = ["NCCLBackend", "nccl_module", "unavailable_reason"]
+__all__ = [
+    "ERROR_HANDLING_VARIABLE",
+    "NCCLBackend",
+    "nccl_module",
+    "tears_down_on_abort",
+    "unavailable_reason",
+]
 
 #: The watchdog polls this often (seconds), or ten times per group timeout when that is shorter.
 _WATCH_INTERVAL = 0.1
 _UINT8 = int(NcclDataType.UINT8)
 _SUM = int(NcclRedOp.SUM)
 
-
-def unavailable_reason() -> str | None:
-    """Why the NCCL backend cannot run here, or ``None`` when it can.
-
-    Example:
-        >>> reason = unavailable_reason()
-        >>> reason is None or "NCCL" in reason or "GPU" in reason
-        True
-    """
-    if cupy_module() is None:
-        return "CuPy is not installed; install it with `pip install cupy-parallel[cuda12]`."
-    if nccl_module() is None:
-        return (
-            "CuPy is installed, but its NCCL library (libnccl) cannot be loaded; install NCCL "
-            "for your CUDA version (for CUDA 12: `pip install nvidia-nccl-cu12`)."
-        )
-    if _cuda_device_count() == 0:
-        return (
-            "CuPy and NCCL load, but CuPy sees no GPU (no CUDA device is visible: check the "
-            "driver with `nvidia-smi` and CUDA_VISIBLE_DEVICES, or use the 'mpi' backend)."
-        )
-    return None
+#: What an abort does when a CUDA stream already waits on an operation it cut short (torch's
+#: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` numbers): ``1`` (default) ends the process, ``2`` keeps it
+#: running with the group unusable.
+ERROR_HANDLING_VARIABLE = "CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING"
 
 
-@functools.cache
-def nccl_module() -> ModuleType | None:
-    """``cupy.cuda.nccl`` when CuPy is installed and its NCCL library loads, else ``None``.
+def tears_down_on_abort() -> bool:
+    """Whether an abort ends the process when a stream waits on a cut-short operation.
+
+    Read from ``CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING``: ``1`` (the default) tears the process
+    down, as torch's default ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` does: the stream will run on with
+    partial data and nothing on the host can stop it, so continuing would be silently wrong.
+    ``2`` only cleans up (communicators aborted, every later call and ``wait()`` raises).
+
+    Raises:
+        ValueError: the variable holds another value.
 
     Example:
-        >>> m = nccl_module()
-        >>> m is None or m.available
+        >>> import os
+        >>> tears_down_on_abort() is (os.environ.get(ERROR_HANDLING_VARIABLE, "1") == "1")
         True
     """
-    cupy = cupy_module()
-    if cupy is None:
-        return None
-    with warnings.catch_warnings():
-        # CuPy warns when libnccl is missing; that is what this function reports.
-        warnings.simplefilter("ignore")
-        from cupy.cuda import nccl
-    return nccl if nccl.available else None
+    value = os.environ.get(ERROR_HANDLING_VARIABLE, "1").strip()
+    if value not in {"1", "2"}:
+        raise ValueError(
+            f"{ERROR_HANDLING_VARIABLE} must be 1 (end the process when an abort leaves CUDA "
+            f"streams with partial data) or 2 (keep running, the group unusable), got {value!r}."
+        )
+    return value == "1"
+
+
+def _tear_down(message: str) -> None:
+    """End the process after an abort left streams with partial data (says why on stderr)."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    os.abort()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,25 +201,37 @@ def _share_unique_id(
 class _NCCLWork(Work):
     """Work of one NCCL call: done when its completion events (one per device) have fired.
 
-    ``wait()`` (no timeout) orders the caller's current streams after the events and returns;
-    ``wait(timeout=t)`` blocks the host too. State changes take the backend's lock, since the
-    watchdog thread completes or fails works concurrently with the caller.
+    The work exists (and the watchdog watches it) from before ``groupEnd``: until the call was
+    issued it has no events (``None``) and is not done, so a ``groupEnd`` that waits forever on
+    a stalled peer times out like any collective. ``wait()`` (no timeout) orders the caller's
+    current streams after the events and returns; ``wait(timeout=t)`` blocks the host too; a
+    barrier's ``wait()`` always blocks the host (torch's). State changes take the backend's
+    lock, since the watchdog thread completes or fails works concurrently with the caller.
     """
 
-    __slots__ = ("_backend", "_comms", "_events", "_keep", "_started")
+    __slots__ = ("_backend", "_blocking", "_comms", "_events", "_keep", "_ordered", "_started")
 
     def __init__(
-        self, description: str, backend: NCCLBackend, comms: list[Any], events: list[Any], keep: Any
+        self,
+        description: str,
+        backend: NCCLBackend,
+        comms: list[Any],
+        keep: Any,
+        *,
+        blocking: bool = False,
     ) -> None:
         Work.__init__(self, description, backend.group_name, backend.timeout)
         self._backend = backend
         self._comms = comms
-        self._events = events
+        self._events: list[_Done] | None = None  # set once the call was issued
         self._keep = keep  # arrays NCCL reads or writes until the events fire
+        self._blocking = blocking
+        self._ordered = False  # whether some stream was made to wait on the events
         self._started = time.monotonic()
 
     def _events_done(self) -> bool:
-        return all(event.done for event in self._events)
+        events = self._events
+        return events is not None and all(event.done for event in events)
 
     def _test(self) -> bool:
         if self._events_done():
@@ -235,6 +263,36 @@ class _NCCLWork(Work):
             self._comms = []
             super()._fail(error)
 
+    def _block(self, deadline: float) -> bool:
+        """Block the host until the events fired (``True``) or the deadline (``False``).
+
+        A helper thread synchronises with the events (``cudaEventSynchronize``: a GPU that
+        finishes is seen at once, and a simulated GPU, which finishes only when the host waits
+        for it, finishes too) while this thread waits for it until the deadline. A failure of
+        the group (a watchdog abort) ends the wait early. After a timeout the helper stays
+        blocked until the aborted kernels exit; it is a daemon thread.
+        """
+        if self._test():
+            return True
+        synced = threading.Event()
+
+        def synchronize() -> None:
+            try:
+                while self._events is None and not self._done and time.monotonic() < deadline:
+                    time.sleep(0.001)  # another thread is still issuing it (inside groupEnd)
+                for done in self._events or ():
+                    done.event.synchronize()
+            finally:
+                synced.set()
+
+        threading.Thread(
+            target=synchronize, name=f"cupy_parallel NCCL wait ({self._description})", daemon=True
+        ).start()
+        while not synced.wait(min(max(deadline - time.monotonic(), 0.0), _WATCH_INTERVAL)):
+            if self._backend.failure is not None or time.monotonic() >= deadline:
+                return self._test()
+        return self._test()
+
     def _on_timeout(self) -> None:
         backend = self._backend
         backend._abort(
@@ -245,6 +303,8 @@ class _NCCLWork(Work):
         )
 
     def _order_on_device(self) -> bool:
+        if self._blocking:  # a barrier blocks the host, as torch's does
+            return False
         if self.is_completed():  # finished or failed: let wait() report it
             return False
         self._order(None)
@@ -252,7 +312,8 @@ class _NCCLWork(Work):
 
     def _order(self, stream: Any) -> None:
         cupy = self._backend._cupy
-        for event in self._events:
+        self._ordered = True
+        for event in self._events or ():
             if stream is None:
                 with cupy.cuda.Device(event.device_id):
                     cupy.cuda.get_current_stream().wait_event(event.event)
@@ -300,6 +361,7 @@ class NCCLBackend(ProcessGroupBackend):
     * ``work.wait(timeout=t)``: the same ordering, and the host blocks until the collective
       finished; past ``t`` the communicators are aborted and ``TimeoutError`` is raised.
     * ``work.wait_stream(stream)``: ``stream`` waits for the collective; the host does not.
+    * ``barrier()`` (and its work's ``wait()``): the host blocks until every rank arrived.
     * The watchdog thread aborts the group when a collective is older than the group's timeout;
       the work then holds a ``TimeoutError`` and every later call on the group raises
       ``RuntimeError`` quoting it.
@@ -323,7 +385,7 @@ class NCCLBackend(ProcessGroupBackend):
         self._cupy: Any = cupy_module()
         self._store = store
         # Features are gated on the older of the NCCL CuPy was built with and the one loaded.
-        self._version: int = min(nccl.get_version(), nccl.get_build_version())
+        self._version: int = nccl_version(nccl)
         self._comms: dict[tuple[int, ...], list[Any]] = {}
         self._streams: dict[int, Any] = {}
         self._made = 0  # communicators made so far: numbers the unique-id keys
@@ -331,6 +393,9 @@ class NCCLBackend(ProcessGroupBackend):
         self._in_flight: list[_NCCLWork] = []  # unfinished works, pruned by the watchdog
         self._plans: dict[tuple[np.dtype[Any], ReduceOp], Reduction] = {}
         self._lock = threading.RLock()  # guards _in_flight, _comms and the works' states
+        self._group_lock = threading.Lock()  # held from groupStart to groupEnd
+        self._setup_lock = threading.Lock()  # held while communicators are made
+        self._tear_down = tears_down_on_abort()
         self._watchdog: _Watchdog | None = None
         self._closed = False
 
@@ -407,9 +472,20 @@ class NCCLBackend(ProcessGroupBackend):
                 else:
                     work._fail(RuntimeError(f"{work._description} cannot complete: {reason}"))
             comms, self._comms = list(self._comms.values()), {}
+            # Streams already made to wait on an unfinished work run on once the aborted kernels
+            # exit, reading partial results; nothing can stop a CUDA stream from the host.
+            waited = [w._description for w in in_flight if w._ordered and not w._events_done()]
         for group in comms:
             for comm in group:
                 comm.abort()
+        if waited and self._tear_down:
+            _tear_down(
+                f"cupy_parallel: process group {self.group_name!r} (rank {self.rank} of "
+                f"{self.size}) was aborted: {reason} CUDA streams already wait on "
+                f"{', '.join(waited)}, whose results are partial; the process is ended so that "
+                f"they are not used silently (set {ERROR_HANDLING_VARIABLE}=2 to keep running "
+                "with the group unusable instead)."
+            )
 
     def _watch(self) -> None:
         """One round of the watchdog: retire finished works, abort on an error or a timeout."""
@@ -446,7 +522,7 @@ class NCCLBackend(ProcessGroupBackend):
                 return
 
     def check_dtype(self, dtype: np.dtype[Any], op: ReduceOp | None, /) -> None:
-        """Refuse what NCCL cannot move (object arrays) or reduce (see :mod:`.nccl_tables`)."""
+        """Refuse what NCCL cannot move (object arrays) or reduce (see ``cuda.nccl_tables``)."""
         if op is None:
             transfer(dtype)
         elif (dtype, op) not in self._plans:
@@ -479,6 +555,11 @@ class NCCLBackend(ProcessGroupBackend):
         comms = self._comms.get(devices)
         if comms is not None:
             return comms
+        with self._setup_lock:  # two threads of this rank make one set, not two
+            comms = self._comms.get(devices)
+            return comms if comms is not None else self._make_communicators(devices)
+
+    def _make_communicators(self, devices: tuple[int, ...]) -> list[Any]:
         nccl, cupy = self._nccl, self._cupy
         local = len(devices)
         key = f"cupy_parallel/nccl/{self.group_name}/{self._made}"
@@ -539,12 +620,14 @@ class NCCLBackend(ProcessGroupBackend):
         *,
         after: Callable[[int], object] | None = None,
         keep: Any = None,
+        blocking: bool = False,
     ) -> _NCCLWork:
         """Run one NCCL call on ``devices`` (one entry per local participant ``j``).
 
         Everything queued on the caller's current streams so far comes first. ``issue(j, comm,
         stream_ptr)`` makes participant ``j``'s NCCL calls (inside one NCCL group);
         ``after(j)`` then queues participant ``j``'s follow-up work on the internal stream.
+        ``blocking``: the work's ``wait()`` blocks the host (barriers).
         """
         if self._closed:
             raise RuntimeError(f"process group {self.group_name!r} was shut down.")
@@ -552,33 +635,41 @@ class NCCLBackend(ProcessGroupBackend):
         cupy, nccl = self._cupy, self._nccl
         streams = [self._stream(device) for device in devices]
         for device, stream in zip(devices, streams, strict=True):
-            with cupy.cuda.Device(device):
-                ready = cupy.cuda.Event(disable_timing=True)
-                ready.record(cupy.cuda.get_current_stream())
-                stream.wait_event(ready)
-        nccl.groupStart()
-        try:
-            for j, device in enumerate(devices):
-                with cupy.cuda.Device(device):
-                    issue(j, comms[j], streams[j].ptr)
-        finally:
-            nccl.groupEnd()
-        events = []
-        for j, device in enumerate(devices):
-            stream = streams[j]
-            with cupy.cuda.Device(device):
-                if after is not None:
-                    with stream:
-                        after(j)
-                done = cupy.cuda.Event(disable_timing=True)
-                done.record(stream)
-            events.append(_Done(done, device))
-        self._last_devices = devices
-        work = _NCCLWork(description, self, comms, events, keep)
+            wait_stream(stream, device, current_stream(device), device)
+        # Watched from before groupEnd: NCCL connects peers lazily inside the first groupEnd of
+        # a communicator, which blocks until they issue the same call. A peer that joined but
+        # stalls is then a timed-out work the watchdog aborts (which makes groupEnd return).
+        work = _NCCLWork(description, self, comms, keep, blocking=blocking)
         with self._lock:
             self._in_flight.append(work)
             if self._watchdog is None:
                 self._watchdog = _Watchdog(self)
+        try:
+            with self._group_lock:  # threads never interleave their calls
+                nccl.groupStart()
+                try:
+                    for j, device in enumerate(devices):
+                        with cupy.cuda.Device(device):
+                            issue(j, comms[j], streams[j].ptr)
+                finally:
+                    nccl.groupEnd()
+        except Exception as error:
+            if not work._done:  # NCCL refused the call: the peers' calls cannot match it
+                self._abort(
+                    f"{description} failed while being issued to NCCL ({error!r}) on process "
+                    f"group {self.group_name!r}; its NCCL communicators were aborted."
+                )
+            raise work._exception or error from error
+        events = []
+        for j, device in enumerate(devices):
+            stream = streams[j]
+            if after is not None and not work._done:
+                with cupy.cuda.Device(device), stream:
+                    after(j)
+            events.append(_Done(record_event(stream, device), device))
+        with self._lock:
+            work._events = events
+        self._last_devices = devices
         return work
 
     def _copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
@@ -611,10 +702,19 @@ class NCCLBackend(ProcessGroupBackend):
             offset += x.nbytes
 
     def _divide(self, arrays: Sequence[Any], count: int) -> None:
-        """``AVG`` without ``ncclAvg``: divide in place; integers round toward zero, as there."""
-        kernel = _divide_kernel()
+        """``AVG`` without ``ncclAvg``: divide in place; integers round toward zero, as there.
+
+        Integers: ``x - fmod(x, n)`` is an exact multiple of ``n`` (``fmod`` keeps the sign of
+        ``x``), so the floor division after it is exact, i.e. C's division toward zero.
+        """
+        cupy = self._cupy
         for x in arrays:
-            kernel(x.dtype.type(count), x)
+            n = x.dtype.type(count)
+            if x.dtype.kind in "iu":
+                cupy.subtract(x, cupy.fmod(x, n), out=x)
+                cupy.floor_divide(x, n, out=x)
+            else:
+                cupy.divide(x, n, out=x)
 
     # --------------------------------------------------------------------------- collectives
 
@@ -759,9 +859,13 @@ class NCCLBackend(ProcessGroupBackend):
         return self._launch("all_to_all", _devices(inputs[:1]), issue, after=after, keep=keep)
 
     def barrier(self) -> Work:
-        """An all-reduce of one byte on the devices of the last call (else the current one)."""
+        """An all-reduce of one byte; its ``wait()`` blocks the host until every rank arrived.
+
+        As torch's: on the devices of the last call, or before any call on GPU
+        ``rank % device_count`` (one GPU per rank of a node, whichever device is current).
+        """
         cupy = self._cupy
-        devices = self._last_devices or (cupy.cuda.runtime.getDevice(),)
+        devices = self._last_devices or (self.rank % cupy.cuda.runtime.getDeviceCount(),)
         flags = []
         for device in devices:
             with cupy.cuda.Device(device):
@@ -773,7 +877,7 @@ class NCCLBackend(ProcessGroupBackend):
                 ptr, ptr, 1, _UINT8, int(self._plan(flags[j].dtype, ReduceOp.MAX).op), stream
             )
 
-        return self._launch("barrier", devices, issue, keep=flags)
+        return self._launch("barrier", devices, issue, keep=flags, blocking=True)
 
     def send(self, array: Any, dst: int, tag: int, /) -> Work:
         """``ncclSend`` of the array's bytes (``tag`` is not used: NCCL has no tags)."""
@@ -889,12 +993,6 @@ class _Watchdog:
         self._stop.set()
         if threading.current_thread() is not self.thread:
             self.thread.join()
-
-
-@functools.cache
-def _divide_kernel() -> Any:
-    cupy: Any = cupy_module()
-    return cupy.ElementwiseKernel("T n", "T x", "x = x / n", "cupy_parallel_nccl_average")
 
 
 def _devices(arrays: Sequence[Any]) -> tuple[int, ...]:

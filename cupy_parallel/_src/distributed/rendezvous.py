@@ -8,6 +8,14 @@
 the URL must agree. Unknown query parameters are refused rather than ignored (PyTorch ignores them),
 so that a typo does not go unnoticed.
 
+``MASTER_ADDR`` (or the host of ``tcp://``) is where rank 0's server listens *and* where the
+other ranks connect: rank 0 binds exactly that address (see :class:`TCPStore`). On one machine
+``127.0.0.1`` keeps the store off the network; across nodes it must be an address of rank 0's
+node that the others can reach (its IP on the cluster network, not a name that resolves to
+loopback there); ``0.0.0.0`` listens everywhere but is no address to connect to from another
+node. The store has no authentication unless ``CUPY_PARALLEL_STORE_SECRET`` is set to the same
+value in every process.
+
 :func:`rendezvous` only opens the store; :func:`wait_for_world` then blocks until every rank has
 checked in, under a key :func:`init_key` makes fresh for each ``init_process_group`` on the store.
 """
@@ -19,23 +27,27 @@ import os
 from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import parse_qs, unquote, urlparse
 
+from cupy_parallel._src.arguments import read_int, read_timeout
 from cupy_parallel._src.distributed.launch import detect_launch_env
-from cupy_parallel._src.distributed.store import (
-    FileStore,
-    Store,
-    TCPStore,
-    _check_timeout,
-    _seconds,
-)
+from cupy_parallel._src.distributed.store import FileStore, Store, TCPStore
+from cupy_parallel._src.distributed.store.interface import format_seconds
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from datetime import timedelta
     from urllib.parse import ParseResult
 
-__all__ = ["InitMethod", "init_key", "rendezvous", "wait_for_world"]
+__all__ = [
+    "ConflictingArgumentError",
+    "InitMethod",
+    "UnknownInitMethodError",
+    "init_key",
+    "rendezvous",
+    "wait_for_world",
+]
 
 _MISSING = -1
+_DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout, 30 minutes
 _SHOWN_MISSING_RANKS = 8
 
 
@@ -55,10 +67,21 @@ class InitMethod(enum.Enum):
 _SUPPORTED = ", ".join(f"{method.value}://" for method in InitMethod)
 
 
-def _check_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
-    return value
+class UnknownInitMethodError(ValueError, RuntimeError):
+    """An ``init_method`` with a scheme no handler serves.
+
+    A ``ValueError`` (a wrong value) that is also the ``RuntimeError`` torch raises ("No
+    rendezvous handler for ..."), so that ported code catches it either way.
+    """
+
+
+class ConflictingArgumentError(ValueError, AssertionError):
+    """``rank``/``world_size`` given as arguments and, differently, in the URL.
+
+    A ``ValueError`` that is also the ``AssertionError`` torch raises ("... has node-specific
+    arguments ..."), so that ported code catches it either way. Unlike torch, equal values
+    given in both places are accepted: nothing is ambiguous then.
+    """
 
 
 class _Place(NamedTuple):
@@ -93,9 +116,10 @@ def _merge(init_method: str, url: ParseResult, rank: int, world_size: int) -> _P
     merged = []
     for name, argument in zip(_Place._fields, (rank, world_size), strict=True):
         if name in query and argument != _MISSING and query[name] != argument:
-            raise ValueError(
-                f"{name} is given both as an argument ({argument}) and in init_method "
-                f"{init_method!r} ({name}={query[name]}); give it in one place."
+            raise ConflictingArgumentError(
+                f"init_method {init_method!r} has node-specific arguments ({name}="
+                f"{query[name]}) that conflict with the {name} argument ({argument}); give "
+                f"{name} in one place."
             )
         merged.append(query.get(name, argument))
     return _Place(*merged)
@@ -116,7 +140,7 @@ def _check_place(place: _Place, method: InitMethod) -> _Place:
     return place
 
 
-def _tcp_store(host: str, port: int, place: _Place, timeout: timedelta) -> Store:
+def _tcp_store(host: str, port: int, place: _Place, timeout: float) -> Store:
     return TCPStore(
         host,
         port,
@@ -127,7 +151,7 @@ def _tcp_store(host: str, port: int, place: _Place, timeout: timedelta) -> Store
     )
 
 
-def _from_env(url: ParseResult, place: _Place, timeout: timedelta) -> tuple[Store, _Place]:
+def _from_env(url: ParseResult, place: _Place, timeout: float) -> tuple[Store, _Place]:
     detected = detect_launch_env()
     fallback = {"rank": detected.get("rank"), "world_size": detected.get("world_size")}
     values = list(place)
@@ -174,7 +198,7 @@ def _from_env(url: ParseResult, place: _Place, timeout: timedelta) -> tuple[Stor
     return _tcp_store(host, port, checked, timeout), checked
 
 
-def _from_tcp(url: ParseResult, place: _Place, timeout: timedelta) -> tuple[Store, _Place]:
+def _from_tcp(url: ParseResult, place: _Place, timeout: float) -> tuple[Store, _Place]:
     example = "tcp://10.1.1.20:23456"
     try:
         port = url.port
@@ -190,7 +214,7 @@ def _from_tcp(url: ParseResult, place: _Place, timeout: timedelta) -> tuple[Stor
     return _tcp_store(url.hostname, port, checked, timeout), checked
 
 
-def _from_file(url: ParseResult, place: _Place, timeout: timedelta) -> tuple[Store, _Place]:
+def _from_file(url: ParseResult, place: _Place, timeout: float) -> tuple[Store, _Place]:
     if url.netloc not in ("", "localhost") or not url.path:
         raise ValueError(
             f"init_method {url.geturl()!r} must name an absolute path after three slashes, "
@@ -200,7 +224,7 @@ def _from_file(url: ParseResult, place: _Place, timeout: timedelta) -> tuple[Sto
     return FileStore(unquote(url.path), checked.world_size, timeout=timeout), checked
 
 
-_HANDLERS: dict[InitMethod, Callable[[ParseResult, _Place, timedelta], tuple[Store, _Place]]] = {
+_HANDLERS: dict[InitMethod, Callable[[ParseResult, _Place, float], tuple[Store, _Place]]] = {
     InitMethod.ENV: _from_env,
     InitMethod.TCP: _from_tcp,
     InitMethod.FILE: _from_file,
@@ -208,7 +232,11 @@ _HANDLERS: dict[InitMethod, Callable[[ParseResult, _Place, timedelta], tuple[Sto
 
 
 def rendezvous(
-    init_method: str, rank: int = -1, world_size: int = -1, *, timeout: timedelta
+    init_method: str,
+    rank: int = -1,
+    world_size: int = -1,
+    *,
+    timeout: timedelta | float = _DEFAULT_TIMEOUT_S,
 ) -> tuple[Store, int, int]:
     """Open the store named by ``init_method``; return it with this process's rank and the size.
 
@@ -221,7 +249,8 @@ def rendezvous(
             ``?rank=R&world_size=W``.
         rank: this process's rank, or -1.
         world_size: the number of processes, or -1.
-        timeout: how long to wait for the store (and, later, for its keys).
+        timeout: how long to wait for the store (and, later, for its keys); 30 minutes by
+            default, as torch.
 
     Returns:
         ``(store, rank, world_size)``.
@@ -242,25 +271,25 @@ def rendezvous(
         >>> store.close()
         >>> rendezvous("udp://x", timeout=timedelta(seconds=5))
         Traceback (most recent call last):
-        ValueError: init_method 'udp://x' has an unknown scheme 'udp'; supported: env://, ...
+        cupy_parallel._src.distributed.rendezvous.UnknownInitMethodError: No rendezvous handler ...
     """
     if not isinstance(init_method, str):
         raise TypeError(
             f"init_method must be a str URL, got {type(init_method).__name__} {init_method!r}."
         )
-    timeout = _check_timeout(timeout, "timeout")
-    rank = _check_int(rank, "rank")
-    world_size = _check_int(world_size, "world_size")
+    seconds = read_timeout(timeout, "timeout")
+    rank = read_int(rank, "rank")
+    world_size = read_int(world_size, "world_size")
     url = urlparse(init_method)
     try:
         method = InitMethod(url.scheme)
     except ValueError:
-        raise ValueError(
-            f"init_method {init_method!r} has an unknown scheme {url.scheme!r}; "
-            f"supported: {_SUPPORTED}."
+        raise UnknownInitMethodError(
+            f"No rendezvous handler for {url.scheme}://: init_method {init_method!r} has an "
+            f"unknown scheme {url.scheme!r}; supported: {_SUPPORTED}."
         ) from None
     place = _merge(init_method, url, rank, world_size)
-    store, place = _HANDLERS[method](url, place, timeout)
+    store, place = _HANDLERS[method](url, place, seconds)
     return store, place.rank, place.world_size
 
 
@@ -298,7 +327,7 @@ def wait_for_world(
     rank: int,
     world_size: int,
     *,
-    timeout: timedelta,
+    timeout: timedelta | float,
     key: str = "cupy_parallel/rendezvous",
 ) -> None:
     """Check this rank in under ``key`` and wait until all ``world_size`` ranks have.
@@ -331,13 +360,13 @@ def wait_for_world(
     """
     if not isinstance(store, Store):
         raise TypeError(f"store must be a cupy_parallel Store, got {type(store).__name__}.")
-    rank = _check_int(rank, "rank")
-    world_size = _check_int(world_size, "world_size")
+    rank = read_int(rank, "rank")
+    world_size = read_int(world_size, "world_size")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
-    timeout = _check_timeout(timeout, "timeout", allow_zero=True)
+    seconds = read_timeout(timeout, "timeout", positive=False)
     if not isinstance(key, str):
         raise TypeError(f"key must be a str, got {type(key).__name__} {key!r}.")
 
@@ -351,7 +380,7 @@ def wait_for_world(
     if arrived == world_size:
         store.set(f"{key}/complete", b"1")
     try:
-        store.wait([f"{key}/complete"], timeout)
+        store.wait([f"{key}/complete"], seconds)
     except TimeoutError:
         arrived = store.add(f"{key}/arrived", 0)
         missing = [r for r in range(world_size) if not store.check([f"{key}/rank/{r}"])]
@@ -359,6 +388,6 @@ def wait_for_world(
         if len(missing) > _SHOWN_MISSING_RANKS:
             shown += ", ..."
         raise TimeoutError(
-            f"rendezvous timed out after {_seconds(timeout)} s: {arrived} of {world_size} "
+            f"rendezvous timed out after {format_seconds(seconds)} s: {arrived} of {world_size} "
             f"ranks arrived (missing ranks: {shown})."
         ) from None

@@ -1,8 +1,9 @@
 """What NCCL can do with which dtype: its type and operation constants, and the tables onto them.
 
-Pure Python, importable without CuPy or NCCL, so that the tables can be checked anywhere. The
-NCCL backend (:mod:`.nccl`) asks :func:`reduction` how to reduce an array and :func:`transfer` how
-to move one; everything NCCL refuses is refused here, once, in the caller's words.
+Pure Python, importable without CuPy or NCCL, so that the tables can be checked anywhere. All
+NCCL code of the library (``comm`` through :mod:`.nccl`, and the ``"nccl"`` process-group
+backend) asks :func:`reduction` how to reduce an array and :func:`transfer` how to move one;
+everything NCCL refuses is refused here, once, in the caller's words.
 
 Decisions (where torch's ProcessGroupNCCL is the model):
 
@@ -11,6 +12,10 @@ Decisions (where torch's ProcessGroupNCCL is the model):
   int16, complex, ...).
 - Reductions use NCCL's typed kernels: int8, uint8, int32, uint32, int64, uint64, float16,
   float32, float64 and bfloat16 (CuPy >= 14 with ``ml_dtypes``; NCCL >= 2.10) as themselves.
+  So ``float16`` (and bfloat16) is reduced *in float16*: NCCL adds the partial results in the
+  array's own precision, and the rounding error grows with the number of participants (the
+  ``"mpi"`` backend instead reduces float16 in float32 and rounds once). Reduce a float32 copy
+  when that matters.
   NCCL has no 16-bit integer type: int16/uint16 are refused (cast to int32).
 - ``bool`` is reduced as uint8 0/1: ``SUM`` and ``MAX`` become NCCL's ``MAX`` (logical or),
   ``PRODUCT`` and ``MIN`` its ``MIN`` (logical and); ``AVG`` is refused (as in torch).
@@ -32,6 +37,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+# The one enum of reductions lives with the process-group API; enums.py imports nothing.
 from cupy_parallel._src.distributed.enums import ReduceOp
 
 if TYPE_CHECKING:

@@ -1,0 +1,272 @@
+"""Vector clocks, timelines and the happens-before rules of the simulated CUDA.
+
+Every place work runs in order is a :class:`Timeline`: one per CUDA stream (the legacy null stream
+of each GPU, each thread's per-thread default stream on each GPU, every created stream) and one
+for the host. Each timeline carries a vector clock (``dict[timeline id, tick]``). Enqueueing an
+operation on a stream joins the host's clock into the stream's (work starts after it is launched),
+applies the legacy null stream's implicit synchronisation, ticks the stream and stamps the
+operation (:class:`Op`) with a copy of the clock. ``record`` copies a stream's clock into an
+event, ``wait_event`` joins it into a stream, and host synchronisation (``Stream.synchronize``,
+``Event.synchronize``, ``Device.synchronize``, blocking copies) joins clocks into the host's.
+
+An operation ``a`` happens before ``b`` iff ``a.clock[a.timeline] <= b.clock[a.timeline]``.
+
+Host threads share ONE host timeline: Python threads hand data over through locks, queues and
+``join``, which the simulator does not see, so host-side order between threads is assumed (only
+device work and its ordering against the host is checked). Execution is eager: an operation's
+effect on memory happens when it is enqueued, under one global lock; the clocks decide whether the
+order used was one CUDA guarantees, and :mod:`.memory` raises :class:`RaceError` when it is not.
+
+The simulated GPU completes work only when the host waits for it: ``Event.done`` and
+``Stream.done`` are ``True`` only for work the host has already synchronised with (the most
+adversarial legal schedule), and host functions (``Stream.launch_host_func``) run when the host
+synchronises with a point after them.
+
+Public (for :mod:`.nccl` and tests): :func:`state`, :class:`Simulation` (``enqueue``,
+``enqueue_group`` for collectives, ``host_op``, ``synchronize_host``, ``known_done``, ``lock``,
+``extensions`` for add-on state, ``races``), :func:`happens_before`, :class:`Timeline`,
+:class:`Op`, :class:`RaceError`. An add-on operation on memory does, under ``state().lock``:
+``op = state().enqueue(streams.timeline_of(stream), "name")`` (or ``enqueue_group``), then
+``memory.access(sim, block, Region(offset, offset + n), op, write=...)`` for each buffer
+(``memory.resolve(sim, ptr, n)`` gives ``(block, offset)``), then the effect (``ctypes.memmove``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = [
+    "Op",
+    "RaceError",
+    "Simulation",
+    "SimulationError",
+    "Timeline",
+    "activate",
+    "deactivate",
+    "happens_before",
+    "state",
+]
+
+Clock = dict[int, int]
+
+
+class SimulationError(RuntimeError):
+    """Misuse of the simulated CUDA that real CUDA would reject (wrong device, ended simulation)."""
+
+
+class RaceError(RuntimeError):
+    """Two conflicting accesses to device or pinned memory that CUDA does not order.
+
+    The message names both operations and the streams they ran on.
+
+    Example:
+        >>> from cupy_parallel.testing import RaceError, simulated_cuda
+        >>> with simulated_cuda(1) as cupy:
+        ...     x = cupy.zeros(3)  # written on the legacy null stream
+        ...     with cupy.cuda.Stream(non_blocking=True):  # which this one does not wait for
+        ...         try:
+        ...             x += 1
+        ...         except RaceError as error:
+        ...             print(str(error).split(":")[0])
+        Data race on cuda
+    """
+
+
+def join(into: Clock, other: Clock) -> None:
+    """``into = max(into, other)`` elementwise, in place."""
+    for key, tick in other.items():
+        if into.get(key, 0) < tick:
+            into[key] = tick
+
+
+@dataclass(eq=False)
+class Timeline:
+    """One in-order queue of work: a stream on a device, or the host.
+
+    ``kind`` is ``"legacy"`` (the legacy null stream), ``"ptds"`` (a per-thread default stream),
+    ``"blocking"`` / ``"non_blocking"`` (created streams) or ``"host"``.
+    """
+
+    id: int
+    name: str
+    kind: str
+    device: int
+    clock: Clock = field(default_factory=dict)
+
+    @property
+    def blocking(self) -> bool:
+        """Whether the legacy null stream synchronises with this stream implicitly."""
+        return self.kind in ("blocking", "ptds")
+
+    def tick(self) -> Clock:
+        self.clock[self.id] = self.clock.get(self.id, 0) + 1
+        return dict(self.clock)
+
+
+@dataclass(eq=False)
+class Op:
+    """One operation: what it was, where it ran, and its vector clock."""
+
+    name: str
+    timeline: Timeline
+    clock: Clock
+
+    @property
+    def tick(self) -> int:
+        return self.clock[self.timeline.id]
+
+    def __str__(self) -> str:
+        return f"{self.name} on {self.timeline.name}"
+
+
+def happens_before(a: Op, b: Op) -> bool:
+    """Whether ``a`` happens before ``b`` (or is ``b``)."""
+    return a.tick <= b.clock.get(a.timeline.id, 0)
+
+
+class Simulation:
+    """The state of one simulated machine: its GPUs, timelines and host clock."""
+
+    def __init__(self, n_devices: int, *, per_thread_default_stream: bool) -> None:
+        self.n_devices = n_devices
+        self.per_thread_default_stream = per_thread_default_stream
+        self.lock = threading.RLock()
+        self.active = True
+        self._ids = itertools.count(1)
+        self.host = self.new_timeline("the host", "host", -1)
+        self.timelines: list[Timeline] = []
+        self.legacy = [
+            self.new_timeline(f"legacy null stream of cuda:{d}", "legacy", d)
+            for d in range(n_devices)
+        ]
+        self._ptds: dict[tuple[int, int], Timeline] = {}
+        self.races: list[RaceError] = []
+        self.deferred: list[RaceError] = []
+        self._host_funcs: list[tuple[Op, Callable[[Any], None], Any]] = []
+        self.extensions: dict[str, Any] = {}  # per-simulation state of add-ons (e.g. NCCL)
+
+    def new_timeline(self, name: str, kind: str, device: int) -> Timeline:
+        """A new timeline (a new stream, or the host)."""
+        timeline = Timeline(next(self._ids), name, kind, device)
+        if kind != "host":
+            self.timelines.append(timeline)
+        return timeline
+
+    def per_thread_stream(self, device: int) -> Timeline:
+        """The calling thread's per-thread default stream on ``device``."""
+        thread = threading.current_thread()
+        key = (thread.ident or 0, device)
+        timeline = self._ptds.get(key)
+        if timeline is None:
+            name = f"per-thread default stream of thread {thread.name!r} on cuda:{device}"
+            timeline = self._ptds[key] = self.new_timeline(name, "ptds", device)
+        return timeline
+
+    def check_device(self, device: int) -> None:
+        if not 0 <= device < self.n_devices:
+            raise SimulationError(
+                f"cudaErrorInvalidDevice: invalid device ordinal {device} "
+                f"(the simulation has {self.n_devices} GPUs)."
+            )
+
+    # -- ordering -------------------------------------------------------------------------
+
+    def enqueue(self, timeline: Timeline, name: str) -> Op:
+        """Stamp a new operation on a stream: after the host's past and CUDA's implicit syncs."""
+        self._prepare(timeline)
+        return Op(name, timeline, timeline.tick())
+
+    def enqueue_group(self, timelines: list[Timeline], name: str) -> list[Op]:
+        """Stamp one operation on each stream that completes only when all of them started.
+
+        For collectives (an NCCL call on each rank's stream inside one group): each rank's
+        operation happens after everything queued before it on *every* participating stream,
+        so a rank's receive is ordered after each peer's writes of the data it sends.
+        """
+        joint: Clock = {}
+        for timeline in timelines:
+            self._prepare(timeline)
+            join(joint, timeline.clock)
+        ops = []
+        for timeline in timelines:
+            join(timeline.clock, joint)
+            ops.append(Op(name, timeline, timeline.tick()))
+        return ops
+
+    def _prepare(self, timeline: Timeline) -> None:
+        clock = timeline.clock
+        join(clock, self.host.clock)
+        if timeline.kind == "legacy":
+            for other in self.timelines:
+                if other.blocking and other.device == timeline.device:
+                    join(clock, other.clock)
+        elif timeline.blocking:
+            join(clock, self.legacy[timeline.device].clock)
+
+    def host_op(self, name: str) -> Op:
+        """Stamp an operation of the host (e.g. a host write of pinned memory)."""
+        return Op(name, self.host, self.host.tick())
+
+    def synchronize_host(self, clock: Clock) -> None:
+        """The host waits for every operation ``clock`` covers; due host functions run."""
+        join(self.host.clock, clock)
+        self._run_host_funcs()
+
+    def add_host_func(self, op: Op, func: Callable[[Any], None], arg: Any) -> None:
+        self._host_funcs.append((op, func, arg))
+
+    def _run_host_funcs(self) -> None:
+        due = [entry for entry in self._host_funcs if self.known_done(entry[0])]
+        if not due:
+            return
+        self._host_funcs = [entry for entry in self._host_funcs if entry not in due]
+        for _, func, arg in due:
+            func(arg)
+
+    def known_done(self, op: Op) -> bool:
+        """Whether the host has already synchronised with ``op`` (so it is complete)."""
+        return self.host.clock.get(op.timeline.id, 0) >= op.tick
+
+    def race(self, error: RaceError) -> RaceError:
+        """Note a race that is raised where it happens; returns it for ``raise``."""
+        self.races.append(error)
+        return error
+
+    def defer(self, error: RaceError) -> None:
+        """Note a race found where nothing can raise (a finaliser); raised at the end."""
+        self.races.append(error)
+        self.deferred.append(error)
+
+
+_active: Simulation | None = None
+
+
+def activate(simulation: Simulation) -> None:
+    global _active
+    if _active is not None:
+        raise SimulationError("A CUDA simulation is already active; simulations do not nest.")
+    _active = simulation
+
+
+def deactivate(simulation: Simulation) -> None:
+    global _active
+    simulation.active = False
+    if _active is simulation:
+        _active = None
+
+
+def state() -> Simulation:
+    """The active simulation; :class:`SimulationError` outside ``simulated_cuda``."""
+    simulation = _active
+    if simulation is None:
+        raise SimulationError(
+            "The simulated CUDA is used outside its simulation; use it inside "
+            "`with cupy_parallel.testing.simulated_cuda(n):`."
+        )
+    return simulation

@@ -1,0 +1,276 @@
+"""Simulated device and pinned memory: blocks, the race checker, and CuPy's two pools.
+
+Device memory is host memory: a :class:`Block` is a NumPy ``uint8`` buffer whose real address is
+the simulated device pointer (one address space, as CUDA's unified addressing), so
+:func:`resolve` maps any pointer back to its block and offset, and copies are ``ctypes.memmove``.
+
+Every access to a block is checked by :func:`access` against the block's history: each earlier
+access that conflicts (write/read, read/write, write/write) on overlapping bytes must happen
+before the new one (:func:`.clock.happens_before`), else :class:`.clock.RaceError` names both
+operations and their streams. The history survives freeing, so reuse of a pooled block by a new
+array is checked against the block's previous life. A write that covers an earlier access and is
+ordered after it retires that access from the history.
+
+Pools follow CuPy: :class:`DevicePool` keeps one free list per GPU per stream (the stream current
+when the block was allocated); a freed block goes, without any synchronisation, to the next
+allocation of the same rounded size on the same stream. :class:`PinnedPool` reuses freed pinned
+blocks for any allocation (CuPy's pinned pool does not track streams); the host is taken to write
+a pinned block when it allocates it, so reuse before the device finished reading it is a race.
+Freeing a pinned block while a device operation on it may still run is reported too (CuPy leaves
+keeping it alive to the caller), as a race recorded on the simulation.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cupy_parallel._src.simcuda.clock import (
+    Op,
+    RaceError,
+    Simulation,
+    SimulationError,
+    happens_before,
+)
+
+__all__ = ["Block", "DevicePool", "PinnedPool", "Region", "access", "resolve", "round_size"]
+
+_UNIT = 512  # CuPy's allocation unit
+_EXACT_LIMIT = 1 << 20  # above this many elements a strided region is checked by its span
+
+
+def round_size(size: int) -> int:
+    """``size`` rounded up to CuPy's 512-byte allocation unit (at least one unit)."""
+    return max(-(-size // _UNIT), 1) * _UNIT
+
+
+@dataclass(frozen=True)
+class Region:
+    """Bytes ``[start, end)`` of a block; ``offsets`` (element starts) when strided with gaps."""
+
+    start: int
+    end: int
+    offsets: np.ndarray | None = None
+    itemsize: int = 1
+
+    @classmethod
+    def of_view(
+        cls, offset: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int
+    ) -> Region:
+        """The bytes an array view with this layout touches, ``offset`` from the block start."""
+        if 0 in shape:
+            return cls(offset, offset)
+        low = offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True) if s < 0)
+        high = offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True) if s > 0)
+        size = int(np.prod(shape, dtype=np.int64))
+        dense = high - low + itemsize == size * itemsize
+        if dense or size > _EXACT_LIMIT:
+            return cls(low, high + itemsize)
+        grids = np.indices(shape, dtype=np.int64).reshape(len(shape), -1)
+        offsets = offset + np.asarray(strides, np.int64) @ grids
+        return cls(low, high + itemsize, np.unique(offsets), itemsize)
+
+    def bytes(self) -> np.ndarray:
+        if self.offsets is None:
+            return np.arange(self.start, self.end)
+        return (self.offsets[:, None] + np.arange(self.itemsize)).ravel()
+
+    def overlaps(self, other: Region) -> bool:
+        if self.start >= other.end or other.start >= self.end:
+            return False
+        if self.offsets is None and other.offsets is None:
+            return True
+        return bool(np.intersect1d(self.bytes(), other.bytes(), assume_unique=True).size)
+
+    def covers(self, other: Region) -> bool:
+        return self.offsets is None and self.start <= other.start and other.end <= self.end
+
+
+@dataclass(eq=False)
+class Access:
+    region: Region
+    write: bool
+    op: Op
+
+
+class Block:
+    """One allocation of simulated memory: a host buffer at a fixed address, with its history."""
+
+    def __init__(self, kind: str, device: int, size: int, arena: Any = None) -> None:
+        self.kind = kind  # "device" or "pinned"
+        self.device = device
+        self.size = size
+        self.arena = arena
+        self.buffer = np.zeros(size, np.uint8)
+        self.address = int(self.buffer.ctypes.data)
+        self.history: list[Access] = []
+
+    def describe(self) -> str:
+        where = f"cuda:{self.device}" if self.kind == "device" else "pinned host memory"
+        return f"{where} block {self.address:#x} ({self.size} bytes)"
+
+
+def access(simulation: Simulation, block: Block, region: Region, op: Op, *, write: bool) -> None:
+    """Check ``op``'s access to ``region`` of ``block`` against the history, then record it."""
+    if region.start == region.end:
+        return
+    for past in block.history:
+        if not (write or past.write) or happens_before(past.op, op):
+            continue
+        if not past.region.overlaps(region):
+            continue
+        raise simulation.race(
+            RaceError(
+                f"Data race on {block.describe()}, bytes [{region.start}, {region.end}): "
+                f"the {'write' if write else 'read'} by `{op}` is not ordered after the "
+                f"{'write' if past.write else 'read'} by `{past.op}` (CUDA orders them only "
+                "through stream order, events, the legacy null stream or host synchronisation)."
+            )
+        )
+    if write and region.offsets is None:
+        block.history = [
+            past
+            for past in block.history
+            if not (region.covers(past.region) and happens_before(past.op, op))
+        ]
+    block.history.append(Access(region, write, op))
+
+
+class Registry:
+    """Address → block for every block of a simulation (blocks live as long as it does)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._blocks: list[Block] = []
+
+    def add(self, block: Block) -> None:
+        i = bisect.bisect(self._starts, block.address)
+        self._starts.insert(i, block.address)
+        self._blocks.insert(i, block)
+
+    def find(self, address: int) -> Block | None:
+        i = bisect.bisect(self._starts, address) - 1
+        if i >= 0:
+            block = self._blocks[i]
+            if address < block.address + max(block.size, 1):
+                return block
+        return None
+
+
+def resolve(simulation: Simulation, address: int, nbytes: int) -> tuple[Block, int] | None:
+    """The block holding ``[address, address + nbytes)`` and the offset, ``None`` for pageable.
+
+    A range that starts in a block but runs past its end raises :class:`SimulationError`
+    (``cudaErrorInvalidValue`` on a GPU, or memory corruption).
+    """
+    registry: Registry = simulation.extensions["registry"]
+    block = registry.find(address)
+    if block is None:
+        return None
+    offset = address - block.address
+    if offset + nbytes > block.size:
+        raise SimulationError(
+            f"cudaErrorInvalidValue: {nbytes} bytes at {address:#x} run past the end of "
+            f"{block.describe()} (offset {offset})."
+        )
+    return block, offset
+
+
+def registry_of(simulation: Simulation) -> Registry:
+    registry = simulation.extensions.get("registry")
+    if registry is None:
+        registry = simulation.extensions["registry"] = Registry()
+    return registry
+
+
+class DevicePool:
+    """CuPy's device memory pool: per GPU, one free list per stream (the allocating stream)."""
+
+    def __init__(self, simulation: Simulation) -> None:
+        self._simulation = simulation
+        self._free: dict[tuple[int, Any], dict[int, list[Block]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        self._used = 0
+        self._total = 0
+
+    def malloc(self, device: int, size: int, stream_key: Any) -> Block:
+        """A block of at least ``size`` bytes on ``device`` for work on stream ``stream_key``."""
+        rounded = round_size(size)
+        free = self._free[(device, stream_key)][rounded]
+        if free:
+            block = free.pop()
+        else:
+            block = Block("device", device, rounded, (device, stream_key))
+            registry_of(self._simulation).add(block)
+            self._total += rounded
+        self._used += rounded
+        return block
+
+    def free(self, block: Block) -> None:
+        self._free[block.arena][block.size].append(block)
+        self._used -= block.size
+
+    def used_bytes(self) -> int:
+        """Bytes held by live arrays."""
+        return self._used
+
+    def total_bytes(self) -> int:
+        """Bytes allocated from the (simulated) driver, live or cached."""
+        return self._total
+
+    def n_free_blocks(self) -> int:
+        """How many freed blocks wait in the free lists."""
+        return sum(len(blocks) for sizes in self._free.values() for blocks in sizes.values())
+
+    def free_all_blocks(self, stream: Any = None) -> None:
+        """Forget the cached free blocks (``cudaFree`` synchronises, so nothing can race)."""
+        for blocks in [b for sizes in self._free.values() for b in sizes.values()]:
+            self._total -= sum(block.size for block in blocks)
+            blocks.clear()
+
+
+class PinnedPool:
+    """CuPy's pinned memory pool: freed blocks are reused by any later allocation of their size."""
+
+    def __init__(self, simulation: Simulation) -> None:
+        self._simulation = simulation
+        self._free: dict[int, list[Block]] = defaultdict(list)
+
+    def malloc(self, size: int) -> Block:
+        """A pinned block of at least ``size`` bytes, which the host is about to write."""
+        rounded = round_size(size)
+        free = self._free[rounded]
+        if free:
+            block = free.pop()
+        else:
+            block = Block("pinned", -1, rounded)
+            registry_of(self._simulation).add(block)
+        op = self._simulation.host_op("the host writing pinned memory from alloc_pinned_memory")
+        access(self._simulation, block, Region(0, block.size), op, write=True)
+        return block
+
+    def free(self, block: Block) -> None:
+        simulation = self._simulation
+        busy = [a for a in block.history if not simulation.known_done(a.op)]
+        if busy and simulation.active:
+            simulation.defer(
+                RaceError(
+                    f"{block.describe()} was freed (its last reference dropped) while "
+                    f"`{busy[-1].op}` may still access it: keep pinned memory alive until an "
+                    "event recorded after that work has completed."
+                )
+            )
+        self._free[block.size].append(block)
+
+    def n_free_blocks(self) -> int:
+        """How many freed pinned blocks wait for reuse."""
+        return sum(len(blocks) for blocks in self._free.values())
+
+    def free_all_blocks(self) -> None:
+        """Forget the cached free blocks."""
+        self._free.clear()

@@ -1,0 +1,305 @@
+"""Simulated ``Memory``/``MemoryPointer``, pinned memory, allocation and every copy.
+
+``alloc(size)`` takes a block from the current device's pool for the current stream (CuPy's rule,
+see :mod:`.memory`); the block returns to the pool when the last :class:`Memory` reference goes.
+``alloc_pinned_memory(size)`` returns a :class:`PinnedMemoryPointer`, which supports the buffer
+protocol (``numpy.frombuffer(pointer, dtype, count)``), as CuPy's does.
+
+:func:`copy` is the one copy primitive (``cudaMemcpyAsync``): it resolves both addresses
+(device block, pinned block, or pageable host memory), stamps one operation on the stream and
+checks a read of the source and a write of the destination. A copy into pageable host memory
+makes the host wait for it (as CUDA does); the synchronous variants (``copy_from_host``,
+``runtime.memcpy``, ...) run on the legacy null stream of the current device and make the host
+wait too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+from cupy_parallel._src.simcuda.clock import Simulation, SimulationError, state
+from cupy_parallel._src.simcuda.memory import (
+    Block,
+    DevicePool,
+    PinnedPool,
+    Region,
+    access,
+    resolve,
+)
+from cupy_parallel._src.simcuda.streams import (
+    Device,
+    Stream,
+    current_device,
+    timeline_of,
+)
+
+__all__ = [
+    "Memory",
+    "MemoryPointer",
+    "PinnedMemoryPointer",
+    "alloc",
+    "alloc_pinned_memory",
+    "copy",
+    "device_pool",
+    "pinned_pool",
+]
+
+
+def device_pool() -> DevicePool:
+    """The simulation's device memory pool (``cupy.get_default_memory_pool()``)."""
+    simulation = state()
+    pool = simulation.extensions.get("pool")
+    if pool is None:
+        pool = simulation.extensions["pool"] = DevicePool(simulation)
+    return pool
+
+
+def pinned_pool() -> PinnedPool:
+    """The simulation's pinned memory pool (``cupy.get_default_pinned_memory_pool()``)."""
+    simulation = state()
+    pool = simulation.extensions.get("pinned_pool")
+    if pool is None:
+        pool = simulation.extensions["pinned_pool"] = PinnedPool(simulation)
+    return pool
+
+
+class Memory:
+    """One pooled device allocation; its block returns to the pool when this object goes."""
+
+    def __init__(self, block: Block | None, device: int, simulation: Simulation) -> None:
+        self.block = block
+        self.device_id = device
+        self.size = 0 if block is None else block.size
+        self.ptr = 0 if block is None else block.address
+        self._simulation = simulation
+
+    def __del__(self) -> None:
+        if self.block is not None and self._simulation.active:
+            with self._simulation.lock:
+                self._simulation.extensions["pool"].free(self.block)
+
+
+def _address(mem: Any) -> int:
+    if isinstance(mem, ctypes.c_void_p):
+        return int(mem.value or 0)
+    return int(mem)
+
+
+class MemoryPointer:
+    """A pointer into a :class:`Memory` (``ptr`` is the simulated device address)."""
+
+    def __init__(self, mem: Memory, offset: int) -> None:
+        self.mem = mem
+        self.ptr = mem.ptr + offset
+        self.device_id = mem.device_id
+
+    @property
+    def device(self) -> Device:
+        return Device(self.device_id)
+
+    def __int__(self) -> int:
+        return self.ptr
+
+    def __add__(self, offset: int) -> MemoryPointer:
+        return MemoryPointer(self.mem, self.ptr - self.mem.ptr + int(offset))
+
+    def __sub__(self, offset: int) -> MemoryPointer:
+        return self + -int(offset)
+
+    def copy_from_device_async(
+        self, src: MemoryPointer, size: int, stream: Stream | None = None
+    ) -> None:
+        """Copy ``size`` bytes from device pointer ``src`` (any GPU) on ``stream``."""
+        copy(
+            self.ptr,
+            src.ptr,
+            size,
+            stream,
+            "copy_from_device_async",
+            into="device",
+            out_of="device",
+        )
+
+    def copy_from_host_async(self, mem: Any, size: int, stream: Stream | None = None) -> None:
+        """Copy ``size`` bytes from host address ``mem`` (pinned for true asynchrony)."""
+        copy(
+            self.ptr,
+            _address(mem),
+            size,
+            stream,
+            "copy_from_host_async",
+            into="device",
+            out_of="host",
+        )
+
+    def copy_to_host_async(self, mem: Any, size: int, stream: Stream | None = None) -> None:
+        """Copy ``size`` bytes to host address ``mem``."""
+        copy(
+            _address(mem),
+            self.ptr,
+            size,
+            stream,
+            "copy_to_host_async",
+            into="host",
+            out_of="device",
+        )
+
+    def copy_from_async(self, mem: Any, size: int, stream: Stream | None = None) -> None:
+        """Copy from a device pointer or a host address."""
+        if isinstance(mem, MemoryPointer):
+            self.copy_from_device_async(mem, size, stream)
+        else:
+            self.copy_from_host_async(mem, size, stream)
+
+    def copy_from_device(self, src: MemoryPointer, size: int) -> None:
+        """Synchronous copy on the legacy null stream (CuPy's ``cudaMemcpy``)."""
+        copy(
+            self.ptr,
+            src.ptr,
+            size,
+            Stream.null,
+            "copy_from_device",
+            into="device",
+            out_of="device",
+            blocking=True,
+        )
+
+    def copy_from_host(self, mem: Any, size: int) -> None:
+        """Synchronous copy from host memory on the legacy null stream."""
+        copy(
+            self.ptr,
+            _address(mem),
+            size,
+            Stream.null,
+            "copy_from_host",
+            into="device",
+            out_of="host",
+            blocking=True,
+        )
+
+    def copy_to_host(self, mem: Any, size: int) -> None:
+        """Synchronous copy to host memory on the legacy null stream."""
+        copy(
+            _address(mem),
+            self.ptr,
+            size,
+            Stream.null,
+            "copy_to_host",
+            into="host",
+            out_of="device",
+            blocking=True,
+        )
+
+    def copy_from(self, mem: Any, size: int) -> None:
+        """Synchronous copy from a device pointer or a host address."""
+        if isinstance(mem, MemoryPointer):
+            self.copy_from_device(mem, size)
+        else:
+            self.copy_from_host(mem, size)
+
+    def memset_async(self, value: int, size: int, stream: Stream | None = None) -> None:
+        """Set ``size`` bytes to ``value`` on ``stream``."""
+        simulation = state()
+        with simulation.lock:
+            if size == 0:
+                return
+            found = _device_range(simulation, self.ptr, size, "memset_async")
+            op = simulation.enqueue(timeline_of(stream), "memset_async")
+            access(simulation, found[0], Region(found[1], found[1] + size), op, write=True)
+            ctypes.memset(self.ptr, value, size)
+
+
+def alloc(size: int) -> MemoryPointer:
+    """``size`` bytes on the current device, from the pool of the current stream."""
+    simulation = state()
+    with simulation.lock:
+        device = current_device()
+        if size == 0:
+            return MemoryPointer(Memory(None, device, simulation), 0)
+        key = timeline_of(None).id
+        block = device_pool().malloc(device, size, key)
+        return MemoryPointer(Memory(block, device, simulation), 0)
+
+
+def _device_range(simulation: Simulation, address: int, size: int, what: str) -> tuple[Block, int]:
+    found = resolve(simulation, address, size)
+    if found is None or found[0].kind != "device":
+        raise SimulationError(
+            f"cudaErrorInvalidValue: {what} needs device memory, got address {address:#x}."
+        )
+    return found
+
+
+def copy(
+    dst: int,
+    src: int,
+    size: int,
+    stream: Stream | None,
+    name: str,
+    *,
+    into: str | None,
+    out_of: str | None,
+    blocking: bool = False,
+) -> None:
+    """Copy ``size`` bytes from ``src`` to ``dst`` on ``stream`` (``None``: current stream).
+
+    ``into``/``out_of`` (``"device"``, ``"host"`` or ``None`` for either) say which memory each
+    side must be, as the direction of ``cudaMemcpyHostToDevice`` etc.; a mismatch raises
+    :class:`SimulationError`.
+    """
+    simulation = state()
+    with simulation.lock:
+        if size == 0:
+            return
+        ends = []
+        for address, side in ((src, out_of), (dst, into)):
+            found = resolve(simulation, address, size)
+            is_device = found is not None and found[0].kind == "device"
+            if side is not None and is_device != (side == "device"):
+                raise SimulationError(
+                    f"cudaErrorInvalidValue: {name} expects {side} memory at {address:#x}, got "
+                    f"{'device' if is_device else 'host'} memory."
+                )
+            ends.append(found)
+        timeline = timeline_of(stream)
+        op = simulation.enqueue(timeline, f"{name} ({size} bytes)")
+        for found, write in zip(ends, (False, True), strict=True):
+            if found is not None:
+                block, offset = found
+                access(simulation, block, Region(offset, offset + size), op, write=write)
+        ctypes.memmove(dst, src, size)
+        if blocking or ends[1] is None:
+            simulation.synchronize_host(op.clock)
+
+
+@functools.cache
+def _pinned_type(size: int) -> Any:
+    return type("PinnedMemoryPointer", (ctypes.c_ubyte * size, _PinnedMixin), {})
+
+
+class _PinnedMixin:
+    block: Block
+    ptr: int
+    size: int
+    _simulation: Simulation
+
+    def __del__(self) -> None:
+        if self._simulation.active:
+            with self._simulation.lock:
+                self._simulation.extensions["pinned_pool"].free(self.block)
+
+
+PinnedMemoryPointer = _PinnedMixin
+
+
+def alloc_pinned_memory(size: int) -> Any:
+    """``size`` bytes of pinned host memory from the pinned pool (buffer protocol supported)."""
+    simulation = state()
+    with simulation.lock:
+        block = pinned_pool().malloc(size)
+        pointer = _pinned_type(max(int(size), 1)).from_buffer(block.buffer)
+        pointer.block, pointer.ptr, pointer.size = block, block.address, int(size)
+        pointer._simulation = simulation
+        return pointer

@@ -1,0 +1,166 @@
+"""The simulated ``cupy`` namespace (what ``cupy_module()`` returns inside ``simulated_cuda``).
+
+Array creation (``empty``, ``zeros``, ``ones``, ``full``, ``*_like``, ``asarray``/``array`` from
+host data, ``ascontiguousarray``), ``asnumpy``, ``get_array_module``, the two default pools, and
+``cuda``. Every other NumPy function name is available and runs as one kernel on the current
+stream (see :func:`.ndarray.apply`); NumPy types and constants (``float32``, ``pi``) are NumPy's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cupy_parallel._src.simcuda import cuda
+from cupy_parallel._src.simcuda.clock import Simulation, state
+from cupy_parallel._src.simcuda.ndarray import apply, launch, ndarray
+from cupy_parallel._src.simcuda.pointers import device_pool, pinned_pool
+
+if TYPE_CHECKING:
+    import types
+
+    from cupy_parallel._src.simcuda.memory import DevicePool, PinnedPool
+
+__all__ = [
+    "array",
+    "asarray",
+    "ascontiguousarray",
+    "asnumpy",
+    "cuda",
+    "empty",
+    "empty_like",
+    "full",
+    "full_like",
+    "get_array_module",
+    "get_default_memory_pool",
+    "get_default_pinned_memory_pool",
+    "ndarray",
+    "ones",
+    "ones_like",
+    "simulation",
+    "zeros",
+    "zeros_like",
+]
+
+__version__ = "14.0.0+simulated"
+
+
+def simulation() -> Simulation:
+    """The running simulation (its ``races`` list, ``n_devices``, clocks)."""
+    return state()
+
+
+def get_default_memory_pool() -> DevicePool:
+    """The device memory pool of the simulation."""
+    return device_pool()
+
+
+def get_default_pinned_memory_pool() -> PinnedPool:
+    """The pinned memory pool of the simulation."""
+    return pinned_pool()
+
+
+def empty(shape: Any, dtype: Any = float, order: str = "C") -> ndarray:
+    """An uninitialised array on the current device."""
+    return ndarray(shape, dtype, order=order)
+
+
+def full(shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> ndarray:
+    """An array of ``fill_value`` on the current device (one kernel)."""
+    dtype = np.asarray(fill_value).dtype if dtype is None else dtype
+    out = ndarray(shape, dtype, order=order)
+    launch("fill", [], [out], lambda: out._layout_probe().fill(fill_value))
+    return out
+
+
+def zeros(shape: Any, dtype: Any = float, order: str = "C") -> ndarray:
+    """An array of zeros on the current device."""
+    return full(shape, 0, dtype, order)
+
+
+def ones(shape: Any, dtype: Any = float, order: str = "C") -> ndarray:
+    """An array of ones on the current device."""
+    return full(shape, 1, dtype, order)
+
+
+def empty_like(a: ndarray, dtype: Any = None, shape: Any = None) -> ndarray:
+    """An uninitialised array like ``a`` (its data is not read)."""
+    return empty(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+
+
+def zeros_like(a: ndarray, dtype: Any = None, shape: Any = None) -> ndarray:
+    """Zeros like ``a`` (its data is not read)."""
+    return zeros(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+
+
+def ones_like(a: ndarray, dtype: Any = None, shape: Any = None) -> ndarray:
+    """Ones like ``a`` (its data is not read)."""
+    return ones(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+
+
+def full_like(a: ndarray, fill_value: Any, dtype: Any = None, shape: Any = None) -> ndarray:
+    """``fill_value`` like ``a`` (its data is not read)."""
+    return full(
+        a.shape if shape is None else shape, fill_value, a.dtype if dtype is None else dtype
+    )
+
+
+def array(obj: Any, dtype: Any = None, copy: bool = True, order: str = "K") -> ndarray:
+    """A new device array from host data (copied on the current stream) or a device array."""
+    if isinstance(obj, ndarray):
+        return obj.astype(obj.dtype if dtype is None else dtype, copy=True)
+    host = np.ascontiguousarray(np.asarray(obj, dtype=dtype))
+    if obj is not None and np.ndim(obj) == 0:
+        host = host.reshape(())
+    out = ndarray(host.shape, host.dtype)
+    out.set(host)
+    return out
+
+
+def asarray(a: Any, dtype: Any = None, order: Any = None) -> ndarray:
+    """``a`` itself when a device array of ``dtype``, else a device copy."""
+    if isinstance(a, ndarray):
+        return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+    return array(a, dtype)
+
+
+def ascontiguousarray(a: ndarray, dtype: Any = None) -> ndarray:
+    """``a`` itself when C-contiguous (and of ``dtype``), else a contiguous copy."""
+    if not isinstance(a, ndarray):
+        raise TypeError(f"Unsupported type {type(a)}")
+    if dtype is not None and np.dtype(dtype) != a.dtype:
+        a = a.astype(dtype)
+    return a if a.flags.c_contiguous else a.copy()
+
+
+def asnumpy(
+    a: Any, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True
+) -> np.ndarray:
+    """A host copy of a device array (NumPy input is returned as an array)."""
+    if isinstance(a, ndarray):
+        return a.get(stream=stream, order=order, out=out, blocking=blocking)
+    return np.asarray(a, order=order)  # type: ignore[call-overload]
+
+
+def get_array_module(*args: Any) -> types.ModuleType:
+    """This module if any argument is a simulated device array, else NumPy."""
+    import sys
+
+    if any(isinstance(a, ndarray) for a in args):
+        return sys.modules[__name__]
+    return np
+
+
+def __getattr__(name: str) -> Any:
+    target = getattr(np, name, None)
+    if target is None or name.startswith("_"):
+        raise AttributeError(f"module 'cupy' (simulated) has no attribute {name!r}")
+    if isinstance(target, type) or not callable(target):
+        return target
+
+    def function(*args: Any, **kwargs: Any) -> Any:
+        return apply(target, args, kwargs, name=f"cupy.{name}")
+
+    function.__name__ = name
+    return function

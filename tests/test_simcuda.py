@@ -1,0 +1,358 @@
+"""The simulated CUDA itself: CUDA's ordering rules, CuPy's pool rule, and the race reports.
+
+Each ordering rule is tested both ways: a program that relies on it runs clean, and the same
+program without the ordering raises ``RaceError`` naming both operations and their streams.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+import cupy_parallel
+from cupy_parallel._src.devices import cupy_module
+from cupy_parallel.testing import RaceError, simulated_cuda
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+
+@pytest.fixture
+def cupy() -> Any:
+    with simulated_cuda(2) as module:
+        yield module
+
+
+def ready(cupy: ModuleType, x: Any) -> Any:
+    """``x`` after the host waited for every stream (a clean start for ordering tests)."""
+    cupy.cuda.Device(x.device.id).synchronize()
+    return x
+
+
+# -- streams and events ------------------------------------------------------------------------
+
+
+def test_unordered_streams_race_and_the_error_names_both(cupy: ModuleType) -> None:
+    x = ready(cupy, cupy.arange(4.0))
+    writer, reader = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with writer:
+        x += 1
+    with (
+        reader,
+        pytest.raises(
+            RaceError,
+            match=r"read by `kernel operator mul on stream .*non-blocking.*"
+            r"write by `kernel operator add on stream",
+        ),
+    ):
+        x * 2
+
+
+def test_an_event_orders_two_streams(cupy: ModuleType) -> None:
+    x = ready(cupy, cupy.arange(4.0))
+    writer, reader = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with writer:
+        x += 1
+    reader.wait_event(writer.record())
+    with reader:
+        y = x * 2
+    np.testing.assert_array_equal(y.get(stream=reader), (np.arange(4.0) + 1) * 2)
+
+
+def test_waiting_on_an_event_recorded_before_the_write_does_not_order_it(cupy: ModuleType) -> None:
+    x = ready(cupy, cupy.arange(4.0))
+    writer, reader = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    early = writer.record()
+    with writer:
+        x += 1
+    reader.wait_event(early)
+    with reader, pytest.raises(RaceError):
+        x * 2
+
+
+def test_legacy_null_stream_synchronises_with_blocking_streams_only(cupy: ModuleType) -> None:
+    x = ready(cupy, cupy.arange(4.0))
+    with cupy.cuda.Stream():  # blocking: the null stream waits for it
+        x += 1
+    assert (x * 2).get()[1] == 4.0
+    y = ready(cupy, cupy.arange(4.0))
+    with cupy.cuda.Stream(non_blocking=True):
+        y += 1
+    with pytest.raises(RaceError, match="legacy null stream of cuda:0"):
+        y * 2
+
+
+def test_blocking_stream_waits_for_earlier_null_stream_work(cupy: ModuleType) -> None:
+    x = cupy.arange(4.0)  # on the legacy null stream
+    with cupy.cuda.Stream():
+        x += 1
+    with cupy.cuda.Stream(non_blocking=True), pytest.raises(RaceError):
+        x += 1
+
+
+def test_host_synchronisation_orders_and_event_done_reports_it(cupy: ModuleType) -> None:
+    x = ready(cupy, cupy.arange(4.0))
+    writer = cupy.cuda.Stream(non_blocking=True)
+    with writer:
+        x += 1
+    event = writer.record()
+    assert not event.done  # the simulated GPU finishes only when the host waits
+    assert not writer.done
+    event.synchronize()
+    assert event.done
+    assert writer.done
+    assert x.get(stream=cupy.cuda.Stream(non_blocking=True))[0] == 1.0
+
+
+def test_host_functions_run_when_the_host_waits_for_them(cupy: ModuleType) -> None:
+    stream = cupy.cuda.Stream(non_blocking=True)
+    calls: list[int] = []
+    stream.launch_host_func(calls.append, 7)
+    assert calls == []
+    stream.synchronize()
+    assert calls == [7]
+
+
+def test_per_thread_default_streams_are_distinct_per_thread() -> None:
+    with simulated_cuda(1, per_thread_default_stream=True) as cupy:
+        assert cupy.cuda.get_current_stream() == cupy.cuda.Stream.ptds
+        x = ready(cupy, cupy.arange(4.0))
+        x += 1  # on the main thread's per-thread stream
+        errors: list[BaseException] = []
+
+        def reader() -> None:
+            try:
+                x * 2  # the worker's own per-thread stream: unordered
+            except RaceError as error:
+                errors.append(error)
+
+        thread = threading.Thread(target=reader, name="worker")
+        thread.start()
+        thread.join()
+        assert len(errors) == 1
+        assert "per-thread default stream of thread 'worker'" in str(errors[0])
+        assert "per-thread default stream of thread 'MainThread'" in str(errors[0])
+
+
+def test_legacy_default_stream_is_shared_by_threads(cupy: ModuleType) -> None:
+    x = cupy.arange(4.0)
+    results = []
+    thread = threading.Thread(target=lambda: results.append((x * 2).get()))
+    thread.start()
+    thread.join()
+    np.testing.assert_array_equal(results[0], np.arange(4.0) * 2)
+
+
+def test_events_belong_to_their_device_and_streams_to_theirs(cupy: ModuleType) -> None:
+    with cupy.cuda.Device(1):
+        other = cupy.cuda.Stream()
+    event = cupy.cuda.Event()
+    with pytest.raises(RuntimeError, match=r"created on cuda:0 cannot be recorded"):
+        event.record(other)
+    with (
+        pytest.raises(
+            RuntimeError, match=r"created on \(1\) does not match .* current device \(0\)"
+        ),
+        other,
+    ):
+        pass
+
+
+# -- kernels and copies --------------------------------------------------------------------
+
+
+def test_kernels_refuse_arrays_of_another_device_and_host_arrays(cupy: ModuleType) -> None:
+    with cupy.cuda.Device(1):
+        x = cupy.ones(3)
+    with pytest.raises(
+        ValueError, match=r"resides \(1\) is different from the current device \(0\)"
+    ):
+        x + 1
+    with cupy.cuda.Device(1), pytest.raises(TypeError, match="Unsupported type"):
+        x + np.ones(3)
+    with pytest.raises(TypeError, match="Implicit conversion to a NumPy array is not allowed"):
+        np.asarray(x)
+
+
+@pytest.mark.parametrize("dtype", [object, "U3", ">f8", "M8[s]"], ids=str)
+def test_arrays_refuse_dtypes_cupy_lacks(cupy: ModuleType, dtype: Any) -> None:
+    with pytest.raises(ValueError, match="Unsupported dtype"):
+        cupy.empty(3, dtype)
+
+
+def test_set_checks_the_shape_like_cupy(cupy: ModuleType) -> None:
+    x = cupy.empty((), np.float64)
+    with pytest.raises(ValueError, match=r"Shape mismatch. Old shape: \(\), new shape: \(1,\)"):
+        x.set(np.ascontiguousarray(np.array(2.0)))
+    x.set(np.array(2.0))
+    assert x.get()[()] == 2.0
+
+
+def test_arithmetic_and_views_match_numpy(cupy: ModuleType) -> None:
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    x = cupy.asarray(a)
+    np.testing.assert_array_equal((x.T[::2] * 3 - 1).get(), a.T[::2] * 3 - 1)
+    np.testing.assert_array_equal(cupy.concatenate([x, x[:1]]).get(), np.concatenate([a, a[:1]]))
+    assert float(x.sum()) == a.sum()
+    view = x[1:3, ::2]
+    assert view.base is x
+    assert not view.flags.c_contiguous
+    view[...] = 0
+    a[1:3, ::2] = 0
+    np.testing.assert_array_equal(x.get(), a)
+
+
+def test_peer_copies_are_ordered_by_the_copy_stream(cupy: ModuleType) -> None:
+    source = ready(cupy, cupy.arange(4.0))
+    with cupy.cuda.Device(1):
+        target = ready(cupy, cupy.zeros(4))
+        copier = cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.Device(0):
+        source += 1  # legacy null stream of cuda:0
+    with pytest.raises(
+        RaceError, match=r"memcpyPeerAsync .* on stream .* of cuda:1.*legacy null stream of cuda:0"
+    ):
+        cupy.cuda.runtime.memcpyPeerAsync(target.data.ptr, 1, source.data.ptr, 0, 32, copier.ptr)
+
+
+# -- pools ---------------------------------------------------------------------------------
+
+
+def test_a_freed_block_goes_to_the_next_allocation_on_its_stream_without_a_sync(
+    cupy: ModuleType,
+) -> None:
+    other = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.empty(64, np.float64)  # allocated for the legacy null stream
+    address = x.data.ptr
+    other.wait_event(cupy.cuda.Stream.null.record())
+    with other:
+        x[...] = 1.0  # written on another stream...
+    del x  # ...and freed with nothing ordering that write
+    y = cupy.empty(64, np.float64)
+    assert y.data.ptr == address  # CuPy's rule: same stream, same size, reused at once
+    with pytest.raises(
+        RaceError,
+        match=r"write by `kernel ndarray.fill on legacy null stream.*"
+        r"write by `kernel setitem on stream",
+    ):
+        y.fill(2.0)
+
+
+def test_a_block_freed_on_one_stream_is_not_reused_by_another(cupy: ModuleType) -> None:
+    x = cupy.empty(64, np.float64)
+    address = x.data.ptr
+    del x
+    with cupy.cuda.Stream(non_blocking=True):
+        y = cupy.empty(64, np.float64)
+    assert y.data.ptr != address
+
+
+def free_pinned_memory_under_a_copy(*, reuse: bool) -> None:
+    """Free a pinned buffer while a copy may still read it (and reuse it at once if asked)."""
+    with simulated_cuda(1) as cupy:
+        target = cupy.empty(8, np.uint8)
+        memory = cupy.cuda.alloc_pinned_memory(8)
+        target.data.copy_from_host_async(ctypes.addressof(memory), 8)
+        del memory  # back to the pool while the copy may still read it
+        if reuse:
+            with pytest.raises(
+                RaceError, match=r"host writing pinned memory .*read by `copy_from_host_async"
+            ):
+                cupy.cuda.alloc_pinned_memory(8)
+
+
+def test_pinned_memory_reused_before_the_copy_read_it_is_a_race() -> None:
+    with pytest.raises(RaceError, match=r"freed .* while `copy_from_host_async"):  # at the end
+        free_pinned_memory_under_a_copy(reuse=True)
+
+
+def test_pinned_memory_kept_until_the_copy_is_done_is_clean(cupy: ModuleType) -> None:
+    target = cupy.empty(8, np.uint8)
+    memory = cupy.cuda.alloc_pinned_memory(8)
+    np.frombuffer(memory, np.uint8, 8)[:] = np.arange(8)
+    target.data.copy_from_host_async(ctypes.addressof(memory), 8)
+    done = cupy.cuda.Stream.null.record()
+    done.synchronize()
+    del memory
+    again = cupy.cuda.alloc_pinned_memory(8)
+    assert cupy.get_default_pinned_memory_pool().n_free_blocks() == 0
+    np.testing.assert_array_equal(target.get(), np.arange(8))
+    del again
+
+
+def test_freeing_pinned_memory_in_use_is_reported_when_the_simulation_ends() -> None:
+    with pytest.raises(
+        RaceError, match=r"pinned host memory .* was freed .* while `copy_from_host_async"
+    ):
+        free_pinned_memory_under_a_copy(reuse=False)
+
+
+# -- the session ---------------------------------------------------------------------------
+
+
+def test_simulated_cuda_makes_the_library_see_cuda_and_restores_everything() -> None:
+    before = cupy_module()
+    with simulated_cuda(4) as cupy:
+        assert cupy_module() is cupy
+        assert cupy_parallel.platform() == "cuda"
+        assert cupy_parallel.devices() == [cupy_parallel.Device("cuda", k) for k in range(4)]
+        assert cupy.cuda.runtime.getDeviceCount() == 4
+    assert cupy_module() is before
+    assert cupy_parallel.platform() == "host"
+    assert not cupy.cuda.is_available()
+    with pytest.raises(RuntimeError, match="outside its simulation"):
+        cupy.empty(3)
+
+
+@pytest.mark.parametrize(
+    ("count", "error", "match"),
+    [
+        (0, ValueError, "n_devices must be >= 1, got 0"),
+        (True, TypeError, "n_devices must be an int"),
+        ("2", TypeError, "n_devices must be an int"),
+    ],
+)
+def test_simulated_cuda_reads_its_arguments(count: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=match), simulated_cuda(count):
+        pass
+
+
+def test_simulations_do_not_nest() -> None:
+    with simulated_cuda(1), pytest.raises(RuntimeError, match="do not nest"), simulated_cuda(1):
+        pass
+
+
+def test_a_group_operation_orders_every_stream_after_all_participants(cupy: ModuleType) -> None:
+    simulation = cupy.simulation()
+    with cupy.cuda.Device(0):
+        a = cupy.cuda.Stream(non_blocking=True)
+        x = ready(cupy, cupy.zeros(4))
+        with a:
+            x += 1  # written on a
+    with cupy.cuda.Device(1):
+        b = cupy.cuda.Stream(non_blocking=True)
+    with simulation.lock:
+        _, on_b = simulation.enqueue_group([a.timeline(), b.timeline()], "group")
+    with cupy.cuda.Device(1):
+        after = b.record()
+    with cupy.cuda.Device(0):
+        c = cupy.cuda.Stream(non_blocking=True)
+        c.wait_event(after)  # ordered after the group on b, hence after the write on a
+        with c:
+            assert float((x * 2).sum()) == 8.0
+    assert on_b.clock[a.timeline().id] >= 1
+
+
+def test_strided_regions_race_only_where_they_overlap(cupy: ModuleType) -> None:
+    x = ready(cupy, cupy.zeros((4, 6)))
+    first, second = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with first:
+        x[:, ::2] = 1.0  # even columns
+    with second:
+        x[:, 1::2] = 2.0  # odd columns: interleaved bytes, none shared
+    with second, pytest.raises(RaceError, match="bytes"):
+        x[:, ::3] = 3.0  # columns 0 and 3: column 0 was written on the other stream
