@@ -56,6 +56,10 @@ def host_arrays(h: cp.HostArray) -> None:
     assert_type(h[0], cp.HostArray)
     assert_type(h.device, cp.Device)
     assert_type(h.get(), NDArray[Any])
+    assert_type(h.sum(), cp.HostArray)
+    assert_type(h.reshape(-1), cp.HostArray)
+    assert_type(h.nonzero(), tuple[cp.HostArray, ...])
+    assert_type(h.to_device("host:1"), cp.Array)
 
 
 def differentiable_ops(x: cp.Array, labels: cp.Array) -> None:
@@ -114,6 +118,20 @@ def distributed(x: NDArray[np.float64], flag: bool) -> None:
     assert_type(dist.isend(x, 0), dist.Work | None)
     assert_type(dist.recv(x), int)
     assert_type(dist.get_rank(), int)
+
+
+def stores(path: str) -> None:
+    store = dist.FileStore(path, 1)
+    assert_type(store.get("k"), bytes)
+    assert_type(store.add("n", 1), int)
+    assert_type(store.compare_set("k", "a", "b"), bytes)
+    assert_type(store.multi_get(["k"]), list[bytes])
+    assert_type(store.check(["k"]), bool)
+    assert_type(store.queue_pop("q"), bytes)
+    assert_type(store.clone(), dist.FileStore)
+    prefixed = dist.PrefixStore("p/", store)
+    assert_type(prefixed.underlying_store, dist.Store)
+    prefixed.set("k", 1)  # type: ignore[arg-type]
 
 
 def refused(x: cp.Array, p: Params, devices: list[cp.Device]) -> None:
