@@ -14,7 +14,7 @@ array per local device. ``src``/``dst`` are world ranks, as in torch, also for s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from cupy_parallel._src.hostarray import HostArray
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from cupy_parallel._src.arraytypes import Array
     from cupy_parallel._src.distributed.backend import ProcessGroupBackend
     from cupy_parallel._src.distributed.groups import ProcessGroup
     from cupy_parallel._src.distributed.work import Work
@@ -310,7 +311,25 @@ def _per_device_lists(
 # One array per process
 
 
-def broadcast(tensor: Any, src: int, group: Any = None, async_op: bool = False) -> Work | None:
+@overload
+def broadcast(
+    tensor: Array, src: int, group: ProcessGroup | None = None, async_op: Literal[False] = False
+) -> None: ...
+@overload
+def broadcast(
+    tensor: Array, src: int, group: ProcessGroup | None, async_op: Literal[True]
+) -> Work: ...
+@overload
+def broadcast(
+    tensor: Array, src: int, group: ProcessGroup | None = None, *, async_op: Literal[True]
+) -> Work: ...
+@overload
+def broadcast(
+    tensor: Array, src: int, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None: ...
+def broadcast(
+    tensor: Array, src: int, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """Copy ``tensor`` of world rank ``src`` into ``tensor`` of every rank of the group.
 
     Args:
@@ -340,8 +359,37 @@ def broadcast(tensor: Any, src: int, group: Any = None, async_op: bool = False) 
     return _finish(async_op, backend.broadcast, [tensor], root, 0)
 
 
+@overload
 def all_reduce(
-    tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None, async_op: bool = False
+    tensor: Array,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+@overload
+def all_reduce(
+    tensor: Array, op: ReduceOp, group: ProcessGroup | None, async_op: Literal[True]
+) -> Work: ...
+@overload
+def all_reduce(
+    tensor: Array,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def all_reduce(
+    tensor: Array,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None: ...
+def all_reduce(
+    tensor: Array,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     """Reduce ``tensor`` over the group; every rank gets the result in ``tensor`` (in place).
 
@@ -371,11 +419,40 @@ def all_reduce(
     return backend.all_reduce([tensor], op)
 
 
+@overload
 def reduce(
-    tensor: Any,
+    tensor: Array,
     dst: int,
     op: ReduceOp = ReduceOp.SUM,
-    group: Any = None,
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+@overload
+def reduce(
+    tensor: Array, dst: int, op: ReduceOp, group: ProcessGroup | None, async_op: Literal[True]
+) -> Work: ...
+@overload
+def reduce(
+    tensor: Array,
+    dst: int,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def reduce(
+    tensor: Array,
+    dst: int,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None: ...
+def reduce(
+    tensor: Array,
+    dst: int,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Reduce ``tensor`` over the group into ``tensor`` of world rank ``dst``.
@@ -401,8 +478,37 @@ def reduce(
     return _finish(async_op, backend.reduce, [tensor], root, 0, op)
 
 
+@overload
 def all_gather(
-    tensor_list: list[Any], tensor: Any, group: Any = None, async_op: bool = False
+    tensor_list: Sequence[Array],
+    tensor: Array,
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+@overload
+def all_gather(
+    tensor_list: Sequence[Array], tensor: Array, group: ProcessGroup | None, async_op: Literal[True]
+) -> Work: ...
+@overload
+def all_gather(
+    tensor_list: Sequence[Array],
+    tensor: Array,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def all_gather(
+    tensor_list: Sequence[Array],
+    tensor: Array,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None: ...
+def all_gather(
+    tensor_list: Sequence[Array],
+    tensor: Array,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     """Every rank receives each rank's ``tensor``: ``tensor_list[r]`` gets group rank ``r``'s.
 
@@ -427,11 +533,44 @@ def all_gather(
     return _finish(async_op, backend.all_gather, [tensor_list], [tensor])
 
 
+@overload
 def gather(
-    tensor: Any,
-    gather_list: list[Any] | None = None,
+    tensor: Array,
+    gather_list: Sequence[Array] | None = None,
     dst: int = 0,
-    group: Any = None,
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+@overload
+def gather(
+    tensor: Array,
+    gather_list: Sequence[Array] | None,
+    dst: int,
+    group: ProcessGroup | None,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def gather(
+    tensor: Array,
+    gather_list: Sequence[Array] | None = None,
+    dst: int = 0,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def gather(
+    tensor: Array,
+    gather_list: Sequence[Array] | None = None,
+    dst: int = 0,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None: ...
+def gather(
+    tensor: Array,
+    gather_list: Sequence[Array] | None = None,
+    dst: int = 0,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """World rank ``dst`` receives every rank's ``tensor``: ``gather_list[r]`` gets group rank r's.
@@ -459,11 +598,44 @@ def gather(
     return _finish(async_op, backend.gather, outputs, tensor, root)
 
 
+@overload
 def scatter(
-    tensor: Any,
-    scatter_list: list[Any] | None = None,
+    tensor: Array,
+    scatter_list: Sequence[Array] | None = None,
     src: int = 0,
-    group: Any = None,
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+@overload
+def scatter(
+    tensor: Array,
+    scatter_list: Sequence[Array] | None,
+    src: int,
+    group: ProcessGroup | None,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def scatter(
+    tensor: Array,
+    scatter_list: Sequence[Array] | None = None,
+    src: int = 0,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def scatter(
+    tensor: Array,
+    scatter_list: Sequence[Array] | None = None,
+    src: int = 0,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None: ...
+def scatter(
+    tensor: Array,
+    scatter_list: Sequence[Array] | None = None,
+    src: int = 0,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """World rank ``src`` sends ``scatter_list[r]`` into ``tensor`` of group rank ``r``.
@@ -491,11 +663,44 @@ def scatter(
     return _finish(async_op, backend.scatter, tensor, inputs, root)
 
 
+@overload
 def reduce_scatter(
-    output: Any,
-    input_list: list[Any],
+    output: Array,
+    input_list: Sequence[Array],
     op: ReduceOp = ReduceOp.SUM,
-    group: Any = None,
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+@overload
+def reduce_scatter(
+    output: Array,
+    input_list: Sequence[Array],
+    op: ReduceOp,
+    group: ProcessGroup | None,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def reduce_scatter(
+    output: Array,
+    input_list: Sequence[Array],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def reduce_scatter(
+    output: Array,
+    input_list: Sequence[Array],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None: ...
+def reduce_scatter(
+    output: Array,
+    input_list: Sequence[Array],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Reduce ``input_list[r]`` over the group into ``output`` of group rank ``r``.
@@ -520,10 +725,39 @@ def reduce_scatter(
     return _finish(async_op, backend.reduce_scatter, [output], [input_list], op)
 
 
+@overload
 def all_to_all(
-    output_tensor_list: list[Any],
-    input_tensor_list: list[Any],
-    group: Any = None,
+    output_tensor_list: Sequence[Array],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+@overload
+def all_to_all(
+    output_tensor_list: Sequence[Array],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def all_to_all(
+    output_tensor_list: Sequence[Array],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def all_to_all(
+    output_tensor_list: Sequence[Array],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None: ...
+def all_to_all(
+    output_tensor_list: Sequence[Array],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """Exchange one array with every rank: ``output_tensor_list[q]`` gets rank ``q``'s message.
@@ -564,7 +798,15 @@ def all_to_all(
     return _finish(async_op, backend.all_to_all, outputs, inputs)
 
 
-def barrier(group: Any = None, async_op: bool = False) -> Work | None:
+@overload
+def barrier(group: ProcessGroup | None = None, async_op: Literal[False] = False) -> None: ...
+@overload
+def barrier(group: ProcessGroup | None, async_op: Literal[True]) -> Work: ...
+@overload
+def barrier(group: ProcessGroup | None = None, *, async_op: Literal[True]) -> Work: ...
+@overload
+def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None: ...
+def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Wait until every rank of the group has called ``barrier``.
 
     Example:
@@ -604,7 +846,7 @@ def _p2p(tensor: Any, peer: Any, name: str, group: Any, tag: Any) -> Any:
     return pg, backend, local, tag
 
 
-def isend(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> Work | None:
+def isend(tensor: Array, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> Work | None:
     """Start sending ``tensor`` to world rank ``dst``; returns a :class:`Work` to wait on.
 
     ``tensor`` must not be modified until the work completed. Returns ``None`` on non-members.
@@ -626,7 +868,9 @@ def isend(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> Work | None
     return work
 
 
-def irecv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0) -> Work | None:
+def irecv(
+    tensor: Array, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0
+) -> Work | None:
     """Start receiving into ``tensor`` from world rank ``src`` (any rank when ``None``).
 
     ``Work.source_rank()`` gives the sender's world rank once it completed.
@@ -649,7 +893,7 @@ def irecv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0) 
     return work
 
 
-def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
+def send(tensor: Array, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
     """Send ``tensor`` to world rank ``dst`` and wait until the buffer can be reused.
 
     Example:
@@ -666,7 +910,9 @@ def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
         work.wait()
 
 
-def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0) -> int:
+def recv(
+    tensor: Array, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0
+) -> int:
     """Receive into ``tensor`` from world rank ``src`` (any rank when ``None``).
 
     Returns:
@@ -691,8 +937,37 @@ def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0) -
 # Coalesced
 
 
+@overload
 def all_reduce_coalesced(
-    tensors: list[Any], op: ReduceOp = ReduceOp.SUM, group: Any = None, async_op: bool = False
+    tensors: Sequence[Array],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+@overload
+def all_reduce_coalesced(
+    tensors: Sequence[Array], op: ReduceOp, group: ProcessGroup | None, async_op: Literal[True]
+) -> Work: ...
+@overload
+def all_reduce_coalesced(
+    tensors: Sequence[Array],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def all_reduce_coalesced(
+    tensors: Sequence[Array],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None: ...
+def all_reduce_coalesced(
+    tensors: Sequence[Array],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     """``all_reduce`` of each array of ``tensors`` (one device, any shapes and dtypes) at once.
 
@@ -719,10 +994,39 @@ def all_reduce_coalesced(
     return _finish(async_op, backend.all_reduce_coalesced, tensors, op)
 
 
+@overload
 def all_gather_coalesced(
-    output_tensor_lists: list[list[Any]],
-    input_tensor_list: list[Any],
-    group: Any = None,
+    output_tensor_lists: Sequence[Sequence[Array]],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+@overload
+def all_gather_coalesced(
+    output_tensor_lists: Sequence[Sequence[Array]],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def all_gather_coalesced(
+    output_tensor_lists: Sequence[Sequence[Array]],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def all_gather_coalesced(
+    output_tensor_lists: Sequence[Sequence[Array]],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None: ...
+def all_gather_coalesced(
+    output_tensor_lists: Sequence[Sequence[Array]],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """``output_tensor_lists[r][k]`` receives ``input_tensor_list[k]`` of group rank ``r``.
@@ -776,10 +1080,43 @@ def _device_list(backend: ProcessGroupBackend, xs: Any, name: str, *, output: bo
     return xs
 
 
+@overload
 def broadcast_multigpu(
-    tensor_list: list[Any],
+    tensor_list: Sequence[Array],
     src: int,
-    group: Any = None,
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+    src_tensor: int = 0,
+) -> None: ...
+@overload
+def broadcast_multigpu(
+    tensor_list: Sequence[Array],
+    src: int,
+    group: ProcessGroup | None,
+    async_op: Literal[True],
+    src_tensor: int = 0,
+) -> Work: ...
+@overload
+def broadcast_multigpu(
+    tensor_list: Sequence[Array],
+    src: int,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+    src_tensor: int = 0,
+) -> Work: ...
+@overload
+def broadcast_multigpu(
+    tensor_list: Sequence[Array],
+    src: int,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    src_tensor: int = 0,
+) -> Work | None: ...
+def broadcast_multigpu(
+    tensor_list: Sequence[Array],
+    src: int,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
     src_tensor: int = 0,
 ) -> Work | None:
@@ -808,8 +1145,37 @@ def broadcast_multigpu(
     return _finish(async_op, backend.broadcast, tensor_list, root, index)
 
 
+@overload
 def all_reduce_multigpu(
-    tensor_list: list[Any], op: ReduceOp = ReduceOp.SUM, group: Any = None, async_op: bool = False
+    tensor_list: Sequence[Array],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+@overload
+def all_reduce_multigpu(
+    tensor_list: Sequence[Array], op: ReduceOp, group: ProcessGroup | None, async_op: Literal[True]
+) -> Work: ...
+@overload
+def all_reduce_multigpu(
+    tensor_list: Sequence[Array],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def all_reduce_multigpu(
+    tensor_list: Sequence[Array],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None: ...
+def all_reduce_multigpu(
+    tensor_list: Sequence[Array],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     """``all_reduce`` over every array of every rank; each array receives the result.
 
@@ -833,11 +1199,48 @@ def all_reduce_multigpu(
     return _finish(async_op, backend.all_reduce, tensor_list, op)
 
 
-def reduce_multigpu(  # noqa: PLR0917 - torch's signature
-    tensor_list: list[Any],
+@overload
+def reduce_multigpu(
+    tensor_list: Sequence[Array],
     dst: int,
     op: ReduceOp = ReduceOp.SUM,
-    group: Any = None,
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+    dst_tensor: int = 0,
+) -> None: ...
+@overload
+def reduce_multigpu(
+    tensor_list: Sequence[Array],
+    dst: int,
+    op: ReduceOp,
+    group: ProcessGroup | None,
+    async_op: Literal[True],
+    dst_tensor: int = 0,
+) -> Work: ...
+@overload
+def reduce_multigpu(
+    tensor_list: Sequence[Array],
+    dst: int,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+    dst_tensor: int = 0,
+) -> Work: ...
+@overload
+def reduce_multigpu(
+    tensor_list: Sequence[Array],
+    dst: int,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    dst_tensor: int = 0,
+) -> Work | None: ...
+def reduce_multigpu(  # noqa: PLR0917 - torch's signature
+    tensor_list: Sequence[Array],
+    dst: int,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
     dst_tensor: int = 0,
 ) -> Work | None:
@@ -865,10 +1268,39 @@ def reduce_multigpu(  # noqa: PLR0917 - torch's signature
     return _finish(async_op, backend.reduce, tensor_list, root, index, op)
 
 
+@overload
 def all_gather_multigpu(
-    output_tensor_lists: list[list[Any]],
-    input_tensor_list: list[Any],
-    group: Any = None,
+    output_tensor_lists: Sequence[Sequence[Array]],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+@overload
+def all_gather_multigpu(
+    output_tensor_lists: Sequence[Sequence[Array]],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def all_gather_multigpu(
+    output_tensor_lists: Sequence[Sequence[Array]],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def all_gather_multigpu(
+    output_tensor_lists: Sequence[Sequence[Array]],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None: ...
+def all_gather_multigpu(
+    output_tensor_lists: Sequence[Sequence[Array]],
+    input_tensor_list: Sequence[Array],
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """``output_tensor_lists[i][r * L + j]`` receives ``input_tensor_list[j]`` of group rank ``r``.
@@ -904,11 +1336,44 @@ def all_gather_multigpu(
     return _finish(async_op, backend.all_gather, output_tensor_lists, inputs)
 
 
+@overload
 def reduce_scatter_multigpu(
-    output_tensor_list: list[Any],
-    input_tensor_lists: list[list[Any]],
+    output_tensor_list: Sequence[Array],
+    input_tensor_lists: Sequence[Sequence[Array]],
     op: ReduceOp = ReduceOp.SUM,
-    group: Any = None,
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+@overload
+def reduce_scatter_multigpu(
+    output_tensor_list: Sequence[Array],
+    input_tensor_lists: Sequence[Sequence[Array]],
+    op: ReduceOp,
+    group: ProcessGroup | None,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def reduce_scatter_multigpu(
+    output_tensor_list: Sequence[Array],
+    input_tensor_lists: Sequence[Sequence[Array]],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def reduce_scatter_multigpu(
+    output_tensor_list: Sequence[Array],
+    input_tensor_lists: Sequence[Sequence[Array]],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None: ...
+def reduce_scatter_multigpu(
+    output_tensor_list: Sequence[Array],
+    input_tensor_lists: Sequence[Sequence[Array]],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """``reduce_scatter`` over every array of every rank, one output per local device.
