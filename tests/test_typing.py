@@ -94,3 +94,18 @@ def test_user_script_runs_on_host_devices() -> None:
     word, first, last = done.stdout.split()
     assert word == "ok"
     assert float(last) < float(first)
+
+
+def test_array_at_run_time_is_is_array() -> None:
+    import numpy as np
+
+    import cupy_parallel as cp
+
+    h = cp.to_device(np.ones(2), "host:1")
+    assert (
+        [isinstance(v, cp.Array) for v in (np.ones(2), h, [1.0], 1.0, np.float64(1))]
+        == [cp.is_array(v) for v in (np.ones(2), h, [1.0], 1.0, np.float64(1))]
+        == [True, True, False, False, False]
+    )
+    with pytest.raises(TypeError, match=r"cupy_parallel.Array is a type for annotations"):
+        cp.Array()
