@@ -4,7 +4,10 @@
 places (see :mod:`cupy_parallel._src.arrays`). At run time it is a class that cannot be
 instantiated and whose ``isinstance`` is :func:`cupy_parallel.is_array`. Functions that take a
 pytree and give back the same structure are generic instead (``Tape.gradient(loss, params)`` has
-the type of ``params``).
+the type of ``params``). The structure is what the type promises, not every leaf: a non-array
+leaf of ``Tape.gradient``'s sources, or a source left unconnected with
+``unconnected_gradients="none"``, comes back as ``None`` under its source's type; ``gather``
+turns 0-d leaves into vectors.
 
 Decision, CuPy: CuPy ships no type information (no ``py.typed``, no stubs), so ``import cupy``
 gives a type checker ``Any``, and ``numpy.ndarray | HostArray | Any`` would accept any argument at
