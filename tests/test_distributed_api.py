@@ -109,7 +109,10 @@ def test_failed_rendezvous_closes_the_store_it_opened(
     The store path serves the NCCL backend; its table entry points at the MPI class here so the
     path runs without a GPU (the rendezvous fails before any backend is made).
     """
+    from cupy_parallel._src.distributed.mpi import MPIBackend
+
     monkeypatch.setitem(groups._BACKENDS, Backend.NCCL, groups._BACKENDS[Backend.MPI])
+    monkeypatch.setattr(MPIBackend, "needs_store", True)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -24,7 +24,9 @@ Conventions every primitive follows:
   toward zero).
 
 A backend class is listed in ``cupy_parallel._src.distributed.groups._BACKENDS`` (a table from
-:class:`~.enums.Backend` to ``(module, class name)``, imported lazily).
+:class:`~.enums.Backend` to ``(module, class name)``, imported lazily); everything else the group
+layer needs to know about it is on the class (:attr:`ProcessGroupBackend.needs_store`,
+:meth:`ProcessGroupBackend.unavailable_reason`), so a new backend touches only that table.
 
 After a timeout the group cannot be used any more: the backend (or its ``Work._on_timeout``) sets
 :attr:`ProcessGroupBackend.failure` to a sentence saying what happened, and the public layer
@@ -70,6 +72,11 @@ class ProcessGroupBackend(abc.ABC):
     backend: ClassVar[Backend]
     #: Device kinds (``"cpu"``, ``"host"``, ``"cuda"``) whose arrays this backend communicates.
     array_kinds: ClassVar[frozenset[str]]
+    #: Whether ranks meet through a store (``init_method``/``store``) before :meth:`create_world`;
+    #: ``False``: the backend finds its peers itself (MPI's ``COMM_WORLD``).
+    needs_store: ClassVar[bool] = True
+    #: The largest ``tag`` of :meth:`send`/:meth:`recv` (MPI's ``TAG_UB``; at least 32767).
+    max_tag: int = 2**31 - 1
 
     def __init__(self, rank: int, size: int, *, timeout: float, group_name: str) -> None:
         self.rank = rank
@@ -87,6 +94,11 @@ class ProcessGroupBackend(abc.ABC):
     @abc.abstractmethod
     def is_available(cls) -> bool:
         """Whether the backend's libraries can be loaded here (never raises)."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why the backend cannot be used here (what is missing, how to get it), or ``None``."""
+        return None if cls.is_available() else f"{cls.__name__} cannot be loaded."
 
     @classmethod
     @abc.abstractmethod

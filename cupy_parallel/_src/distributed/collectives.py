@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cupy_parallel._src.arguments import read_bool, read_int
 from cupy_parallel._src.devices import HostArray, device_of, is_array
 from cupy_parallel._src.distributed.enums import ReduceOp
 from cupy_parallel._src.distributed.groups import _resolve
@@ -160,9 +161,7 @@ def _peer(pg: ProcessGroup, rank: Any, name: str) -> int:
     """The group rank of world rank ``rank``."""
     local = pg._group_rank.get(rank) if type(rank) is int else None
     if local is None:
-        if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
-            raise TypeError(f"{name} must be an int (a world rank), got {type(rank).__name__}.")
-        local = pg._group_rank.get(int(rank))
+        local = pg._group_rank.get(read_int(rank, name))
         if local is None:
             raise ValueError(
                 f"{name}={rank} is not a member of process group {pg.name!r}, whose world "
@@ -180,8 +179,7 @@ def _reduction(backend: ProcessGroupBackend, dtype: Any, op: Any) -> None:
 
 
 def _index(value: Any, length: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
+    value = read_int(value, name)
     if not 0 <= value < length:
         raise ValueError(f"{name} must be in [0, {length}) (the list's length), got {value}.")
     return value
@@ -192,17 +190,18 @@ def _given(xs: Any) -> bool:
     return xs is not None and not (isinstance(xs, list | tuple) and len(xs) == 0)
 
 
-def _tag(tag: Any) -> int:
-    if isinstance(tag, bool) or not isinstance(tag, int):
-        raise TypeError(f"tag must be an int, got {type(tag).__name__}.")
-    if tag < 0:
-        raise ValueError(f"tag must be >= 0, got {tag}.")
+def _tag(backend: ProcessGroupBackend, tag: Any) -> int:
+    tag = read_int(tag, "tag", minimum=0)
+    if tag > backend.max_tag:
+        raise ValueError(
+            f"tag must be at most {backend.max_tag} (the largest tag the "
+            f"{backend.backend.value!r} backend carries), got {tag}."
+        )
     return tag
 
 
 def _check_async(async_op: Any) -> None:
-    if type(async_op) is not bool:
-        raise TypeError(f"async_op must be a bool, got {type(async_op).__name__} {async_op!r}.")
+    read_bool(async_op, "async_op")
 
 
 def _finish(async_op: Any, primitive: Callable[..., Work], /, *args: Any) -> Work | None:
@@ -588,7 +587,7 @@ def _p2p(tensor: Any, peer: Any, name: str, group: Any, tag: Any) -> Any:
         return None
     pg, backend = resolved
     _data(backend, tensor, "tensor", output=name == "src")
-    tag = _tag(tag)
+    tag = _tag(backend, tag)
     if peer is None:
         if name != "src":
             raise TypeError("dst must be an int (a world rank), got None.")

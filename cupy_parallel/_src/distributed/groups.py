@@ -12,8 +12,8 @@ import importlib.util
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from cupy_parallel._src.arguments import read_int, read_timeout
 from cupy_parallel._src.distributed.enums import Backend
-from cupy_parallel._src.distributed.work import seconds
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -161,23 +161,34 @@ def _world_group() -> ProcessGroup:
     return _world
 
 
-def _backend_class(backend: Backend) -> type[ProcessGroupBackend]:
+def _loaded_class(backend: Backend) -> type[ProcessGroupBackend]:
     module_name, class_name = _BACKENDS[backend]
-    module = importlib.import_module(module_name)
-    cls: type[ProcessGroupBackend] = getattr(module, class_name)
-    if not cls.is_available():
-        if backend is Backend.NCCL:  # several things can be missing: say which
-            why = module.unavailable_reason()
-        else:
-            why = "mpi4py cannot be loaded; install it with `pip install cupy-parallel[mpi]`."
+    cls: type[ProcessGroupBackend] = getattr(importlib.import_module(module_name), class_name)
+    return cls
+
+
+def _backend_class(backend: Backend) -> type[ProcessGroupBackend]:
+    cls = _loaded_class(backend)
+    why = cls.unavailable_reason()
+    if why is not None:
         raise RuntimeError(f"The {backend.value!r} backend is not available here: {why}")
     return cls
 
 
-def _check_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
-    return value
+def _default_backend() -> Backend:
+    """The backend ``init_process_group()`` picks when given none (see its docstring)."""
+    import os
+
+    from cupy_parallel._src.distributed.launch import detect_launch_env
+
+    named = os.environ.get("CUPY_PARALLEL_BACKEND", "").strip()
+    if named:
+        return Backend(named)
+    if detect_launch_env().get("source", "Slurm") != "Slurm":  # started by mpiexec
+        return Backend.MPI
+    if is_nccl_available():
+        return Backend.NCCL
+    return Backend.MPI
 
 
 def is_initialized() -> bool:
@@ -209,16 +220,15 @@ def is_nccl_available() -> bool:
     """
     if importlib.util.find_spec("cupy") is None:
         return False
-    module_name, class_name = _BACKENDS[Backend.NCCL]
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
+        cls = _loaded_class(Backend.NCCL)
     except ImportError:
         return False
     return bool(cls.is_available())
 
 
 def init_process_group(  # noqa: PLR0917 - torch's signature
-    backend: Backend | str,
+    backend: Backend | str | None = None,
     init_method: str | None = None,
     timeout: timedelta = _DEFAULT_TIMEOUT,
     world_size: int = -1,
@@ -238,9 +248,13 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
     initialise again on the same ``store``.
 
     Args:
-        backend: ``"nccl"`` or ``"mpi"`` (any case) or a :class:`Backend`.
+        backend: ``"nccl"`` or ``"mpi"`` (any case) or a :class:`Backend`. ``None`` (PyTorch 2's
+            default) picks one: ``CUPY_PARALLEL_BACKEND`` if set (``cupy-parallel launch
+            --backend`` sets it); ``"mpi"`` in processes started by ``mpiexec``; else
+            ``"nccl"`` where a GPU and NCCL are available; else ``"mpi"``.
         init_method: How NCCL ranks find each other; exclusive with ``store``.
-        timeout: How long any operation of the group may wait for peers (also the rendezvous).
+        timeout: How long any operation of the group may wait for peers (also the rendezvous):
+            a ``datetime.timedelta`` or a number of seconds.
             Past it the operation raises ``TimeoutError`` naming itself and the group. A started
             collective cannot be cancelled, so the group is unusable afterwards: NCCL aborts the
             communicator, and MPI aborts the whole job (``MPI_Abort``, non-zero exit) when this
@@ -264,10 +278,10 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
         ValueError: backend must be 'nccl' or 'mpi', got 'gloo'. Use Backend.MPI ('mpi') ...
     """
     global _world, _group_count, _owned_store
-    backend = Backend(backend)
-    limit = seconds(timeout)
-    world_size = _check_int(world_size, "world_size")
-    rank = _check_int(rank, "rank")
+    backend = _default_backend() if backend is None else Backend(backend)
+    limit = read_timeout(timeout)
+    world_size = read_int(world_size, "world_size", minimum=-1)
+    rank = read_int(rank, "rank", minimum=-1)
     if not isinstance(group_name, str):
         raise TypeError(f"group_name must be a str, got {type(group_name).__name__}.")
     if init_method is not None and not isinstance(init_method, str):
@@ -292,7 +306,7 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
         )
     cls = _backend_class(backend)
     name = group_name or "0"
-    if backend is Backend.MPI:
+    if not cls.needs_store:
         world = cls.create_world(
             rank=rank, world_size=world_size, store=None, timeout=limit, group_name=name
         )
@@ -302,12 +316,12 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
         owned = None
         if store is None:
             store, rank, world_size = rendezvous(
-                init_method or "env://", rank, world_size, timeout=timeout
+                init_method or "env://", rank, world_size, timeout=timedelta(seconds=limit)
             )
             owned = store
         try:
             key = init_key(store, name, world_size)
-            wait_for_world(store, rank, world_size, timeout=timeout, key=key)
+            wait_for_world(store, rank, world_size, timeout=timedelta(seconds=limit), key=key)
             world = cls.create_world(
                 rank=rank, world_size=world_size, store=store, timeout=limit, group_name=name
             )
@@ -351,7 +365,7 @@ def new_group(
     else:
         if isinstance(ranks, str | bytes) or not hasattr(ranks, "__iter__"):
             raise TypeError(f"ranks must be a list of ints, got {type(ranks).__name__}.")
-        listed = [_check_int(r, "each of ranks") for r in ranks]
+        listed = [read_int(r, "each of ranks") for r in ranks]
         members = tuple(sorted(set(listed)))
         if len(members) != len(listed):
             raise ValueError(f"ranks must be distinct, got {listed}.")
@@ -360,7 +374,7 @@ def new_group(
             raise ValueError(
                 f"ranks must be world ranks in [0, {size}), got {listed} (out of range: {bad})."
             )
-    limit = world_backend.timeout if timeout is None else seconds(timeout)
+    limit = world_backend.timeout if timeout is None else read_timeout(timeout)
     if backend is not None and Backend(backend) is not world_backend.backend:
         raise NotImplementedError(
             f"new_group(backend={Backend(backend).value!r}) under a "
