@@ -51,7 +51,10 @@ def test_backend_gloo_points_to_mpi() -> None:
 
 
 def test_reduce_op_members() -> None:
-    assert [op.name for op in ReduceOp] == ["SUM", "PRODUCT", "MIN", "MAX", "AVG"]
+    assert [op.name for op in ReduceOp] == [
+        *("SUM", "PRODUCT", "MIN", "MAX", "AVG"),
+        *("BAND", "BOR", "BXOR"),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,8 +224,38 @@ def test_list_checks(world: None) -> None:
         dist.broadcast_multigpu(pair, src=0, src_tensor=2)
     with pytest.raises(ValueError, match=r"tensors must hold at least one array"):
         dist.all_reduce_coalesced([])
-    with pytest.raises(TypeError, match=r"all_to_all moves one dtype"):
+    with pytest.raises(
+        TypeError,
+        match=r"output_tensor_list\[0\] has dtype int32 but input_tensor_list\[0\] has float64",
+    ):
         dist.all_to_all([np.zeros(1, np.int32)], [np.zeros(1)])
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        (np.zeros(2), TypeError, r"must be a list of (lists of )?arrays, got ndarray"),
+        ([], ValueError, r"must hold 1 (arrays|lists), got 0"),
+        ([[np.zeros(2)], [np.zeros(2)]], ValueError, r"must hold 1 (arrays|lists), got 2"),
+    ],
+    ids=["not-a-list", "empty", "too-long"],
+)
+def test_all_to_all_and_all_gather_coalesced_share_list_checks(
+    world: None, bad: Any, error: type[Exception], message: str
+) -> None:
+    """The same bad output list gives the same exception type in both (TypeError vs ValueError
+    used to differ)."""
+    x = np.zeros(2)
+    outputs = bad if not isinstance(bad, list) or not bad or isinstance(bad[0], list) else bad
+    with pytest.raises(error, match=message):
+        dist.all_gather_coalesced(outputs, [x])
+    flat = (
+        [item[0] if isinstance(item, list) else item for item in bad]
+        if isinstance(bad, list)
+        else bad
+    )
+    with pytest.raises(error, match=message):
+        dist.all_to_all(flat, [x])
 
 
 def test_p2p_checks(world: None) -> None:

@@ -38,12 +38,14 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from cupy_parallel._src.distributed.enums import ReduceOp
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     import numpy as np
 
-    from cupy_parallel._src.distributed.enums import Backend, ReduceOp
+    from cupy_parallel._src.distributed.enums import Backend
     from cupy_parallel._src.distributed.work import Work
 
 __all__ = ["ProcessGroupBackend"]
@@ -75,8 +77,15 @@ class ProcessGroupBackend(abc.ABC):
     #: Whether ranks meet through a store (``init_method``/``store``) before :meth:`create_world`;
     #: ``False``: the backend finds its peers itself (MPI's ``COMM_WORLD``).
     needs_store: ClassVar[bool] = True
-    #: The largest ``tag`` of :meth:`send`/:meth:`recv` (MPI's ``TAG_UB``; at least 32767).
-    max_tag: int = 2**31 - 1
+    #: The largest ``tag`` users may give :meth:`send`/:meth:`recv` (MPI: ``TAG_UB - 1``); the
+    #: tag above it is reserved for ``monitored_barrier``.
+    max_tag: int = 2**31 - 2
+    #: The reductions the backend has; ``all_reduce`` refuses the others before communicating.
+    reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(
+        {ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG}
+    )
+    #: ``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL``: compare every collective's arguments first.
+    detail: bool = False
 
     def __init__(self, rank: int, size: int, *, timeout: float, group_name: str) -> None:
         self.rank = rank
@@ -189,6 +198,15 @@ class ProcessGroupBackend(abc.ABC):
 
         One dtype for all arrays; shapes may differ between peers (each pair agrees on its own).
         """
+
+    def agree(self, record: bytes, /) -> list[bytes] | None:
+        """Every group member's ``record``, in group-rank order (the debug mode's comparison).
+
+        ``None`` when the backend cannot exchange them (the comparison is then skipped). Must
+        not block past :attr:`timeout` and must not match any user communication.
+        """
+        del record
+        return None
 
     @abc.abstractmethod
     def barrier(self) -> Work:

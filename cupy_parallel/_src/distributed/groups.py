@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -24,8 +25,12 @@ if TYPE_CHECKING:
 __all__ = [
     "GroupMember",
     "ProcessGroup",
+    "debug_detail",
     "destroy_process_group",
     "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
     "get_rank",
     "get_world_size",
     "group",
@@ -43,6 +48,7 @@ _BACKENDS: dict[Backend, tuple[str, str]] = {
 }
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
+_DEBUG_VAR = "CUPY_PARALLEL_DISTRIBUTED_DEBUG"
 
 
 class _Sentinel:
@@ -177,8 +183,6 @@ def _backend_class(backend: Backend) -> type[ProcessGroupBackend]:
 
 def _default_backend() -> Backend:
     """The backend ``init_process_group()`` picks when given none (see its docstring)."""
-    import os
-
     from cupy_parallel._src.distributed.launch import detect_launch_env
 
     named = os.environ.get("CUPY_PARALLEL_BACKEND", "").strip()
@@ -189,6 +193,19 @@ def _default_backend() -> Backend:
     if is_nccl_available():
         return Backend.NCCL
     return Backend.MPI
+
+
+def debug_detail() -> bool:
+    """Whether ``CUPY_PARALLEL_DISTRIBUTED_DEBUG`` asks for the ``DETAIL`` checks.
+
+    Example:
+        >>> isinstance(debug_detail(), bool)
+        True
+    """
+    level = os.environ.get(_DEBUG_VAR, "OFF").strip().upper()
+    if level not in ("OFF", "INFO", "DETAIL", ""):
+        raise ValueError(f"{_DEBUG_VAR} must be OFF, INFO or DETAIL, got {level!r}.")
+    return level == "DETAIL"
 
 
 def is_initialized() -> bool:
@@ -279,6 +296,7 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
     """
     global _world, _group_count, _owned_store
     backend = _default_backend() if backend is None else Backend(backend)
+    detail = debug_detail()
     limit = read_timeout(timeout)
     world_size = read_int(world_size, "world_size", minimum=-1)
     rank = read_int(rank, "rank", minimum=-1)
@@ -330,6 +348,7 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
                 owned.close()
             raise
         _owned_store = owned
+    world.detail = detail
     _world = ProcessGroup(world, tuple(range(world.size)), name)
     _group_count = 1
 
@@ -386,6 +405,7 @@ def new_group(
     sub = world_backend.new_subgroup(members, timeout=limit, group_name=name)
     if sub is None:
         return _NON_MEMBER
+    sub.detail = world_backend.detail
     made = ProcessGroup(sub, members, name)
     _subgroups.append(made)
     return made
@@ -465,3 +485,62 @@ def get_world_size(group: Any = None) -> int:
     """
     pg = _resolve(group)
     return -1 if pg is None else len(pg.ranks)
+
+
+def _member_group(group: Any, caller: str) -> ProcessGroup:
+    pg = _resolve(group)
+    if pg is None:
+        raise ValueError(
+            f"{caller} got GroupMember.NON_GROUP_MEMBER; pass a group of this process."
+        )
+    return pg
+
+
+def get_process_group_ranks(group: Any) -> list[int]:
+    """The world ranks of ``group``'s members, in group-rank order (PyTorch 2).
+
+    Example:
+        >>> get_process_group_ranks(None)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: The default process group is not initialized; call ...
+    """
+    return list(_member_group(group, "get_process_group_ranks").ranks)
+
+
+def get_global_rank(group: Any, group_rank: int) -> int:
+    """The world rank of ``group``'s member ``group_rank`` (PyTorch 2).
+
+    Example:
+        >>> get_global_rank(None, 0)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: The default process group is not initialized; call ...
+    """
+    pg = _member_group(group, "get_global_rank")
+    index = read_int(group_rank, "group_rank")
+    if not 0 <= index < len(pg.ranks):
+        raise ValueError(
+            f"group_rank must be in [0, {len(pg.ranks)}) for process group {pg.name!r}, got "
+            f"{index}."
+        )
+    return pg.ranks[index]
+
+
+def get_group_rank(group: Any, global_rank: int) -> int:
+    """The rank in ``group`` of world rank ``global_rank`` (PyTorch 2).
+
+    Example:
+        >>> get_group_rank(None, 0)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: The default process group is not initialized; call ...
+    """
+    pg = _member_group(group, "get_group_rank")
+    index = pg._group_rank.get(read_int(global_rank, "global_rank"))
+    if index is None:
+        raise ValueError(
+            f"global_rank={global_rank} is not a member of process group {pg.name!r}, whose "
+            f"world ranks are {list(pg.ranks)}."
+        )
+    return index

@@ -45,6 +45,7 @@ import atexit
 import contextlib
 import ctypes
 import functools
+import hashlib
 import importlib.util
 import os
 import sys
@@ -73,7 +74,11 @@ _OPS: dict[ReduceOp, tuple[str, str | None, str, str | None]] = {
     ReduceOp.MIN: ("MIN", "LAND", "minimum", "logical_and"),
     ReduceOp.MAX: ("MAX", "LOR", "maximum", "logical_or"),
     ReduceOp.AVG: ("SUM", None, "add", None),
+    ReduceOp.BAND: ("BAND", "LAND", "bitwise_and", "logical_and"),
+    ReduceOp.BOR: ("BOR", "LOR", "bitwise_or", "logical_or"),
+    ReduceOp.BXOR: ("BXOR", "LXOR", "bitwise_xor", "logical_xor"),
 }
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 _REDUCIBLE_KINDS = "biufc"
 
@@ -524,6 +529,7 @@ class MPIBackend(ProcessGroupBackend):
     backend: ClassVar[Backend] = Backend.MPI
     array_kinds: ClassVar[frozenset[str]] = frozenset({"cpu", "host", "cuda"})
     needs_store: ClassVar[bool] = False
+    reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(ReduceOp)
 
     def __init__(self, comm: Any, control: Any, *, timeout: float, group_name: str) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout=timeout, group_name=group_name)
@@ -536,7 +542,7 @@ class MPIBackend(ProcessGroupBackend):
         mpi = _mpi()
         self._in_place = mpi.IN_PLACE
         self._byte = mpi.BYTE
-        self.max_tag = int(comm.Get_attr(mpi.TAG_UB))
+        self.max_tag = int(comm.Get_attr(mpi.TAG_UB)) - 1  # TAG_UB: monitored_barrier's
 
     # --------------------------------------------------------------------------- life cycle
 
@@ -652,6 +658,11 @@ class MPIBackend(ProcessGroupBackend):
                     "integer or float dtype first."
                 )
             number_op, number_ufunc = bool_op, bool_ufunc
+        if op in _BITWISE and dtype.kind not in "biu":
+            raise TypeError(
+                f"ReduceOp.{op.name} is a bitwise reduction: it takes integer and bool arrays, "
+                f"got dtype {dtype}."
+            )
         if dtype.kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
             raise TypeError(
                 f"ReduceOp.{op.name} is not defined for complex dtype {dtype} (complex numbers "
@@ -835,6 +846,18 @@ class MPIBackend(ProcessGroupBackend):
         )
         work = _MPIWork("all_to_all", self, request, keep=(send, received))
         return work._add_finalizer(functools.partial(_unpack, received, outputs))
+
+    def agree(self, record: bytes, /) -> list[bytes]:
+        """Digests on the control communicator; the records themselves only if they differ."""
+        mpi = _mpi()
+        digest = np.frombuffer(hashlib.blake2b(record, digest_size=16).digest(), np.uint8)
+        every = np.zeros((self.size, 16), np.uint8)
+        request = self._control.Iallgather([digest, mpi.BYTE], [every, mpi.BYTE])
+        _MPIWork("the debug mode's comparison", self, request, keep=(digest, every)).wait()
+        if (every == digest).all():
+            return [record] * self.size
+        records: list[bytes] = self._control.allgather(record)  # every rank is here
+        return records
 
     def barrier(self) -> Work:
         """Ibarrier."""

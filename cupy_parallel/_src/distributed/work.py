@@ -9,8 +9,10 @@ errors raised by the backend, finalizers that unpack or copy back results) lives
 from __future__ import annotations
 
 import os
+import threading
 import time
-from typing import TYPE_CHECKING, ClassVar
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cupy_parallel._src.arguments import read_timeout
 
@@ -74,8 +76,10 @@ class Work:
         "_done",
         "_exception",
         "_finalizers",
+        "_future",
         "_group",
         "_ranks",
+        "_result",
         "_source",
         "_timeout",
     )
@@ -96,6 +100,8 @@ class Work:
         self._finalizers: list[Callable[[], object]] | None = None
         self._source = -1
         self._ranks: tuple[int, ...] | None = None
+        self._result: Any = None  # what get_future()'s future holds: the output arrays
+        self._future: Future[Any] | None = None
 
     # ----------------------------------------------------------------------------- backend hooks
 
@@ -262,6 +268,33 @@ class Work:
         """
         del stream
         self.wait()
+
+    def get_future(self) -> Future[Any]:
+        """A ``concurrent.futures.Future`` completed when the operation is (PyTorch 2).
+
+        Its result is the list of arrays the operation wrote (as torch's future holds the output
+        tensors), or its exception is the operation's error. A helper thread waits on the work
+        for it (so do not also ``wait`` on the work from another thread at the same time).
+
+        Example:
+            >>> future = CompletedWork("barrier", "0").get_future()
+            >>> future.result(timeout=5)
+            []
+        """
+        if self._future is None:
+            future: Future[Any] = Future()
+            self._future = future
+
+            def settle() -> None:
+                try:
+                    self.wait()
+                except BaseException as error:  # noqa: BLE001 - handed to the future
+                    future.set_exception(error)
+                else:
+                    future.set_result(self._result if self._result is not None else [])
+
+            threading.Thread(target=settle, name=f"{self._description} future", daemon=True).start()
+        return self._future
 
     def source_rank(self) -> int:
         """The global rank a finished receive got its message from (``-1`` for other operations)."""
