@@ -191,3 +191,52 @@ def test_environment_disagreeing_with_mpi_is_an_error(tmp_path: Path) -> None:
         result.stderr,
     ), result.stderr[-3000:]
     assert re.search(r"rank [01] exited with code 1; stopped the other ranks\.", result.stderr)
+
+
+API = Path(__file__).parent / "mpi_workers" / "api_worker.py"
+
+
+def launch_api(ranks: int, mode: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(API), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "error", **env},
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+def test_pytorch2_api_matches_numpy(ranks: int) -> None:
+    """into_tensor, all_to_all_single, objects, batch p2p, group queries, BAND/BOR/BXOR, futures."""
+    result = launch_api(ranks, "api")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("checks passed") == ranks, result.stdout
+
+
+def test_debug_mode_names_the_differing_rank() -> None:
+    result = launch_api(3, "debug", CUPY_PARALLEL_DISTRIBUTED_DEBUG="DETAIL")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("checks passed") == 3, result.stdout
+    for what in ("shape", "dtype", "op", "root", "operation"):
+        assert result.stdout.count(f"CAUGHT {what}: ") == 3, result.stdout  # on every rank
+    assert (
+        "CAUGHT shape: all_reduce: ranks [2] passed other arguments than the rest of process "
+        "group '0' (the operation, shapes, dtypes, reduction and root must agree). Each passed "
+        "(operation, arguments): rank 0: ('all_reduce', ['ReduceOp.SUM', 'float64[4]']); rank 1: "
+        "('all_reduce', ['ReduceOp.SUM', 'float64[4]']); rank 2: ('all_reduce', "
+        "['ReduceOp.SUM', 'float64[5]'])." in result.stdout
+    )
+
+
+def test_monitored_barrier_names_the_missing_rank() -> None:
+    result = launch_api(3, "monitored")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (
+        "CAUGHT rank 0: monitored_barrier on process group '0': rank 2 did not arrive within "
+        "1.5 s." in result.stdout
+    )
+    assert "CAUGHT rank 1: monitored_barrier on process group '0': rank 0 did not release" in (
+        result.stdout
+    )

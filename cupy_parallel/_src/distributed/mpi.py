@@ -495,6 +495,7 @@ class _MPIWork(Work):
         self._request.Cancel()
         self._request.Wait(status)
         if status.Is_cancelled():
+            self._fail(TimeoutError(f"{self._description} was cancelled."))
             return True
         if self._status is not None:
             self._set_source(status.Get_source())
