@@ -394,6 +394,7 @@ def new_group(
                 f"ranks must be world ranks in [0, {size}), got {listed} (out of range: {bad})."
             )
     limit = world_backend.timeout if timeout is None else read_timeout(timeout)
+    debug_detail()  # a bad CUPY_PARALLEL_DISTRIBUTED_DEBUG is refused before the split
     if backend is not None and Backend(backend) is not world_backend.backend:
         raise NotImplementedError(
             f"new_group(backend={Backend(backend).value!r}) under a "
@@ -405,7 +406,7 @@ def new_group(
     sub = world_backend.new_subgroup(members, timeout=limit, group_name=name)
     if sub is None:
         return _NON_MEMBER
-    sub.detail = world_backend.detail
+    sub.detail = debug_detail()
     made = ProcessGroup(sub, members, name)
     _subgroups.append(made)
     return made
