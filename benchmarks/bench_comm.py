@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src import comm
+from cupy_parallel._src.arrays import to_device
 from cupy_parallel._src.benchmarking import result, script_main
-from cupy_parallel._src.devices import _host_devices, _plain, set_host_device_count, to_device
+from cupy_parallel._src.devices import _host_devices, set_host_device_count
+from cupy_parallel._src.hostarray import plain_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -91,7 +93,7 @@ def _coalesced(repeats: int) -> list[dict[str, Any]]:
     shapes = resnet50_shapes()
     params = [to_device(rng.standard_normal(s, dtype=np.float32), "host:0") for s in shapes]
     nbytes = sum(p.nbytes for p in params)
-    plain = [_plain(p) for p in params]
+    plain = [plain_buffer(p) for p in params]
     replicas = [[np.empty_like(p) for p in plain] for _ in DEVICES[1:]]
 
     def copies() -> None:
@@ -106,7 +108,7 @@ def _coalesced(repeats: int) -> list[dict[str, Any]]:
     grads = [
         [to_device(rng.standard_normal(s, dtype=np.float32), d) for s in shapes] for d in DEVICES
     ]
-    plain_grads = [[_plain(g) for g in per_device] for per_device in grads]
+    plain_grads = [[plain_buffer(g) for g in per_device] for per_device in grads]
 
     def numpy_sums() -> list[np.ndarray]:
         return [a0 + a1 + a2 + a3 for a0, a1, a2, a3 in zip(*plain_grads, strict=True)]
@@ -115,7 +117,7 @@ def _coalesced(repeats: int) -> list[dict[str, Any]]:
         lambda: comm.reduce_add_coalesced(grads, "host:0"), numpy_sums, repeats
     )
     got = comm.reduce_add_coalesced(grads, "host:0")
-    if not all(np.array_equal(_plain(g), w) for g, w in zip(got, numpy_sums(), strict=True)):
+    if not all(np.array_equal(plain_buffer(g), w) for g, w in zip(got, numpy_sums(), strict=True)):
         raise AssertionError("reduce_add_coalesced differs from the NumPy sums")
     return [
         result("broadcast_coalesced ResNet-50 ->4", broadcast_s, copies_s, 1.2, bytes=3 * nbytes),

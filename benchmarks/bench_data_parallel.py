@@ -19,7 +19,8 @@ import numpy as np
 import optree
 
 from cupy_parallel._src import ops
-from cupy_parallel._src.devices import devices, platform, set_host_device_count, to_device
+from cupy_parallel._src.arrays import to_device
+from cupy_parallel._src.devices import devices, platform, set_host_device_count
 from cupy_parallel._src.parallel import data_parallel
 from cupy_parallel._src.tape import Tape
 

@@ -20,20 +20,10 @@ import importlib
 from typing import TYPE_CHECKING
 
 from cupy_parallel import comm, functions, ops
-from cupy_parallel._src.devices import (
-    Device,
-    HostArray,
-    array_namespace,
-    as_device,
-    device_of,
-    devices,
-    empty,
-    is_array,
-    platform,
-    set_host_device_count,
-    to_device,
-)
+from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array, to_device
+from cupy_parallel._src.devices import Device, as_device, devices, platform, set_host_device_count
 from cupy_parallel._src.gradcheck import GradcheckError, gradcheck
+from cupy_parallel._src.hostarray import HostArray
 from cupy_parallel._src.memory import HostMemoryPool, get_host_memory_pool
 from cupy_parallel._src.nested import gather, scatter, scatter_kwargs
 from cupy_parallel._src.parallel import DataParallel, data_parallel, parallel_apply, replicate

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from cupy_parallel import to_device
+from cupy_parallel import is_array, to_device
 from cupy_parallel._src.testing import DTYPES
 
 __all__ = ["DTYPES", "assert_bits_equal", "random_bits", "to_numpy"]
@@ -26,8 +26,8 @@ def random_bits(shape: tuple[int, ...], dtype: Any, seed: int = 0) -> np.ndarray
 
 
 def to_numpy(x: Any) -> np.ndarray:
-    """A plain ``numpy.ndarray`` with the contents of an array on any device."""
-    return np.asarray(to_device(x, "cpu"))
+    """A plain ``numpy.ndarray`` with the contents of an array on any device (or of host data)."""
+    return np.asarray(to_device(x, "cpu") if is_array(x) else x)
 
 
 def assert_bits_equal(actual: Any, expected: Any) -> None:

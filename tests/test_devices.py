@@ -22,6 +22,7 @@ from cupy_parallel._src.memory import POOL_THRESHOLD, HostMemoryPool
     ("spec", "expected"),
     [
         ("cpu", Device("cpu")),
+        ("cpu:0", Device("cpu")),  # as torch.device("cpu:0")
         (-1, Device("cpu")),
         ("host:3", Device("host", 3)),
         ("host", Device("host", 0)),
@@ -58,7 +59,9 @@ def test_device_is_hashable_and_prints_its_spelling() -> None:
         ("gpu:0", ValueError, r"device string must be 'cpu', 'cuda:k' or 'host:k', got 'gpu:0'"),
         ("host:x", ValueError, r"got 'host:x'"),
         ("host:-1", ValueError, r"got 'host:-1'"),
-        ("cpu:0", ValueError, r"got 'cpu:0'"),
+        ("cpu:1", ValueError, r"the cpu device has only index 0 \('cpu' or 'cpu:0'\), got 'cpu:1'"),
+        ("host:\u0661", ValueError, r"got 'host:\u0661' \(k is written in ASCII digits\)"),
+        ("cuda:\u00b2", ValueError, r"got 'cuda:\u00b2' \(k is written in ASCII digits\)"),
         (True, TypeError, r"device must be a str, int or Device, got bool True"),
         (1.5, TypeError, r"device must be a str .* got float 1.5"),
         (None, TypeError, r"got NoneType None"),
@@ -183,12 +186,12 @@ MIXED_DEVICE_OPS = {
 @pytest.mark.parametrize("op", MIXED_DEVICE_OPS.values(), ids=MIXED_DEVICE_OPS.keys())
 def test_two_host_devices_never_mix(pair: tuple[HostArray, HostArray], op) -> None:
     a, b = pair
-    before = np.asarray(a).copy()
+    before = a.get()
     with pytest.raises(
         ValueError, match=r"different devices, host:[12] and host:[12]|on host:2 into"
     ):
         op(a, b)
-    np.testing.assert_array_equal(np.asarray(a), before)  # nothing was written
+    np.testing.assert_array_equal(a.get(), before)  # nothing was written
 
 
 MIXED_NUMPY_OPS = {
@@ -233,24 +236,28 @@ def test_results_slices_and_views_stay_on_device(pair: tuple[HostArray, HostArra
     result = op(a)
     assert isinstance(result, HostArray)
     assert device_of(result) == Device("host", 1)
-    expected = op(np.asarray(a))
-    np.testing.assert_array_equal(np.asarray(result), expected)
+    expected = op(a.get())
+    np.testing.assert_array_equal(result.get(), expected)
 
 
 def test_views_share_memory_and_device(pair: tuple[HostArray, HostArray]) -> None:
     a, _ = pair
     view = a[0]
     view[...] = 7.0
-    assert np.asarray(a)[0].tolist() == [7.0, 7.0, 7.0]
+    assert a.get()[0].tolist() == [7.0, 7.0, 7.0]
     assert view.device == a.device
 
 
-def test_assigning_numpy_into_host_array_is_a_host_to_device_copy(
+def test_assigning_numpy_into_a_basic_index_is_refused_as_cupy_fill_does(
     pair: tuple[HostArray, HostArray],
 ) -> None:
+    # cupy/_core/_routines_indexing.pyx _scatter_op: host data goes through fill(), scalars only
     a, _ = pair
-    a[1] = np.array([9.0, 8.0, 7.0])  # as cupy_array[...] = numpy_array
-    assert np.asarray(a)[1].tolist() == [9.0, 8.0, 7.0]
+    with pytest.raises(ValueError, match=r"Cannot assign a ndarray of shape \(3,\) into an array"):
+        a[1] = np.array([9.0, 8.0, 7.0])
+    a[1] = np.array(9.0)  # a 0-d array is a scalar to fill()
+    a[[0], 0] = np.array([5.0])  # advanced indexing uploads host data (_scatter_op_single)
+    assert a.get().tolist() == [[5.0, 1.0, 2.0], [9.0, 9.0, 9.0]]
 
 
 def test_repr_pickle_and_exit_to_numpy(pair: tuple[HostArray, HostArray]) -> None:
@@ -258,8 +265,9 @@ def test_repr_pickle_and_exit_to_numpy(pair: tuple[HostArray, HostArray]) -> Non
     assert repr(a).endswith("device='host:1')")
     back = pickle.loads(pickle.dumps(a))
     assert back.device == a.device
-    np.testing.assert_array_equal(np.asarray(back), np.asarray(a))
-    assert type(np.asarray(a)) is np.ndarray
+    np.testing.assert_array_equal(back.get(), a.get())
+    assert type(a.get()) is np.ndarray
+    assert type(to_device(a, "cpu")) is np.ndarray
 
 
 def test_device_of_rejects_non_arrays() -> None:
@@ -269,9 +277,9 @@ def test_device_of_rejects_non_arrays() -> None:
         device_of([1, 2])
 
 
-def test_host_array_without_device_explains_how_to_make_one() -> None:
-    with pytest.raises(ValueError, match=r"has no device; create host arrays with"):
-        _ = np.zeros(2).view(HostArray).device
+def test_host_array_is_made_by_to_device_not_its_constructor() -> None:
+    with pytest.raises(TypeError, match=r"HostArray cannot be constructed directly; use"):
+        HostArray(np.zeros(2))
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,7 +299,7 @@ def test_to_device_round_trips_bits(dtype: type, path: tuple[str, str]) -> None:
     moved = to_device(start[:, ::2], dst)  # non-contiguous source
     assert device_of(moved) == as_device(dst)
     assert moved.dtype == original.dtype
-    assert np.asarray(moved).tobytes() == np.ascontiguousarray(original[:, ::2]).tobytes()
+    assert to_device(moved, "cpu").tobytes() == np.ascontiguousarray(original[:, ::2]).tobytes()
 
 
 def test_to_device_same_device_returns_the_array() -> None:
@@ -304,7 +312,7 @@ def test_to_device_zero_size_and_zero_d(shape: tuple[int, ...]) -> None:
     x = random_bits(shape, np.float32)
     h = to_device(x, "host:1")
     assert h.shape == shape
-    assert np.asarray(to_device(h, "cpu")).tobytes() == x.tobytes()
+    assert to_device(h, "cpu").tobytes() == x.tobytes()
 
 
 def test_to_device_missing_host_device() -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import to_numpy
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -96,7 +97,7 @@ def test_gather_of_scalars_unsqueezes_with_a_warning_and_squeezes_gradients_back
         with pytest.warns(UserWarning, match="0-d arrays along dim 0"):
             vector = Gather.apply("host:0", 0, *scalars)
         loss = ops.sum(ops.multiply(vector, to_device(np.array([10.0, 20.0, 30.0]), "host:0")))
-    np.testing.assert_array_equal(np.asarray(vector), [1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(to_numpy(vector), [1.0, 2.0, 3.0])
     grads = tape.gradient(loss, scalars)
     assert [g.shape for g in grads] == [(), (), ()]
     assert [str(g.device) for g in grads] == ["host:0", "host:1", "host:2"]
@@ -114,14 +115,14 @@ def test_data_parallel_pattern_gradients_match_one_device() -> None:
         parallel = ops.sum(ops.square(Gather.apply("cpu", 0, *outs)))
     gx, gw = tape.gradient(parallel, (x, w))
     assert device_of(gw) == Device("host", 0)
-    wp = np.asarray(w)
+    wp = to_numpy(w)
     with Tape() as tape:
         tape.watch((x, wp))
         single = ops.sum(ops.square(ops.tanh(ops.matmul(x, wp))))
     rx, rw = tape.gradient(single, (x, wp))
     np.testing.assert_allclose(parallel, single, rtol=1e-14)
     np.testing.assert_allclose(gx, rx, rtol=1e-13)
-    np.testing.assert_allclose(np.asarray(gw), rw, rtol=1e-13)
+    np.testing.assert_allclose(to_numpy(gw), rw, rtol=1e-13)
 
 
 def test_gradcheck_scatter_and_gather() -> None:
@@ -197,7 +198,7 @@ def test_broadcast_copies_of_untracked_inputs_are_non_differentiable() -> None:
     assert tape.tracks(w1)
     assert not tape.tracks(b0)
     assert not tape.tracks(b1)
-    np.testing.assert_array_equal(np.asarray(tape.gradient(loss, w)), np.full((2, 2), 2.0))
+    np.testing.assert_array_equal(to_numpy(tape.gradient(loss, w)), np.full((2, 2), 2.0))
 
 
 def test_gradcheck_broadcast_and_reduce_add() -> None:

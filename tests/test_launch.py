@@ -101,12 +101,17 @@ def _wait_for(paths: list[Path], seconds: float = 30) -> None:
         time.sleep(0.02)
 
 
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+def _pid_gone(pid: int, within: float = 5.0) -> bool:
+    """Whether process ``pid`` is gone, or goes within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
 
 
 # --------------------------------------------------------------------------------------------

@@ -487,9 +487,7 @@ def test_per_replica_losses_gathered_as_a_vector_differentiate():
             per_replica = gather(losses, "host:0")
         total = ops.sum(per_replica)
     assert per_replica.shape == (3,)
-    np.testing.assert_array_equal(
-        np.asarray(per_replica), [1.0 + 4 + 9, 16.0 + 25 + 36 + 49, 64.0 + 81]
-    )
+    np.testing.assert_array_equal(per_replica.get(), [1.0 + 4 + 9, 16.0 + 25 + 36 + 49, 64.0 + 81])
     np.testing.assert_array_equal(tape.gradient(total, x), 2 * x)  # d/dx sum(x^2), exact
 
 

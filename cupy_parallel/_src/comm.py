@@ -24,20 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cupy_parallel._src.arrays import device_of, empty, is_array
 from cupy_parallel._src.cuda import nccl as _nccl
 from cupy_parallel._src.cuda import streams as _streams
 from cupy_parallel._src.cuda import transfer as _transfer
-from cupy_parallel._src.devices import (
-    Device,
-    _plain,
-    _read_device,
-    _read_devices,
-    cupy_module,
-    device_of,
-    empty,
-    is_array,
-    platform,
-)
+from cupy_parallel._src.devices import Device, cupy_module, platform, read_device, read_devices
+from cupy_parallel._src.hostarray import plain_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -338,7 +330,7 @@ def scatter(
     _check_array(array, "array")
     _exactly_one("devices", devices, "out", out)
     if out is None:
-        targets = _read_devices(devices, "devices", accelerators_only=True)
+        targets = read_devices(devices, "devices", accelerators_only=True)
         axis = _read_dim(dim, array.ndim, "array")
         total = array.shape[axis]
         if chunk_sizes is None:
@@ -440,7 +432,7 @@ def gather(arrays: Any, /, dim: int = 0, destination: Any = None, *, out: Any = 
     shape = tuple(expected)
     if out is None:
         target = (
-            _current_device() if destination is None else _read_device(destination, "destination")
+            _current_device() if destination is None else read_device(destination, "destination")
         )
         result = empty(shape, first.dtype, target)
     else:
@@ -490,7 +482,7 @@ def broadcast(array: Any, /, devices: Any = None, *, out: Any = None) -> tuple[A
     _check_array(array, "array")
     _exactly_one("devices", devices, "out", out)
     if out is None:
-        targets = _read_devices(devices, "devices", accelerators_only=True)
+        targets = read_devices(devices, "devices", accelerators_only=True)
         return _broadcast(array, targets)
     outs = _read_arrays(out, "out")
     for i, o in enumerate(outs):
@@ -556,7 +548,7 @@ def broadcast_coalesced(
         (True, HostArray([0, 1, 2], device='host:1'))
     """
     items = _read_arrays(arrays, "arrays", allow_empty=True)
-    targets = _read_devices(devices, "devices", accelerators_only=True)
+    targets = read_devices(devices, "devices", accelerators_only=True)
     limit = _read_buffer_size(buffer_size)
     for i, x in enumerate(items):
         if device_of(x) != targets[0]:
@@ -664,7 +656,7 @@ def _read_reduce_destination(destination: Any, places: Sequence[Device], name: s
         target = _current_device()
         spelled = f"destination=None (the current device, {target})"
     else:
-        target = _read_device(destination, "destination")
+        target = read_device(destination, "destination")
         spelled = f"destination {target}"
     if target not in places:
         on = sorted({str(d) for d in places})
@@ -681,11 +673,12 @@ def _sum_into(out: Any, terms: Sequence[Any]) -> None:
     if device.kind == "cuda":
         _transfer.sum_into(out, [_transfer.move(t, device) for t in terms])
         return
-    dst = _plain(out)
+    dst = plain_buffer(out)
     # Host devices share the machine's memory: reading another host device's array directly is
     # its transfer, fused into the addition instead of a separate copy.
     values = [
-        _plain(t if device_of(t).kind in _HOST_MEMORY else _transfer.move(t, device)) for t in terms
+        plain_buffer(t if device_of(t).kind in _HOST_MEMORY else _transfer.move(t, device))
+        for t in terms
     ]
     if len(values) == 1:
         np.copyto(dst, values[0], casting="no")

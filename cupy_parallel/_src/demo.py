@@ -19,7 +19,8 @@ import numpy as np
 import optree
 
 from cupy_parallel._src import ops
-from cupy_parallel._src.devices import Device, as_device, to_device
+from cupy_parallel._src.arrays import to_device
+from cupy_parallel._src.devices import Device, as_device
 from cupy_parallel._src.parallel import DataParallel
 from cupy_parallel._src.tape import NAMESPACE, Tape
 

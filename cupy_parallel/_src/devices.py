@@ -1,16 +1,14 @@
-"""Devices and where arrays live: ``"cpu"``, ``"cuda:k"`` GPUs, ``"host:k"`` simulated accelerators.
+"""Devices: ``"cpu"``, ``"cuda:k"`` GPUs and ``"host:k"`` simulated accelerators.
 
 The *platform* is the kind of accelerator the process spreads work over: CUDA when CuPy sees a
 GPU, otherwise *host*, a set of simulated accelerators in host memory (as JAX's
 ``--xla_force_host_platform_device_count``). ``CUPY_PARALLEL_PLATFORM=host|cuda`` forces the choice;
 ``CUPY_PARALLEL_HOST_DEVICES`` or :func:`set_host_device_count` sets how many host devices exist.
 
-Host devices are as strict as GPUs, so that code which keeps its placement right here keeps it
-right on CUDA: a :class:`HostArray` refuses to meet an array of another host device (CuPy refuses
-arrays of another GPU) or a plain NumPy array (CuPy refuses NumPy arrays). Python and NumPy
-scalars are accepted, as CuPy accepts them. Computations, slices and views stay on their device.
-``numpy.asarray(host_array)`` is the explicit exit to plain NumPy, the analogue of
-``cupy.asnumpy``.
+This module knows devices only: discovery, the :class:`Device` type, reading device spellings and
+the one way to reach CuPy (:func:`cupy_module`, :func:`require_cupy`). Arrays on host devices live
+in :mod:`cupy_parallel._src.hostarray`; placing and moving arrays in
+:mod:`cupy_parallel._src.arrays`.
 """
 
 from __future__ import annotations
@@ -23,28 +21,23 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import numpy as np
-import optree
-
-from cupy_parallel._src.memory import get_host_memory_pool
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from types import ModuleType
 
 __all__ = [
+    "CPU",
     "Device",
     "DeviceLike",
-    "HostArray",
-    "array_namespace",
     "as_device",
+    "check_exists",
     "cupy_module",
-    "device_of",
     "devices",
-    "empty",
-    "is_array",
     "platform",
+    "read_device",
+    "read_devices",
+    "require_cupy",
     "set_host_device_count",
-    "to_device",
 ]
 
 Kind: TypeAlias = Literal["cpu", "cuda", "host"]
@@ -71,6 +64,29 @@ def cupy_module() -> ModuleType | None:
     return cupy
 
 
+def require_cupy() -> ModuleType:
+    """CuPy, or ``ImportError`` naming the extra that installs it (the one "get CuPy or raise").
+
+    Only code holding a CUDA array or naming a CUDA device calls this, so the error means the
+    environment lost CuPy, not that the user asked for something wrong.
+
+    Example:
+        >>> try:
+        ...     require_cupy().__name__
+        ... except ImportError as error:
+        ...     "cupy-parallel[cuda12]" in str(error)
+        ...
+        'cupy'
+    """
+    cupy = cupy_module()
+    if cupy is None:
+        raise ImportError(
+            "CuPy is required for CUDA arrays and devices; install it with "
+            "pip install 'cupy-parallel[cuda12]' (or [cuda13])."
+        )
+    return cupy
+
+
 @functools.cache
 def _cuda_device_count() -> int:
     cupy = cupy_module()
@@ -82,7 +98,8 @@ def _cuda_device_count() -> int:
         return 0
 
 
-def _is_cupy_array(x: object) -> bool:
+def is_cupy_array(x: object, /) -> bool:
+    """Whether ``x`` is a ``cupy.ndarray`` (cheap when it is not: CuPy is never imported for it)."""
     cupy = cupy_module() if "cupy" in type(x).__module__ else None
     return cupy is not None and isinstance(x, cupy.ndarray)
 
@@ -131,12 +148,12 @@ class Device:
     def xp(self) -> ModuleType:
         """The array namespace computing on this device: ``cupy`` for CUDA, else ``numpy``."""
         if self.kind == "cuda":
-            return _require_cupy(self)
+            return _require_cuda(self)
         return np
 
     def __enter__(self) -> Device:
         if self.kind == "cuda":
-            ctx = _require_cupy(self).cuda.Device(self.index)
+            ctx = _require_cuda(self).cuda.Device(self.index)
             ctx.__enter__()
             _context_stack().append(ctx)
         return self
@@ -156,7 +173,8 @@ def _context_stack() -> list[Any]:
     return stack
 
 
-def _require_cupy(device: Device) -> ModuleType:
+def _require_cuda(device: Device) -> ModuleType:
+    """CuPy when it sees a GPU, else ``ValueError`` saying that ``device`` cannot be used here."""
     cupy = cupy_module()
     if cupy is None or _cuda_device_count() == 0:
         raise ValueError(
@@ -192,26 +210,48 @@ def as_device(spec: Any, /) -> Device:
     if isinstance(spec, bool):
         raise TypeError(f"device must be a str, int or Device, got bool {spec!r}.")
     if isinstance(spec, int | np.integer):
-        return CPU if spec == -1 else Device(platform(), int(spec))
+        return CPU if spec == -1 else _interned(platform(), int(spec))
     if type(spec).__name__ == "Device" and "cupy" in type(spec).__module__:
-        return Device("cuda", int(spec.id))
+        return _interned("cuda", int(spec.id))
     raise TypeError(
         f"device must be a str ('cpu', 'cuda:0', 'host:1'), an int or a Device, "
         f"got {type(spec).__name__} {spec!r}."
     )
 
 
+_INTERNED: dict[tuple[str, int], Device] = {}
+
+
+def _interned(kind: Kind, index: int) -> Device:
+    """One ``Device`` object per device, so that comparing devices is mostly an ``is`` test."""
+    device = _INTERNED.get((kind, index))
+    if device is None:
+        device = _INTERNED.setdefault((kind, index), Device(kind, index))
+    return device
+
+
 def _parse_device(text: str) -> Device:
+    """Read ``"cpu"``, ``"cpu:0"``, ``"cuda"``, ``"cuda:k"``, ``"host"`` or ``"host:k"``.
+
+    The index is ASCII digits only: ``str.isdigit`` also accepts other scripts' digits
+    (``"host:١"``) and superscripts, which no other library reads as a device index.
+    ``"cpu:0"`` is the cpu, as torch reads it; the cpu has no other index.
+    """
     kind, sep, index = text.strip().partition(":")
-    if kind not in _KINDS:
-        raise ValueError(f"device string must be 'cpu', 'cuda:k' or 'host:k', got {text!r}.")
+    if kind not in _KINDS or (sep and not (index.isascii() and index.isdigit())):
+        raise ValueError(
+            f"device string must be 'cpu', 'cuda:k' or 'host:k', got {text!r} "
+            "(k is written in ASCII digits)."
+        )
     if not sep:
         if kind == "cuda":
-            return Device("cuda", int(_require_cupy(Device("cuda", 0)).cuda.Device().id))
+            return Device("cuda", int(_require_cuda(Device("cuda", 0)).cuda.Device().id))
         return CPU if kind == "cpu" else Device("host", 0)
-    if kind == "cpu" or not index.isdigit():
-        raise ValueError(f"device string must be 'cpu', 'cuda:k' or 'host:k', got {text!r}.")
-    return Device(kind, int(index))
+    if kind == "cpu":
+        if int(index) != 0:
+            raise ValueError(f"the cpu device has only index 0 ('cpu' or 'cpu:0'), got {text!r}.")
+        return CPU
+    return _interned(kind, int(index))
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,7 +296,8 @@ def _host_devices() -> int:
     if _host_device_count is not None:
         return _host_device_count
     text = os.environ.get("CUPY_PARALLEL_HOST_DEVICES", "1")
-    if not text.strip().isdigit() or int(text) < 1:
+    digits = text.strip()
+    if not (digits.isascii() and digits.isdigit()) or int(digits) < 1:
         raise ValueError(f"CUPY_PARALLEL_HOST_DEVICES must be an integer >= 1, got {text!r}.")
     return int(text)
 
@@ -274,7 +315,8 @@ def devices() -> list[Device]:
     return [Device("host", k) for k in range(_host_devices())]
 
 
-def _check_exists(device: Device) -> None:
+def check_exists(device: Device, /) -> None:
+    """Raise ``ValueError`` unless ``device`` exists in this process (the cpu always does)."""
     if device.kind == "host":
         count = _host_devices()
         if device.index >= count:
@@ -283,24 +325,24 @@ def _check_exists(device: Device) -> None:
                 "(set CUPY_PARALLEL_HOST_DEVICES or call set_host_device_count)."
             )
     elif device.kind == "cuda":
-        _require_cupy(device)
+        _require_cuda(device)
         if device.index >= _cuda_device_count():
             raise ValueError(
                 f"device {device} does not exist: CuPy sees {_cuda_device_count()} GPUs."
             )
 
 
-def _read_device(spec: Any, name: str, /) -> Device:
+def read_device(spec: Any, name: str, /) -> Device:
     """``as_device(spec)`` for a device that exists; errors name the argument ``name``."""
     try:
         device = as_device(spec)
-        _check_exists(device)
+        check_exists(device)
     except (TypeError, ValueError) as error:
         raise type(error)(f"{name} is not a usable device: {error}") from None
     return device
 
 
-def _read_devices(
+def read_devices(
     specs: Any, name: str, /, *, accelerators_only: bool, allow_empty: bool = False
 ) -> tuple[Device, ...]:
     """A sequence of existing devices, read at a public entry; errors name ``name[i]``.
@@ -310,7 +352,8 @@ def _read_devices(
     """
     if (
         isinstance(specs, str | bytes | Mapping)
-        or is_array(specs)
+        or hasattr(specs, "__array_namespace__")  # an array, whatever its library
+        or isinstance(specs, np.ndarray)
         or not isinstance(specs, Iterable)
     ):
         raise TypeError(
@@ -320,7 +363,7 @@ def _read_devices(
         )
     read = []
     for i, spec in enumerate(specs):
-        device = _read_device(spec, f"{name}[{i}]")
+        device = read_device(spec, f"{name}[{i}]")
         if accelerators_only and device.kind == "cpu":
             raise ValueError(
                 f"{name}[{i}] must be an accelerator device ('host:k' or 'cuda:k'), got 'cpu' "
@@ -333,233 +376,3 @@ def _read_devices(
             "cupy_parallel.devices()."
         )
     return tuple(read)
-
-
-# --------------------------------------------------------------------------------------------
-# HostArray
-
-
-class HostArray(np.ndarray):
-    """A NumPy array that lives on a simulated accelerator ``"host:k"``.
-
-    Create one with :func:`to_device` or :func:`empty`. Arithmetic, NumPy functions, slices and
-    views stay on the array's device. Mixing it with an array of another host device raises
-    ``ValueError``; mixing it with a plain ``numpy.ndarray`` raises ``TypeError``, as CuPy does.
-
-    Example:
-        >>> set_host_device_count(2)
-        >>> a = to_device(np.arange(3.0), "host:1")
-        >>> a * 2
-        HostArray([0., 2., 4.], device='host:1')
-        >>> a[1:].device
-        Device('host:1')
-    """
-
-    _device: Device | None
-
-    def __array_finalize__(self, obj: object) -> None:
-        self._device = getattr(obj, "_device", None)
-
-    @property
-    def device(self) -> Device:  # type: ignore[override]
-        """The host device this array lives on."""
-        if self._device is None:
-            raise ValueError(
-                "This HostArray has no device; create host arrays with "
-                "cupy_parallel.to_device(array, 'host:k')."
-            )
-        return self._device
-
-    def __repr__(self) -> str:
-        body = repr(self.view(np.ndarray))
-        return f"HostArray{body[5:-1]}, device='{self._device}')"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_host_array, (np.asarray(self).copy(), str(self._device)))
-
-    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        out = kwargs.get("out")
-        device = _common_device((*inputs, *(out or ())), f"numpy.{ufunc.__name__}")
-        if out is not None:
-            kwargs["out"] = tuple(_plain(o) for o in out)
-        result = getattr(ufunc, method)(*(_plain(x) for x in inputs), **kwargs)
-        if out is not None:
-            return out[0] if len(out) == 1 else out
-        return _on_device(result, device)
-
-    def __array_function__(
-        self,
-        func: Callable[..., Any],
-        types: Iterable[Any],
-        args: Iterable[Any],
-        kwargs: Mapping[str, Any],
-    ) -> Any:
-        operands: Any = (args, kwargs)
-        leaves, spec = optree.tree_flatten(operands)
-        device = _common_device(leaves, f"numpy.{func.__name__}")
-        plain_args, plain_kwargs = optree.tree_unflatten(spec, [_plain(x) for x in leaves])
-        return optree.tree_map(lambda r: _on_device(r, device), func(*plain_args, **plain_kwargs))
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        if isinstance(value, HostArray) and value._device != self._device:
-            raise ValueError(
-                f"Cannot assign an array on {value._device} into an array on {self._device}; "
-                f"move it first with cupy_parallel.to_device(value, '{self._device}')."
-            )
-        super().__setitem__(key, value)
-
-    def dot(self, b: Any, out: Any = None) -> Any:
-        """``numpy.dot(self, b)``, checked for placement like every NumPy function."""
-        return np.dot(self, b, out=out)
-
-
-def _rebuild_host_array(data: np.ndarray, device: str) -> HostArray:
-    return _wrap(data, as_device(device))
-
-
-def _plain(x: Any) -> Any:
-    return x.view(np.ndarray) if isinstance(x, HostArray) else x
-
-
-def _wrap(array: np.ndarray, device: Device) -> HostArray:
-    host = array.view(HostArray)
-    host._device = device
-    return host
-
-
-def _on_device(result: Any, device: Device) -> Any:
-    if isinstance(result, np.ndarray):
-        return _wrap(result, device)
-    if isinstance(result, np.generic):
-        return _wrap(np.asarray(result), device)
-    return result
-
-
-def _common_device(operands: Iterable[Any], operation: str) -> Device:
-    """The one host device all array operands share; raise if they disagree or include NumPy."""
-    device: Device | None = None
-    for x in operands:
-        if isinstance(x, HostArray):
-            if device is None:
-                device = x.device
-            elif x.device != device:
-                raise ValueError(
-                    f"{operation} got arrays on different devices, {device} and {x.device}. "
-                    "Move them to one device with cupy_parallel.to_device(array, device)."
-                )
-    if device is None:
-        raise TypeError(f"{operation} was dispatched to HostArray but found no HostArray operand.")
-    for x in operands:
-        if isinstance(x, np.ndarray) and not isinstance(x, HostArray):
-            raise TypeError(
-                f"{operation} mixes an array on {device} with a plain numpy.ndarray (on cpu), "
-                "which CuPy would refuse too. Move it with "
-                f"cupy_parallel.to_device(array, '{device}')."
-            )
-        if _is_cupy_array(x):
-            raise TypeError(
-                f"{operation} mixes an array on {device} with a cupy.ndarray on "
-                f"{device_of(x)}. Move it with cupy_parallel.to_device(array, '{device}')."
-            )
-    return device
-
-
-# --------------------------------------------------------------------------------------------
-# Arrays on devices
-
-
-def is_array(x: object, /) -> bool:
-    """Whether ``x`` is an array this library places: ``numpy.ndarray`` (HostArray too) or CuPy.
-
-    Example:
-        >>> is_array(np.zeros(2)), is_array(3.0)
-        (True, False)
-    """
-    return isinstance(x, np.ndarray) or _is_cupy_array(x)
-
-
-def device_of(array: Any, /) -> Device:
-    """The device an array lives on: ``cpu`` for NumPy, ``host:k`` for HostArray, ``cuda:k``.
-
-    Example:
-        >>> device_of(np.zeros(2))
-        Device('cpu')
-    """
-    if isinstance(array, HostArray):
-        return array.device
-    if isinstance(array, np.ndarray):
-        return CPU
-    if _is_cupy_array(array):
-        return Device("cuda", int(array.device.id))
-    raise TypeError(
-        f"array must be a numpy.ndarray, HostArray or cupy.ndarray, got {type(array).__name__}."
-    )
-
-
-def array_namespace(array: Any, /) -> ModuleType:
-    """``numpy`` or ``cupy``: the module that computes on ``array``'s device.
-
-    Example:
-        >>> array_namespace(np.zeros(1)) is np
-        True
-    """
-    return device_of(array).xp
-
-
-def empty(shape: tuple[int, ...] | int, dtype: Any, device: Any, /) -> Any:
-    """An uninitialised C-contiguous array on ``device``.
-
-    Host and cpu arrays of 128 KiB or more come from the host memory pool (see
-    :mod:`cupy_parallel._src.memory`), CUDA arrays from CuPy's pool.
-
-    Example:
-        >>> set_host_device_count(2)
-        >>> empty((2, 3), np.float32, "host:1").device
-        Device('host:1')
-    """
-    device = as_device(device)
-    shape = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
-    _check_exists(device)
-    if device.kind == "cuda":
-        cupy = device.xp
-        with device:
-            return cupy.empty(shape, dtype)
-    array = get_host_memory_pool().empty(shape, dtype)
-    return array if device.kind == "cpu" else _wrap(array, device)
-
-
-def to_device(array: Any, device: Any, /, *, stream: Any = None) -> Any:
-    """Copy ``array`` to ``device``; one already there is returned as it is (as torch's ``.to``).
-
-    The copy is C-contiguous with the same dtype and bits. ``stream`` (a ``cupy.cuda.Stream``)
-    orders CUDA copies; host copies are synchronous and ignore it.
-
-    Example:
-        >>> set_host_device_count(2)
-        >>> h = to_device(np.arange(4), "host:1")
-        >>> h
-        HostArray([0, 1, 2, 3], device='host:1')
-        >>> to_device(h, "cpu")
-        array([0, 1, 2, 3])
-    """
-    source = device_of(array)
-    target = as_device(device)
-    if source == target:
-        return array
-    _check_exists(target)
-    if target.kind == "cuda":
-        cupy = target.xp
-        with target:
-            out = cupy.empty(array.shape, array.dtype)
-            if source.kind == "cuda":
-                src = cupy.ascontiguousarray(array)
-                out.data.copy_from_device_async(src.data, src.nbytes, stream=stream)
-            else:
-                out.set(np.ascontiguousarray(_plain(array)), stream=stream)
-        return out
-    out = empty(array.shape, array.dtype, target)
-    if source.kind == "cuda":
-        _plain(out)[...] = array.get(stream=stream)
-    else:
-        np.copyto(_plain(out), _plain(array), casting="no")
-    return out

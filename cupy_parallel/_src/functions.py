@@ -16,8 +16,9 @@ import warnings
 from typing import Any
 
 from cupy_parallel._src import comm
+from cupy_parallel._src.arrays import device_of, is_array, to_device
 from cupy_parallel._src.cuda.streams import background_stream
-from cupy_parallel._src.devices import Device, _read_devices, device_of, is_array, to_device
+from cupy_parallel._src.devices import Device, read_devices
 from cupy_parallel._src.tape import Function, FunctionContext
 
 __all__ = ["Broadcast", "Gather", "ReduceAddCoalesced", "Scatter"]
@@ -54,7 +55,7 @@ class Scatter(Function):
         ctx: FunctionContext, target_devices: Any, chunk_sizes: Any, dim: int, array: Any
     ) -> tuple[Any, ...]:
         """Split ``array`` and place the chunks."""
-        targets = _read_devices(
+        targets = read_devices(
             target_devices, "target_devices", accelerators_only=False, allow_empty=True
         )
         if not is_array(array):
@@ -136,7 +137,7 @@ class Broadcast(Function):
     @staticmethod
     def forward(ctx: FunctionContext, target_devices: Any, *arrays: Any) -> tuple[Any, ...]:
         """Broadcast ``arrays`` to ``target_devices``."""
-        ctx.target_devices = _read_devices(
+        ctx.target_devices = read_devices(
             target_devices, "target_devices", accelerators_only=False, allow_empty=True
         )
         ctx.num_inputs = len(arrays)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optree
 
-from cupy_parallel._src.devices import is_array, to_device
+from cupy_parallel._src.arrays import is_array, to_device
 from cupy_parallel._src.tape import NAMESPACE, Tape, on_device_of, zeros_like
 
 if TYPE_CHECKING:

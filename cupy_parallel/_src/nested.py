@@ -23,14 +23,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optree
 
+from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.comm import _axis, _chunk_count, _even_chunks, _read_int
-from cupy_parallel._src.devices import (
-    Device,
-    _read_device,
-    _read_devices,
-    device_of,
-    is_array,
-)
+from cupy_parallel._src.devices import Device, read_device, read_devices
 from cupy_parallel._src.functions import _SCALARS_WARNING, Gather, Scatter
 from cupy_parallel._src.tape import NAMESPACE
 
@@ -163,7 +158,7 @@ def scatter(inputs: Any, /, target_devices: Sequence[Any], dim: int = 0) -> list
         >>> parts[1]["b"][1] is None, parts[1]["tag"]
         (True, 'batch')
     """
-    devices = _read_devices(target_devices, "target_devices", accelerators_only=True)
+    devices = read_devices(target_devices, "target_devices", accelerators_only=True)
     dim = _read_int(dim, "dim")
     accessors, leaves, spec = _flatten(inputs)
     dims: dict[int, int] = {}
@@ -239,7 +234,7 @@ def scatter_kwargs(
         raise TypeError(
             f"kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}."
         )
-    devices = _read_devices(target_devices, "target_devices", accelerators_only=True)
+    devices = read_devices(target_devices, "target_devices", accelerators_only=True)
     _read_int(dim, "dim")
     scattered_inputs = [tuple(r) for r in scatter(inputs, devices, dim)] if inputs else []
     scattered_kwargs = [dict(r) for r in scatter(kwargs, devices, dim)] if kwargs else []
@@ -291,7 +286,7 @@ def gather(outputs: Sequence[Any], /, target_device: Any, dim: int = 0) -> Any:
         )
     if len(outputs) == 0:
         raise ValueError("outputs is empty; gather needs at least one replica's output.")
-    target = _read_device(target_device, "target_device")
+    target = read_device(target_device, "target_device")
     dim = _read_int(dim, "dim")
 
     accessors, first, spec = _flatten(outputs[0])

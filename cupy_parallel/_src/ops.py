@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 from numpy.lib.array_utils import normalize_axis_tuple
 
-from cupy_parallel._src.devices import cupy_module, is_array
+from cupy_parallel._src.arrays import is_array
+from cupy_parallel._src.devices import cupy_module
+from cupy_parallel._src.hostarray import HostArray
 from cupy_parallel._src.tape import _ACTIVE, cuda_device
 
 if TYPE_CHECKING:
@@ -43,14 +45,15 @@ __all__ = [
 ]
 
 _SCALARS = (int, float, complex, np.generic)
-_HOST = (np.ndarray, *_SCALARS)
+_ARRAYS = (np.ndarray, HostArray)  # computed by NumPy (HostArray through its dispatch)
+_HOST = (*_ARRAYS, *_SCALARS)
 
 
 def _compute(fn: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` in the namespace of ``x`` (the placing operand), on its device."""
     if isinstance(x, _HOST):
         z = fn(*args, **kwargs)
-        return z if isinstance(z, np.ndarray) else np.asarray(z)
+        return z if isinstance(z, _ARRAYS) else np.asarray(z)
     device = cuda_device(x)
     if device is None:
         raise TypeError(
@@ -65,7 +68,7 @@ def _binary(fn: Callable[..., Any], a: Any, b: Any) -> Any:
     x = b if isinstance(a, _SCALARS) else a
     if isinstance(x, _HOST):  # inlined fast path of _compute
         z = fn(a, b)
-        return z if isinstance(z, np.ndarray) else np.asarray(z)
+        return z if isinstance(z, _ARRAYS) else np.asarray(z)
     return _compute(fn, x, a, b)
 
 
@@ -90,7 +93,7 @@ def _fit(g: Any, x: Any) -> Any:
 def _spread(g: Any, x: Any, axes: tuple[int, ...]) -> Any:
     """The gradient of a reduction over ``axes``: ``g`` copied along them to ``x``'s shape."""
     kept = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
-    xp: Any = np if isinstance(x, np.ndarray) else cupy_module()
+    xp: Any = np if isinstance(x, _ARRAYS) else cupy_module()
     return _fit(xp.broadcast_to(g.reshape(kept), x.shape).copy(), x)
 
 

@@ -25,15 +25,8 @@ from typing import TYPE_CHECKING, Any
 import optree
 
 from cupy_parallel._src import comm
-from cupy_parallel._src.devices import (
-    Device,
-    _read_device,
-    _read_devices,
-    cupy_module,
-    device_of,
-    devices,
-    is_array,
-)
+from cupy_parallel._src.arrays import device_of, is_array
+from cupy_parallel._src.devices import Device, cupy_module, devices, read_device, read_devices
 from cupy_parallel._src.functions import Broadcast
 from cupy_parallel._src.nested import _flatten, _key_path, gather, scatter_kwargs
 from cupy_parallel._src.tape import NAMESPACE
@@ -100,7 +93,7 @@ def replicate(params: Any, /, devices: Sequence[Any], detach: bool = False) -> l
         >>> [str(p["w"].device) for p in copies], copies[1]["act"]
         (['host:0', 'host:1'], 'tanh')
     """
-    targets = _read_devices(devices, "devices", accelerators_only=False, allow_empty=True)
+    targets = read_devices(devices, "devices", accelerators_only=False, allow_empty=True)
     if not isinstance(detach, bool):
         raise TypeError(f"detach must be a bool, got {type(detach).__name__} {detach!r}.")
     if not targets:
@@ -276,7 +269,7 @@ def parallel_apply(
             f"{len(devices)} devices (pass None to use each replica's input device)."
         )
     places = [
-        _read_device(spec, f"devices[{i}]")
+        read_device(spec, f"devices[{i}]")
         if spec is not None
         else _first_array_device((args, kwargs))
         for i, (spec, args, kwargs) in enumerate(zip(devices, inputs, kwargs_tup, strict=True))
@@ -339,14 +332,14 @@ def _placement(device_ids: Any, output_device: Any) -> tuple[list[Device], Devic
         ids = devices()
     else:
         ids = list(
-            _read_devices(device_ids, "device_ids", accelerators_only=False, allow_empty=True)
+            read_devices(device_ids, "device_ids", accelerators_only=False, allow_empty=True)
         )
     if not ids:
         raise ValueError(
             "device_ids must name at least one device, got an empty sequence "
             "(pass None to use every device of the platform)."
         )
-    output = ids[0] if output_device is None else _read_device(output_device, "output_device")
+    output = ids[0] if output_device is None else read_device(output_device, "output_device")
     return ids, output
 
 

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 import optree
 
-from cupy_parallel._src.devices import device_of, is_array
+from cupy_parallel._src.arrays import device_of, is_array
+from cupy_parallel._src.hostarray import HostArray
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -57,7 +58,7 @@ Node: TypeAlias = "tuple[Vjp, tuple[Any, ...], tuple[bool, ...], tuple[Any, ...]
 
 def cuda_device(x: Any, /) -> Any:
     """The ``cupy.cuda.Device`` of a CuPy array, ``None`` for host arrays and scalars."""
-    if isinstance(x, np.ndarray) or not is_array(x):
+    if isinstance(x, np.ndarray) or type(x) is HostArray or not is_array(x):
         return None
     return x.device
 

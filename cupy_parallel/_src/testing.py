@@ -14,7 +14,8 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from cupy_parallel._src.devices import as_device, device_of, is_array, to_device
+from cupy_parallel._src.arrays import device_of, is_array, to_device
+from cupy_parallel._src.devices import as_device
 from cupy_parallel._src.devices import devices as platform_devices
 from cupy_parallel._src.nested import (
     _flatten,

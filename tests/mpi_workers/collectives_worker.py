@@ -107,10 +107,15 @@ def oracle(arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     return result.astype(dtype)
 
 
+def host(x: object) -> np.ndarray:
+    """A NumPy copy of an array on any device (device arrays refuse np.asarray, as CuPy's do)."""
+    return np.asarray(cupy_parallel.to_device(x, "cpu") if cupy_parallel.is_array(x) else x)
+
+
 def check(name: str, actual: object, expected: object) -> None:
     global checks
     checks += 1
-    a, e = np.asarray(actual), np.asarray(expected)
+    a, e = host(actual), host(expected)
     if a.dtype != e.dtype or a.shape != e.shape or not np.array_equal(a, e):
         failures.append(f"{name}: got {a!r}, expected {e!r}")
 
@@ -262,7 +267,7 @@ def run_all() -> None:
     cupy_parallel.set_host_device_count(2)
     h = cupy_parallel.to_device(np.full(3, rank + 1.0), "host:1")
     dist.all_reduce(h)
-    check("HostArray all_reduce", np.asarray(h), np.full(3, n * (n + 1) / 2))
+    check("HostArray all_reduce", h, np.full(3, n * (n + 1) / 2))
     check("HostArray device", str(h.device), "host:1")
     run_multigpu(rank, n, next_seed)
     run_groups(rank, n)
@@ -290,7 +295,7 @@ def run_multigpu(rank: int, n: int, next_seed) -> None:
             for j in range(local):
                 check(
                     f"all_reduce_multigpu {op} {np.dtype(dtype)} [{j}]",
-                    np.asarray(xs[j]),
+                    xs[j],
                     oracle(flat, op),
                 )
                 check("all_reduce_multigpu placement", str(xs[j].device), devs[j])
@@ -303,7 +308,7 @@ def run_multigpu(rank: int, n: int, next_seed) -> None:
                     )
                     check(
                         f"reduce_multigpu {op} {np.dtype(dtype)} root={root} [{j}]",
-                        np.asarray(xs[j]),
+                        xs[j],
                         expected,
                     )
             # reduce_scatter_multigpu: input_tensor_lists[i][r * L + j] of every rank and local i
@@ -327,7 +332,7 @@ def run_multigpu(rank: int, n: int, next_seed) -> None:
                 ]
                 check(
                     f"reduce_scatter_multigpu {op} {np.dtype(dtype)} [{j}]",
-                    np.asarray(outs[j]),
+                    outs[j],
                     oracle(contributions, op),
                 )
         s = next_seed()
@@ -338,7 +343,7 @@ def run_multigpu(rank: int, n: int, next_seed) -> None:
                 for j in range(local):
                     check(
                         f"broadcast_multigpu {np.dtype(dtype)} root={root}/{src_tensor} [{j}]",
-                        np.asarray(xs[j]),
+                        xs[j],
                         data(s, root * local + src_tensor, (4,), dtype),
                     )
         xs = put([data(s + 1, rank * local + j, (2,), dtype) for j in range(local)])
@@ -352,7 +357,7 @@ def run_multigpu(rank: int, n: int, next_seed) -> None:
                 for j in range(local):
                     check(
                         f"all_gather_multigpu {np.dtype(dtype)} [{i}][{r}*L+{j}]",
-                        np.asarray(outs[i][r * local + j]),
+                        outs[i][r * local + j],
                         data(s + 1, r * local + j, (2,), dtype),
                     )
                     check(

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cupy_parallel._src.arrays import device_of, empty
 from cupy_parallel._src.cuda.streams import current_stream
-from cupy_parallel._src.devices import cupy_module, device_of, empty
+from cupy_parallel._src.devices import cupy_module
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

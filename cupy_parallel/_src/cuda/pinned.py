@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from cupy_parallel._src.devices import cupy_module
+from cupy_parallel._src.devices import require_cupy
 
 __all__ = ["in_flight", "release_after", "staging_array"]
 
@@ -24,9 +24,7 @@ _in_flight: list[tuple[Any, Any]] = []
 
 def staging_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[np.ndarray, Any]:
     """A C-contiguous pinned NumPy array and the CuPy pinned allocation that backs it."""
-    cupy = cupy_module()
-    if cupy is None:  # only reachable with a CUDA array in hand, which needs CuPy
-        raise ImportError("CuPy is required for CUDA arrays; install cupy-cuda12x.")
+    cupy = require_cupy()  # only reachable with a CUDA array in hand, which needs CuPy
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
     memory = cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))

@@ -14,19 +14,12 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from cupy_parallel._src.devices import cupy_module
+from cupy_parallel._src.devices import cupy_module, require_cupy
 
 __all__ = ["background_stream", "current_stream", "is_stream", "stream_device", "wait_stream"]
 
 _lock = threading.Lock()
 _background: dict[int, Any] = {}
-
-
-def _cupy() -> Any:
-    cupy = cupy_module()
-    if cupy is None:  # only reachable with a CUDA array in hand, which needs CuPy
-        raise ImportError("CuPy is required for CUDA arrays; install cupy-cuda12x.")
-    return cupy
 
 
 def is_stream(obj: object) -> bool:
@@ -52,7 +45,7 @@ def background_stream(device: int) -> Any:
     with _lock:
         stream = _background.get(device)
         if stream is None:
-            cupy = _cupy()
+            cupy = require_cupy()
             with cupy.cuda.Device(device):
                 stream = _background[device] = cupy.cuda.Stream(non_blocking=True)
     return stream
@@ -60,7 +53,7 @@ def background_stream(device: int) -> Any:
 
 def current_stream(device: int) -> Any:
     """CuPy's current stream on GPU ``device`` for the calling thread."""
-    return _cupy().cuda.get_current_stream(device)
+    return require_cupy().cuda.get_current_stream(device)
 
 
 def wait_stream(waiter: Any, waiter_device: int, waitee: Any, waitee_device: int) -> None:
@@ -71,7 +64,7 @@ def wait_stream(waiter: Any, waiter_device: int, waitee: Any, waitee_device: int
     """
     if waiter_device == waitee_device and waiter == waitee:
         return
-    cupy = _cupy()
+    cupy = require_cupy()
     with cupy.cuda.Device(waitee_device):
         event = cupy.cuda.Event(disable_timing=True)
         event.record(waitee)

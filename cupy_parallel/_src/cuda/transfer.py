@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cupy_parallel._src.arrays import device_of, empty
 from cupy_parallel._src.cuda import nccl
 from cupy_parallel._src.cuda.pinned import release_after, staging_array
 from cupy_parallel._src.cuda.streams import (
@@ -25,7 +26,8 @@ from cupy_parallel._src.cuda.streams import (
     current_stream,
     wait_stream,
 )
-from cupy_parallel._src.devices import _plain, cupy_module, device_of, empty
+from cupy_parallel._src.devices import require_cupy
+from cupy_parallel._src.hostarray import plain_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -42,13 +44,6 @@ __all__ = [
 ]
 
 
-def _cupy() -> Any:
-    cupy = cupy_module()
-    if cupy is None:  # only reachable with a CUDA array in hand, which needs CuPy
-        raise ImportError("CuPy is required for CUDA arrays; install cupy-cuda12x.")
-    return cupy
-
-
 def copy_into(dst: Any, src: Any, *, stream: Any = None) -> None:
     """Copy ``src`` into ``dst`` (same shape and dtype), whatever devices they live on.
 
@@ -58,15 +53,15 @@ def copy_into(dst: Any, src: Any, *, stream: Any = None) -> None:
     """
     source, target = device_of(src), device_of(dst)
     if source.kind != "cuda" and target.kind != "cuda":
-        np.copyto(_plain(dst), _plain(src), casting="no")
+        np.copyto(plain_buffer(dst), plain_buffer(src), casting="no")
     elif src.size == 0:
         return
     elif target.kind == "cuda" and source.kind != "cuda":
         staged, memory = staging_array(src.shape, src.dtype)
-        np.copyto(staged, _plain(src), casting="no")
+        np.copyto(staged, plain_buffer(src), casting="no")
         _upload(dst, target.index, staged, memory, stream)
     elif source.kind == "cuda" and target.kind != "cuda":
-        _download(_plain(dst), src, source.index, stream)
+        _download(plain_buffer(dst), src, source.index, stream)
     elif source == target:
         _local(dst, src, target.index, stream)
     else:
@@ -74,7 +69,7 @@ def copy_into(dst: Any, src: Any, *, stream: Any = None) -> None:
 
 
 def _upload(dst: Any, device: int, staged: np.ndarray, memory: Any, stream: Any) -> None:
-    cupy = _cupy()
+    cupy = require_cupy()
     main = current_stream(device)
     copier = background_stream(device) if stream is None else stream
     with cupy.cuda.Device(device):
@@ -90,7 +85,7 @@ def _upload(dst: Any, device: int, staged: np.ndarray, memory: Any, stream: Any)
 
 
 def _download(dst: np.ndarray, src: Any, device: int, stream: Any) -> None:
-    cupy = _cupy()
+    cupy = require_cupy()
     with cupy.cuda.Device(device):
         main = current_stream(device)
         copier = main if stream is None else stream
@@ -102,7 +97,7 @@ def _download(dst: np.ndarray, src: Any, device: int, stream: Any) -> None:
 
 
 def _local(dst: Any, src: Any, device: int, stream: Any) -> None:
-    cupy = _cupy()
+    cupy = require_cupy()
     with cupy.cuda.Device(device):
         if stream is None:
             dst[...] = src
@@ -115,7 +110,7 @@ def _local(dst: Any, src: Any, device: int, stream: Any) -> None:
 
 
 def _peer(dst: Any, dst_device: int, src: Any, src_device: int, stream: Any) -> None:
-    cupy = _cupy()
+    cupy = require_cupy()
     src_main = current_stream(src_device)
     dst_main = current_stream(dst_device)
     copier = dst_main if stream is None else stream
@@ -147,7 +142,7 @@ def broadcast_from_host(array: Any, outs: Sequence[Any]) -> None:
     """Copy a host array into ``outs`` (GPU or host), staging it through pinned memory once."""
     if array.size == 0:
         return
-    source = _plain(array)
+    source = plain_buffer(array)
     staged, memory = staging_array(array.shape, array.dtype)
     np.copyto(staged, source, casting="no")
     for out in outs:
@@ -155,12 +150,12 @@ def broadcast_from_host(array: Any, outs: Sequence[Any]) -> None:
         if target.kind == "cuda":
             _upload(out, target.index, staged, memory, None)
         else:
-            np.copyto(_plain(out), source, casting="no")
+            np.copyto(plain_buffer(out), source, casting="no")
 
 
 def _flatten(arrays: Sequence[Any]) -> Any:
     """The arrays (all on one GPU) raveled and joined into one new 1-d buffer on that GPU."""
-    cupy = _cupy()
+    cupy = require_cupy()
     with cupy.cuda.Device(device_of(arrays[0]).index):
         return cupy.concatenate([cupy.ravel(x) for x in arrays])
 
@@ -180,7 +175,7 @@ def broadcast_flat(members: Sequence[Any], targets: Sequence[Device]) -> list[An
 
 def sum_into(out: Any, terms: Sequence[Any]) -> None:
     """``out[...] = ((terms[0] + terms[1]) + ...)`` with every term already on ``out``'s GPU."""
-    cupy = _cupy()
+    cupy = require_cupy()
     with cupy.cuda.Device(device_of(out).index):
         if len(terms) == 1:
             out[...] = terms[0]

@@ -56,10 +56,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn, cast
 
 import numpy as np
 
-from cupy_parallel._src.devices import HostArray, cupy_module
+from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend
 from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.work import Work
+from cupy_parallel._src.hostarray import plain_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -343,10 +344,6 @@ def _copy_back(pairs: list[tuple[Any, np.ndarray]]) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Buffers
-
-
-def _plain(x: Any) -> Any:
-    return x.view(np.ndarray) if type(x) is HostArray else x
 
 
 def _bytes(x: Any) -> Any:
@@ -705,7 +702,7 @@ class MPIBackend(ProcessGroupBackend):
     @_staged(0)
     def broadcast(self, arrays: Sequence[Any], root: int, root_index: int, /) -> Work:
         """Ibcast of one array, then local copies to the other local arrays."""
-        arrays = [_plain(x) for x in arrays]
+        arrays = [plain_buffer(x) for x in arrays]
         source = arrays[root_index] if self.rank == root else arrays[0]
         request = self._comm.Ibcast([source, self._byte], root)
         work = _MPIWork("broadcast", self, request, keep=source)
@@ -720,13 +717,13 @@ class MPIBackend(ProcessGroupBackend):
         first = arrays[0]
         plan = self._plan(first.dtype, op)
         if len(arrays) == 1 and plan.work_dtype is None:
-            buffer = _plain(first)
+            buffer = plain_buffer(first)
             request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
             work = _MPIWork("all_reduce", self, request, keep=buffer)
             if plan.average:
                 work._add_finalizer(functools.partial(_average, buffer, self.size))
             return work
-        outputs = [_plain(x) for x in arrays]
+        outputs = [plain_buffer(x) for x in arrays]
         acc = _accumulate(outputs, plan)
         request = self._comm.Iallreduce(self._in_place, [acc, plan.mpi_type], plan.mpi_op)
         count = self.size * len(arrays)
@@ -742,7 +739,7 @@ class MPIBackend(ProcessGroupBackend):
     @_staged(0)
     def reduce(self, arrays: Sequence[Any], root: int, root_index: int, op: ReduceOp, /) -> Work:
         """Ireduce in place (one array) or of the local reduction (several)."""
-        outputs = [_plain(x) for x in arrays]
+        outputs = [plain_buffer(x) for x in arrays]
         plan = self._plan(outputs[0].dtype, op)
         at_root = self.rank == root
         direct = len(outputs) == 1 and plan.work_dtype is None
@@ -770,7 +767,7 @@ class MPIBackend(ProcessGroupBackend):
     def all_gather(self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], /) -> Work:
         """Iallgather of the packed local inputs into one buffer, unpacked on completion."""
         local = len(inputs)
-        first = _plain(inputs[0])
+        first = plain_buffer(inputs[0])
         send = first if local == 1 else _pack(inputs)
         received = _temp((self.size * local * first.nbytes,), np.uint8, first)
         request = self._comm.Iallgather([send, self._byte], [received, self._byte])
@@ -785,7 +782,7 @@ class MPIBackend(ProcessGroupBackend):
     @_staged(0)
     def gather(self, outputs: Sequence[Any] | None, input: Any, root: int, /) -> Work:
         """Igather into one buffer at the root, unpacked on completion."""
-        source = _plain(input)
+        source = plain_buffer(input)
         if outputs is None:
             request = self._comm.Igather([source, self._byte], None, root)
             return _MPIWork("gather", self, request, keep=source)
@@ -797,7 +794,7 @@ class MPIBackend(ProcessGroupBackend):
     @_staged(0)
     def scatter(self, output: Any, inputs: Sequence[Any] | None, root: int, /) -> Work:
         """Iscatter from the root's packed inputs straight into ``output``."""
-        target = _plain(output)
+        target = plain_buffer(output)
         send = None if inputs is None else [_pack(inputs), self._byte]
         request = self._comm.Iscatter(send, [target, self._byte], root)
         return _MPIWork("scatter", self, request, keep=(send, target))
@@ -807,7 +804,7 @@ class MPIBackend(ProcessGroupBackend):
         self, outputs: Sequence[Any], inputs: Sequence[Sequence[Any]], op: ReduceOp, /
     ) -> Work:
         """Ireduce_scatter_block of the local reduction of the inputs."""
-        outputs = [_plain(x) for x in outputs]
+        outputs = [plain_buffer(x) for x in outputs]
         local = len(outputs)
         first = outputs[0]
         plan = self._plan(first.dtype, op)
@@ -815,7 +812,7 @@ class MPIBackend(ProcessGroupBackend):
         chunks = len(inputs[0])
         acc = _temp((chunks, *first.shape), dtype, first)
         for k in range(chunks):
-            acc[k] = _accumulate([_plain(row[k]) for row in inputs], plan)
+            acc[k] = _accumulate([plain_buffer(row[k]) for row in inputs], plan)
         direct = local == 1 and plan.work_dtype is None
         received = first if direct else _temp((local, *first.shape), dtype, first)
         request = self._comm.Ireduce_scatter_block(
@@ -836,7 +833,7 @@ class MPIBackend(ProcessGroupBackend):
     @_staged(0)
     def all_to_all(self, outputs: Sequence[Any], inputs: Sequence[Any], /) -> Work:
         """Ialltoallv of byte counts, packed and unpacked locally."""
-        first = _plain(inputs[0])
+        first = plain_buffer(inputs[0])
         send_counts = [x.nbytes for x in inputs]
         recv_counts = [x.nbytes for x in outputs]
         send = _pack(inputs)
@@ -867,7 +864,7 @@ class MPIBackend(ProcessGroupBackend):
     @_staged()
     def send(self, array: Any, dst: int, tag: int, /) -> Work:
         """Isend of the array's bytes."""
-        source = _plain(array)
+        source = plain_buffer(array)
         request = self._comm.Isend([source, self._byte], dst, tag)
         return _MPIWork(f"send to group rank {dst}", self, request, keep=source)
 
@@ -875,7 +872,7 @@ class MPIBackend(ProcessGroupBackend):
     def recv(self, array: Any, src: int | None, tag: int, /) -> Work:
         """Irecv of the array's bytes (``ANY_SOURCE`` when ``src`` is ``None``)."""
         mpi = _mpi()
-        target = _plain(array)
+        target = plain_buffer(array)
         if src is None:
             status = mpi.Status()
             request = self._comm.Irecv([target, self._byte], mpi.ANY_SOURCE, tag)
@@ -890,7 +887,7 @@ class MPIBackend(ProcessGroupBackend):
     @_staged(0)
     def all_reduce_coalesced(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
         """One Iallreduce per dtype over the arrays flattened into one buffer."""
-        outputs = [_plain(x) for x in arrays]
+        outputs = [plain_buffer(x) for x in arrays]
         by_dtype: dict[np.dtype[Any], list[Any]] = {}
         for x in outputs:
             by_dtype.setdefault(x.dtype, []).append(x)
@@ -960,7 +957,7 @@ def _offsets(counts: Sequence[int]) -> list[int]:
 
 def _pack(arrays: Sequence[Any]) -> Any:
     """The bytes of ``arrays`` one after the other, in a new buffer."""
-    plain = [_plain(x) for x in arrays]
+    plain = [plain_buffer(x) for x in arrays]
     packed = _temp((sum(x.nbytes for x in plain),), np.uint8, plain[0])
     offset = 0
     for x in plain:
@@ -973,7 +970,7 @@ def _unpack(packed: Any, arrays: Sequence[Any]) -> None:
     """Fill ``arrays`` with consecutive bytes of ``packed``."""
     offset = 0
     for x in arrays:
-        target = _plain(x)
+        target = plain_buffer(x)
         _copy(target, packed[offset : offset + target.nbytes])
         offset += target.nbytes
 

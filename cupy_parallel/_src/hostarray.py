@@ -1,0 +1,1324 @@
+"""The host array: an array on a simulated accelerator ``"host:k"`` that behaves like a GPU array.
+
+A :class:`HostArray` holds a NumPy buffer the way a ``cupy.ndarray`` holds device memory, and
+enforces CuPy's rules at every boundary, so that code which keeps its placement right on host
+devices keeps it right on GPUs:
+
+* no implicit conversion: ``numpy.asarray(h)``, ``memoryview(h)``, ``numpy_array[...] = h`` raise
+  ``TypeError``; ``h.get()`` and ``to_device(h, "cpu")`` are the exits;
+* operands: arrays of the same host device and Python/NumPy scalars; a plain NumPy array, a
+  list or a CuPy array is refused with ``TypeError``, an array of another device with
+  ``ValueError`` (CuPy's peer-access error);
+* results stay on the device: ``h[0]`` is a 0-d array, reductions, ``nonzero``, ``divmod`` give
+  device arrays;
+* dtypes CuPy lacks (object, strings, datetime, structured, ``longdouble``) are refused.
+
+Each rule names the place in CuPy's sources it comes from (``cupy/_core/core.pyx`` and friends);
+the conformance table in ``tests/test_hostarray_conformance.py`` checks them one by one.
+
+Library internals reach the buffer with :func:`host_buffer` and wrap one with :func:`host_array`
+(no copy, no checks); :func:`version` counts in-place writes; :func:`set_dispatch_guard` lets the
+tape refuse raw NumPy on arrays it tracks.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import pickle
+import weakref
+from collections import UserList
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import optree
+
+from cupy_parallel._src.devices import Device, as_device, check_exists, is_cupy_array
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator, Mapping
+    from types import ModuleType
+
+__all__ = [
+    "HostArray",
+    "check_device_dtype",
+    "host_array",
+    "host_buffer",
+    "plain_buffer",
+    "set_dispatch_guard",
+    "version",
+]
+
+# --------------------------------------------------------------------------------------------
+# Dtypes: those CuPy has (``cupy/_core/_dtype.pyx``: bool, integers, float16/32/64, complex64/128)
+
+_DEVICE_DTYPE_CHARS = frozenset("?bBhHiIlLqQefdFD")
+_SCALAR_TYPES = frozenset(
+    {int, float, bool, complex} | {np.dtype(c).type for c in _DEVICE_DTYPE_CHARS}
+)
+"""Operands CuPy's kernels take as scalars (``cupy/_core/_scalar.pyx``, ``scalar_type_set``)."""
+
+
+def check_device_dtype(dtype: Any, name: str, /) -> np.dtype[Any]:
+    """``numpy.dtype(dtype)`` if CuPy has it, else ``TypeError`` naming ``name``.
+
+    CuPy arrays are bool, integer, float16/32/64 or complex64/128; object, string, datetime,
+    timedelta, structured, ``longdouble`` and ``StringDType`` arrays exist only on the CPU.
+
+    Example:
+        >>> check_device_dtype("float32", "dtype")
+        dtype('float32')
+    """
+    read = np.dtype(dtype)
+    if read.char not in _DEVICE_DTYPE_CHARS:
+        raise TypeError(
+            f"{name} is {read}, a dtype device arrays cannot hold (CuPy has bool, integer, "
+            "float16/32/64 and complex64/128 arrays only); keep such data on the cpu as a "
+            "NumPy array."
+        )
+    return read
+
+
+# --------------------------------------------------------------------------------------------
+# The dispatch guard and the version counter
+
+_guard: Callable[[str, tuple[Any, ...]], None] | None = None
+
+
+def set_dispatch_guard(guard: Callable[[str, tuple[Any, ...]], None] | None, /) -> None:
+    """Install ``guard(operation, operands)``, called before every raw NumPy computation.
+
+    ``operation`` names the entry (``"numpy.add"``, ``"operator +"``, ``"HostArray.sum"``);
+    ``operands`` are the call's operands. If the guard raises, nothing is computed or written.
+    Indexing reads, views and metadata (shape, dtype, device) do not call it, nor do
+    :func:`host_buffer` and :func:`host_array`. ``None`` removes the guard. There is one
+    guard per process (the tape installs it).
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel._src.arrays import to_device
+        >>> seen = []
+        >>> set_dispatch_guard(lambda operation, operands: seen.append(operation))
+        >>> _ = to_device(np.ones(2), "host:0") + 1
+        >>> set_dispatch_guard(None)
+        >>> seen
+        ['operator +']
+    """
+    global _guard
+    if guard is not None and not callable(guard):
+        raise TypeError(f"guard must be callable or None, got {type(guard).__name__}.")
+    _guard = guard
+
+
+_versions: dict[int, list[Any]] = {}
+"""``id(root buffer) -> [writes, weakref to root]``: a buffer's counter, made at its first write."""
+
+
+def _root(data: np.ndarray) -> np.ndarray:
+    """The ndarray owning ``data``'s memory (NumPy collapses base chains to it)."""
+    base = data.base
+    while isinstance(base, np.ndarray):
+        data, base = base, base.base
+    return data
+
+
+def _bump(data: np.ndarray) -> None:
+    root = _root(data)
+    key = id(root)
+    entry = _versions.get(key)
+    if entry is not None and entry[1]() is root:
+        entry[0] += 1
+    else:
+        _versions[key] = [1, weakref.ref(root, functools.partial(_forget, key))]
+
+
+def _forget(key: int, _: object) -> None:
+    _versions.pop(key, None)
+
+
+def version(x: Any, /) -> int | None:
+    """How many in-place writes have hit ``x``'s memory; ``None`` if ``x`` is no HostArray.
+
+    Views of one buffer share one counter (torch's version counter): a write through any of
+    them counts for all. Every in-place write through the HostArray API counts:
+    ``__setitem__``, ``out=``, in-place operators, ``fill``, ``set``, ``sort``, ``put``,
+    ``numpy.copyto`` and the other NumPy functions that write into an argument.
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel._src.arrays import to_device
+        >>> h = to_device(np.zeros(3), "host:0")
+        >>> view = h[1:]
+        >>> view += 1
+        >>> version(h), version(view), version(np.zeros(1))
+        (1, 1, None)
+    """
+    if type(x) is not HostArray:
+        return None
+    root = _root(x._data)
+    entry = _versions.get(id(root))
+    return entry[0] if entry is not None and entry[1]() is root else 0
+
+
+# --------------------------------------------------------------------------------------------
+# Errors, in the caller's words
+
+
+_EXITS = "use `.get()` or cupy_parallel.to_device(array, 'cpu') to make a NumPy array explicitly"
+
+
+def _implicit_conversion(what: str = "a NumPy array") -> TypeError:
+    return TypeError(
+        f"Implicit conversion of a device array to {what} is not allowed (as for cupy.ndarray); "
+        f"{_EXITS}."
+    )
+
+
+def _cross_device(operation: str, device: Device, other: Device) -> ValueError:
+    return ValueError(
+        f"{operation} got arrays on different devices, {device} and {other}. "
+        "Move them to one device with cupy_parallel.to_device(array, device)."
+    )
+
+
+def _foreign(operation: str, device: Device, x: Any) -> TypeError:
+    """The error for an operand CuPy's kernels refuse (``_kernel.pyx``, ``_preprocess_arg``)."""
+    move = f"cupy_parallel.to_device(array, '{device}')"
+    if isinstance(x, np.ndarray):
+        return TypeError(
+            f"{operation} mixes an array on {device} with a plain numpy.ndarray (on cpu), "
+            f"which CuPy would refuse too. Move it with {move}."
+        )
+    if is_cupy_array(x):
+        return TypeError(
+            f"{operation} mixes an array on {device} with a cupy.ndarray on cuda:"
+            f"{x.device.id}. Move it with {move}."
+        )
+    if isinstance(x, list | tuple):
+        return TypeError(
+            f"{operation} got a {type(x).__name__} operand; device arrays take arrays of their "
+            "own device and Python/NumPy scalars only (CuPy refuses sequences too: "
+            f"'Unsupported type'). Make an array with {move}."
+        )
+    return TypeError(
+        f"{operation} got an operand of unsupported type {type(x).__name__} (CuPy: "
+        "'Unsupported type'); device arrays take arrays of their own device and Python/NumPy "
+        "scalars."
+    )
+
+
+def _out_error(operation: str, device: Device, out: Any) -> TypeError:
+    return TypeError(
+        f"{operation}: out= must be an array on {device} (CuPy: 'Output arguments must be "
+        f"cupy.ndarray'), got {type(out).__name__}."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Reading operands
+
+
+def _operand(x: Any, device: Device, operation: str) -> Any:
+    """The NumPy value computing for operand ``x`` of an elementwise operation on ``device``."""
+    if type(x) is HostArray:
+        if x._device is not device and x._device != device:
+            raise _cross_device(operation, device, x._device)
+        return x._data
+    if type(x) in _SCALAR_TYPES:
+        return x
+    raise _foreign(operation, device, x)
+
+
+def _out(x: Any, device: Device, operation: str) -> np.ndarray:
+    if type(x) is not HostArray:
+        raise _out_error(operation, device, x)
+    if x._device != device:
+        raise _cross_device(operation, device, x._device)
+    return x._data
+
+
+_new = object.__new__
+
+
+def host_array(data: np.ndarray, device: Device, /) -> HostArray:
+    """Wrap the NumPy buffer ``data`` as an array on ``device``: no copy, no checks.
+
+    For library internals that made ``data`` themselves (copies, pool memory); users create
+    host arrays with ``to_device`` or ``empty``.
+
+    Example:
+        >>> import numpy as np
+        >>> host_array(np.arange(2), Device("host", 0))
+        HostArray([0, 1], device='host:0')
+    """
+    h = _new(HostArray)
+    h._data = data
+    h._device = device
+    return h
+
+
+def host_buffer(x: HostArray, /) -> np.ndarray:
+    """The NumPy buffer ``x`` holds: no copy, no checks (for library internals, never users).
+
+    Example:
+        >>> import numpy as np
+        >>> buffer = np.arange(2)
+        >>> host_buffer(host_array(buffer, Device("host", 0))) is buffer
+        True
+    """
+    return x._data
+
+
+def plain_buffer(x: Any, /) -> Any:
+    """``host_buffer(x)`` for a HostArray, anything else as it is (for library internals).
+
+    Example:
+        >>> import numpy as np
+        >>> plain_buffer(host_array(np.arange(2), Device("host", 0)))
+        array([0, 1])
+    """
+    return x._data if type(x) is HostArray else x
+
+
+def _wrap(result: Any, device: Device) -> Any:
+    """A NumPy result as device arrays: arrays and NumPy scalars become arrays on ``device``."""
+    if type(result) is np.ndarray:
+        if result.dtype.char not in _DEVICE_DTYPE_CHARS:
+            check_device_dtype(result.dtype, "the result")
+        return host_array(result, device)
+    if isinstance(result, np.generic):
+        return _wrap(np.asarray(result), device)
+    if isinstance(result, np.ndarray):  # a subclass (np.matrix, masked arrays): its data
+        return _wrap(result.view(np.ndarray), device)
+    if isinstance(result, tuple | list):
+        return optree.tree_map(functools.partial(_wrap, device=device), cast("Any", result))
+    return result
+
+
+def _zero_d(value: Any) -> np.ndarray:
+    return value if type(value) is np.ndarray else np.asarray(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Python operators, implemented directly on the buffers (the hot path)
+
+_PRIORITY = 100  # CuPy's ``__array_priority__``
+
+
+def _other_operand(self: HostArray, other: Any, operation: str) -> Any:
+    """CuPy's rule for a non-array, non-scalar right operand (``core.pyx``, ``_should_use_rop``)."""
+    ufunc = getattr(type(other), "__array_ufunc__", _PRIORITY)
+    if ufunc is None or (
+        ufunc is _PRIORITY and getattr(other, "__array_priority__", 0) > _PRIORITY
+    ):
+        return NotImplemented
+    raise _foreign(operation, self._device, other)
+
+
+def _binary(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
+    operation = f"operator {symbol}"
+
+    def method(self: HostArray, other: Any) -> Any:
+        t = type(other)
+        if t is HostArray:
+            if other._device is not self._device and other._device != self._device:
+                raise _cross_device(operation, self._device, other._device)
+            b = other._data
+        elif t in _SCALAR_TYPES:
+            b = other
+        else:
+            return _other_operand(self, other, operation)
+        if _guard is not None:
+            _guard(operation, (self, other))
+        r = ufunc(self._data, b)
+        h = _new(HostArray)
+        h._data = r if type(r) is np.ndarray else np.asarray(r)
+        h._device = self._device
+        return h
+
+    method.__name__ = f"__{ufunc.__name__}__"
+    return method
+
+
+def _reflected(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
+    operation = f"operator {symbol}"
+
+    def method(self: HostArray, other: Any) -> Any:
+        if type(other) not in _SCALAR_TYPES:
+            return _other_operand(self, other, operation)
+        if _guard is not None:
+            _guard(operation, (other, self))
+        r = ufunc(other, self._data)
+        h = _new(HostArray)
+        h._data = r if type(r) is np.ndarray else np.asarray(r)
+        h._device = self._device
+        return h
+
+    return method
+
+
+def _inplace(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
+    operation = f"operator {symbol}="
+
+    def method(self: HostArray, other: Any) -> Any:
+        if type(other) is HostArray:
+            if other._device is not self._device and other._device != self._device:
+                raise _cross_device(operation, self._device, other._device)
+            b = other._data
+        elif type(other) in _SCALAR_TYPES:
+            b = other
+        else:
+            return _other_operand(self, other, operation)
+        if _guard is not None:
+            _guard(operation, (self, other))
+        ufunc(self._data, b, out=self._data)
+        _bump(self._data)
+        return self
+
+    return method
+
+
+def _comparison(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
+    """CuPy's ``__richcmp__``: a 0-d NumPy array compares as its item.
+
+    ``==`` with an object that has no ``__eq__`` of its own (``None``, ...) is all False, ``!=``
+    all True.
+    """
+    operation = f"operator {symbol}"
+    fast = _binary(ufunc, symbol)
+
+    def method(self: HostArray, other: Any) -> Any:
+        if type(other) is HostArray or type(other) in _SCALAR_TYPES:
+            return fast(self, other)
+        if isinstance(other, np.ndarray) and other.ndim == 0:
+            return fast(self, other.item())
+        if ufunc in (np.equal, np.not_equal) and (
+            other is None or type(other).__eq__ is object.__eq__  # type: ignore[comparison-overlap]
+        ):
+            if _guard is not None:
+                _guard(operation, (self, other))
+            filler = np.zeros if ufunc is np.equal else np.ones
+            return host_array(filler(self._data.shape, bool), self._device)
+        return _other_operand(self, other, operation)
+
+    return method
+
+
+def _unary(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray], HostArray]:
+    operation = f"operator {symbol}"
+
+    def method(self: HostArray) -> HostArray:
+        if _guard is not None:
+            _guard(operation, (self,))
+        return host_array(_zero_d(ufunc(self._data)), self._device)
+
+    return method
+
+
+# --------------------------------------------------------------------------------------------
+# Methods computing on the buffer: name -> position of ``out`` among the positional arguments
+
+_COMPUTING_METHODS: dict[str, int | None] = {
+    "all": 1,
+    "any": 1,
+    "argmax": 1,
+    "argmin": 1,
+    "argpartition": None,
+    "argsort": None,
+    "choose": 1,
+    "clip": 2,
+    "compress": 2,
+    "conj": None,
+    "conjugate": None,
+    "cumprod": 2,
+    "cumsum": 2,
+    "diagonal": None,
+    "dot": 1,
+    "flatten": None,
+    "max": 1,
+    "mean": 2,
+    "min": 1,
+    "nonzero": None,
+    "prod": 2,
+    "ravel": None,
+    "repeat": None,
+    "reshape": None,
+    "round": 1,
+    "searchsorted": None,
+    "squeeze": None,
+    "std": 2,
+    "sum": 2,
+    "swapaxes": None,
+    "take": 2,
+    "trace": 4,
+    "transpose": None,
+    "var": 2,
+}
+_VIEW_METHODS = frozenset(
+    {"diagonal", "flatten", "ravel", "reshape", "squeeze", "swapaxes", "transpose"}
+)
+"""Shape methods: no dispatch guard (as indexing)."""
+
+_HOST_DATA_ARGUMENTS = {"take": 0, "compress": 0, "repeat": 0}
+"""Arguments CuPy converts from host data (``core.array(...)``): lists and NumPy arrays pass."""
+
+
+def _computing_method(name: str, out_position: int | None) -> Callable[..., Any]:
+    operation = f"HostArray.{name}"
+    guarded = name not in _VIEW_METHODS
+    host_data = _HOST_DATA_ARGUMENTS.get(name)
+
+    def method(self: HostArray, *args: Any, **kwargs: Any) -> Any:
+        device = self._device
+        if not args and not kwargs:  # the hot path: x.sum(), x.copy(), x.ravel()
+            if guarded and _guard is not None:
+                _guard(operation, (self,))
+            return _wrap(getattr(self._data, name)(), device)
+        out = kwargs.pop("out", None)
+        if out_position is not None and len(args) > out_position:
+            out, args = args[out_position], args[:out_position] + args[out_position + 1 :]
+        read = [
+            _method_argument(a, device, operation, host_data=i == host_data or not guarded)
+            for i, a in enumerate(args)
+        ]
+        given = kwargs
+        if kwargs:
+            kwargs = {
+                k: _method_argument(v, device, operation, host_data=False)
+                for k, v in kwargs.items()
+            }
+        if out is not None:
+            kwargs["out"] = _out(out, device, operation)
+        if guarded and _guard is not None:
+            _guard(operation, (self, *args, *given.values(), *(() if out is None else (out,))))
+        result = getattr(self._data, name)(*read, **kwargs)
+        if out is not None:
+            _bump(kwargs["out"])
+            return out
+        return _wrap(result, device)
+
+    method.__name__ = name
+    method.__doc__ = f"``numpy.ndarray.{name}`` on the device; results stay on it."
+    return method
+
+
+def _method_argument(x: Any, device: Device, operation: str, *, host_data: bool) -> Any:
+    """A method argument: arrays must be on ``device``; host data only where CuPy converts it."""
+    if type(x) is HostArray:
+        if x._device is not device and x._device != device:
+            raise _cross_device(operation, device, x._device)
+        return x._data
+    if isinstance(x, np.ndarray | list | tuple) and not host_data:
+        if isinstance(x, tuple) and all(isinstance(v, int | np.integer) for v in x):
+            return x  # an axis tuple or a shape
+        raise _foreign(operation, device, x)
+    if is_cupy_array(x):
+        raise _foreign(operation, device, x)
+    return x
+
+
+# --------------------------------------------------------------------------------------------
+# Indexing
+
+
+def _is_advanced(key: tuple[Any, ...]) -> bool:
+    """Whether an index holds arrays, sequences or booleans (CuPy's ``_prepare_slice_list``)."""
+    return any(isinstance(k, list | tuple | np.ndarray | HostArray | bool | np.bool_) for k in key)
+
+
+def _index(key: Any, device: Device) -> tuple[Any, ...]:
+    """A NumPy index tuple: device arrays unwrapped (same device only), host data as is."""
+    items = key if type(key) is tuple else (key,)
+    if any(type(k) is HostArray for k in items) or any(is_cupy_array(k) for k in items):
+        items = tuple(_index_item(k, device) for k in items)
+    return items
+
+
+def _index_item(k: Any, device: Device) -> Any:
+    if type(k) is HostArray:
+        if k._device is not device and k._device != device:
+            raise _cross_device("indexing", device, k._device)
+        return k._data
+    if is_cupy_array(k):
+        raise _foreign("indexing", device, k)
+    return k
+
+
+# --------------------------------------------------------------------------------------------
+# The array
+
+
+class HostArray:
+    """An array on a simulated accelerator ``"host:k"``, strict as a ``cupy.ndarray`` on a GPU.
+
+    Create one with ``cupy_parallel.to_device`` or ``cupy_parallel.empty``. Arithmetic,
+    NumPy functions, slices and views stay on the array's device. Mixing it with an array of
+    another device raises ``ValueError``; with a plain ``numpy.ndarray``, a list or a CuPy
+    array, ``TypeError``, as CuPy does. ``numpy.asarray(h)`` raises ``TypeError``: ``h.get()``
+    and ``to_device(h, "cpu")`` are the exits, as ``.get()`` and ``cupy.asnumpy`` are in CuPy.
+
+    Why a duck array and not a ``numpy.ndarray`` subclass: NumPy converts a subclass to a plain
+    array without asking it (``np.asarray``, ``memoryview``, the buffer protocol, ``np.save``
+    and every C routine read its memory directly), so a subclass cannot refuse implicit
+    conversion; CuPy's arrays are not ndarrays either. The array holds its NumPy buffer and
+    implements ``__array_ufunc__``, ``__array_function__``, the operators and the methods
+    itself.
+
+    Other decisions:
+
+    * ``__dlpack__`` exports only when the consumer asks for the cpu explicitly
+      (``np.from_dlpack(h, device="cpu")``, which copies, as CuPy copies a GPU array to the
+      cpu); a plain ``np.from_dlpack(h)`` raises ``BufferError``, since it would be an
+      implicit conversion.
+    * Pickling keeps the device; unpickling in a process without that device raises
+      ``ValueError`` naming how many host devices it has (CuPy unpickles onto the current
+      device instead; silently moving data is what host devices exist to catch).
+    * ``__array_namespace__`` is ``numpy``, which computes on host arrays through the
+      dispatch protocols (as ``cupy_parallel.array_namespace`` says).
+    * Out-of-bounds indices raise ``IndexError`` as in NumPy (CuPy wraps them silently).
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel._src.arrays import to_device
+        >>> from cupy_parallel._src.devices import set_host_device_count
+        >>> set_host_device_count(2)
+        >>> a = to_device(np.arange(3.0), "host:1")
+        >>> a * 2
+        HostArray([0., 2., 4.], device='host:1')
+        >>> a[1:].device
+        Device('host:1')
+        >>> a.get()
+        array([0., 1., 2.])
+    """
+
+    __slots__ = ("__weakref__", "_data", "_device")
+    __array_priority__ = _PRIORITY
+    __hash__ = None  # type: ignore[assignment]  # mutable, as numpy.ndarray
+
+    _data: Any  # the numpy.ndarray (Any: NumPy's stubs are narrower than what we forward)
+    _device: Device
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "HostArray cannot be constructed directly; use cupy_parallel.to_device(array, "
+            "'host:k') or cupy_parallel.empty(shape, dtype, 'host:k')."
+        )
+
+    if TYPE_CHECKING:  # the computing methods are made from _COMPUTING_METHODS below
+
+        def __getattr__(self, name: str) -> Any: ...
+
+    # -- metadata ------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> Device:
+        """The host device this array lives on (array API standard)."""
+        return self._device
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The array's shape; assigning reshapes in place, as for NumPy and CuPy arrays."""
+        return self._data.shape
+
+    @shape.setter
+    def shape(self, value: Any) -> None:
+        self._data.shape = value
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The element type."""
+        return self._data.dtype
+
+    @property
+    def ndim(self) -> int:
+        """The number of dimensions."""
+        return self._data.ndim
+
+    @property
+    def size(self) -> int:
+        """The number of elements."""
+        return self._data.size
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return self._data.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all elements."""
+        return self._data.nbytes
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Bytes to step in each dimension."""
+        return self._data.strides
+
+    @property
+    def flags(self) -> Any:
+        """The buffer's flags (contiguity, writeability)."""
+        return self._data.flags
+
+    @property
+    def T(self) -> HostArray:  # noqa: N802 - NumPy's name
+        """The transposed view."""
+        return host_array(self._data.T, self._device)
+
+    @property
+    def mT(self) -> HostArray:  # noqa: N802 - NumPy's name
+        """The view with the last two axes swapped."""
+        return host_array(self._data.mT, self._device)
+
+    @property
+    def real(self) -> HostArray:
+        """The real part (a view for complex arrays)."""
+        return host_array(_zero_d(self._data.real), self._device)
+
+    @real.setter
+    def real(self, value: Any) -> None:
+        self.real[...] = value
+
+    @property
+    def imag(self) -> HostArray:
+        """The imaginary part (a view for complex arrays)."""
+        return host_array(_zero_d(self._data.imag), self._device)
+
+    @imag.setter
+    def imag(self, value: Any) -> None:
+        self.imag[...] = value
+
+    def __len__(self) -> int:
+        if not self._data.ndim:
+            raise TypeError("len() of unsized object")
+        return len(self._data)
+
+    def __iter__(self) -> Iterator[HostArray]:
+        if not self._data.ndim:
+            raise TypeError("iteration over a 0-d array")
+        return (self[i] for i in range(len(self._data)))
+
+    def __repr__(self) -> str:
+        body = repr(self._data)
+        return f"HostArray{body[5:-1]}, device='{self._device}')"
+
+    def __str__(self) -> str:
+        return str(self._data)
+
+    def __format__(self, format_spec: str) -> str:
+        return format(self._data, format_spec)
+
+    # -- exits to the host ---------------------------------------------------------------------
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise _implicit_conversion()
+
+    def __buffer__(self, flags: int) -> memoryview:
+        raise _implicit_conversion("a buffer (memoryview)")
+
+    def get(
+        self,
+        stream: Any = None,
+        order: str = "C",
+        out: np.ndarray | None = None,
+        blocking: bool = True,
+    ) -> np.ndarray:
+        """A NumPy copy of the array on the cpu (``cupy.ndarray.get``'s signature).
+
+        ``stream`` and ``blocking`` are accepted for CuPy compatibility; host copies are
+        synchronous. ``out`` must be a NumPy array of the same shape and dtype.
+
+        Example:
+            >>> import numpy as np
+            >>> from cupy_parallel._src.arrays import to_device
+            >>> to_device(np.arange(3), "host:0").get()
+            array([0, 1, 2])
+        """
+        if out is not None:
+            if not isinstance(out, np.ndarray):
+                raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}.")
+            if out.dtype != self._data.dtype:
+                raise TypeError(f"out has dtype {out.dtype}; this array has {self._data.dtype}.")
+            if out.shape != self._data.shape:
+                raise ValueError(f"out has shape {out.shape}; this array has {self._data.shape}.")
+            np.copyto(out, self._data)
+            return out
+        if order not in ("C", "F", "A", "c", "f", "a"):
+            raise ValueError(f"order must be 'C', 'F' or 'A', got {order!r}.")
+        if order.upper() == "A":
+            order = (
+                "F" if self._data.flags.f_contiguous and not self._data.flags.c_contiguous else "C"
+            )
+        layout: Any = order.upper()
+        return np.array(self._data, order=layout, copy=True)
+
+    def set(self, arr: np.ndarray, stream: Any = None) -> None:
+        """Copy the NumPy array ``arr`` into this array (``cupy.ndarray.set``'s rules).
+
+        ``arr`` must be a ``numpy.ndarray`` of the same dtype and shape.
+
+        Example:
+            >>> import numpy as np
+            >>> from cupy_parallel._src.arrays import to_device
+            >>> h = to_device(np.zeros(2), "host:0")
+            >>> h.set(np.array([1.0, 2.0]))
+            >>> h
+            HostArray([1., 2.], device='host:0')
+        """
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"arr must be a numpy.ndarray, got {type(arr).__name__}.")
+        if arr.dtype != self._data.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self._data.dtype} array.")
+        if arr.shape != self._data.shape:
+            raise ValueError(
+                f"Shape mismatch. Old shape: {self._data.shape}, new shape: {arr.shape}."
+            )
+        if not (self._data.flags.c_contiguous or self._data.flags.f_contiguous):
+            raise ValueError("Cannot set to non-contiguous array (as in CuPy).")
+        if _guard is not None:
+            _guard("HostArray.set", (self, arr))
+        np.copyto(self._data, arr)
+        _bump(self._data)
+
+    def item(self, *args: Any) -> Any:
+        """The one element as a Python scalar."""
+        return self._data.item(*args)
+
+    def tolist(self) -> Any:
+        """The elements as nested Python lists (a copy to the host)."""
+        return self._data.tolist()
+
+    def tobytes(self, order: str = "C") -> bytes:
+        """The raw bytes (a copy to the host)."""
+        return self._data.tobytes(order)
+
+    def tofile(self, fid: Any, sep: str = "", format: str = "%s") -> None:
+        """Write the elements to a file, as ``numpy.ndarray.tofile``."""
+        self._data.tofile(fid, sep, format)
+
+    def dump(self, file: Any) -> None:
+        """Pickle the array to ``file``."""
+        if isinstance(file, str):
+            with open(file, "wb") as f:
+                pickle.dump(self, f, -1)
+        else:
+            pickle.dump(self, file, -1)
+
+    def dumps(self) -> bytes:
+        """The array pickled."""
+        return pickle.dumps(self, -1)
+
+    def __bool__(self) -> bool:
+        return bool(self._data)
+
+    def __int__(self) -> int:
+        return int(self._data)
+
+    def __float__(self) -> float:
+        return float(self._data)
+
+    def __complex__(self) -> complex:
+        return complex(self._data)
+
+    def to_device(self, device: Any, /, *, stream: Any = None) -> Any:
+        """This array on ``device`` (array API standard); the same array if it is there.
+
+        Example:
+            >>> import numpy as np
+            >>> from cupy_parallel._src.arrays import to_device
+            >>> from cupy_parallel._src.devices import set_host_device_count
+            >>> set_host_device_count(2)
+            >>> to_device(np.arange(2), "host:0").to_device("host:1")
+            HostArray([0, 1], device='host:1')
+        """
+        from cupy_parallel._src.arrays import to_device  # the layer above
+
+        return to_device(self, device, stream=stream)
+
+    def __array_namespace__(self, /, *, api_version: str | None = None) -> ModuleType:
+        return np
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU: the bytes are in host memory
+
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        if dl_device is None or tuple(dl_device) != (1, 0):
+            raise BufferError(
+                f"An array on {self._device} is device memory: DLPack exports it only to a "
+                "consumer asking for the cpu explicitly (np.from_dlpack(array, device='cpu')), "
+                f"which copies; {_EXITS}."
+            )
+        if copy is False:
+            raise ValueError("Device memory cannot be exported to the cpu without a copy.")
+        return self._data.copy().__dlpack__(max_version=max_version)
+
+    # -- pickling and copies -------------------------------------------------------------------
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpickle, (self._data, str(self._device)))
+
+    def __copy__(self) -> HostArray:
+        return self.copy()
+
+    def __deepcopy__(self, memo: Any) -> HostArray:
+        return self.copy()
+
+    def copy(self, order: str = "C") -> HostArray:
+        """A copy on the same device."""
+        if _guard is not None:
+            _guard("HostArray.copy", (self,))
+        return host_array(self._data.copy(order), self._device)
+
+    def astype(
+        self,
+        dtype: Any,
+        order: str = "K",
+        casting: Any = None,
+        subok: Any = None,
+        copy: bool = True,
+    ) -> HostArray:
+        """The elements converted to ``dtype`` (a dtype CuPy has), on the same device."""
+        dtype = check_device_dtype(dtype, "HostArray.astype's dtype")
+        if _guard is not None:
+            _guard("HostArray.astype", (self,))
+        kwargs = {} if casting is None else {"casting": casting}
+        return host_array(self._data.astype(dtype, order, copy=copy, **kwargs), self._device)
+
+    def view(self, dtype: Any = None, array_class: Any = None) -> HostArray:
+        """The same memory seen as ``dtype`` (a dtype CuPy has); never a NumPy array."""
+        if (isinstance(dtype, type) and issubclass(dtype, np.ndarray)) or array_class is not None:
+            raise TypeError(
+                f"HostArray.view returns device arrays only (CuPy: 'Type must be a sub-type of "
+                f"ndarray type'); {_EXITS}."
+            )
+        if dtype is None:
+            return host_array(self._data.view(), self._device)
+        dtype = check_device_dtype(dtype, "HostArray.view's dtype")
+        return host_array(self._data.view(dtype), self._device)
+
+    # -- in-place methods ----------------------------------------------------------------------
+
+    def fill(self, value: Any) -> None:
+        """Set every element to the scalar ``value`` (a 0-d array of this device counts)."""
+        if type(value) is HostArray:
+            if value._device != self._device:
+                raise _cross_device("HostArray.fill", self._device, value._device)
+            if value._data.ndim:
+                raise ValueError("non-scalar array cannot be used for fill (as in CuPy).")
+            scalar: Any = value._data[()]
+        elif type(value) in _SCALAR_TYPES:
+            scalar = value
+        elif is_cupy_array(value):
+            raise _foreign("HostArray.fill", self._device, value)
+        else:  # CuPy reads host data as numpy.asarray(value, dtype) and wants a scalar
+            host = np.asarray(value, dtype=self._data.dtype)
+            if host.shape:
+                raise ValueError(
+                    f"non-scalar {type(value).__name__} cannot be used for fill (as in CuPy)."
+                )
+            scalar = host[()]
+        if _guard is not None:
+            _guard("HostArray.fill", (self, value))
+        self._data.fill(scalar)
+        _bump(self._data)
+
+    def sort(self, axis: int = -1, kind: Any = None, order: Any = None) -> None:
+        """Sort in place along ``axis``."""
+        if _guard is not None:
+            _guard("HostArray.sort", (self,))
+        self._data.sort(axis, kind, order)
+        _bump(self._data)
+
+    def partition(
+        self, kth: Any, axis: int = -1, kind: str = "introselect", order: Any = None
+    ) -> None:
+        """Partition in place around ``kth``."""
+        kth = _method_argument(kth, self._device, "HostArray.partition", host_data=True)
+        if _guard is not None:
+            _guard("HostArray.partition", (self,))
+        self._data.partition(kth, axis, kind, order)
+        _bump(self._data)
+
+    def put(self, indices: Any, values: Any, mode: str = "raise") -> None:
+        """Set the flat elements at ``indices`` to ``values`` (host data converted, as CuPy)."""
+        operation = "HostArray.put"
+        read_indices = _method_argument(indices, self._device, operation, host_data=True)
+        read_values = _method_argument(values, self._device, operation, host_data=True)
+        if _guard is not None:
+            _guard(operation, (self, indices, values))
+        self._data.put(read_indices, read_values, mode)
+        _bump(self._data)
+
+    # -- indexing ------------------------------------------------------------------------------
+
+    def __getitem__(self, key: Any) -> HostArray:
+        t = type(key)
+        if t is int:  # a 0-d view, not a NumPy scalar
+            h = _new(HostArray)
+            h._data = self._data[key, ...]
+            h._device = self._device
+            return h
+        if t is not slice:
+            key = _index(key, self._device)
+        r = self._data[key]
+        if type(r) is not np.ndarray:  # all dims indexed by integers: view the element
+            element = (*key, ...) if type(key) is tuple else (key, ...)
+            r = self._data[element]
+        return host_array(r, self._device)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        device = self._device
+        if type(key) is not int and type(key) is not slice:
+            key = _index(key, device)
+        if type(value) is HostArray:
+            if value._device != device:
+                raise ValueError(
+                    f"Cannot assign an array on {value._device} into an array on {device}; "
+                    f"move it first with cupy_parallel.to_device(value, '{device}')."
+                )
+            source: Any = value._data
+        elif type(value) in _SCALAR_TYPES:
+            source = value
+        elif is_cupy_array(value):
+            raise _foreign("assignment", device, value)
+        elif type(key) is tuple and _is_advanced(key):
+            source = np.asarray(value, dtype=self._data.dtype)  # CuPy uploads it here
+        else:  # CuPy's basic-index assignment is fill(): host data must be one scalar
+            source = np.asarray(value, dtype=self._data.dtype)
+            if source.shape:
+                raise ValueError(
+                    f"Cannot assign a {type(value).__name__} of shape {source.shape} into an "
+                    f"array on {device}: CuPy refuses host data here ('non-scalar "
+                    "numpy.ndarray cannot be used for fill'); move it first with "
+                    f"cupy_parallel.to_device(value, '{device}')."
+                )
+        if _guard is not None:
+            _guard("operator []=", (self, value))
+        self._data[key] = source
+        _bump(self._data)
+
+    # -- NumPy's dispatch protocols ------------------------------------------------------------
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        if method == "__call__" and not kwargs and ufunc not in _UFUNC_OBJECTS_CUPY_LACKS:
+            device = self._device  # the hot path: array and scalar operands, no keywords
+            read = []
+            for x in inputs:
+                t = type(x)
+                if t is HostArray and (x._device is device or x._device == device):
+                    read.append(x._data)
+                elif t in _SCALAR_TYPES:
+                    read.append(x)
+                else:
+                    return _apply_ufunc(device, ufunc, method, inputs, kwargs)
+            if _guard is not None:
+                _guard(f"numpy.{ufunc.__name__}", inputs)
+            r = ufunc(*read)
+            if ufunc.nout == 1:
+                h = _new(HostArray)
+                h._data = r if type(r) is np.ndarray else np.asarray(r)
+                h._device = device
+                return h
+            return tuple(host_array(_zero_d(y), device) for y in r)
+        return _apply_ufunc(self._device, ufunc, method, inputs, kwargs)
+
+    def __array_function__(
+        self,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+    ) -> Any:
+        for t in types:
+            if not issubclass(t, HostArray | np.ndarray) and "cupy" not in t.__module__:
+                return NotImplemented
+        return _apply_function(self._device, func, args, kwargs)
+
+
+for _name, _out_position in _COMPUTING_METHODS.items():
+    setattr(HostArray, _name, _computing_method(_name, _out_position))
+
+_OPERATORS: dict[str, tuple[np.ufunc, str]] = {
+    "add": (np.add, "+"),
+    "sub": (np.subtract, "-"),
+    "mul": (np.multiply, "*"),
+    "truediv": (np.true_divide, "/"),
+    "floordiv": (np.floor_divide, "//"),
+    "mod": (np.remainder, "%"),
+    "pow": (np.power, "**"),
+    "matmul": (np.matmul, "@"),
+    "and": (np.bitwise_and, "&"),
+    "or": (np.bitwise_or, "|"),
+    "xor": (np.bitwise_xor, "^"),
+    "lshift": (np.left_shift, "<<"),
+    "rshift": (np.right_shift, ">>"),
+}
+for _name, (_ufunc, _symbol) in _OPERATORS.items():
+    setattr(HostArray, f"__{_name}__", _binary(_ufunc, _symbol))
+    setattr(HostArray, f"__r{_name}__", _reflected(_ufunc, _symbol))
+    setattr(HostArray, f"__i{_name}__", _inplace(_ufunc, _symbol))
+for _name, (_ufunc, _symbol) in {
+    "eq": (np.equal, "=="),
+    "ne": (np.not_equal, "!="),
+    "lt": (np.less, "<"),
+    "le": (np.less_equal, "<="),
+    "gt": (np.greater, ">"),
+    "ge": (np.greater_equal, ">="),
+}.items():
+    setattr(HostArray, f"__{_name}__", _comparison(_ufunc, _symbol))
+for _name, (_ufunc, _symbol) in {
+    "neg": (np.negative, "-"),
+    "pos": (np.positive, "+"),
+    "abs": (np.absolute, "abs"),
+    "invert": (np.invert, "~"),
+}.items():
+    setattr(HostArray, f"__{_name}__", _unary(_ufunc, _symbol))
+
+
+def _divmod(self: HostArray, other: Any) -> Any:
+    return _apply_ufunc(self._device, np.divmod, "__call__", (self, other), {})
+
+
+def _rdivmod(self: HostArray, other: Any) -> Any:
+    if type(other) not in _SCALAR_TYPES:
+        return _other_operand(self, other, "operator divmod")
+    return _apply_ufunc(self._device, np.divmod, "__call__", (other, self), {})
+
+
+setattr(HostArray, "__divmod__", _divmod)  # noqa: B010 - beside the other operators
+setattr(HostArray, "__rdivmod__", _rdivmod)  # noqa: B010
+
+
+def _unpickle(data: np.ndarray, device: str) -> HostArray:
+    target = as_device(device)
+    try:
+        check_exists(target)
+    except ValueError as error:
+        raise ValueError(f"Cannot unpickle an array of {device}: {error}") from None
+    return host_array(data, target)
+
+
+# --------------------------------------------------------------------------------------------
+# ufuncs (CuPy: ``core.pyx`` ``__array_ufunc__`` and ``_kernel.pyx`` ``ufunc.__call__``)
+
+_UFUNC_KEYWORDS = {
+    "__call__": frozenset({"out", "dtype", "casting"}),
+    "outer": frozenset({"out", "dtype", "casting"}),
+    "reduce": frozenset({"axis", "dtype", "out", "keepdims"}),
+    "accumulate": frozenset({"axis", "dtype", "out"}),
+    "reduceat": frozenset({"axis", "dtype", "out"}),
+    "at": frozenset(),
+}
+_UFUNC_METHODS_CUPY_HAS: dict[str, frozenset[str] | None] = {
+    "__call__": None,  # every ufunc CuPy has
+    "outer": None,
+    "reduce": frozenset({"add", "multiply"}),
+    "accumulate": frozenset({"add", "multiply"}),
+    "reduceat": frozenset({"add"}),
+    "at": frozenset(
+        {"add", "subtract", "maximum", "minimum", "bitwise_and", "bitwise_or", "bitwise_xor"}
+    ),
+}
+_UFUNCS_CUPY_LACKS = frozenset({"isnat", "matvec", "spacing", "vecdot", "vecmat"})
+"""NumPy ufuncs with no CuPy counterpart (CuPy 14.2): ``__array_ufunc__`` returns NotImplemented."""
+_UFUNC_OBJECTS_CUPY_LACKS = frozenset(
+    getattr(np, name) for name in _UFUNCS_CUPY_LACKS if hasattr(np, name)
+)
+_COMPARISONS = frozenset(
+    {np.equal, np.not_equal, np.less, np.less_equal, np.greater, np.greater_equal}
+)
+
+
+def _apply_ufunc(
+    device: Device, ufunc: np.ufunc, method: str, inputs: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    name = ufunc.__name__
+    operation = f"numpy.{name}" if method == "__call__" else f"numpy.{name}.{method}"
+    if name in _UFUNCS_CUPY_LACKS:
+        raise TypeError(
+            f"{operation} is not available for device arrays (CuPy has no cupy.{name})."
+        )
+    supported = _UFUNC_METHODS_CUPY_HAS.get(method, frozenset())
+    if supported is not None and name not in supported:
+        raise NotImplementedError(
+            f"{operation} is not supported for device arrays (CuPy: '{name}.{method} is not "
+            "supported yet')."
+        )
+    unknown = set(kwargs) - _UFUNC_KEYWORDS[method]
+    if unknown:
+        raise TypeError(
+            f"{operation}: Wrong arguments {sorted(unknown)} (CuPy's ufuncs take "
+            f"{sorted(_UFUNC_KEYWORDS[method])} only)."
+        )
+    out = kwargs.get("out")
+    outs: tuple[Any, ...] = ()
+    if out is not None:
+        outs = out if isinstance(out, tuple) else (out,)
+        if len(outs) != 1:
+            raise ValueError(f"{operation}: The 'out' parameter must have exactly one array value.")
+        kwargs["out"] = tuple(_out(o, device, operation) for o in outs)
+    if "dtype" in kwargs and kwargs["dtype"] is not None:
+        check_device_dtype(kwargs["dtype"], f"{operation}'s dtype")
+    if method == "at":
+        a, indices, *rest = inputs
+        read: list[Any] = [
+            _out(a, device, operation),
+            _method_argument(indices, device, operation, host_data=True),
+            *(_operand(b, device, operation) for b in rest),
+        ]
+    elif ufunc in _COMPARISONS:
+        read = [
+            _operand(
+                x.item() if isinstance(x, np.ndarray) and x.ndim == 0 else x, device, operation
+            )
+            for x in inputs
+        ]
+    else:
+        read = [_operand(x, device, operation) for x in inputs]
+    if _guard is not None:
+        _guard(operation, (*inputs, *outs))
+    result = getattr(ufunc, method)(*read, **kwargs)
+    if method == "at":
+        _bump(read[0])
+        return None
+    if outs:
+        _bump(kwargs["out"][0])
+        return outs[0] if ufunc.nout == 1 or method != "__call__" else outs
+    return _wrap(result, device)
+
+
+# --------------------------------------------------------------------------------------------
+# NumPy functions (CuPy: ``core.pyx`` ``__array_function__`` calls the ``cupy`` function)
+
+_CREATION_FUNCTIONS: frozenset[Any] = frozenset(
+    {
+        np.array,
+        np.asarray,
+        np.asanyarray,
+        np.ascontiguousarray,
+        np.asfortranarray,
+        np.require,
+        np.arange,
+        np.empty,
+        np.zeros,
+        np.ones,
+        np.full,
+        np.eye,
+        np.identity,
+        np.tri,
+        np.frombuffer,
+        np.fromfile,
+        np.fromfunction,
+        np.fromiter,
+        np.fromstring,
+        np.loadtxt,
+        np.genfromtxt,
+    }
+)
+"""Functions that dispatch here only through ``like=`` (NEP 35): host data is uploaded."""
+
+_WRITTEN_ARGUMENTS: dict[Any, str] = {
+    np.copyto: "dst",
+    np.put: "a",
+    np.place: "arr",
+    np.putmask: "a",
+    np.fill_diagonal: "a",
+    np.put_along_axis: "arr",
+}
+"""Functions writing into an argument other than ``out`` (their version counters count it)."""
+
+
+@functools.cache
+def _written_positions(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments ``func`` writes into: ``out`` and the table above."""
+    names = {"out", _WRITTEN_ARGUMENTS.get(func, "out")}
+    try:
+        parameters = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: out= by keyword only
+        return ()
+    return tuple((i, p) for i, p in enumerate(parameters) if p in names)
+
+
+_FUNCTIONS_CUPY_LACKS = frozenset(
+    {
+        "numpy.block",
+        "numpy.busday_count",
+        "numpy.busday_offset",
+        "numpy.datetime_as_string",
+        "numpy.einsum_path",
+        "numpy.geomspace",
+        "numpy.histogram_bin_edges",
+        "numpy.insert",
+        "numpy.is_busday",
+        "numpy.linalg.diagonal",
+        "numpy.linalg.matrix_norm",
+        "numpy.linalg.multi_dot",
+        "numpy.linalg.outer",
+        "numpy.linalg.svdvals",
+        "numpy.linalg.tensordot",
+        "numpy.linalg.trace",
+        "numpy.linalg.vecdot",
+        "numpy.linalg.vector_norm",
+        "numpy.nanpercentile",
+        "numpy.nanquantile",
+        "numpy.polyder",
+        "numpy.polydiv",
+        "numpy.polyint",
+        "numpy.unstack",
+    }
+)
+"""NumPy functions with no CuPy counterpart (CuPy 14.2, NumPy 2.4): on a GPU array,
+``cupy.ndarray.__array_function__`` returns ``NotImplemented`` and NumPy raises ``TypeError``."""
+
+
+def _apply_function(
+    device: Device, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Any:
+    operation = f"numpy.{func.__name__}"
+    if f"{func.__module__}.{func.__name__}" in _FUNCTIONS_CUPY_LACKS:
+        raise TypeError(
+            f"no implementation found for '{func.__module__}.{func.__name__}' on device arrays "
+            f"(CuPy has no {func.__module__.replace('numpy', 'cupy', 1)}.{func.__name__})."
+        )
+    creation = func in _CREATION_FUNCTIONS
+    leaves: list[Any]
+    leaves, spec = optree.tree_flatten(cast("Any", (args, dict(kwargs))), none_is_leaf=True)
+    read = [_function_leaf(x, device, operation, creation) for x in leaves]
+    read_args, read_kwargs = optree.tree_unflatten(spec, read)
+    written = [
+        read_kwargs[name] if name in read_kwargs else read_args[i] if i < len(read_args) else None
+        for i, name in _written_positions(func)
+    ]
+    if isinstance(read_kwargs.get("out"), tuple):
+        written.extend(read_kwargs["out"])
+    if _guard is not None and not creation:
+        _guard(operation, (*args, *kwargs.values()))
+    result = func(*read_args, **read_kwargs)
+    for buffer in written:
+        if isinstance(buffer, np.ndarray):
+            _bump(buffer)
+    if "out" in kwargs and kwargs["out"] is not None and result is read_kwargs["out"]:
+        return kwargs["out"]
+    return _wrap(result, device)
+
+
+def _function_leaf(x: Any, device: Device, operation: str, creation: bool) -> Any:
+    if type(x) is HostArray:
+        if x._device is not device and x._device != device:
+            raise _cross_device(operation, device, x._device)
+        return x._data
+    if isinstance(x, np.ndarray):
+        if creation:
+            return x
+        raise _foreign(operation, device, x)
+    if is_cupy_array(x):
+        raise _foreign(operation, device, x)
+    if isinstance(x, list | tuple | UserList):  # a subclass or UserList: optree left it whole
+        return [_function_leaf(v, device, operation, creation) for v in x]
+    return x
