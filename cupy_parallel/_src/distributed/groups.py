@@ -264,6 +264,13 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
     initialisation meets under its own key, so after ``destroy_process_group()`` the world can
     initialise again on the same ``store``.
 
+    ``RANK``/``WORLD_SIZE`` in the environment that disagree with ``MPI.COMM_WORLD`` are refused
+    (``RuntimeError``): processes started without ``mpiexec`` are each a world of one. In an MPI
+    world of several processes, a rank that fails (uncaught exception, Ctrl-C, ``sys.exit(n)``
+    with ``n != 0``) aborts the whole job with its exit code, so that no peer waits for it (see
+    :mod:`cupy_parallel._src.distributed.mpi`). ``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL`` turns
+    on the debug mode, in which the ranks compare every collective's arguments first.
+
     Args:
         backend: ``"nccl"`` or ``"mpi"`` (any case) or a :class:`Backend`. ``None`` (PyTorch 2's
             default) picks one: ``CUPY_PARALLEL_BACKEND`` if set (``cupy-parallel launch
@@ -275,14 +282,17 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
             Past it the operation raises ``TimeoutError`` naming itself and the group. A started
             collective cannot be cancelled, so the group is unusable afterwards: NCCL aborts the
             communicator, and MPI aborts the whole job (``MPI_Abort``, non-zero exit) when this
-            process exits, so that no peer stays stuck.
+            process exits, so that no peer stays stuck. An MPI receive is cancelled instead (the
+            group stays usable); ``Work.wait(timeout=t)`` with a shorter ``t`` only stops waiting.
         world_size: The number of processes (required with ``store``).
         rank: This process's rank (required with ``store``).
         store: A :class:`~cupy_parallel.distributed.Store` all ranks share.
         group_name: Name of the world group (used in messages); default ``"0"``.
 
     Raises:
-        RuntimeError: Already initialized, or the backend's libraries are missing.
+        RuntimeError: Already initialized, the backend's libraries are missing, or the
+            environment's ``RANK``/``WORLD_SIZE`` disagree with MPI's world.
+        ValueError: ``CUPY_PARALLEL_DISTRIBUTED_DEBUG`` is not ``OFF``, ``INFO`` or ``DETAIL``.
         TimeoutError: The world did not fill within ``timeout`` (the message says how many
             ranks arrived).
 
