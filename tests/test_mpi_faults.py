@@ -116,3 +116,7 @@ def test_fault_matrix(via: str) -> None:
     with ThreadPoolExecutor(max_workers=3) as pool:
         problems = [p for p in pool.map(lambda c: run_case(c, via), cases()) if p is not None]
     assert not problems, "\n\n".join(problems)
+
+
+def test_the_quit_builtin_ends_the_job_too() -> None:
+    assert run_case(Case("quit4", 2, 4, 4, "1"), "mpiexec") is None

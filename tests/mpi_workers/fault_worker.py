@@ -5,7 +5,7 @@ with a 3 s timeout and does one ``all_reduce`` and a ``barrier``; then the last 
 ``MODE`` while the others start another ``all_reduce``:
 
 - ``raise``: an uncaught exception (exit code 1);
-- ``exit3``: ``sys.exit(3)``;
+- ``exit3``: ``sys.exit(3)``; ``quit4``: the ``quit(4)`` builtin;
 - ``sigkill``/``sigint``: the rank sends itself the signal;
 - ``skip``: it skips the ``all_reduce`` and exits 0 (the others time out: exit code 1);
 - ``stall``: it sleeps (the others time out: exit code 1).
@@ -39,6 +39,8 @@ def main() -> None:
             raise RuntimeError(f"rank {rank} fails on purpose")
         if mode == "exit3":
             sys.exit(3)
+        if mode == "quit4":
+            quit(4)
         if mode == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "sigint":

@@ -25,9 +25,10 @@
   ``MPI_Abort(COMM_WORLD, code)`` with the code Python would have exited with (1, 130 for
   Ctrl-C, ``n``), so that ``mpiexec`` stops every rank at once and exits with that code. Without
   it, the failing rank would wait in ``MPI_Finalize`` for peers that wait in a collective for it.
-  ``sys.exit`` is wrapped for this (its ``SystemExit`` is a subclass that notices when it reaches
-  the top); a ``raise SystemExit(n)`` written out is not seen, and ends the job only at the
-  group's timeout. A rank killed by a signal is handled by ``mpiexec``, which tears the job down.
+  ``sys.exit`` (and the ``exit``/``quit`` builtins) are wrapped for this: their ``SystemExit`` is
+  a subclass that notices when it reaches the top. A ``raise SystemExit(n)`` written out is not
+  seen; it ends the job only at the group's timeout (``cupy-parallel launch`` does not change
+  that). A rank killed by a signal is handled by ``mpiexec``, which tears the job down.
 * Errors MPI reports (a message larger than the receiving array, arrays of different sizes on
   different ranks) become ``ValueError`` naming the operation; tags above the MPI's ``TAG_UB``
   are refused before anything is sent.
@@ -42,6 +43,7 @@
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import ctypes
 import functools
@@ -225,6 +227,23 @@ def _guard_job() -> None:
 
     sys.excepthook = excepthook
     sys.exit = guarded_exit
+    for name in ("exit", "quit"):  # the interactive helpers site installs raise SystemExit too
+        helper = getattr(builtins, name, None)
+        if helper is not None and type(helper).__name__ == "Quitter":
+            setattr(builtins, name, _Quitter(repr(helper)))
+
+
+class _Quitter:
+    """``exit``/``quit`` as ``site`` defines them, raising :class:`_RankExit`."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def __repr__(self) -> str:
+        return self._text
+
+    def __call__(self, code: object = None) -> NoReturn:
+        raise _RankExit(code)
 
 
 # ---------------------------------------------------------------------------------------------
