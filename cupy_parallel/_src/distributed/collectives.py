@@ -731,15 +731,8 @@ def all_to_all(
         inputs = _arrays(backend, input_tensor_list, "input_tensor_list", length=size, output=False)
         ref = inputs[0]
         backend.check_dtype(ref.dtype, None)
-        _arrays(
-            backend,
-            inputs,
-            "input_tensor_list",
-            like=ref,
-            like_name="input_tensor_list[0]",
-            same_shape=False,
-            output=False,
-        )
+        for index, x in enumerate(inputs):
+            _like(x, ref, f"input_tensor_list[{index}]", "input_tensor_list[0]", shape=False)
         outputs = _arrays(
             backend,
             output_tensor_list,

@@ -247,7 +247,7 @@ def is_nccl_available() -> bool:
 def init_process_group(  # noqa: PLR0917 - torch's signature
     backend: Backend | str | None = None,
     init_method: str | None = None,
-    timeout: timedelta = _DEFAULT_TIMEOUT,
+    timeout: timedelta | float = _DEFAULT_TIMEOUT,
     world_size: int = -1,
     rank: int = -1,
     store: Any = None,
@@ -365,7 +365,7 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
 
 def new_group(
     ranks: Iterable[int] | None = None,
-    timeout: timedelta | None = None,
+    timeout: timedelta | float | None = None,
     backend: Backend | str | None = None,
 ) -> ProcessGroup | Any:
     """A group of some world ranks; every process of the world must call it, in the same order.
