@@ -546,7 +546,7 @@ class MPIBackend(ProcessGroupBackend):
     backend: ClassVar[Backend] = Backend.MPI
     array_kinds: ClassVar[frozenset[str]] = frozenset({"cpu", "host", "cuda"})
     needs_store: ClassVar[bool] = False
-    reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(ReduceOp)
+    reduce_ops: ClassVar[tuple[ReduceOp, ...]] = tuple(ReduceOp)
 
     def __init__(self, comm: Any, control: Any, *, timeout: float, group_name: str) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout=timeout, group_name=group_name)
