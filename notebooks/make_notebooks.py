@@ -55,8 +55,8 @@ strictly as GPUs do.
     md("""
 ## Devices and arrays
 
-A device is `"cpu"` (plain NumPy), `"cuda:k"` (CuPy) or `"host:k"` (a `HostArray`, a NumPy
-subclass that knows its device). `to_device` moves an array, `device_of` tells where it is.
+A device is `"cpu"` (plain NumPy), `"cuda:k"` (CuPy) or `"host:k"` (a `HostArray`, a device
+array holding NumPy memory). `to_device` moves an array, `device_of` tells where it is.
 """),
     code("""
 x = cupy_parallel.to_device(np.arange(6.0), devices[0])

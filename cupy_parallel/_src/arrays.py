@@ -81,7 +81,8 @@ def empty(shape: tuple[int, ...] | int, dtype: Any, device: Any, /) -> Any:
 
     Host and cpu arrays of 128 KiB or more come from the host memory pool (see
     :mod:`cupy_parallel._src.memory`), CUDA arrays from CuPy's pool. On an accelerator the
-    dtype must be one CuPy has (``TypeError`` otherwise, at every size).
+    dtype must be one CuPy has (``TypeError`` otherwise, at every size); on the cpu any NumPy
+    dtype is accepted (arrays of references, object or ``StringDType``, are never pooled).
 
     Example:
         >>> import numpy as np
@@ -98,6 +99,8 @@ def empty(shape: tuple[int, ...] | int, dtype: Any, device: Any, /) -> Any:
         cupy = device.xp
         with device:
             return cupy.empty(shape, dtype)
+    if dtype.hasobject or dtype.kind == "T":  # references (object, StringDType): never pooled
+        return np.empty(shape, dtype)
     array = get_host_memory_pool().empty(shape, dtype)
     return array if device.kind == "cpu" else host_array(array, device)
 
@@ -152,7 +155,7 @@ def to_device(array: Any, device: Any, /, *, stream: Any = None) -> Any:
         return array
     check_exists(target)
     if target.kind != "cpu":
-        check_device_dtype(source_array.dtype, "array")
+        check_device_dtype(source_array.dtype, "array's dtype")
     if target.kind == "cuda":
         cupy = target.xp
         with target:

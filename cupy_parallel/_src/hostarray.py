@@ -62,19 +62,24 @@ _SCALAR_TYPES = frozenset(
 def check_device_dtype(dtype: Any, name: str, /) -> np.dtype[Any]:
     """``numpy.dtype(dtype)`` if CuPy has it, else ``TypeError`` naming ``name``.
 
-    CuPy arrays are bool, integer, float16/32/64 or complex64/128; object, string, datetime,
-    timedelta, structured, ``longdouble`` and ``StringDType`` arrays exist only on the CPU.
+    CuPy computes on bool, integer, float16/32/64 and complex64/128 arrays in native byte order
+    (``cupy/_core/_dtype.pyx``, ``check_supported_dtype``); object, string, datetime,
+    timedelta, ``longdouble`` and ``StringDType`` arrays exist only on the cpu, and CuPy refuses
+    big-endian dtypes. Structured and void dtypes are refused too: CuPy's main branch can hold
+    their bytes but computes nothing on them, so a host device refuses them at the boundary.
+    The error is a ``TypeError`` (CuPy raises ``ValueError('Unsupported dtype ...')``), the same
+    at every size.
 
     Example:
         >>> check_device_dtype("float32", "dtype")
         dtype('float32')
     """
     read = np.dtype(dtype)
-    if read.char not in _DEVICE_DTYPE_CHARS:
+    if read.char not in _DEVICE_DTYPE_CHARS or not read.isnative:
         raise TypeError(
             f"{name} is {read}, a dtype device arrays cannot hold (CuPy has bool, integer, "
-            "float16/32/64 and complex64/128 arrays only); keep such data on the cpu as a "
-            "NumPy array."
+            "float16/32/64 and complex64/128 arrays only, in native byte order); keep such "
+            "data on the cpu as a NumPy array."
         )
     return read
 
@@ -88,8 +93,10 @@ _guard: Callable[[str, tuple[Any, ...]], None] | None = None
 def set_dispatch_guard(guard: Callable[[str, tuple[Any, ...]], None] | None, /) -> None:
     """Install ``guard(operation, operands)``, called before every raw NumPy computation.
 
-    ``operation`` names the entry (``"numpy.add"``, ``"operator +"``, ``"HostArray.sum"``);
-    ``operands`` are the call's operands. If the guard raises, nothing is computed or written.
+    ``operation`` names the entry (``"numpy.add"``, ``"operator +"``, ``"HostArray.sum"``,
+    ``"operator []="``); ``operands`` are the call's operands (for NumPy functions, the arguments
+    flattened, so ``np.concatenate([a, b])`` passes ``a`` and ``b``). If the guard raises, nothing
+    is computed or written.
     Indexing reads, views and metadata (shape, dtype, device) do not call it, nor do
     :func:`host_buffer` and :func:`host_array`. ``None`` removes the guard. There is one
     guard per process (the tape installs it).
@@ -284,7 +291,7 @@ def _wrap(result: Any, device: Device) -> Any:
     """A NumPy result as device arrays: arrays and NumPy scalars become arrays on ``device``."""
     if type(result) is np.ndarray:
         if result.dtype.char not in _DEVICE_DTYPE_CHARS:
-            check_device_dtype(result.dtype, "the result")
+            check_device_dtype(result.dtype, "the result's dtype")
         return host_array(result, device)
     if isinstance(result, np.generic):
         return _wrap(np.asarray(result), device)
@@ -482,6 +489,11 @@ def _computing_method(name: str, out_position: int | None) -> Callable[..., Any]
             for i, a in enumerate(args)
         ]
         given = kwargs
+        if kwargs.keys() & _METHOD_KEYWORDS_CUPY_LACKS:
+            raise TypeError(
+                f"{operation}() got keyword arguments cupy.ndarray.{name} does not take: "
+                f"{sorted(kwargs.keys() & _METHOD_KEYWORDS_CUPY_LACKS)}."
+            )
         if kwargs:
             kwargs = {
                 k: _method_argument(v, device, operation, host_data=False)
@@ -575,7 +587,14 @@ class HostArray:
       device instead; silently moving data is what host devices exist to catch).
     * ``__array_namespace__`` is ``numpy``, which computes on host arrays through the
       dispatch protocols (as ``cupy_parallel.array_namespace`` says).
-    * Out-of-bounds indices raise ``IndexError`` as in NumPy (CuPy wraps them silently).
+    * Values are NumPy's, bit for bit: where CuPy's defaults differ (``put``'s ``mode`` is
+      ``'wrap'`` in CuPy, ``'raise'`` in NumPy) or CuPy is silently different (it wraps
+      out-of-bounds indices), the host array does what NumPy does, so errors are raised.
+    * Known places where it is stricter or looser than CuPy: structured and void dtypes are
+      refused (CuPy's main branch holds their bytes); a refused dtype is a ``TypeError``
+      (CuPy: ``ValueError``); Python numbers nested in a NumPy function's list arguments
+      (``np.concatenate([h, [1, 2]])``) are passed to NumPy, where some CuPy functions refuse
+      them; which NumPy functions, keywords and ufunc methods exist follows CuPy 14.2.
 
     Example:
         >>> import numpy as np
@@ -1006,27 +1025,34 @@ class HostArray:
     # -- NumPy's dispatch protocols ------------------------------------------------------------
 
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        if method == "__call__" and not kwargs and ufunc not in _UFUNC_OBJECTS_CUPY_LACKS:
-            device = self._device  # the hot path: array and scalar operands, no keywords
-            read = []
-            for x in inputs:
-                t = type(x)
-                if t is HostArray and (x._device is device or x._device == device):
-                    read.append(x._data)
-                elif t in _SCALAR_TYPES:
-                    read.append(x)
-                else:
-                    return _apply_ufunc(device, ufunc, method, inputs, kwargs)
+        device = self._device
+        if kwargs or method != "__call__" or ufunc in _UFUNC_OBJECTS_CUPY_LACKS or len(inputs) > 2:
+            return _apply_ufunc(device, ufunc, method, inputs, kwargs)
+        if len(inputs) == 2:  # the hot path: two operands, each an array here or a scalar
+            a, b = inputs
+            if type(a) is HostArray and (a._device is device or a._device == device):
+                a = a._data
+            elif type(a) not in _SCALAR_TYPES:
+                return _apply_ufunc(device, ufunc, method, inputs, kwargs)
+            if type(b) is HostArray and (b._device is device or b._device == device):
+                b = b._data
+            elif type(b) not in _SCALAR_TYPES:
+                return _apply_ufunc(device, ufunc, method, inputs, kwargs)
             if _guard is not None:
                 _guard(f"numpy.{ufunc.__name__}", inputs)
-            r = ufunc(*read)
-            if ufunc.nout == 1:
-                h = _new(HostArray)
-                h._data = r if type(r) is np.ndarray else np.asarray(r)
-                h._device = device
-                return h
-            return tuple(host_array(_zero_d(y), device) for y in r)
-        return _apply_ufunc(self._device, ufunc, method, inputs, kwargs)
+            r = ufunc(a, b)
+        else:  # one operand, which is this array
+            if _guard is not None:
+                _guard(f"numpy.{ufunc.__name__}", inputs)
+            r = ufunc(self._data)
+        if type(r) is np.ndarray:
+            h = _new(HostArray)
+            h._data = r
+            h._device = device
+            return h
+        if ufunc.nout == 1:
+            return host_array(np.asarray(r), device)
+        return tuple(host_array(_zero_d(y), device) for y in r)
 
     def __array_function__(
         self,
@@ -1235,14 +1261,22 @@ _WRITTEN_ARGUMENTS: dict[Any, str] = {
 
 
 @functools.cache
-def _written_positions(func: Any) -> tuple[tuple[int, str], ...]:
-    """(position, name) of the arguments ``func`` writes into: ``out`` and the table above."""
+def _written_positions(func: Any) -> tuple[tuple[int | None, str], ...]:
+    """(position, name) of the arguments ``func`` writes into: ``out`` and the table above.
+
+    The position is ``None`` for a keyword-only parameter (``einsum(*operands, out=None)``).
+    """
     names = {"out", _WRITTEN_ARGUMENTS.get(func, "out")}
     try:
-        parameters = list(inspect.signature(func).parameters)
+        parameters = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: out= by keyword only
-        return ()
-    return tuple((i, p) for i, p in enumerate(parameters) if p in names)
+        return ((None, "out"),)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(
+        (i if p.kind in positional else None, p.name)
+        for i, p in enumerate(parameters)
+        if p.name in names
+    )
 
 
 _FUNCTIONS_CUPY_LACKS = frozenset(
@@ -1277,11 +1311,151 @@ _FUNCTIONS_CUPY_LACKS = frozenset(
 ``cupy.ndarray.__array_function__`` returns ``NotImplemented`` and NumPy raises ``TypeError``."""
 
 
+_KEYWORDS_CUPY_LACKS: dict[str, frozenset[str]] = {
+    name: frozenset(keywords.split())
+    for name, keywords in {
+        "numpy.all": "where",
+        "numpy.amax": "initial where",
+        "numpy.amin": "initial where",
+        "numpy.any": "where",
+        "numpy.argpartition": "kind order",
+        "numpy.argsort": "order stable",
+        "numpy.astype": "device",
+        "numpy.broadcast_arrays": "subok",
+        "numpy.broadcast_to": "subok",
+        "numpy.clip": "min max",
+        "numpy.copy": "subok",
+        "numpy.count_nonzero": "keepdims",
+        "numpy.isin": "kind",
+        "numpy.lexsort": "axis",
+        "numpy.linalg.cholesky": "upper",
+        "numpy.linalg.matrix_rank": "hermitian rtol",
+        "numpy.linalg.pinv": "hermitian rtol",
+        "numpy.linalg.svd": "hermitian",
+        "numpy.max": "initial where",
+        "numpy.mean": "where",
+        "numpy.min": "initial where",
+        "numpy.nanmax": "initial where",
+        "numpy.nanmean": "where",
+        "numpy.nanmin": "initial where",
+        "numpy.nanprod": "initial where",
+        "numpy.nanstd": "correction mean where",
+        "numpy.nansum": "initial where",
+        "numpy.nanvar": "correction mean where",
+        "numpy.partition": "kind order",
+        "numpy.percentile": "weights",
+        "numpy.prod": "initial where",
+        "numpy.quantile": "weights",
+        "numpy.reshape": "shape",
+        "numpy.sort": "order stable",
+        "numpy.std": "correction mean where",
+        "numpy.sum": "initial where",
+        "numpy.take": "mode",
+        "numpy.trim_zeros": "axis",
+        "numpy.unique": "sorted",
+        "numpy.unpackbits": "count",
+        "numpy.var": "correction mean where",
+        **{
+            f"numpy.fft.{transform}": "out"
+            for transform in ("fft", "fft2", "fftn", "hfft", "ifft", "ifft2", "ifftn", "ihfft")
+        },
+        **{
+            f"numpy.fft.{transform}": "out"
+            for transform in ("irfft", "irfft2", "irfftn", "rfft", "rfft2", "rfftn")
+        },
+    }.items()
+}
+"""Keywords NumPy's function takes and CuPy's counterpart does not (CuPy 14.2, NumPy 2.4): CuPy
+raises ``TypeError`` (an unexpected keyword argument), so a host array does too."""
+
+_METHOD_KEYWORDS_CUPY_LACKS = frozenset({"where", "initial", "correction", "mean"})
+"""Reduction keywords NumPy's ndarray methods take and ``cupy.ndarray``'s do not."""
+
+_HOST_DATA_PARAMETERS: dict[str, frozenset[str]] = {
+    name: frozenset(parameters.split())
+    for name, parameters in {
+        "numpy.append": "arr values",
+        "numpy.around": "a",
+        "numpy.average": "a",
+        "numpy.cov": "y",
+        "numpy.cross": "a b",
+        "numpy.diag": "v",
+        "numpy.diff": "a prepend append",
+        "numpy.einsum": "operands",
+        "numpy.extract": "condition",
+        "numpy.gradient": "f",
+        "numpy.histogramdd": "weights",
+        "numpy.imag": "val",
+        "numpy.isclose": "a b",
+        "numpy.linspace": "start stop",
+        "numpy.place": "mask vals",
+        "numpy.polyval": "x",
+        "numpy.real": "val",
+        "numpy.resize": "a",
+        "numpy.tril": "m",
+        "numpy.triu": "m",
+        "numpy.unwrap": "p",
+        "numpy.vander": "x",
+        "numpy.linalg.cond": "x",
+        "numpy.fft.fftshift": "x",
+        "numpy.fft.ifftshift": "x",
+    }.items()
+}
+"""Parameters whose CuPy implementation uploads host data (``x = cupy.asarray(x)``, CuPy 14.2):
+NumPy arrays passed there are accepted and copied to the device, as CuPy copies them."""
+
+
+@functools.cache
+def _signature(func: Any) -> inspect.Signature:
+    return inspect.signature(func)
+
+
+def _upload_host_data(
+    device: Device, name: str, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments with NumPy arrays in host-data parameters copied to ``device``."""
+    bound = _signature(func).bind(*args, **kwargs)
+    for parameter in _HOST_DATA_PARAMETERS[name]:
+        if parameter not in bound.arguments:
+            continue
+        value = bound.arguments[parameter]
+        if _signature(func).parameters[parameter].kind is inspect.Parameter.VAR_POSITIONAL:
+            bound.arguments[parameter] = tuple(
+                host_array(v.copy(), device) if type(v) is np.ndarray else v for v in value
+            )
+        elif type(value) is np.ndarray:
+            bound.arguments[parameter] = host_array(value.copy(), device)
+    return bound.args, bound.kwargs
+
+
+def _copyto_source(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """CuPy's ``copyto`` takes a NumPy source of one element as a scalar, refuses larger ones."""
+    if len(args) >= 2 and type(args[1]) is np.ndarray:
+        if args[1].size != 1:
+            raise ValueError(
+                "non-scalar numpy.ndarray cannot be used for copyto (as in CuPy); move it with "
+                "cupy_parallel.to_device first."
+            )
+        return (args[0], args[1].reshape(())[()], *args[2:])
+    return args
+
+
 def _apply_function(
     device: Device, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> Any:
     operation = f"numpy.{func.__name__}"
-    if f"{func.__module__}.{func.__name__}" in _FUNCTIONS_CUPY_LACKS:
+    qualified = f"{func.__module__}.{func.__name__}"
+    unknown = set(kwargs) & _KEYWORDS_CUPY_LACKS.get(qualified, frozenset())
+    if unknown:
+        raise TypeError(
+            f"{qualified}() got keyword arguments CuPy's {qualified.replace('numpy', 'cupy', 1)} "
+            f"does not take: {sorted(unknown)}."
+        )
+    if qualified in _HOST_DATA_PARAMETERS:
+        args, kwargs = _upload_host_data(device, qualified, func, args, kwargs)
+    elif func is np.copyto:
+        args = _copyto_source(args, kwargs)
+    if qualified in _FUNCTIONS_CUPY_LACKS:
         raise TypeError(
             f"no implementation found for '{func.__module__}.{func.__name__}' on device arrays "
             f"(CuPy has no {func.__module__.replace('numpy', 'cupy', 1)}.{func.__name__})."
@@ -1292,13 +1466,16 @@ def _apply_function(
     read = [_function_leaf(x, device, operation, creation) for x in leaves]
     read_args, read_kwargs = optree.tree_unflatten(spec, read)
     written = [
-        read_kwargs[name] if name in read_kwargs else read_args[i] if i < len(read_args) else None
+        read_kwargs[name] if name in read_kwargs else read_args[i]
         for i, name in _written_positions(func)
+        if name in read_kwargs or (i is not None and i < len(read_args))
     ]
     if isinstance(read_kwargs.get("out"), tuple):
         written.extend(read_kwargs["out"])
+    if func is np.nan_to_num and (read_args[1:2] or [read_kwargs.get("copy", True)])[0] is False:
+        written.append(read_args[0])  # nan_to_num(x, copy=False) writes into x
     if _guard is not None and not creation:
-        _guard(operation, (*args, *kwargs.values()))
+        _guard(operation, tuple(leaves))  # the arguments flattened (a list of arrays opened)
     result = func(*read_args, **read_kwargs)
     for buffer in written:
         if isinstance(buffer, np.ndarray):

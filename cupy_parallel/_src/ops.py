@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 from numpy.lib.array_utils import normalize_axis_tuple
 
-from cupy_parallel._src.arrays import is_array
+from cupy_parallel._src.arrays import array_namespace, is_array
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.hostarray import HostArray
 from cupy_parallel._src.tape import _ACTIVE, cuda_device
@@ -93,7 +93,7 @@ def _fit(g: Any, x: Any) -> Any:
 def _spread(g: Any, x: Any, axes: tuple[int, ...]) -> Any:
     """The gradient of a reduction over ``axes``: ``g`` copied along them to ``x``'s shape."""
     kept = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
-    xp: Any = np if isinstance(x, _ARRAYS) else cupy_module()
+    xp: Any = array_namespace(x)
     return _fit(xp.broadcast_to(g.reshape(kept), x.shape).copy(), x)
 
 
