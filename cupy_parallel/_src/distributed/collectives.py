@@ -1217,7 +1217,7 @@ class P2POp:
 
     def __init__(
         self, op: Callable[..., Any], tensor: Any, peer: int, group: Any = None, tag: int = 0
-    ):
+    ) -> None:
         if op is not isend and op is not irecv:
             raise ValueError(
                 "op must be cupy_parallel.distributed.isend or irecv, got "
