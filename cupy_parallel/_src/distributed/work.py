@@ -51,18 +51,24 @@ class Work:
     on (see :class:`~cupy_parallel._src.distributed.nccl.NCCLBackend`). The MPI backend always
     blocks the host.
 
-    A timed-out collective cannot be cancelled (neither MPI nor NCCL can take back a collective
-    other ranks may be inside), so a timeout makes the process group unusable: the backend aborts
-    the communicator (NCCL) or the MPI job (MPI, when this process exits). See
-    :func:`cupy_parallel.distributed.init_process_group`.
+    A collective that outlives the group's timeout cannot be cancelled (neither MPI nor NCCL can
+    take back a collective other ranks may be inside), so it makes the process group unusable:
+    the backend aborts the communicator (NCCL) or the MPI job (MPI, when this process exits). An
+    MPI receive is cancelled instead and the group stays usable. A shorter ``wait(timeout=t)``
+    that expires leaves an MPI operation running (wait again to complete it); NCCL aborts, as
+    torch's ProcessGroupNCCL does. See :func:`cupy_parallel.distributed.init_process_group`.
+
+    :meth:`get_future` returns a ``concurrent.futures.Future`` of the output arrays (PyTorch 2).
 
     For backend authors: subclass and implement :meth:`_test` (non-blocking: ``True`` once the
     operation finished; raise to report failure). Optionally override :meth:`_block` (block until
     done or a deadline; the default polls ``_test`` with backoff), :meth:`_on_timeout` (react to an
-    abandoned operation), :meth:`_order_on_device` (what ``wait()`` without a timeout does instead
-    of blocking: device backends order the caller's stream) and :meth:`wait_stream`.
-    :meth:`_add_finalizer` registers callbacks run once, in the waiting thread, right after
-    completion (unpacking, dividing for ``AVG``, copying staged data back); a finalizer that raises
+    abandoned operation), :meth:`_cancel` (take a pending operation back after the group's
+    timeout; ``True`` if it was), the class attribute ``_abandon_on_wait_timeout``,
+    :meth:`_order_on_device` (what ``wait()`` without a timeout does instead of blocking: device
+    backends order the caller's stream) and :meth:`wait_stream`. :meth:`_add_finalizer`
+    registers callbacks run once, in the waiting thread, right after completion (unpacking,
+    dividing for ``AVG``, copying staged data back); a finalizer that raises
     makes the work fail with that error.
 
     Example:
