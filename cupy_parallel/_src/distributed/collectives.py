@@ -122,7 +122,14 @@ def _describe(value: Any) -> Any:
         return f"ReduceOp.{value.name}"
     if value is None or isinstance(value, int | str):
         return value
-    return f"{value.dtype}{list(value.shape)}"
+    dtype = value.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)  # NumPy's dtype.__str__ is slow: once per dtype
+    return f"{name}{list(value.shape)}"
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
 def _compare(
