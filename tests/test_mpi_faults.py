@@ -66,7 +66,7 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def run_case(case: Case, via: str) -> str | None:
+def run_case(case: Case, via: str, *worker_args: str) -> str | None:
     """Run one case; return what went wrong, or None."""
     with tempfile.TemporaryDirectory() as piddir:
         if via == "mpiexec":
@@ -74,7 +74,7 @@ def run_case(case: Case, via: str) -> str | None:
         else:
             command = [sys.executable, "-c", LAUNCHER, "--backend", "mpi", "--master-port", "0"]
             command += ["--nproc-per-node", str(case.ranks), "--grace-period", "2"]
-        command += [str(WORKER), case.mode, piddir]
+        command += [str(WORKER), case.mode, piddir, *worker_args]
         start = time.monotonic()
         try:
             result = subprocess.run(
@@ -120,3 +120,14 @@ def test_fault_matrix(via: str) -> None:
 
 def test_the_quit_builtin_ends_the_job_too() -> None:
     assert run_case(Case("quit4", 2, 4, 4, "1"), "mpiexec") is None
+
+
+@pytest.mark.parametrize("via", ["launcher", "mpiexec"])
+def test_a_rank_that_left_ends_the_job_before_the_timeout(via: str) -> None:
+    """``raise SystemExit(3)`` and a skipped collective, with a 60 s group timeout: the others
+    learn that the rank's program ended and fail within seconds (exit code 1, their own)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        problems = pool.map(
+            lambda mode: run_case(Case(mode, 2, 1, 1, "0"), via, "60"), ["raise-systemexit", "skip"]
+        )
+        assert [p for p in problems if p is not None] == []

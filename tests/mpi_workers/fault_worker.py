@@ -8,7 +8,11 @@ with a 3 s timeout and does one ``all_reduce`` and a ``barrier``; then the last 
 - ``exit3``: ``sys.exit(3)``; ``quit4``: the ``quit(4)`` builtin;
 - ``sigkill``/``sigint``: the rank sends itself the signal;
 - ``skip``: it skips the ``all_reduce`` and exits 0 (the others time out: exit code 1);
-- ``stall``: it sleeps (the others time out: exit code 1).
+- ``stall``: it sleeps (the others time out: exit code 1);
+- ``raise-systemexit``: ``raise SystemExit(3)`` (not seen by the hooks; the others learn that
+  it left and fail: exit code 1).
+
+``python fault_worker.py MODE PIDDIR SECONDS`` sets the group timeout (default 3).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from cupy_parallel import distributed as dist
 
 def main() -> None:
     mode, piddir = sys.argv[1], sys.argv[2]
-    dist.init_process_group("mpi", timeout=3)
+    dist.init_process_group("mpi", timeout=float(sys.argv[3]) if len(sys.argv) > 3 else 3)
     rank, size = dist.get_rank(), dist.get_world_size()
     with open(os.path.join(piddir, f"{rank}.tmp"), "w") as f:
         f.write(str(os.getpid()))
@@ -48,6 +52,8 @@ def main() -> None:
             time.sleep(60)
         if mode == "skip":
             return
+        if mode == "raise-systemexit":
+            raise SystemExit(3)  # not through sys.exit: only the goodbye tells the others
         if mode == "stall":
             time.sleep(600)
     dist.all_reduce(x)

@@ -27,8 +27,10 @@
   it, the failing rank would wait in ``MPI_Finalize`` for peers that wait in a collective for it.
   ``sys.exit`` (and the ``exit``/``quit`` builtins) are wrapped for this: their ``SystemExit`` is
   a subclass that notices when it reaches the top. A ``raise SystemExit(n)`` written out is not
-  seen; it ends the job only at the group's timeout (``cupy-parallel launch`` does not change
-  that). A rank killed by a signal is handled by ``mpiexec``, which tears the job down.
+  seen by these hooks; for it (and for a rank that skipped a collective and ended normally) every
+  guarded rank tells the others when its program ends, and a rank waiting with a rank that left
+  fails with ``RuntimeError`` after a grace period of 2 s (plus the 1 s its wait spends spinning
+  before it checks), instead of at the group's timeout; the exit code is then that rank's (1). A rank killed by a signal is handled by ``mpiexec``, which tears the job down.
 * Errors MPI reports (a message larger than the receiving array, arrays of different sizes on
   different ranks) become ``ValueError`` naming the operation; tags above the MPI's ``TAG_UB``
   are refused before anything is sent.
@@ -208,13 +210,52 @@ def _exit_status(code: object) -> int:
 
 _guarded = False
 
+# Departures: every guarded rank tells the others when its program ends (at exit, before MPI's
+# finalisation), on a communicator of its own. A rank waiting in an operation with a rank that
+# left fails after a grace period instead of waiting for the group's timeout: this catches what
+# the hooks cannot see (``raise SystemExit(n)`` written out, a rank that skipped a collective and
+# ended normally).
+_GOODBYE_TAG = 1
+_DEPARTURE_GRACE_S = 2.0
+_departures: Any = None  # the communicator, once guarded
+_departed: dict[int, float] = {}  # world rank -> when this rank learnt that it left
 
-def _guard_job() -> None:
+
+def _say_goodbye() -> None:
+    """At exit: tell every other rank that this rank's program ended."""
+    mpi = _mpi()
+    if _departures is None or mpi.Is_finalized():
+        return
+    me, size = _departures.Get_rank(), _departures.Get_size()
+    note = np.array([me], np.int64)
+    requests = [
+        _departures.Isend([note, mpi.INT64_T], peer, _GOODBYE_TAG)
+        for peer in range(size)
+        if peer != me
+    ]
+    mpi.Request.Waitall(requests)  # small messages: they complete at once
+
+
+def _listen() -> None:
+    """Record the goodbyes that have arrived."""
+    if _departures is None:
+        return
+    mpi = _mpi()
+    status = mpi.Status()
+    while _departures.Iprobe(mpi.ANY_SOURCE, _GOODBYE_TAG, status):
+        source = status.Get_source()
+        _departures.Recv([np.zeros(1, np.int64), mpi.INT64_T], source, _GOODBYE_TAG)
+        _departed.setdefault(source, time.monotonic())
+
+
+def _guard_job(world: Any) -> None:
     """Install the hooks that end the job when this rank fails (once per process)."""
-    global _guarded
+    global _guarded, _departures
     if _guarded:
         return
     _guarded = True
+    _departures = world.Dup()  # every rank is here: its world was just made
+    atexit.register(_say_goodbye)
     previous_hook = sys.excepthook
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
@@ -520,15 +561,47 @@ class _MPIWork(Work):
 
     def _on_timeout(self) -> None:
         backend = self._backend
-        message = (
+        self._abandon(
             f"{self._description} timed out after {self._timeout:g} s on process group "
             f"{backend.group_name!r} (rank {backend.rank} of {backend.size})."
         )
+
+    def _abandon(self, message: str) -> None:
+        """Poison the group with ``message``; the job is aborted when this process exits."""
+        backend = self._backend
         if backend.failure is None:
             backend.failure = message
         if not _stuck:
             atexit.register(_abort_if_stuck)
         _stuck.append(message)
+
+    def _idle(self) -> None:
+        """While waiting long: fail if a member's program ended (after a grace period)."""
+        _listen()
+        if not _departed:
+            return
+        backend = self._backend
+        if self._receives and self._status is None:  # a receive from one rank: that rank
+            watched: tuple[int, ...] = (backend.world_ranks[self._source],)
+        elif self._receives:  # from any rank: only if every other member left
+            others = [r for i, r in enumerate(backend.world_ranks) if i != backend.rank]
+            watched = tuple(others) if all(r in _departed for r in others) else ()
+        else:
+            watched = backend.world_ranks
+        gone = sorted(r for r in watched if r in _departed)
+        if not gone or time.monotonic() - max(_departed[r] for r in gone) < _DEPARTURE_GRACE_S:
+            return
+        message = (
+            f"{self._description} on process group {backend.group_name!r} cannot complete: "
+            f"world rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} left the job "
+            "(its program ended) while this rank waited for it."
+        )
+        if self._receives and self._cancel():
+            if self._exception is None:  # the message arrived after all
+                return
+            raise RuntimeError(message + " The receive was cancelled.")
+        self._abandon(message)
+        raise RuntimeError(message + " This process group is unusable now.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,6 +628,7 @@ class MPIBackend(ProcessGroupBackend):
         # of their own, so that they never match a collective of the user's.
         self._control = control
         self._splits = 0
+        self.world_ranks: tuple[int, ...] = tuple(range(self.size))  # subgroups: set by the split
         self._plans: dict[tuple[np.dtype[Any], ReduceOp | None], _Plan | None] = {}
         mpi = _mpi()
         self._in_place = mpi.IN_PLACE
@@ -609,7 +683,7 @@ class MPIBackend(ProcessGroupBackend):
         _MPIWork._polls_per_yield = 4 if node.Get_size() > (os.cpu_count() or 1) else 64
         node.Free()
         if backend.size > 1:
-            _guard_job()
+            _guard_job(world)
         return backend
 
     def new_subgroup(
@@ -641,7 +715,9 @@ class MPIBackend(ProcessGroupBackend):
         comm = self._comm.Split(color, key)
         if not member:
             return None
-        return MPIBackend(comm, comm.Dup(), timeout=timeout, group_name=group_name)
+        sub = MPIBackend(comm, comm.Dup(), timeout=timeout, group_name=group_name)
+        sub.world_ranks = tuple(ranks)
+        return sub
 
     def shutdown(self) -> None:
         """Free the communicators (left alone when a timed-out operation may still use them)."""

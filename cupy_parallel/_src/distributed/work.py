@@ -131,12 +131,16 @@ class Work:
             time.sleep(pause)
             if test():
                 return True
+            self._idle()
             pause = min(pause * 2.0, _MAX_SLEEP)
             now = time.monotonic()
         return False
 
     def _on_timeout(self) -> None:
         """Called once when :meth:`wait` gives up; backends abort or poison the group here."""
+
+    def _idle(self) -> None:
+        """Called between tests once a wait has lasted a while; may raise to fail the work."""
 
     def _cancel(self) -> bool:
         """Try to take the operation back after the group's timeout; ``True`` if it was.
