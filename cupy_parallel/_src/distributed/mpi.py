@@ -30,7 +30,8 @@
   seen by these hooks; for it (and for a rank that skipped a collective and ended normally) every
   guarded rank tells the others when its program ends, and a rank waiting with a rank that left
   fails with ``RuntimeError`` after a grace period of 2 s (plus the 1 s its wait spends spinning
-  before it checks), instead of at the group's timeout; the exit code is then that rank's (1). A rank killed by a signal is handled by ``mpiexec``, which tears the job down.
+  before it checks), instead of at the group's timeout; the exit code is then that rank's (1).
+  A rank killed by a signal is handled by ``mpiexec``, which tears the job down.
 * Errors MPI reports (a message larger than the receiving array, arrays of different sizes on
   different ranks) become ``ValueError`` naming the operation; tags above the MPI's ``TAG_UB``
   are refused before anything is sent.
