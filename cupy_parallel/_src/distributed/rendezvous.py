@@ -16,21 +16,21 @@ from __future__ import annotations
 
 import enum
 import os
-from datetime import timedelta
 from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import parse_qs, unquote, urlparse
 
-from cupy_parallel._src.arguments import read_int, read_timeout
 from cupy_parallel._src.distributed.launch import detect_launch_env
 from cupy_parallel._src.distributed.store import (
     FileStore,
     Store,
     TCPStore,
+    _check_timeout,
     _seconds,
 )
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from datetime import timedelta
     from urllib.parse import ParseResult
 
 __all__ = ["InitMethod", "init_key", "rendezvous", "wait_for_world"]
@@ -53,6 +53,12 @@ class InitMethod(enum.Enum):
 
 
 _SUPPORTED = ", ".join(f"{method.value}://" for method in InitMethod)
+
+
+def _check_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
+    return value
 
 
 class _Place(NamedTuple):
@@ -202,7 +208,7 @@ _HANDLERS: dict[InitMethod, Callable[[ParseResult, _Place, timedelta], tuple[Sto
 
 
 def rendezvous(
-    init_method: str, rank: int = -1, world_size: int = -1, *, timeout: timedelta | float
+    init_method: str, rank: int = -1, world_size: int = -1, *, timeout: timedelta
 ) -> tuple[Store, int, int]:
     """Open the store named by ``init_method``; return it with this process's rank and the size.
 
@@ -242,9 +248,9 @@ def rendezvous(
         raise TypeError(
             f"init_method must be a str URL, got {type(init_method).__name__} {init_method!r}."
         )
-    timeout = timedelta(seconds=read_timeout(timeout))
-    rank = read_int(rank, "rank")
-    world_size = read_int(world_size, "world_size")
+    timeout = _check_timeout(timeout, "timeout")
+    rank = _check_int(rank, "rank")
+    world_size = _check_int(world_size, "world_size")
     url = urlparse(init_method)
     try:
         method = InitMethod(url.scheme)
@@ -325,13 +331,13 @@ def wait_for_world(
     """
     if not isinstance(store, Store):
         raise TypeError(f"store must be a cupy_parallel Store, got {type(store).__name__}.")
-    rank = read_int(rank, "rank")
-    world_size = read_int(world_size, "world_size")
+    rank = _check_int(rank, "rank")
+    world_size = _check_int(world_size, "world_size")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
-    timeout = timedelta(seconds=read_timeout(timeout, positive=False))
+    timeout = _check_timeout(timeout, "timeout", allow_zero=True)
     if not isinstance(key, str):
         raise TypeError(f"key must be a str, got {type(key).__name__} {key!r}.")
 
