@@ -476,7 +476,8 @@ def all_reduce(
     """Reduce ``tensor`` over the group; every rank gets the result in ``tensor`` (in place).
 
     See :class:`ReduceOp` for what each reduction does per dtype (``AVG`` of integers rounds
-    toward zero; ``float16`` is reduced in ``float32`` and rounded once).
+    toward zero). ``float16``: the ``"mpi"`` backend reduces in ``float32`` and rounds once;
+    ``"nccl"`` reduces in ``float16`` itself (NCCL's kernels), so error grows with the ranks.
 
     Example:
         >>> from cupy_parallel import distributed as dist
