@@ -370,8 +370,26 @@ def test_mpi_backend_without_mpiexec_says_what_to_install(
 ) -> None:
     script = _script(tmp_path, "")
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python3"))  # nothing beside it
     assert main(["--backend", "mpi", script]) == 2
-    assert "--backend mpi needs mpiexec on PATH" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--backend mpi needs mpiexec, found neither beside this Python" in err
+    assert "`pip install mpich`" in err
+
+
+@pytest.mark.mpi
+def test_mpi_backend_finds_the_mpiexec_beside_python_without_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `venv/bin/cupy-parallel launch` without an activated venv: the mpich wheel's mpiexec sits
+    # beside the interpreter, not on PATH.
+    if not (Path(sys.executable).parent / "mpiexec").is_file():
+        pytest.skip("no mpiexec beside this Python (MPI not installed from the mpich wheel)")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    script, out = _script(tmp_path, MPI_SCRIPT), _outdir(tmp_path)
+    code = main(["--backend", "mpi", "--nproc-per-node", "2", "--master-port", "0", script, out])
+    assert code == 0
+    assert [rank["mpi"] for rank in _read_ranks(out, 2)] == [[0, 2, 1], [1, 2, 1]]
 
 
 # --------------------------------------------------------------------------------------------

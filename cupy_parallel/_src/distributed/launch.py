@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 from cupy_parallel._src.arguments import read_timeout
@@ -376,6 +377,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def find_mpiexec() -> str | None:
+    """The ``mpiexec`` to start ranks with: the one beside this Python first, then ``PATH``'s.
+
+    The ``mpich`` wheel installs ``mpiexec`` into the environment's ``bin`` directory, which is
+    not on ``PATH`` when the environment is not activated (``venv/bin/cupy-parallel launch``);
+    that one belongs to the MPI library mpi4py loads, so it is preferred.
+
+    Example:
+        >>> from cupy_parallel._src.distributed.launch import find_mpiexec
+        >>> found = find_mpiexec()
+        >>> found is None or Path(found).name.startswith("mpiexec")
+        True
+    """
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mpiexec")
+
+
 def _usage_problem(args: argparse.Namespace) -> str | None:
     """A message for option combinations argparse cannot check one by one, or None."""
     if args.node_rank >= args.nnodes:
@@ -388,10 +408,11 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
                 "--backend mpi starts the ranks of one node; for several nodes run mpiexec "
                 "yourself (the ranks read their place from its environment)."
             )
-        if shutil.which("mpiexec") is None:
+        if find_mpiexec() is None:
             return (
-                "--backend mpi needs mpiexec on PATH; install an MPI (e.g. `pip install mpich`) "
-                "or leave out --backend mpi."
+                "--backend mpi needs mpiexec, found neither beside this Python "
+                f"({Path(sys.executable).parent}) nor on PATH; install an MPI (e.g. "
+                "`pip install mpich`) or leave out --backend mpi."
             )
     if not os.path.isfile(args.script):
         return f"script {args.script!r} not found."
@@ -464,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
             for local in range(nproc)
         ]
         return _Supervisor(ranks, args.grace_period).run()
-    mpiexec = str(shutil.which("mpiexec"))
+    mpiexec = str(find_mpiexec())
     command = [mpiexec, "-n", str(nproc), sys.executable, "-c", _MPI_RANK_CODE, *script]
     with tempfile.TemporaryDirectory(prefix="cupy_parallel_launch_") as failures:
         shared[_FAILURES_VAR] = failures
