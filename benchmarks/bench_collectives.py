@@ -3,6 +3,10 @@
 Latency: 4 KiB float32 all_reduce; target at most 10 µs above mpi4py's ``Comm.Allreduce``.
 Bandwidth: 16 MiB and 64 MiB; target at least 0.95× mpi4py's bandwidth. On 2 and 4 ranks.
 
+The debug mode (``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL``, off in the rows above) is reported
+in one more row per world: the 4 KiB ``all_reduce`` on a group made with it on, against the same
+call with it off (no target: it is a diagnostic mode; the row says what it costs).
+
 Run ``python benchmarks/bench_collectives.py [--quick] [--json FILE.json]``: it starts
 ``mpiexec -n 2`` and ``-n 4`` itself (or, already under mpiexec, measures that world) and prints
 the suite's table (:func:`~cupy_parallel._tools.benchmarking.script_main`). ``run(quick)`` returns
@@ -101,9 +105,43 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
                 median_baseline_seconds=statistics.median(samples[raw]),
             )
         )
+    rows.append(_debug_cost(comm, ranks, quick))
     comm.Free()
     dist.destroy_process_group()
     return rows if dist_rank_zero() else []
+
+
+def _debug_cost(comm: Any, ranks: int, quick: bool) -> dict[str, Any]:
+    """The 4 KiB all_reduce on a DETAIL debug group against a plain group (same run)."""
+    from mpi4py import MPI
+
+    from cupy_parallel import distributed as dist
+
+    plain = dist.new_group()
+    os.environ["CUPY_PARALLEL_DISTRIBUTED_DEBUG"] = "DETAIL"
+    checked = dist.new_group()
+    del os.environ["CUPY_PARALLEL_DISTRIBUTED_DEBUG"]
+    buf = np.ones(1024, np.float32)
+    iters, rounds = (100, 3) if quick else (1000, 10)
+    best = {plain: float("inf"), checked: float("inf")}
+    for _ in range(rounds):
+        for group in (plain, checked):
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(buf, group=group)
+            elapsed = comm.allreduce((time.perf_counter() - start) / iters, op=MPI.MAX)
+            best[group] = min(best[group], elapsed)
+    return result(
+        f"all_reduce latency 4 KiB, debug DETAIL on, {ranks} ranks",
+        best[checked],
+        best[plain],
+        None,
+        goal="reported only: the debug mode's cost (baseline: the same call with it off)",
+        ranks=ranks,
+        bytes=4096,
+        debug_cost_us=(best[checked] - best[plain]) * 1e6,
+    )
 
 
 def dist_rank_zero() -> bool:

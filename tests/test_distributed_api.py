@@ -51,7 +51,10 @@ def test_backend_gloo_points_to_mpi() -> None:
 
 
 def test_reduce_op_members() -> None:
-    assert [op.name for op in ReduceOp] == ["SUM", "PRODUCT", "MIN", "MAX", "AVG"]
+    assert [op.name for op in ReduceOp] == [
+        *("SUM", "PRODUCT", "MIN", "MAX", "AVG"),
+        *("BAND", "BOR", "BXOR"),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +112,10 @@ def test_failed_rendezvous_closes_the_store_it_opened(
     The store path serves the NCCL backend; its table entry points at the MPI class here so the
     path runs without a GPU (the rendezvous fails before any backend is made).
     """
+    from cupy_parallel._src.distributed.mpi import MPIBackend
+
     monkeypatch.setitem(groups._BACKENDS, Backend.NCCL, groups._BACKENDS[Backend.MPI])
+    monkeypatch.setattr(MPIBackend, "needs_store", True)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -218,8 +224,31 @@ def test_list_checks(world: None) -> None:
         dist.broadcast_multigpu(pair, src=0, src_tensor=2)
     with pytest.raises(ValueError, match=r"tensors must hold at least one array"):
         dist.all_reduce_coalesced([])
-    with pytest.raises(TypeError, match=r"all_to_all moves one dtype"):
+    with pytest.raises(
+        TypeError,
+        match=r"output_tensor_list\[0\] has dtype int32 but input_tensor_list\[0\] has float64",
+    ):
         dist.all_to_all([np.zeros(1, np.int32)], [np.zeros(1)])
+
+
+@pytest.mark.parametrize(
+    ("lists", "arrays", "error", "message"),
+    [
+        (np.zeros(2), np.zeros(2), TypeError, r"must be a list of (lists of )?arrays, got ndarray"),
+        ([], [], ValueError, r"must hold 1 (arrays|lists), got 0"),
+        ([[np.zeros(2)]] * 2, [np.zeros(2)] * 2, ValueError, r"must hold 1 (arrays|lists), got 2"),
+    ],
+    ids=["not-a-list", "empty", "too-long"],
+)
+def test_all_to_all_and_all_gather_coalesced_share_list_checks(
+    world: None, lists: object, arrays: object, error: type[Exception], message: str
+) -> None:
+    """The same bad output list raises the same exception type in both (they used to differ)."""
+    x = np.zeros(2)
+    with pytest.raises(error, match=message):
+        dist.all_gather_coalesced(lists, [x])  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        dist.all_to_all(arrays, [x])  # type: ignore[arg-type]
 
 
 def test_p2p_checks(world: None) -> None:
@@ -336,3 +365,118 @@ def test_integer_average_rounds_toward_zero(dtype: type) -> None:
         _average(x, count)
         expected = [int(v) // count if int(v) >= 0 else -(-int(v) // count) for v in values]
         assert x.tolist() == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# One argument reader: NumPy integers and every timeout form
+
+
+@pytest.mark.parametrize("timeout", [5, 5.0, np.int64(5), np.float32(5.0), timedelta(seconds=5)])
+def test_every_timeout_accepts_seconds_and_timedelta(timeout: object) -> None:
+    dist.init_process_group("mpi", timeout=timeout)  # type: ignore[arg-type]
+    try:
+        sub = dist.new_group(np.arange(1), timeout=timeout)  # type: ignore[arg-type]
+        assert dist.get_process_group_ranks(sub) == [0]
+        work = dist.all_reduce(np.ones(1), group=sub, async_op=True)
+        assert work is not None
+        assert work.wait(timeout=timeout) is True  # type: ignore[arg-type]
+        dist.monitored_barrier(timeout=timeout)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_numpy_integers_for_ranks_tags_and_indices(world: None) -> None:
+    with pytest.raises(ValueError, match=r"dst=0 is this process's own rank"):
+        dist.isend(np.zeros(1), dst=np.int64(0), tag=np.int64(1))  # the tag was accepted
+    pair = [cupy_parallel.to_device(np.arange(2), f"host:{k}") for k in range(2)]
+    dist.broadcast_multigpu(pair, src=np.int32(0), src_tensor=np.uint8(1))
+    assert dist.get_global_rank(None, np.int16(0)) == 0
+    assert dist.get_group_rank(dist.group.WORLD, np.uint64(0)) == 0
+    with pytest.raises(TypeError, match=r"tag must be an int, got float"):
+        dist.isend(np.zeros(1), dst=0, tag=1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"each of ranks must be an int, got bool"):
+        dist.new_group([True])
+
+
+def test_pytorch2_argument_errors(world: None) -> None:
+    x = np.zeros(2)
+    with pytest.raises(
+        ValueError, match=r"output_tensor must have shape \(1, 2\) or \(2,\) .* got \(3,\)"
+    ):
+        dist.all_gather_into_tensor(np.zeros(3), x)
+    with pytest.raises(TypeError, match=r"output_tensor has dtype int64 but input_tensor has"):
+        dist.all_gather_into_tensor(np.zeros(2, np.int64), x)
+    with pytest.raises(ValueError, match=r"input must have shape \(1, 2\) or \(2,\)"):
+        dist.reduce_scatter_tensor(x, np.zeros(4))
+    with pytest.raises(
+        ValueError, match=r"input_split_sizes must hold 1 sizes .* adding up to input's 2 rows"
+    ):
+        dist.all_to_all_single(x, x, [2], [1])
+    with pytest.raises(TypeError, match=r"each of output_split_sizes must be an int"):
+        dist.all_to_all_single(x, x, ["2"], [2])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"op must be cupy_parallel.distributed.isend or irecv"):
+        dist.P2POp(dist.send, x, 0)
+    with pytest.raises(ValueError, match=r"p2p_op_list must hold at least one P2POp"):
+        dist.batch_isend_irecv([])
+    with pytest.raises(TypeError, match=r"p2p_op_list\[0\] must be a P2POp, got tuple"):
+        dist.batch_isend_irecv([(dist.isend, x, 0)])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"group_rank must be in \[0, 1\)"):
+        dist.get_global_rank(None, 1)
+    with pytest.raises(ValueError, match=r"global_rank=3 is not a member"):
+        dist.get_group_rank(None, 3)
+    with pytest.raises(ValueError, match=r"scatter_object_output_list must hold at least one"):
+        dist.scatter_object_list([], ["a"])
+    with pytest.raises(TypeError, match=r"object_list must be a list \(filled in place\)"):
+        dist.broadcast_object_list(("a",))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"object_list must hold 1 items"):
+        dist.all_gather_object([None, None], 1)
+    with pytest.raises(TypeError, match=r"ReduceOp.BOR is a bitwise reduction"):
+        dist.all_reduce(np.zeros(1), op=ReduceOp.BOR)
+
+
+def test_single_rank_pytorch2_results(world: None) -> None:
+    x = np.array([3, 5], np.uint8)
+    dist.all_reduce(x, op=ReduceOp.BXOR)
+    assert x.tolist() == [3, 5]
+    out = np.zeros((1, 2))
+    dist.all_gather_into_tensor(out, np.array([1.0, 2.0]))
+    assert out.tolist() == [[1.0, 2.0]]
+    y = np.array([1.0, 2.0])
+    work = dist.all_reduce(y, async_op=True)
+    assert work is not None
+    future = work.get_future()
+    assert future.result(timeout=10)[0] is y
+    gathered: list[object] = [None]
+    dist.all_gather_object(gathered, {"k": [1, 2]})
+    assert gathered == [{"k": [1, 2]}]
+    works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, np.zeros(1), None)])
+    assert len(works) == 1  # a receive from any rank; none will come
+    assert not works[0].is_completed()
+
+
+def test_debug_variable_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUPY_PARALLEL_DISTRIBUTED_DEBUG", "LOUD")
+    with pytest.raises(ValueError, match=r"must be OFF, INFO or DETAIL, got 'LOUD'"):
+        dist.init_process_group("mpi")
+    assert not dist.is_initialized()
+    monkeypatch.setenv("CUPY_PARALLEL_DISTRIBUTED_DEBUG", "detail")
+    dist.init_process_group("mpi")
+    try:
+        x = np.ones(2)
+        dist.all_reduce(x)  # a world of one agrees with itself
+        assert x.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_without_backend_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUPY_PARALLEL_BACKEND", "mpi")
+    dist.init_process_group()
+    try:
+        assert dist.get_backend() is Backend.MPI
+    finally:
+        dist.destroy_process_group()
+    monkeypatch.delenv("CUPY_PARALLEL_BACKEND")
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv("PMI_SIZE", "1")
+    assert groups._default_backend() is Backend.MPI

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +63,18 @@ open(os.path.join(out, "ready" + rank), "w").close()
 time.sleep(60)
 """
 
+# Each rank ignores SIGINT and SIGTERM, records its pid and says it is ready.
+STUBBORN_SCRIPT = """
+import os, signal, sys, time
+out, rank = sys.argv[1], os.environ["RANK"]
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(os.path.join(out, "pid" + rank + ".tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.replace(os.path.join(out, "pid" + rank + ".tmp"), os.path.join(out, "pid" + rank))
+time.sleep(60)
+"""
+
 LAUNCHER = "import sys; from cupy_parallel._src.distributed.launch import main; sys.exit(main())"
 
 
@@ -88,12 +101,17 @@ def _wait_for(paths: list[Path], seconds: float = 30) -> None:
         time.sleep(0.02)
 
 
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+def _pid_gone(pid: int, within: float = 5.0) -> bool:
+    """Whether process ``pid`` is gone, or goes within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,6 +212,99 @@ def test_signals_are_forwarded_to_every_rank(tmp_path: Path, signum: signal.Sign
     assert [Path(out, f"signal{r}").read_text() for r in (0, 1)] == [str(int(signum))] * 2
 
 
+def _launch(tmp_path: Path, script: str, out: str, *options: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            LAUNCHER,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "0",
+            *options,
+            script,
+            out,
+        ]
+    )
+
+
+def test_ranks_ignoring_signals_are_killed_after_the_grace_period(tmp_path: Path) -> None:
+    """Ctrl-C, Ctrl-C, SIGTERM: the ranks ignore them all; SIGKILL follows the grace period."""
+    script, out = _script(tmp_path, STUBBORN_SCRIPT), _outdir(tmp_path)
+    launcher = _launch(tmp_path, script, out, "--grace-period", "1")
+    try:
+        _wait_for([Path(out, "pid0"), Path(out, "pid1")])
+        start = time.monotonic()
+        for signum in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):
+            launcher.send_signal(signum)
+            time.sleep(0.1)
+        assert launcher.wait(timeout=20) == 128 + signal.SIGTERM
+        assert 1 <= time.monotonic() - start < 10
+    finally:
+        launcher.kill()
+        launcher.wait()
+    pids = [int(Path(out, f"pid{r}").read_text()) for r in (0, 1)]
+    deadline = time.monotonic() + 5
+    while not all(_pid_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_pid_gone(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("backend", [[], ["--backend", "mpi"]], ids=["direct", "mpi"])
+def test_no_rank_outlives_a_killed_launcher(tmp_path: Path, backend: list[str]) -> None:
+    if backend and shutil.which("mpiexec") is None:
+        pytest.skip("needs mpiexec")
+    script, out = _script(tmp_path, STUBBORN_SCRIPT), _outdir(tmp_path)
+    launcher = _launch(tmp_path, script, out, *backend)
+    try:
+        _wait_for([Path(out, "pid0"), Path(out, "pid1")])
+    finally:
+        launcher.kill()
+        launcher.wait()
+    pids = [int(Path(out, f"pid{r}").read_text()) for r in (0, 1)]
+    deadline = time.monotonic() + 10
+    while not all(_pid_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in pids if not _pid_gone(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left
+
+
+def test_too_many_ranks_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, "")
+    assert main(["--nproc-per-node", "100000", script]) == 2
+    assert re.search(r"--nproc-per-node 100000 is more processes than", capsys.readouterr().err)
+
+
+def test_a_rank_that_cannot_start_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """fork failing (EAGAIN) stops the ranks already started and says what to do."""
+    script, out = _script(tmp_path, STUBBORN_SCRIPT), _outdir(tmp_path)
+    real = subprocess.Popen
+    started: list[subprocess.Popen[bytes]] = []
+
+    def popen(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        if started:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        started.append(real(*args, **kwargs))  # type: ignore[call-overload]
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    code = main(
+        ["--nproc-per-node", "3", "--master-port", "0", "--grace-period", "0.2", script, out]
+    )
+    assert code == 1
+    assert "cannot start rank 1 (1 of 3 started): Resource temporarily unavailable" in (
+        capsys.readouterr().err
+    )
+    assert started[0].poll() is not None  # the started rank was stopped
+
+
 # --------------------------------------------------------------------------------------------
 # Usage errors
 
@@ -204,7 +315,10 @@ def test_signals_are_forwarded_to_every_rank(tmp_path: Path, signum: signal.Sign
         (["--nproc-per-node", "0", "x.py"], r"argument --nproc-per-node.*integer >= 1, got 0"),
         (["--nproc-per-node", "two", "x.py"], r"expected an integer, got 'two'"),
         (["--master-port", "70000", "x.py"], r"a port is at most 65535, got 70000"),
-        (["--grace-period", "-1", "x.py"], r"expected seconds >= 0, got -1"),
+        (["--grace-period", "-1", "x.py"], r"expected a number of seconds >= 0, got '-1'"),
+        (["--grace-period", "nan", "x.py"], r"expected a number of seconds >= 0, got 'nan'"),
+        (["--master-addr", "", "x.py"], r"--master_addr: expected a host name or IP address"),
+        (["--master-addr", "  ", "x.py"], r"--master_addr: expected a host name or IP address"),
         (["--backend", "gloo", "x.py"], r"invalid choice: 'gloo'"),
         ([], r"the following arguments are required: script"),
     ],
@@ -256,8 +370,26 @@ def test_mpi_backend_without_mpiexec_says_what_to_install(
 ) -> None:
     script = _script(tmp_path, "")
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python3"))  # nothing beside it
     assert main(["--backend", "mpi", script]) == 2
-    assert "--backend mpi needs mpiexec on PATH" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--backend mpi needs mpiexec, found neither beside this Python" in err
+    assert "`pip install mpich`" in err
+
+
+@pytest.mark.mpi
+def test_mpi_backend_finds_the_mpiexec_beside_python_without_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `venv/bin/cupy-parallel launch` without an activated venv: the mpich wheel's mpiexec sits
+    # beside the interpreter, not on PATH.
+    if not (Path(sys.executable).parent / "mpiexec").is_file():
+        pytest.skip("no mpiexec beside this Python (MPI not installed from the mpich wheel)")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    script, out = _script(tmp_path, MPI_SCRIPT), _outdir(tmp_path)
+    code = main(["--backend", "mpi", "--nproc-per-node", "2", "--master-port", "0", script, out])
+    assert code == 0
+    assert [rank["mpi"] for rank in _read_ranks(out, 2)] == [[0, 2, 1], [1, 2, 1]]
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ non-zero on a mismatch; the fault modes check that no failure hangs the job.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -94,3 +95,148 @@ def test_cupy_arrays_through_mpi() -> None:
     result, _ = launch(2, "cupy")
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("checks passed") == 2, result.stdout
+
+
+EDGES = Path(__file__).parent / "mpi_workers" / "edges_worker.py"
+
+
+def launch_edges(ranks: int, mode: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    result = subprocess.run(
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(EDGES), mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+        check=False,
+    )
+    return result, time.monotonic() - start
+
+
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+def test_clear_errors_and_the_group_stays_usable(ranks: int) -> None:
+    """wait(timeout=1), TAG_UB, truncation, a cancelled recv; MIN/MAX bits equal everywhere."""
+    result, _ = launch_edges(ranks, "edges")
+    out = result.stdout
+    assert result.returncode == 0, result.stderr[-3000:] + out[-3000:]
+    assert (
+        "CAUGHT TimeoutError: all_reduce on process group '0' did not complete within 1 s (the "
+        "timeout given to wait()). It is still running and the process group stays usable"
+    ) in out
+    assert out.count("OK usable after wait(timeout=1)") == ranks
+    assert out.count("CAUGHT ValueError: tag must be at most ") == ranks
+    assert (
+        "CAUGHT ValueError: recv from group rank 0: the message is larger than tensor (32 bytes)"
+    ) in out
+    assert (
+        "CAUGHT TimeoutError: recv from group rank 0 on process group '0' did not complete within "
+        "3 s (a peer did not join, died, or is far behind). It was cancelled; the process group "
+        "stays usable."
+    ) in out
+    assert out.count("OK usable after a cancelled recv") == ranks
+    assert "BAD" not in out
+    for op in ("MIN", "MAX"):
+        for dtype in ("float16", "float32", "float64"):
+            assert out.count(f"OK {op} {dtype}") == ranks, out
+
+
+def test_broadcast_size_mismatch_is_a_value_error() -> None:
+    result, _ = launch_edges(2, "bcast-mismatch")
+    assert (
+        "CAUGHT ValueError: broadcast failed on process group '0': the ranks' arrays differ in "
+        "size" in result.stdout
+    ), result.stdout + result.stderr[-2000:]
+
+
+def test_new_group_is_bounded_by_the_timeout() -> None:
+    result, seconds = launch_edges(2, "new-group-timeout")
+    assert seconds < 20
+    assert (
+        "CAUGHT TimeoutError: new_group([0, 1]) waiting for every world rank on process group '0' "
+        "did not complete within 2 s" in result.stdout
+    ), result.stdout + result.stderr[-2000:]
+
+
+def test_environment_disagreeing_with_mpi_is_an_error(tmp_path: Path) -> None:
+    """`launch` without --backend mpi: each rank is a world of one; init refuses, names both."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from cupy_parallel import distributed as dist\ndist.init_process_group('mpi')\n"
+    )
+    launcher = (
+        "import sys; from cupy_parallel._src.distributed.launch import main; sys.exit(main())"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            launcher,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "0",
+            "--grace-period",
+            "1",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert re.search(
+        r"RuntimeError: The environment says RANK=[01], WORLD_SIZE=2, but MPI.COMM_WORLD is rank 0 "
+        r"of 1: these processes were not started by mpiexec together",
+        result.stderr,
+    ), result.stderr[-3000:]
+    assert re.search(r"rank [01] exited with code 1; stopped the other ranks\.", result.stderr)
+
+
+API = Path(__file__).parent / "mpi_workers" / "api_worker.py"
+
+
+def launch_api(ranks: int, mode: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(API), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "error", **env},
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+def test_pytorch2_api_matches_numpy(ranks: int) -> None:
+    """into_tensor, all_to_all_single, objects, batch p2p, group queries, BAND/BOR/BXOR, futures."""
+    result = launch_api(ranks, "api")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("checks passed") == ranks, result.stdout
+
+
+def test_debug_mode_names_the_differing_rank() -> None:
+    result = launch_api(3, "debug", CUPY_PARALLEL_DISTRIBUTED_DEBUG="DETAIL")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("checks passed") == 3, result.stdout
+    for what in ("shape", "dtype", "op", "root", "operation"):
+        assert result.stdout.count(f"CAUGHT {what}: ") == 3, result.stdout  # on every rank
+    assert (
+        "CAUGHT shape: all_reduce: ranks [2] passed other arguments than the rest of process "
+        "group '0' (the operation, shapes, dtypes, reduction and root must agree). Each passed "
+        "(operation, arguments): rank 0: ('all_reduce', ['ReduceOp.SUM', 'float64[4]']); rank 1: "
+        "('all_reduce', ['ReduceOp.SUM', 'float64[4]']); rank 2: ('all_reduce', "
+        "['ReduceOp.SUM', 'float64[5]'])." in result.stdout
+    )
+
+
+def test_monitored_barrier_names_the_missing_rank() -> None:
+    result = launch_api(3, "monitored")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (
+        "CAUGHT rank 0: monitored_barrier on process group '0': rank 2 did not arrive within "
+        "1.5 s." in result.stdout
+    )
+    assert "CAUGHT rank 1: monitored_barrier on process group '0': rank 0 did not release" in (
+        result.stdout
+    )

@@ -46,6 +46,9 @@ from cupy_parallel.testing import RaceError, simulated_cuda
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+# The reductions NCCL has (ReduceOp.BAND/BOR/BXOR are refused before the tables are asked).
+NCCL_OPS = [op for op in ReduceOp if op in nccl_backend.NCCLBackend.reduce_ops]
+
 NEW = version_code(2, 18, 5)  # has ncclAvg and bfloat16
 OLD = version_code(2, 9, 9)  # has neither
 
@@ -218,7 +221,7 @@ def _refusal(dtype: str, op: ReduceOp) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("op", list(ReduceOp), ids=lambda op: op.name)
+@pytest.mark.parametrize("op", NCCL_OPS, ids=lambda op: op.name)
 @pytest.mark.parametrize("dtype", REDUCIBLE + NOT_REDUCIBLE)
 def test_every_dtype_and_op_maps_or_is_refused(dtype: str, op: ReduceOp) -> None:
     refusal = _refusal(dtype, op)
@@ -321,7 +324,7 @@ def _meaning(op: ReduceOp, arrays: list[np.ndarray]) -> np.ndarray:
 
 @given(
     dtype=st.sampled_from(REDUCIBLE),
-    op=st.sampled_from(list(ReduceOp)),
+    op=st.sampled_from(NCCL_OPS),
     version=st.sampled_from([OLD, NEW]),
     participants=st.sampled_from([1, 2, 4]),  # 1/n exact: ncclAvg's pre-multiplied sum is too
     seed=st.integers(0, 2**32 - 1),
@@ -637,7 +640,7 @@ def store(tmp_path: os.PathLike) -> Any:
         yield s
 
 
-@pytest.mark.parametrize("op", list(ReduceOp), ids=lambda op: op.name)
+@pytest.mark.parametrize("op", NCCL_OPS, ids=lambda op: op.name)
 @pytest.mark.parametrize("dtype", ["bool", "int8", "uint32", "int64", "float16", "complex128"])
 @pytest.mark.parametrize(("gpus", "size", "local"), LAYOUTS)
 def test_sim_reductions_over_ranks_and_devices(

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+from test_nccl import NCCL_OPS, _refusal
 from test_nccl import _meaning as _reduce  # NumPy's reading of each ReduceOp
-from test_nccl import _refusal
 from test_nccl import _values as _sample  # values whose sums and products are exact
 
 from cupy_parallel import distributed as dist
@@ -180,7 +180,7 @@ def test_data_movement_is_bit_exact(world: Any, dtype: str) -> None:
     np.testing.assert_array_equal(exchanged[0].get(), host)
 
 
-@pytest.mark.parametrize("op", list(ReduceOp), ids=lambda op: op.name)
+@pytest.mark.parametrize("op", NCCL_OPS, ids=lambda op: op.name)
 @pytest.mark.parametrize("dtype", REDUCED)
 def test_reductions_of_one_participant(world: Any, dtype: str, op: ReduceOp) -> None:
     if _refusal(dtype, op) is not None:
@@ -547,7 +547,7 @@ def test_barrier_blocks_the_host_while_the_gpu_is_busy(world: Any) -> None:
 
 
 @pytest.mark.parametrize("version", ["native", "old"])
-@pytest.mark.parametrize("op", list(ReduceOp), ids=lambda op: op.name)
+@pytest.mark.parametrize("op", NCCL_OPS, ids=lambda op: op.name)
 @pytest.mark.parametrize("dtype", ["bool", "int32", "int64", "float32", "float64", "complex64"])
 def test_all_reduce_and_reduce_multigpu(world: Any, dtype: str, op: ReduceOp, version: str) -> None:
     _need(2)

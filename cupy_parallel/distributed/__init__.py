@@ -1,6 +1,10 @@
 """torch.distributed's process-group API for NumPy, HostArray and CuPy arrays.
 
 Backends: ``"mpi"`` (mpi4py; any host array, CuPy arrays too) and ``"nccl"`` (CuPy arrays).
+torch 1.5's API plus PyTorch 2's additions (``all_gather_into_tensor``, ``reduce_scatter_tensor``,
+``all_to_all_single``, the ``*_object`` collectives, ``batch_isend_irecv``, ``monitored_barrier``,
+``get_process_group_ranks``/``get_global_rank``/``get_group_rank``, ``ReduceOp.BAND/BOR/BXOR``).
+``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL`` makes the ranks compare every collective's arguments.
 Collectives work in place on their arguments, as in torch; ``async_op=True`` returns a
 :class:`Work`. Stores (:class:`TCPStore`, :class:`FileStore`, :class:`PrefixStore`) let NCCL ranks
 meet (``init_method`` ``env://``, ``tcp://host:port``, ``file:///path``).
@@ -16,24 +20,30 @@ Example:
 """
 
 from cupy_parallel._src.distributed.collectives import (
+    P2POp,
     all_gather,
     all_gather_coalesced,
+    all_gather_into_tensor,
     all_gather_multigpu,
     all_reduce,
     all_reduce_coalesced,
     all_reduce_multigpu,
     all_to_all,
+    all_to_all_single,
     barrier,
+    batch_isend_irecv,
     broadcast,
     broadcast_multigpu,
     gather,
     irecv,
     isend,
+    monitored_barrier,
     recv,
     reduce,
     reduce_multigpu,
     reduce_scatter,
     reduce_scatter_multigpu,
+    reduce_scatter_tensor,
     scatter,
     send,
 )
@@ -43,6 +53,9 @@ from cupy_parallel._src.distributed.groups import (
     ProcessGroup,
     destroy_process_group,
     get_backend,
+    get_global_rank,
+    get_group_rank,
+    get_process_group_ranks,
     get_rank,
     get_world_size,
     group,
@@ -51,6 +64,12 @@ from cupy_parallel._src.distributed.groups import (
     is_mpi_available,
     is_nccl_available,
     new_group,
+)
+from cupy_parallel._src.distributed.objects import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    scatter_object_list,
 )
 from cupy_parallel._src.distributed.store import (
     DistError,
@@ -73,6 +92,7 @@ __all__ = [
     "FileStore",
     "GroupMember",
     "HashStore",
+    "P2POp",
     "PrefixStore",
     "ProcessGroup",
     "QueueEmptyError",
@@ -82,17 +102,26 @@ __all__ = [
     "Work",
     "all_gather",
     "all_gather_coalesced",
+    "all_gather_into_tensor",
     "all_gather_multigpu",
+    "all_gather_object",
     "all_reduce",
     "all_reduce_coalesced",
     "all_reduce_multigpu",
     "all_to_all",
+    "all_to_all_single",
     "barrier",
+    "batch_isend_irecv",
     "broadcast",
     "broadcast_multigpu",
+    "broadcast_object_list",
     "destroy_process_group",
     "gather",
+    "gather_object",
     "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
     "get_rank",
     "get_world_size",
     "group",
@@ -102,12 +131,15 @@ __all__ = [
     "is_mpi_available",
     "is_nccl_available",
     "isend",
+    "monitored_barrier",
     "new_group",
     "recv",
     "reduce",
     "reduce_multigpu",
     "reduce_scatter",
     "reduce_scatter_multigpu",
+    "reduce_scatter_tensor",
     "scatter",
+    "scatter_object_list",
     "send",
 ]

@@ -63,8 +63,17 @@ def data(seed: int, rank: int, shape: tuple[int, ...], dtype: type) -> np.ndarra
     return np.asarray(values).astype(dt)
 
 
+BITWISE = {
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
+}
+
+
 def valid(dtype: type, op: ReduceOp) -> bool:
     kind = np.dtype(dtype).kind
+    if op in BITWISE:
+        return kind in "biu"
     return not (kind == "b" and op is ReduceOp.AVG) and not (
         kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX)
     )
@@ -74,7 +83,9 @@ def oracle(arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     """The reduction computed with NumPy, by the documented rules (float16 in float32)."""
     dtype = arrays[0].dtype
     work = [a.astype(np.float32) if dtype == np.float16 else a for a in arrays]
-    if dtype.kind == "b":
+    if op in BITWISE:
+        ufunc = BITWISE[op]
+    elif dtype.kind == "b":
         ufunc = np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and
     else:
         ufunc = {
@@ -455,9 +466,14 @@ def run_reinit(directory: str, port: int) -> None:
     from mpi4py import MPI
 
     from cupy_parallel._src.distributed import groups
+    from cupy_parallel._src.distributed.mpi import MPIBackend
     from cupy_parallel._src.distributed.store import FileStore
 
-    groups._BACKENDS[dist.Backend.NCCL] = groups._BACKENDS[dist.Backend.MPI]
+    class StoreMPIBackend(MPIBackend):
+        needs_store = True  # take the store path, as NCCL does
+
+    groups._BACKENDS[dist.Backend.NCCL] = (__name__, "StoreMPIBackend")
+    globals()["StoreMPIBackend"] = StoreMPIBackend
     rank, n = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     limit = timedelta(seconds=60)
 

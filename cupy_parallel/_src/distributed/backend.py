@@ -24,7 +24,9 @@ Conventions every primitive follows:
   toward zero).
 
 A backend class is listed in ``cupy_parallel._src.distributed.groups._BACKENDS`` (a table from
-:class:`~.enums.Backend` to ``(module, class name)``, imported lazily).
+:class:`~.enums.Backend` to ``(module, class name)``, imported lazily); everything else the group
+layer needs to know about it is on the class (:attr:`ProcessGroupBackend.needs_store`,
+:meth:`ProcessGroupBackend.unavailable_reason`), so a new backend touches only that table.
 
 After a timeout the group cannot be used any more: the backend (or its ``Work._on_timeout``) sets
 :attr:`ProcessGroupBackend.failure` to a sentence saying what happened, and the public layer
@@ -36,12 +38,14 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from cupy_parallel._src.distributed.enums import ReduceOp
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     import numpy as np
 
-    from cupy_parallel._src.distributed.enums import Backend, ReduceOp
+    from cupy_parallel._src.distributed.enums import Backend
     from cupy_parallel._src.distributed.work import Work
 
 __all__ = ["ProcessGroupBackend"]
@@ -70,6 +74,23 @@ class ProcessGroupBackend(abc.ABC):
     backend: ClassVar[Backend]
     #: Device kinds (``"cpu"``, ``"host"``, ``"cuda"``) whose arrays this backend communicates.
     array_kinds: ClassVar[frozenset[str]]
+    #: Whether ranks meet through a store (``init_method``/``store``) before :meth:`create_world`;
+    #: ``False``: the backend finds its peers itself (MPI's ``COMM_WORLD``).
+    needs_store: ClassVar[bool] = True
+    #: The largest ``tag`` users may give :meth:`send`/:meth:`recv` (MPI: ``TAG_UB - 1``); the
+    #: tag above it is reserved for ``monitored_barrier``.
+    max_tag: int = 2**31 - 2
+    #: The reductions the backend has; ``all_reduce`` refuses the others before communicating.
+    #: (A tuple: membership tests by identity, cheaper than hashing an enum on the hot path.)
+    reduce_ops: ClassVar[tuple[ReduceOp, ...]] = (
+        ReduceOp.SUM,
+        ReduceOp.PRODUCT,
+        ReduceOp.MIN,
+        ReduceOp.MAX,
+        ReduceOp.AVG,
+    )
+    #: ``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL``: compare every collective's arguments first.
+    detail: bool = False
 
     def __init__(self, rank: int, size: int, *, timeout: float, group_name: str) -> None:
         self.rank = rank
@@ -87,6 +108,11 @@ class ProcessGroupBackend(abc.ABC):
     @abc.abstractmethod
     def is_available(cls) -> bool:
         """Whether the backend's libraries can be loaded here (never raises)."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why the backend cannot be used here (what is missing, how to get it), or ``None``."""
+        return None if cls.is_available() else f"{cls.__name__} cannot be loaded."
 
     @classmethod
     @abc.abstractmethod
@@ -177,6 +203,15 @@ class ProcessGroupBackend(abc.ABC):
 
         One dtype for all arrays; shapes may differ between peers (each pair agrees on its own).
         """
+
+    def agree(self, record: bytes, /) -> list[bytes] | None:
+        """Every group member's ``record``, in group-rank order (the debug mode's comparison).
+
+        ``None`` when the backend cannot exchange them (the comparison is then skipped). Must
+        not block past :attr:`timeout` and must not match any user communication.
+        """
+        del record
+        return None
 
     @abc.abstractmethod
     def barrier(self) -> Work:

@@ -56,7 +56,13 @@ class ReduceOp(enum.Enum):
     rounded toward zero (C's integer division, what NCCL's ``ncclAvg`` does); on ``bool`` it is
     refused. For ``bool`` arrays ``SUM`` and ``MAX`` are a logical or, ``PRODUCT`` and ``MIN`` a
     logical and (what summing and casting back to ``bool`` gives). ``MIN``/``MAX`` are refused on
-    complex dtypes, which have no order.
+    complex dtypes, which have no order; on floating-point dtypes they follow NumPy's
+    ``minimum``/``maximum`` (a NaN anywhere gives NaN) and order ``-0.0 < +0.0``, so that every
+    rank gets the same bits whatever order the backend combines values in.
+
+    ``BAND``/``BOR``/``BXOR`` (PyTorch 2) are the bitwise and/or/xor of integer arrays and the
+    logical ones of ``bool`` arrays; floating-point and complex arrays are refused. The MPI
+    backend has them; NCCL has no bitwise reduction and refuses them.
 
     Example:
         >>> ReduceOp.SUM, ReduceOp["AVG"]
@@ -68,3 +74,6 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     AVG = "avg"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"

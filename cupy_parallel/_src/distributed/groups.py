@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from cupy_parallel._src.arguments import read_int, read_timeout
 from cupy_parallel._src.distributed.enums import Backend
-from cupy_parallel._src.distributed.work import seconds
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -24,8 +25,12 @@ if TYPE_CHECKING:
 __all__ = [
     "GroupMember",
     "ProcessGroup",
+    "debug_detail",
     "destroy_process_group",
     "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
     "get_rank",
     "get_world_size",
     "group",
@@ -43,6 +48,7 @@ _BACKENDS: dict[Backend, tuple[str, str]] = {
 }
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
+_DEBUG_VAR = "CUPY_PARALLEL_DISTRIBUTED_DEBUG"
 
 
 class _Sentinel:
@@ -161,23 +167,45 @@ def _world_group() -> ProcessGroup:
     return _world
 
 
-def _backend_class(backend: Backend) -> type[ProcessGroupBackend]:
+def _loaded_class(backend: Backend) -> type[ProcessGroupBackend]:
     module_name, class_name = _BACKENDS[backend]
-    module = importlib.import_module(module_name)
-    cls: type[ProcessGroupBackend] = getattr(module, class_name)
-    if not cls.is_available():
-        if backend is Backend.NCCL:  # several things can be missing: say which
-            why = module.unavailable_reason()
-        else:
-            why = "mpi4py cannot be loaded; install it with `pip install cupy-parallel[mpi]`."
+    cls: type[ProcessGroupBackend] = getattr(importlib.import_module(module_name), class_name)
+    return cls
+
+
+def _backend_class(backend: Backend) -> type[ProcessGroupBackend]:
+    cls = _loaded_class(backend)
+    why = cls.unavailable_reason()
+    if why is not None:
         raise RuntimeError(f"The {backend.value!r} backend is not available here: {why}")
     return cls
 
 
-def _check_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
-    return value
+def _default_backend() -> Backend:
+    """The backend ``init_process_group()`` picks when given none (see its docstring)."""
+    from cupy_parallel._src.distributed.launch import detect_launch_env
+
+    named = os.environ.get("CUPY_PARALLEL_BACKEND", "").strip()
+    if named:
+        return Backend(named)
+    if detect_launch_env().get("source", "Slurm") != "Slurm":  # started by mpiexec
+        return Backend.MPI
+    if is_nccl_available():
+        return Backend.NCCL
+    return Backend.MPI
+
+
+def debug_detail() -> bool:
+    """Whether ``CUPY_PARALLEL_DISTRIBUTED_DEBUG`` asks for the ``DETAIL`` checks.
+
+    Example:
+        >>> isinstance(debug_detail(), bool)
+        True
+    """
+    level = os.environ.get(_DEBUG_VAR, "OFF").strip().upper()
+    if level not in ("OFF", "INFO", "DETAIL", ""):
+        raise ValueError(f"{_DEBUG_VAR} must be OFF, INFO or DETAIL, got {level!r}.")
+    return level == "DETAIL"
 
 
 def is_initialized() -> bool:
@@ -209,18 +237,17 @@ def is_nccl_available() -> bool:
     """
     if importlib.util.find_spec("cupy") is None:
         return False
-    module_name, class_name = _BACKENDS[Backend.NCCL]
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
+        cls = _loaded_class(Backend.NCCL)
     except ImportError:
         return False
     return bool(cls.is_available())
 
 
 def init_process_group(  # noqa: PLR0917 - torch's signature
-    backend: Backend | str,
+    backend: Backend | str | None = None,
     init_method: str | None = None,
-    timeout: timedelta = _DEFAULT_TIMEOUT,
+    timeout: timedelta | float = _DEFAULT_TIMEOUT,
     world_size: int = -1,
     rank: int = -1,
     store: Any = None,
@@ -237,21 +264,35 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
     initialisation meets under its own key, so after ``destroy_process_group()`` the world can
     initialise again on the same ``store``.
 
+    ``RANK``/``WORLD_SIZE`` in the environment that disagree with ``MPI.COMM_WORLD`` are refused
+    (``RuntimeError``): processes started without ``mpiexec`` are each a world of one. In an MPI
+    world of several processes, a rank that fails (uncaught exception, Ctrl-C, ``sys.exit(n)``
+    with ``n != 0``) aborts the whole job with its exit code, so that no peer waits for it (see
+    :mod:`cupy_parallel._src.distributed.mpi`). ``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL`` turns
+    on the debug mode, in which the ranks compare every collective's arguments first.
+
     Args:
-        backend: ``"nccl"`` or ``"mpi"`` (any case) or a :class:`Backend`.
+        backend: ``"nccl"`` or ``"mpi"`` (any case) or a :class:`Backend`. ``None`` (PyTorch 2's
+            default) picks one: ``CUPY_PARALLEL_BACKEND`` if set (``cupy-parallel launch
+            --backend`` sets it); ``"mpi"`` in processes started by ``mpiexec``; else
+            ``"nccl"`` where a GPU and NCCL are available; else ``"mpi"``.
         init_method: How NCCL ranks find each other; exclusive with ``store``.
-        timeout: How long any operation of the group may wait for peers (also the rendezvous).
+        timeout: How long any operation of the group may wait for peers (also the rendezvous):
+            a ``datetime.timedelta`` or a number of seconds.
             Past it the operation raises ``TimeoutError`` naming itself and the group. A started
             collective cannot be cancelled, so the group is unusable afterwards: NCCL aborts the
             communicator, and MPI aborts the whole job (``MPI_Abort``, non-zero exit) when this
-            process exits, so that no peer stays stuck.
+            process exits, so that no peer stays stuck. An MPI receive is cancelled instead (the
+            group stays usable); ``Work.wait(timeout=t)`` with a shorter ``t`` only stops waiting.
         world_size: The number of processes (required with ``store``).
         rank: This process's rank (required with ``store``).
         store: A :class:`~cupy_parallel.distributed.Store` all ranks share.
         group_name: Name of the world group (used in messages); default ``"0"``.
 
     Raises:
-        RuntimeError: Already initialized, or the backend's libraries are missing.
+        RuntimeError: Already initialized, the backend's libraries are missing, or the
+            environment's ``RANK``/``WORLD_SIZE`` disagree with MPI's world.
+        ValueError: ``CUPY_PARALLEL_DISTRIBUTED_DEBUG`` is not ``OFF``, ``INFO`` or ``DETAIL``.
         TimeoutError: The world did not fill within ``timeout`` (the message says how many
             ranks arrived).
 
@@ -264,10 +305,11 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
         ValueError: backend must be 'nccl' or 'mpi', got 'gloo'. Use Backend.MPI ('mpi') ...
     """
     global _world, _group_count, _owned_store
-    backend = Backend(backend)
-    limit = seconds(timeout)
-    world_size = _check_int(world_size, "world_size")
-    rank = _check_int(rank, "rank")
+    backend = _default_backend() if backend is None else Backend(backend)
+    detail = debug_detail()
+    limit = read_timeout(timeout)
+    world_size = read_int(world_size, "world_size", minimum=-1)
+    rank = read_int(rank, "rank", minimum=-1)
     if not isinstance(group_name, str):
         raise TypeError(f"group_name must be a str, got {type(group_name).__name__}.")
     if init_method is not None and not isinstance(init_method, str):
@@ -292,7 +334,7 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
         )
     cls = _backend_class(backend)
     name = group_name or "0"
-    if backend is Backend.MPI:
+    if not cls.needs_store:
         world = cls.create_world(
             rank=rank, world_size=world_size, store=None, timeout=limit, group_name=name
         )
@@ -302,12 +344,12 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
         owned = None
         if store is None:
             store, rank, world_size = rendezvous(
-                init_method or "env://", rank, world_size, timeout=timeout
+                init_method or "env://", rank, world_size, timeout=timedelta(seconds=limit)
             )
             owned = store
         try:
             key = init_key(store, name, world_size)
-            wait_for_world(store, rank, world_size, timeout=timeout, key=key)
+            wait_for_world(store, rank, world_size, timeout=timedelta(seconds=limit), key=key)
             world = cls.create_world(
                 rank=rank, world_size=world_size, store=store, timeout=limit, group_name=name
             )
@@ -316,13 +358,14 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
                 owned.close()
             raise
         _owned_store = owned
+    world.detail = detail
     _world = ProcessGroup(world, tuple(range(world.size)), name)
     _group_count = 1
 
 
 def new_group(
     ranks: Iterable[int] | None = None,
-    timeout: timedelta | None = None,
+    timeout: timedelta | float | None = None,
     backend: Backend | str | None = None,
 ) -> ProcessGroup | Any:
     """A group of some world ranks; every process of the world must call it, in the same order.
@@ -351,7 +394,7 @@ def new_group(
     else:
         if isinstance(ranks, str | bytes) or not hasattr(ranks, "__iter__"):
             raise TypeError(f"ranks must be a list of ints, got {type(ranks).__name__}.")
-        listed = [_check_int(r, "each of ranks") for r in ranks]
+        listed = [read_int(r, "each of ranks") for r in ranks]
         members = tuple(sorted(set(listed)))
         if len(members) != len(listed):
             raise ValueError(f"ranks must be distinct, got {listed}.")
@@ -360,7 +403,8 @@ def new_group(
             raise ValueError(
                 f"ranks must be world ranks in [0, {size}), got {listed} (out of range: {bad})."
             )
-    limit = world_backend.timeout if timeout is None else seconds(timeout)
+    limit = world_backend.timeout if timeout is None else read_timeout(timeout)
+    debug_detail()  # a bad CUPY_PARALLEL_DISTRIBUTED_DEBUG is refused before the split
     if backend is not None and Backend(backend) is not world_backend.backend:
         raise NotImplementedError(
             f"new_group(backend={Backend(backend).value!r}) under a "
@@ -372,6 +416,7 @@ def new_group(
     sub = world_backend.new_subgroup(members, timeout=limit, group_name=name)
     if sub is None:
         return _NON_MEMBER
+    sub.detail = debug_detail()
     made = ProcessGroup(sub, members, name)
     _subgroups.append(made)
     return made
@@ -451,3 +496,62 @@ def get_world_size(group: Any = None) -> int:
     """
     pg = _resolve(group)
     return -1 if pg is None else len(pg.ranks)
+
+
+def _member_group(group: Any, caller: str) -> ProcessGroup:
+    pg = _resolve(group)
+    if pg is None:
+        raise ValueError(
+            f"{caller} got GroupMember.NON_GROUP_MEMBER; pass a group of this process."
+        )
+    return pg
+
+
+def get_process_group_ranks(group: Any) -> list[int]:
+    """The world ranks of ``group``'s members, in group-rank order (PyTorch 2).
+
+    Example:
+        >>> get_process_group_ranks(None)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: The default process group is not initialized; call ...
+    """
+    return list(_member_group(group, "get_process_group_ranks").ranks)
+
+
+def get_global_rank(group: Any, group_rank: int) -> int:
+    """The world rank of ``group``'s member ``group_rank`` (PyTorch 2).
+
+    Example:
+        >>> get_global_rank(None, 0)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: The default process group is not initialized; call ...
+    """
+    pg = _member_group(group, "get_global_rank")
+    index = read_int(group_rank, "group_rank")
+    if not 0 <= index < len(pg.ranks):
+        raise ValueError(
+            f"group_rank must be in [0, {len(pg.ranks)}) for process group {pg.name!r}, got "
+            f"{index}."
+        )
+    return pg.ranks[index]
+
+
+def get_group_rank(group: Any, global_rank: int) -> int:
+    """The rank in ``group`` of world rank ``global_rank`` (PyTorch 2).
+
+    Example:
+        >>> get_group_rank(None, 0)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: The default process group is not initialized; call ...
+    """
+    pg = _member_group(group, "get_group_rank")
+    index = pg._group_rank.get(read_int(global_rank, "global_rank"))
+    if index is None:
+        raise ValueError(
+            f"global_rank={global_rank} is not a member of process group {pg.name!r}, whose "
+            f"world ranks are {list(pg.ranks)}."
+        )
+    return index

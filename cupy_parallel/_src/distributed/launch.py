@@ -11,11 +11,14 @@ launcher's own and reports a failed exit back, because MPICH's ``mpiexec`` lets 
 run on when one exits with an error). ``--backend`` is also exported as
 ``CUPY_PARALLEL_BACKEND`` for the script to read.
 
-The launcher forwards ``SIGINT`` and ``SIGTERM`` to the ranks. When a rank fails, it stops the
-others (``SIGTERM``, then ``SIGKILL`` after ``--grace-period`` seconds) and exits with the
-failed rank's exit code (``128 + N`` for a rank killed by signal ``N``, the shell's convention);
-when it was itself interrupted it exits with ``128 +`` the signal number. Each rank runs in its
-own process group, so a terminal's Ctrl-C reaches the ranks once, through the launcher.
+The launcher forwards ``SIGINT`` and ``SIGTERM`` to the ranks; ranks still running
+``--grace-period`` seconds after the first signal are killed (``SIGKILL``). When a rank fails, it
+stops the others (``SIGTERM``, then ``SIGKILL`` after ``--grace-period`` seconds), names the
+rank and exits with its exit code (``128 + N`` for a rank killed by signal ``N``, the shell's
+convention); when it was itself interrupted it exits with ``128 +`` the signal number. Each rank
+runs in its own process group, so a terminal's Ctrl-C reaches the ranks once, through the
+launcher; on Linux every rank (and, under ``--backend mpi``, every rank's process) is killed
+when its parent dies (``PR_SET_PDEATHSIG``), so no rank outlives a killed launcher.
 
 Processes started by ``mpiexec`` or Slurm's ``srun`` already know their rank: see
 :func:`detect_launch_env`, which the ``env://`` rendezvous consults when ``RANK`` and
@@ -26,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import enum
+import functools
 import os
 import shutil
 import signal
@@ -36,13 +41,24 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypedDict
+
+from cupy_parallel._src.arguments import read_timeout
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
     from types import FrameType
 
-__all__ = ["LaunchBackend", "LaunchEnv", "add_arguments", "detect_launch_env", "main", "run"]
+__all__ = [
+    "LaunchBackend",
+    "LaunchEnv",
+    "add_arguments",
+    "detect_launch_env",
+    "main",
+    "report_failure",
+    "run",
+]
 
 _PROG = "cupy-parallel launch"
 _DEFAULT_PORT = 29500  # torch.distributed.launch's default
@@ -168,16 +184,54 @@ def _rank_env(rank: int, world_size: int, local_rank: int, local_world_size: int
 
 _MPI_RANK_CODE = "from cupy_parallel._src.distributed.launch import _run_mpi_rank; _run_mpi_rank()"
 _FAILURES_VAR = "CUPY_PARALLEL_LAUNCH_FAILURES"  # where MPI ranks report a failed exit
+_PR_SET_PDEATHSIG = 1
+
+
+@functools.cache
+def _prctl() -> Callable[..., int] | None:
+    """The C library's ``prctl`` (Linux), loaded in the parent (a forked child must not load)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    return prctl
+
+
+def _die_with_parent() -> None:
+    """Be killed when the parent dies (Linux; elsewhere nothing); also a ``preexec_fn``."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def report_failure(rank: int, code: int) -> None:
+    """Tell ``cupy-parallel launch --backend mpi`` that ``rank`` fails with exit ``code``.
+
+    Writes the report into the launcher's failure directory (``CUPY_PARALLEL_LAUNCH_FAILURES``);
+    the first report of a rank stays. Does nothing outside the launcher.
+
+    Example:
+        >>> report_failure(0, 3)  # not under the launcher: nothing to do
+    """
+    failures = os.environ.get(_FAILURES_VAR)
+    if not failures or os.path.exists(os.path.join(failures, str(rank))):
+        return
+    partial = os.path.join(failures, f"{rank}.{os.getpid()}.partial")
+    with contextlib.suppress(OSError):
+        with open(partial, "w") as report:
+            report.write(str(code))
+        os.replace(partial, os.path.join(failures, str(rank)))  # complete or not at all
 
 
 def _run_mpi_rank() -> None:
     """Under ``mpiexec``: run ``python script args`` as this rank and report how it ended.
 
     The script runs as a child with this rank's variables and every inherited descriptor
-    (``mpiexec`` passes its PMI connection as one); signals are forwarded to it. A failed exit
-    is written to the launcher's failure directory, so that the launcher can stop the job
-    (MPICH's ``mpiexec`` lets the other ranks run on).
+    (``mpiexec`` passes its PMI connection as one); signals are forwarded to it, and it dies
+    with this process. A failed exit is written to the launcher's failure directory, so that
+    the launcher can stop the job (MPICH's ``mpiexec`` lets the other ranks run on when a rank
+    that never started MPI fails) and name the rank.
     """
+    _die_with_parent()  # mpiexec's proxy gone: go too
     found = detect_launch_env()
     if "rank" not in found:
         sys.exit(f"{_PROG}: mpiexec started this process without PMI_RANK/OMPI_COMM_WORLD_RANK.")
@@ -191,16 +245,17 @@ def _run_mpi_rank() -> None:
             found.get("local_world_size", world_size),
         ),
     )
-    child = subprocess.Popen([sys.executable, *sys.argv[1:]], env=env, close_fds=False)
+    child = subprocess.Popen(
+        [sys.executable, *sys.argv[1:]],
+        env=env,
+        close_fds=False,
+        preexec_fn=_die_with_parent,  # noqa: PLW1509 - one thread here; prctl loaded already
+    )
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda signum, _frame: child.send_signal(signum))
     code = _exit_code(child.wait())
-    failures = os.environ.get(_FAILURES_VAR)
-    if code != 0 and failures:
-        partial = os.path.join(failures, f"{rank}.partial")
-        with open(partial, "w") as report:
-            report.write(str(code))
-        os.replace(partial, os.path.join(failures, str(rank)))  # appears complete or not at all
+    if code != 0:
+        report_failure(rank, code)
     sys.exit(code)
 
 
@@ -231,12 +286,19 @@ def _port(text: str) -> int:
 
 def _seconds(text: str) -> float:
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text}")
-    return value
+        return read_timeout(float(text), "--grace-period", positive=False)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}") from (
+            error
+        )
+
+
+def _address(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "expected a host name or IP address of node 0, got an empty string"
+        )
+    return text.strip()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -279,6 +341,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--master-addr",
         "--master_addr",
         dest="master_addr",
+        type=_address,
         default="127.0.0.1",
         metavar="A",
         help="address of node 0, where rank 0 hosts the TCPStore (default 127.0.0.1)",
@@ -314,6 +377,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def find_mpiexec() -> str | None:
+    """The ``mpiexec`` to start ranks with: the one beside this Python first, then ``PATH``'s.
+
+    The ``mpich`` wheel installs ``mpiexec`` into the environment's ``bin`` directory, which is
+    not on ``PATH`` when the environment is not activated (``venv/bin/cupy-parallel launch``);
+    that one belongs to the MPI library mpi4py loads, so it is preferred.
+
+    Example:
+        >>> from cupy_parallel._src.distributed.launch import find_mpiexec
+        >>> found = find_mpiexec()
+        >>> found is None or Path(found).name.startswith("mpiexec")
+        True
+    """
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mpiexec")
+
+
 def _usage_problem(args: argparse.Namespace) -> str | None:
     """A message for option combinations argparse cannot check one by one, or None."""
     if args.node_rank >= args.nnodes:
@@ -326,14 +408,30 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
                 "--backend mpi starts the ranks of one node; for several nodes run mpiexec "
                 "yourself (the ranks read their place from its environment)."
             )
-        if shutil.which("mpiexec") is None:
+        if find_mpiexec() is None:
             return (
-                "--backend mpi needs mpiexec on PATH; install an MPI (e.g. `pip install mpich`) "
-                "or leave out --backend mpi."
+                "--backend mpi needs mpiexec, found neither beside this Python "
+                f"({Path(sys.executable).parent}) nor on PATH; install an MPI (e.g. "
+                "`pip install mpich`) or leave out --backend mpi."
             )
     if not os.path.isfile(args.script):
         return f"script {args.script!r} not found."
+    limit = _process_limit()
+    if limit is not None and args.nproc_per_node > limit:
+        return (
+            f"--nproc-per-node {args.nproc_per_node} is more processes than this user may run "
+            f"(RLIMIT_NPROC {limit}); start fewer ranks per node."
+        )
     return None
+
+
+def _process_limit() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
 def _free_port(host: str) -> int:
@@ -387,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
             for local in range(nproc)
         ]
         return _Supervisor(ranks, args.grace_period).run()
-    mpiexec = str(shutil.which("mpiexec"))
+    mpiexec = str(find_mpiexec())
     command = [mpiexec, "-n", str(nproc), sys.executable, "-c", _MPI_RANK_CODE, *script]
     with tempfile.TemporaryDirectory(prefix="cupy_parallel_launch_") as failures:
         shared[_FAILURES_VAR] = failures
@@ -442,6 +540,7 @@ class _Supervisor:
         self._failures = failures  # a directory where MPI ranks report failed exits
         self._procs: list[subprocess.Popen[bytes]] = []
         self._received: int | None = None
+        self._kill_at: float | None = None  # set by the first signal: SIGKILL what still runs
 
     def run(self) -> int:
         handled = (signal.SIGINT, signal.SIGTERM)
@@ -450,9 +549,23 @@ class _Supervisor:
             previous = {signum: signal.signal(signum, self._forward) for signum in handled}
         try:
             for rank in self._ranks:
-                self._procs.append(
-                    subprocess.Popen(rank.command, env=rank.env, start_new_session=True)
-                )
+                _prctl()  # loaded before any fork
+                try:
+                    proc = subprocess.Popen(
+                        rank.command,
+                        env=rank.env,
+                        start_new_session=True,
+                        preexec_fn=_die_with_parent,  # noqa: PLW1509 - it only calls prctl
+                    )
+                except OSError as error:
+                    print(
+                        f"{_PROG}: error: cannot start {rank.name} ({len(self._procs)} of "
+                        f"{len(self._ranks)} started): {error.strerror or error}. Start fewer "
+                        "ranks per node (--nproc-per-node) or raise the process limit.",
+                        file=sys.stderr,
+                    )
+                    return 1
+                self._procs.append(proc)
             return self._watch()
         finally:
             self._stop_all()
@@ -461,6 +574,8 @@ class _Supervisor:
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         self._received = signum
+        if self._kill_at is None:
+            self._kill_at = time.monotonic() + self._grace
         for proc in self._procs:
             if proc.returncode is None:
                 _signal_group(proc, signum)
@@ -468,41 +583,49 @@ class _Supervisor:
     def _watch(self) -> int:
         failure: tuple[str, int] | None = None
         while True:
-            running = False
             if failure is None:
                 failure = self._reported_failure()
                 if failure is not None:
                     self._stop_all()
+            running = False
             for rank, proc in zip(self._ranks, self._procs, strict=True):
                 code = proc.poll()
                 if code is None:
                     running = True
                 elif code != 0 and failure is None:
-                    failure = (rank.name, code)
+                    failure = self._reported_failure() or (rank.name, _exit_code(code))
                     self._stop_all()
             if not running:
                 break
+            if self._kill_at is not None and time.monotonic() >= self._kill_at:
+                self._kill_at = float("inf")  # once
+                for proc in self._procs:
+                    if proc.poll() is None:
+                        _signal_group(proc, signal.SIGKILL)
             time.sleep(_POLL_S)
         if self._received is not None:
             return 128 + self._received
         if failure is None:
             return 0
         name, code = failure
-        print(
-            f"{_PROG}: {name} exited with code {_exit_code(code)}; stopped the other ranks.",
-            file=sys.stderr,
-        )
-        return _exit_code(code)
+        print(f"{_PROG}: {name} exited with code {code}; stopped the other ranks.", file=sys.stderr)
+        return code
 
     def _reported_failure(self) -> tuple[str, int] | None:
         """The first failure an MPI rank reported in the failure directory, if any."""
         if self._failures is None:
             return None
-        ranks = sorted(int(name) for name in os.listdir(self._failures) if name.isdigit())
-        if not ranks:
+        reports = []
+        for name in os.listdir(self._failures):
+            if name.isdigit():
+                with contextlib.suppress(OSError):
+                    when = os.stat(os.path.join(self._failures, name)).st_mtime_ns
+                    reports.append((when, int(name)))
+        if not reports:
             return None
-        with open(os.path.join(self._failures, str(ranks[0]))) as report:
-            return f"rank {ranks[0]}", int(report.read())
+        _when, rank = min(reports)
+        with open(os.path.join(self._failures, str(rank))) as report:
+            return f"rank {rank}", int(report.read())
 
     def _stop_all(self) -> None:
         alive = [proc for proc in self._procs if proc.poll() is None]

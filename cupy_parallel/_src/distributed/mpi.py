@@ -14,28 +14,54 @@
   loaded MPI library, or ``CUPY_PARALLEL_MPI_CUDA_AWARE=1``), after synchronizing the current
   stream; otherwise staged through host memory (copied out before, back after), with a one-time
   ``RuntimeWarning``.
-* Timeouts: MPI cannot cancel a collective, so a timed-out operation marks the group unusable and
-  the job is aborted with ``MPI_Abort(COMM_WORLD, 1)`` when this process exits (after the
-  ``TimeoutError`` has been reported), which also ends the peers stuck in it. A rank that dies is
-  handled by ``mpiexec``, which tears the whole job down with a non-zero status.
+* Timeouts: MPI cannot cancel a collective, so a collective that outlives the group's timeout
+  marks the group unusable and the job is aborted with ``MPI_Abort(COMM_WORLD, 1)`` when this
+  process exits (after the ``TimeoutError`` has been reported), which also ends the peers stuck in
+  it. A receive that outlives it is cancelled instead (the group stays usable). ``wait(timeout=t)``
+  with a shorter ``t`` only stops waiting: the operation keeps running.
+* A failing rank ends the job (what ``python -m mpi4py`` does for its script): once a world of
+  more than one process exists, an uncaught exception (``KeyboardInterrupt`` from Ctrl-C
+  included) or a ``sys.exit(n)`` with ``n != 0`` that reaches the top of the program calls
+  ``MPI_Abort(COMM_WORLD, code)`` with the code Python would have exited with (1, 130 for
+  Ctrl-C, ``n``), so that ``mpiexec`` stops every rank at once and exits with that code. Without
+  it, the failing rank would wait in ``MPI_Finalize`` for peers that wait in a collective for it.
+  ``sys.exit`` (and the ``exit``/``quit`` builtins) are wrapped for this: their ``SystemExit`` is
+  a subclass that notices when it reaches the top. A ``raise SystemExit(n)`` written out is not
+  seen by these hooks; for it (and for a rank that skipped a collective and ended normally) every
+  guarded rank tells the others when its program ends, and a rank waiting with a rank that left
+  fails with ``RuntimeError`` after a grace period of 2 s (plus the 1 s its wait spends spinning
+  before it checks), instead of at the group's timeout; the exit code is then that rank's (1).
+  A rank killed by a signal is handled by ``mpiexec``, which tears the job down.
+* Errors MPI reports (a message larger than the receiving array, arrays of different sizes on
+  different ranks) become ``ValueError`` naming the operation; tags above the MPI's ``TAG_UB``
+  are refused before anything is sent.
+* Reductions ``MIN``/``MAX`` of floating-point arrays order values totally so that every rank
+  gets the same bits: a NaN anywhere gives NaN (NumPy's ``minimum``/``maximum`` propagate NaN;
+  the result is the canonical NaN) and ``-0.0 < +0.0`` (IEEE 754-2019 ``minimum``/``maximum``).
+  MPI's built-in ``MPI_MIN``/``MPI_MAX`` leave both to the order of evaluation.
+* Buffers the backend allocates (packing, receiving) are zero-filled: a peer that sends less
+  than expected never exposes another call's bytes.
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
+import contextlib
 import ctypes
 import functools
+import hashlib
 import importlib.util
 import os
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
+import zlib
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn, cast
 
 import numpy as np
 
-from cupy_parallel._src.arrays import empty
-from cupy_parallel._src.devices import CPU, cupy_module
+from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend
 from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.work import Work
@@ -54,7 +80,11 @@ _OPS: dict[ReduceOp, tuple[str, str | None, str, str | None]] = {
     ReduceOp.MIN: ("MIN", "LAND", "minimum", "logical_and"),
     ReduceOp.MAX: ("MAX", "LOR", "maximum", "logical_or"),
     ReduceOp.AVG: ("SUM", None, "add", None),
+    ReduceOp.BAND: ("BAND", "LAND", "bitwise_and", "logical_and"),
+    ReduceOp.BOR: ("BOR", "LOR", "bitwise_or", "logical_or"),
+    ReduceOp.BXOR: ("BXOR", "LXOR", "bitwise_xor", "logical_xor"),
 }
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 _REDUCIBLE_KINDS = "biufc"
 
@@ -64,7 +94,7 @@ class _Plan(NamedTuple):
 
     mpi_type: Any
     mpi_op: Any
-    ufunc: np.ufunc
+    ufunc: Callable[..., Any]  # (acc, operand, out=acc, casting="unsafe")
     work_dtype: np.dtype[Any] | None  # float16 -> float32; None: reduce in the array's dtype
     average: bool
 
@@ -76,7 +106,46 @@ def _mpi() -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Abort on exit after a timeout
+# MIN/MAX in a total order (every rank the same bits)
+
+
+def _total_extremum(
+    a: np.ndarray, b: np.ndarray, out: np.ndarray, *, largest: bool, casting: str = "same_kind"
+) -> None:
+    """``out = min(a, b)`` (``max`` if ``largest``) with NaN propagating and ``-0.0 < +0.0``."""
+    del casting
+    result = np.maximum(a, b) if largest else np.minimum(a, b)
+    tie = a == b  # equal values differ in bits only for +-0.0
+    if tie.any():
+        negative = np.signbit(a)
+        zeros = np.where(negative, b, a) if largest else np.where(negative, a, b)
+        np.copyto(result, zeros, where=tie)
+    nan = np.isnan(result)
+    if nan.any():
+        result[nan] = np.nan  # the canonical NaN, whatever payload a rank had
+    out[...] = result
+
+
+_USER_OPS: dict[tuple[np.dtype[Any], bool], Any] = {}
+
+
+def _total_extremum_op(dtype: np.dtype[Any], largest: bool) -> Any:
+    """An MPI user operation computing :func:`_total_extremum` on buffers of ``dtype``."""
+    op = _USER_OPS.get((dtype, largest))
+    if op is None:
+
+        def combine(incoming: Any, inout: Any, _datatype: Any) -> None:
+            a = np.frombuffer(incoming, dtype)
+            b = np.frombuffer(inout, dtype)
+            _total_extremum(a, b, b, largest=largest)
+
+        op = _mpi().Op.Create(combine, commute=True)
+        _USER_OPS[dtype, largest] = op
+    return op
+
+
+# ---------------------------------------------------------------------------------------------
+# Ending the job: after a timeout, and when a rank fails
 
 _stuck: list[str] = []
 _ABORT_GRACE_S = 0.5
@@ -93,6 +162,130 @@ def _abort_if_stuck() -> None:
         # forwarded output: give it a moment, or the messages explaining the abort can be lost.
         time.sleep(_ABORT_GRACE_S)
         _mpi().COMM_WORLD.Abort(1)
+
+
+def _end_job(code: int, why: str) -> None:
+    """Abort the MPI job with exit ``code`` because this rank is failing (``why``)."""
+    mpi = _mpi()
+    if mpi.Is_finalized():
+        return
+    rank = mpi.COMM_WORLD.Get_rank()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    sys.stderr.write(
+        f"cupy_parallel: rank {rank} failed ({why}); aborting the MPI job with exit code {code} "
+        "so that no peer waits for it.\n"
+    )
+    sys.stderr.flush()
+    from cupy_parallel._src.distributed.launch import report_failure
+
+    report_failure(rank, code)
+    time.sleep(_ABORT_GRACE_S)  # see _abort_if_stuck
+    mpi.COMM_WORLD.Abort(code)
+
+
+class _RankExit(SystemExit):
+    """What ``sys.exit`` raises in a guarded rank: ends the job when it reaches the top.
+
+    Python frees the exception of a ``SystemExit`` that ended the program from C, with no Python
+    frame left on the stack, just before it exits; one caught by the program is freed inside it.
+    """
+
+    def __del__(self) -> None:
+        try:
+            sys._getframe(1)
+        except ValueError:  # nothing above: the program is exiting with this code
+            code = _exit_status(self.code)
+            if code != 0:
+                _end_job(code, f"sys.exit({self.code!r})")
+
+
+def _exit_status(code: object) -> int:
+    """The status Python exits with for ``SystemExit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1
+
+
+_guarded = False
+
+# Departures: every guarded rank tells the others when its program ends (at exit, before MPI's
+# finalisation), on a communicator of its own. A rank waiting in an operation with a rank that
+# left fails after a grace period instead of waiting for the group's timeout: this catches what
+# the hooks cannot see (``raise SystemExit(n)`` written out, a rank that skipped a collective and
+# ended normally).
+_GOODBYE_TAG = 1
+_DEPARTURE_GRACE_S = 2.0
+_departures: Any = None  # the communicator, once guarded
+_departed: dict[int, float] = {}  # world rank -> when this rank learnt that it left
+
+
+def _say_goodbye() -> None:
+    """At exit: tell every other rank that this rank's program ended."""
+    mpi = _mpi()
+    if _departures is None or mpi.Is_finalized():
+        return
+    me, size = _departures.Get_rank(), _departures.Get_size()
+    note = np.array([me], np.int64)
+    requests = [
+        _departures.Isend([note, mpi.INT64_T], peer, _GOODBYE_TAG)
+        for peer in range(size)
+        if peer != me
+    ]
+    mpi.Request.Waitall(requests)  # small messages: they complete at once
+
+
+def _listen() -> None:
+    """Record the goodbyes that have arrived."""
+    if _departures is None:
+        return
+    mpi = _mpi()
+    status = mpi.Status()
+    while _departures.Iprobe(mpi.ANY_SOURCE, _GOODBYE_TAG, status):
+        source = status.Get_source()
+        _departures.Recv([np.zeros(1, np.int64), mpi.INT64_T], source, _GOODBYE_TAG)
+        _departed.setdefault(source, time.monotonic())
+
+
+def _guard_job(world: Any) -> None:
+    """Install the hooks that end the job when this rank fails (once per process)."""
+    global _guarded, _departures
+    if _guarded:
+        return
+    _guarded = True
+    _departures = world.Dup()  # every rank is here: its world was just made
+    atexit.register(_say_goodbye)
+    previous_hook = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        previous_hook(kind, value, tb)
+        code = 130 if issubclass(kind, KeyboardInterrupt) else 1
+        _end_job(code, f"uncaught {kind.__name__}")
+
+    def guarded_exit(status: object = None, /) -> NoReturn:
+        raise _RankExit(status)
+
+    sys.excepthook = excepthook
+    sys.exit = guarded_exit
+    for name in ("exit", "quit"):  # the interactive helpers site installs raise SystemExit too
+        helper = getattr(builtins, name, None)
+        if helper is not None and type(helper).__name__ == "Quitter":
+            setattr(builtins, name, _Quitter(repr(helper)))
+
+
+class _Quitter:
+    """``exit``/``quit`` as ``site`` defines them, raising :class:`_RankExit`."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def __repr__(self) -> str:
+        return self._text
+
+    def __call__(self, code: object = None) -> NoReturn:
+        raise _RankExit(code)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,11 +413,12 @@ def _bytes(x: Any) -> Any:
 
 
 def _temp(shape: tuple[int, ...], dtype: Any, like: Any) -> Any:
+    """A zero-filled buffer beside ``like`` (never another call's bytes, even if a peer errs)."""
     if isinstance(like, np.ndarray):
-        return empty(shape, dtype, CPU)
+        return np.zeros(shape, dtype)
     cupy: Any = cupy_module()
     with like.device:
-        return cupy.empty(shape, dtype)
+        return cupy.zeros(shape, dtype)
 
 
 def _copy(dst: Any, src: Any) -> None:
@@ -281,9 +475,15 @@ def _accumulate(arrays: Sequence[Any], plan: _Plan) -> Any:
 
 
 class _MPIWork(Work):
-    """Work tracking one MPI request (or several), polled with ``Test``/``Testall``."""
+    """Work tracking one MPI request (or several), polled with ``Test``/``Testall``.
 
-    __slots__ = ("_backend", "_keep", "_request", "_status")
+    ``wait(timeout=t)`` that expires leaves the request running (a later ``wait`` completes it);
+    past the group's timeout a receive is cancelled and any other operation poisons the group.
+    """
+
+    __slots__ = ("_backend", "_keep", "_receives", "_request", "_status")
+
+    _abandon_on_wait_timeout: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -293,39 +493,116 @@ class _MPIWork(Work):
         *,
         keep: Any = None,
         status: Any = None,
+        receives: bool = False,
+        timeout: float | None = None,
     ) -> None:
-        Work.__init__(self, description, backend.group_name, backend.timeout)
+        Work.__init__(
+            self, description, backend.group_name, backend.timeout if timeout is None else timeout
+        )
         self._backend = backend
         self._request = request
         self._keep = keep  # buffers MPI reads or writes until completion
         self._status = status
+        self._receives = receives  # a point-to-point receive: cancellable, errors are its own
 
     def _test(self) -> bool:
         request = self._request
-        if type(request) is list:
-            return bool(_mpi().Request.Testall(request))
-        if self._status is None:
-            return bool(request.Test())
-        if request.Test(self._status):
-            self._set_source(self._status.Get_source())
-            return True
+        try:
+            if type(request) is list:
+                return bool(_mpi().Request.Testall(request))
+            if self._status is None:
+                return bool(request.Test())
+            if request.Test(self._status):
+                self._set_source(self._status.Get_source())
+                return True
+        except _mpi().Exception as error:
+            raise self._mpi_error(error) from None
         return False
+
+    def _mpi_error(self, error: Any) -> Exception:
+        """A clear error for what MPI reported; a failed collective poisons the group."""
+        backend = self._backend
+        said = error.Get_error_string().split(", error stack")[0].strip()
+        if self._receives:
+            if error.Get_error_class() == _mpi().ERR_TRUNCATE:
+                return ValueError(
+                    f"{self._description}: the message is larger than tensor "
+                    f"({self._keep.nbytes} bytes); pass a tensor as large as the array sent "
+                    f"(MPI: {said})."
+                )
+            return RuntimeError(f"{self._description} failed (MPI: {said}).")
+        message = (
+            f"{self._description} failed on process group {backend.group_name!r}: the ranks' "
+            "arrays differ in size (every rank must pass arrays of the same shape and dtype; "
+            "set CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL to have the ranks compare them and name "
+            f"the one that differs). MPI said: {said}"
+        )
+        if backend.failure is None:
+            backend.failure = message
+        return ValueError(message)
 
     def _complete(self) -> None:
         self._keep = None
         super()._complete()
 
+    def _cancel(self) -> bool:
+        if not self._receives or type(self._request) is list:
+            return False
+        mpi = _mpi()
+        status = mpi.Status()
+        self._request.Cancel()
+        self._request.Wait(status)
+        if status.Is_cancelled():
+            self._fail(TimeoutError(f"{self._description} was cancelled."))
+            return True
+        if self._status is not None:
+            self._set_source(status.Get_source())
+        self._complete()  # the message arrived meanwhile
+        return True
+
     def _on_timeout(self) -> None:
         backend = self._backend
-        message = (
-            f"{self._description} timed out after {backend.timeout:g} s on process group "
+        self._abandon(
+            f"{self._description} timed out after {self._timeout:g} s on process group "
             f"{backend.group_name!r} (rank {backend.rank} of {backend.size})."
         )
+
+    def _abandon(self, message: str) -> None:
+        """Poison the group with ``message``; the job is aborted when this process exits."""
+        backend = self._backend
         if backend.failure is None:
             backend.failure = message
         if not _stuck:
             atexit.register(_abort_if_stuck)
         _stuck.append(message)
+
+    def _idle(self) -> None:
+        """While waiting long: fail if a member's program ended (after a grace period)."""
+        _listen()
+        if not _departed:
+            return
+        backend = self._backend
+        if self._receives and self._status is None:  # a receive from one rank: that rank
+            watched: tuple[int, ...] = (backend.world_ranks[self._source],)
+        elif self._receives:  # from any rank: only if every other member left
+            others = [r for i, r in enumerate(backend.world_ranks) if i != backend.rank]
+            watched = tuple(others) if all(r in _departed for r in others) else ()
+        else:
+            watched = backend.world_ranks
+        gone = sorted(r for r in watched if r in _departed)
+        if not gone or time.monotonic() - max(_departed[r] for r in gone) < _DEPARTURE_GRACE_S:
+            return
+        message = (
+            f"{self._description} on process group {backend.group_name!r} cannot complete: "
+            f"world rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} left the job "
+            "(its program ended) while this rank waited for it."
+        )
+        if self._receives and self._cancel():
+            if self._exception is None:  # the message arrived after all
+                return
+            raise RuntimeError(message + " The receive was cancelled.")
+        self._abandon(message)
+        raise RuntimeError(message + " This process group is unusable now.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,14 +619,22 @@ class MPIBackend(ProcessGroupBackend):
 
     backend: ClassVar[Backend] = Backend.MPI
     array_kinds: ClassVar[frozenset[str]] = frozenset({"cpu", "host", "cuda"})
+    needs_store: ClassVar[bool] = False
+    reduce_ops: ClassVar[tuple[ReduceOp, ...]] = tuple(ReduceOp)
 
-    def __init__(self, comm: Any, *, timeout: float, group_name: str) -> None:
+    def __init__(self, comm: Any, control: Any, *, timeout: float, group_name: str) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout=timeout, group_name=group_name)
         self._comm = comm
+        # Our own handshakes (new_group, the debug mode's comparisons) travel on a communicator
+        # of their own, so that they never match a collective of the user's.
+        self._control = control
+        self._splits = 0
+        self.world_ranks: tuple[int, ...] = tuple(range(self.size))  # subgroups: set by the split
         self._plans: dict[tuple[np.dtype[Any], ReduceOp | None], _Plan | None] = {}
         mpi = _mpi()
         self._in_place = mpi.IN_PLACE
         self._byte = mpi.BYTE
+        self.max_tag = int(comm.Get_attr(mpi.TAG_UB)) - 1  # TAG_UB: monitored_barrier's
 
     # --------------------------------------------------------------------------- life cycle
 
@@ -359,10 +644,21 @@ class MPIBackend(ProcessGroupBackend):
         return importlib.util.find_spec("mpi4py") is not None
 
     @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why the backend cannot be used here, or ``None``."""
+        if cls.is_available():
+            return None
+        return "mpi4py cannot be loaded; install it with `pip install cupy-parallel[mpi]`."
+
+    @classmethod
     def create_world(
         cls, *, rank: int, world_size: int, store: Any, timeout: float, group_name: str
     ) -> MPIBackend:
-        """Duplicate ``MPI.COMM_WORLD`` (nonblocking, within ``timeout``)."""
+        """Duplicate ``MPI.COMM_WORLD`` (nonblocking, within ``timeout``).
+
+        ``RANK``/``WORLD_SIZE`` in the environment (set by ``cupy-parallel launch``) must agree
+        with ``MPI.COMM_WORLD``: processes started without ``mpiexec`` are each a world of one.
+        """
         del store
         world = _mpi().COMM_WORLD
         actual = (world.Get_rank(), world.Get_size())
@@ -372,24 +668,47 @@ class MPIBackend(ProcessGroupBackend):
                 f"{actual[0]} of {actual[1]}), got rank={rank}, world_size={world_size}; leave "
                 "them at -1 or start the processes with `mpiexec -n WORLD_SIZE`."
             )
+        _check_environment(*actual)
         comm, request = world.Idup()
-        backend = cls(comm, timeout=timeout, group_name=group_name)
-        _MPIWork("init_process_group (duplicating MPI.COMM_WORLD)", backend, request).wait()
+        control, control_request = world.Idup()
+        backend = cls(comm, control, timeout=timeout, group_name=group_name)
+        _MPIWork(
+            "init_process_group (duplicating MPI.COMM_WORLD)",
+            backend,
+            [request, control_request],
+        ).wait()
         # More ranks on this node than cores: yield the core every few tests while polling, so the
         # peers that share it can progress. Measured on 4 ranks over 2 cores (4 KiB all_reduce):
         # 1 test per yield +13 us over a blocking Allreduce, 4 tests +3..8 us, 16 tests +24 us.
         node = comm.Split_type(_mpi().COMM_TYPE_SHARED)
         _MPIWork._polls_per_yield = 4 if node.Get_size() > (os.cpu_count() or 1) else 64
         node.Free()
+        if backend.size > 1:
+            _guard_job(world)
         return backend
 
     def new_subgroup(
         self, ranks: Sequence[int], *, timeout: float, group_name: str
     ) -> MPIBackend | None:
-        """Split the world communicator; every world rank calls it."""
-        _MPIWork(
-            f"new_group({list(ranks)}) waiting for every world rank", self, self._comm.Ibarrier()
-        ).wait()
+        """Split the world communicator; every world rank calls it, within ``timeout``.
+
+        The ranks first exchange (on the control communicator) which call this is and the
+        member list they were given, so that the blocking ``MPI_Comm_split`` starts only once
+        every rank is known to be in it, with the same members.
+        """
+        self._splits += 1
+        mine = np.array([self._splits, zlib.crc32(np.asarray(ranks, np.int64).tobytes())])
+        every = np.zeros((self.size, 2), np.int64)
+        request = self._control.Iallgather([mine, _mpi().INT64_T], [every, _mpi().INT64_T])
+        description = f"new_group({list(ranks)}) waiting for every world rank"
+        _MPIWork(description, self, request, keep=(mine, every), timeout=timeout).wait()
+        differ = [r for r in range(self.size) if not np.array_equal(every[r], mine)]
+        if differ:
+            raise ValueError(
+                f"new_group: world ranks {differ} passed other ranks than this rank "
+                f"({list(ranks)}) or are at another new_group call; every rank must call "
+                "new_group with the same ranks, in the same order."
+            )
         member = self.rank in ranks
         mpi = _mpi()
         color = 0 if member else mpi.UNDEFINED
@@ -397,12 +716,15 @@ class MPIBackend(ProcessGroupBackend):
         comm = self._comm.Split(color, key)
         if not member:
             return None
-        return MPIBackend(comm, timeout=timeout, group_name=group_name)
+        sub = MPIBackend(comm, comm.Dup(), timeout=timeout, group_name=group_name)
+        sub.world_ranks = tuple(ranks)
+        return sub
 
     def shutdown(self) -> None:
-        """Free the communicator (left alone when a timed-out operation may still use it)."""
+        """Free the communicators (left alone when a timed-out operation may still use them)."""
         if self.failure is None:
             self._comm.Free()
+            self._control.Free()
 
     def check_dtype(self, dtype: np.dtype[Any], op: ReduceOp | None, /) -> None:
         """Refuse object arrays; for reductions, dtypes and ops MPI cannot combine."""
@@ -430,6 +752,11 @@ class MPIBackend(ProcessGroupBackend):
                     "integer or float dtype first."
                 )
             number_op, number_ufunc = bool_op, bool_ufunc
+        if op in _BITWISE and dtype.kind not in "biu":
+            raise TypeError(
+                f"ReduceOp.{op.name} is a bitwise reduction: it takes integer and bool arrays, "
+                f"got dtype {dtype}."
+            )
         if dtype.kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
             raise TypeError(
                 f"ReduceOp.{op.name} is not defined for complex dtype {dtype} (complex numbers "
@@ -442,6 +769,15 @@ class MPIBackend(ProcessGroupBackend):
             )
         work_dtype = np.dtype(np.float32) if dtype == np.float16 else None
         mpi_type = _mpi().Datatype.fromcode((work_dtype or dtype).char)
+        if dtype.kind == "f" and op in (ReduceOp.MIN, ReduceOp.MAX):
+            largest = op is ReduceOp.MAX
+            return _Plan(
+                mpi_type,
+                _total_extremum_op(work_dtype or dtype, largest),
+                functools.partial(_total_extremum, largest=largest),
+                work_dtype,
+                average=False,
+            )
         return _Plan(
             mpi_type,
             getattr(_mpi(), number_op),
@@ -605,6 +941,18 @@ class MPIBackend(ProcessGroupBackend):
         work = _MPIWork("all_to_all", self, request, keep=(send, received))
         return work._add_finalizer(functools.partial(_unpack, received, outputs))
 
+    def agree(self, record: bytes, /) -> list[bytes]:
+        """Digests on the control communicator; the records themselves only if they differ."""
+        mpi = _mpi()
+        digest = np.frombuffer(hashlib.blake2b(record, digest_size=16).digest(), np.uint8)
+        every = np.zeros((self.size, 16), np.uint8)
+        request = self._control.Iallgather([digest, mpi.BYTE], [every, mpi.BYTE])
+        _MPIWork("the debug mode's comparison", self, request, keep=(digest, every)).wait()
+        if (every == digest).all():
+            return [record] * self.size
+        records: list[bytes] = self._control.allgather(record)  # every rank is here
+        return records
+
     def barrier(self) -> Work:
         """Ibarrier."""
         return _MPIWork("barrier", self, self._comm.Ibarrier())
@@ -624,9 +972,11 @@ class MPIBackend(ProcessGroupBackend):
         if src is None:
             status = mpi.Status()
             request = self._comm.Irecv([target, self._byte], mpi.ANY_SOURCE, tag)
-            return _MPIWork("recv from any rank", self, request, keep=target, status=status)
+            return _MPIWork(
+                "recv from any rank", self, request, keep=target, status=status, receives=True
+            )
         request = self._comm.Irecv([target, self._byte], src, tag)
-        work = _MPIWork(f"recv from group rank {src}", self, request, keep=target)
+        work = _MPIWork(f"recv from group rank {src}", self, request, keep=target, receives=True)
         work._set_source(src)
         return work
 
@@ -672,6 +1022,21 @@ class MPIBackend(ProcessGroupBackend):
 
         work = _MPIWork("all_gather_coalesced", self, request, keep=(send, received))
         return work._add_finalizer(finish)
+
+
+def _check_environment(rank: int, size: int) -> None:
+    """Refuse a ``RANK``/``WORLD_SIZE`` environment that disagrees with ``MPI.COMM_WORLD``."""
+    env_rank, env_size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if env_rank is None or env_size is None:
+        return
+    if (env_rank.strip(), env_size.strip()) != (str(rank), str(size)):
+        raise RuntimeError(
+            f"The environment says RANK={env_rank}, WORLD_SIZE={env_size}, but MPI.COMM_WORLD is "
+            f"rank {rank} of {size}: these processes were not started by mpiexec together (each "
+            "is a world of its own, as under `cupy-parallel launch` without `--backend mpi`). "
+            "Start them with `cupy-parallel launch --backend mpi` or `mpiexec -n WORLD_SIZE`, or "
+            "unset RANK/WORLD_SIZE."
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -402,6 +402,11 @@ class NCCLBackend(ProcessGroupBackend):
     # --------------------------------------------------------------------------- life cycle
 
     @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """What is missing for NCCL here (see the module's ``unavailable_reason``), or ``None``."""
+        return unavailable_reason()
+
+    @classmethod
     def is_available(cls) -> bool:
         """Whether CuPy's NCCL library loads and a GPU is visible (see ``unavailable_reason``)."""
         return unavailable_reason() is None

@@ -9,14 +9,18 @@ errors raised by the backend, finalizers that unpack or copy back results) lives
 from __future__ import annotations
 
 import os
+import threading
 import time
-from datetime import timedelta
-from typing import TYPE_CHECKING, ClassVar
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from cupy_parallel._src.arguments import read_timeout
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from datetime import timedelta
 
-__all__ = ["CompletedWork", "Work", "seconds"]
+__all__ = ["CompletedWork", "Work"]
 
 # Polling, as MPI progress loops do: test repeatedly, yielding the core every few dozen tests
 # (ranks may share cores, and MPI's nonblocking collectives progress only while a rank tests);
@@ -28,27 +32,6 @@ _MAX_SLEEP = 2e-3
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
-
-
-def seconds(timeout: float | timedelta, /, *, name: str = "timeout") -> float:
-    """A timeout as float seconds, from seconds or a ``datetime.timedelta``; must be > 0.
-
-    Example:
-        >>> seconds(timedelta(minutes=1)), seconds(2.5)
-        (60.0, 2.5)
-    """
-    if isinstance(timeout, timedelta):
-        value = timeout.total_seconds()
-    elif isinstance(timeout, int | float) and not isinstance(timeout, bool):
-        value = float(timeout)
-    else:
-        raise TypeError(
-            f"{name} must be a datetime.timedelta or a number of seconds, "
-            f"got {type(timeout).__name__} {timeout!r}."
-        )
-    if not value > 0:
-        raise ValueError(f"{name} must be positive, got {timeout!r}.")
-    return value
 
 
 class Work:
@@ -68,18 +51,24 @@ class Work:
     on (see :class:`~cupy_parallel._src.distributed.nccl.NCCLBackend`). The MPI backend always
     blocks the host.
 
-    A timed-out collective cannot be cancelled (neither MPI nor NCCL can take back a collective
-    other ranks may be inside), so a timeout makes the process group unusable: the backend aborts
-    the communicator (NCCL) or the MPI job (MPI, when this process exits). See
-    :func:`cupy_parallel.distributed.init_process_group`.
+    A collective that outlives the group's timeout cannot be cancelled (neither MPI nor NCCL can
+    take back a collective other ranks may be inside), so it makes the process group unusable:
+    the backend aborts the communicator (NCCL) or the MPI job (MPI, when this process exits). An
+    MPI receive is cancelled instead and the group stays usable. A shorter ``wait(timeout=t)``
+    that expires leaves an MPI operation running (wait again to complete it); NCCL aborts, as
+    torch's ProcessGroupNCCL does. See :func:`cupy_parallel.distributed.init_process_group`.
+
+    :meth:`get_future` returns a ``concurrent.futures.Future`` of the output arrays (PyTorch 2).
 
     For backend authors: subclass and implement :meth:`_test` (non-blocking: ``True`` once the
     operation finished; raise to report failure). Optionally override :meth:`_block` (block until
     done or a deadline; the default polls ``_test`` with backoff), :meth:`_on_timeout` (react to an
-    abandoned operation), :meth:`_order_on_device` (what ``wait()`` without a timeout does instead
-    of blocking: device backends order the caller's stream) and :meth:`wait_stream`.
-    :meth:`_add_finalizer` registers callbacks run once, in the waiting thread, right after
-    completion (unpacking, dividing for ``AVG``, copying staged data back); a finalizer that raises
+    abandoned operation), :meth:`_cancel` (take a pending operation back after the group's
+    timeout; ``True`` if it was), the class attribute ``_abandon_on_wait_timeout``,
+    :meth:`_order_on_device` (what ``wait()`` without a timeout does instead of blocking: device
+    backends order the caller's stream) and :meth:`wait_stream`. :meth:`_add_finalizer`
+    registers callbacks run once, in the waiting thread, right after completion (unpacking,
+    dividing for ``AVG``, copying staged data back); a finalizer that raises
     makes the work fail with that error.
 
     Example:
@@ -93,14 +82,20 @@ class Work:
         "_done",
         "_exception",
         "_finalizers",
+        "_future",
         "_group",
         "_ranks",
+        "_result",
         "_source",
         "_timeout",
     )
 
     #: Tests between two yields of the core while polling; backends lower it when oversubscribed.
     _polls_per_yield: ClassVar[int] = _POLLS_PER_YIELD
+    #: Whether a ``wait(timeout=t)`` that expires abandons the operation (``_on_timeout``) as the
+    #: group's own timeout does. ``False``: the operation keeps running and a later ``wait`` can
+    #: still complete it (the MPI backend); ``True``: torch's ProcessGroupNCCL (abort).
+    _abandon_on_wait_timeout: ClassVar[bool] = True
 
     def __init__(self, description: str, group: str, timeout: float = 1800.0) -> None:
         self._description = description
@@ -111,6 +106,8 @@ class Work:
         self._finalizers: list[Callable[[], object]] | None = None
         self._source = -1
         self._ranks: tuple[int, ...] | None = None
+        self._result: Any = None  # what get_future()'s future holds: the output arrays
+        self._future: Future[Any] | None = None
 
     # ----------------------------------------------------------------------------- backend hooks
 
@@ -134,12 +131,24 @@ class Work:
             time.sleep(pause)
             if test():
                 return True
+            self._idle()
             pause = min(pause * 2.0, _MAX_SLEEP)
             now = time.monotonic()
         return False
 
     def _on_timeout(self) -> None:
         """Called once when :meth:`wait` gives up; backends abort or poison the group here."""
+
+    def _idle(self) -> None:
+        """Called between tests once a wait has lasted a while; may raise to fail the work."""
+
+    def _cancel(self) -> bool:
+        """Try to take the operation back after the group's timeout; ``True`` if it was.
+
+        A cancelled operation leaves its group usable (MPI can cancel a pending receive, not a
+        collective); the default cannot cancel anything.
+        """
+        return False
 
     def _order_on_device(self) -> bool:
         """``wait()`` without a timeout: order later device work after this one, host unblocked.
@@ -213,29 +222,53 @@ class Work:
             timeout: Seconds or a ``timedelta``; ``None`` uses the process group's timeout.
 
         Raises:
-            TimeoutError: The operation did not finish in time; the group is unusable afterwards.
+            TimeoutError: The operation did not finish in time (the message names the seconds
+                waited). Past the group's timeout the group is unusable afterwards, unless the
+                backend could cancel the operation (an MPI receive). Past a ``timeout`` given
+                here an MPI operation keeps running and the group stays usable (wait again);
+                NCCL aborts its communicators, as torch's ProcessGroupNCCL does.
         """
         if not self._done and timeout is None and self._order_on_device():
             return True
         if not self._done:
-            limit = self._timeout if timeout is None else seconds(timeout)
+            limit = self._timeout if timeout is None else read_timeout(timeout)
             try:
                 finished = self._block(time.monotonic() + limit)
             except Exception as error:  # noqa: BLE001 - re-raised below with the others
                 self._fail(error)
                 finished = True
             if not finished:
-                self._on_timeout()
-                raise TimeoutError(
-                    f"{self._description} on process group {self._group!r} did not complete "
-                    f"within {limit:g} s (a peer did not join, died, or is far behind). A started "
-                    "collective cannot be cancelled, so this process group is unusable now."
-                )
+                expired = self._expired(limit, explicit=timeout is not None)
+                if not (self._done and self._exception is None):  # not finished meanwhile
+                    raise expired
             if not self._done:
                 self._complete()
         if self._exception is not None:
             raise self._exception
         return True
+
+    def _expired(self, limit: float, *, explicit: bool) -> TimeoutError:
+        """The error of a wait that gave up after ``limit`` s, having dealt with the operation."""
+        head = (
+            f"{self._description} on process group {self._group!r} did not complete within "
+            f"{limit:g} s"
+        )
+        if explicit and not self._abandon_on_wait_timeout:
+            return TimeoutError(
+                f"{head} (the timeout given to wait()). It is still running and the process "
+                "group stays usable: wait() again to complete it."
+            )
+        if not explicit and self._cancel():
+            self._fail(TimeoutError(f"{head}; it was cancelled."))
+            return TimeoutError(
+                f"{head} (a peer did not join, died, or is far behind). It was cancelled; the "
+                "process group stays usable."
+            )
+        self._on_timeout()
+        return TimeoutError(
+            f"{head} (a peer did not join, died, or is far behind). A started collective cannot "
+            "be cancelled, so this process group is unusable now."
+        )
 
     def wait_stream(self, stream: object = None) -> None:
         """Make ``stream`` (default: the current CUDA stream) wait for this operation.
@@ -245,6 +278,33 @@ class Work:
         """
         del stream
         self.wait()
+
+    def get_future(self) -> Future[Any]:
+        """A ``concurrent.futures.Future`` completed when the operation is (PyTorch 2).
+
+        Its result is the list of arrays the operation wrote (as torch's future holds the output
+        tensors), or its exception is the operation's error. A helper thread waits on the work
+        for it (so do not also ``wait`` on the work from another thread at the same time).
+
+        Example:
+            >>> future = CompletedWork("barrier", "0").get_future()
+            >>> future.result(timeout=5)
+            []
+        """
+        if self._future is None:
+            future: Future[Any] = Future()
+            self._future = future
+
+            def settle() -> None:
+                try:
+                    self.wait()
+                except BaseException as error:  # noqa: BLE001 - handed to the future
+                    future.set_exception(error)
+                else:
+                    future.set_result(self._result if self._result is not None else [])
+
+            threading.Thread(target=settle, name=f"{self._description} future", daemon=True).start()
+        return self._future
 
     def source_rank(self) -> int:
         """The global rank a finished receive got its message from (``-1`` for other operations)."""

@@ -1,0 +1,221 @@
+"""Run by ``mpiexec -n N python api_worker.py MODE``: PyTorch 2's API against NumPy.
+
+Every rank builds every rank's data from its rank number, so each can compute the expected
+result with NumPy alone; mismatches are printed as ``BAD ...`` and the exit status is 1.
+
+Modes: ``api`` (every PyTorch 2 function, NumPy integers for ranks/tags/dims), ``debug`` (run
+with ``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL``: matching calls pass, each kind of mismatch
+raises on every rank naming the differing rank), ``monitored`` (the last rank never arrives).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from cupy_parallel import distributed as dist
+from cupy_parallel.distributed import ReduceOp
+
+bad: list[str] = []
+checks = 0
+
+
+def check(name: str, actual: Any, expected: Any) -> None:
+    global checks
+    checks += 1
+    a, e = np.asarray(actual), np.asarray(expected)
+    if a.dtype != e.dtype or a.shape != e.shape or not np.array_equal(a, e):
+        bad.append(f"{name}: got {a!r}, expected {e!r}")
+
+
+def same(name: str, actual: Any, expected: Any) -> None:
+    global checks
+    checks += 1
+    if actual != expected:
+        bad.append(f"{name}: got {actual!r}, expected {expected!r}")
+
+
+def row(r: int, n: int = 3, dtype: Any = np.float64) -> np.ndarray:
+    return (np.arange(n) + 10 * r).astype(dtype)
+
+
+def api(rank: int, size: int) -> None:
+    ranks = range(size)
+    # all_gather_into_tensor, concatenated and stacked
+    for shape in ((size * 3,), (size, 3)):
+        out = np.zeros(shape)
+        dist.all_gather_into_tensor(out, row(rank))
+        check(
+            f"all_gather_into_tensor {shape}", out, np.stack([row(r) for r in ranks]).reshape(shape)
+        )
+    # reduce_scatter_tensor with every op that applies to int32
+    for op, ufunc in (
+        (ReduceOp.SUM, np.add),
+        (ReduceOp.MAX, np.maximum),
+        (ReduceOp.BXOR, np.bitwise_xor),
+    ):
+        data = [np.arange(size * 2, dtype=np.int32) * (r + 1) + r for r in ranks]
+        out = np.zeros(2, np.int32)
+        dist.reduce_scatter_tensor(out, data[rank], op=op)
+        expected = ufunc.reduce(np.stack(data), axis=0, dtype=np.int32)[2 * rank : 2 * rank + 2]
+        check(f"reduce_scatter_tensor {op.name}", out, expected)
+    # BAND/BOR/BXOR on all_reduce, ints and bools
+    for op, ufunc in (
+        (ReduceOp.BAND, np.bitwise_and),
+        (ReduceOp.BOR, np.bitwise_or),
+        (ReduceOp.BXOR, np.bitwise_xor),
+    ):
+        for dtype in (np.uint8, np.int64, np.bool_):
+            data = [((np.arange(6) * 37 + 11 * r) % 256).astype(dtype) for r in ranks]
+            x = data[rank].copy()
+            dist.all_reduce(x, op=op)
+            check(
+                f"all_reduce {op.name} {np.dtype(dtype)}", x, ufunc.reduce(np.stack(data), axis=0)
+            )
+    try:
+        dist.all_reduce(np.zeros(2), op=ReduceOp.BAND)
+        bad.append("BAND on float64 was accepted")
+    except TypeError as error:
+        same("BAND on float refused", "bitwise reduction" in str(error), True)
+    # all_to_all_single with split sizes: rank r sends q + 1 rows to rank q
+    send_sizes = [q + 1 for q in ranks]
+    recv_sizes = [rank + 1] * size
+    source = np.concatenate([np.full((q + 1, 2), 100 * rank + q) for q in ranks]).astype(np.int64)
+    out = np.zeros((sum(recv_sizes), 2), np.int64)
+    dist.all_to_all_single(out, source, recv_sizes, [np.int64(n) for n in send_sizes])
+    expected = np.concatenate([np.full((rank + 1, 2), 100 * r + rank) for r in ranks])
+    check("all_to_all_single splits", out, expected)
+    even = np.zeros(size)
+    dist.all_to_all_single(even, np.arange(size, dtype=float) + 10 * rank)
+    check("all_to_all_single even", even, np.array([10.0 * r + rank for r in ranks]))
+    # objects
+    objects = [{"from": rank}, f"text {rank}", (rank, [rank] * 2)] if rank == 1 else [None] * 3
+    dist.broadcast_object_list(objects, src=np.int64(1))
+    same("broadcast_object_list", objects, [{"from": 1}, "text 1", (1, [1, 1])])
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, {"rank": rank, "pad": "x" * rank * 50})
+    same("all_gather_object", gathered, [{"rank": r, "pad": "x" * r * 50} for r in ranks])
+    dst = size - 1
+    box = [None] * size if rank == dst else None
+    dist.gather_object(("obj", rank), box, dst=dst)
+    if rank == dst:
+        same("gather_object", box, [("obj", r) for r in ranks])
+    landed: list[Any] = [None]
+    inputs = [f"for {r}" * (r + 1) for r in ranks] if rank == 0 else None
+    dist.scatter_object_list(landed, inputs, src=0)
+    same("scatter_object_list", landed, [f"for {rank}" * (rank + 1)])
+    # batch_isend_irecv around a ring, NumPy integer peers and tags
+    right, left = (rank + 1) % size, (rank - 1) % size
+    received = np.zeros(3)
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, row(rank), np.int32(right), tag=np.int64(5)),
+            dist.P2POp(dist.irecv, received, np.int32(left), tag=np.int64(5)),
+        ]
+    )
+    for work in works:
+        work.wait()
+    check("batch_isend_irecv ring", received, row(left))
+    # groups: ranks from NumPy, queries
+    evens = dist.new_group(np.arange(0, size, 2))
+    if rank % 2 == 0:
+        same(
+            "get_process_group_ranks", dist.get_process_group_ranks(evens), list(range(0, size, 2))
+        )
+        same(
+            "get_global_rank",
+            dist.get_global_rank(evens, np.int64(len(range(0, size, 2)) - 1)),
+            list(range(0, size, 2))[-1],
+        )
+        same("get_group_rank", dist.get_group_rank(evens, np.int16(rank)), rank // 2)
+        x = np.full(2, float(rank))
+        dist.all_reduce(x, group=evens)
+        check("all_reduce on new_group(np.arange)", x, np.full(2, float(sum(range(0, size, 2)))))
+    else:
+        same("non-member", evens, dist.GroupMember.NON_GROUP_MEMBER)
+    same("get_process_group_ranks world", dist.get_process_group_ranks(None), list(ranks))
+    same("is_initialized", dist.is_initialized(), True)
+    same("get_backend", dist.get_backend(), "mpi")
+    # Work.get_future
+    x = np.full(2, float(rank))
+    work = dist.all_reduce(x, async_op=True)
+    result = work.get_future().result(timeout=30)
+    same("get_future result is the output", result[0] is x, True)
+    check("get_future value", x, np.full(2, float(sum(ranks))))
+    # monitored_barrier with everybody present
+    dist.monitored_barrier(timeout=20)
+    same("monitored_barrier passed", True, True)
+    # src/dst/tag/dim as NumPy integers everywhere
+    y = row(rank)
+    dist.broadcast(y, src=np.uint8(0))
+    check("broadcast src=np.uint8", y, row(0))
+    if rank == 0:
+        dist.send(row(7), dst=np.int64(1), tag=np.int32(9))
+    elif rank == 1:
+        z = np.zeros(3)
+        dist.recv(z, src=np.int64(0), tag=np.int32(9))
+        check("send/recv with NumPy ints", z, row(7))
+
+
+def debug(rank: int, size: int) -> None:
+    x = np.ones(4)
+    dist.all_reduce(x)
+    check("debug: matching all_reduce", x, np.full(4, float(size)))
+    last = size - 1
+    cases = {
+        "shape": lambda: dist.all_reduce(np.ones(5 if rank == last else 4)),
+        "dtype": lambda: dist.all_reduce(np.ones(4, np.float32 if rank == last else np.float64)),
+        "op": lambda: dist.all_reduce(
+            np.ones(4), op=ReduceOp.MAX if rank == last else ReduceOp.SUM
+        ),
+        "root": lambda: dist.broadcast(np.ones(4), src=1 if rank == last else 0),
+        "operation": lambda: dist.barrier() if rank == last else dist.all_reduce(np.ones(4)),
+    }
+    for what, call in cases.items():
+        try:
+            call()
+            bad.append(f"debug: {what} mismatch not detected")
+        except ValueError as error:  # noqa: PERF203 - one try per case is the point
+            message = str(error)
+            if f"ranks [{last}] passed other arguments" not in message:
+                bad.append(f"debug: {what}: {message}")
+            print(f"CAUGHT {what}: {message}", flush=True)
+    y = np.ones(2)
+    dist.all_reduce(y)
+    check("debug: usable after mismatches", y, np.full(2, float(size)))
+
+
+def monitored(rank: int, size: int) -> None:
+    if rank == size - 1:
+        time.sleep(4)
+        return
+    try:
+        dist.monitored_barrier(timeout=1.5, wait_all_ranks=True)
+        bad.append("monitored_barrier passed without the last rank")
+    except RuntimeError as error:
+        print(f"CAUGHT rank {rank}: {error}", flush=True)
+
+
+def main() -> int:
+    mode = sys.argv[1]
+    dist.init_process_group("mpi", timeout=30 if mode != "monitored" else 3)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    {"api": api, "debug": debug, "monitored": monitored}[mode](rank, size)
+    if mode == "monitored" and rank == size - 1:
+        time.sleep(1)
+    dist.barrier() if mode != "monitored" else None
+    dist.destroy_process_group()
+    if bad:
+        print(f"rank {rank}: {len(bad)} of {checks} checks failed:", file=sys.stderr)
+        for line in bad:
+            print("  BAD " + line, file=sys.stderr)
+        return 1
+    print(f"rank {rank}: {checks} checks passed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

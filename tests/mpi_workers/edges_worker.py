@@ -1,0 +1,127 @@
+"""Run by ``mpiexec -n N python edges_worker.py MODE``: faults that must give clear errors.
+
+Every rank prints ``CAUGHT <type>: <message>`` for each error it expects and ``OK <what>`` for
+each result it checked; the test reads them. Modes:
+
+- ``edges``: ``Work.wait(timeout=1)`` expiring and the group staying usable; a tag above
+  ``TAG_UB``; a receive buffer smaller than the message; a receive cancelled at the group's
+  timeout; MIN/MAX of NaN and +-0 giving the same bits on every rank;
+- ``bcast-mismatch``: ranks broadcast arrays of different sizes;
+- ``new-group-timeout``: the last rank calls ``barrier`` where the others call ``new_group``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from cupy_parallel import distributed as dist
+from cupy_parallel.distributed import ReduceOp
+
+
+def caught(error: BaseException) -> None:
+    print(f"CAUGHT {type(error).__name__}: {error}", flush=True)
+
+
+def edges(rank: int, size: int) -> None:
+    # Work.wait(timeout=1) expires; the operation completes later and the group stays usable.
+    x = np.full(3, float(rank))
+    if rank == size - 1:
+        time.sleep(2.5)
+    work = dist.all_reduce(x, async_op=True)
+    assert work is not None
+    if rank == 0:
+        try:
+            work.wait(timeout=1)
+        except TimeoutError as error:
+            caught(error)
+    work.wait()
+    expected = float(sum(range(size)))
+    assert x.tolist() == [expected] * 3, x
+    y = np.ones(2)
+    dist.all_reduce(y)
+    assert y.tolist() == [size, size]
+    print("OK usable after wait(timeout=1)", flush=True)
+
+    from mpi4py import MPI
+
+    tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    try:
+        dist.send(np.zeros(1), dst=(rank + 1) % size, tag=tag_ub + 1)
+    except ValueError as error:
+        caught(error)
+
+    # A receive buffer smaller than the message.
+    if rank == 0:
+        dist.send(np.arange(8.0), dst=1, tag=3)
+    elif rank == 1:
+        try:
+            dist.recv(np.zeros(4), src=0, tag=3)
+        except ValueError as error:
+            caught(error)
+    dist.barrier()
+
+    # A receive nobody answers: cancelled at the group's timeout (3 s); the group stays usable.
+    if rank == 1:
+        try:
+            dist.recv(np.zeros(2), src=0, tag=7)
+        except TimeoutError as error:
+            caught(error)
+    else:
+        time.sleep(2)  # so that this barrier does not time out while rank 1 waits
+    dist.barrier()
+    z = np.ones(1)
+    dist.all_reduce(z)
+    assert z.tolist() == [size]
+    print("OK usable after a cancelled recv", flush=True)
+
+    # MIN/MAX with NaN and +-0: the same bits everywhere (NaN wins, -0 < +0).
+    values = [[1.0, 0.0, np.nan, -0.0, 5.0], [np.nan, -0.0, 2.0, 0.0, 5.0]]
+    for dtype in (np.float16, np.float32, np.float64):
+        for op, want in (
+            (ReduceOp.MIN, [np.nan, -0.0, np.nan, -0.0, 5.0]),
+            (ReduceOp.MAX, [np.nan, 0.0, np.nan, 0.0, 5.0]),
+        ):
+            mine = np.array(values[rank % 2], dtype)
+            dist.all_reduce(mine, op=op)
+            bits = mine.view(np.uint8).copy()
+            everyone = [np.zeros_like(bits) for _ in range(size)]
+            dist.all_gather(everyone, bits)
+            same = all(np.array_equal(b, bits) for b in everyone)
+            expected_bits = np.array(want, dtype).view(np.uint8)
+            if same and np.array_equal(bits, expected_bits):
+                print(f"OK {op.name} {np.dtype(dtype).name}", flush=True)
+            else:
+                print(f"BAD {op.name} {np.dtype(dtype).name}: {mine}", flush=True)
+
+
+def main() -> int:
+    mode = sys.argv[1]
+    dist.init_process_group("mpi", timeout=3)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if mode == "edges":
+        edges(rank, size)
+    elif mode == "bcast-mismatch":
+        try:
+            dist.broadcast(np.zeros(8 if rank == 0 else 4), src=0)
+            print("NO ERROR", flush=True)
+        except ValueError as error:
+            caught(error)
+        return 0
+    elif mode == "new-group-timeout":
+        try:
+            if rank == size - 1:  # a barrier where the others make a group
+                dist.barrier()
+            else:
+                dist.new_group(list(range(size)), timeout=2)
+        except TimeoutError as error:
+            caught(error)
+        return 0
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
