@@ -925,7 +925,7 @@ class FunctionContext:
         def __getattr__(self, name: str) -> Any: ...
         def __setattr__(self, name: str, value: Any) -> None: ...
 
-    def save_for_backward(self, *arrays: Any) -> None:
+    def save_for_backward(self, *arrays: Array | None) -> None:
         """Keep arrays (or ``None``) for ``backward``; read them back from :attr:`saved_arrays`."""
         for i, a in enumerate(arrays):
             if a is not None and not is_array(a):
@@ -952,7 +952,7 @@ class FunctionContext:
         """PyTorch's name for :attr:`saved_arrays` (the same tuple)."""
         return self._saved
 
-    def mark_non_differentiable(self, *outputs: Any) -> None:
+    def mark_non_differentiable(self, *outputs: Array) -> None:
         """Declare outputs that carry no gradient: the tape does not track them."""
         for i, y in enumerate(outputs):
             if not is_array(y):
