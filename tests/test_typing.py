@@ -2,8 +2,8 @@
 
 ``tests/typing/user_script.py`` is a training script written against the public API (comm and
 nested scatter/gather, DataParallel, Tape, grad, ops, to_device, a custom Function, distributed
-and a store) with
-no ``cast`` or ``type: ignore``; ``tests/typing/check_types.py`` pins what the API returns
+and a store) with no ``cast`` or ``type: ignore``; ``tests/typing/check_types.py`` pins what the
+API returns
 (``Tape.gradient(loss, params)`` has ``params``' type, ``all_reduce(x)`` is ``None`` and
 ``all_reduce(x, async_op=True)`` a ``Work``, ...) and marks calls a checker must refuse. The
 oracle is mypy itself: with the library's arrays typed ``Any`` the script fails ``--strict``
