@@ -3,9 +3,8 @@
 ``tests/typing/user_script.py`` is a training script written against the public API (comm and
 nested scatter/gather, DataParallel, Tape, grad, ops, to_device, a custom Function, distributed
 and a store) with no ``cast`` or ``type: ignore``; ``tests/typing/check_types.py`` pins what the
-API returns
-(``Tape.gradient(loss, params)`` has ``params``' type, ``all_reduce(x)`` is ``None`` and
-``all_reduce(x, async_op=True)`` a ``Work``, ...) and marks calls a checker must refuse. The
+API returns (``Tape.gradient(loss, params)`` has ``params``' type, ``all_reduce(x)`` is ``None``
+and ``all_reduce(x, async_op=True)`` a ``Work``, ...) and marks calls a checker must refuse. The
 oracle is mypy itself: with the library's arrays typed ``Any`` the script fails ``--strict``
 (``no-any-return``) and the pins fail (``assert-type``). ``cupy_parallel`` is found through
 ``MYPYPATH`` and its own errors are silenced (``tests/typing/mypy.ini``), as mypy silences an
