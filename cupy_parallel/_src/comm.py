@@ -392,6 +392,7 @@ def scatter(
             or an ``out`` that is read-only or overlaps another ``out`` or ``array``.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import comm
         >>> x = np.arange(10).reshape(5, 2)
         >>> parts = comm.scatter(x, ["host:0", "host:1"])
@@ -480,6 +481,8 @@ def gather(arrays: Any, /, dim: int = 0, destination: Any = None, *, out: Any = 
             or ``out`` (of the wrong shape or dtype, read-only, or overlapping an input).
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import comm
         >>> a = cupy_parallel.to_device(np.arange(4).reshape(2, 2), "host:0")
         >>> b = cupy_parallel.to_device(np.arange(2).reshape(2, 1), "host:1")
@@ -555,6 +558,7 @@ def broadcast(array: Any, /, devices: Any = None, *, out: Any = None) -> tuple[A
             copying onto itself changes nothing).
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import comm
         >>> copies = comm.broadcast(np.arange(3), ["host:0", "host:2"])
         >>> [str(c.device) for c in copies], copies[1]
@@ -622,6 +626,8 @@ def broadcast_coalesced(
         ValueError: an array not on ``devices[0]``, no devices, or a non-positive buffer_size.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import comm
         >>> params = [cupy_parallel.to_device(np.ones((2, 2), np.float32), "host:0"),
         ...           cupy_parallel.to_device(np.arange(3), "host:0")]
@@ -702,6 +708,8 @@ def reduce_add(inputs: Any, /, destination: Any = None) -> Any:
             that holds none of the inputs.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import comm
         >>> parts = [cupy_parallel.to_device(np.full(3, k), f"host:{k}") for k in range(3)]
         >>> comm.reduce_add(parts, destination="host:1")
@@ -795,6 +803,8 @@ def reduce_add_coalesced(
             mismatched shapes/dtypes, a bad destination or buffer_size.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import comm
         >>> grads = [[cupy_parallel.to_device(np.full(2, k + 1.0), f"host:{k}"),
         ...           cupy_parallel.to_device(np.arange(3) * k, f"host:{k}")] for k in range(2)]

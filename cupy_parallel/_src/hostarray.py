@@ -102,6 +102,7 @@ def set_dispatch_guard(guard: Callable[[str, tuple[Any, ...]], None] | None, /) 
     guard per process (the tape installs it).
 
     Example:
+        >>> import cupy_parallel
         >>> import numpy as np
         >>> from cupy_parallel._src.arrays import to_device
         >>> seen = []
@@ -152,6 +153,7 @@ def version(x: Any, /) -> int | None:
     ``numpy.copyto`` and the other NumPy functions that write into an argument.
 
     Example:
+        >>> import cupy_parallel
         >>> import numpy as np
         >>> from cupy_parallel._src.arrays import to_device
         >>> h = to_device(np.zeros(3), "host:0")
@@ -597,6 +599,7 @@ class HostArray:
       them; which NumPy functions, keywords and ufunc methods exist follows CuPy 14.2.
 
     Example:
+        >>> import cupy_parallel
         >>> import numpy as np
         >>> from cupy_parallel._src.arrays import to_device
         >>> from cupy_parallel._src.devices import set_host_device_count
@@ -747,6 +750,7 @@ class HostArray:
         synchronous. ``out`` must be a NumPy array of the same shape and dtype.
 
         Example:
+            >>> import cupy_parallel
             >>> import numpy as np
             >>> from cupy_parallel._src.arrays import to_device
             >>> to_device(np.arange(3), "host:0").get()
@@ -776,6 +780,7 @@ class HostArray:
         ``arr`` must be a ``numpy.ndarray`` of the same dtype and shape.
 
         Example:
+            >>> import cupy_parallel
             >>> import numpy as np
             >>> from cupy_parallel._src.arrays import to_device
             >>> h = to_device(np.zeros(2), "host:0")
@@ -842,6 +847,7 @@ class HostArray:
         """This array on ``device`` (array API standard); the same array if it is there.
 
         Example:
+            >>> import cupy_parallel
             >>> import numpy as np
             >>> from cupy_parallel._src.arrays import to_device
             >>> from cupy_parallel._src.devices import set_host_device_count

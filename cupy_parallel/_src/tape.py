@@ -300,6 +300,8 @@ def stop_gradient(x: Any, /) -> Any:
     are. Raw NumPy on the result is allowed inside a tape.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import ops
         >>> x = np.array([1.0, 2.0])
         >>> with cupy_parallel.Tape() as tape:
@@ -470,6 +472,8 @@ class Tape:
             copied to the host to be read): a debugging aid, as PyTorch's anomaly mode.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import ops
         >>> w = np.array([1.0, 2.0])
         >>> with cupy_parallel.Tape() as tape:
@@ -529,6 +533,8 @@ class Tape:
             RuntimeError: the tape is not recording here (call it inside ``with tape:``).
 
         Example:
+            >>> import numpy as np
+            >>> import cupy_parallel
             >>> from cupy_parallel import ops
             >>> x = np.array(3.0)
             >>> with cupy_parallel.Tape() as tape:
@@ -556,6 +562,8 @@ class Tape:
         array leaves must be floating-point.
 
         Example:
+            >>> import numpy as np
+            >>> import cupy_parallel
             >>> tape = cupy_parallel.Tape()
             >>> tape.watch({"w": np.ones(2), "b": np.zeros(1), "activation": "tanh"})
         """
@@ -578,6 +586,8 @@ class Tape:
         """Whether ``x`` is watched or was produced by an operation recorded on this tape.
 
         Example:
+            >>> import numpy as np
+            >>> import cupy_parallel
             >>> w = np.ones(2)
             >>> tape = cupy_parallel.Tape()
             >>> tape.watch(w)
@@ -634,6 +644,8 @@ class Tape:
             RuntimeError: a non-persistent tape is asked a second time.
 
         Example:
+            >>> import numpy as np
+            >>> import cupy_parallel
             >>> from cupy_parallel import ops
             >>> x, y = np.array(3.0), np.array(4.0)
             >>> with cupy_parallel.Tape() as tape:
@@ -906,6 +918,7 @@ class FunctionContext:
     Besides the methods below, ``forward`` may store any attribute on it (``ctx.dim = dim``).
 
     Example:
+        >>> import numpy as np
         >>> ctx = FunctionContext((True, False))
         >>> ctx.save_for_backward(np.ones(2))
         >>> ctx.needs_input_grad, len(ctx.saved_arrays)
@@ -988,6 +1001,8 @@ class Function:
     the outer tapes, giving second derivatives.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> class Cube(cupy_parallel.Function):
         ...     @staticmethod
         ...     def forward(ctx, x):

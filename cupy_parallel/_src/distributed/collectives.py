@@ -453,6 +453,7 @@ def broadcast(tensor: Any, src: int, group: Any = None, async_op: bool = False) 
         A :class:`Work` if ``async_op``, else ``None`` (also on non-members of ``group``).
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")  # a world of one here; start N with mpiexec -n N
         >>> x = np.arange(3)
@@ -480,6 +481,7 @@ def all_reduce(
     ``"nccl"`` reduces in ``float16`` itself (NCCL's kernels), so error grows with the ranks.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> x = np.array([1.0, 2.0])
@@ -509,6 +511,7 @@ def reduce(
     Other ranks' ``tensor`` keeps its values (torch leaves it unspecified; MPI leaves it alone).
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> x = np.array([3, 4])
@@ -536,6 +539,7 @@ def all_gather(
     device.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = [np.zeros(2, int)]
@@ -563,6 +567,7 @@ def all_gather_into_tensor(
     PyTorch 2's function. A 0-d input needs the stacked form ``(world_size,)``.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = np.zeros(2)
@@ -597,6 +602,7 @@ def gather(
     ``None`` (or empty) elsewhere, as in torch.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = [np.zeros(2)]
@@ -629,6 +635,7 @@ def scatter(
     be ``None`` (or empty) elsewhere.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> x = np.zeros(2)
@@ -658,6 +665,7 @@ def reduce_scatter(
     """Reduce ``input_list[r]`` over the group into ``output`` of group rank ``r``.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = np.zeros(2)
@@ -690,6 +698,7 @@ def reduce_scatter_tensor(
     ``(world_size, n, ...)`` for an ``output`` of shape ``(n, ...)``; PyTorch 2's function.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = np.zeros(2)
@@ -725,6 +734,7 @@ def all_to_all(
     rank ``r``); this is torch's list form of ``all_to_all``.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = [np.zeros(3)]
@@ -773,6 +783,7 @@ def all_to_all_single(  # noqa: PLR0917 - torch's signature
     agree on the sizes they exchange; one dtype, other dimensions equal.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = np.zeros(3)
@@ -880,6 +891,7 @@ def isend(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> Work | None
     ``tensor`` must not be modified until the work completed. Returns ``None`` on non-members.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> dist.isend(np.zeros(1), dst=0)
@@ -903,6 +915,7 @@ def irecv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0) 
     ``Work.source_rank()`` gives the sender's world rank once it completed.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> dist.irecv(np.zeros(1), src=1)
@@ -924,6 +937,7 @@ def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
     """Send ``tensor`` to world rank ``dst`` and wait until the buffer can be reused.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> dist.send(np.zeros(1), dst=3)
@@ -944,6 +958,7 @@ def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0) -
         The sender's world rank; ``-1`` on non-members of ``group``.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> dist.recv(np.zeros(1), src=0)
@@ -971,6 +986,7 @@ def all_reduce_coalesced(
     (this is not checked across ranks).
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> xs = [np.ones(2), np.arange(3)]
@@ -1001,6 +1017,7 @@ def all_gather_coalesced(
     The inputs may differ in shape and dtype (one device); they travel in one message.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = [[np.zeros(1), np.zeros(2, int)]]
@@ -1045,6 +1062,8 @@ def broadcast_multigpu(
     shape and dtype; every rank passes the same number of arrays.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> xs = [cupy_parallel.to_device(np.arange(2), f"host:{k}") for k in range(2)]
@@ -1072,6 +1091,8 @@ def all_reduce_multigpu(
     ``ReduceOp.AVG`` divides by the number of arrays in the whole group (ranks × local devices).
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> xs = [cupy_parallel.to_device(np.array([k + 1.0]), f"host:{k}") for k in range(2)]
@@ -1102,6 +1123,8 @@ def reduce_multigpu(  # noqa: PLR0917 - torch's signature
     The other arrays keep their values.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> xs = [cupy_parallel.to_device(np.array([k + 2]), f"host:{k}") for k in range(2)]
@@ -1133,6 +1156,8 @@ def all_gather_multigpu(
     ``input_tensor_list[i]`` and holds ``world_size * L`` arrays.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> xs = [cupy_parallel.to_device(np.array([k]), f"host:{k}") for k in range(2)]
@@ -1176,6 +1201,8 @@ def reduce_scatter_multigpu(
     ``world_size * L`` arrays.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> outs = [cupy_parallel.empty(1, float, f"host:{i}") for i in range(2)]
