@@ -593,8 +593,10 @@ def format_table(report: dict[str, Any], /) -> str:
     )
 
     def seconds(value: Any) -> str:
-        number = _number(value)
-        return "-" if math.isnan(number) else f"{number / scale:.4g}"
+        number = _number(value) / scale
+        if math.isnan(number):
+            return "-"
+        return f"{number:,.0f}" if abs(number) >= 1000 else f"{number:.4g}"
 
     header = ("suite", "benchmark", unit, f"baseline {unit}", "ratio", "spread", "target", "status")
     table: list[tuple[str, ...]] = [header]
