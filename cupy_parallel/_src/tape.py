@@ -152,9 +152,12 @@ def _copy_of(x: Any) -> Any:
 # Recording: the interface of differentiable operations
 
 
-def active_tapes() -> tuple[Tape, ...]:
-    """The tapes recording in this context, outermost first (empty when none)."""
-    return _ACTIVE.get()
+active_tapes: Callable[[], tuple[Tape, ...]] = _ACTIVE.get
+"""The tapes recording in this context, outermost first (empty, so false, when none).
+
+The context variable's own ``get``, not a Python function around it: ops call it once per
+operation (``if active_tapes(): record...``), so it is the cheapest "is anything recording" test.
+"""
 
 
 def is_recording() -> bool:
