@@ -25,6 +25,7 @@ for ``cupy-parallel bench``.
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -187,7 +188,13 @@ def chain_rows(quick: bool) -> list[dict[str, Any]]:
             1.1,
         ),
     ]
-    if torch is not None:
+    if torch is None:
+        print(
+            "bench_tape: PyTorch is not installed; the rows against PyTorch autograd are left "
+            "out (pip install torch).",
+            file=sys.stderr,
+        )
+    else:
         version = torch.__version__
         rows += [
             result(
