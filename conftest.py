@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
 import cupy_parallel
+import cupy_parallel.distributed  # relabels its public names before doctests are collected
 from cupy_parallel._src.devices import _cuda_device_count
 
 if TYPE_CHECKING:
@@ -45,9 +45,3 @@ def _host_devices() -> Iterator[None]:
     cupy_parallel.set_host_device_count(HOST_DEVICES)
     yield
     cupy_parallel.set_host_device_count(HOST_DEVICES)
-
-
-@pytest.fixture(autouse=True)
-def _doctest_namespace(doctest_namespace: dict[str, object]) -> None:
-    doctest_namespace["np"] = np
-    doctest_namespace["cupy_parallel"] = cupy_parallel

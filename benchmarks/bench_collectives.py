@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from cupy_parallel._src.distributed.launch import find_mpiexec
 from cupy_parallel._tools.benchmarking import result, script_main
 
 LATENCY_TARGET_S = 10e-6
@@ -152,7 +152,7 @@ def dist_rank_zero() -> bool:
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
     """Measure on 2 and 4 ranks (launching mpiexec) and return one row per size and world."""
-    mpiexec = shutil.which("mpiexec")
+    mpiexec = find_mpiexec()  # the one beside this Python first, as the launcher does
     if mpiexec is None:
         raise RuntimeError("bench_collectives needs mpiexec (pip install mpich).")
     rows: list[dict[str, Any]] = []

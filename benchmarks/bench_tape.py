@@ -24,6 +24,8 @@ for ``cupy-parallel bench``.
 
 from __future__ import annotations
 
+import gc
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +34,7 @@ import numpy as np
 from cupy_parallel._src import ops
 from cupy_parallel._src.arrays import to_device
 from cupy_parallel._src.devices import Device, devices, set_host_device_count
-from cupy_parallel._src.tape import Tape, is_recording, record_binary
+from cupy_parallel._src.tape import Tape, active_tapes, record_binary
 from cupy_parallel._tools.benchmarking import result, script_main
 
 if TYPE_CHECKING:
@@ -84,7 +86,7 @@ def _raw_fit(g: Any, x: Any) -> Any:
 
 def _raw_op(ufunc: Any, vjp: Any, a: Any, b: Any) -> Any:
     z = ufunc(a, b)
-    if is_recording():
+    if active_tapes():
         record_binary(vjp, a, b, z, None)
     return z
 
@@ -135,7 +137,15 @@ def _import_torch() -> Any:
 def _best(
     chain: Callable[[Any, Any, Any], tuple[float, float, Any]], arrays: tuple[Any, ...], best: Any
 ) -> None:
-    fwd, bwd, grad = chain(*arrays)
+    # As timeit does, the cyclic garbage collector is off while a chain runs: a collection
+    # scans every object of the process, so its cost depends on what ran before (other suites,
+    # an imported torch) and made identical runs differ by 50 %.
+    gc.collect()
+    gc.disable()
+    try:
+        fwd, bwd, grad = chain(*arrays)
+    finally:
+        gc.enable()
     np.testing.assert_allclose(to_device(grad, "cpu"), [EXPECTED], rtol=1e-12)
     best[0], best[1], best[2] = min(best[0], fwd), min(best[1], bwd), min(best[2], fwd + bwd)
 
@@ -178,7 +188,13 @@ def chain_rows(quick: bool) -> list[dict[str, Any]]:
             1.1,
         ),
     ]
-    if torch is not None:
+    if torch is None:
+        print(
+            "bench_tape: PyTorch is not installed; the rows against PyTorch autograd are left "
+            "out (pip install torch).",
+            file=sys.stderr,
+        )
+    else:
         version = torch.__version__
         rows += [
             result(

@@ -6,6 +6,7 @@ The whole public API is re-exported here and in the public submodules ``comm``, 
 (its strategies need hypothesis, an extra), so ``from cupy_parallel import *`` never imports it.
 
 Example:
+    >>> import cupy_parallel as cp
     >>> import numpy as np, cupy_parallel as cp
     >>> cp.set_host_device_count(2)
     >>> chunks = cp.scatter({"x": np.arange(6.0)}, ["host:0", "host:1"])
@@ -24,6 +25,7 @@ from cupy_parallel import comm, functions, ops
 from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array
 from cupy_parallel._src.arraytypes import Array
 from cupy_parallel._src.devices import Device, as_device, devices, platform, set_host_device_count
+from cupy_parallel._src.exports import set_module
 from cupy_parallel._src.functional import grad, value_and_grad
 from cupy_parallel._src.functions import to_device
 from cupy_parallel._src.gradcheck import GradcheckError, gradcheck
@@ -77,6 +79,8 @@ __all__ = [
     "to_device",
     "value_and_grad",
 ]
+
+set_module(__name__, globals(), __all__)
 
 _LAZY_SUBMODULES = ("distributed", "testing")
 

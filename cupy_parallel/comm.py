@@ -14,6 +14,7 @@ from cupy_parallel._src.comm import (
     reduce_add_coalesced,
     scatter,
 )
+from cupy_parallel._src.exports import set_module
 
 __all__ = [
     "DEFAULT_BUFFER_SIZE",
@@ -24,3 +25,5 @@ __all__ = [
     "reduce_add_coalesced",
     "scatter",
 ]
+
+set_module(__name__, globals(), __all__)

@@ -1,5 +1,6 @@
 """Differentiable array operations recorded by :class:`cupy_parallel.Tape`."""
 
+from cupy_parallel._src.exports import set_module
 from cupy_parallel._src.ops import (
     abs,
     add,
@@ -67,3 +68,5 @@ __all__ = [
     "var",
     "where",
 ]
+
+set_module(__name__, globals(), __all__)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from cupy_parallel._src.exports import set_module
 from cupy_parallel._src.simcuda import RaceError, simulated_cuda
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ __all__ = [
     "simulated_cuda",
 ]
 
+set_module(__name__, globals(), __all__)
+
 _NEEDS_HYPOTHESIS = frozenset({"arrays", "assert_tree_equal", "devices", "nested_structures"})
 
 
@@ -59,5 +62,6 @@ def __getattr__(name: str) -> Any:
             name="hypothesis",
         ) from error
     value = getattr(module, name)
+    set_module(__name__, {name: value}, [name])
     globals()[name] = value
     return value

@@ -110,3 +110,16 @@ def test_pinned_blas_threads_limits_blas_and_restores_it() -> None:
     assert inside
     assert all(n == 1 for n in inside)
     assert [pool["num_threads"] for pool in threadpoolctl.threadpool_info()] == before
+
+
+def test_table_uses_one_unit_and_writes_large_values_without_exponents() -> None:
+    rows = [
+        {"name": "small", "seconds": 2e-6, "baseline_seconds": 3e-6, "ratio": 2 / 3, "target": 1},
+        {"name": "small2", "seconds": 4e-6, "baseline_seconds": 5e-6, "ratio": 0.8, "target": 1},
+        {"name": "large", "seconds": 0.0367, "baseline_seconds": 0.051, "ratio": 0.72, "target": 1},
+    ]
+    table = benchmarking.format_table({"suites": [{"name": "s", "ok": True, "results": rows}]})
+    header, small, _, large = table.splitlines()
+    assert header.split()[2:5] == ["us", "baseline", "us"]
+    assert small.split()[2:4] == ["2", "3"]
+    assert large.split()[2:4] == ["36,700", "51,000"]

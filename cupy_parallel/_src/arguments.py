@@ -27,6 +27,7 @@ def read_int(value: Any, name: str, /, *, minimum: int | None = None) -> int:
     """``value`` as an ``int``: Python and NumPy integers are accepted, ``bool`` is refused.
 
     Example:
+        >>> import numpy as np
         >>> read_int(np.int64(3), "rank"), read_int(-1, "src")
         (3, -1)
         >>> read_int(True, "rank")
@@ -50,6 +51,7 @@ def read_bool(value: Any, name: str, /) -> bool:
     """``value`` as a ``bool``: Python and NumPy booleans only (``0``/``1`` are refused).
 
     Example:
+        >>> import numpy as np
         >>> read_bool(np.True_, "async_op")
         True
         >>> read_bool(1, "async_op")

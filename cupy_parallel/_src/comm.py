@@ -395,6 +395,7 @@ def scatter(
             or an ``out`` that is read-only or overlaps another ``out`` or ``array``.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import comm
         >>> x = np.arange(10).reshape(5, 2)
         >>> parts = comm.scatter(x, ["host:0", "host:1"])
@@ -490,6 +491,8 @@ def gather(
             or ``out`` (of the wrong shape or dtype, read-only, or overlapping an input).
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import comm
         >>> a = cupy_parallel.to_device(np.arange(4).reshape(2, 2), "host:0")
         >>> b = cupy_parallel.to_device(np.arange(2).reshape(2, 1), "host:1")
@@ -571,6 +574,7 @@ def broadcast(
             copying onto itself changes nothing).
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import comm
         >>> copies = comm.broadcast(np.arange(3), ["host:0", "host:2"])
         >>> [str(c.device) for c in copies], copies[1]
@@ -641,6 +645,8 @@ def broadcast_coalesced(
         ValueError: an array not on ``devices[0]``, no devices, or a non-positive buffer_size.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import comm
         >>> params = [cupy_parallel.to_device(np.ones((2, 2), np.float32), "host:0"),
         ...           cupy_parallel.to_device(np.arange(3), "host:0")]
@@ -721,6 +727,8 @@ def reduce_add(inputs: Sequence[Array], /, destination: DeviceLike | None = None
             that holds none of the inputs.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import comm
         >>> parts = [cupy_parallel.to_device(np.full(3, k), f"host:{k}") for k in range(3)]
         >>> comm.reduce_add(parts, destination="host:1")
@@ -817,6 +825,8 @@ def reduce_add_coalesced(
             mismatched shapes/dtypes, a bad destination or buffer_size.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import comm
         >>> grads = [[cupy_parallel.to_device(np.full(2, k + 1.0), f"host:{k}"),
         ...           cupy_parallel.to_device(np.arange(3) * k, f"host:{k}")] for k in range(2)]

@@ -76,6 +76,8 @@ def value_and_grad(
             :meth:`Tape.gradient <cupy_parallel.Tape.gradient>`.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import ops
         >>> loss = lambda p, x: ops.sum(ops.square(ops.multiply(p["w"], x)))
         >>> value, grads = cupy_parallel.value_and_grad(loss)({"w": np.array(2.0)}, np.ones(3))
@@ -135,6 +137,8 @@ def grad(
     ``(gradient, aux)``. Applied twice, it differentiates the gradient.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import ops
         >>> cube = lambda x: ops.sum(ops.multiply(ops.multiply(x, x), x))
         >>> x = np.array([1.0, 2.0])

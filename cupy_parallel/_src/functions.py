@@ -52,6 +52,8 @@ class Scatter(Function):
     The gradient of ``array`` is the chunks' gradients gathered onto ``array``'s device.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> x = np.arange(4.0)
         >>> with cupy_parallel.Tape() as tape:
         ...     tape.watch(x)
@@ -102,6 +104,8 @@ class Gather(Function):
     to the input's device.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> a = cupy_parallel.to_device(np.ones(2), "host:0")
         >>> b = cupy_parallel.to_device(np.zeros(1), "host:1")
         >>> Gather.apply("cpu", 0, a, b)
@@ -146,6 +150,8 @@ class Broadcast(Function):
     ``target_devices[0]``). Copies of arrays the tape does not track are non-differentiable.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> w = cupy_parallel.to_device(np.ones(2), "host:0")
         >>> b = cupy_parallel.to_device(np.zeros(1), "host:0")
         >>> [str(x.device) for x in Broadcast.apply(["host:0", "host:1"], w, b)]
@@ -184,6 +190,8 @@ class ReduceAddCoalesced(Function):
     ``num_inputs`` sums on ``destination`` (see :func:`cupy_parallel.comm.reduce_add_coalesced`).
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> parts = [cupy_parallel.to_device(np.full(2, k + 1.0), f"host:{k}") for k in range(3)]
         >>> ReduceAddCoalesced.apply("host:0", 1, *parts)
         (HostArray([6., 6.], device='host:0'),)
@@ -229,6 +237,8 @@ class ToDevice(Function):
     records.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> x = np.array([1.0, 2.0])
         >>> with cupy_parallel.Tape() as tape:
         ...     tape.watch(x)
@@ -279,6 +289,8 @@ def to_device(array: Any, device: Any, /, *, stream: Any = None) -> Any:
         ValueError: ``device`` does not exist.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import Tape, ops
         >>> w = np.array([1.0, 2.0])
         >>> with Tape() as tape:

@@ -23,6 +23,7 @@ class GradcheckError(RuntimeError):
     """Raised by :func:`gradcheck` when the tape's Jacobian disagrees with finite differences.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import Function
         >>> class WrongSquare(Function):  # a deliberately wrong backward
         ...     @staticmethod
@@ -95,6 +96,8 @@ def gradcheck(
         UserWarning: a floating-point input is not float64 (it is checked in float64).
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import ops
         >>> x = np.array([0.5, -1.0])
         >>> cupy_parallel.gradcheck(lambda x: ops.tanh(ops.multiply(x, x)), [x])

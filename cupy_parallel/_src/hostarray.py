@@ -105,6 +105,7 @@ def set_dispatch_guard(guard: Callable[[str, tuple[Any, ...]], None] | None, /) 
     guard per process (the tape installs it).
 
     Example:
+        >>> import cupy_parallel
         >>> import numpy as np
         >>> from cupy_parallel._src.arrays import to_device
         >>> seen = []
@@ -155,6 +156,7 @@ def version(x: Any, /) -> int | None:
     ``numpy.copyto`` and the other NumPy functions that write into an argument.
 
     Example:
+        >>> import cupy_parallel
         >>> import numpy as np
         >>> from cupy_parallel._src.arrays import to_device
         >>> h = to_device(np.zeros(3), "host:0")
@@ -600,6 +602,7 @@ class HostArray:
       them; which NumPy functions, keywords and ufunc methods exist follows CuPy 14.2.
 
     Example:
+        >>> import cupy_parallel
         >>> import numpy as np
         >>> from cupy_parallel._src.arrays import to_device
         >>> from cupy_parallel._src.devices import set_host_device_count
@@ -837,6 +840,7 @@ class HostArray:
         synchronous. ``out`` must be a NumPy array of the same shape and dtype.
 
         Example:
+            >>> import cupy_parallel
             >>> import numpy as np
             >>> from cupy_parallel._src.arrays import to_device
             >>> to_device(np.arange(3), "host:0").get()
@@ -866,6 +870,7 @@ class HostArray:
         ``arr`` must be a ``numpy.ndarray`` of the same dtype and shape.
 
         Example:
+            >>> import cupy_parallel
             >>> import numpy as np
             >>> from cupy_parallel._src.arrays import to_device
             >>> h = to_device(np.zeros(2), "host:0")
@@ -932,6 +937,7 @@ class HostArray:
         """This array on ``device`` (array API standard); the same array if it is there.
 
         Example:
+            >>> import cupy_parallel
             >>> import numpy as np
             >>> from cupy_parallel._src.arrays import to_device
             >>> from cupy_parallel._src.devices import set_host_device_count

@@ -109,6 +109,7 @@ class HostMemoryPool:
     blocks.
 
     Example:
+        >>> import numpy as np
         >>> pool = HostMemoryPool()
         >>> a = pool.empty((1 << 18,), np.uint8)
         >>> del a
@@ -266,6 +267,7 @@ class HostMemoryPool:
         """Drop every cached block that no array uses, returning its memory to the system.
 
         Example:
+            >>> import numpy as np
             >>> pool = HostMemoryPool()
             >>> a = pool.empty((1 << 18,), np.uint8)
             >>> del a
@@ -313,6 +315,7 @@ class HostMemoryPool:
         arrays).
 
         Example:
+            >>> import numpy as np
             >>> pool = HostMemoryPool()
             >>> pool.set_limit(size=1 << 20)
             >>> pool.get_limit()

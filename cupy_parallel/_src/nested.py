@@ -340,6 +340,7 @@ def scatter(inputs: Tree, /, target_devices: Sequence[DeviceLike], dim: int = 0)
             no dimension ``dim`` (the message names its key path).
 
     Example:
+        >>> import numpy as np
         >>> x = {"a": np.arange(5), "b": [np.ones((5, 2)), None], "tag": "batch"}
         >>> parts = scatter(x, ["host:0", "host:1"])
         >>> len(parts), parts[0]["a"], parts[1]["a"].device
@@ -414,6 +415,7 @@ def scatter_kwargs(
             errors of :func:`scatter`.
 
     Example:
+        >>> import numpy as np
         >>> args, kwargs = scatter_kwargs(
         ...     (np.arange(4),), {"scale": 2.0}, ["host:0", "host:1"]
         ... )
@@ -475,6 +477,7 @@ def gather(outputs: Sequence[Tree], /, target_device: DeviceLike, dim: int = 0) 
             an array has no dimension ``dim``. The message names the key path.
 
     Example:
+        >>> import numpy as np
         >>> parts = scatter({"y": np.arange(6.0), "n": 3}, ["host:0", "host:1"])
         >>> gather(parts, "cpu")
         {'y': array([0., 1., 2., 3., 4., 5.]), 'n': 3}

@@ -15,7 +15,7 @@ Decisions:
 - The elementwise ops come from one rule table (:data:`_UNARY_RULES`, :data:`_BINARY_RULES`,
   HIPS autograd's ``defvjp``): a rule is the NumPy ufunc and its vjp. The wrappers the table
   generates are as fast as hand-written ones (measured: within noise): recording is the hot path
-  of a training step, so an op checks ``is_recording()`` once and records through
+  of a training step, so an op checks ``active_tapes()`` once and records through
   ``record_unary``/``record_binary``. Ops with arguments (axes, shapes, indices) are written
   out, each with its checks.
 - Gradients at kinks and ties follow PyTorch: ``relu'(0) = abs'(0) = 0``, ``maximum``/``minimum``
@@ -48,8 +48,8 @@ from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer
 from cupy_parallel._src.tape import (
+    active_tapes,
     cuda_device,
-    is_recording,
     record,
     record_binary,
     record_unary,
@@ -199,7 +199,7 @@ def _astype_kernel(xp: Any, x: Any, dtype: Any) -> Any:
 
 def _astype(x: Any, dtype: Any, /) -> Any:
     z = _on_device(_astype_kernel, x, x, dtype)
-    if is_recording():
+    if active_tapes():
         record_unary(_astype_vjp, x, z, None)
     return z
 
@@ -214,7 +214,7 @@ def _broadcast_to_kernel(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
 
 def _broadcast_to(x: Any, shape: tuple[int, ...], /) -> Any:
     z = _on_device(_broadcast_to_kernel, x, x, shape)
-    if is_recording():
+    if active_tapes():
         record_unary(_broadcast_to_vjp, x, z, None)
     return z
 
@@ -372,7 +372,7 @@ def _unary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Operand], 
             z = host_array(z if type(z) is np.ndarray else np.asarray(z), x.device)
         else:
             z = _on_device(slow, x, x)
-        if is_recording():
+        if active_tapes():
             record_unary(vjp, x, z, None)
         return z
 
@@ -415,7 +415,7 @@ def _binary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Operand, 
                 z = z if type(z) is np.ndarray else np.asarray(z)
             else:
                 z = _on_device(slow, x, a, b)
-        if is_recording():
+        if active_tapes():
             record_binary(vjp, a, b, z, None)
         return z
 
@@ -566,7 +566,7 @@ def relu(x: Operand, /) -> Array:
         z = z if type(z) is np.ndarray else np.asarray(z)
     else:
         z = _on_device(_maximum_kernel, x, x, 0)
-    if is_recording():
+    if active_tapes():
         record_unary(_relu_vjp, x, z, None)
     return z
 
@@ -588,7 +588,7 @@ def where(condition: Array, x: Operand, y: Operand, /) -> Array:
     """
     place = x if is_array(x) else y if is_array(y) else condition
     z = _on_device(_where_kernel, place, condition, x, y)
-    if is_recording():
+    if active_tapes():
         record(_where_vjp, (condition, x, y), (z,), None)
     return z
 
@@ -631,7 +631,7 @@ def clip(x: Operand, lo: Operand | None = None, hi: Operand | None = None, /) ->
     if lo is None and hi is None:
         raise ValueError("ops.clip needs lo or hi (or both), got neither.")
     z = _on_device(_clip_kernel, x, x, lo, hi)
-    if is_recording():
+    if active_tapes():
         record(_clip_vjp, (x, lo, hi), (z,), None)
     return z
 
@@ -669,7 +669,7 @@ def matmul(a: Array, b: Array, /) -> Array:
         z = z if type(z) is np.ndarray else np.asarray(z)
     else:
         z = _on_device(_matmul_kernel, a, a, b)
-    if is_recording():
+    if active_tapes():
         record_binary(_matmul_vjp, a, b, z, None)
     return z
 
@@ -725,7 +725,7 @@ def sum(x: Array, /, axis: int | tuple[int, ...] | None = None, *, keepdims: boo
     _require_array(x, "sum")
     axes = _axes(x, axis)
     z = _on_device(_sum_kernel, x, x, axis=axes, keepdims=keepdims)
-    if is_recording():
+    if active_tapes():
         record_unary(_sum_vjp, x, z, (axes, keepdims))
     return z
 
@@ -754,7 +754,7 @@ def mean(
             f"ops.mean over axis {axis} of an array of shape {x.shape} averages no elements."
         )
     z = _on_device(_mean_kernel, x, x, axis=axes, keepdims=keepdims)
-    if is_recording():
+    if active_tapes():
         record_unary(_mean_vjp, x, z, (axes, keepdims, count))
     return z
 
@@ -826,7 +826,7 @@ def logsumexp(
     if any(x.shape[i] == 0 for i in axes):
         raise ValueError(f"ops.logsumexp over axis {axis} of shape {x.shape} has no elements.")
     z = _on_device(_logsumexp_kernel, x, x, axes, keepdims)
-    if is_recording():
+    if active_tapes():
         record_unary(_logsumexp_vjp, x, z, (axes, keepdims))
     return z
 
@@ -868,7 +868,7 @@ def softmax(x: Array, /, axis: int = -1) -> Array:
     """
     axis = _class_axis(x, axis, "softmax")
     z = _on_device(_softmax_kernel, x, x, axis)
-    if is_recording():
+    if active_tapes():
         record_unary(_softmax_vjp, x, z, axis)
     return z
 
@@ -889,7 +889,7 @@ def log_softmax(x: Array, /, axis: int = -1) -> Array:
     """
     axis = _class_axis(x, axis, "log_softmax")
     z = _on_device(_log_softmax_kernel, x, x, axis)
-    if is_recording():
+    if active_tapes():
         record_unary(_log_softmax_vjp, x, z, axis)
     return z
 
@@ -982,7 +982,7 @@ def reshape(x: Array, /, shape: int | tuple[int, ...]) -> Array:
     """
     _require_array(x, "reshape")
     z = _on_device(_reshape_kernel, x, x, shape)
-    if is_recording():
+    if active_tapes():
         record_unary(_reshape_vjp, x, z, None)
     return z
 
@@ -1002,7 +1002,7 @@ def transpose(x: Array, /, axes: tuple[int, ...] | None = None) -> Array:
     """
     _require_array(x, "transpose")
     z = _on_device(_transpose_kernel, x, x, axes)
-    if is_recording():
+    if active_tapes():
         inverse = (
             None if axes is None else tuple(int(i) for i in np.argsort([i % z.ndim for i in axes]))
         )
@@ -1064,7 +1064,7 @@ def getitem(x: Array, index: Any, /) -> Array:
     _require_array(x, "getitem")
     key, repeats = _read_key(x, index)
     z = _on_device(_getitem_kernel, x, x, key)
-    if is_recording():
+    if active_tapes():
         record_unary(_getitem_vjp, x, z, (key, repeats))
     return z
 
@@ -1090,7 +1090,7 @@ def _index_add_kernel(
 def _index_add(g: Any, key: tuple[Any, ...], shape: tuple[int, ...], repeats: bool) -> Any:
     """Zeros of ``shape`` with ``g`` added at ``key`` (the adjoint of ``getitem``)."""
     z = _on_device(_index_add_kernel, g, g, key, shape, repeats)
-    if is_recording():
+    if active_tapes():
         record_unary(_index_add_vjp, g, z, key)
     return z
 
@@ -1125,7 +1125,7 @@ def concatenate(arrays: Sequence[Array], /, axis: int = 0) -> Array:
     """
     xs = _arrays(arrays, "concatenate")
     z = _on_device(_concatenate_kernel, xs[0], list(xs), read_int(axis, "axis"))
-    if is_recording():
+    if active_tapes():
         axis = int(normalize_axis_index(axis, z.ndim))
         offsets = np.cumsum([x.shape[axis] for x in xs[:-1]]).tolist()
         record(_concatenate_vjp, xs, (z,), (axis, offsets))
@@ -1154,7 +1154,7 @@ def stack(arrays: Sequence[Array], /, axis: int = 0) -> Array:
     """
     xs = _arrays(arrays, "stack")
     z = _on_device(_stack_kernel, xs[0], list(xs), read_int(axis, "axis"))
-    if is_recording():
+    if active_tapes():
         record(_stack_vjp, xs, (z,), int(normalize_axis_index(axis, z.ndim)))
     return z
 
@@ -1191,7 +1191,7 @@ def split(x: Array, indices_or_sections: int | Sequence[int], /, axis: int = 0) 
                 "equal sections; pass the split indices instead."
             )
     zs = _on_device(_split_kernel, x, x, sections, axis)
-    if is_recording():
+    if active_tapes():
         record(_split_vjp, (x,), tuple(zs), axis)
     return zs
 

@@ -91,6 +91,8 @@ def replicate(params: Tree, /, devices: Sequence[DeviceLike], detach: bool = Fal
             ``devices[0]`` (the message names its key path).
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> params = {"w": cupy_parallel.to_device(np.ones((2, 2)), "host:0"), "act": "tanh"}
         >>> copies = cupy_parallel.replicate(params, ["host:0", "host:1"])
         >>> [str(p["w"].device) for p in copies], copies[1]["act"]
@@ -233,6 +235,8 @@ def parallel_apply(
             ``fns``.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> xs = [cupy_parallel.to_device(np.arange(3.0), f"host:{k}") for k in range(2)]
         >>> cupy_parallel.parallel_apply([np.sum, np.max], xs, devices=["host:0", "host:1"])
         [HostArray(3., device='host:0'), HostArray(2., device='host:1')]
@@ -395,6 +399,8 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
             ``device_ids[0]`` (the message names its key path).
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> params = {"w": cupy_parallel.to_device(np.array([[2.0]]), "host:0")}
         >>> def fn(p, x):
         ...     return x @ p["w"]
@@ -449,6 +455,8 @@ class DataParallel(Generic[Params, Output]):
         ValueError: As :func:`data_parallel`.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> params = cupy_parallel.to_device(np.array([1.0, -1.0]), "host:0")
         >>> dp = cupy_parallel.DataParallel(lambda p, x: x * p, params, device_ids=[0, 1])
         >>> dp(np.ones((3, 2))), dp.output_device

@@ -154,9 +154,12 @@ def _copy_of(x: Any) -> Any:
 # Recording: the interface of differentiable operations
 
 
-def active_tapes() -> tuple[Tape, ...]:
-    """The tapes recording in this context, outermost first (empty when none)."""
-    return _ACTIVE.get()
+active_tapes: Callable[[], tuple[Tape, ...]] = _ACTIVE.get
+"""The tapes recording in this context, outermost first (empty, so false, when none).
+
+The context variable's own ``get``, not a Python function around it: ops call it once per
+operation (``if active_tapes(): record...``), so it is the cheapest "is anything recording" test.
+"""
 
 
 def is_recording() -> bool:
@@ -302,6 +305,8 @@ def stop_gradient(x: Tree, /) -> Tree:
     are. Raw NumPy on the result is allowed inside a tape.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import ops
         >>> x = np.array([1.0, 2.0])
         >>> with cupy_parallel.Tape() as tape:
@@ -472,6 +477,8 @@ class Tape:
             copied to the host to be read): a debugging aid, as PyTorch's anomaly mode.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import ops
         >>> w = np.array([1.0, 2.0])
         >>> with cupy_parallel.Tape() as tape:
@@ -531,6 +538,8 @@ class Tape:
             RuntimeError: the tape is not recording here (call it inside ``with tape:``).
 
         Example:
+            >>> import numpy as np
+            >>> import cupy_parallel
             >>> from cupy_parallel import ops
             >>> x = np.array(3.0)
             >>> with cupy_parallel.Tape() as tape:
@@ -558,6 +567,8 @@ class Tape:
         array leaves must be floating-point.
 
         Example:
+            >>> import numpy as np
+            >>> import cupy_parallel
             >>> tape = cupy_parallel.Tape()
             >>> tape.watch({"w": np.ones(2), "b": np.zeros(1), "activation": "tanh"})
         """
@@ -580,6 +591,8 @@ class Tape:
         """Whether ``x`` is watched or was produced by an operation recorded on this tape.
 
         Example:
+            >>> import numpy as np
+            >>> import cupy_parallel
             >>> w = np.ones(2)
             >>> tape = cupy_parallel.Tape()
             >>> tape.watch(w)
@@ -636,6 +649,8 @@ class Tape:
             RuntimeError: a non-persistent tape is asked a second time.
 
         Example:
+            >>> import numpy as np
+            >>> import cupy_parallel
             >>> from cupy_parallel import ops
             >>> x, y = np.array(3.0), np.array(4.0)
             >>> with cupy_parallel.Tape() as tape:
@@ -908,6 +923,7 @@ class FunctionContext:
     Besides the methods below, ``forward`` may store any attribute on it (``ctx.dim = dim``).
 
     Example:
+        >>> import numpy as np
         >>> ctx = FunctionContext((True, False))
         >>> ctx.save_for_backward(np.ones(2))
         >>> ctx.needs_input_grad, len(ctx.saved_arrays)
@@ -990,6 +1006,8 @@ class Function:
     the outer tapes, giving second derivatives.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> class Cube(cupy_parallel.Function):
         ...     @staticmethod
         ...     def forward(ctx, x):

@@ -188,6 +188,8 @@ def arrays(
         A hypothesis strategy of arrays.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from hypothesis import given
         >>> @given(arrays(np.float16, (2, 3), non_contiguous=True, device="host:1"))
         ... def test(x):
@@ -317,6 +319,7 @@ def nested_structures(
         A hypothesis strategy of structures.
 
     Example:
+        >>> import numpy as np
         >>> import optree
         >>> from hypothesis import given
         >>> @given(nested_structures(arrays(np.int8, (2,)), other_leaves=False))
@@ -386,6 +389,7 @@ def assert_tree_equal(actual: Any, expected: Any, /, *, check_device: bool = Tru
         AssertionError: At the first difference, naming its key path.
 
     Example:
+        >>> import numpy as np
         >>> assert_tree_equal({"a": [1.5, np.zeros(2)]}, {"a": [1.5, np.zeros(2)]})
         >>> assert_tree_equal({"a": [np.zeros(2)]}, {"a": [-np.zeros(2)]})
         Traceback (most recent call last):

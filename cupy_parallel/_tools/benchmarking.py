@@ -66,6 +66,7 @@ def result(
     """One result dict of ``run(quick)``, its ``ratio`` computed; ``extra`` keys are added.
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel._tools.benchmarking import result
         >>> result("copy", 3.0, 2.0, 1.2, bytes=8)
         {'name': 'copy', 'seconds': 3.0, 'baseline_seconds': 2.0, 'ratio': 1.5, 'target': 1.2, \
@@ -139,6 +140,7 @@ def compare(
     seconds of each round give the statistics of :class:`Timing`.
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel._tools.benchmarking import compare
         >>> timing = compare(lambda: sum(range(2000)), lambda: sum(range(1000)), rounds=5)
         >>> timing.rounds, timing.ratio > 1
@@ -184,6 +186,7 @@ def pinned_blas_threads() -> Iterator[str]:
     limits every BLAS and OpenMP pool the process has loaded.
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel._tools.benchmarking import pinned_blas_threads
         >>> with pinned_blas_threads() as state:
         ...     state in ("1 BLAS thread", "unpinned (threadpoolctl is not installed)")
@@ -207,6 +210,7 @@ def default_suite_dir() -> Path | None:
     when neither exists.
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel._tools.benchmarking import default_suite_dir
         >>> default_suite_dir().name
         'benchmarks'
@@ -569,6 +573,7 @@ def format_table(report: dict[str, Any], /) -> str:
     whose spread exceeds :data:`NOISY_SPREAD` gets no verdict against its target.
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel._tools.benchmarking import format_table
         >>> report = {"suites": [
         ...     {"name": "s", "ok": True, "results": [{"name": "a", "seconds": 0.002,
@@ -588,8 +593,10 @@ def format_table(report: dict[str, Any], /) -> str:
     )
 
     def seconds(value: Any) -> str:
-        number = _number(value)
-        return "-" if math.isnan(number) else f"{number / scale:.4g}"
+        number = _number(value) / scale
+        if math.isnan(number):
+            return "-"
+        return f"{number:,.0f}" if abs(number) >= 1000 else f"{number:.4g}"
 
     header = ("suite", "benchmark", unit, f"baseline {unit}", "ratio", "spread", "target", "status")
     table: list[tuple[str, ...]] = [header]

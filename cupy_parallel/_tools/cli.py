@@ -146,6 +146,8 @@ def collect_info() -> dict[str, Any]:
     host devices share the machine's memory, so they report it).
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> info = collect_info()
         >>> info["platform"] == cupy_parallel.platform()
         True

@@ -195,6 +195,7 @@ def mlp(params: Params, x: Any, /) -> Any:
     """The model: class scores (logits) ``tanh(x @ w1 + b1) @ w2 + b2``.
 
     Example:
+        >>> import numpy as np
         >>> p = init_params(3, 4, seed=0)
         >>> mlp(p, np.ones((2, 3))).shape
         (2, 4)
@@ -207,6 +208,7 @@ def cross_entropy(logits: Any, labels: Any, /) -> Any:
     """The loss: mean softmax cross-entropy of ``logits`` against integer ``labels``.
 
     Example:
+        >>> import numpy as np
         >>> float(cross_entropy(np.zeros((2, 4)), np.array([0, 3])))  # uniform: log(4)
         1.3862943611198906
     """
@@ -238,6 +240,7 @@ def data_parallel_step(model: Any, params: Params, x: Any, labels: Any, /) -> tu
     must live, and the gradients flow back to ``params`` on the first device.
 
     Example:
+        >>> import cupy_parallel
         >>> cupy_parallel.set_host_device_count(2)
         >>> p = init_params(3, 4, seed=0, device="host:0")
         >>> model = DataParallel(mlp, p, device_ids=["host:0", "host:1"])
@@ -261,6 +264,7 @@ def max_abs_difference(a: Any, b: Any, /) -> float:
     Leaves may live on any devices; they are compared on the host.
 
     Example:
+        >>> import numpy as np
         >>> max_abs_difference({"a": np.zeros(2)}, {"a": np.array([0.0, -0.5])})
         0.5
     """
@@ -291,6 +295,7 @@ def train(
         The losses, the gradient check's largest difference and tolerance, and the timing.
 
     Example:
+        >>> import cupy_parallel
         >>> cupy_parallel.set_host_device_count(2)
         >>> result = train(DemoConfig(devices=("host:0", "host:1"), steps=3, batch_size=8))
         >>> result.passed, len(result.losses)

@@ -10,6 +10,7 @@ Collectives work in place on their arguments, as in torch; ``async_op=True`` ret
 meet (``init_method`` ``env://``, ``tcp://host:port``, ``file:///path``).
 
 Example:
+    >>> import numpy as np
     >>> from cupy_parallel import distributed as dist
     >>> dist.init_process_group("mpi")  # under `mpiexec -n N` every rank runs this
     >>> x = np.full(2, float(dist.get_rank() + 1))
@@ -83,6 +84,7 @@ from cupy_parallel._src.distributed.store import (
     TCPStore,
 )
 from cupy_parallel._src.distributed.work import Work
+from cupy_parallel._src.exports import set_module
 
 __all__ = [
     "Backend",
@@ -143,3 +145,5 @@ __all__ = [
     "scatter_object_list",
     "send",
 ]
+
+set_module(__name__, globals(), __all__)

@@ -26,6 +26,8 @@ Decisions (where torch's ProcessGroupNCCL is the model):
   number of participants. Integers are divided rounding toward zero, as ``ncclAvg`` does.
 
 Example:
+    >>> import numpy as np
+    >>> import cupy_parallel
     >>> from cupy_parallel._src.distributed.enums import ReduceOp
     >>> reduction(np.dtype("complex64"), ReduceOp.SUM, version_code(2, 18, 5))
     Reduction(datatype=<NcclDataType.FLOAT32: 7>, lanes=2, op=<NcclRedOp.SUM: 0>, divide=False)
@@ -214,6 +216,8 @@ def reduction(dtype: np.dtype[Any], op: ReduceOp, version: int, /) -> Reduction:
             bfloat16 and NCCL is older than 2.10.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel._src.distributed.enums import ReduceOp
         >>> reduction(np.dtype(bool), ReduceOp.SUM, version_code(2, 18, 5)).op
         <NcclRedOp.MAX: 2>
@@ -257,6 +261,7 @@ def transfer(dtype: np.dtype[Any], /) -> int:
         TypeError: ``dtype`` holds Python objects, which have no bytes to move.
 
     Example:
+        >>> import numpy as np
         >>> transfer(np.dtype("complex128")), transfer(np.dtype(bool))
         (16, 1)
     """

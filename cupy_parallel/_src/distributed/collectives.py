@@ -477,6 +477,7 @@ def broadcast(
         A :class:`Work` if ``async_op``, else ``None`` (also on non-members of ``group``).
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")  # a world of one here; start N with mpiexec -n N
         >>> x = np.arange(3)
@@ -533,6 +534,7 @@ def all_reduce(
     ``"nccl"`` reduces in ``float16`` itself (NCCL's kernels), so error grows with the ranks.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> x = np.array([1.0, 2.0])
@@ -591,6 +593,7 @@ def reduce(
     Other ranks' ``tensor`` keeps its values (torch leaves it unspecified; MPI leaves it alone).
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> x = np.array([3, 4])
@@ -647,6 +650,7 @@ def all_gather(
     device.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = [np.zeros(2, int)]
@@ -703,6 +707,7 @@ def all_gather_into_tensor(
     PyTorch 2's function. A 0-d input needs the stacked form ``(world_size,)``.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = np.zeros(2)
@@ -770,6 +775,7 @@ def gather(
     ``None`` (or empty) elsewhere, as in torch.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = [np.zeros(2)]
@@ -835,6 +841,7 @@ def scatter(
     be ``None`` (or empty) elsewhere.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> x = np.zeros(2)
@@ -897,6 +904,7 @@ def reduce_scatter(
     """Reduce ``input_list[r]`` over the group into ``output`` of group rank ``r``.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = np.zeros(2)
@@ -958,6 +966,7 @@ def reduce_scatter_tensor(
     ``(world_size, n, ...)`` for an ``output`` of shape ``(n, ...)``; PyTorch 2's function.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = np.zeros(2)
@@ -1022,6 +1031,7 @@ def all_to_all(
     rank ``r``); this is torch's list form of ``all_to_all``.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = [np.zeros(3)]
@@ -1107,6 +1117,7 @@ def all_to_all_single(  # noqa: PLR0917 - torch's signature
     agree on the sizes they exchange; one dtype, other dimensions equal.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = np.zeros(3)
@@ -1222,6 +1233,7 @@ def isend(tensor: Array, dst: int, group: ProcessGroup | None = None, tag: int =
     ``tensor`` must not be modified until the work completed. Returns ``None`` on non-members.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> dist.isend(np.zeros(1), dst=0)
@@ -1247,6 +1259,7 @@ def irecv(
     ``Work.source_rank()`` gives the sender's world rank once it completed.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> dist.irecv(np.zeros(1), src=1)
@@ -1268,6 +1281,7 @@ def send(tensor: Array, dst: int, group: ProcessGroup | None = None, tag: int = 
     """Send ``tensor`` to world rank ``dst`` and wait until the buffer can be reused.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> dist.send(np.zeros(1), dst=3)
@@ -1290,6 +1304,7 @@ def recv(
         The sender's world rank; ``-1`` on non-members of ``group``.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> dist.recv(np.zeros(1), src=0)
@@ -1346,6 +1361,7 @@ def all_reduce_coalesced(
     (this is not checked across ranks).
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> xs = [np.ones(2), np.arange(3)]
@@ -1405,6 +1421,7 @@ def all_gather_coalesced(
     The inputs may differ in shape and dtype (one device); they travel in one message.
 
     Example:
+        >>> import numpy as np
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> out = [[np.zeros(1), np.zeros(2, int)]]
@@ -1482,6 +1499,8 @@ def broadcast_multigpu(
     shape and dtype; every rank passes the same number of arrays.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> xs = [cupy_parallel.to_device(np.arange(2), f"host:{k}") for k in range(2)]
@@ -1538,6 +1557,8 @@ def all_reduce_multigpu(
     ``ReduceOp.AVG`` divides by the number of arrays in the whole group (ranks × local devices).
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> xs = [cupy_parallel.to_device(np.array([k + 1.0]), f"host:{k}") for k in range(2)]
@@ -1605,6 +1626,8 @@ def reduce_multigpu(  # noqa: PLR0917 - torch's signature
     The other arrays keep their values.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> xs = [cupy_parallel.to_device(np.array([k + 2]), f"host:{k}") for k in range(2)]
@@ -1665,6 +1688,8 @@ def all_gather_multigpu(
     ``input_tensor_list[i]`` and holds ``world_size * L`` arrays.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> xs = [cupy_parallel.to_device(np.array([k]), f"host:{k}") for k in range(2)]
@@ -1741,6 +1766,8 @@ def reduce_scatter_multigpu(
     ``world_size * L`` arrays.
 
     Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> outs = [cupy_parallel.empty(1, float, f"host:{i}") for i in range(2)]

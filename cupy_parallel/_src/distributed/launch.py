@@ -385,6 +385,7 @@ def find_mpiexec() -> str | None:
     that one belongs to the MPI library mpi4py loads, so it is preferred.
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel._src.distributed.launch import find_mpiexec
         >>> found = find_mpiexec()
         >>> found is None or Path(found).name.startswith("mpiexec")

@@ -311,6 +311,7 @@ def init_key(store: Store, group_name: str, world_size: int) -> str:
         ``f"cupy_parallel/init/{group_name}/{world_size}/{generation}"``.
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel._src.distributed.store import TCPStore
         >>> with TCPStore("127.0.0.1", 0, is_master=True) as store:
         ...     [init_key(store, "0", 2) for _ in range(4)]  # two ranks, two initialisations
@@ -350,6 +351,7 @@ def wait_for_world(
         ValueError: ``rank`` already checked in under ``key``.
 
     Example:
+        >>> import cupy_parallel
         >>> from datetime import timedelta
         >>> from cupy_parallel._src.distributed.store import TCPStore
         >>> with TCPStore("127.0.0.1", 0, is_master=True) as store:

@@ -72,9 +72,13 @@ class Work:
     makes the work fail with that error.
 
     Example:
-        >>> work = CompletedWork("all_reduce", "0")
-        >>> work.is_completed(), work.wait(), work.exception()
+        >>> import numpy as np
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")  # outside mpiexec: a world of one
+        >>> work = dist.all_reduce(np.ones(2), async_op=True)
+        >>> work.wait(), work.is_completed(), work.exception()
         (True, True, None)
+        >>> dist.destroy_process_group()
     """
 
     __slots__ = (
@@ -287,9 +291,14 @@ class Work:
         for it (so do not also ``wait`` on the work from another thread at the same time).
 
         Example:
-            >>> future = CompletedWork("barrier", "0").get_future()
+            >>> import numpy as np
+            >>> from cupy_parallel import distributed as dist
+            >>> dist.init_process_group("mpi")  # outside mpiexec: a world of one
+            >>> x = np.arange(3.0)
+            >>> future = dist.all_reduce(x, async_op=True).get_future()
             >>> future.result(timeout=5)
-            []
+            [array([0., 1., 2.])]
+            >>> dist.destroy_process_group()
         """
         if self._future is None:
             future: Future[Any] = Future()

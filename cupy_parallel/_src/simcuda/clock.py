@@ -66,6 +66,7 @@ class RaceError(RuntimeError):
     The message names both operations and the streams they ran on.
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel.testing import RaceError, simulated_cuda
         >>> with simulated_cuda(1) as cupy:
         ...     x = cupy.zeros(3)  # written on the legacy null stream

@@ -43,6 +43,7 @@ Knobs for tests: :func:`set_version` (the NCCL version both getters report; defa
 :func:`set_deadlock_limit`, :meth:`NcclCommunicator.inject_async_error`.
 
 Example:
+    >>> import cupy_parallel
     >>> from cupy_parallel.testing import simulated_cuda
     >>> with simulated_cuda(2) as cupy:
     ...     nccl = cupy.cuda.nccl

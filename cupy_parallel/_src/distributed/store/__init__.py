@@ -30,6 +30,7 @@ Decisions where PyTorch is silent or differs:
   the file. Closing a ``PrefixStore`` leaves its underlying store open.
 
 Example:
+    >>> import cupy_parallel
     >>> from cupy_parallel.distributed import PrefixStore, TCPStore
     >>> with TCPStore("127.0.0.1", 0, is_master=True, timeout=5) as store:
     ...     group = PrefixStore("g", store)

@@ -334,6 +334,7 @@ class TCPStore(Store):
         DistStoreError: not all workers registered within ``timeout``.
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel.distributed import TCPStore
         >>> master = TCPStore("127.0.0.1", 0, world_size=2, is_master=True,
         ...                   wait_for_workers=False)

@@ -282,6 +282,7 @@ class FileStore(Store):
         timeout: default timeout of ``get``/``wait`` (keyword-only; ``timedelta`` or seconds).
 
     Example:
+        >>> import cupy_parallel
         >>> import os, tempfile
         >>> from cupy_parallel.distributed import FileStore
         >>> path = os.path.join(tempfile.mkdtemp(), "store")

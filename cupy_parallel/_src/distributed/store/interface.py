@@ -65,6 +65,7 @@ class DistError(RuntimeError):
     """Base of the errors stores raise (``torch.distributed.DistError``).
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel.distributed import DistError, DistNetworkError, DistStoreError
         >>> issubclass(DistStoreError, DistError), issubclass(DistNetworkError, RuntimeError)
         (True, True)
@@ -75,6 +76,7 @@ class DistStoreError(DistError, TimeoutError):
     """A store operation timed out (``torch.distributed.DistStoreError``; also a TimeoutError).
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel.distributed import DistStoreError, HashStore
         >>> try:
         ...     HashStore(timeout=0.01).get("missing")
@@ -88,6 +90,7 @@ class DistNetworkError(DistError, ConnectionError):
     """A TCP store could not be reached, lost its connection, or its server thread died.
 
     Example:
+        >>> import cupy_parallel
         >>> import socket
         >>> from cupy_parallel.distributed import DistNetworkError, TCPStore
         >>> with socket.socket() as probe:  # a port nobody listens on
@@ -105,10 +108,11 @@ class QueueEmptyError(DistStoreError):
     """``queue_pop(key, block=False)`` found the queue empty (torch's ``QueueEmptyError``).
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel.distributed import HashStore
         >>> HashStore().queue_pop("jobs", block=False)
         Traceback (most recent call last):
-        cupy_parallel._src.distributed.store.interface.QueueEmptyError: HashStore.queue_pop(...
+        cupy_parallel.distributed.QueueEmptyError: HashStore.queue_pop(...
     """
 
 
@@ -258,6 +262,7 @@ class Store:
             ``datetime.timedelta`` or seconds.
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel.distributed import HashStore
         >>> store = HashStore()
         >>> store.set("greeting", "hello")

@@ -27,6 +27,7 @@ class PrefixStore(Store):
         store: the store that holds the keys (:attr:`underlying_store`).
 
     Example:
+        >>> import cupy_parallel
         >>> from cupy_parallel.distributed import HashStore, PrefixStore
         >>> base = HashStore()
         >>> group = PrefixStore("group1", base)

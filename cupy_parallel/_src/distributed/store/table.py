@@ -105,6 +105,7 @@ class HashStore(Store):
             (``timedelta`` or seconds).
 
     Example:
+        >>> import cupy_parallel
         >>> import threading
         >>> from cupy_parallel.distributed import HashStore
         >>> store = HashStore()
