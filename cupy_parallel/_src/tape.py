@@ -822,10 +822,15 @@ def pullback(
     with _paused(tape, backward=True):
         for node in reversed(tape._nodes):
             vjp, inputs, needs, outputs, aux, cuda = node
-            size = len(grads)
-            out_grads = [pop(id(y), None) for y in outputs]  # complete: consumers came later
-            if len(grads) == size:
-                continue  # no gradient reaches this node
+            if len(outputs) == 1:  # most nodes: no list comprehension (a frame each, in 3.11)
+                if (g := pop(id(outputs[0]), None)) is None:
+                    continue  # no gradient reaches this node
+                out_grads = [g]  # complete: consumers came later
+            else:
+                size = len(grads)
+                out_grads = [pop(id(y), None) for y in outputs]
+                if len(grads) == size:
+                    continue
             if keep:
                 _keep(kept, keep, outputs, out_grads)
             if written:
