@@ -45,6 +45,7 @@ SECRET_ENV = "CUPY_PARALLEL_STORE_SECRET"  # noqa: S105 - a variable name, not a
 """Environment variable holding the optional shared secret of every TCPStore of a job."""
 _REPLY_GRACE_S = 5.0  # how much longer than a parked request's own wait a client waits at most
 _RECV_BYTES = 1 << 16
+_TIMEOUT_SLACK_S = 0.01  # a read may outlast its call's deadline by this much (saves a syscall)
 _STATUSES = {int(status): status for status in Status}
 
 
@@ -128,10 +129,12 @@ class _Client:
                 delay = min(delay * 2, 1.0)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._rbuf = bytearray()
+        self._sock_timeout: float = 0.0  # what the socket's timeout was last set to
         if self._secret is not None:
             try:
                 sock.settimeout(5.0)
                 sock.sendall(HEADER.pack(1 + 4 + len(self._secret), Op.AUTH) + blob(self._secret))
+                self._sock_timeout = 5.0
                 self._read_reply(sock, time.monotonic() + 5.0)
             except (OSError, ProtocolError) as exc:
                 sock.close()
@@ -177,15 +180,18 @@ class _Client:
         with self._lock:
             if self._closed:
                 raise ValueError(f"TCPStore({self._where}) is closed; create a new TCPStore.")
-            dead = self._dead_server()
-            if dead is not None:
-                raise dead
-            if self._sock is None:
-                self._sock = self._connect(retry=False)
+            if self._server is not None:
+                dead = self._dead_server()
+                if dead is not None:
+                    raise dead
             sock = self._sock
+            if sock is None:
+                sock = self._sock = self._connect(retry=False)
             deadline = time.monotonic() + limit
             try:
-                sock.settimeout(limit)
+                if self._sock_timeout != limit:  # a syscall; most calls reuse the last limit
+                    sock.settimeout(limit)
+                    self._sock_timeout = limit
                 sock.sendall(HEADER.pack(1 + len(body), op) + body)
                 status, payload = self._read_reply(sock, deadline)
             except TimeoutError as exc:
@@ -210,7 +216,11 @@ class _Client:
         return status, Reader(payload)
 
     def _read_reply(self, sock: socket.socket, deadline: float) -> tuple[Status, bytes]:
-        """The next answer frame on ``sock`` (bytes after it stay buffered)."""
+        """The next answer frame on ``sock`` (bytes after it stay buffered).
+
+        Each read waits at most until ``deadline`` plus ``_TIMEOUT_SLACK_S``: the socket's
+        timeout is shortened only when it would overshoot by more (a syscall saved per call).
+        """
         buf = self._rbuf
         while True:
             want = _RECV_BYTES
@@ -228,13 +238,19 @@ class _Client:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError("no answer in time")
-            sock.settimeout(remaining)
+            if remaining < self._sock_timeout - _TIMEOUT_SLACK_S:
+                sock.settimeout(remaining)
+                self._sock_timeout = remaining
             if want > _RECV_BYTES:  # the rest of a large answer, in one allocation
                 chunk = sock.recv(want)
                 n = len(chunk)
                 buf += chunk
             else:  # small answers go through one reused buffer: no allocation per read
                 n = sock.recv_into(self._small)
+                if not buf and n >= HEADER.size:  # the usual case: one whole small answer
+                    length, status = HEADER.unpack_from(self._small)
+                    if n == U32.size + length and status in _STATUSES:
+                        return _STATUSES[status], bytes(self._small_view[HEADER.size : n])
                 buf += self._small_view[:n]
             if not n:
                 raise ConnectionError("the server closed the connection")
