@@ -1,7 +1,8 @@
 """cupy_parallel.comm on 4 host devices against plain NumPy copies and sums of the same bytes.
 
-Four measurements, each the median of several repeats after a warm-up, with its baseline timed
-in the same run (interleaved, so machine load hits both alike):
+Four measurements, each timed by the harness's ``compare`` against its baseline in interleaved
+rounds (so machine load hits both alike; the row reports the median per-round ratio and its
+spread):
 
 * ``scatter``: 256 MiB of float32 from ``"cpu"`` to 4 host devices, vs one preallocated
   ``numpy.copyto`` of the same bytes (target ratio 1.5);
@@ -18,9 +19,7 @@ for ``cupy-parallel bench``.
 
 from __future__ import annotations
 
-import statistics
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -28,10 +27,7 @@ from cupy_parallel._src import comm
 from cupy_parallel._src.arrays import to_device
 from cupy_parallel._src.devices import _host_devices, set_host_device_count
 from cupy_parallel._src.hostarray import plain_buffer
-from cupy_parallel._tools.benchmarking import result, script_main
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
+from cupy_parallel._tools.benchmarking import compare, script_main
 
 DEVICES = [f"host:{k}" for k in range(4)]
 MIB = 1 << 20
@@ -53,38 +49,20 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
     return shapes
 
 
-def _interleaved(
-    operation: Callable[[], Any], baseline: Callable[[], Any], repeats: int
-) -> tuple[float, float]:
-    """Median seconds of ``operation`` and ``baseline``, alternated, after one warm-up each."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for i in range(repeats + 1):
-        for fn, record in ((operation, times[0]), (baseline, times[1])):
-            start = time.perf_counter()
-            result = fn()
-            elapsed = time.perf_counter() - start
-            del result  # returns pooled buffers before the next repeat allocates
-            if i:
-                record.append(elapsed)
-    return statistics.median(times[0]), statistics.median(times[1])
-
-
 def _scatter_gather(quick: bool, repeats: int) -> list[dict[str, Any]]:
     count = (64 if quick else 256) * MIB // 4
     x = np.random.default_rng(0).standard_normal(count, dtype=np.float32)
     copy = np.empty_like(x)
-    scatter_s, copy_s = _interleaved(
-        lambda: comm.scatter(x, DEVICES), lambda: np.copyto(copy, x), repeats
-    )
+    scatter = compare(lambda: comm.scatter(x, DEVICES), lambda: np.copyto(copy, x), rounds=repeats)
     parts = comm.scatter(x, DEVICES)
-    gather_s, copy2_s = _interleaved(
-        lambda: comm.gather(parts, 0, "cpu"), lambda: np.copyto(copy, x), repeats
+    gather = compare(
+        lambda: comm.gather(parts, 0, "cpu"), lambda: np.copyto(copy, x), rounds=repeats
     )
     if not np.array_equal(comm.gather(parts, 0, "cpu"), x):
         raise AssertionError("scatter/gather round trip changed the data")
     return [
-        result("scatter cpu->4 host devices", scatter_s, copy_s, 1.5, bytes=x.nbytes),
-        result("gather 4 host devices->cpu", gather_s, copy2_s, 1.5, bytes=x.nbytes),
+        scatter.row("scatter cpu->4 host devices", 1.5, bytes=x.nbytes),
+        gather.row("gather 4 host devices->cpu", 1.5, bytes=x.nbytes),
     ]
 
 
@@ -101,9 +79,7 @@ def _coalesced(repeats: int) -> list[dict[str, Any]]:
             for dst, src in zip(replica, plain, strict=True):
                 np.copyto(dst, src)
 
-    broadcast_s, copies_s = _interleaved(
-        lambda: comm.broadcast_coalesced(params, DEVICES), copies, repeats
-    )
+    broadcast = compare(lambda: comm.broadcast_coalesced(params, DEVICES), copies, rounds=repeats)
 
     grads = [
         [to_device(rng.standard_normal(s, dtype=np.float32), d) for s in shapes] for d in DEVICES
@@ -113,15 +89,13 @@ def _coalesced(repeats: int) -> list[dict[str, Any]]:
     def numpy_sums() -> list[np.ndarray]:
         return [a0 + a1 + a2 + a3 for a0, a1, a2, a3 in zip(*plain_grads, strict=True)]
 
-    reduce_s, sums_s = _interleaved(
-        lambda: comm.reduce_add_coalesced(grads, "host:0"), numpy_sums, repeats
-    )
+    reduce = compare(lambda: comm.reduce_add_coalesced(grads, "host:0"), numpy_sums, rounds=repeats)
     got = comm.reduce_add_coalesced(grads, "host:0")
     if not all(np.array_equal(plain_buffer(g), w) for g, w in zip(got, numpy_sums(), strict=True)):
         raise AssertionError("reduce_add_coalesced differs from the NumPy sums")
     return [
-        result("broadcast_coalesced ResNet-50 ->4", broadcast_s, copies_s, 1.2, bytes=3 * nbytes),
-        result("reduce_add_coalesced ResNet-50 x4", reduce_s, sums_s, 1.0, bytes=4 * nbytes),
+        broadcast.row("broadcast_coalesced ResNet-50 ->4", 1.2, bytes=3 * nbytes),
+        reduce.row("reduce_add_coalesced ResNet-50 x4", 1.0, bytes=4 * nbytes),
     ]
 
 

@@ -353,6 +353,41 @@ def test_a_silent_server_times_out_after_the_clients_timeout() -> None:
             store.close()
 
 
+def test_a_server_that_never_reads_times_a_large_set_out() -> None:
+    """The request itself cannot be sent: the client's send waits up to the timeout only."""
+    with socket.create_server((HOST, 0)) as silent:
+        port = silent.getsockname()[1]
+        store = TCPStore(HOST, port, timeout=0.5)
+        try:
+            start = time.monotonic()
+            with pytest.raises(DistStoreError, match=r"did not answer SET within 0\.5 s"):
+                store.set("k", b"x" * (32 * MiB))  # far more than the socket buffers hold
+            assert 0.5 <= time.monotonic() - start < 3.0
+        finally:
+            store.close()
+
+
+def test_a_long_wait_outlasts_a_shorter_earlier_call() -> None:
+    """A parked call longer than the store's timeout still gets its answer.
+
+    The client's receive timer is left at the last call's limit (0.3 s here); a wait that
+    may take longer must re-arm it when it runs out, not time out.
+    """
+    master = TCPStore(HOST, 0, is_master=True, timeout=0.3)
+    try:
+        master.add("warm", 1)  # the receive timer is now about 0.3 s
+        other = master.clone()
+        setter = threading.Timer(0.8, other.set, ("late", "1"))
+        setter.start()
+        start = time.monotonic()
+        master.wait(["late"], timeout=2.0)
+        assert 0.7 <= time.monotonic() - start < 2.0
+        setter.join(5)
+        other.close()
+    finally:
+        master.close()
+
+
 # --------------------------------------------------------------------------------------------
 # 6. The shared secret
 

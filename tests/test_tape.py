@@ -1048,3 +1048,19 @@ def test_gradient_takes_the_source_dtype_or_refuses_complex(
     g = tape.gradient(z, x, np.ones(3))
     assert g.dtype == np.float64
     np.testing.assert_array_equal(g, np.full(3, np.float32(0.1), dtype=np.float64))
+
+
+def _one_gradient_vjp(gs: list[Any], xs: Any, needs: Any, zs: Any, aux: Any) -> Any:
+    return (gs[0],)  # one gradient, but the op has two inputs
+
+
+def test_a_vjp_returning_the_wrong_number_of_gradients_is_named() -> None:
+    x, y = rand(3), rand(3, seed=1)
+    with Tape() as tape:
+        tape.watch(x)
+        z = np.multiply(x, y)
+        tape_module.record_binary(_one_gradient_vjp, x, y, z, None)
+    with pytest.raises(
+        ValueError, match=r"The vjp of ops\.one_gradient returned 1 gradients for 2 inputs"
+    ):
+        tape.gradient(z, x, output_gradients=np.ones(3))

@@ -250,6 +250,7 @@ def _out(x: Any, device: Device, operation: str) -> np.ndarray:
 
 
 _new = object.__new__
+_NDARRAY = np.ndarray
 
 
 def host_array(data: np.ndarray, device: Device, /) -> HostArray:
@@ -1126,11 +1127,15 @@ class HostArray:
             return _apply_ufunc(device, ufunc, method, inputs, kwargs)
         if len(inputs) == 2:  # the hot path: two operands, each an array here or a scalar
             a, b = inputs
-            if type(a) is HostArray and (a._device is device or a._device == device):
+            if a is self:  # NumPy asks the first array operand, so mostly this one
+                a = self._data
+            elif type(a) is HostArray and (a._device is device or a._device == device):
                 a = a._data
             elif type(a) not in _SCALAR_TYPES:
                 return _apply_ufunc(device, ufunc, method, inputs, kwargs)
-            if type(b) is HostArray and (b._device is device or b._device == device):
+            if b is self:
+                b = self._data
+            elif type(b) is HostArray and (b._device is device or b._device == device):
                 b = b._data
             elif type(b) not in _SCALAR_TYPES:
                 return _apply_ufunc(device, ufunc, method, inputs, kwargs)
@@ -1141,7 +1146,7 @@ class HostArray:
             if _guard is not None:
                 _guard(f"numpy.{ufunc.__name__}", inputs)
             r = ufunc(self._data)
-        if type(r) is np.ndarray:
+        if type(r) is _NDARRAY:
             h = _new(HostArray)
             h._data = r
             h._device = device

@@ -824,10 +824,15 @@ def pullback(
     with _paused(tape, backward=True):
         for node in reversed(tape._nodes):
             vjp, inputs, needs, outputs, aux, cuda = node
-            size = len(grads)
-            out_grads = [pop(id(y), None) for y in outputs]  # complete: consumers came later
-            if len(grads) == size:
-                continue  # no gradient reaches this node
+            if len(outputs) == 1:  # most nodes: no list comprehension (a frame each, in 3.11)
+                if (g := pop(id(outputs[0]), None)) is None:
+                    continue  # no gradient reaches this node
+                out_grads = [g]  # complete: consumers came later
+            else:
+                size = len(grads)
+                out_grads = [pop(id(y), None) for y in outputs]
+                if len(grads) == size:
+                    continue
             if keep:
                 _keep(kept, keep, outputs, out_grads)
             if written:
@@ -837,12 +842,24 @@ def pullback(
             else:
                 with cuda:
                     in_grads = vjp(out_grads, inputs, needs, outputs, aux)
-            for x, need, g in zip(inputs, needs, in_grads, strict=True):
-                if need and g is not None:
-                    k = id(x)
+            if len(in_grads) != len(inputs):
+                raise _count_error(node, len(in_grads))
+            i = 0  # a counter: zip (~300 ns) or enumerate (~50 ns) cost more a node
+            for g in in_grads:
+                if g is not None and needs[i]:
+                    k = id(inputs[i])
                     grads[k] = g if (total := grads.get(k)) is None else _sum_pair(total, g)
+                i += 1  # noqa: SIM113 - see above
     kept.update(grads)
     return [kept.get(id(x)) for x in sources]
+
+
+def _count_error(node: Node, count: int) -> ValueError:
+    """A vjp returned ``count`` gradients for a node with another number of inputs."""
+    return ValueError(
+        f"The vjp of {_op_name(node[0], node[4])} returned {count} gradients for "
+        f"{len(node[1])} inputs: a vjp returns one gradient (or None) per input."
+    )
 
 
 def _written(tape: Tape) -> set[int]:

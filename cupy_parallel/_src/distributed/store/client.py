@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -45,6 +47,9 @@ SECRET_ENV = "CUPY_PARALLEL_STORE_SECRET"  # noqa: S105 - a variable name, not a
 """Environment variable holding the optional shared secret of every TCPStore of a job."""
 _REPLY_GRACE_S = 5.0  # how much longer than a parked request's own wait a client waits at most
 _RECV_BYTES = 1 << 16
+_TIMEOUT_SLACK_S = 0.01  # a read may outlast its call's deadline by this much (saves a syscall)
+_TIMEVAL = struct.Struct("@ll")  # struct timeval, as SO_RCVTIMEO takes it (Linux, macOS)
+_MAX_TIMER_S = 2**31 - 1
 _STATUSES = {int(status): status for status in Status}
 
 
@@ -127,12 +132,15 @@ class _Client:
                 time.sleep(min(delay, max(remaining, 0)))
                 delay = min(delay * 2, 1.0)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)  # blocking; reads are bounded by the kernel's receive timer
         self._rbuf = bytearray()
+        self._timer = 0.0  # the receive timer last set on the socket (0: none yet)
         if self._secret is not None:
             try:
-                sock.settimeout(5.0)
-                sock.sendall(HEADER.pack(1 + 4 + len(self._secret), Op.AUTH) + blob(self._secret))
-                self._read_reply(sock, time.monotonic() + 5.0)
+                deadline = time.monotonic() + 5.0
+                frame = HEADER.pack(1 + 4 + len(self._secret), Op.AUTH) + blob(self._secret)
+                self._send(sock, frame, deadline)
+                self._read_reply(sock, deadline)
             except (OSError, ProtocolError) as exc:
                 sock.close()
                 raise DistNetworkError(
@@ -177,16 +185,16 @@ class _Client:
         with self._lock:
             if self._closed:
                 raise ValueError(f"TCPStore({self._where}) is closed; create a new TCPStore.")
-            dead = self._dead_server()
-            if dead is not None:
-                raise dead
-            if self._sock is None:
-                self._sock = self._connect(retry=False)
+            if self._server is not None:
+                dead = self._dead_server()
+                if dead is not None:
+                    raise dead
             sock = self._sock
+            if sock is None:
+                sock = self._sock = self._connect(retry=False)
             deadline = time.monotonic() + limit
             try:
-                sock.settimeout(limit)
-                sock.sendall(HEADER.pack(1 + len(body), op) + body)
+                self._send(sock, HEADER.pack(1 + len(body), op) + body, deadline)
                 status, payload = self._read_reply(sock, deadline)
             except TimeoutError as exc:
                 self._drop()
@@ -209,9 +217,48 @@ class _Client:
             raise ValueError(payload.decode(errors="replace"))
         return status, Reader(payload)
 
+    @staticmethod
+    def _send(sock: socket.socket, frame: bytes, deadline: float) -> None:
+        """Send ``frame`` by ``deadline`` (``TimeoutError`` otherwise).
+
+        The socket is blocking and has no Python timeout, which would cost a ``poll`` before
+        every send and read. A request almost always fits the socket's send buffer, so one
+        non-blocking send does; the rest waits for the socket with ``select.poll`` up to the
+        deadline.
+        """
+        try:
+            sent = sock.send(frame, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent == len(frame):
+            return
+        rest = memoryview(frame)[sent:]
+        poller = select.poll()
+        poller.register(sock, select.POLLOUT)
+        while rest:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not poller.poll(remaining * 1000 + 1):
+                raise TimeoutError("the server does not take the request")
+            with contextlib.suppress(BlockingIOError, InterruptedError):
+                rest = rest[sock.send(rest, socket.MSG_DONTWAIT) :]
+
+    def _set_timer(self, sock: socket.socket, seconds: float) -> None:
+        """Make a blocking read on ``sock`` fail (``BlockingIOError``) after ``seconds``."""
+        micros = round(min(max(seconds, 1e-6), _MAX_TIMER_S) * 1e6)  # 0 would mean never
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(*divmod(micros, 10**6))
+        )
+        self._timer = seconds
+
     def _read_reply(self, sock: socket.socket, deadline: float) -> tuple[Status, bytes]:
-        """The next answer frame on ``sock`` (bytes after it stay buffered)."""
+        """The next answer frame on ``sock`` (bytes after it stay buffered).
+
+        Reads are bounded by the socket's receive timer (``SO_RCVTIMEO``), set only when it
+        would outlast ``deadline`` by more than ``_TIMEOUT_SLACK_S`` (a syscall saved on most
+        calls); a timer that runs out before the deadline is set again to what remains.
+        """
         buf = self._rbuf
+        expired = False
         while True:
             want = _RECV_BYTES
             if len(buf) >= HEADER.size:
@@ -228,13 +275,27 @@ class _Client:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError("no answer in time")
-            sock.settimeout(remaining)
+            if expired or remaining < self._timer - _TIMEOUT_SLACK_S or not self._timer:
+                self._set_timer(sock, remaining)
+            expired = False
             if want > _RECV_BYTES:  # the rest of a large answer, in one allocation
-                chunk = sock.recv(want)
+                try:
+                    chunk = sock.recv(want)
+                except BlockingIOError:  # the receive timer ran out
+                    expired = True
+                    continue
                 n = len(chunk)
                 buf += chunk
             else:  # small answers go through one reused buffer: no allocation per read
-                n = sock.recv_into(self._small)
+                try:
+                    n = sock.recv_into(self._small)
+                except BlockingIOError:
+                    expired = True
+                    continue
+                if not buf and n >= HEADER.size:  # the usual case: one whole small answer
+                    length, status = HEADER.unpack_from(self._small)
+                    if n == U32.size + length and status in _STATUSES:
+                        return _STATUSES[status], bytes(self._small_view[HEADER.size : n])
                 buf += self._small_view[:n]
             if not n:
                 raise ConnectionError("the server closed the connection")

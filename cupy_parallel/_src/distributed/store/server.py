@@ -269,6 +269,12 @@ class Server:
         if not n:
             self._close(conn)
             return
+        if not conn.inbuf and n > U32.size and conn.waiter is None:
+            (length,) = U32.unpack_from(self._recv_buffer)
+            if n == U32.size + length and conn.out_bytes < OUTPUT_HIGH_WATER:
+                # the usual case: exactly one whole request, handled without buffering it
+                self._handle(conn, bytes(self._recv_view[:n]))
+                return
         conn.inbuf += self._recv_view[:n]  # one reused buffer: no allocation per read
         self._buffered += n
         if len(conn.inbuf) > U32.size + MAX_FRAME_BYTES:
@@ -302,15 +308,20 @@ class Server:
                     body = bytes(view[: U32.size + length])
                 del conn.inbuf[: U32.size + length]
             self._buffered -= U32.size + length
-            reader = Reader(body, U32.size + 1)
-            try:
-                handler = self._handlers.get(body[U32.size])
-                if handler is None or not (conn.authed or body[U32.size] == Op.AUTH):
-                    raise ProtocolError("an unknown opcode, or no AUTH first")
-                handler(conn, reader)
-            except ProtocolError:  # a malformed body
-                self._close(conn)
-                return
+            self._handle(conn, body)
+
+    def _handle(self, conn: _Conn, frame: bytes) -> None:
+        """Serve one whole request frame (its length prefix included)."""
+        if len(frame) <= U32.size or len(frame) > U32.size + MAX_FRAME_BYTES:
+            self._close(conn)
+            return
+        handler = self._handlers.get(frame[U32.size])
+        try:
+            if handler is None or not (conn.authed or frame[U32.size] == Op.AUTH):
+                raise ProtocolError("an unknown opcode, or no AUTH first")
+            handler(conn, Reader(frame, U32.size + 1))
+        except ProtocolError:  # a malformed body
+            self._close(conn)
 
     def _interest(self, conn: _Conn) -> None:
         """Read only while replies drain; write while replies are queued."""
@@ -326,7 +337,23 @@ class Server:
     def _reply(self, conn: _Conn, status: Status, payload: bytes = b"") -> None:
         header = HEADER.pack(1 + len(payload), status)
         if len(payload) <= _INLINE_REPLY:
-            conn.out.append(header + payload)
+            frame = header + payload
+            if not conn.out:  # the usual case: nothing queued, so try to send it right away
+                try:
+                    sent = conn.sock.send(frame)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:
+                    self._close(conn)
+                    return
+                if sent == len(frame):
+                    return
+                frame = frame[sent:]
+                conn.out_bytes += len(frame)
+                self._buffered += len(frame)
+                conn.out.append(frame)
+                return  # the loop writes the rest once the socket takes more
+            conn.out.append(frame)
         else:
             conn.out.append(header)
             conn.out.append(payload)  # the stored value itself: no copy

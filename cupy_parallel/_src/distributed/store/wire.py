@@ -132,10 +132,17 @@ class Reader:
         return min(value, MAX_TIMEOUT_MS) / 1000
 
     def blob(self, limit: int) -> bytes:
-        n = self.u32()
+        body, start = self._body, self._pos + U32.size  # _take and u32 inlined: the hot path
+        if start > len(body):
+            raise ProtocolError("message ends early")
+        (n,) = U32.unpack_from(body, self._pos)
         if n > limit:
             raise ProtocolError(f"field of {n} bytes exceeds {limit}")
-        return self._take(n)
+        end = start + n
+        if end > len(body):
+            raise ProtocolError("message ends early")
+        self._pos = end
+        return body[start:end]
 
     def key(self) -> bytes:
         return self.blob(MAX_KEY_BYTES)
