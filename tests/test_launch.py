@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cupy_parallel._src.distributed.launch import detect_launch_env, main
+from cupy_parallel._src.distributed.launch import detect_launch_env, find_mpiexec, main
 
 RANK_VARS = [
     "RANK",
@@ -253,7 +252,7 @@ def test_ranks_ignoring_signals_are_killed_after_the_grace_period(tmp_path: Path
 
 @pytest.mark.parametrize("backend", [[], ["--backend", "mpi"]], ids=["direct", "mpi"])
 def test_no_rank_outlives_a_killed_launcher(tmp_path: Path, backend: list[str]) -> None:
-    if backend and shutil.which("mpiexec") is None:
+    if backend and find_mpiexec() is None:
         pytest.skip("needs mpiexec")
     script, out = _script(tmp_path, STUBBORN_SCRIPT), _outdir(tmp_path)
     launcher = _launch(tmp_path, script, out, *backend)

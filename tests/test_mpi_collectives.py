@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -17,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from cupy_parallel._src.distributed.launch import find_mpiexec
+
 WORKER = Path(__file__).parent / "mpi_workers" / "collectives_worker.py"
-MPIEXEC = shutil.which("mpiexec")
+MPIEXEC = find_mpiexec()
 
 pytestmark = [
     pytest.mark.mpi,

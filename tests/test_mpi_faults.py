@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,8 +22,10 @@ from typing import NamedTuple
 
 import pytest
 
+from cupy_parallel._src.distributed.launch import find_mpiexec
+
 WORKER = Path(__file__).parent / "mpi_workers" / "fault_worker.py"
-MPIEXEC = shutil.which("mpiexec")
+MPIEXEC = find_mpiexec()
 LAUNCHER = "import sys; from cupy_parallel._src.distributed.launch import main; sys.exit(main())"
 LIMIT_S = 15.0
 

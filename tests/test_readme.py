@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import doctest
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from cupy_parallel._src.distributed.launch import find_mpiexec
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -47,8 +48,7 @@ def test_readme_block_runs_as_written(line: int, code: str, tmp_path: Path) -> N
     script = tmp_path / "block.py"
     script.write_text(code, encoding="utf-8")
     command = [sys.executable, str(script)]
-    beside = Path(sys.executable).with_name("mpiexec")  # the mpich wheel's, in this environment
-    mpiexec = str(beside) if beside.exists() else shutil.which("mpiexec")
+    mpiexec = find_mpiexec()  # the mpich wheel's beside this Python first, as the launcher does
     if re.match(r"# \w+\.py\n", code) and 'init_process_group("mpi")' in code and mpiexec:
         command = [mpiexec, "-n", "2", *command]
     done = subprocess.run(
