@@ -1121,6 +1121,139 @@ def test_sim_set_up_times_out_when_a_peer_never_joins(
 
 
 # ---------------------------------------------------------------------------------------------
+# Debug mode (CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL): the ranks compare through the store
+#
+# Each thread-rank calls the public functions on its own ProcessGroup object wrapping its
+# backend, so the comparison runs exactly as in a process: collectives._run, then agree().
+
+
+def _debug_groups(backends: list) -> list[Any]:
+    ranks = tuple(range(len(backends)))
+    for b in backends:
+        b.detail = True
+    return [groups.ProcessGroup(b, ranks, b.group_name) for b in backends]
+
+
+# What rank 2 of three passes differently; the rest pass the first spelling.
+MISMATCHES = {
+    "shape": ("all_reduce", "'float64[4]'", "'float64[5]'"),
+    "dtype": ("all_reduce", "'float64[4]'", "'float32[4]'"),
+    "op": ("all_reduce", "'ReduceOp.SUM'", "'ReduceOp.MAX'"),
+    "root": ("broadcast", "0", "1"),
+    "operation": ("all_reduce", "'all_reduce'", "'broadcast'"),
+}
+
+
+def _debug_call(cupy: Any, pg: Any, r: int, what: str | None) -> Any:
+    """The call rank ``r`` makes: the agreed one, or rank 2's variant ``what``."""
+    odd = r == 2 and what is not None
+    size = 5 if odd and what == "shape" else 4
+    dtype = np.float32 if odd and what == "dtype" else np.float64
+    x = cupy.asarray(np.arange(size, dtype=dtype) + 10 * r)
+    if what == "root" or (odd and what == "operation"):
+        dist.broadcast(x, src=1 if odd and what == "root" else 0, group=pg)
+    else:
+        op = dist.ReduceOp.MAX if odd and what == "op" else dist.ReduceOp.SUM
+        dist.all_reduce(x, op=op, group=pg)
+    return x
+
+
+@pytest.mark.parametrize("what", sorted(MISMATCHES))
+def test_sim_debug_mode_raises_on_every_rank_naming_the_differing_one(
+    monkeypatch: pytest.MonkeyPatch, store: Any, what: str
+) -> None:
+    operation, agreed, odd = MISMATCHES[what]
+    with _gpus(3, monkeypatch) as (cupy, _):
+        backends = _world(store, 3)
+        pgs = _debug_groups(backends)
+
+        def body(r: int, b: Any) -> tuple[str, bool, np.ndarray]:
+            cupy.cuda.Device(r).use()
+            with pytest.raises(ValueError, match="passed other arguments") as caught:
+                _debug_call(cupy, pgs[r], r, what)
+            untouched = b._comms == {}  # raised before NCCL was asked for anything
+            x = cupy.asarray(np.arange(4.0) + 10 * r)
+            dist.all_reduce(x, group=pgs[r])  # the group is still usable after a mismatch
+            return str(caught.value), untouched, _host(x)
+
+        results = _on_ranks(backends, body)
+        _shutdown(cupy, backends)
+    # Every rank raises, each under the name of the operation it called, with the same account.
+    accounts = {message.split(": ", 1)[1] for message, _, _ in results}
+    assert len(accounts) == 1
+    message = results[0][0]
+    assert message.startswith(f"{operation}: ranks [2] passed other arguments than the rest of")
+    before, after = message.split("rank 2: (")
+    assert f"rank 0: ('{operation}'" in before
+    assert agreed in before
+    assert odd in after
+    summed = sum(np.arange(4.0) + 10 * r for r in range(3))
+    for _, untouched, x in results:
+        assert untouched
+        np.testing.assert_array_equal(x, summed)  # the next call moved the right data
+    assert store.num_keys() == 0  # every record was read by all and removed
+
+
+def test_sim_debug_mode_agreeing_calls_give_numpy_results(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    with _gpus(2, monkeypatch) as (cupy, _):
+        backends = _world(store, 2)
+        pgs = _debug_groups(backends)
+
+        def body(r: int, b: Any) -> list[np.ndarray]:
+            del b
+            cupy.cuda.Device(r).use()
+            x = cupy.asarray(np.array([1.0, -2.0, 3.0]) * (r + 1))
+            dist.all_reduce(x, op=dist.ReduceOp.MIN, group=pgs[r])
+            y = cupy.asarray(np.full(2, 7 + r, np.int32))
+            dist.broadcast(y, src=1, group=pgs[r])
+            out = [cupy.zeros(3, np.int64) for _ in range(2)]
+            dist.all_gather(out, cupy.asarray(np.arange(3) * (r + 1)), group=pgs[r])
+            return [_host(x), _host(y), *[_host(o) for o in out]]
+
+        results = _on_ranks(backends, body)
+        _shutdown(cupy, backends)
+    for x, y, first, second in results:
+        np.testing.assert_array_equal(x, [1.0, -4.0, 3.0])
+        np.testing.assert_array_equal(y, [8, 8])
+        np.testing.assert_array_equal(first, [0, 1, 2])
+        np.testing.assert_array_equal(second, [0, 2, 4])
+    assert store.num_keys() == 0
+
+
+def test_sim_debug_mode_names_a_rank_that_skipped_the_collective(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    with _gpus(3, monkeypatch) as (cupy, _):
+        backends = _world(store, 3, timeout=0.3)
+        pgs = _debug_groups(backends)
+
+        def body(r: int, b: Any) -> tuple[str, str]:
+            cupy.cuda.Device(r).use()
+            if r == 1:
+                return "", ""  # alive, but skips the collective
+            x = cupy.ones(2)
+            with pytest.raises(TimeoutError) as caught:
+                dist.all_reduce(x, group=pgs[r])
+            with pytest.raises(RuntimeError) as after:
+                dist.all_reduce(x, group=pgs[r])
+            assert b._comms == {}  # nothing reached NCCL
+            return str(caught.value), str(after.value)
+
+        results = _on_ranks(backends, body)
+        _shutdown(cupy, backends)
+    for r in (0, 2):
+        timed_out, after = results[r]
+        assert timed_out == (
+            f"the debug mode's comparison of collective #0 on process group '0' (rank {r} of "
+            "3): group ranks [1] did not reach it within 0.3 s (they skipped a collective, or "
+            "died)."
+        )
+        assert f"is unusable: {timed_out}" in after
+
+
+# ---------------------------------------------------------------------------------------------
 # comm's NCCL: one thread's grouped calls never interleave with another's (defect 8)
 
 

@@ -19,7 +19,8 @@ made (torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``), every collective first has th
 what they must agree on (the operation, shapes, dtypes, the reduction and the root); a mismatch
 raises ``ValueError`` on every rank, naming the ranks that differ and what each passed, before any
 data moves. Off by default: it costs one small extra exchange per collective (see
-``benchmarks/bench_collectives.py``). The MPI backend implements it; others skip it.
+``benchmarks/bench_collectives.py``). MPI compares on a control communicator, NCCL through
+the store.
 
 Types: every function taking ``async_op`` has ``typing.overload``s, so a type checker knows that
 the default call returns ``None``, ``async_op=True`` (by keyword or position) a :class:`Work`, and

@@ -47,6 +47,10 @@
   are issued inside one NCCL group, so ``*_coalesced`` forms and p2p patterns launch together.
   Temporary buffers are filled on the caller's stream before the call and emptied on the internal
   stream after it, with ``cudaMemcpyAsync``.
+* Debug mode (``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL``): the ranks compare each collective's
+  arguments through the store before anything is issued on a stream (:meth:`NCCLBackend.agree`),
+  as torch's ``DETAIL`` mode compares them over a side gloo group: the host-side exchange is what
+  lets a mismatch raise on every rank before NCCL reads a byte.
 * Not supported by NCCL: ``recv`` from any source (``src=None``) and message tags (messages
   between two ranks match in the order they were posted, as in torch).
 """
@@ -389,6 +393,7 @@ class NCCLBackend(ProcessGroupBackend):
         self._comms: dict[tuple[int, ...], list[Any]] = {}
         self._streams: dict[int, Any] = {}
         self._made = 0  # communicators made so far: numbers the unique-id keys
+        self._agreed = 0  # debug-mode comparisons so far: numbers their keys
         self._last_devices: tuple[int, ...] | None = None
         self._in_flight: list[_NCCLWork] = []  # unfinished works, pruned by the watchdog
         self._plans: dict[tuple[np.dtype[Any], ReduceOp], Reduction] = {}
@@ -862,6 +867,44 @@ class NCCLBackend(ProcessGroupBackend):
 
         keep = (outputs, inputs)
         return self._launch("all_to_all", _devices(inputs[:1]), issue, after=after, keep=keep)
+
+    def agree(self, record: bytes, /) -> list[bytes]:
+        """Every rank's ``record`` through the store (the debug mode's comparison).
+
+        Each rank sets its record under a key numbered by a per-group counter (every rank
+        compares its collectives in the same order), waits up to the group's timeout for all of
+        them and reads them in one ``multi_get``; the last rank to read deletes the keys, so a
+        group re-created under the same name never reads a stale record. The store is the side
+        channel: the comparison needs no GPU work, and a rank that skipped the collective is
+        named instead of hanging NCCL.
+
+        Raises:
+            TimeoutError: some rank did not reach the comparison within the timeout (it skipped
+                this collective or died); names those group ranks. The group is unusable after.
+        """
+        with self._lock:
+            number, self._agreed = self._agreed, self._agreed + 1
+        prefix = f"cupy_parallel/nccl/{self.group_name}/debug/{number}"
+        keys = [f"{prefix}/{r}" for r in range(self.size)]
+        store = self._store
+        store.set(keys[self.rank], record)
+        try:
+            store.wait(keys, timedelta(seconds=self.timeout))
+        except TimeoutError:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            reason = (
+                f"the debug mode's comparison of collective #{number} on process group "
+                f"{self.group_name!r} (rank {self.rank} of {self.size}): group ranks {missing} "
+                f"did not reach it within {self.timeout:g} s (they skipped a collective, or died)."
+            )
+            if self.failure is None:
+                self.failure = reason
+            raise TimeoutError(reason) from None
+        records: list[bytes] = store.multi_get(keys)
+        if store.add(f"{prefix}/read", 1) == self.size:
+            for key in [*keys, f"{prefix}/read"]:
+                store.delete_key(key)
+        return records
 
     def barrier(self) -> Work:
         """An all-reduce of one byte; its ``wait()`` blocks the host until every rank arrived.
