@@ -77,3 +77,7 @@ class ReduceOp(enum.Enum):
     BAND = "band"
     BOR = "bor"
     BXOR = "bxor"
+
+    # Members are singletons, so identity is equality: hash them as objects, not by name in
+    # Python (enum's default), since every reduction looks its plan up per call.
+    __hash__ = object.__hash__

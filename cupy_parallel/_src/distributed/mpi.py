@@ -65,7 +65,7 @@ from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend
 from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.work import Work
-from cupy_parallel._src.hostarray import plain_buffer
+from cupy_parallel._src.hostarray import HostArray, plain_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -333,12 +333,18 @@ def _is_cupy(x: Any) -> bool:
     return module == "cupy" or module.startswith(("cupy.", "cupy_backends."))
 
 
+# Argument types that are never CuPy arrays: skipped without asking for their module.
+_NOT_DEVICE: frozenset[type] = frozenset({np.ndarray, HostArray, int, ReduceOp, type(None)})
+
+
 def _has_device_array(args: Sequence[Any]) -> bool:
     for arg in args:
-        if type(arg) is list or type(arg) is tuple:
-            if _has_device_array(arg):
+        kind = type(arg)
+        if kind is list or kind is tuple:
+            # A list of host arrays (the common case) is passed over at C speed.
+            if not _NOT_DEVICE.issuperset(map(type, arg)) and _has_device_array(arg):
                 return True
-        elif _is_cupy(arg):
+        elif kind not in _NOT_DEVICE and _is_cupy(arg):
             return True
     return False
 
@@ -518,6 +524,16 @@ class _MPIWork(Work):
         except _mpi().Exception as error:
             raise self._mpi_error(error) from None
         return False
+
+    def _block(self, deadline: float) -> bool:
+        """Poll the request's own ``Test`` (one request, no status: every collective's case)."""
+        request = self._request
+        if type(request) is list or self._status is not None:
+            return Work._block(self, deadline)
+        try:
+            return self._poll(request.Test, deadline)
+        except _mpi().Exception as error:
+            raise self._mpi_error(error) from None
 
     def _mpi_error(self, error: Any) -> Exception:
         """A clear error for what MPI reported; a failed collective poisons the group."""

@@ -121,11 +121,21 @@ class Work:
 
     def _block(self, deadline: float) -> bool:
         """Block until the operation finished (``True``) or ``time.monotonic() >= deadline``."""
-        test = self._test
+        return self._poll(self._test, deadline)
+
+    def _poll(self, test: Callable[[], object], deadline: float) -> bool:
+        """Call ``test`` until it returns true (``True``) or the deadline passed (``False``).
+
+        Spin, yielding the core every ``_polls_per_yield`` tests, for the first second; then
+        sleep with backoff between tests, calling :meth:`_idle`. Backends whose ``_test`` wraps a
+        cheaper callable (an MPI request's own ``Test``) pass that one: on a core shared by
+        several ranks every instruction between two tests delays the peers' progress too.
+        """
+        polls = range(self._polls_per_yield)
         now = time.monotonic()
         yield_until = min(now + _YIELD_SECONDS, deadline)
         while now < yield_until:
-            for _ in range(self._polls_per_yield):
+            for _ in polls:
                 if test():
                     return True
             _yield()
