@@ -741,6 +741,152 @@ def test_a_returned_set_is_seen_by_every_other_handle(master: TCPStore) -> None:
             assert master.get("latest") == str(i).encode()
 
 
+# --------------------------------------------------------------------------------------------
+# confirm_sets=False: torch's set (returns once sent); the answers are read later, never dropped
+
+
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(["set", "get", "add", "check"]), st.integers(0, 3)),
+        max_size=40,
+    )
+)
+def test_posted_sets_apply_in_order_like_a_dict(fuzz_master: TCPStore, steps: list) -> None:
+    # Oracle: a dict. The posting store's own later calls see every set it posted.
+    model: dict[str, bytes] = {}
+    with TCPStore(HOST, fuzz_master.port, confirm_sets=False) as store:
+        prefix = f"posted/{time.monotonic_ns()}/"
+        for index, (operation, k) in enumerate(steps):
+            key = f"{prefix}{k}"
+            if operation == "set":
+                model[key] = str(index).encode()
+                store.set(key, str(index))
+            elif operation == "get" and key in model:
+                assert store.get(key) == model[key]
+            elif operation == "add" and (key not in model or model[key].isdigit()):
+                model[key] = str(int(model.get(key, b"0")) + index).encode()
+                assert store.add(key, index) == int(model[key])
+            elif operation == "check":
+                assert store.check([key]) == (key in model)
+        keys = sorted(model)
+    if keys:  # close() read every answer; another connection sees the final state
+        assert fuzz_master.multi_get(keys) == [model[key] for key in keys]
+
+
+def test_posted_sets_are_seen_by_others_after_any_later_call(master: TCPStore) -> None:
+    with TCPStore(HOST, master.port, confirm_sets=False) as client:
+        for i in range(200):
+            client.set("latest", str(i))
+            assert client.check(["latest"])  # a round trip: the set was applied before it
+            assert master.get("latest") == str(i).encode()
+
+
+def test_posted_sets_beyond_the_bound_and_close_lose_nothing(master: TCPStore) -> None:
+    # 3,000 sets: their answers are read 1,024 at a time while posting, the rest by close().
+    client = TCPStore(HOST, master.port, confirm_sets=False)
+    keys = [f"many/{i}" for i in range(3000)]
+    for i, key in enumerate(keys):
+        client.set(key, str(i))
+    client.close()
+    for start in range(0, 3000, 1000):  # multi_get names at most 1,024 keys
+        chunk = keys[start : start + 1000]
+        assert master.multi_get(chunk) == [str(i).encode() for i in range(start, start + 1000)]
+
+
+class _FakeServer:
+    """A listening socket whose one connection gets ``answer(frame_body)`` per request frame.
+
+    ``answer`` returns the reply frame's bytes, ``None`` to stay silent, or ``b""`` to close.
+    """
+
+    def __init__(self, answer) -> None:
+        self._listener = listen(HOST, 0)
+        self.port = self._listener.getsockname()[1]
+        self._answer = answer
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self._listener.accept()
+        with conn:
+            while True:
+                header = conn.recv(4, socket.MSG_WAITALL)
+                if len(header) < 4:
+                    return
+                body = _recv_exact(conn, struct.unpack(">I", header)[0])
+                reply = self._answer(body)
+                if reply == b"":
+                    return
+                if reply is not None:
+                    conn.sendall(reply)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _error_frame(message: str) -> bytes:
+    return _frame(bytes([4]) + message.encode())  # Status.ERROR, then the message
+
+
+@pytest.mark.parametrize(
+    ("answer", "error", "message"),
+    [
+        pytest.param(
+            lambda body: None,
+            DistStoreError,
+            r"did not confirm 2 set\(\) calls \(keys 'a', 'b'\) by GET \(timeout\); their "
+            r"values may be lost",
+            id="silent",
+        ),
+        pytest.param(
+            lambda body: b"",
+            DistNetworkError,
+            r"during GET .*2 set\(\) calls \(keys 'a', 'b'\) sent before were not confirmed "
+            r"and may be lost",
+            id="closes",
+        ),
+        pytest.param(
+            lambda body: _error_frame("disk full"),
+            ValueError,
+            r"^2 set\(\) calls \(keys 'a', 'b'\) failed on the TCPStore server at "
+            r"127\.0\.0\.1:\d+: disk full$",
+            id="refuses",
+        ),
+    ],
+)
+def test_an_unconfirmed_posted_set_fails_the_next_call(answer, error, message) -> None:
+    server = _FakeServer(answer)
+    try:
+        store = TCPStore(HOST, server.port, timeout=SHORT, confirm_sets=False)
+        store.set("a", b"1")  # returns at once: nothing is read yet
+        store.set("b", b"2")
+        with pytest.raises(error, match=message):
+            store.get("a")
+        store.close()
+    finally:
+        server.close()
+
+
+def test_close_raises_for_a_posted_set_never_confirmed() -> None:
+    server = _FakeServer(lambda body: None)
+    try:
+        store = TCPStore(HOST, server.port, timeout=SHORT, confirm_sets=False)
+        store.set("k", b"v")
+        with pytest.raises(DistStoreError, match=r"did not confirm set\('k'\) by close"):
+            store.close()
+        with pytest.raises(ValueError, match=r"is closed"):
+            store.get("k")  # closed all the same
+    finally:
+        server.close()
+
+
+def test_confirm_sets_is_checked_and_cloned(master: TCPStore) -> None:
+    with pytest.raises(TypeError, match=r"confirm_sets must be a bool"):
+        TCPStore(HOST, master.port, confirm_sets="no")  # type: ignore[arg-type]
+    with TCPStore(HOST, master.port, confirm_sets=False) as posting, posting.clone() as twin:
+        assert (posting._confirm_sets, twin._confirm_sets) == (False, False)
+
+
 @pytest.mark.slow
 def test_multi_get_refuses_an_answer_over_the_bound(master: TCPStore) -> None:
     big = bytes(MAX_VALUE_BYTES // 2 + 1)

@@ -47,6 +47,9 @@ SECRET_ENV = "CUPY_PARALLEL_STORE_SECRET"  # noqa: S105 - a variable name, not a
 """Environment variable holding the optional shared secret of every TCPStore of a job."""
 _REPLY_GRACE_S = 5.0  # how much longer than a parked request's own wait a client waits at most
 _RECV_BYTES = 1 << 16
+# Sets sent whose answers are not read yet; at this many the next set reads them (a few KiB of
+# answers: far below what makes the server stop reading from this client).
+_MAX_UNCONFIRMED = 1024
 _TIMEOUT_SLACK_S = 0.01  # a read may outlast its call's deadline by this much (saves a syscall)
 _TIMEVAL = struct.Struct("@ll")  # struct timeval, as SO_RCVTIMEO takes it (Linux, macOS)
 _MAX_TIMER_S = 2**31 - 1
@@ -95,7 +98,14 @@ def _secret() -> bytes | None:
 
 
 class _Client:
-    """One connection to the server; requests are serialized by a lock."""
+    """One connection to the server; requests are serialized by a lock.
+
+    :meth:`call` sends a request and reads its answer. :meth:`post` sends a ``SET`` and returns
+    (torch's ``set``); the server answers every request in order, so the answers of posted sets
+    are read before the next call's (:meth:`_confirm`), at most ``_MAX_UNCONFIRMED`` sets later,
+    and when the connection closes. A set the server did not confirm is never forgotten: the
+    call that finds out raises, naming its key.
+    """
 
     def __init__(
         self, host: str, port: int, timeout_s: float, server: Server | None = None
@@ -109,6 +119,7 @@ class _Client:
         self._small = bytearray(_RECV_BYTES)
         self._small_view = memoryview(self._small)
         self.timeout_s = timeout_s
+        self._unconfirmed: list[str] = []  # keys of posted sets whose answers are unread
         self._sock: socket.socket | None = self._connect(retry=True)
 
     def _connect(self, *, retry: bool) -> socket.socket:
@@ -150,7 +161,20 @@ class _Client:
         return sock
 
     def close(self) -> None:
-        """Close the connection, waking a thread blocked on it (it then raises)."""
+        """Read the answers of posted sets, then close, waking a thread blocked on the socket.
+
+        Raises:
+            DistStoreError, DistNetworkError: a posted set was not confirmed (the connection
+                is closed all the same).
+        """
+        unconfirmed: Exception | None = None
+        if self._unconfirmed and not self._closed and self._lock.acquire(timeout=5.0):
+            try:
+                self._settle(time.monotonic() + min(self.timeout_s, _REPLY_GRACE_S), "close")
+            except (DistStoreError, DistNetworkError, ValueError) as exc:
+                unconfirmed = exc
+            finally:
+                self._lock.release()
         self._closed = True
         sock = self._sock
         if sock is not None:
@@ -163,6 +187,8 @@ class _Client:
                 self._drop()
             finally:
                 self._lock.release()
+        if unconfirmed is not None:
+            raise unconfirmed
 
     def _dead_server(self) -> DistNetworkError | None:
         server = self._server
@@ -183,16 +209,10 @@ class _Client:
         """
         limit = self.timeout_s if wait is None else wait + min(self.timeout_s, _REPLY_GRACE_S)
         with self._lock:
-            if self._closed:
-                raise ValueError(f"TCPStore({self._where}) is closed; create a new TCPStore.")
-            if self._server is not None:
-                dead = self._dead_server()
-                if dead is not None:
-                    raise dead
-            sock = self._sock
-            if sock is None:
-                sock = self._sock = self._connect(retry=False)
+            sock = self._ready()
             deadline = time.monotonic() + limit
+            if self._unconfirmed:
+                self._settle(deadline, op.name)
             try:
                 self._send(sock, HEADER.pack(1 + len(body), op) + body, deadline)
                 status, payload = self._read_reply(sock, deadline)
@@ -204,18 +224,88 @@ class _Client:
                     "next call reconnects."
                 ) from exc
             except (OSError, ProtocolError) as exc:
-                self._drop()
-                if self._closed:
-                    raise ValueError(
-                        f"TCPStore({self._where}) was closed while a call waited on it."
-                    ) from exc
-                raise self._dead_server() or DistNetworkError(
-                    f"lost the connection to the TCPStore server at {self._where} ({exc}); the "
-                    "master process may have exited, or the server reset this connection."
-                ) from exc
+                raise self._lost(exc, op.name) from exc
         if status is Status.ERROR:
             raise ValueError(payload.decode(errors="replace"))
         return status, Reader(payload)
+
+    def post(self, key: str, body: bytes) -> None:
+        """Send a ``SET`` of ``key`` without waiting for its answer (read by a later call)."""
+        with self._lock:
+            sock = self._ready()
+            deadline = time.monotonic() + self.timeout_s
+            try:
+                self._send(sock, HEADER.pack(1 + len(body), Op.SET) + body, deadline)
+            except TimeoutError as exc:
+                forgotten = self._forget()
+                raise DistStoreError(
+                    f"the TCPStore server at {self._where} did not take SET {key!r} within "
+                    f"{format_seconds(self.timeout_s)} s (timeout); the next call "
+                    f"reconnects.{forgotten}"
+                ) from exc
+            except OSError as exc:
+                raise self._lost(exc, "SET") from exc
+            self._unconfirmed.append(key)
+            if len(self._unconfirmed) >= _MAX_UNCONFIRMED:
+                self._settle(deadline, "SET")
+
+    def _ready(self) -> socket.socket:
+        """The connected socket (reconnecting after a dropped one); refuses a closed store."""
+        if self._closed:
+            raise ValueError(f"TCPStore({self._where}) is closed; create a new TCPStore.")
+        if self._server is not None:
+            dead = self._dead_server()
+            if dead is not None:
+                raise dead
+        sock = self._sock
+        if sock is None:
+            sock = self._sock = self._connect(retry=False)
+        return sock
+
+    def _settle(self, deadline: float, during: str) -> None:
+        """Read the answers of the posted sets (the server sends them in order)."""
+        sock = self._sock
+        keys, self._unconfirmed = self._unconfirmed, []
+        refused: list[str] = []
+        said = ""
+        for index, key in enumerate(keys):
+            try:
+                if sock is None:
+                    raise ConnectionError("the connection was dropped")
+                status, payload = self._read_reply(sock, deadline)
+            except TimeoutError as exc:
+                self._drop()
+                raise DistStoreError(
+                    f"the TCPStore server at {self._where} did not confirm "
+                    f"{_sets(keys[index:])} by {during} (timeout); their values may be lost."
+                ) from exc
+            except (OSError, ProtocolError) as exc:
+                self._unconfirmed = keys[index:]
+                raise self._lost(exc, during) from exc
+            if status is not Status.OK:
+                refused.append(key)
+                said = said or payload.decode(errors="replace")
+        if refused:
+            raise ValueError(
+                f"{_sets(refused)} failed on the TCPStore server at {self._where}: {said}"
+            )
+
+    def _lost(self, exc: BaseException, during: str) -> Exception:
+        """The error of a connection that failed during ``during``; drops it."""
+        forgotten = self._forget()
+        if self._closed:
+            return ValueError(f"TCPStore({self._where}) was closed while a call waited on it.")
+        return self._dead_server() or DistNetworkError(
+            f"lost the connection to the TCPStore server at {self._where} during {during} "
+            f"({exc}); the master process may have exited, or the server reset this "
+            f"connection.{forgotten}"
+        )
+
+    def _forget(self) -> str:
+        """Drop the connection and the sets awaiting its answers; say which those were."""
+        lost, self._unconfirmed = self._unconfirmed, []
+        self._drop()
+        return f" {_sets(lost)} sent before were not confirmed and may be lost." if lost else ""
 
     @staticmethod
     def _send(sock: socket.socket, frame: bytes, deadline: float) -> None:
@@ -307,6 +397,14 @@ class _Client:
             self._sock = None
 
 
+def _sets(keys: Sequence[str]) -> str:
+    """``set('a')``, or ``3 set() calls (keys 'a', 'b', 'c')``, for error messages."""
+    if len(keys) == 1:
+        return f"set({keys[0]!r})"
+    shown = ", ".join(repr(key) for key in keys[:5]) + (", ..." if len(keys) > 5 else "")
+    return f"{len(keys)} set() calls (keys {shown})"
+
+
 _TENANTS: dict[tuple[str, int], list[Server | int]] = {}
 _TENANTS_LOCK = threading.Lock()
 
@@ -336,10 +434,12 @@ def _release_server(server: Server) -> None:
 
 
 def _shutdown(client: _Client | None, server: Server | None) -> None:
-    if client is not None:
-        client.close()
-    if server is not None:
-        _release_server(server)
+    try:
+        if client is not None:
+            client.close()  # raises if a set was not confirmed; the server stops all the same
+    finally:
+        if server is not None:
+            _release_server(server)
 
 
 class TCPStore(Store):
@@ -364,10 +464,17 @@ class TCPStore(Store):
     ``CUPY_PARALLEL_STORE_SECRET`` is set (to the same value in every process of the job),
     the server refuses clients that do not present it, and clients present it.
 
-    **set() waits for the server's answer** (torch's returns once the request is sent, 10x
-    faster): when ``set`` returns, every other process sees the value, so a ``set`` followed
-    by any other synchronisation (an MPI barrier, say) never lets another rank read the old
-    value.
+    **set() waits for the server's answer** by default (torch's returns once the request is
+    sent, about 10x sooner): when ``set`` returns, every other process sees the value, so a
+    ``set`` followed by any other synchronisation (an MPI barrier, say) never lets another
+    rank read the old value. ``confirm_sets=False`` gives torch's behaviour: ``set`` returns
+    once the request is sent; the server applies one connection's requests in order, so this
+    store's own later calls see the value, and another process is guaranteed to see it once
+    any later call of this store has returned (``check([key])`` is the cheapest); until then
+    a process reading an overwritten key may get the old value, as with torch. Nothing is
+    lost silently: the server's answers to those sets are read by the next call (and by
+    ``close``), at the latest 1,024 sets later, and a set it did not confirm makes that call
+    raise, naming the key.
 
     **Limits.** The server survives any client (see :mod:`.server`): it stops reading from a
     client that does not read its answers, and resets the connection holding the most bytes
@@ -389,6 +496,7 @@ class TCPStore(Store):
             host and port (torch's ``multi_tenant``).
         master_listen_fd: a bound socket's file descriptor for the master to listen on (and
             own from then on) instead of binding ``host_name:port`` itself.
+        confirm_sets: whether ``set`` waits for the server's answer (default; see above).
 
     Raises:
         DistNetworkError: no server answered within ``timeout``, or the master cannot listen.
@@ -419,8 +527,10 @@ class TCPStore(Store):
         *,
         multi_tenant: bool = False,
         master_listen_fd: int | None = None,
+        confirm_sets: bool = True,
     ) -> None:
         super().__init__(timeout)
+        self._confirm_sets = read_bool(confirm_sets, "confirm_sets")
         if not isinstance(host_name, str) or not host_name:
             raise TypeError(f"host_name must be a non-empty str, got {host_name!r}.")
         port = read_int(port, "port", minimum=0)
@@ -494,7 +604,9 @@ class TCPStore(Store):
 
     def clone(self) -> TCPStore:
         """A new client connection to the same server (for use from another thread)."""
-        return TCPStore(self._host, self._port, timeout=self._timeout_s)
+        return TCPStore(
+            self._host, self._port, timeout=self._timeout_s, confirm_sets=self._confirm_sets
+        )
 
     def has_extended_api(self) -> bool:
         """True: every method is implemented."""
@@ -521,7 +633,12 @@ class TCPStore(Store):
         return reader
 
     def _set(self, key: str, value: bytes) -> None:
-        self._call(Op.SET, blob(key_bytes(key)) + blob(value))
+        body = blob(key_bytes(key)) + blob(value)
+        client = self._client
+        if self._confirm_sets or client is None:
+            self._call(Op.SET, body)
+        else:
+            client.post(key, body)
 
     def _get(self, key: str, seconds: float) -> bytes:
         return self._parked(Op.GET, blob(key_bytes(key)), seconds).rest()
