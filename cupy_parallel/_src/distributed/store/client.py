@@ -170,7 +170,10 @@ class _Client:
         unconfirmed: Exception | None = None
         if self._unconfirmed and not self._closed and self._lock.acquire(timeout=5.0):
             try:
-                self._settle(time.monotonic() + min(self.timeout_s, _REPLY_GRACE_S), "close")
+                sock = self._sock
+                if sock is not None:  # always: dropping a connection forgets its pending sets
+                    deadline = time.monotonic() + min(self.timeout_s, _REPLY_GRACE_S)
+                    self._settle(sock, deadline, "close")
             except (DistStoreError, DistNetworkError, ValueError) as exc:
                 unconfirmed = exc
             finally:
@@ -212,7 +215,7 @@ class _Client:
             sock = self._ready()
             deadline = time.monotonic() + limit
             if self._unconfirmed:
-                self._settle(deadline, op.name)
+                self._settle(sock, deadline, op.name)
             try:
                 self._send(sock, HEADER.pack(1 + len(body), op) + body, deadline)
                 status, payload = self._read_reply(sock, deadline)
@@ -247,7 +250,7 @@ class _Client:
                 raise self._lost(exc, "SET") from exc
             self._unconfirmed.append(key)
             if len(self._unconfirmed) >= _MAX_UNCONFIRMED:
-                self._settle(deadline, "SET")
+                self._settle(sock, deadline, "SET")
 
     def _ready(self) -> socket.socket:
         """The connected socket (reconnecting after a dropped one); refuses a closed store."""
@@ -262,16 +265,13 @@ class _Client:
             sock = self._sock = self._connect(retry=False)
         return sock
 
-    def _settle(self, deadline: float, during: str) -> None:
-        """Read the answers of the posted sets (the server sends them in order)."""
-        sock = self._sock
+    def _settle(self, sock: socket.socket, deadline: float, during: str) -> None:
+        """Read the answers of the posted sets on ``sock`` (the server sends them in order)."""
         keys, self._unconfirmed = self._unconfirmed, []
         refused: list[str] = []
         said = ""
         for index, key in enumerate(keys):
             try:
-                if sock is None:
-                    raise ConnectionError("the connection was dropped")
                 status, payload = self._read_reply(sock, deadline)
             except TimeoutError as exc:
                 self._drop()
@@ -294,7 +294,9 @@ class _Client:
         """The error of a connection that failed during ``during``; drops it."""
         forgotten = self._forget()
         if self._closed:
-            return ValueError(f"TCPStore({self._where}) was closed while a call waited on it.")
+            return ValueError(
+                f"TCPStore({self._where}) was closed while a call waited on it.{forgotten}"
+            )
         return self._dead_server() or DistNetworkError(
             f"lost the connection to the TCPStore server at {self._where} during {during} "
             f"({exc}); the master process may have exited, or the server reset this "
