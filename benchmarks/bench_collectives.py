@@ -5,7 +5,9 @@ Bandwidth: 16 MiB and 64 MiB; target at least 0.95× mpi4py's bandwidth. On 2 an
 
 The debug mode (``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL``, off in the rows above) is reported
 in one more row per world: the 4 KiB ``all_reduce`` on a group made with it on, against the same
-call with it off (no target: it is a diagnostic mode; the row says what it costs).
+call with it off (no target: it is a diagnostic mode; the row says what it costs). One more row
+per world reports a 4 KiB ``broadcast`` against mpi4py's ``Bcast``: ours compares the ranks'
+roots (always on), which makes it wait for every rank, where MPI's root may return at once.
 
 Run ``python benchmarks/bench_collectives.py [--quick] [--json FILE.json]``: it starts
 ``mpiexec -n 2`` and ``-n 4`` itself (or, already under mpiexec, measures that world) and prints
@@ -106,6 +108,7 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
             )
         )
     rows.append(_debug_cost(comm, ranks, quick))
+    rows.append(_broadcast_cost(comm, ranks, quick))
     comm.Free()
     dist.destroy_process_group()
     return rows if dist_rank_zero() else []
@@ -141,6 +144,41 @@ def _debug_cost(comm: Any, ranks: int, quick: bool) -> dict[str, Any]:
         ranks=ranks,
         bytes=4096,
         debug_cost_us=(best[checked] - best[plain]) * 1e6,
+    )
+
+
+def _broadcast_cost(comm: Any, ranks: int, quick: bool) -> dict[str, Any]:
+    """The 4 KiB broadcast, whose ranks compare roots, against mpi4py's ``Bcast`` (same run)."""
+    from mpi4py import MPI
+
+    from cupy_parallel import distributed as dist
+
+    buf = np.ones(1024, np.float32)
+    iters, rounds = (100, 3) if quick else (1000, 10)
+
+    def raw() -> None:
+        comm.Bcast(buf, root=0)
+
+    def ours() -> None:
+        dist.broadcast(buf, 0)
+
+    best = {raw: float("inf"), ours: float("inf")}
+    for _ in range(rounds):
+        for fn in (raw, ours):
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            elapsed = comm.allreduce((time.perf_counter() - start) / iters, op=MPI.MAX)
+            best[fn] = min(best[fn], elapsed)
+    return result(
+        f"broadcast latency 4 KiB, roots compared, {ranks} ranks",
+        best[ours],
+        best[raw],
+        None,
+        goal="reported only: broadcast exchanges the roots (it synchronises the group)",
+        ranks=ranks,
+        bytes=4096,
     )
 
 

@@ -149,6 +149,31 @@ def test_broadcast_size_mismatch_is_a_value_error() -> None:
     ), result.stdout + result.stderr[-2000:]
 
 
+def test_ranks_naming_another_root_raise_on_every_rank() -> None:
+    """Without the debug mode: MPI would let one rank's array overwrite the root's, silently."""
+    result, seconds = launch_edges(3, "root-disagree")
+    assert seconds < 30
+    out = result.stdout
+    assert "NO ERROR" not in out, out
+    assert out.count("OK world after: [3.0, 3.0]") == 3, out + result.stderr[-2000:]
+    for name, number in (
+        ("broadcast", 1),
+        ("reduce", 2),
+        ("gather", 3),
+        ("scatter", 4),
+        ("broadcast", 5),
+    ):
+        message = (
+            f"CAUGHT ValueError: {name} on process group '{number}': ranks [2] named another "
+            "root than the rest (src/dst, as global ranks: rank 0: 0; rank 1: 0; rank 2: 1). "
+            "Every rank must pass the same root;"
+        )
+        assert out.count(message) == 3, out
+    # The mismatched operations may never finish: the job is aborted at exit, not left hanging.
+    assert result.returncode != 0
+    assert "aborting the MPI job" in result.stderr
+
+
 def test_new_group_is_bounded_by_the_timeout() -> None:
     result, seconds = launch_edges(2, "new-group-timeout")
     assert seconds < 20

@@ -7,7 +7,10 @@ each result it checked; the test reads them. Modes:
   ``TAG_UB``; a receive buffer smaller than the message; a receive cancelled at the group's
   timeout; MIN/MAX of NaN and +-0 giving the same bits on every rank;
 - ``bcast-mismatch``: ranks broadcast arrays of different sizes;
-- ``new-group-timeout``: the last rank calls ``barrier`` where the others call ``new_group``.
+- ``new-group-timeout``: the last rank calls ``barrier`` where the others call ``new_group``;
+- ``root-disagree``: the last rank names another root (``src``/``dst``) than the others, in each
+  rooted collective on a group of its own (a mismatch leaves its group unusable), synchronous
+  and with ``async_op=True``; then a collective on the world group shows it unharmed.
 """
 
 from __future__ import annotations
@@ -97,6 +100,34 @@ def edges(rank: int, size: int) -> None:
                 print(f"BAD {op.name} {np.dtype(dtype).name}: {mine}", flush=True)
 
 
+def root_disagree(rank: int, size: int) -> None:
+    root = 1 if rank == size - 1 else 0
+    others = list(range(size))
+    calls = {
+        "broadcast": lambda g: dist.broadcast(np.full(4, float(rank)), root, group=g),
+        "reduce": lambda g: dist.reduce(np.ones(4), root, group=g),
+        "gather": lambda g: dist.gather(
+            np.ones(2), [np.zeros(2) for _ in others] if rank == root else None, root, group=g
+        ),
+        "scatter": lambda g: dist.scatter(
+            np.zeros(2), [np.ones(2) for _ in others] if rank == root else None, root, group=g
+        ),
+        "async broadcast": lambda g: dist.broadcast(
+            np.ones(3), root, group=g, async_op=True
+        ).wait(),
+    }
+    for name, call in calls.items():
+        group = dist.new_group(others)
+        try:
+            call(group)
+            print(f"NO ERROR {name}", flush=True)
+        except ValueError as error:
+            caught(error)
+    x = np.ones(2)
+    dist.all_reduce(x)
+    print(f"OK world after: {x.tolist()}", flush=True)
+
+
 def main() -> int:
     mode = sys.argv[1]
     dist.init_process_group("mpi", timeout=3)
@@ -110,6 +141,8 @@ def main() -> int:
         except ValueError as error:
             caught(error)
         return 0
+    elif mode == "root-disagree":
+        root_disagree(rank, size)
     elif mode == "new-group-timeout":
         try:
             if rank == size - 1:  # a barrier where the others make a group
