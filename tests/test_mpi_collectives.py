@@ -149,9 +149,10 @@ def test_broadcast_size_mismatch_is_a_value_error() -> None:
     ), result.stdout + result.stderr[-2000:]
 
 
-def test_ranks_naming_another_root_raise_on_every_rank() -> None:
-    """Without the debug mode: MPI would let one rank's array overwrite the root's, silently."""
-    result, seconds = launch_edges(3, "root-disagree")
+def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank() -> None:
+    """Without the debug mode. MPI would let one rank's array overwrite the root's, silently, and
+    leave zeros where a receiver expects more than is sent."""
+    result, seconds = launch_edges(3, "disagree")
     assert seconds < 30
     out = result.stdout
     assert "NO ERROR" not in out, out
@@ -166,7 +167,14 @@ def test_ranks_naming_another_root_raise_on_every_rank() -> None:
         message = (
             f"CAUGHT ValueError: {name} on process group '{number}': ranks [2] named another "
             "root than the rest (src/dst, as global ranks: rank 0: 0; rank 1: 0; rank 2: 1). "
-            "Every rank must pass the same root;"
+            "Every rank must pass the same root. The arrays' contents are undefined now"
+        )
+        assert out.count(message) == 3, out
+    for number, sent, expected in ((6, 16, 24), (7, 8, 16)):  # all_to_all, all_to_all_single
+        message = (
+            f"CAUGHT ValueError: all_to_all on process group '{number}': the ranks disagree on the "
+            f"sizes they exchange (global ranks): rank 0 sends {sent} bytes to rank 2, which "
+            f"expects {expected}. What rank r sends"
         )
         assert out.count(message) == 3, out
     # The mismatched operations may never finish: the job is aborted at exit, not left hanging.

@@ -8,9 +8,10 @@ each result it checked; the test reads them. Modes:
   timeout; MIN/MAX of NaN and +-0 giving the same bits on every rank;
 - ``bcast-mismatch``: ranks broadcast arrays of different sizes;
 - ``new-group-timeout``: the last rank calls ``barrier`` where the others call ``new_group``;
-- ``root-disagree``: the last rank names another root (``src``/``dst``) than the others, in each
-  rooted collective on a group of its own (a mismatch leaves its group unusable), synchronous
-  and with ``async_op=True``; then a collective on the world group shows it unharmed.
+- ``disagree``: the last rank names another root (``src``/``dst``) than the others, in each
+  rooted collective, synchronous and with ``async_op=True``; then it expects more from rank 0
+  than rank 0 sends in ``all_to_all`` and ``all_to_all_single``. Each on a group of its own (a
+  mismatch leaves its group unusable); a collective on the world group shows it unharmed.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def edges(rank: int, size: int) -> None:
                 print(f"BAD {op.name} {np.dtype(dtype).name}: {mine}", flush=True)
 
 
-def root_disagree(rank: int, size: int) -> None:
+def disagree(rank: int, size: int) -> None:
     root = 1 if rank == size - 1 else 0
     others = list(range(size))
     calls = {
@@ -115,6 +116,19 @@ def root_disagree(rank: int, size: int) -> None:
         "async broadcast": lambda g: dist.broadcast(
             np.ones(3), root, group=g, async_op=True
         ).wait(),
+        # the last rank expects 3 elements from rank 0, which sends it 2
+        "all_to_all": lambda g: dist.all_to_all(
+            [np.zeros(3 if rank == size - 1 and j == 0 else 2) for j in others],
+            [np.ones(2) for _ in others],
+            group=g,
+        ),
+        "all_to_all_single": lambda g: dist.all_to_all_single(
+            np.zeros(size + 1 if rank == size - 1 else size),
+            np.ones(size),
+            [2 if rank == size - 1 and j == 0 else 1 for j in others],
+            [1] * size,
+            group=g,
+        ),
     }
     for name, call in calls.items():
         group = dist.new_group(others)
@@ -141,8 +155,8 @@ def main() -> int:
         except ValueError as error:
             caught(error)
         return 0
-    elif mode == "root-disagree":
-        root_disagree(rank, size)
+    elif mode == "disagree":
+        disagree(rank, size)
     elif mode == "new-group-timeout":
         try:
             if rank == size - 1:  # a barrier where the others make a group

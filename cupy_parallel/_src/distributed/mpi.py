@@ -41,11 +41,13 @@
   MPI's built-in ``MPI_MIN``/``MPI_MAX`` leave both to the order of evaluation.
 * Buffers the backend allocates (packing, receiving) are zero-filled: a peer that sends less
   than expected never exposes another call's bytes.
-* Roots are compared, always: ``broadcast``, ``reduce``, ``gather`` and ``scatter`` (and what is
-  built on them) exchange the root each rank named alongside the operation, and finish only once
-  they agree; ranks that disagree get ``ValueError`` naming them, on every rank, and the group
-  is unusable (MPI's result is undefined: one rank's array silently overwrites the root's). The
-  price is that these operations synchronise the group, as MPI allows any collective to: a
+* Roots and ``all_to_all`` sizes are compared, always: ``broadcast``, ``reduce``, ``gather`` and
+  ``scatter`` (and what is built on them) exchange the root each rank named alongside the
+  operation, ``all_to_all`` (and ``all_to_all_single``) the byte counts each rank sends and
+  expects; they finish only once these agree. Ranks that disagree get ``ValueError`` naming
+  them, on every rank, and the group is unusable (MPI's result is undefined: one rank's array
+  silently overwrites the root's; a receiver expecting more than is sent keeps zeros). The
+  price is that rooted operations synchronise the group, as MPI allows any collective to: a
   4 KiB ``broadcast`` took 13 µs instead of 7 on 2 ranks, 60 µs instead of 16 on 4 ranks
   sharing 2 cores. Shapes and dtypes are compared only by the debug mode (``DETAIL``).
 """
@@ -489,12 +491,13 @@ def _accumulate(arrays: Sequence[Any], plan: _Plan) -> Any:
 
 
 @dataclasses.dataclass(slots=True)
-class _RootCheck:
-    """The exchange of the roots the ranks named for one rooted operation."""
+class _SideCheck:
+    """An exchange of a few integers that runs beside an operation (see ``_MPIWork._check``)."""
 
     request: Any
     mine: np.ndarray  # MPI reads it until the exchange completes
-    every: np.ndarray
+    every: np.ndarray  # one row per group rank
+    verify: Callable[[np.ndarray], str | None]  # what the ranks disagree on, or None
 
 
 class _MPIWork(Work):
@@ -504,7 +507,7 @@ class _MPIWork(Work):
     past the group's timeout a receive is cancelled and any other operation poisons the group.
     """
 
-    __slots__ = ("_backend", "_keep", "_receives", "_request", "_roots", "_status")
+    __slots__ = ("_backend", "_keep", "_receives", "_request", "_side", "_status")
 
     _abandon_on_wait_timeout: ClassVar[bool] = False
 
@@ -527,10 +530,10 @@ class _MPIWork(Work):
         self._keep = keep  # buffers MPI reads or writes until completion
         self._status = status
         self._receives = receives  # a point-to-point receive: cancellable, errors are its own
-        self._roots: _RootCheck | None = None
+        self._side: _SideCheck | None = None
 
     def _test(self) -> bool:
-        if self._roots is not None and not self._roots_agree():
+        if self._side is not None and not self._side_agrees():
             return False
         request = self._request
         try:
@@ -547,7 +550,7 @@ class _MPIWork(Work):
 
     def _block(self, deadline: float) -> bool:
         """Poll the request's own ``Test`` (one request, no status: every collective's case)."""
-        if self._roots is not None and not self._poll(self._roots_agree, deadline):
+        if self._side is not None and not self._poll(self._side_agrees, deadline):
             return False
         request = self._request
         if type(request) is list or self._status is not None:
@@ -557,50 +560,85 @@ class _MPIWork(Work):
         except _mpi().Exception as error:
             raise self._mpi_error(error) from None
 
-    def _check_roots(self, root: int) -> _MPIWork:
-        """Have every rank compare the root it named, while the operation runs (see below)."""
+    def _check(self, mine: np.ndarray, verify: Callable[[np.ndarray], str | None]) -> _MPIWork:
+        """Complete only once every rank's ``mine`` is known and ``verify`` of them passes.
+
+        Some arguments make MPI's result undefined when the ranks disagree on them, silently:
+        the root of a rooted operation (one rank's array overwrites the root's, or both wait
+        forever) and the byte counts of ``all_to_all`` (a receiver expecting more gets zeros).
+        The ranks exchange them (``mine``: a few ``int64``; ``Iallgather`` on the group's control
+        communicator, overlapping the operation). ``verify`` gets every rank's row and says
+        what they disagree on; then every rank raises ``ValueError`` with that message, and the
+        group is unusable (the operation may have written the arrays already, and the job is
+        aborted at exit in case it never finishes).
+        """
         backend = self._backend
-        mine = np.array([root], np.int64)
-        every = np.empty(backend.size, np.int64)
+        every = np.empty((backend.size, mine.size), np.int64)
         request = backend._control.Iallgather([mine, _mpi().INT64_T], [every, _mpi().INT64_T])
-        self._roots = _RootCheck(request, mine, every)
+        self._side = _SideCheck(request, mine, every, verify)
         return self
 
-    def _roots_agree(self) -> bool:
-        """Whether the roots' comparison finished (``True``); raise if the ranks named others.
-
-        Ranks naming different roots make MPI's rooted operations undefined: two ranks each
-        send their array and one overwrites the other's (silently, as PyTorch's gloo does), or
-        both wait forever. So every rooted operation also exchanges the roots (eight bytes per
-        rank, on the group's control communicator, overlapping the operation), and completes
-        only once they are known to agree. When they do not, the operation may already have
-        written the arrays: every rank raises, and the group is unusable (the job is aborted
-        at exit if the operation never finishes).
-        """
-        check = self._roots
-        assert check is not None
+    def _side_agrees(self) -> bool:
+        """Whether the side check finished (``True``); raise if the ranks disagreed."""
+        side = self._side
+        assert side is not None
         try:
-            if not check.request.Test():
+            if not side.request.Test():
                 return False
         except _mpi().Exception as error:
             raise self._mpi_error(error) from None
-        self._roots = None
-        every = check.every.tolist()
-        if every.count(every[0]) == len(every):
+        self._side = None
+        problem = side.verify(side.every)
+        if problem is None:
             return True
-        backend = self._backend
-        world = backend.world_ranks
-        majority = max(set(every), key=every.count)
-        differ = [world[r] for r, root in enumerate(every) if root != majority]
-        named = "; ".join(f"rank {world[r]}: {world[root]}" for r, root in enumerate(every))
         message = (
-            f"{self._description} on process group {backend.group_name!r}: ranks {differ} named "
-            f"another root than the rest (src/dst, as global ranks: {named}). Every rank must "
-            "pass the same root; the arrays' contents are undefined now, and this process group "
-            "is unusable."
+            f"{self._description} on process group {self._backend.group_name!r}: {problem} "
+            "The arrays' contents are undefined now, and this process group is unusable."
         )
         self._abandon(message)
         raise ValueError(message)
+
+    def _check_roots(self, root: int) -> _MPIWork:
+        """Have the ranks compare the root (group rank) each named (:meth:`_check`)."""
+        world = self._backend.world_ranks
+
+        def verify(every: np.ndarray) -> str | None:
+            roots = every[:, 0].tolist()
+            if roots.count(roots[0]) == len(roots):
+                return None
+            majority = max(set(roots), key=roots.count)
+            differ = [world[r] for r, root in enumerate(roots) if root != majority]
+            named = "; ".join(f"rank {world[r]}: {world[root]}" for r, root in enumerate(roots))
+            return (
+                f"ranks {differ} named another root than the rest (src/dst, as global ranks: "
+                f"{named}). Every rank must pass the same root."
+            )
+
+        return self._check(np.array([root], np.int64), verify)
+
+    def _check_counts(self, sends: Sequence[int], receives: Sequence[int]) -> _MPIWork:
+        """Have the ranks compare the bytes each sends to and expects from each other."""
+        world = self._backend.world_ranks
+        size = len(sends)
+
+        def verify(every: np.ndarray) -> str | None:
+            sent, expected = every[:, :size], every[:, size:]  # [r, j]: r sends j / r expects j
+            pairs = [
+                f"rank {world[r]} sends {sent[r, j]} bytes to rank {world[j]}, which expects "
+                f"{expected[j, r]}"
+                for r in range(size)
+                for j in range(size)
+                if sent[r, j] != expected[j, r]
+            ]
+            if not pairs:
+                return None
+            return (
+                f"the ranks disagree on the sizes they exchange (global ranks): "
+                f"{'; '.join(pairs)}. What rank r sends to rank j must be the size rank j "
+                "expects from rank r."
+            )
+
+        return self._check(np.array([*sends, *receives], np.int64), verify)
 
     def _mpi_error(self, error: Any) -> Exception:
         """A clear error for what MPI reported; a failed collective poisons the group."""
@@ -1022,6 +1060,7 @@ class MPIBackend(ProcessGroupBackend):
             [received, (recv_counts, _offsets(recv_counts)), self._byte],
         )
         work = _MPIWork("all_to_all", self, request, keep=(send, received))
+        work._check_counts(send_counts, recv_counts)
         return work._add_finalizer(functools.partial(_unpack, received, outputs))
 
     def agree(self, record: bytes, /) -> list[bytes]:
