@@ -333,6 +333,32 @@ def test_work_timeout_names_operation_and_group() -> None:
         work.wait(timeout="1")  # type: ignore[arg-type]
 
 
+class _ArrivesAtTheCancel(Work):
+    """A receive whose message lands between the group's timeout and the cancel."""
+
+    __slots__ = ("received",)
+
+    def __init__(self) -> None:
+        super().__init__("recv from group rank 1", "0", 0.05)
+        self.received = False
+
+    def _test(self) -> bool:
+        return False
+
+    def _cancel(self) -> bool:
+        self.received = True  # MPI's cancel found the message already delivered
+        self._complete()
+        return True
+
+
+def test_a_receive_that_finished_at_the_cancel_is_not_reported_lost() -> None:
+    work = _ArrivesAtTheCancel()
+    assert work.wait() is True  # the message is in the array: no TimeoutError
+    assert work.received
+    assert work.is_success()
+    assert work.exception() is None
+
+
 def test_work_reports_backend_errors() -> None:
     work = _Broken("barrier", "0")
     with pytest.raises(OSError, match=r"link down"):

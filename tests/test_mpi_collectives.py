@@ -129,6 +129,12 @@ def test_clear_errors_and_the_group_stays_usable(ranks: int) -> None:
     assert (
         "CAUGHT ValueError: recv from group rank 0: the message is larger than tensor (32 bytes)"
     ) in out
+    for source in ("group rank 0", "any rank"):
+        assert (
+            f"CAUGHT ValueError: recv from {source}: the message is smaller than tensor (16 bytes "
+            "received, tensor has 24); pass a tensor of the size sent."
+        ) in out
+    assert out.count("OK usable after a short message") == ranks
     assert (
         "CAUGHT TimeoutError: recv from group rank 0 on process group '0' did not complete within "
         "3 s (a peer did not join, died, or is far behind). It was cancelled; the process group "

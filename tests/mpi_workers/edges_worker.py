@@ -4,8 +4,8 @@ Every rank prints ``CAUGHT <type>: <message>`` for each error it expects and ``O
 each result it checked; the test reads them. Modes:
 
 - ``edges``: ``Work.wait(timeout=1)`` expiring and the group staying usable; a tag above
-  ``TAG_UB``; a receive buffer smaller than the message; a receive cancelled at the group's
-  timeout; MIN/MAX of NaN and +-0 giving the same bits on every rank;
+  ``TAG_UB``; a receive buffer smaller, then larger, than the message; a receive cancelled at
+  the group's timeout; MIN/MAX of NaN and +-0 giving the same bits on every rank;
 - ``bcast-mismatch``: ranks broadcast arrays of different sizes;
 - ``new-group-timeout``: the last rank calls ``barrier`` where the others call ``new_group``;
 - ``disagree``: the last rank names another root (``src``/``dst``) than the others, in each
@@ -66,6 +66,22 @@ def edges(rank: int, size: int) -> None:
         except ValueError as error:
             caught(error)
     dist.barrier()
+
+    # A message shorter than the receive buffer (from one rank, then from any rank): MPI would
+    # leave the rest of the buffer as it was, unnoticed.
+    if rank == 0:
+        dist.send(np.arange(2.0), dst=1, tag=4)
+        dist.send(np.arange(2.0), dst=1, tag=5)
+    elif rank == 1:
+        for src in (0, None):
+            short = np.full(3, -1.0)
+            try:
+                dist.recv(short, src=src, tag=4 if src == 0 else 5)
+            except ValueError as error:
+                caught(error)
+            assert short.tolist() == [0.0, 1.0, -1.0], short
+    dist.barrier()
+    print("OK usable after a short message", flush=True)
 
     # A receive nobody answers: cancelled at the group's timeout (3 s); the group stays usable.
     if rank == 1:

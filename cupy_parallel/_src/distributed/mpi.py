@@ -34,7 +34,9 @@
   A rank killed by a signal is handled by ``mpiexec``, which tears the job down.
 * Errors MPI reports (a message larger than the receiving array, arrays of different sizes on
   different ranks) become ``ValueError`` naming the operation; tags above the MPI's ``TAG_UB``
-  are refused before anything is sent.
+  are refused before anything is sent. A message shorter than the receiving array, which MPI
+  accepts, is a ``ValueError`` too (torch's ``recv`` fills the whole tensor); the group stays
+  usable.
 * Reductions ``MIN``/``MAX`` of floating-point arrays order values totally so that every rank
   gets the same bits: a NaN anywhere gives NaN (NumPy's ``minimum``/``maximum`` propagate NaN;
   the result is the canonical NaN) and ``-0.0 < +0.0`` (IEEE 754-2019 ``minimum``/``maximum``).
@@ -542,11 +544,27 @@ class _MPIWork(Work):
             if self._status is None:
                 return bool(request.Test())
             if request.Test(self._status):
-                self._set_source(self._status.Get_source())
+                self._received(self._status)
                 return True
         except _mpi().Exception as error:
             raise self._mpi_error(error) from None
         return False
+
+    def _received(self, status: Any) -> None:
+        """Record a finished receive's sender; refuse a message shorter than the array.
+
+        MPI accepts a shorter message and leaves the rest of the buffer as it was, which would
+        hand the caller old bytes as if received. The message is consumed all the same, so the
+        group stays usable.
+        """
+        self._set_source(status.Get_source())
+        got = status.Get_count(self._backend._byte)
+        if got != self._keep.nbytes:
+            raise ValueError(
+                f"{self._description}: the message is smaller than tensor ({got} bytes "
+                f"received, tensor has {self._keep.nbytes}); pass a tensor of the size sent. "
+                "The rest of tensor was left as it was."
+            )
 
     def _block(self, deadline: float) -> bool:
         """Poll the request's own ``Test`` (one request, no status: every collective's case)."""
@@ -676,8 +694,11 @@ class _MPIWork(Work):
         if status.Is_cancelled():
             self._fail(TimeoutError(f"{self._description} was cancelled."))
             return True
-        if self._status is not None:
-            self._set_source(status.Get_source())
+        try:
+            self._received(status)
+        except ValueError as error:
+            self._fail(error)
+            return True
         self._complete()  # the message arrived meanwhile
         return True
 
@@ -703,7 +724,7 @@ class _MPIWork(Work):
         if not _departed:
             return
         backend = self._backend
-        if self._receives and self._status is None:  # a receive from one rank: that rank
+        if self._receives and self._source >= 0:  # a receive from one rank: that rank
             watched: tuple[int, ...] = (backend.world_ranks[self._source],)
         elif self._receives:  # from any rank: only if every other member left
             others = [r for i, r in enumerate(backend.world_ranks) if i != backend.rank]
@@ -1091,15 +1112,16 @@ class MPIBackend(ProcessGroupBackend):
         """Irecv of the array's bytes (``ANY_SOURCE`` when ``src`` is ``None``)."""
         mpi = _mpi()
         target = plain_buffer(array)
+        status = mpi.Status()  # how many bytes came (and, from ANY_SOURCE, from whom)
         if src is None:
-            status = mpi.Status()
             request = self._comm.Irecv([target, self._byte], mpi.ANY_SOURCE, tag)
-            return _MPIWork(
-                "recv from any rank", self, request, keep=target, status=status, receives=True
-            )
-        request = self._comm.Irecv([target, self._byte], src, tag)
-        work = _MPIWork(f"recv from group rank {src}", self, request, keep=target, receives=True)
-        work._set_source(src)
+            description = "recv from any rank"
+        else:
+            request = self._comm.Irecv([target, self._byte], src, tag)
+            description = f"recv from group rank {src}"
+        work = _MPIWork(description, self, request, keep=target, status=status, receives=True)
+        if src is not None:
+            work._set_source(src)  # known before it completes (what _idle watches)
         return work
 
     @_staged(0)

@@ -160,7 +160,10 @@ class Work:
         """Try to take the operation back after the group's timeout; ``True`` if it was.
 
         A cancelled operation leaves its group usable (MPI can cancel a pending receive, not a
-        collective); the default cannot cancel anything.
+        collective); the default cannot cancel anything. Returning ``True`` means the work is
+        settled: failed with ``TimeoutError`` (cancelled), or completed, when the operation
+        finished between the timeout and the cancel (then ``wait`` returns normally: the
+        message is in the array and must not be reported as lost).
         """
         return False
 
@@ -272,8 +275,7 @@ class Work:
                 f"{head} (the timeout given to wait()). It is still running and the process "
                 "group stays usable: wait() again to complete it."
             )
-        if not explicit and self._cancel():
-            self._fail(TimeoutError(f"{head}; it was cancelled."))
+        if not explicit and self._cancel():  # settled: cancelled, or it finished meanwhile
             return TimeoutError(
                 f"{head} (a peer did not join, died, or is far behind). It was cancelled; the "
                 "process group stays usable."
