@@ -171,9 +171,9 @@ def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank() -> None:
         ("broadcast", 5),
     ):
         message = (
-            f"CAUGHT ValueError: {name} on process group '{number}': ranks [2] named another "
-            "root than the rest (src/dst, as global ranks: rank 0: 0; rank 1: 0; rank 2: 1). "
-            "Every rank must pass the same root. The arrays' contents are undefined now"
+            f"CAUGHT ValueError: {name} on process group '{number}': ranks [2] differ from the "
+            "rest in the root they named (src/dst, as global ranks: rank 0: 0; rank 1: 0; "
+            "rank 2: 1). Every rank must pass the same root. The arrays' contents are undefined now"
         )
         assert out.count(message) == 3, out
     for number, sent, expected in ((6, 16, 24), (7, 8, 16)):  # all_to_all, all_to_all_single
@@ -262,11 +262,11 @@ def test_debug_mode_names_the_differing_rank() -> None:
     for what in ("shape", "dtype", "op", "root", "operation"):
         assert result.stdout.count(f"CAUGHT {what}: ") == 3, result.stdout  # on every rank
     assert (
-        "CAUGHT shape: all_reduce: ranks [2] passed other arguments than the rest of process "
-        "group '0' (the operation, shapes, dtypes, reduction and root must agree). Each passed "
-        "(operation, arguments): rank 0: ('all_reduce', ['ReduceOp.SUM', 'float64[4]']); rank 1: "
-        "('all_reduce', ['ReduceOp.SUM', 'float64[4]']); rank 2: ('all_reduce', "
-        "['ReduceOp.SUM', 'float64[5]'])." in result.stdout
+        "CAUGHT shape: all_reduce: ranks [2] differ from the rest of process group '0' in the "
+        "arguments they passed (the operation, shapes, dtypes, reduction and root must agree). "
+        "Each passed (operation, arguments): rank 0: ('all_reduce', ['ReduceOp.SUM', "
+        "'float64[4]']); rank 1: ('all_reduce', ['ReduceOp.SUM', 'float64[4]']); rank 2: "
+        "('all_reduce', ['ReduceOp.SUM', 'float64[5]'])." in result.stdout
     )
 
 

@@ -41,14 +41,30 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from cupy_parallel._src.distributed.enums import ReduceOp
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Hashable, Sequence
 
     import numpy as np
 
     from cupy_parallel._src.distributed.enums import Backend
     from cupy_parallel._src.distributed.work import Work
 
-__all__ = ["ProcessGroupBackend"]
+__all__ = ["ProcessGroupBackend", "disagreeing"]
+
+
+def disagreeing(values: Sequence[Hashable], ranks: Sequence[int]) -> str:
+    """Which ranks differ from a strict majority (or all, without one), for error messages.
+
+    ``values[i]`` is what rank ``ranks[i]`` passed.
+
+    Example:
+        >>> disagreeing([0, 0, 1], [4, 5, 6]), disagreeing([0, 1], [0, 1])
+        ('ranks [6] differ from the rest', 'ranks [0, 1] disagree (no majority)')
+    """
+    majority = max(set(values), key=values.count)
+    if 2 * values.count(majority) > len(values):
+        differ = [r for r, v in zip(ranks, values, strict=True) if v != majority]
+        return f"ranks {differ} differ from the rest"
+    return f"ranks {list(ranks)} disagree (no majority)"
 
 
 class ProcessGroupBackend(abc.ABC):

@@ -38,6 +38,7 @@ import numpy as np
 
 from cupy_parallel._src.arguments import read_bool, read_int, read_timeout
 from cupy_parallel._src.arrays import device_of, is_array
+from cupy_parallel._src.distributed.backend import disagreeing
 from cupy_parallel._src.distributed.enums import ReduceOp
 from cupy_parallel._src.distributed.groups import _resolve
 from cupy_parallel._src.hostarray import HostArray
@@ -152,12 +153,10 @@ def _compare(
     seen = [record.decode() for record in records]
     if all(record == mine for record in seen):
         return
-    majority = max(set(seen), key=seen.count)
-    differ = [pg.ranks[r] for r, record in enumerate(seen) if record != majority]
     passed = "; ".join(f"rank {pg.ranks[r]}: {record}" for r, record in enumerate(seen))
     raise ValueError(
-        f"{name}: ranks {differ} passed other arguments than the rest of process group "
-        f"{pg.name!r} (the operation, shapes, dtypes, reduction and root must agree). Each "
+        f"{name}: {disagreeing(seen, pg.ranks)} of process group {pg.name!r} in the arguments "
+        "they passed (the operation, shapes, dtypes, reduction and root must agree). Each "
         f"passed (operation, arguments): {passed}."
     )
 

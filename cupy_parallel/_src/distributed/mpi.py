@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn, cast
 import numpy as np
 
 from cupy_parallel._src.devices import cupy_module
-from cupy_parallel._src.distributed.backend import ProcessGroupBackend
+from cupy_parallel._src.distributed.backend import ProcessGroupBackend, disagreeing
 from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.work import Work
 from cupy_parallel._src.hostarray import HostArray, plain_buffer
@@ -624,11 +624,9 @@ class _MPIWork(Work):
             roots = every[:, 0].tolist()
             if roots.count(roots[0]) == len(roots):
                 return None
-            majority = max(set(roots), key=roots.count)
-            differ = [world[r] for r, root in enumerate(roots) if root != majority]
             named = "; ".join(f"rank {world[r]}: {world[root]}" for r, root in enumerate(roots))
             return (
-                f"ranks {differ} named another root than the rest (src/dst, as global ranks: "
+                f"{disagreeing(roots, world)} in the root they named (src/dst, as global ranks: "
                 f"{named}). Every rank must pass the same root."
             )
 
