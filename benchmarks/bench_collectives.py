@@ -19,6 +19,7 @@ bandwidth; ``goal`` states it in words.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -26,12 +27,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cupy_parallel._src.distributed.launch import find_mpiexec
 from cupy_parallel._tools.benchmarking import result, script_main
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
 
 LATENCY_TARGET_S = 10e-6
 BANDWIDTH_TARGET = 0.95
@@ -65,23 +69,11 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
         def ours(buf: np.ndarray = buf) -> None:
             dist.all_reduce(buf)
 
-        best = {raw: float("inf"), ours: float("inf")}
-        samples: dict[Any, list[float]] = {raw: [], ours: []}
         for fn in (raw, ours):  # warm up both paths
             for _ in range(min(iters, 50)):
                 fn()
-        for _ in range(rounds):
-            for fn in (raw, ours):
-                comm.Barrier()
-                start = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                elapsed = (time.perf_counter() - start) / iters
-                # every rank must agree on a number: take the slowest rank's time
-                elapsed = comm.allreduce(elapsed, op=MPI.MAX)
-                best[fn] = min(best[fn], elapsed)
-                samples[fn].append(elapsed)
-        seconds, baseline = best[ours], best[raw]
+        raw_times, our_times = _rounds(comm, (raw, ours), iters, rounds)
+        seconds, baseline = min(our_times), min(raw_times)
         if small:
             name = f"all_reduce latency {label}, {ranks} ranks"
             goal = f"<= mpi4py + {LATENCY_TARGET_S * 1e6:.0f} us"
@@ -103,8 +95,8 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
                 bytes=nbytes,
                 bus_bandwidth_GBps=bus_bytes / seconds / 1e9,
                 baseline_bus_bandwidth_GBps=bus_bytes / baseline / 1e9,
-                median_seconds=statistics.median(samples[ours]),
-                median_baseline_seconds=statistics.median(samples[raw]),
+                median_seconds=statistics.median(our_times),
+                median_baseline_seconds=statistics.median(raw_times),
             )
         )
     rows.append(_debug_cost(comm, ranks, quick))
@@ -114,9 +106,28 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
     return rows if dist_rank_zero() else []
 
 
+def _rounds(
+    comm: Any, fns: Sequence[Callable[[], object]], iters: int, rounds: int
+) -> list[list[float]]:
+    """Per function, its seconds per call in each round; the functions alternate every round.
+
+    Each figure is the slowest rank's (every rank must agree on a number).
+    """
+    from mpi4py import MPI
+
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, seconds in zip(fns, times, strict=True):
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            seconds.append(comm.allreduce((time.perf_counter() - start) / iters, op=MPI.MAX))
+    return times
+
+
 def _debug_cost(comm: Any, ranks: int, quick: bool) -> dict[str, Any]:
     """The 4 KiB all_reduce on a DETAIL debug group against a plain group (same run)."""
-    from mpi4py import MPI
 
     from cupy_parallel import distributed as dist
 
@@ -126,55 +137,42 @@ def _debug_cost(comm: Any, ranks: int, quick: bool) -> dict[str, Any]:
     del os.environ["CUPY_PARALLEL_DISTRIBUTED_DEBUG"]
     buf = np.ones(1024, np.float32)
     iters, rounds = (100, 3) if quick else (1000, 10)
-    best = {plain: float("inf"), checked: float("inf")}
-    for _ in range(rounds):
-        for group in (plain, checked):
-            comm.Barrier()
-            start = time.perf_counter()
-            for _ in range(iters):
-                dist.all_reduce(buf, group=group)
-            elapsed = comm.allreduce((time.perf_counter() - start) / iters, op=MPI.MAX)
-            best[group] = min(best[group], elapsed)
+    times = _rounds(
+        comm,
+        [functools.partial(dist.all_reduce, buf, group=g) for g in (plain, checked)],
+        iters,
+        rounds,
+    )
+    off, on = min(times[0]), min(times[1])
     return result(
         f"all_reduce latency 4 KiB, debug DETAIL on, {ranks} ranks",
-        best[checked],
-        best[plain],
+        on,
+        off,
         None,
         goal="reported only: the debug mode's cost (baseline: the same call with it off)",
         ranks=ranks,
         bytes=4096,
-        debug_cost_us=(best[checked] - best[plain]) * 1e6,
+        debug_cost_us=(on - off) * 1e6,
     )
 
 
 def _broadcast_cost(comm: Any, ranks: int, quick: bool) -> dict[str, Any]:
     """The 4 KiB broadcast, whose ranks compare roots, against mpi4py's ``Bcast`` (same run)."""
-    from mpi4py import MPI
 
     from cupy_parallel import distributed as dist
 
     buf = np.ones(1024, np.float32)
     iters, rounds = (100, 3) if quick else (1000, 10)
-
-    def raw() -> None:
-        comm.Bcast(buf, root=0)
-
-    def ours() -> None:
-        dist.broadcast(buf, 0)
-
-    best = {raw: float("inf"), ours: float("inf")}
-    for _ in range(rounds):
-        for fn in (raw, ours):
-            comm.Barrier()
-            start = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            elapsed = comm.allreduce((time.perf_counter() - start) / iters, op=MPI.MAX)
-            best[fn] = min(best[fn], elapsed)
+    raw_times, our_times = _rounds(
+        comm,
+        [functools.partial(comm.Bcast, buf, root=0), functools.partial(dist.broadcast, buf, 0)],
+        iters,
+        rounds,
+    )
     return result(
         f"broadcast latency 4 KiB, roots compared, {ranks} ranks",
-        best[ours],
-        best[raw],
+        min(our_times),
+        min(raw_times),
         None,
         goal="reported only: broadcast exchanges the roots (it synchronises the group)",
         ranks=ranks,
