@@ -1308,6 +1308,11 @@ def recv(
 ) -> int:
     """Receive into ``tensor`` from world rank ``src`` (any rank when ``None``).
 
+    The message must be as large as ``tensor``: a larger one raises ``ValueError``, and so does a
+    smaller one on the ``"mpi"`` backend (torch's gloo fills the front of the tensor and leaves
+    the rest as it was, with no way to tell how much came; a size known to both sides is the
+    only safe use). On ``"nccl"`` the sizes must match, as NCCL requires.
+
     Returns:
         The sender's world rank; ``-1`` on non-members of ``group``.
 
