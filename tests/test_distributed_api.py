@@ -359,6 +359,30 @@ def test_a_receive_that_finished_at_the_cancel_is_not_reported_lost() -> None:
     assert work.exception() is None
 
 
+class _CancelledAtTheTimeout(_ArrivesAtTheCancel):
+    """A receive that the cancel takes back: nothing arrived."""
+
+    __slots__ = ()
+
+    def _cancel(self) -> bool:
+        self._fail(TimeoutError("recv from group rank 1 was cancelled."))
+        return True
+
+
+def test_a_cancelled_receive_repeats_the_whole_account_on_every_wait() -> None:
+    work = _CancelledAtTheTimeout()
+    account = (
+        r"recv from group rank 1 on process group '0' did not complete within 0.05 s \(a peer "
+        r"did not join, died, or is far behind\). It was cancelled; the process group stays "
+        r"usable."
+    )
+    for _ in range(2):
+        with pytest.raises(TimeoutError, match=account):
+            work.wait()
+    assert not work.received
+    assert isinstance(work.exception(), TimeoutError)
+
+
 def test_work_reports_backend_errors() -> None:
     work = _Broken("barrier", "0")
     with pytest.raises(OSError, match=r"link down"):

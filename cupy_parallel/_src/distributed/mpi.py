@@ -626,7 +626,7 @@ class _MPIWork(Work):
             roots = every[:, 0].tolist()
             if roots.count(roots[0]) == len(roots):
                 return None
-            named = "; ".join(f"rank {world[r]}: {world[root]}" for r, root in enumerate(roots))
+            named = "; ".join(f"rank {world[r]}: {world[named]}" for r, named in enumerate(roots))
             return (
                 f"{disagreeing(roots, world)} in the root they named (src/dst, as global ranks: "
                 f"{named}). Every rank must pass the same root."
@@ -1113,15 +1113,11 @@ class MPIBackend(ProcessGroupBackend):
         mpi = _mpi()
         target = plain_buffer(array)
         status = mpi.Status()  # how many bytes came (and, from ANY_SOURCE, from whom)
-        if src is None:
-            request = self._comm.Irecv([target, self._byte], mpi.ANY_SOURCE, tag)
-            description = "recv from any rank"
-        else:
-            request = self._comm.Irecv([target, self._byte], src, tag)
-            description = f"recv from group rank {src}"
+        peer = mpi.ANY_SOURCE if src is None else src
+        request = self._comm.Irecv([target, self._byte], peer, tag)
+        description = "recv from any rank" if src is None else f"recv from group rank {src}"
         work = _MPIWork(description, self, request, keep=target, status=status, receives=True)
-        if src is not None:
-            work._set_source(src)  # known before it completes (what _idle watches)
+        work._set_source(-1 if src is None else src)  # known before completion (_idle watches it)
         return work
 
     @_staged(0)

@@ -276,10 +276,13 @@ class Work:
                 "group stays usable: wait() again to complete it."
             )
         if not explicit and self._cancel():  # settled: cancelled, or it finished meanwhile
-            return TimeoutError(
+            cancelled = TimeoutError(
                 f"{head} (a peer did not join, died, or is far behind). It was cancelled; the "
                 "process group stays usable."
             )
+            if isinstance(self._exception, TimeoutError):  # a later wait() says the same
+                self._exception = cancelled
+            return cancelled
         self._on_timeout()
         return TimeoutError(
             f"{head} (a peer did not join, died, or is far behind). A started collective cannot "
