@@ -322,7 +322,8 @@ class Store:
         """Add ``amount`` to the counter ``key`` (created at 0) atomically; return the new value.
 
         The counter is stored as its ASCII decimal (``get`` returns ``b"5"``); adding to a key
-        that holds anything else raises ``ValueError``.
+        that holds anything else raises ``ValueError``. (torch reads a leading integer and
+        ignores the rest: ``b"12abc"`` counts as 12, ``b"1e3"`` as 1.)
         """
         return self._add(check_key(key), check_amount(amount))
 
