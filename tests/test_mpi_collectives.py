@@ -98,6 +98,18 @@ def test_cupy_arrays_through_mpi() -> None:
     assert result.stdout.count("checks passed") == 2, result.stdout
 
 
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+def test_simulated_cupy_arrays_are_staged_through_host_memory(ranks: int) -> None:
+    """The staging path for CuPy arrays (this MPI is not CUDA-aware) runs without a GPU.
+
+    The simulated CUDA's arrays must be recognised as device arrays, staged, and copied back in
+    stream order (the simulation raises on any unordered access); each result against NumPy.
+    """
+    result, _ = launch(ranks, "simulated-cupy")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("checks passed") == ranks, result.stdout
+
+
 EDGES = Path(__file__).parent / "mpi_workers" / "edges_worker.py"
 
 

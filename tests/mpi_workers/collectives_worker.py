@@ -5,7 +5,8 @@ NumPy alone. Mismatches are collected and reported on stderr; the exit status is
 
 Modes: ``all`` (the full matrix), ``timeout`` (rank 1 never joins a collective), ``die`` (rank 1
 exits abruptly before a collective), ``init-timeout`` (rank 1 never calls init_process_group),
-``reinit DIRECTORY PORT`` (init -> destroy -> init through the store-based rendezvous).
+``reinit DIRECTORY PORT`` (init -> destroy -> init through the store-based rendezvous),
+``cupy`` (CuPy arrays; needs a GPU), ``simulated-cupy`` (the same under ``simulated_cuda``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from cupy_parallel.distributed import ReduceOp
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from types import ModuleType
 
 DTYPES = [
     np.bool_,
@@ -427,31 +429,74 @@ def run_groups(rank: int, n: int) -> None:
     check("world after destroying a subgroup", x, np.array([n]))
 
 
-def run_cupy(rank: int, n: int) -> None:
-    """CuPy arrays through the MPI backend (staged through host memory unless MPI is CUDA-aware)."""
+def run_cupy(rank: int, n: int, cupy: ModuleType) -> None:
+    """CuPy arrays through the MPI backend (staged through host memory unless MPI is CUDA-aware).
+
+    Every primitive that takes arrays, each against NumPy. ``cupy`` is CuPy or, without a GPU,
+    the simulated CUDA's stand-in (which also raises on any access not ordered by the streams).
+    """
     import warnings
 
-    import cupy
-
     from cupy_parallel._src.distributed.mpi import mpi_is_cuda_aware
+
+    def same(name: str, got: object, expected: np.ndarray) -> None:
+        check(name, cupy.asnumpy(got), expected)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         every = [data(1, r, (5,), np.float32) for r in range(n)]
         x = cupy.asarray(every[rank])
         dist.all_reduce(x)
-        check("cupy all_reduce", cupy.asnumpy(x), oracle(every, ReduceOp.SUM))
-        y = cupy.asarray(data(2, rank, (3,), np.int64))
-        dist.broadcast(y, src=n - 1)
-        check("cupy broadcast", cupy.asnumpy(y), data(2, n - 1, (3,), np.int64))
-        outs = [cupy.zeros(5, np.float32) for _ in range(n)]
-        work = dist.all_gather(outs, cupy.asarray(every[rank]), async_op=True)
-        work.wait()
-        for r in range(n):
-            check(f"cupy all_gather [{r}]", cupy.asnumpy(outs[r]), every[r])
+        same("cupy all_reduce", x, oracle(every, ReduceOp.SUM))
         x = cupy.asarray(every[rank])
         dist.all_reduce(x, op=ReduceOp.AVG)
-        check("cupy all_reduce AVG", cupy.asnumpy(x), oracle(every, ReduceOp.AVG))
+        same("cupy all_reduce AVG", x, oracle(every, ReduceOp.AVG))
+        y = cupy.asarray(data(2, rank, (3,), np.int64))
+        dist.broadcast(y, src=n - 1)
+        same("cupy broadcast", y, data(2, n - 1, (3,), np.int64))
+        x = cupy.asarray(every[rank])
+        dist.reduce(x, dst=0, op=ReduceOp.MAX)
+        same("cupy reduce", x, oracle(every, ReduceOp.MAX) if rank == 0 else every[rank])
+        outs = [cupy.zeros(5, np.float32) for _ in range(n)]
+        dist.all_gather(outs, cupy.asarray(every[rank]), async_op=True).wait()
+        for r in range(n):
+            same(f"cupy all_gather [{r}]", outs[r], every[r])
+        outs = [cupy.zeros(5, np.float32) for _ in range(n)] if rank == 1 else None
+        dist.gather(cupy.asarray(every[rank]), outs, dst=1)
+        for r in range(n if outs is not None else 0):
+            same(f"cupy gather [{r}]", outs[r], every[r])
+        pieces = [cupy.asarray(data(3, r, (2,), np.int32)) for r in range(n)] if rank == 0 else None
+        z = cupy.zeros(2, np.int32)
+        dist.scatter(z, pieces, src=0)
+        same("cupy scatter", z, data(3, rank, (2,), np.int32))
+        blocks = [[data(4, 10 * r + j, (2,), np.float64) for j in range(n)] for r in range(n)]
+        z = cupy.zeros(2, np.float64)
+        dist.reduce_scatter(z, [cupy.asarray(b) for b in blocks[rank]])
+        same("cupy reduce_scatter", z, oracle([blocks[r][rank] for r in range(n)], ReduceOp.SUM))
+        outs = [cupy.zeros(2, np.float64) for _ in range(n)]
+        dist.all_to_all(outs, [cupy.asarray(b) for b in blocks[rank]])
+        for r in range(n):
+            same(f"cupy all_to_all [{r}]", outs[r], blocks[r][rank])
+        if rank < 2:
+            message = cupy.asarray(data(5, 0, (4,), np.uint8))
+            if rank == 0:
+                dist.send(message, dst=1)
+            else:
+                got = cupy.zeros(4, np.uint8)
+                check("cupy recv source", dist.recv(got), 0)
+                same("cupy recv", got, data(5, 0, (4,), np.uint8))
+        pair = [cupy.asarray(data(6, rank, (3,), np.int16)), cupy.asarray(every[rank])]
+        dist.all_reduce_coalesced(pair)
+        same(
+            "cupy all_reduce_coalesced [0]",
+            pair[0],
+            oracle([data(6, r, (3,), np.int16) for r in range(n)], ReduceOp.SUM),
+        )
+        same("cupy all_reduce_coalesced [1]", pair[1], oracle(every, ReduceOp.SUM))
+        lists = [[cupy.zeros(5, np.float32)] for _ in range(n)]
+        dist.all_gather_coalesced(lists, [cupy.asarray(every[rank])])
+        for r in range(n):
+            same(f"cupy all_gather_coalesced [{r}]", lists[r][0], every[r])
     notes = [w for w in caught if "not CUDA-aware" in str(w.message)]
     check("cupy staging note appears once", len(notes), 0 if mpi_is_cuda_aware() else 1)
 
@@ -560,8 +605,16 @@ def main() -> int:
         except RuntimeError as error:
             print(f"CAUGHT RuntimeError: {error}", file=sys.stderr, flush=True)
         return 0
-    if mode == "cupy":
-        run_cupy(rank, dist.get_world_size())
+    if mode in ("cupy", "simulated-cupy"):
+        if mode == "cupy":
+            import cupy
+
+            run_cupy(rank, dist.get_world_size(), cupy)
+        else:
+            from cupy_parallel.testing import simulated_cuda
+
+            with simulated_cuda(1) as stand_in:
+                run_cupy(rank, dist.get_world_size(), stand_in)
         dist.destroy_process_group()
         if failures:
             print("\n".join(failures), file=sys.stderr)

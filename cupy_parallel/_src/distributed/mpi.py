@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn, cast
 
 import numpy as np
 
-from cupy_parallel._src.devices import cupy_module
+from cupy_parallel._src.devices import cupy_module, is_cupy_array
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend, disagreeing
 from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.work import Work
@@ -342,23 +342,23 @@ def _loaded_mpi_libraries() -> list[str]:
 _staging_warned = False
 
 
-def _is_cupy(x: Any) -> bool:
-    module = type(x).__module__
-    return module == "cupy" or module.startswith(("cupy.", "cupy_backends."))
-
-
 # Argument types that are never CuPy arrays: skipped without asking for their module.
 _NOT_DEVICE: frozenset[type] = frozenset({np.ndarray, HostArray, int, ReduceOp, type(None)})
 
 
 def _has_device_array(args: Sequence[Any]) -> bool:
+    """Whether an argument, or an element of a list argument (at any depth), is a CuPy array.
+
+    CuPy's or, inside ``simulated_cuda``, the stand-in's (:func:`is_cupy_array`).
+    """
     for arg in args:
         kind = type(arg)
+        if kind in _NOT_DEVICE:
+            continue
         if kind is list or kind is tuple:
-            # A list of host arrays (the common case) is passed over at C speed.
-            if not _NOT_DEVICE.issuperset(map(type, arg)) and _has_device_array(arg):
+            if _has_device_array(arg):
                 return True
-        elif kind not in _NOT_DEVICE and _is_cupy(arg):
+        elif is_cupy_array(arg):
             return True
     return False
 
@@ -409,7 +409,7 @@ def _warn_staging() -> None:
 def _to_host(arg: Any, pairs: list[tuple[Any, np.ndarray]] | None) -> Any:
     if type(arg) is list or type(arg) is tuple:
         return [_to_host(a, pairs) for a in arg]
-    if not _is_cupy(arg):
+    if not is_cupy_array(arg):
         return arg
     host = arg.get()
     if pairs is not None:
