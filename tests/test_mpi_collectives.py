@@ -28,9 +28,9 @@ pytestmark = [
 
 
 def launch(
-    ranks: int, mode: str, *args: str, timeout: float = 120
+    ranks: int, mode: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], float]:
-    env = {**os.environ, "PYTHONWARNINGS": "error"}
+    env = {**os.environ, "PYTHONWARNINGS": "error", **(env or {})}
     start = time.monotonic()
     result = subprocess.run(
         [str(MPIEXEC), "-n", str(ranks), sys.executable, str(WORKER), mode, *args],
@@ -98,14 +98,17 @@ def test_cupy_arrays_through_mpi() -> None:
     assert result.stdout.count("checks passed") == 2, result.stdout
 
 
+@pytest.mark.parametrize("aware", ["", "1"], ids=["mpi-not-cuda-aware", "forced-cuda-aware"])
 @pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
-def test_simulated_cupy_arrays_are_staged_through_host_memory(ranks: int) -> None:
-    """The staging path for CuPy arrays (this MPI is not CUDA-aware) runs without a GPU.
+def test_simulated_cupy_arrays_are_staged_through_host_memory(ranks: int, aware: str) -> None:
+    """The staging path for CuPy arrays runs without a GPU.
 
     The simulated CUDA's arrays must be recognised as device arrays, staged, and copied back in
     stream order (the simulation raises on any unordered access); each result against NumPy.
+    They are staged even where the MPI is said to be CUDA-aware: MPI cannot read a stand-in's
+    memory as device memory (before, both cases reached mpi4py raw and raised its TypeError).
     """
-    result, _ = launch(ranks, "simulated-cupy")
+    result, _ = launch(ranks, "simulated-cupy", env={"CUPY_PARALLEL_MPI_CUDA_AWARE": aware})
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("checks passed") == ranks, result.stdout
 

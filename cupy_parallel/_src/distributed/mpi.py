@@ -367,6 +367,8 @@ def _staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work
     """Let a primitive written for host arrays take CuPy arrays.
 
     The arrays at argument positions ``outputs`` receive data and are copied back on completion.
+    A CUDA-aware MPI gets the device arrays themselves, except under ``simulated_cuda``: the
+    stand-in's memory is not CUDA memory that MPI could read, so its arrays are always staged.
     """
 
     def decorate(primitive: Callable[..., Work]) -> Callable[..., Work]:
@@ -376,9 +378,12 @@ def _staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work
                 return primitive(self, *args)
             cupy: Any = cupy_module()
             cupy.cuda.get_current_stream().synchronize()
-            if mpi_is_cuda_aware():
+            simulated = cupy.__name__ != "cupy"
+            if mpi_is_cuda_aware() and not simulated:
                 return primitive(self, *args)
-            _warn_staging()
+            _warn_staging(
+                "CUDA is simulated (simulated_cuda)" if simulated else "this MPI is not CUDA-aware"
+            )
             pairs: list[tuple[Any, np.ndarray]] = []
             host_args = [
                 _to_host(arg, pairs if index in outputs else None) for index, arg in enumerate(args)
@@ -393,13 +398,13 @@ def _staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work
     return decorate
 
 
-def _warn_staging() -> None:
+def _warn_staging(reason: str) -> None:
     global _staging_warned
     if not _staging_warned:
         _staging_warned = True
         warnings.warn(
-            "cupy_parallel MPI backend: this MPI is not CUDA-aware, so CuPy arrays are copied "
-            "through host memory for each call (set CUPY_PARALLEL_MPI_CUDA_AWARE=1 if it is, or "
+            f"cupy_parallel MPI backend: {reason}, so CuPy arrays are copied through host memory "
+            "for each call (set CUPY_PARALLEL_MPI_CUDA_AWARE=1 if this MPI is CUDA-aware, or "
             "use the 'nccl' backend).",
             RuntimeWarning,
             stacklevel=4,
