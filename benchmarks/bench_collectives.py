@@ -60,11 +60,8 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
     for label, nbytes in SIZES:
         buf = np.ones(nbytes // 4, np.float32)
         small = nbytes < (1 << 20)
-        # 4 ranks share 2 cores here, and the machine is shared: the best of many rounds is
-        # the steady estimate. Large sizes take more, shorter rounds (a few ms each), so that
-        # one quiet stretch is likely for both functions.
-        iters = (200 if quick else 2000) if small else (2 if quick else 3)
-        rounds = 3 if quick else (15 if small else 30)
+        # large sizes: 30 rounds of 3 calls, so that each function meets a quiet stretch
+        iters, rounds = _latency_schedule(quick) if small else ((2, 3) if quick else (3, 30))
 
         def raw(buf: np.ndarray = buf) -> None:
             comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
@@ -109,6 +106,18 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
     return rows if dist_rank_zero() else []
 
 
+def _latency_schedule(quick: bool) -> tuple[int, int]:
+    """Calls per round and rounds for the 4 KiB rows: many short rounds (about 10 ms).
+
+    4 ranks share 2 cores here, on a machine shared with others. Rounds of 2,000 calls (15 of
+    them) put whole rounds of one function into a busy stretch: the same code measured +1 and
+    +16 us over mpi4py minutes apart. Alternating every 300 calls exposes both functions to
+    the same stretches, and the best of 130 rounds gave +7.8, +8.6 and +7.8 us in three runs
+    (the same calls in all, about 40,000 per function).
+    """
+    return (100, 5) if quick else (300, 130)
+
+
 def _rounds(
     comm: Any, fns: Sequence[Callable[[], object]], iters: int, rounds: int
 ) -> list[list[float]]:
@@ -139,7 +148,7 @@ def _debug_cost(comm: Any, ranks: int, quick: bool) -> dict[str, Any]:
     checked = dist.new_group()
     del os.environ["CUPY_PARALLEL_DISTRIBUTED_DEBUG"]
     buf = np.ones(1024, np.float32)
-    iters, rounds = (100, 3) if quick else (1000, 10)
+    iters, rounds = _latency_schedule(quick)
     times = _rounds(
         comm,
         [functools.partial(dist.all_reduce, buf, group=g) for g in (plain, checked)],
@@ -165,7 +174,7 @@ def _broadcast_cost(comm: Any, ranks: int, quick: bool) -> dict[str, Any]:
     from cupy_parallel import distributed as dist
 
     buf = np.ones(1024, np.float32)
-    iters, rounds = (100, 3) if quick else (1000, 10)
+    iters, rounds = _latency_schedule(quick)
     raw_times, our_times = _rounds(
         comm,
         [functools.partial(comm.Bcast, buf, root=0), functools.partial(dist.broadcast, buf, 0)],
