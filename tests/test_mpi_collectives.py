@@ -165,14 +165,16 @@ def test_clear_errors_and_the_group_stays_usable(ranks: int) -> None:
 def test_broadcast_size_mismatch_is_a_value_error() -> None:
     result, _ = launch_edges(2, "bcast-mismatch")
     assert (
-        "CAUGHT ValueError: broadcast failed on process group '0': the ranks' arrays differ in "
-        "size" in result.stdout
+        "CAUGHT ValueError: broadcast on process group '0': ranks [0, 1] disagree (no majority) "
+        "in the array they passed (rank 0: float64, 8 elements, 1-d; rank 1: float64, 4 "
+        "elements, 1-d)" in result.stdout
     ), result.stdout + result.stderr[-2000:]
 
 
 def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank() -> None:
     """Without the debug mode. MPI would let one rank's array overwrite the root's, silently, and
-    leave zeros where a receiver expects more than is sent."""
+    leave zeros where a receiver expects more than is sent; a rooted collective over arrays of
+    another size, dtype or shape reduces garbage or leaves part of an array as it was."""
     result, seconds = launch_edges(3, "disagree")
     assert seconds < 30
     out = result.stdout
@@ -191,6 +193,18 @@ def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank() -> None:
             "rank 2: 1). Every rank must pass the same root. The arrays' contents are undefined now"
         )
         assert out.count(message) == 3, out
+    same = "the same dtype and size: their shapes or byte orders differ; the debug mode "
+    for name, number, layout, arrays in (
+        ("broadcast", 8, "", ("float64, 4 elements, 1-d",) * 2 + ("float64, 2 elements, 1-d",)),
+        ("reduce", 9, "", ("float32, 4 elements, 1-d",) * 2 + ("int32, 4 elements, 1-d",)),
+        ("gather", 10, "", ("float64, 2 elements, 1-d",) * 2 + ("float64, 3 elements, 1-d",)),
+        ("scatter", 11, same, ("float64, 2 elements, 2-d",) * 3),
+    ):
+        passed = "; ".join(f"rank {r}: {a}" for r, a in enumerate(arrays))
+        head = f"CAUGHT ValueError: {name} on process group '{number}': ranks [2] differ from the "
+        message = f"{head}rest in the array they passed{' (' + layout if layout else ''}"
+        assert out.count(message) == 3, out
+        assert out.count(f"({passed}). Every rank must pass an array of the same dtype") == 3, out
     for number, sent, expected in ((6, 16, 24), (7, 8, 16)):  # all_to_all, all_to_all_single
         message = (
             f"CAUGHT ValueError: all_to_all on process group '{number}': the ranks disagree on the "

@@ -10,7 +10,8 @@ each result it checked; the test reads them. Modes:
 - ``new-group-timeout``: the last rank calls ``barrier`` where the others call ``new_group``;
 - ``disagree``: the last rank names another root (``src``/``dst``) than the others, in each
   rooted collective, synchronous and with ``async_op=True``; then it expects more from rank 0
-  than rank 0 sends in ``all_to_all`` and ``all_to_all_single``. Each on a group of its own (a
+  than rank 0 sends in ``all_to_all`` and ``all_to_all_single``; then, all naming root 0, it
+  passes another size, dtype or shape to each rooted collective. Each on a group of its own (a
   mismatch leaves its group unusable); a collective on the world group shows it unharmed.
 """
 
@@ -143,6 +144,25 @@ def disagree(rank: int, size: int) -> None:
             np.ones(size),
             [2 if rank == size - 1 and j == 0 else 1 for j in others],
             [1] * size,
+            group=g,
+        ),
+    }
+    last = rank == size - 1
+    calls |= {  # every rank names root 0; the last rank's array differs
+        "broadcast, size": lambda g: dist.broadcast(np.zeros(2 if last else 4), 0, group=g),
+        "reduce, dtype of the same size": lambda g: dist.reduce(
+            np.ones(4, np.int32 if last else np.float32), 0, group=g
+        ),
+        "gather, size": lambda g: dist.gather(
+            np.ones(3 if last else 2),
+            [np.zeros(2) for _ in others] if rank == 0 else None,
+            0,
+            group=g,
+        ),
+        "scatter, shape of the same size": lambda g: dist.scatter(
+            np.zeros((1, 2) if last else (2, 1)),
+            [np.ones((2, 1)) for _ in others] if rank == 0 else None,
+            0,
             group=g,
         ),
     }

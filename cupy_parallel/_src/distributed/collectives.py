@@ -470,10 +470,12 @@ def broadcast(
 ) -> Work | None:
     """Copy ``tensor`` of world rank ``src`` into ``tensor`` of every rank of the group.
 
-    Every rank must name the same ``src``. The ``"mpi"`` backend checks it (so do ``reduce``,
-    ``gather`` and ``scatter`` for their root): ranks that disagree get ``ValueError``, on every
-    rank, instead of MPI's silent overwrite. ``"nccl"`` compares roots only in the debug mode
-    (``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL``); the simulated NCCL reports a mismatch always.
+    Every rank must name the same ``src`` and pass an array of the same dtype and shape. The
+    ``"mpi"`` backend checks both (so do ``reduce``, ``gather`` and ``scatter``): ranks that
+    disagree get ``ValueError``, on every rank, instead of MPI's silent overwrite or partly
+    filled array. ``"nccl"`` compares them only in the debug mode
+    (``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL``); the simulated NCCL reports a differing root,
+    element count or dtype always (NCCL itself sees no shapes).
 
     Args:
         tensor: Data to send on ``src``, buffer receiving it (in place) elsewhere.

@@ -43,17 +43,20 @@
   MPI's built-in ``MPI_MIN``/``MPI_MAX`` leave both to the order of evaluation.
 * Buffers the backend allocates (packing, receiving) are zero-filled: a peer that sends less
   than expected never exposes another call's bytes.
-* Roots and ``all_to_all`` sizes are compared, always: ``broadcast``, ``reduce``, ``gather`` and
-  ``scatter`` (and what is built on them) exchange the root each rank named alongside the
-  operation, ``all_to_all`` (and ``all_to_all_single``) the byte counts each rank sends and
-  expects; they finish only once these agree. Ranks that disagree get ``ValueError`` naming
-  them, on every rank, and the group is unusable (MPI's result is undefined: one rank's array
-  silently overwrites the root's; a receiver expecting more than is sent keeps zeros). The
-  price is that rooted operations synchronise the group, as MPI allows any collective to:
-  ``benchmarks/bench_collectives.py`` reports a 4 KiB ``broadcast`` at 14–20 µs against
-  mpi4py's 2.4–2.8 (whose root returns at once) on 2 ranks, 54–95 µs against 9 on 4 ranks
-  sharing 2 cores; the comparison itself costs about 7 µs and 45 µs of that.
-  Shapes and dtypes are compared only by the debug mode (``DETAIL``).
+* Rooted operations and ``all_to_all`` compare their arguments, always: ``broadcast``,
+  ``reduce``, ``gather`` and ``scatter`` (and what is built on them) exchange the root each rank
+  named and the dtype and shape of its array alongside the operation, ``all_to_all`` (and
+  ``all_to_all_single``) the byte counts each rank sends and expects; they finish only once
+  these agree. Ranks that disagree get ``ValueError`` naming them, on every rank, and the group
+  is unusable (MPI's result is undefined: one rank's array silently overwrites the root's; a
+  receiver expecting more than is sent keeps zeros; a reduction reads one dtype's bytes as
+  another's). The price is that rooted operations synchronise the group, as MPI allows any
+  collective to: ``benchmarks/bench_collectives.py`` reports a 4 KiB ``broadcast`` at 11–20 µs
+  against mpi4py's 1.8–2.8 (whose root returns at once) on 2 ranks, 52–95 µs against 9 on 4
+  ranks sharing 2 cores; the comparison itself costs about 7 µs and 45 µs of that. The other
+  collectives (``all_reduce``, ``all_gather``, ``reduce_scatter`` and their ``_tensor`` forms)
+  compare shapes and dtypes only in the debug mode (``DETAIL``): an exchange beside each would
+  double the 4-rank ``all_reduce`` latency.
 """
 
 from __future__ import annotations
@@ -363,6 +366,19 @@ def _has_device_array(args: Sequence[Any]) -> bool:
     return False
 
 
+def _array_said(signature: tuple[int, ...]) -> str:
+    """An array as :meth:`_MPIWork._check_root_and_array` compares it: dtype, size, dimensions."""
+    number, itemsize, size, ndim, _ = signature
+    dtype = _DTYPES_BY_NUMBER.get(number)
+    name = dtype.name if dtype is not None else f"dtype number {number}"
+    if dtype is None or dtype.kind in "SUVMm":  # flexible, or with a unit: say the item size
+        name = f"{name} ({itemsize}-byte items)"
+    return f"{name}, {size} elements, {ndim}-d"
+
+
+_DTYPES_BY_NUMBER = {np.dtype(code).num: np.dtype(code) for code in np.typecodes["All"]}
+
+
 def _staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work]]:
     """Let a primitive written for host arrays take CuPy arrays.
 
@@ -623,21 +639,45 @@ class _MPIWork(Work):
         self._abandon(message)
         raise ValueError(message)
 
-    def _check_roots(self, root: int) -> _MPIWork:
-        """Have the ranks compare the root (group rank) each named (:meth:`_check`)."""
+    def _check_root_and_array(self, root: int, array: Any) -> _MPIWork:
+        """Have the ranks compare the root (group rank) each named and the array each passed.
+
+        Both travel in the one exchange of :meth:`_check`, so comparing the arrays costs no more
+        than comparing the roots: their dtypes, shapes (and so sizes) must agree, as the debug
+        mode requires of every collective. Otherwise MPI gives the root a reduction over
+        garbage, or leaves part of an array as it was, or reads one dtype's bytes as another's.
+        """
         world = self._backend.world_ranks
+        dtype = array.dtype
+        shape = zlib.crc32(repr((dtype.str, array.shape)).encode())
+        mine = np.array([root, dtype.num, dtype.itemsize, array.size, array.ndim, shape], np.int64)
 
         def verify(every: np.ndarray) -> str | None:
             roots = every[:, 0].tolist()
-            if roots.count(roots[0]) == len(roots):
+            if roots.count(roots[0]) != len(roots):
+                named = "; ".join(
+                    f"rank {world[r]}: {world[named]}" for r, named in enumerate(roots)
+                )
+                return (
+                    f"{disagreeing(roots, world)} in the root they named (src/dst, as global "
+                    f"ranks: {named}). Every rank must pass the same root."
+                )
+            arrays = [tuple(row) for row in every[:, 1:].tolist()]
+            if arrays.count(arrays[0]) == len(arrays):
                 return None
-            named = "; ".join(f"rank {world[r]}: {world[named]}" for r, named in enumerate(roots))
+            passed = "; ".join(f"rank {world[r]}: {_array_said(a)}" for r, a in enumerate(arrays))
+            layout = (
+                " (the same dtype and size: their shapes or byte orders differ; the debug mode "
+                "CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL names the shapes)"
+                if len({a[:-1] for a in arrays}) == 1
+                else ""
+            )
             return (
-                f"{disagreeing(roots, world)} in the root they named (src/dst, as global ranks: "
-                f"{named}). Every rank must pass the same root."
+                f"{disagreeing(arrays, world)} in the array they passed{layout} ({passed}). Every "
+                "rank must pass an array of the same dtype and shape."
             )
 
-        return self._check(np.array([root], np.int64), verify)
+        return self._check(mine, verify)
 
     def _check_counts(self, sends: Sequence[int], receives: Sequence[int]) -> _MPIWork:
         """Have the ranks compare the bytes each sends to and expects from each other."""
@@ -948,7 +988,7 @@ class MPIBackend(ProcessGroupBackend):
         arrays = [plain_buffer(x) for x in arrays]
         source = arrays[root_index] if self.rank == root else arrays[0]
         request = self._comm.Ibcast([source, self._byte], root)
-        work = _MPIWork("broadcast", self, request, keep=source)._check_roots(root)
+        work = _MPIWork("broadcast", self, request, keep=source)._check_root_and_array(root, source)
         if len(arrays) > 1:
             others = [x for x in arrays if x is not source]
             work._add_finalizer(functools.partial(_copy_each, others, source))
@@ -992,7 +1032,7 @@ class MPIBackend(ProcessGroupBackend):
             request = self._comm.Ireduce(self._in_place, message, plan.mpi_op, root)
         else:
             request = self._comm.Ireduce(message, None, plan.mpi_op, root)
-        work = _MPIWork("reduce", self, request, keep=acc)._check_roots(root)
+        work = _MPIWork("reduce", self, request, keep=acc)._check_root_and_array(root, outputs[0])
         if at_root:
             count = self.size * len(outputs)
             target = outputs[root_index]
@@ -1028,10 +1068,13 @@ class MPIBackend(ProcessGroupBackend):
         source = plain_buffer(input)
         if outputs is None:
             request = self._comm.Igather([source, self._byte], None, root)
-            return _MPIWork("gather", self, request, keep=source)._check_roots(root)
+            return _MPIWork("gather", self, request, keep=source)._check_root_and_array(
+                root, source
+            )
         received = _temp((self.size * source.nbytes,), np.uint8, source)
         request = self._comm.Igather([source, self._byte], [received, self._byte], root)
-        work = _MPIWork("gather", self, request, keep=(source, received))._check_roots(root)
+        work = _MPIWork("gather", self, request, keep=(source, received))
+        work._check_root_and_array(root, source)
         return work._add_finalizer(functools.partial(_unpack, received, outputs))
 
     @_staged(0)
@@ -1040,7 +1083,9 @@ class MPIBackend(ProcessGroupBackend):
         target = plain_buffer(output)
         send = None if inputs is None else [_pack(inputs), self._byte]
         request = self._comm.Iscatter(send, [target, self._byte], root)
-        return _MPIWork("scatter", self, request, keep=(send, target))._check_roots(root)
+        return _MPIWork("scatter", self, request, keep=(send, target))._check_root_and_array(
+            root, target
+        )
 
     @_staged(0)
     def reduce_scatter(
