@@ -376,7 +376,9 @@ def _array_said(signature: tuple[int, ...]) -> str:
     return f"{name}, {size} elements, {ndim}-d"
 
 
-_DTYPES_BY_NUMBER = {np.dtype(code).num: np.dtype(code) for code in np.typecodes["All"]}
+_DTYPES_BY_NUMBER: dict[int, np.dtype[Any]] = {
+    np.dtype(code).num: np.dtype(code) for code in np.typecodes["All"]
+}
 
 
 def _staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work]]:
