@@ -3,11 +3,22 @@
 Latency: 4 KiB float32 all_reduce; target at most 10 µs above mpi4py's ``Comm.Allreduce``.
 Bandwidth: 16 MiB and 64 MiB; target at least 0.95× mpi4py's bandwidth. On 2 and 4 ranks.
 
+The two functions alternate round by round, and each all_reduce row carries both estimates:
+the fastest round of each, and the median over rounds of ours/theirs (each round times both
+back to back: the estimator of ``cupy_parallel._tools.benchmarking.compare``). Latency is judged
+on the fastest rounds: what a call costs without the load of other processes (calls take
+microseconds, and load only ever adds). Bandwidth is judged on the median ratio: a 16 MiB call
+takes milliseconds, and the memory bandwidth this shared machine leaves drifts between rounds;
+the best of 30-40 rounds moved 0.95-1.08 between runs for ``Iallreduce`` plus ``Test`` against
+``Allreduce`` (the same MPI algorithm, no library code), which cannot resolve a 5 % target,
+while the median ratio moved 0.98-1.02.
+
 The debug mode (``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL``, off in the rows above) is reported
 in one more row per world: the 4 KiB ``all_reduce`` on a group made with it on, against the same
 call with it off (no target: it is a diagnostic mode; the row says what it costs). One more row
 per world reports a 4 KiB ``broadcast`` against mpi4py's ``Bcast``: ours compares the ranks'
-roots (always on), which makes it wait for every rank, where MPI's root may return at once.
+roots and arrays (always on), which makes it wait for every rank, where MPI's root may return
+at once.
 
 Run ``python benchmarks/bench_collectives.py [--quick] [--json FILE.json]``: it starts
 ``mpiexec -n 2`` and ``-n 4`` itself (or, already under mpiexec, measures that world) and prints
@@ -22,7 +33,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -32,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src.distributed.launch import find_mpiexec
-from cupy_parallel._tools.benchmarking import result, script_main
+from cupy_parallel._tools.benchmarking import Timing, result, script_main
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -73,31 +83,37 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
             for _ in range(min(iters, 50)):
                 fn()
         raw_times, our_times = _rounds(comm, (raw, ours), iters, rounds)
-        seconds, baseline = min(our_times), min(raw_times)
-        if small:
+        timing = Timing.of(our_times, raw_times)
+        if small:  # judged on the fastest rounds: what the call costs, not what the load adds
             name = f"all_reduce latency {label}, {ranks} ranks"
             goal = f"<= mpi4py + {LATENCY_TARGET_S * 1e6:.0f} us"
+            seconds, baseline = timing.min_seconds, timing.baseline_min_seconds
             target = 1 + LATENCY_TARGET_S / baseline  # seconds <= baseline + 10 us
-        else:
+            ratio = seconds / baseline
+        else:  # judged on the median of the rounds' ratios (the module docstring says why)
             name = f"all_reduce bandwidth {label}, {ranks} ranks"
-            goal = f">= {BANDWIDTH_TARGET}x mpi4py bandwidth"
+            goal = f">= {BANDWIDTH_TARGET}x mpi4py bandwidth (median of paired rounds)"
+            seconds, baseline = timing.seconds, timing.baseline_seconds
             target = 1 / BANDWIDTH_TARGET  # baseline / seconds >= 0.95
+            ratio = timing.ratio
         bus_bytes = 2 * (ranks - 1) / ranks * nbytes
         rows.append(
-            result(
-                name,
-                seconds,
-                baseline,
-                target,
-                goal=goal,
-                met=seconds / baseline <= target,
-                ranks=ranks,
-                bytes=nbytes,
-                bus_bandwidth_GBps=bus_bytes / seconds / 1e9,
-                baseline_bus_bandwidth_GBps=bus_bytes / baseline / 1e9,
-                median_seconds=statistics.median(our_times),
-                median_baseline_seconds=statistics.median(raw_times),
-            )
+            {
+                **result(name, seconds, baseline, target),
+                "ratio": ratio,
+                "goal": goal,
+                "met": ratio <= target,
+                "ranks": ranks,
+                "bytes": nbytes,
+                "bus_bandwidth_GBps": bus_bytes / seconds / 1e9,
+                "baseline_bus_bandwidth_GBps": bus_bytes / baseline / 1e9,
+                "median_seconds": timing.seconds,
+                "median_baseline_seconds": timing.baseline_seconds,
+                "min_seconds": timing.min_seconds,
+                "baseline_min_seconds": timing.baseline_min_seconds,
+                "paired_median_ratio": timing.ratio,
+                "spread": timing.spread,
+            }
         )
     rows.append(_debug_cost(comm, ranks, quick))
     rows.append(_broadcast_cost(comm, ranks, quick))
@@ -169,7 +185,7 @@ def _debug_cost(comm: Any, ranks: int, quick: bool) -> dict[str, Any]:
 
 
 def _broadcast_cost(comm: Any, ranks: int, quick: bool) -> dict[str, Any]:
-    """The 4 KiB broadcast, whose ranks compare roots, against mpi4py's ``Bcast`` (same run)."""
+    """The 4 KiB broadcast (its ranks compare roots and arrays) against mpi4py's ``Bcast``."""
 
     from cupy_parallel import distributed as dist
 
@@ -182,11 +198,11 @@ def _broadcast_cost(comm: Any, ranks: int, quick: bool) -> dict[str, Any]:
         rounds,
     )
     return result(
-        f"broadcast latency 4 KiB, roots compared, {ranks} ranks",
+        f"broadcast latency 4 KiB, roots and arrays compared, {ranks} ranks",
         min(our_times),
         min(raw_times),
         None,
-        goal="reported only: broadcast exchanges the roots (it synchronises the group)",
+        goal="reported only: broadcast exchanges roots and arrays (it synchronises the group)",
         ranks=ranks,
         bytes=4096,
     )

@@ -105,6 +105,32 @@ class Timing:
     spread: float
     rounds: int
 
+    @classmethod
+    def of(cls, seconds: Sequence[float], baseline_seconds: Sequence[float], /) -> Timing:
+        """The statistics of per-call seconds measured in rounds (round ``i`` of each together).
+
+        For timing loops that :func:`compare` cannot run (one per MPI rank, in step).
+
+        Example:
+            >>> import cupy_parallel
+            >>> from cupy_parallel._tools.benchmarking import Timing
+            >>> timing = Timing.of([2.0, 3.0, 2.2], [1.0, 2.0, 1.0])
+            >>> timing.ratio, timing.min_seconds, timing.baseline_min_seconds
+            (2.0, 2.0, 1.0)
+        """
+        ratios = sorted(a / b for a, b in zip(seconds, baseline_seconds, strict=True))
+        middle = statistics.median(ratios)
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [middle] * 3
+        return cls(
+            seconds=statistics.median(seconds),
+            baseline_seconds=statistics.median(baseline_seconds),
+            min_seconds=min(seconds),
+            baseline_min_seconds=min(baseline_seconds),
+            ratio=middle,
+            spread=(quartiles[2] - quartiles[0]) / middle if middle > 0 else math.inf,
+            rounds=len(ratios),
+        )
+
     @property
     def noisy(self) -> bool:
         """Whether the spread makes the ratio meaningless (more than :data:`NOISY_SPREAD`)."""
@@ -162,18 +188,7 @@ def compare(
             for _ in range(number):
                 fn()
             times.append((time.perf_counter() - start) / number)
-    ratios = sorted(a / b for a, b in zip(ours, theirs, strict=True))
-    middle = statistics.median(ratios)
-    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [middle, middle, middle]
-    return Timing(
-        seconds=statistics.median(ours),
-        baseline_seconds=statistics.median(theirs),
-        min_seconds=min(ours),
-        baseline_min_seconds=min(theirs),
-        ratio=middle,
-        spread=(quartiles[2] - quartiles[0]) / middle if middle > 0 else math.inf,
-        rounds=rounds,
-    )
+    return Timing.of(ours, theirs)
 
 
 @contextlib.contextmanager
