@@ -205,6 +205,12 @@ def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank() -> None:
         message = f"{head}rest in the array they passed{' (' + layout if layout else ''}"
         assert out.count(message) == 3, out
         assert out.count(f"({passed}). Every rank must pass an array of the same dtype") == 3, out
+    dtypes = "rank 0: int32; rank 1: int32; rank 2: float32"
+    message = (
+        "CAUGHT ValueError: all_to_all on process group '12': ranks [2] differ from the rest in "
+        f"the dtype they exchange ({dtypes}). Every rank must pass arrays of one dtype."
+    )
+    assert out.count(message) == 3, out
     for number, sent, expected in ((6, 16, 24), (7, 8, 16)):  # all_to_all, all_to_all_single
         message = (
             f"CAUGHT ValueError: all_to_all on process group '{number}': the ranks disagree on the "

@@ -11,8 +11,9 @@ each result it checked; the test reads them. Modes:
 - ``disagree``: the last rank names another root (``src``/``dst``) than the others, in each
   rooted collective, synchronous and with ``async_op=True``; then it expects more from rank 0
   than rank 0 sends in ``all_to_all`` and ``all_to_all_single``; then, all naming root 0, it
-  passes another size, dtype or shape to each rooted collective. Each on a group of its own (a
-  mismatch leaves its group unusable); a collective on the world group shows it unharmed.
+  passes another size, dtype or shape to each rooted collective, and another dtype of the same
+  size to ``all_to_all``. Each on a group of its own (a mismatch leaves its group unusable); a
+  collective on the world group shows it unharmed.
 """
 
 from __future__ import annotations
@@ -166,6 +167,10 @@ def disagree(rank: int, size: int) -> None:
             group=g,
         ),
     }
+    kind = np.float32 if last else np.int32  # the same size: only the dtype differs
+    calls["all_to_all, dtype"] = lambda g: dist.all_to_all(
+        [np.zeros(2, kind) for _ in others], [np.ones(2, kind) for _ in others], group=g
+    )
     for name, call in calls.items():
         group = dist.new_group(others)
         try:

@@ -366,14 +366,13 @@ def _has_device_array(args: Sequence[Any]) -> bool:
     return False
 
 
-def _array_said(signature: tuple[int, ...]) -> str:
-    """An array as :meth:`_MPIWork._check_root_and_array` compares it: dtype, size, dimensions."""
-    number, itemsize, size, ndim, _ = signature
+def _dtype_said(number: int, itemsize: int) -> str:
+    """The name of a dtype the ranks compared by ``dtype.num`` and ``dtype.itemsize``."""
     dtype = _DTYPES_BY_NUMBER.get(number)
     name = dtype.name if dtype is not None else f"dtype number {number}"
     if dtype is None or dtype.kind in "SUVMm":  # flexible, or with a unit: say the item size
         name = f"{name} ({itemsize}-byte items)"
-    return f"{name}, {size} elements, {ndim}-d"
+    return name
 
 
 _DTYPES_BY_NUMBER: dict[int, np.dtype[Any]] = {
@@ -651,7 +650,7 @@ class _MPIWork(Work):
         """
         world = self._backend.world_ranks
         dtype = array.dtype
-        shape = zlib.crc32(repr((dtype.str, array.shape)).encode())
+        shape = zlib.crc32(repr((dtype.str, array.shape)).encode())  # with the byte order
         mine = np.array([root, dtype.num, dtype.itemsize, array.size, array.ndim, shape], np.int64)
 
         def verify(every: np.ndarray) -> str | None:
@@ -667,7 +666,10 @@ class _MPIWork(Work):
             arrays = [tuple(row) for row in every[:, 1:].tolist()]
             if arrays.count(arrays[0]) == len(arrays):
                 return None
-            passed = "; ".join(f"rank {world[r]}: {_array_said(a)}" for r, a in enumerate(arrays))
+            passed = "; ".join(
+                f"rank {world[r]}: {_dtype_said(number, itemsize)}, {size} elements, {ndim}-d"
+                for r, (number, itemsize, size, ndim, _) in enumerate(arrays)
+            )
             layout = (
                 " (the same dtype and size: their shapes or byte orders differ; the debug mode "
                 "CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL names the shapes)"
@@ -681,13 +683,20 @@ class _MPIWork(Work):
 
         return self._check(mine, verify)
 
-    def _check_counts(self, sends: Sequence[int], receives: Sequence[int]) -> _MPIWork:
-        """Have the ranks compare the bytes each sends to and expects from each other."""
+    def _check_counts(
+        self, sends: Sequence[int], receives: Sequence[int], dtype: np.dtype[Any]
+    ) -> _MPIWork:
+        """Have the ranks compare the bytes each sends to and expects from each other.
+
+        And the dtype (each rank's inputs and outputs share one): bytes of another dtype, even
+        of the same size, would be read as garbage.
+        """
         world = self._backend.world_ranks
         size = len(sends)
+        spelled = zlib.crc32(dtype.str.encode())  # with the byte order
 
         def verify(every: np.ndarray) -> str | None:
-            sent, expected = every[:, :size], every[:, size:]  # [r, j]: r sends j / r expects j
+            sent, expected = every[:, :size], every[:, size : 2 * size]  # [r, j]: r sends j
             pairs = [
                 f"rank {world[r]} sends {sent[r, j]} bytes to rank {world[j]}, which expects "
                 f"{expected[j, r]}"
@@ -695,15 +704,27 @@ class _MPIWork(Work):
                 for j in range(size)
                 if sent[r, j] != expected[j, r]
             ]
-            if not pairs:
+            if pairs:
+                return (
+                    f"the ranks disagree on the sizes they exchange (global ranks): "
+                    f"{'; '.join(pairs)}. What rank r sends to rank j must be the size rank j "
+                    "expects from rank r."
+                )
+            dtypes = [tuple(row) for row in every[:, 2 * size :].tolist()]
+            if dtypes.count(dtypes[0]) == len(dtypes):
                 return None
+            passed = "; ".join(
+                f"rank {world[r]}: {_dtype_said(number, itemsize)}"
+                for r, (number, itemsize, _) in enumerate(dtypes)
+            )
+            order = "; their byte orders differ" if len({d[:2] for d in dtypes}) == 1 else ""
             return (
-                f"the ranks disagree on the sizes they exchange (global ranks): "
-                f"{'; '.join(pairs)}. What rank r sends to rank j must be the size rank j "
-                "expects from rank r."
+                f"{disagreeing(dtypes, world)} in the dtype they exchange ({passed}{order}). "
+                "Every rank must pass arrays of one dtype."
             )
 
-        return self._check(np.array([*sends, *receives], np.int64), verify)
+        mine = [*sends, *receives, dtype.num, dtype.itemsize, spelled]
+        return self._check(np.array(mine, np.int64), verify)
 
     def _mpi_error(self, error: Any) -> Exception:
         """A clear error for what MPI reported; a failed collective poisons the group."""
@@ -1133,7 +1154,7 @@ class MPIBackend(ProcessGroupBackend):
             [received, (recv_counts, _offsets(recv_counts)), self._byte],
         )
         work = _MPIWork("all_to_all", self, request, keep=(send, received))
-        work._check_counts(send_counts, recv_counts)
+        work._check_counts(send_counts, recv_counts, first.dtype)
         return work._add_finalizer(functools.partial(_unpack, received, outputs))
 
     def agree(self, record: bytes, /) -> list[bytes]:
