@@ -74,7 +74,7 @@ import sys
 import time
 import warnings
 import zlib
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn, cast
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -356,12 +356,11 @@ def _has_device_array(args: Sequence[Any]) -> bool:
     """
     for arg in args:
         kind = type(arg)
-        if kind in _NOT_DEVICE:
-            continue
         if kind is list or kind is tuple:
-            if _has_device_array(arg):
-                return True
-        elif is_cupy_array(arg):
+            for item in arg:  # host arrays, the common case, cost one set lookup each
+                if type(item) not in _NOT_DEVICE and _has_device_array((item,)):
+                    return True
+        elif kind not in _NOT_DEVICE and is_cupy_array(arg):
             return True
     return False
 
@@ -1001,7 +1000,8 @@ class MPIBackend(ProcessGroupBackend):
         if plan is None:
             plan = self._make_plan(dtype, op)
             self._plans[dtype, op] = plan
-        return cast("_Plan", plan)
+        assert plan is not None  # only data movement (op None) has no plan
+        return plan
 
     # --------------------------------------------------------------------------- primitives
 
