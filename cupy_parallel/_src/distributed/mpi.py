@@ -53,7 +53,7 @@
   another's). The price is that rooted operations synchronise the group, as MPI allows any
   collective to: ``benchmarks/bench_collectives.py`` reports a 4 KiB ``broadcast`` at 16–24 µs
   against mpi4py's 2.3–3.1 (whose root returns at once) on 2 ranks, 75–95 µs against 7–9 on 4
-  ranks sharing 2 cores; the comparison itself costs about 7 µs and 45–70 µs of that. The other
+  ranks sharing 2 cores; the comparison itself costs about 8 µs and 56 µs of that. The other
   collectives (``all_reduce``, ``all_gather``, ``reduce_scatter`` and their ``_tensor`` forms)
   compare shapes and dtypes only in the debug mode (``DETAIL``): an exchange beside each would
   double the 4-rank ``all_reduce`` latency.
