@@ -365,6 +365,15 @@ def _has_device_array(args: Sequence[Any]) -> bool:
     return False
 
 
+def _dtype_row(dtype: np.dtype[Any]) -> list[int]:
+    """A dtype as the ranks compare it: number, item size and a checksum of its spelling.
+
+    The number and item size name it (:func:`_dtype_said`); the spelling holds the byte order
+    and the unit.
+    """
+    return [dtype.num, dtype.itemsize, zlib.crc32(dtype.str.encode())]
+
+
 def _dtype_said(number: int, itemsize: int) -> str:
     """The name of a dtype the ranks compared by ``dtype.num`` and ``dtype.itemsize``."""
     dtype = _DTYPES_BY_NUMBER.get(number)
@@ -605,8 +614,9 @@ class _MPIWork(Work):
         """Complete only once every rank's ``mine`` is known and ``verify`` of them passes.
 
         Some arguments make MPI's result undefined when the ranks disagree on them, silently:
-        the root of a rooted operation (one rank's array overwrites the root's, or both wait
-        forever) and the byte counts of ``all_to_all`` (a receiver expecting more gets zeros).
+        the root and the array of a rooted operation (one rank's array overwrites the root's, a
+        reduction reads another dtype's bytes, or both wait forever), the byte counts and dtype
+        of ``all_to_all`` (a receiver expecting more gets zeros).
         The ranks exchange them (``mine``: a few ``int64``; ``Iallgather`` on the group's control
         communicator, overlapping the operation). ``verify`` gets every rank's row and says
         what they disagree on; then every rank raises ``ValueError`` with that message, and the
@@ -648,9 +658,8 @@ class _MPIWork(Work):
         garbage, or leaves part of an array as it was, or reads one dtype's bytes as another's.
         """
         world = self._backend.world_ranks
-        dtype = array.dtype
-        shape = zlib.crc32(repr((dtype.str, array.shape)).encode())  # with the byte order
-        mine = np.array([root, dtype.num, dtype.itemsize, array.size, array.ndim, shape], np.int64)
+        shape = zlib.crc32(repr(array.shape).encode())
+        mine = np.array([root, *_dtype_row(array.dtype), array.size, array.ndim, shape], np.int64)
 
         def verify(every: np.ndarray) -> str | None:
             roots = every[:, 0].tolist()
@@ -665,16 +674,17 @@ class _MPIWork(Work):
             arrays = [tuple(row) for row in every[:, 1:].tolist()]
             if arrays.count(arrays[0]) == len(arrays):
                 return None
-            passed = "; ".join(
-                f"rank {world[r]}: {_dtype_said(number, itemsize)}, {size} elements, {ndim}-d"
-                for r, (number, itemsize, size, ndim, _) in enumerate(arrays)
-            )
+            said = [
+                f"{_dtype_said(number, itemsize)}, {size} elements, {ndim}-d"
+                for number, itemsize, _, size, ndim, _ in arrays
+            ]
             layout = (
                 " (the same dtype and size: their shapes or byte orders differ; the debug mode "
                 "CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL names the shapes)"
-                if len({a[:-1] for a in arrays}) == 1
+                if len(set(said)) == 1
                 else ""
             )
+            passed = "; ".join(f"rank {world[r]}: {a}" for r, a in enumerate(said))
             return (
                 f"{disagreeing(arrays, world)} in the array they passed{layout} ({passed}). Every "
                 "rank must pass an array of the same dtype and shape."
@@ -692,7 +702,6 @@ class _MPIWork(Work):
         """
         world = self._backend.world_ranks
         size = len(sends)
-        spelled = zlib.crc32(dtype.str.encode())  # with the byte order
 
         def verify(every: np.ndarray) -> str | None:
             sent, expected = every[:, :size], every[:, size : 2 * size]  # [r, j]: r sends j
@@ -712,17 +721,15 @@ class _MPIWork(Work):
             dtypes = [tuple(row) for row in every[:, 2 * size :].tolist()]
             if dtypes.count(dtypes[0]) == len(dtypes):
                 return None
-            passed = "; ".join(
-                f"rank {world[r]}: {_dtype_said(number, itemsize)}"
-                for r, (number, itemsize, _) in enumerate(dtypes)
-            )
-            order = "; their byte orders differ" if len({d[:2] for d in dtypes}) == 1 else ""
+            said = [_dtype_said(number, itemsize) for number, itemsize, _ in dtypes]
+            order = "; their byte orders differ" if len(set(said)) == 1 else ""
+            passed = "; ".join(f"rank {world[r]}: {name}" for r, name in enumerate(said))
             return (
                 f"{disagreeing(dtypes, world)} in the dtype they exchange ({passed}{order}). "
                 "Every rank must pass arrays of one dtype."
             )
 
-        mine = [*sends, *receives, dtype.num, dtype.itemsize, spelled]
+        mine = [*sends, *receives, *_dtype_row(dtype)]
         return self._check(np.array(mine, np.int64), verify)
 
     def _mpi_error(self, error: Any) -> Exception:
