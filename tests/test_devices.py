@@ -154,6 +154,20 @@ def test_import_without_cupy() -> None:
     assert out.stdout.split() == ["host", "host:0"]
 
 
+def test_cupy_arrays_may_exist_once_cupy_is_imported() -> None:
+    """The MPI backend skips looking for CuPy arrays until CuPy (or a stand-in) is loaded."""
+    code = (
+        "import sys, types\n"
+        "import cupy_parallel.distributed\n"
+        "from cupy_parallel._src.devices import cupy_arrays_may_exist\n"
+        "before = cupy_arrays_may_exist()\n"
+        "sys.modules.setdefault('cupy', types.ModuleType('cupy'))\n"
+        "print(before, cupy_arrays_may_exist())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
+
+
 def test_cuda_device_without_cuda_is_a_clear_error() -> None:
     if cp.platform() == "cuda":
         pytest.skip("this machine has CUDA")

@@ -333,6 +333,40 @@ def test_work_timeout_names_operation_and_group() -> None:
         work.wait(timeout="1")  # type: ignore[arg-type]
 
 
+class _FinishesOnTest(Work):
+    """An operation that has finished by the ``n``-th time it is tested."""
+
+    __slots__ = ("n", "tests")
+
+    def __init__(self, n: int) -> None:
+        super().__init__("broadcast", "3", 30.0)
+        self.n = n
+        self.tests = 0
+
+    def _test(self) -> bool:
+        self.tests += 1
+        return self.tests >= self.n
+
+
+def test_a_wait_past_its_deadline_still_tests_before_reporting_a_timeout() -> None:
+    finished = _FinishesOnTest(3)
+    assert finished.wait(timeout=1e-9) is True  # it had finished: no TimeoutError
+    assert finished.tests == 3
+    never = _FinishesOnTest(10**9)
+    with pytest.raises(TimeoutError, match=r"broadcast on process group '3' .* within 1e-09 s"):
+        never.wait(timeout=1e-9)
+    assert never.tests > 0  # it was asked before being reported late
+
+
+def test_a_completed_work_lets_go_of_its_arrays(world: None) -> None:
+    x = np.arange(4.0)
+    work = dist.all_reduce(x, async_op=True)
+    assert work._keep is x  # MPI may write into x until the operation completed
+    assert work.wait()
+    assert work._keep is None
+    np.testing.assert_array_equal(x, np.arange(4.0))
+
+
 class _ArrivesAtTheCancel(Work):
     """A receive whose message lands between the group's timeout and the cancel."""
 

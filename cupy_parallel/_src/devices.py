@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ __all__ = [
     "DeviceLike",
     "as_device",
     "check_exists",
+    "cupy_arrays_may_exist",
     "cupy_module",
     "devices",
     "platform",
@@ -138,6 +140,21 @@ def is_cupy_array(x: object, /) -> TypeGuard[CupyArray]:
     """Whether ``x`` is a ``cupy.ndarray`` (cheap when it is not: CuPy is never imported for it)."""
     cupy = cupy_module() if "cupy" in type(x).__module__ else None
     return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def cupy_arrays_may_exist() -> bool:
+    """Whether :func:`is_cupy_array` can be true of anything; hot paths skip their arguments if not.
+
+    True once CuPy was imported (its arrays need their module) and while a stand-in for it is in
+    use (:func:`substitute_cupy`).
+
+    Example:
+        >>> import types
+        >>> with substitute_cupy(types.ModuleType("stand_in")):
+        ...     cupy_arrays_may_exist()
+        True
+    """
+    return bool(_substitutes) or "cupy" in sys.modules
 
 
 # --------------------------------------------------------------------------------------------

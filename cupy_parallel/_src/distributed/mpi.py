@@ -78,7 +78,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn
 
 import numpy as np
 
-from cupy_parallel._src.devices import cupy_module, is_cupy_array
+from cupy_parallel._src.devices import cupy_arrays_may_exist, cupy_module, is_cupy_array
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend, disagreeing
 from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.work import Work
@@ -399,7 +399,7 @@ def _staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work
     def decorate(primitive: Callable[..., Work]) -> Callable[..., Work]:
         @functools.wraps(primitive)
         def run(self: MPIBackend, *args: Any) -> Work:
-            if not _has_device_array(args):
+            if not (cupy_arrays_may_exist() and _has_device_array(args)):
                 return primitive(self, *args)
             cupy: Any = cupy_module()
             cupy.cuda.get_current_stream().synchronize()
@@ -541,7 +541,7 @@ class _MPIWork(Work):
     past the group's timeout a receive is cancelled and any other operation poisons the group.
     """
 
-    __slots__ = ("_backend", "_keep", "_receives", "_request", "_side", "_status")
+    __slots__ = ("_backend", "_receives", "_request", "_side", "_status")
 
     _abandon_on_wait_timeout: ClassVar[bool] = False
 
@@ -557,11 +557,14 @@ class _MPIWork(Work):
         timeout: float | None = None,
     ) -> None:
         Work.__init__(
-            self, description, backend.group_name, backend.timeout if timeout is None else timeout
+            self,
+            description,
+            backend.group_name,
+            backend.timeout if timeout is None else timeout,
+            keep,
         )
         self._backend = backend
         self._request = request
-        self._keep = keep  # buffers MPI reads or writes until completion
         self._status = status
         self._receives = receives  # a point-to-point receive: cancellable, errors are its own
         self._side: _SideCheck | None = None
@@ -753,10 +756,6 @@ class _MPIWork(Work):
         if backend.failure is None:
             backend.failure = message
         return ValueError(message)
-
-    def _complete(self) -> None:
-        self._keep = None
-        super()._complete()
 
     def _cancel(self) -> bool:
         if not self._receives or type(self._request) is list:

@@ -213,7 +213,7 @@ class _NCCLWork(Work):
     lock, since the watchdog thread completes or fails works concurrently with the caller.
     """
 
-    __slots__ = ("_backend", "_blocking", "_comms", "_events", "_keep", "_ordered", "_started")
+    __slots__ = ("_backend", "_blocking", "_comms", "_events", "_ordered", "_started")
 
     def __init__(
         self,
@@ -224,11 +224,10 @@ class _NCCLWork(Work):
         *,
         blocking: bool = False,
     ) -> None:
-        Work.__init__(self, description, backend.group_name, backend.timeout)
+        Work.__init__(self, description, backend.group_name, backend.timeout, keep)
         self._backend = backend
         self._comms = comms
         self._events: list[_Done] | None = None  # set once the call was issued
-        self._keep = keep  # arrays NCCL reads or writes until the events fire
         self._blocking = blocking
         self._ordered = False  # whether some stream was made to wait on the events
         self._started = time.monotonic()
@@ -255,7 +254,6 @@ class _NCCLWork(Work):
         with self._backend._lock:
             if self._done:
                 return
-            self._keep = None
             self._comms = []
             super()._complete()
 

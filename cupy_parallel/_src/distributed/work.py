@@ -26,6 +26,7 @@ __all__ = ["CompletedWork", "Work"]
 # (ranks may share cores, and MPI's nonblocking collectives progress only while a rank tests);
 # only after a long wait (a late peer, not a busy network) sleep with backoff between tests.
 _POLLS_PER_YIELD = 64
+_YIELDS_PER_CLOCK = range(16)  # while spinning, yields between two reads of the clock
 _YIELD_SECONDS = 1.0
 _FIRST_SLEEP = 5e-5
 _MAX_SLEEP = 2e-3
@@ -88,6 +89,7 @@ class Work:
         "_finalizers",
         "_future",
         "_group",
+        "_keep",
         "_ranks",
         "_result",
         "_source",
@@ -101,10 +103,13 @@ class Work:
     #: still complete it (the MPI backend); ``True``: torch's ProcessGroupNCCL (abort).
     _abandon_on_wait_timeout: ClassVar[bool] = True
 
-    def __init__(self, description: str, group: str, timeout: float = 1800.0) -> None:
+    def __init__(
+        self, description: str, group: str, timeout: float = 1800.0, keep: Any = None
+    ) -> None:
         self._description = description
         self._group = group
         self._timeout = timeout
+        self._keep = keep  # what the operation reads or writes: held until it completed
         self._done = False
         self._exception: BaseException | None = None
         self._finalizers: list[Callable[[], object]] | None = None
@@ -127,19 +132,23 @@ class Work:
         """Call ``test`` until it returns true (``True``) or the deadline passed (``False``).
 
         Spin, yielding the core every ``_polls_per_yield`` tests, for the first second; then
-        sleep with backoff between tests, calling :meth:`_idle`. Backends whose ``_test`` wraps a
-        cheaper callable (an MPI request's own ``Test``) pass that one: on a core shared by
-        several ranks every instruction between two tests delays the peers' progress too.
+        sleep with backoff between tests, calling :meth:`_idle`. While spinning, the clock is
+        read only every ``_YIELDS_PER_CLOCK`` yields (a read costs about what a test does), so a
+        deadline already passed is noticed after that many yields. Backends whose ``_test``
+        wraps a cheaper callable (an MPI request's own ``Test``) pass that one: on a core shared
+        by several ranks every instruction between two tests delays the peers' progress too.
         """
         polls = range(self._polls_per_yield)
-        now = time.monotonic()
-        yield_until = min(now + _YIELD_SECONDS, deadline)
-        while now < yield_until:
-            for _ in polls:
-                if test():
-                    return True
-            _yield()
+        spin_until = min(time.monotonic() + _YIELD_SECONDS, deadline)
+        while True:
+            for _ in _YIELDS_PER_CLOCK:
+                for _ in polls:
+                    if test():
+                        return True
+                _yield()
             now = time.monotonic()
+            if now >= spin_until:
+                break
         pause = _FIRST_SLEEP
         while now < deadline:
             time.sleep(pause)
@@ -194,6 +203,7 @@ class Work:
 
     def _complete(self) -> None:
         self._done = True
+        self._keep = None
         finalizers, self._finalizers = self._finalizers, None
         if finalizers is not None:
             try:
@@ -245,10 +255,13 @@ class Work:
                 here an MPI operation keeps running and the group stays usable (wait again);
                 NCCL aborts its communicators, as torch's ProcessGroupNCCL does.
         """
-        if not self._done and timeout is None and self._order_on_device():
-            return True
         if not self._done:
-            limit = self._timeout if timeout is None else read_timeout(timeout)
+            if timeout is None:
+                if self._order_on_device():
+                    return True
+                limit = self._timeout
+            else:
+                limit = read_timeout(timeout)
             try:
                 finished = self._block(time.monotonic() + limit)
             except Exception as error:  # noqa: BLE001 - re-raised below with the others
