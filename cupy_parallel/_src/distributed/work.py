@@ -70,7 +70,8 @@ class Work:
     backends order the caller's stream) and :meth:`wait_stream`. :meth:`_add_finalizer`
     registers callbacks run once, in the waiting thread, right after completion (unpacking,
     dividing for ``AVG``, copying staged data back); a finalizer that raises
-    makes the work fail with that error.
+    makes the work fail with that error. ``keep`` (the constructor's) holds what the operation
+    reads or writes until it completed, then lets it go.
 
     Example:
         >>> import numpy as np
