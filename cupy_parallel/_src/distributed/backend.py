@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from cupy_parallel._src.distributed.enums import Backend
     from cupy_parallel._src.distributed.work import Work
 
-__all__ = ["ProcessGroupBackend", "disagreeing"]
+__all__ = ["ProcessGroupBackend", "disagreeing", "per_rank"]
 
 
 def disagreeing(values: Sequence[Hashable], ranks: Sequence[int]) -> str:
@@ -65,6 +65,16 @@ def disagreeing(values: Sequence[Hashable], ranks: Sequence[int]) -> str:
         differ = [r for r, v in zip(ranks, values, strict=True) if v != majority]
         return f"ranks {differ} differ from the rest"
     return f"ranks {list(ranks)} disagree (no majority)"
+
+
+def per_rank(values: Sequence[object], ranks: Sequence[int]) -> str:
+    """What each rank passed, for error messages: ``values[i]`` is rank ``ranks[i]``'s.
+
+    Example:
+        >>> per_rank(["float32", "int32"], [4, 5])
+        'rank 4: float32; rank 5: int32'
+    """
+    return "; ".join(f"rank {r}: {v}" for r, v in zip(ranks, values, strict=True))
 
 
 class ProcessGroupBackend(abc.ABC):

@@ -38,7 +38,7 @@ import numpy as np
 
 from cupy_parallel._src.arguments import read_bool, read_int, read_timeout
 from cupy_parallel._src.arrays import device_of, is_array
-from cupy_parallel._src.distributed.backend import disagreeing
+from cupy_parallel._src.distributed.backend import disagreeing, per_rank
 from cupy_parallel._src.distributed.enums import ReduceOp
 from cupy_parallel._src.distributed.groups import _resolve
 from cupy_parallel._src.hostarray import HostArray
@@ -153,7 +153,7 @@ def _compare(
     seen = [record.decode() for record in records]
     if all(record == mine for record in seen):
         return
-    passed = "; ".join(f"rank {pg.ranks[r]}: {record}" for r, record in enumerate(seen))
+    passed = per_rank(seen, pg.ranks)
     raise ValueError(
         f"{name}: {disagreeing(seen, pg.ranks)} of process group {pg.name!r} in the arguments "
         "they passed (the operation, shapes, dtypes, reduction and root must agree). Each "

@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn
 import numpy as np
 
 from cupy_parallel._src.devices import cupy_arrays_may_exist, cupy_module, is_cupy_array
-from cupy_parallel._src.distributed.backend import ProcessGroupBackend, disagreeing
+from cupy_parallel._src.distributed.backend import ProcessGroupBackend, disagreeing, per_rank
 from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.work import Work
 from cupy_parallel._src.hostarray import HostArray, plain_buffer
@@ -667,9 +667,7 @@ class _MPIWork(Work):
         def verify(every: np.ndarray) -> str | None:
             roots = every[:, 0].tolist()
             if roots.count(roots[0]) != len(roots):
-                named = "; ".join(
-                    f"rank {world[r]}: {world[named]}" for r, named in enumerate(roots)
-                )
+                named = per_rank([world[r] for r in roots], world)
                 return (
                     f"{disagreeing(roots, world)} in the root they named (src/dst, as global "
                     f"ranks: {named}). Every rank must pass the same root."
@@ -687,7 +685,7 @@ class _MPIWork(Work):
                 if len(set(said)) == 1
                 else ""
             )
-            passed = "; ".join(f"rank {world[r]}: {a}" for r, a in enumerate(said))
+            passed = per_rank(said, world)
             return (
                 f"{disagreeing(arrays, world)} in the array they passed{layout} ({passed}). Every "
                 "rank must pass an array of the same dtype and shape."
@@ -726,7 +724,7 @@ class _MPIWork(Work):
                 return None
             said = [_dtype_said(number, itemsize) for number, itemsize, _ in dtypes]
             order = "; their byte orders differ" if len(set(said)) == 1 else ""
-            passed = "; ".join(f"rank {world[r]}: {name}" for r, name in enumerate(said))
+            passed = per_rank(said, world)
             return (
                 f"{disagreeing(dtypes, world)} in the dtype they exchange ({passed}{order}). "
                 "Every rank must pass arrays of one dtype."

@@ -171,7 +171,9 @@ class _Client:
         if self._unconfirmed and not self._closed and self._lock.acquire(timeout=5.0):
             try:
                 sock = self._sock
-                if sock is not None:  # always: dropping a connection forgets its pending sets
+                # None only if another thread's call settled the sets and then dropped the
+                # connection while this one waited for the lock: nothing is pending then
+                if sock is not None:
                     deadline = time.monotonic() + min(self.timeout_s, _REPLY_GRACE_S)
                     self._settle(sock, deadline, "close")
             except (DistStoreError, DistNetworkError, ValueError) as exc:
