@@ -7,11 +7,10 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import optree
 
 from cupy_parallel._src.arrays import is_array, to_device
 from cupy_parallel._src.tape import Tape, on_device_of, pullback, zeros_like
-from cupy_parallel._src.tree import NAMESPACE
+from cupy_parallel._src.tree import leaves as tree_leaves
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -47,7 +46,7 @@ def _host(x: Any) -> np.ndarray:
 
 
 def _outputs(fn: Callable[..., Any], args: Sequence[Any]) -> list[Any]:
-    leaves = optree.tree_leaves(fn(*args), namespace=NAMESPACE)
+    leaves = tree_leaves(fn(*args))
     for i, y in enumerate(leaves):
         if not is_array(y):
             raise TypeError(

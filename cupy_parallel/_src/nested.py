@@ -7,16 +7,10 @@ dict, namedtuple, ``OrderedDict`` (order kept), ``defaultdict`` (``default_facto
 ``deque`` (``maxlen`` kept) and any class registered with
 ``optree.register_pytree_node(..., namespace="cupy_parallel")``.
 
-Subclasses of tuple, list, dict, ``OrderedDict``, ``defaultdict`` and ``deque`` that are not
-registered with optree are split like their base, as torch's ``isinstance`` tests treat them
-(optree alone would see such an object as one leaf and share it whole). They come back as the
-subclass when it *can be rebuilt*: calling the class with the base's contents, ``cls(items)``
-(``cls(default_factory, items)`` for a ``defaultdict``, ``cls(items, maxlen)`` for a
-``deque``), as torch rebuilds dicts with ``type(obj)(items)``, must return an instance of the
-class holding exactly those contents (same keys in the same order, the same objects). Otherwise
-(the constructor needs other arguments, refuses, or changes the contents) the nearest base comes
-back, as torch returns plain lists and tuples for subclasses. Attributes an instance holds
-besides its contents are not carried over; register the class with optree to control this.
+Structures are flattened by :func:`cupy_parallel._src.tree.flatten`, the library's one
+flattener: subclasses of tuple, list, dict, ``OrderedDict``, ``defaultdict`` and ``deque`` that
+are not registered with optree are split like their base, as torch's ``isinstance`` tests treat
+them, and come back as the subclass when it can be rebuilt (the rule is in that module).
 
 Arrays move through the differentiable :class:`~cupy_parallel.functions.Scatter` and
 :class:`~cupy_parallel.functions.Gather`, so both directions are recorded on an active
@@ -25,26 +19,21 @@ Arrays move through the differentiable :class:`~cupy_parallel.functions.Scatter`
 
 from __future__ import annotations
 
-import math
 import re
 import warnings
-from collections import OrderedDict, defaultdict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-import optree
 
 from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.comm import chunk_count, even_chunks, normalize_axis
 from cupy_parallel._src.devices import Device, read_device, read_devices
 from cupy_parallel._src.functions import SCALARS_WARNING, Gather, Scatter
-from cupy_parallel._src.tree import NAMESPACE
+from cupy_parallel._src.tree import flatten, key_path, leaves_equal, structure_difference
 
 if TYPE_CHECKING:
-    from optree import PyTreeAccessor, PyTreeSpec
-
     from cupy_parallel._src.arraytypes import Tree
     from cupy_parallel._src.devices import DeviceLike
 
@@ -64,198 +53,6 @@ def _gather_leaves(arrays: Sequence[Any], target: Device, dim: int) -> Any:
     return Gather.apply(target, dim, *arrays)
 
 
-# --------------------------------------------------------------------------------------------
-# Structure helpers shared with cupy_parallel.testing
-
-
-_CONTAINER_BASES: tuple[type[Any], ...] = (OrderedDict, defaultdict, dict, deque, list, tuple)
-"""Built-in containers whose unregistered subclasses are split like them (most derived first)."""
-
-
-def _flatten(tree: Any) -> tuple[list[PyTreeAccessor], list[Any], PyTreeSpec]:
-    """Flatten with optree, seeing unregistered container subclasses through their base.
-
-    optree leaves such an instance whole (a leaf). When a leaf is one, every such instance is
-    replaced by a :class:`_Subclassed` node (a registered node type that flattens like the base
-    and whose unflatten rebuilds the subclass) and the tree is flattened again.
-    """
-    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
-    if not any(isinstance(leaf, _CONTAINER_BASES) for leaf in leaves):
-        return accessors, leaves, spec
-    try:
-        tree = _view_through_base(tree)
-    except RecursionError:
-        raise ValueError(
-            "the structure contains itself (a container subclass holds a container that holds "
-            "it) or nests deeper than Python's recursion limit, so it cannot be flattened; pass "
-            "a structure without cycles."
-        ) from None
-    return optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
-
-
-def _is_unregistered_subclass(node: object) -> bool:
-    return (
-        isinstance(node, _CONTAINER_BASES)
-        and optree.register_pytree_node.get(type(node), namespace=NAMESPACE) is None
-    )
-
-
-def _view_through_base(tree: Any) -> Any:
-    """``tree`` with every unregistered container subclass instance as a :class:`_Subclassed`."""
-    return optree.tree_map(
-        lambda leaf: _Subclassed(leaf) if _is_unregistered_subclass(leaf) else leaf,
-        tree,
-        is_leaf=_is_unregistered_subclass,
-        namespace=NAMESPACE,
-    )
-
-
-class _Subclassed:
-    """An instance of an unregistered subclass of a built-in container, seen through its base."""
-
-    __slots__ = ("base", "cls")
-
-    def __init__(self, instance: Any) -> None:
-        self.cls = type(instance)
-        base = next(b for b in _CONTAINER_BASES if isinstance(instance, b))
-        if base is defaultdict:
-            contents: Any = defaultdict(instance.default_factory, instance)
-        elif base is deque:
-            contents = deque(instance, instance.maxlen)
-        else:
-            contents = base(instance)
-        self.base = _view_through_base(contents)  # subclasses inside are seen the same way
-
-
-class _SubclassMetadata:
-    """The node data of a :class:`_Subclassed` node: the class and its base's node data."""
-
-    __slots__ = ("base_metadata", "cls")
-
-    def __init__(self, cls: type, base_metadata: Any) -> None:
-        self.cls = cls
-        self.base_metadata = base_metadata
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, _SubclassMetadata)
-            and self.cls is other.cls
-            and self.base_metadata == other.base_metadata
-        )
-
-    def __hash__(self) -> int:
-        return hash(self.cls)
-
-    def __repr__(self) -> str:
-        return f"{self.cls.__qualname__}, {self.base_metadata!r}"
-
-
-def _subclassed_flatten(node: _Subclassed) -> tuple[list[Any], _SubclassMetadata, tuple[Any, ...]]:
-    children, metadata, entries, _ = optree.tree_flatten_one_level(node.base, namespace=NAMESPACE)
-    return children, _SubclassMetadata(node.cls, metadata), entries
-
-
-def _subclassed_unflatten(metadata: Any, children: Any) -> Any:
-    base_type = next(b for b in _CONTAINER_BASES if issubclass(metadata.cls, b))
-    base = _BASE_UNFLATTEN[base_type](metadata.base_metadata, list(children))
-    return _rebuild(metadata.cls, base_type, base)
-
-
-def _rebuild(cls: type, base_type: type, base: Any) -> Any:
-    """``cls`` holding ``base``'s contents if its constructor rebuilds them exactly, else ``base``.
-
-    See the module docstring for what "rebuilt exactly" means.
-    """
-    try:
-        if base_type is defaultdict:
-            rebuilt = cls(base.default_factory, base)
-        elif base_type is deque:
-            rebuilt = cls(base, base.maxlen)
-        else:
-            rebuilt = cls(base)
-    except Exception:  # noqa: BLE001 - a constructor that cannot rebuild: the base comes back
-        return base
-    if type(rebuilt) is not cls or not _same_contents(rebuilt, base, base_type):
-        return base
-    return rebuilt
-
-
-def _same_contents(rebuilt: Any, base: Any, base_type: Any) -> bool:
-    """Whether ``rebuilt`` stores exactly ``base``'s entries (read through the base's methods)."""
-    if issubclass(base_type, dict):
-        mine, theirs = list(dict.items(rebuilt)), list(dict.items(base))
-        same = len(mine) == len(theirs) and all(
-            k is j and v is w for (k, v), (j, w) in zip(mine, theirs, strict=True)
-        )
-        if base_type is defaultdict:
-            same = same and rebuilt.default_factory is base.default_factory
-        return same
-    mine, theirs = list(base_type.__iter__(rebuilt)), list(base)
-    same = len(mine) == len(theirs) and all(a is b for a, b in zip(mine, theirs, strict=True))
-    if base_type is deque:
-        same = same and rebuilt.maxlen == base.maxlen
-    return same
-
-
-_BASE_UNFLATTEN: dict[type, Callable[[Any, list[Any]], Any]] = {
-    base: optree.tree_flatten_one_level(base(), namespace=NAMESPACE).unflatten_func
-    for base in _CONTAINER_BASES
-}
-optree.register_pytree_node(
-    _Subclassed,  # type: ignore[arg-type]
-    _subclassed_flatten,  # type: ignore[arg-type]
-    _subclassed_unflatten,
-    path_entry_type=optree.GetItemEntry,
-    namespace=NAMESPACE,
-)
-
-
-def _key_path(accessor: PyTreeAccessor, root: str = "") -> str:
-    """``root['a'][0]``: where a leaf or node sits, in the Python that reaches it.
-
-    Without a ``root``, the root itself reads ``(the root)``.
-    """
-    return accessor.codify(root) or "(the root)"
-
-
-class _Placeholder:
-    def __repr__(self) -> str:
-        return "*"
-
-
-def _describe(spec: PyTreeSpec) -> str:
-    if spec.is_leaf():
-        return "a leaf"
-    node = spec.one_level()
-    if node is not None and spec.type is _Subclassed:  # rebuilt with placeholders
-        instance = node.unflatten([_Placeholder()] * node.num_leaves)
-        return f"{type(instance).__qualname__}({_Subclassed(instance).base!r})"
-    text = repr(spec.one_level()).removeprefix("PyTreeSpec(").removesuffix(")")
-    return text.removesuffix(f", namespace={NAMESPACE!r}")
-
-
-def _structure_difference(first: PyTreeSpec, second: PyTreeSpec) -> tuple[str, str, str] | None:
-    """The first node (depth-first, in leaf order) where two treespecs differ, or ``None``.
-
-    Returns the node's key path and a one-level description of it in each spec, so an error can
-    say ``['a']: defaultdict(<class 'list'>, {'k': *}) vs defaultdict(<class 'int'>, ...)``.
-    The walk is over treespecs, which optree builds; containers themselves are never recursed.
-    """
-    pending: list[tuple[PyTreeAccessor, PyTreeSpec, PyTreeSpec]] = [
-        (optree.PyTreeAccessor(), first, second)
-    ]
-    while pending:
-        path, a, b = pending.pop()
-        if a == b:
-            continue
-        top_a, top_b = a.one_level(), b.one_level()
-        if top_a is None or top_b is None or top_a != top_b:
-            return _key_path(path), _describe(a), _describe(b)
-        children = zip(top_a.accessors(), a.children(), b.children(), strict=True)
-        pending.extend(reversed([(path + acc, ca, cb) for acc, ca, cb in children]))
-    return None
-
-
 def _foreign_array_type(leaf: object) -> str | None:
     """The qualified type name of ``leaf`` if it is another library's array, else ``None``.
 
@@ -273,25 +70,6 @@ def _foreign_array_type(leaf: object) -> str | None:
 
 _ARRAY_PROTOCOLS = ("__dlpack__", "__array__", "__array_interface__", "__cuda_array_interface__")
 _VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, np.generic)
-
-
-def _leaves_equal(a: object, b: object) -> bool:
-    """Whether two non-array leaves are the same value: identical, or equal and of one type.
-
-    NaN floats (Python or NumPy scalars, and complex numbers with a NaN part) equal each other
-    here, so a NaN computed in every replica is one value, as bit-identical arrays are.
-    """
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float | complex | np.inexact):
-        pairs = ((a.real, b.real), (a.imag, b.imag))  # type: ignore[attr-defined]
-        return all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in pairs)
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):  # an __eq__ that returns no truth value (arrays-like)
-        return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,19 +128,19 @@ def scatter(inputs: Tree, /, target_devices: Sequence[DeviceLike], dim: int = 0)
     """
     devices = read_devices(target_devices, "target_devices", accelerators_only=True)
     dim = read_int(dim, "dim")
-    accessors, leaves, spec = _flatten(inputs)
+    accessors, leaves, spec = flatten(inputs)
     dims: dict[int, int] = {}
     for k, (accessor, leaf) in enumerate(zip(accessors, leaves, strict=True)):
         if not is_array(leaf):
             foreign = _foreign_array_type(leaf)
             if foreign is not None:
                 raise TypeError(
-                    f"{_key_path(accessor, 'inputs')} is a {foreign}, an array of another "
+                    f"{key_path(accessor, 'inputs')} is a {foreign}, an array of another "
                     "library, which scatter cannot split or place (it would be shared whole by "
                     "every replica); convert it first with cupy_parallel.to_device(x, device)."
                 )
             continue
-        where = _key_path(accessor, "inputs")
+        where = key_path(accessor, "inputs")
         if leaf.ndim == 0:
             raise ValueError(
                 f"{where} is a 0-d array, which cannot be split along dim={dim}; "
@@ -492,11 +270,11 @@ def gather(outputs: Sequence[Tree], /, target_device: DeviceLike, dim: int = 0) 
     target = read_device(target_device, "target_device")
     dim = read_int(dim, "dim")
 
-    accessors, first, spec = _flatten(outputs[0])
+    accessors, first, spec = flatten(outputs[0])
     columns: list[list[Any]] = [[leaf] for leaf in first]
     for r, replica in enumerate(outputs[1:], start=1):
-        _, leaves, replica_spec = _flatten(replica)
-        difference = _structure_difference(spec, replica_spec)
+        _, leaves, replica_spec = flatten(replica)
+        difference = structure_difference(spec, replica_spec)
         if difference is not None:
             where, expected, actual = difference
             raise ValueError(
@@ -514,7 +292,7 @@ def gather(outputs: Sequence[Tree], /, target_device: DeviceLike, dim: int = 0) 
         plan = _check_column(column, dim, path)
         plans.append(plan)
         if plan is not None and column[0].ndim == 0:
-            scalars.append(_key_path(accessor))
+            scalars.append(key_path(accessor))
     if scalars:
         warnings.warn(
             f"gather along dim 0 got 0-d arrays at key path {', '.join(scalars)}; they are "
@@ -549,7 +327,7 @@ def _check_column(column: list[Any], dim: int, path: str) -> int | None:
     arrays = [is_array(leaf) for leaf in column]
     if not any(arrays):
         for r, leaf in enumerate(column[1:], start=1):
-            if not _leaves_equal(column[0], leaf):
+            if not leaves_equal(column[0], leaf):
                 raise ValueError(
                     f"outputs[{r}]{path} is {leaf!r} but outputs[0]{path} is {column[0]!r}. "
                     "Only arrays are gathered; other leaves must be equal in every replica."

@@ -22,8 +22,6 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Generic
 
-import optree
-
 from cupy_parallel._src import comm
 from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, is_array
@@ -31,8 +29,8 @@ from cupy_parallel._src.arraytypes import Output, Params, Tree
 from cupy_parallel._src.cuda.streams import StreamHandoff
 from cupy_parallel._src.devices import Device, cupy_module, devices, read_device, read_devices
 from cupy_parallel._src.functions import Broadcast
-from cupy_parallel._src.nested import _flatten, _key_path, gather, scatter_kwargs
-from cupy_parallel._src.tree import NAMESPACE
+from cupy_parallel._src.nested import gather, scatter_kwargs
+from cupy_parallel._src.tree import flatten, key_path, leaves
 
 if TYPE_CHECKING:
     from cupy_parallel._src.devices import DeviceLike
@@ -45,12 +43,12 @@ __all__ = ["DataParallel", "data_parallel", "parallel_apply", "replicate"]
 
 def _check_params_on(params: Any, device: Device, where: str) -> None:
     """Raise ``ValueError`` naming the key path of the first array leaf not on ``device``."""
-    accessors, leaves, _ = _flatten(params)
-    for accessor, leaf in zip(accessors, leaves, strict=True):
+    accessors, params_leaves, _ = flatten(params)
+    for accessor, leaf in zip(accessors, params_leaves, strict=True):
         if is_array(leaf) and device_of(leaf) != device:
             raise ValueError(
                 f"{where}: every parameter must live on {device}, but "
-                f"{_key_path(accessor, 'params')} is on {device_of(leaf)}. Move the parameters "
+                f"{key_path(accessor, 'params')} is on {device_of(leaf)}. Move the parameters "
                 f"first, e.g. optree.tree_map(lambda a: cupy_parallel.to_device(a, '{device}'), "
                 "params, namespace='cupy_parallel')."
             )
@@ -104,9 +102,9 @@ def replicate(params: Tree, /, devices: Sequence[DeviceLike], detach: bool = Fal
     if not targets:
         return []
     _check_params_on(params, targets[0], "replicate")
-    leaves, treedef = optree.tree_flatten(params, namespace=NAMESPACE)  # type: ignore[arg-type, var-annotated]
-    slots = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
-    arrays = [leaves[i] for i in slots]
+    _, params_leaves, spec = flatten(params)
+    slots = [i for i, leaf in enumerate(params_leaves) if is_array(leaf)]
+    arrays = [params_leaves[i] for i in slots]
     copies: Sequence[Sequence[Any]]
     if not arrays:
         copies = [() for _ in targets]
@@ -118,10 +116,10 @@ def replicate(params: Tree, /, devices: Sequence[DeviceLike], detach: bool = Fal
         copies = [flat[k * width : (k + 1) * width] for k in range(len(targets))]
     replicas = []
     for copy in copies:
-        replica_leaves = list(leaves)
+        replica_leaves = list(params_leaves)
         for slot, array in zip(slots, copy, strict=True):
             replica_leaves[slot] = array
-        replicas.append(optree.tree_unflatten(treedef, replica_leaves))
+        replicas.append(spec.unflatten(replica_leaves))
     return replicas  # type: ignore[return-value]  # optree: PyTree[Any]; params' structure
 
 
@@ -158,7 +156,7 @@ def _reraise(index: int, device: Device | None, error: BaseException) -> None:
 
 
 def _first_array_device(tree: Any) -> Device | None:
-    for leaf in optree.tree_leaves(tree, namespace=NAMESPACE):
+    for leaf in leaves(tree):
         if is_array(leaf):
             return device_of(leaf)
     return None

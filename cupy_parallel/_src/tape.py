@@ -48,8 +48,8 @@ import zlib
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import numpy as np
-import optree
 
+from cupy_parallel._src import tree
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.hostarray import (
     HostArray,
@@ -59,7 +59,7 @@ from cupy_parallel._src.hostarray import (
     set_dispatch_guard,
     version,
 )
-from cupy_parallel._src.tree import NAMESPACE, flatten_with_names
+from cupy_parallel._src.tree import flatten_with_names
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -315,11 +315,7 @@ def stop_gradient(x: Tree, /) -> Tree:
         >>> tape.gradient(y, x, output_gradients=np.ones(2))
         array([1., 2.])
     """
-    return optree.tree_map(  # type: ignore[return-value]  # optree: PyTree[Any]; same structure
-        lambda leaf: on_device_of(leaf, leaf.view) if is_array(leaf) else leaf,
-        x,  # type: ignore[arg-type]
-        namespace=NAMESPACE,
-    )
+    return tree.tree_map(lambda leaf: on_device_of(leaf, leaf.view) if is_array(leaf) else leaf, x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,8 +360,7 @@ def _refuse_raw_numpy(operation: str, operands: tuple[Any, ...]) -> None:
     tapes = _ACTIVE.get()
     if not tapes:
         return
-    leaves: list[Any] = optree.tree_leaves(operands, namespace=NAMESPACE)  # type: ignore[arg-type]
-    for x in leaves:
+    for x in tree.leaves(operands):
         if type(x) is HostArray and any(id(x) in t._tracked for t in tapes):
             name = operation.rpartition(" " if operation.startswith("operator") else ".")[2]
             if name not in _NON_DIFFERENTIABLE:
@@ -689,8 +684,8 @@ class Tape:
         if not self.persistent:
             self._used = True
             self._nodes, self._tracked, self._leaves, self._versions = [], {}, set(), {}
-        return optree.tree_unflatten(  # type: ignore[return-value]  # the structure of sources
-            source_def, [next(result) if is_array(leaf) else None for leaf in leaves]
+        return source_def.unflatten(  # type: ignore[return-value]  # the structure of sources
+            [next(result) if is_array(leaf) else None for leaf in leaves]
         )
 
     def _finish(

@@ -17,12 +17,7 @@ from hypothesis.extra import numpy as hnp
 from cupy_parallel._src.arrays import device_of, is_array, to_device
 from cupy_parallel._src.devices import as_device
 from cupy_parallel._src.devices import devices as platform_devices
-from cupy_parallel._src.nested import (
-    _flatten,
-    _key_path,
-    _leaves_equal,
-    _structure_difference,
-)
+from cupy_parallel._src.tree import flatten, key_path, leaves_equal, structure_difference
 
 if TYPE_CHECKING:
     from hypothesis.strategies import DrawFn, SearchStrategy
@@ -396,16 +391,16 @@ def assert_tree_equal(actual: Any, expected: Any, /, *, check_device: bool = Tru
         ...
         AssertionError: Trees differ at ['a'][0]: 2 of 2 elements differ in their bits; ...
     """
-    accessors, leaves_a, spec_a = _flatten(actual)
-    _, leaves_e, spec_e = _flatten(expected)
-    difference = _structure_difference(spec_a, spec_e)
+    accessors, leaves_a, spec_a = flatten(actual)
+    _, leaves_e, spec_e = flatten(expected)
+    difference = structure_difference(spec_a, spec_e)
     if difference is not None:
         where, node_a, node_e = difference
         raise AssertionError(
             f"Trees differ in structure at {where}: actual has {node_a}, expected has {node_e}."
         )
     for accessor, a, e in zip(accessors, leaves_a, leaves_e, strict=True):
-        where = _key_path(accessor)
+        where = key_path(accessor)
         if is_array(a) != is_array(e):
             raise AssertionError(
                 f"Trees differ at {where}: actual is {type(a).__name__}, expected "
@@ -415,5 +410,5 @@ def assert_tree_equal(actual: Any, expected: Any, /, *, check_device: bool = Tru
             problem = _array_difference(a, e, check_device)
             if problem is not None:
                 raise AssertionError(f"Trees differ at {where}: {problem}.")
-        elif not _leaves_equal(a, e):
+        elif not leaves_equal(a, e):
             raise AssertionError(f"Trees differ at {where}: {a!r} != {e!r}.")
