@@ -37,8 +37,8 @@ from cupy_parallel._src.cuda.nccl_tables import (
 from cupy_parallel._src.devices import _cuda_device_count, cupy_module
 from cupy_parallel._src.distributed import groups
 from cupy_parallel._src.distributed import nccl as nccl_backend
-from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.store import FileStore, TCPStore
+from cupy_parallel._src.enums import Backend, ReduceOp
 from cupy_parallel._src.simcuda import SimulationError
 from cupy_parallel._src.simcuda import nccl as sim_nccl
 from cupy_parallel.testing import RaceError, simulated_cuda

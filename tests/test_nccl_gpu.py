@@ -31,7 +31,7 @@ from cupy_parallel import distributed as dist
 from cupy_parallel._src.cuda.nccl_tables import version_code
 from cupy_parallel._src.devices import _cuda_device_count, cupy_module
 from cupy_parallel._src.distributed import groups
-from cupy_parallel._src.distributed.enums import ReduceOp
+from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel.testing import simulated_cuda
 
 if TYPE_CHECKING:
@@ -606,7 +606,7 @@ _PEERS_SCRIPT = textwrap.dedent(
     from datetime import timedelta
     import cupy, numpy as np
     from cupy_parallel import distributed as dist
-    from cupy_parallel._src.distributed.enums import ReduceOp
+    from cupy_parallel._src.enums import ReduceOp
 
     rank, path = int(sys.argv[1]), sys.argv[2]
     cupy.cuda.Device(rank).use()

@@ -34,7 +34,8 @@ def test_flatten_sees_through_an_unregistered_subclass() -> None:
     assert names == ["p['a'][0]", "p['a'][1]", "p['b']"]
     assert leaves == [1, 2, 3]
     rebuilt = spec.unflatten([10, 20, 30])
-    assert type(rebuilt) is D and type(rebuilt["a"]) is L
+    assert type(rebuilt) is D
+    assert type(rebuilt["a"]) is L
     assert rebuilt == {"a": [10, 20], "b": 30}
 
 
@@ -54,7 +55,8 @@ def test_stop_gradient_reaches_into_a_list_subclass() -> None:
     with cp.Tape() as tape:
         tape.watch(x)
         fixed = cp.stop_gradient(L([x]))
-        assert type(fixed) is L and fixed[0] is not x
+        assert type(fixed) is L
+        assert fixed[0] is not x
         y = ops.multiply(x, fixed[0])
     np.testing.assert_array_equal(tape.gradient(y, x, output_gradients=np.ones(2)), x)
 

@@ -48,7 +48,6 @@ from cupy_parallel._src.distributed.collectives import (
     scatter,
     send,
 )
-from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.groups import (
     GroupMember,
     ProcessGroup,
@@ -84,6 +83,7 @@ from cupy_parallel._src.distributed.store import (
     TCPStore,
 )
 from cupy_parallel._src.distributed.work import Work
+from cupy_parallel._src.enums import Backend, ReduceOp
 from cupy_parallel._src.exports import set_module
 
 __all__ = [

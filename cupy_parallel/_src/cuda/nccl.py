@@ -38,7 +38,7 @@ from cupy_parallel._src.arrays import device_of, empty
 from cupy_parallel._src.cuda.nccl_tables import reduction
 from cupy_parallel._src.cuda.streams import current_stream
 from cupy_parallel._src.devices import _cuda_device_count, cupy_module
-from cupy_parallel._src.distributed.enums import ReduceOp
+from cupy_parallel._src.enums import ReduceOp
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence

@@ -28,7 +28,7 @@ Decisions (where torch's ProcessGroupNCCL is the model):
 Example:
     >>> import numpy as np
     >>> import cupy_parallel
-    >>> from cupy_parallel._src.distributed.enums import ReduceOp
+    >>> from cupy_parallel._src.enums import ReduceOp
     >>> reduction(np.dtype("complex64"), ReduceOp.SUM, version_code(2, 18, 5))
     Reduction(datatype=<NcclDataType.FLOAT32: 7>, lanes=2, op=<NcclRedOp.SUM: 0>, divide=False)
 """
@@ -39,8 +39,8 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-# The one enum of reductions lives with the process-group API; enums.py imports nothing.
-from cupy_parallel._src.distributed.enums import ReduceOp
+# The one enum of reductions lives in the bottom layer (enums.py imports nothing).
+from cupy_parallel._src.enums import ReduceOp
 
 if TYPE_CHECKING:
     import numpy as np
@@ -218,7 +218,7 @@ def reduction(dtype: np.dtype[Any], op: ReduceOp, version: int, /) -> Reduction:
     Example:
         >>> import numpy as np
         >>> import cupy_parallel
-        >>> from cupy_parallel._src.distributed.enums import ReduceOp
+        >>> from cupy_parallel._src.enums import ReduceOp
         >>> reduction(np.dtype(bool), ReduceOp.SUM, version_code(2, 18, 5)).op
         <NcclRedOp.MAX: 2>
         >>> reduction(np.dtype("int16"), ReduceOp.SUM, version_code(2, 18, 5))

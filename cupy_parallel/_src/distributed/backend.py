@@ -24,7 +24,8 @@ Conventions every primitive follows:
   toward zero).
 
 A backend class is listed in ``cupy_parallel._src.distributed.groups._BACKENDS`` (a table from
-:class:`~.enums.Backend` to ``(module, class name)``, imported lazily); everything else the group
+:class:`~cupy_parallel._src.enums.Backend` to ``(module, class name)``, imported lazily);
+everything else the group
 layer needs to know about it is on the class (:attr:`ProcessGroupBackend.needs_store`,
 :meth:`ProcessGroupBackend.unavailable_reason`), so a new backend touches only that table.
 
@@ -38,15 +39,15 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cupy_parallel._src.distributed.enums import ReduceOp
+from cupy_parallel._src.enums import ReduceOp
 
 if TYPE_CHECKING:
     from collections.abc import Hashable, Sequence
 
     import numpy as np
 
-    from cupy_parallel._src.distributed.enums import Backend
     from cupy_parallel._src.distributed.work import Work
+    from cupy_parallel._src.enums import Backend
 
 __all__ = ["ProcessGroupBackend", "disagreeing", "per_rank"]
 
@@ -96,7 +97,7 @@ class ProcessGroupBackend(abc.ABC):
         ['all_gather', 'all_gather_coalesced', 'all_reduce']
     """
 
-    #: The :class:`~.enums.Backend` member this class implements.
+    #: The :class:`~cupy_parallel._src.enums.Backend` member this class implements.
     backend: ClassVar[Backend]
     #: Device kinds (``"cpu"``, ``"host"``, ``"cuda"``) whose arrays this backend communicates.
     array_kinds: ClassVar[frozenset[str]]

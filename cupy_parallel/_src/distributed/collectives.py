@@ -39,8 +39,8 @@ import numpy as np
 from cupy_parallel._src.arguments import read_bool, read_int, read_timeout
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.distributed.backend import disagreeing, per_rank
-from cupy_parallel._src.distributed.enums import ReduceOp
 from cupy_parallel._src.distributed.groups import _resolve
+from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray
 
 if TYPE_CHECKING:

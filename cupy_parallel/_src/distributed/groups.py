@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from cupy_parallel._src.arguments import read_int, read_timeout
-from cupy_parallel._src.distributed.enums import Backend
+from cupy_parallel._src.enums import Backend
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

@@ -80,8 +80,8 @@ import numpy as np
 
 from cupy_parallel._src.devices import cupy_arrays_may_exist, cupy_module, is_cupy_array
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend, disagreeing, per_rank
-from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.work import Work
+from cupy_parallel._src.enums import Backend, ReduceOp
 from cupy_parallel._src.hostarray import HostArray, plain_buffer
 
 if TYPE_CHECKING:

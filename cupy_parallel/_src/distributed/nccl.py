@@ -79,8 +79,8 @@ from cupy_parallel._src.cuda.nccl_tables import (
 from cupy_parallel._src.cuda.streams import current_stream, record_event, wait_stream
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend
-from cupy_parallel._src.distributed.enums import Backend, ReduceOp
 from cupy_parallel._src.distributed.work import Work
+from cupy_parallel._src.enums import Backend, ReduceOp
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

@@ -1,4 +1,8 @@
-"""The two enumerations of the process-group API: :class:`Backend` and :class:`ReduceOp`."""
+"""The enumerations of the process-group API, :class:`Backend` and :class:`ReduceOp`.
+
+Both the process groups and the CUDA layer below them (the NCCL tables) read them, so they import
+nothing from the package.
+"""
 
 from __future__ import annotations
 
