@@ -43,13 +43,36 @@ from cupy_parallel._src.enums import ReduceOp
 
 if TYPE_CHECKING:
     from collections.abc import Hashable, Sequence
+    from types import ModuleType
 
     import numpy as np
 
     from cupy_parallel._src.distributed.work import Work
     from cupy_parallel._src.enums import Backend
 
-__all__ = ["ProcessGroupBackend", "disagreeing", "per_rank"]
+__all__ = ["ProcessGroupBackend", "average_in_place", "disagreeing", "per_rank"]
+
+
+def average_in_place(x: Any, count: int, xp: ModuleType, /) -> None:
+    """``ReduceOp.AVG``'s last step, for every backend: ``x /= count`` in place with NumPy or CuPy.
+
+    Floating-point and complex arrays are divided; integers round toward zero, as NCCL's
+    ``ncclAvg`` and C's division do: ``x - fmod(x, count)`` is an exact multiple of ``count``
+    (``fmod`` keeps the sign of ``x``), so the floor division after it is exact.
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.array([-7, 7, 6], dtype=np.int32)
+        >>> average_in_place(x, 2, np)
+        >>> x
+        array([-3,  3,  3], dtype=int32)
+    """
+    n = x.dtype.type(count)
+    if x.dtype.kind in "iu":
+        xp.subtract(x, xp.fmod(x, n), out=x)
+        xp.floor_divide(x, n, out=x)
+    else:
+        xp.divide(x, n, out=x)
 
 
 def disagreeing(values: Sequence[Hashable], ranks: Sequence[int]) -> str:

@@ -79,7 +79,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn
 import numpy as np
 
 from cupy_parallel._src.devices import cupy_arrays_may_exist, cupy_module, is_cupy_array
-from cupy_parallel._src.distributed.backend import ProcessGroupBackend, disagreeing, per_rank
+from cupy_parallel._src.distributed.backend import (
+    ProcessGroupBackend,
+    average_in_place,
+    disagreeing,
+    per_rank,
+)
 from cupy_parallel._src.distributed.work import Work
 from cupy_parallel._src.enums import Backend, ReduceOp
 from cupy_parallel._src.hostarray import HostArray, plain_buffer
@@ -490,19 +495,6 @@ def _cast_into(dst: Any, src: Any) -> None:
         _copy(dst, src)
     else:
         _copy(dst, src.astype(dst.dtype))
-
-
-def _average(x: Any, count: int) -> None:
-    """Divide ``x`` in place by ``count``; integers round toward zero."""
-    if x.dtype.kind in "fc":
-        np.true_divide(x, count, out=x)
-        return
-    if x.dtype.kind == "i":
-        round_up = (x < 0) & (x % count != 0)
-        np.floor_divide(x, count, out=x)
-        np.add(x, round_up, out=x, casting="unsafe")
-        return
-    np.floor_divide(x, count, out=x)
 
 
 def _accumulate(arrays: Sequence[Any], plan: _Plan) -> Any:
@@ -1031,7 +1023,7 @@ class MPIBackend(ProcessGroupBackend):
             request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
             work = _MPIWork("all_reduce", self, request, keep=buffer)
             if plan.average:
-                work._add_finalizer(functools.partial(_average, buffer, self.size))
+                work._add_finalizer(functools.partial(average_in_place, buffer, self.size, np))
             return work
         outputs = [plain_buffer(x) for x in arrays]
         acc = _accumulate(outputs, plan)
@@ -1040,7 +1032,7 @@ class MPIBackend(ProcessGroupBackend):
 
         def finish() -> None:
             if plan.average:
-                _average(acc, count)
+                average_in_place(acc, count, np)
             for x in outputs:
                 _cast_into(x, acc)
 
@@ -1066,7 +1058,7 @@ class MPIBackend(ProcessGroupBackend):
 
             def finish() -> None:
                 if plan.average:
-                    _average(acc, count)
+                    average_in_place(acc, count, np)
                 if acc is not target:
                     _cast_into(target, acc)
 
@@ -1137,7 +1129,7 @@ class MPIBackend(ProcessGroupBackend):
 
         def finish() -> None:
             if plan.average:
-                _average(received, count)
+                average_in_place(received, count, np)
             if not direct:
                 for j, x in enumerate(outputs):
                     _cast_into(x, received[j])
@@ -1290,7 +1282,7 @@ def _unpack(packed: Any, arrays: Sequence[Any]) -> None:
 
 def _unflatten(flat: Any, arrays: Sequence[Any], plan: _Plan, size: int) -> None:
     if plan.average:
-        _average(flat, size)
+        average_in_place(flat, size, np)
     offset = 0
     for x in arrays:
         _cast_into(x.reshape(-1), flat[offset : offset + x.size])

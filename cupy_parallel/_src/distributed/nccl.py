@@ -78,7 +78,7 @@ from cupy_parallel._src.cuda.nccl_tables import (
 )
 from cupy_parallel._src.cuda.streams import current_stream, record_event, wait_stream
 from cupy_parallel._src.devices import cupy_module
-from cupy_parallel._src.distributed.backend import ProcessGroupBackend
+from cupy_parallel._src.distributed.backend import ProcessGroupBackend, average_in_place
 from cupy_parallel._src.distributed.work import Work
 from cupy_parallel._src.enums import Backend, ReduceOp
 
@@ -710,19 +710,9 @@ class NCCLBackend(ProcessGroupBackend):
             offset += x.nbytes
 
     def _divide(self, arrays: Sequence[Any], count: int) -> None:
-        """``AVG`` without ``ncclAvg``: divide in place; integers round toward zero, as there.
-
-        Integers: ``x - fmod(x, n)`` is an exact multiple of ``n`` (``fmod`` keeps the sign of
-        ``x``), so the floor division after it is exact, i.e. C's division toward zero.
-        """
-        cupy = self._cupy
+        """``AVG`` without ``ncclAvg``: divide in place; integers round toward zero, as there."""
         for x in arrays:
-            n = x.dtype.type(count)
-            if x.dtype.kind in "iu":
-                cupy.subtract(x, cupy.fmod(x, n), out=x)
-                cupy.floor_divide(x, n, out=x)
-            else:
-                cupy.divide(x, n, out=x)
+            average_in_place(x, count, self._cupy)
 
     # --------------------------------------------------------------------------- collectives
 
