@@ -206,6 +206,17 @@ def test_arithmetic_and_views_match_numpy(cupy: ModuleType) -> None:
     np.testing.assert_array_equal(x.get(), a)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.complex64, np.bool_])
+def test_view_without_a_dtype_keeps_the_dtype_as_cupy(cupy: ModuleType, dtype: Any) -> None:
+    a = np.arange(6).astype(dtype)
+    x = cupy.asarray(a)
+    v = x.view()
+    assert v.dtype == a.dtype  # real CuPy: view() is the same dtype, not float64
+    assert v.base is x
+    np.testing.assert_array_equal(v.get(), a)
+    assert x.view(np.uint8).shape == (a.nbytes,)
+
+
 def test_peer_copies_are_ordered_by_the_copy_stream(cupy: ModuleType) -> None:
     source = ready(cupy, cupy.arange(4.0))
     with cupy.cuda.Device(1):

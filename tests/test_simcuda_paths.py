@@ -229,9 +229,18 @@ def test_parallel_apply_runs_on_the_callers_created_streams(cupy: ModuleType) ->
     assert seen == [created[t.index].ptr for t in targets]
 
 
-def test_data_parallel_gradients_match_numpy(per_thread_cupy: ModuleType) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "rtol"),
+    [(np.float64, 1e-10), (np.float32, 1e-5), (np.float16, 2e-2)],
+    ids=["float64", "float32", "float16"],
+)
+def test_data_parallel_gradients_match_numpy(
+    per_thread_cupy: ModuleType, dtype: Any, rtol: float
+) -> None:
+    """float32 and float16 too: replicate's view() of the source replica kept float64 only."""
     rng = np.random.default_rng(0)
-    w_host, x = rng.standard_normal((4, 3)), rng.standard_normal((10, 4))
+    w_host = rng.standard_normal((4, 3)).astype(dtype)
+    x = rng.standard_normal((10, 4)).astype(dtype)
     w = to_device(w_host, "cuda:0")
 
     def model(params: Any, xb: Any) -> Any:
@@ -242,9 +251,13 @@ def test_data_parallel_gradients_match_numpy(per_thread_cupy: ModuleType) -> Non
         out = data_parallel(model, w, (x,), output_device="cpu")
         loss = ops.sum(ops.square(out))
     grad = tape.gradient(loss, w)
-    z = np.tanh(x @ w_host)
-    np.testing.assert_allclose(to_numpy(out), z, rtol=1e-12)
-    np.testing.assert_allclose(to_numpy(grad), x.T @ (2 * z * (1 - z**2)), rtol=1e-10)
+    assert out.dtype == dtype
+    assert grad.dtype == dtype
+    w64, x64 = w_host.astype(np.float64), x.astype(np.float64)  # the oracle in float64
+    z = np.tanh(x64 @ w64)
+    np.testing.assert_allclose(to_numpy(out), z, rtol=rtol, atol=rtol)
+    expected = x64.T @ (2 * z * (1 - z**2))
+    np.testing.assert_allclose(to_numpy(grad), expected, rtol=rtol, atol=rtol * abs(expected).max())
 
 
 # -- the Functions' backward passes ----------------------------------------------------------

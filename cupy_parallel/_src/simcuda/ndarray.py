@@ -320,8 +320,12 @@ class ndarray:  # noqa: N801 - CuPy's name
         return out
 
     def view(self, dtype: Any = None) -> Any:
-        """The same memory seen with another dtype."""
-        return apply(np.ndarray.view, (self, dtype), {}, name="view")
+        """The same memory seen with another dtype; ``view()`` keeps the dtype, as CuPy's does.
+
+        (NumPy's ``ndarray.view(a, None)`` would read ``None`` as float64.)
+        """
+        args = (self,) if dtype is None else (self, dtype)
+        return apply(np.ndarray.view, args, {}, name="view")
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(np.ndarray, name, None)
