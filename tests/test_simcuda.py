@@ -52,6 +52,91 @@ def test_unordered_streams_race_and_the_error_names_both(cupy: ModuleType) -> No
         x * 2
 
 
+# Every way a kernel writes into an existing array: (name, the write on `x` reading `y`).
+WRITERS = {
+    "copyto": lambda cp, x, y: cp.copyto(x, y),
+    "ufunc out= keyword": lambda cp, x, y: cp.add(y, 1, out=x),
+    "ufunc out positional": lambda cp, x, y: cp.add(y, 1, x),
+    "numpy ufunc out=": lambda cp, x, y: np.multiply(y, 2, out=x),
+    "ufunc.at": lambda cp, x, y: cp.add.at(x, cp.asarray([0, 0, 1]), y[:3]),
+    "put": lambda cp, x, y: cp.put(x, cp.asarray([1, 2]), y[:2]),
+    "putmask": lambda cp, x, y: cp.putmask(x, y > 1, y),
+    "fill_diagonal": lambda cp, x, y: cp.fill_diagonal(x.reshape(2, 2), y[0]),
+    "ndarray.put": lambda cp, x, y: x.put(cp.asarray([0]), y[:1]),
+    "setitem": lambda cp, x, y: x.__setitem__(slice(None), y),
+    "clip out positional": lambda cp, x, y: cp.clip(y, 1, 2, x),
+    "cumsum out positional": lambda cp, x, y: cp.cumsum(y, 0, None, x),
+    "ndarray.clip out positional": lambda cp, x, y: y.clip(1, 2, x),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITERS.values()), ids=list(WRITERS))
+def test_every_kind_of_write_races_with_an_unordered_read(cupy: ModuleType, write: Any) -> None:
+    x, y = ready(cupy, cupy.arange(4.0)), ready(cupy, cupy.arange(4.0))
+    writer, reader = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with writer:
+        write(cupy, x, y)
+    with reader, pytest.raises(RaceError, match=r"read by `kernel .* write by `kernel"):
+        x * 2  # read after write
+
+
+@pytest.mark.parametrize("write", list(WRITERS.values()), ids=list(WRITERS))
+def test_every_kind_of_write_races_with_an_unordered_earlier_read(
+    cupy: ModuleType, write: Any
+) -> None:
+    x, y = ready(cupy, cupy.arange(4.0)), ready(cupy, cupy.arange(4.0))
+    writer, reader = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with reader:
+        x * 2
+    with writer, pytest.raises(RaceError, match=r"write by `kernel .* read by `kernel"):
+        write(cupy, x, y)  # write after read
+
+
+@pytest.mark.parametrize("write", list(WRITERS.values()), ids=list(WRITERS))
+def test_every_kind_of_write_computes_numpys_answer(cupy: ModuleType, write: Any) -> None:
+    x, y = cupy.arange(4.0), cupy.arange(4.0) + 1
+    a, b = np.arange(4.0), np.arange(4.0) + 1
+    write(cupy, x, y)
+    write(np, a, b)
+    np.testing.assert_array_equal(x.get(), a)
+
+
+def test_ufunc_at_accumulates_repeated_indices_as_cupy(cupy: ModuleType) -> None:
+    x = cupy.zeros(3)
+    cupy.add.at(x, cupy.asarray([0, 0, 2]), 1.0)
+    np.testing.assert_array_equal(x.get(), [2.0, 0.0, 1.0])
+    assert cupy.add.reduce(cupy.arange(4.0)).get() == 6.0
+    np.testing.assert_array_equal(
+        cupy.multiply.outer(cupy.arange(2), cupy.arange(3)).get(),
+        np.multiply.outer(np.arange(2), np.arange(3)),
+    )
+
+
+def test_numpy_index_arrays_are_accepted_as_cupy_uploads_them(cupy: ModuleType) -> None:
+    a = np.arange(10.0) * 3
+    x = cupy.asarray(a)
+    idx, mask = np.array([4, 1, 1]), a > 10
+    np.testing.assert_array_equal(x[idx].get(), a[idx])
+    np.testing.assert_array_equal(x[mask].get(), a[mask])
+    x[idx] = -1.0
+    a[idx] = -1.0
+    np.testing.assert_array_equal(x.get(), a)
+    with pytest.raises(TypeError, match="Unsupported type"):
+        x + np.ones(10)  # a host operand (not an index) is still refused
+
+
+def test_device_arrays_pickle_onto_the_current_device(cupy: ModuleType) -> None:
+    import pickle
+
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    x = cupy.asarray(a)
+    with cupy.cuda.Device(1):
+        y = pickle.loads(pickle.dumps(x))
+    assert y.device.id == 1
+    assert y.dtype == np.float32
+    np.testing.assert_array_equal(y.get(), a)
+
+
 def test_an_event_orders_two_streams(cupy: ModuleType) -> None:
     x = ready(cupy, cupy.arange(4.0))
     writer, reader = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)

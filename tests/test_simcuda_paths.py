@@ -326,3 +326,15 @@ def test_reduce_add_of_every_dtype_on_peer_copies(cupy: ModuleType) -> None:
         inputs = [to_device(v, d) for v, d in zip(values, targets, strict=True)]
         total = comm.reduce_add(inputs, destination=targets[-1])
         assert_bits_equal(total, functools.reduce(np.add, values))
+
+
+def test_getitem_gradient_with_repeated_indices_on_a_gpu(cupy: ModuleType) -> None:
+    """The backward of indexing scatters with ``add.at`` (the simulator lacked ``ufunc.at``)."""
+    x = to_device(np.arange(4.0), "cuda:0")
+    index = np.array([0, 0, 3, 0])  # a NumPy index array, as CuPy accepts
+    with Tape() as tape:
+        tape.watch(x)
+        y = ops.sum(ops.getitem(x, index))
+    grad = tape.gradient(y, x)
+    assert device_of(grad) == Device("cuda", 0)
+    np.testing.assert_array_equal(to_numpy(grad), np.bincount(index, minlength=4))

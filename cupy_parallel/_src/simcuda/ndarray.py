@@ -17,8 +17,10 @@ blocking copy on the current stream.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import optree
@@ -34,6 +36,17 @@ if TYPE_CHECKING:
 __all__ = ["apply", "empty", "launch", "ndarray"]
 
 _WRITING_METHODS = frozenset({"fill", "sort", "put", "partition", "itemset", "resize", "setfield"})
+
+WRITTEN_ARGUMENT = {
+    "copyto": 0,
+    "put": 0,
+    "putmask": 0,
+    "place": 0,
+    "fill_diagonal": 0,
+    "put_along_axis": 0,
+    "at": 0,  # ufunc.at(a, indices, b): a is updated in place
+}
+"""NumPy functions (and the ufunc method ``at``) that write into a positional argument."""
 _REFUSED_KINDS = "OSUVMm"  # object, strings, void/structured, datetimes: CuPy lacks them
 
 
@@ -283,13 +296,15 @@ class ndarray:  # noqa: N801 - CuPy's name
     # -- views and copies -----------------------------------------------------------------
 
     def __getitem__(self, key: Any) -> Any:
+        key = _upload_indices(key)
         if _is_basic(key):  # a 0-d view, not a NumPy scalar, for integer keys
             keys = key if isinstance(key, tuple) else (key,)
             key = keys if Ellipsis in keys else (*keys, Ellipsis)
         return apply(operator.getitem, (self, key), {}, name="getitem")
 
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        return apply(getattr(ufunc, method), inputs, kwargs, name=f"numpy.{ufunc.__name__}")
+        fn = ufunc if method == "__call__" else getattr(ufunc, method)
+        return apply(fn, inputs, kwargs, name=f"numpy.{ufunc.__name__}.{method}")
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         return apply(func, args, kwargs, name=f"numpy.{func.__name__}")
@@ -300,6 +315,7 @@ class ndarray:  # noqa: N801 - CuPy's name
                 f"Unsupported type {type(value)}: a cupy.ndarray accepts device arrays and "
                 "scalars; move host data with cupy.asarray first."
             )
+        key = _upload_indices(key)
         target = self[key] if _is_basic(key) else self
         operands: Any = (key, value)
         reads = [a for a in optree.tree_leaves(operands) if isinstance(a, ndarray)]
@@ -309,6 +325,10 @@ class ndarray:  # noqa: N801 - CuPy's name
             host[_host_leaves(key)] = value._layout_probe() if isinstance(value, ndarray) else value
 
         launch("setitem", reads, [target], compute)
+
+    def __reduce__(self) -> tuple[Any, tuple[np.ndarray]]:
+        """Pickled as its host copy; unpickled onto the current device, as CuPy's arrays."""
+        return _unpickle, (self.get(),)
 
     def copy(self, order: str = "C") -> ndarray:
         """A new contiguous copy on the current stream of the array's device."""
@@ -339,6 +359,12 @@ class ndarray:  # noqa: N801 - CuPy's name
             return apply(method, (self, *args), kwargs, name=f"ndarray.{name}", writes_self=writes)
 
         return bound
+
+
+def _unpickle(host: np.ndarray) -> ndarray:
+    out = ndarray(host.shape, host.dtype)
+    out.set(np.ascontiguousarray(host))
+    return out
 
 
 def _operator(name: str, reflected: bool = False, inplace: bool = False) -> Callable[..., Any]:
@@ -373,6 +399,26 @@ for _name in (
     setattr(ndarray, f"__i{_name}__", _operator(_name, inplace=True))
 for _name in ("eq", "ne", "lt", "le", "gt", "ge", "neg", "pos", "abs", "invert"):
     setattr(ndarray, f"__{_name}__", _operator(_name))
+
+
+def _upload_indices(key: Any) -> Any:
+    """``key`` with its NumPy index arrays copied to the current device, as CuPy converts them.
+
+    A boolean or integer ``numpy.ndarray`` in an index is accepted by CuPy (it uploads it with
+    ``cupy.asarray`` on the current stream); any other host array is left for the kernel to
+    refuse.
+    """
+    keys = key if isinstance(key, tuple) else (key,)
+    if not any(isinstance(k, np.ndarray) for k in keys):
+        return key
+    uploaded = []
+    for k in keys:
+        if isinstance(k, np.ndarray) and k.dtype.kind in "biu":
+            device_copy = ndarray(k.shape, k.dtype)
+            device_copy.set(np.ascontiguousarray(k))
+            k = device_copy  # noqa: PLW2901 - the key, uploaded
+        uploaded.append(k)
+    return tuple(uploaded) if isinstance(key, tuple) else uploaded[0]
 
 
 def _is_basic(key: Any) -> bool:
@@ -450,7 +496,10 @@ def apply(
     """``fn`` (a NumPy function or method) on simulated arrays, as one kernel when it computes.
 
     Results that share memory with an operand become views of it (no kernel); other results
-    are copied into new arrays on the current device, written by the kernel.
+    are copied into new arrays on the current device, written by the kernel. The kernel writes
+    ``out=`` (any position of it in ``args`` for ufuncs), the arrays NumPy functions write in
+    place (:data:`WRITTEN_ARGUMENT`: ``copyto``'s destination, ``put``'s array, ...) and, with
+    ``writes_self``, the first array (an in-place method or operator).
     """
     operands: Any = (args, kwargs)
     leaves: list[Any]
@@ -458,9 +507,15 @@ def apply(
     arrays = [x for x in leaves if isinstance(x, ndarray)]
     for leaf in leaves:
         _refuse_host(leaf, name)
-    out: Any = kwargs.get("out")
-    outs = [x for x in optree.tree_leaves(out) if isinstance(x, ndarray)]
-    writes = outs + (arrays[:1] if writes_self else [])
+    written: list[Any] = [kwargs.get("out")]
+    if isinstance(fn, np.ufunc):
+        written.append(args[fn.nin :])  # outputs given by position
+    positions = (WRITTEN_ARGUMENT.get(getattr(fn, "__name__", "")), _out_position(fn))
+    written.extend(args[p] for p in positions if p is not None and len(args) > p)
+    writes: list[ndarray] = []
+    for x in [*optree.tree_leaves(cast("Any", written)), *(arrays[:1] if writes_self else [])]:
+        if isinstance(x, ndarray) and not any(x is w for w in writes):
+            writes.append(x)
     host_leaves = [x._layout_probe() if isinstance(x, ndarray) else x for x in leaves]
     host: Any = optree.tree_unflatten(spec, host_leaves)
     host_args, host_kwargs = host
@@ -471,6 +526,22 @@ def apply(
         if views is not None:
             return views
         return _finish(name, arrays, writes, result)
+
+
+@functools.cache
+def _out_position(fn: Callable[..., Any]) -> int | None:
+    """Where ``fn`` takes ``out`` by position (``numpy.clip(a, lo, hi, out)``), if it does."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature (a ufunc, some C methods)
+        return None
+    for i, parameter in enumerate(parameters):
+        if parameter.name == "out" and parameter.kind in (
+            parameter.POSITIONAL_ONLY,
+            parameter.POSITIONAL_OR_KEYWORD,
+        ):
+            return i
+    return None
 
 
 def _views_only(result: Any, arrays: list[ndarray]) -> Any:

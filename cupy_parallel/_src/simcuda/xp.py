@@ -39,6 +39,7 @@ __all__ = [
     "ones",
     "ones_like",
     "simulation",
+    "ufunc",
     "zeros",
     "zeros_like",
 ]
@@ -152,10 +153,42 @@ def get_array_module(*args: Any) -> types.ModuleType:
     return np
 
 
+class ufunc:  # noqa: N801 - CuPy's name
+    """A simulated ``cupy.ufunc``: NumPy's ufunc as kernels, with ``at``, ``reduce``, ``outer``...
+
+    Every call and method runs as one kernel that reads its array operands and writes its
+    outputs (``out=``, outputs given by position, and ``at``'s first argument).
+    """
+
+    def __init__(self, numpy_ufunc: np.ufunc) -> None:
+        self._ufunc = numpy_ufunc
+        self.__name__ = numpy_ufunc.__name__
+        self.nin, self.nout, self.nargs = numpy_ufunc.nin, numpy_ufunc.nout, numpy_ufunc.nargs
+
+    def __repr__(self) -> str:
+        return f"<ufunc '{self.__name__}'>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return apply(self._ufunc, args, kwargs, name=f"cupy.{self.__name__}")
+
+    def __getattr__(self, method: str) -> Any:
+        if method not in ("at", "reduce", "accumulate", "reduceat", "outer"):
+            raise AttributeError(f"'cupy.ufunc' object has no attribute {method!r}")
+        fn = getattr(self._ufunc, method)
+
+        def bound(*args: Any, **kwargs: Any) -> Any:
+            return apply(fn, args, kwargs, name=f"cupy.{self.__name__}.{method}")
+
+        bound.__name__ = method
+        return bound
+
+
 def __getattr__(name: str) -> Any:
     target = getattr(np, name, None)
     if target is None or name.startswith("_"):
         raise AttributeError(f"module 'cupy' (simulated) has no attribute {name!r}")
+    if isinstance(target, np.ufunc):
+        return ufunc(target)
     if isinstance(target, type) or not callable(target):
         return target
 
