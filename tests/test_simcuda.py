@@ -452,3 +452,16 @@ def test_strided_regions_race_only_where_they_overlap(cupy: ModuleType) -> None:
         x[:, 1::2] = 2.0  # odd columns: interleaved bytes, none shared
     with second, pytest.raises(RaceError, match="bytes"):
         x[:, ::3] = 3.0  # columns 0 and 3: column 0 was written on the other stream
+
+
+def test_devices_are_comparable_but_unhashable_and_no_index_as_in_cupy(cupy: ModuleType) -> None:
+    """Real CuPy 14: ``hash(Device(0))`` and ``operator.index(Device(0))`` raise TypeError."""
+    import operator
+
+    d = cupy.cuda.Device(1)
+    assert d == cupy.cuda.Device(1)
+    assert int(d) == 1
+    with pytest.raises(TypeError):
+        hash(d)
+    with pytest.raises(TypeError):
+        operator.index(d)

@@ -107,14 +107,11 @@ class Device:
     def __int__(self) -> int:
         return self.id
 
-    def __index__(self) -> int:
-        return self.id
-
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Device) and other.id == self.id
 
-    def __hash__(self) -> int:
-        return hash(("simulated cuda device", self.id))
+    # As CuPy's Device: comparable, convertible with int(), but not hashable and no __index__.
+    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"<CUDA Device {self.id}>"
