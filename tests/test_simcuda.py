@@ -465,3 +465,85 @@ def test_devices_are_comparable_but_unhashable_and_no_index_as_in_cupy(cupy: Mod
         hash(d)
     with pytest.raises(TypeError):
         operator.index(d)
+
+
+# -- the synchronous copies wait as CUDA documents, no more --------------------------------
+
+
+def _read_on_a_non_blocking_stream(cupy: ModuleType, x: Any) -> np.ndarray:
+    """``2 * x`` computed on a new non-blocking stream, copied to the host on that stream."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        return (x * 2).get(stream=stream)
+
+
+def test_device_to_device_memcpy_does_not_make_the_host_wait(cupy: ModuleType) -> None:
+    """cudaMemcpy device to device: "no host-side synchronization is performed"."""
+    rt = cupy.cuda.runtime
+    src, dst = ready(cupy, cupy.arange(4.0)), ready(cupy, cupy.zeros(4))
+    rt.memcpy(dst.data.ptr, src.data.ptr, dst.nbytes, rt.memcpyDeviceToDevice)
+    with pytest.raises(RaceError, match=r"read by `kernel .*non-blocking.* write by `memcpy"):
+        _read_on_a_non_blocking_stream(cupy, dst)
+
+
+def test_pageable_host_to_device_memcpy_returns_before_the_device_is_written(
+    cupy: ModuleType,
+) -> None:
+    """cudaMemcpy from pageable memory returns once the data is staged, not written."""
+    rt = cupy.cuda.runtime
+    host = np.arange(4.0)
+    dst = ready(cupy, cupy.zeros(4))
+    rt.memcpy(dst.data.ptr, host.ctypes.data, dst.nbytes, rt.memcpyHostToDevice)
+    with pytest.raises(RaceError, match=r"write by `memcpy"):
+        _read_on_a_non_blocking_stream(cupy, dst)
+
+
+def test_pageable_host_to_device_memcpy_waits_for_the_streams_earlier_work(
+    cupy: ModuleType,
+) -> None:
+    rt = cupy.cuda.runtime
+    x = ready(cupy, cupy.arange(4.0))
+    x += 1  # on the legacy null stream, which cudaMemcpy synchronises before copying
+    host = np.zeros(4)
+    dst = ready(cupy, cupy.zeros(4))
+    rt.memcpy(dst.data.ptr, host.ctypes.data, dst.nbytes, rt.memcpyHostToDevice)
+    np.testing.assert_array_equal(_read_on_a_non_blocking_stream(cupy, x), (np.arange(4) + 1) * 2)
+
+
+def test_pinned_host_to_device_memcpy_is_synchronous(cupy: ModuleType) -> None:
+    rt = cupy.cuda.runtime
+    pinned = cupy.cuda.alloc_pinned_memory(32)
+    host = np.frombuffer(pinned, np.float64, 4)
+    host[...] = np.arange(4.0)
+    dst = ready(cupy, cupy.zeros(4))
+    rt.memcpy(dst.data.ptr, host.ctypes.data, dst.nbytes, rt.memcpyHostToDevice)
+    np.testing.assert_array_equal(_read_on_a_non_blocking_stream(cupy, dst), np.arange(4) * 2)
+
+
+def test_device_to_host_memcpy_returns_when_the_copy_is_done(cupy: ModuleType) -> None:
+    rt = cupy.cuda.runtime
+    src = ready(cupy, cupy.arange(4.0))
+    host = np.zeros(4)
+    rt.memcpy(host.ctypes.data, src.data.ptr, src.nbytes, rt.memcpyDeviceToHost)
+    np.testing.assert_array_equal(host, np.arange(4.0))
+    writer = cupy.cuda.Stream(non_blocking=True)
+    with writer:
+        src += 1  # the copy already read src: no race
+    np.testing.assert_array_equal(src.get(stream=writer), np.arange(4.0) + 1)
+
+
+def test_memcpy_peer_is_serialised_with_both_devices_work_without_a_host_wait(
+    cupy: ModuleType,
+) -> None:
+    rt = cupy.cuda.runtime
+    src = ready(cupy, cupy.arange(4.0))
+    with cupy.cuda.Device(1):
+        dst = ready(cupy, cupy.zeros(4))
+        late = cupy.cuda.Stream(non_blocking=True)  # made after: its work is ordered after too
+    rt.memcpyPeer(dst.data.ptr, 1, src.data.ptr, 0, src.nbytes)
+    with cupy.cuda.Device(1), late:
+        doubled = dst * 2
+    writer = cupy.cuda.Stream(non_blocking=True)
+    with writer:
+        src += 1  # later work on the source device is ordered after the copy as well
+    np.testing.assert_array_equal(doubled.get(stream=late), np.arange(4.0) * 2)

@@ -151,6 +151,7 @@ class Simulation:
         self.deferred: list[RaceError] = []
         self._host_funcs: list[tuple[Op, Callable[[Any], None], Any]] = []
         self.extensions: dict[str, Any] = {}  # per-simulation state of add-ons (e.g. NCCL)
+        self._device_barriers: dict[int, Clock] = {}  # cudaMemcpyPeer: future work after it
 
     def new_timeline(self, name: str, kind: str, device: int) -> Timeline:
         """A new timeline (a new stream, or the host)."""
@@ -200,9 +201,27 @@ class Simulation:
             ops.append(Op(name, timeline, timeline.tick()))
         return ops
 
+    def enqueue_device_barrier(self, timeline: Timeline, devices: tuple[int, ...], name: str) -> Op:
+        """Stamp an operation ordered after all pending and before all future work on ``devices``.
+
+        (``cudaMemcpyPeer``'s serialisation.) Every stream of those devices, existing or made
+        later, starts its next operation after this one; the host does not wait.
+        """
+        self._prepare(timeline)
+        for other in self.timelines:
+            if other.device in devices:
+                join(timeline.clock, other.clock)
+        op = Op(name, timeline, timeline.tick())
+        for device in devices:
+            join(self._device_barriers.setdefault(device, {}), op.clock)
+        return op
+
     def _prepare(self, timeline: Timeline) -> None:
         clock = timeline.clock
         join(clock, self.host.clock)
+        barrier = self._device_barriers.get(timeline.device)
+        if barrier is not None:
+            join(clock, barrier)
         if timeline.kind == "legacy":
             for other in self.timelines:
                 if other.blocking and other.device == timeline.device:

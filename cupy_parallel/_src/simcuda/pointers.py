@@ -242,12 +242,26 @@ def copy(
     into: str | None,
     out_of: str | None,
     blocking: bool = False,
+    serialize_devices: tuple[int, ...] = (),
 ) -> None:
     """Copy ``size`` bytes from ``src`` to ``dst`` on ``stream`` (``None``: current stream).
 
     ``into``/``out_of`` (``"device"``, ``"host"`` or ``None`` for either) say which memory each
     side must be, as the direction of ``cudaMemcpyHostToDevice`` etc.; a mismatch raises
     :class:`SimulationError`.
+
+    How long the host waits follows CUDA's "API synchronization behavior", no more:
+
+    - asynchronous copies (``blocking=False``) return at once, except into pageable host
+      memory, which returns when the copy is done;
+    - synchronous copies (``blocking=True``, the ``cudaMemcpy`` family): into host memory
+      (pageable or pinned; host to host too) the host waits for the copy; from pinned host
+      memory to a device, too (synchronous with respect to the host); from pageable host memory
+      to a device, the host waits for the stream's earlier work only (the copy is then staged
+      and may still be writing the device when the call returns); device to device, no
+      host-side synchronisation at all.
+    - ``serialize_devices`` (``cudaMemcpyPeer``): the copy is ordered after all pending work on
+      every stream of those devices and before all their future work, without the host waiting.
     """
     simulation = state()
     with simulation.lock:
@@ -264,14 +278,31 @@ def copy(
                 )
             ends.append(found)
         timeline = timeline_of(stream)
-        op = simulation.enqueue(timeline, f"{name} ({size} bytes)")
+        if serialize_devices:
+            op = simulation.enqueue_device_barrier(
+                timeline, serialize_devices, f"{name} ({size} bytes)"
+            )
+        else:
+            op = simulation.enqueue(timeline, f"{name} ({size} bytes)")
         for found, write in zip(ends, (False, True), strict=True):
             if found is not None:
                 block, offset = found
                 access(simulation, block, Region(offset, offset + size), op, write=write)
         ctypes.memmove(dst, src, size)
-        if blocking or ends[1] is None:
-            simulation.synchronize_host(op.clock)
+        source, target = (_memory_kind(found) for found in ends)
+        if target == "pageable" or (blocking and target == "pinned"):
+            simulation.synchronize_host(op.clock)  # into host memory: returns when done
+        elif blocking and source == "pinned":
+            simulation.synchronize_host(op.clock)  # pinned to device: synchronous
+        elif blocking and source == "pageable":
+            before = dict(op.clock)
+            before[timeline.id] -= 1
+            simulation.synchronize_host(before)  # the stream's earlier work, then staging
+
+
+def _memory_kind(found: tuple[Block, int] | None) -> str:
+    """``"device"``, ``"pinned"`` or ``"pageable"`` (memory the simulation does not manage)."""
+    return "pageable" if found is None else found[0].kind
 
 
 @functools.cache

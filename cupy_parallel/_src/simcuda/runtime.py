@@ -107,7 +107,11 @@ def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None: 
 
 
 def memcpy(dst: int, src: int, size: int, kind: int) -> None:
-    """``cudaMemcpy``: on the legacy null stream, the host waits for it."""
+    """``cudaMemcpy`` on the default stream; the host waits as CUDA documents for the kind.
+
+    (Device to host or host to host: for the copy; pinned host to device: for the copy;
+    pageable host to device: for the stream's earlier work; device to device: not at all.)
+    """
     into, out_of = _SIDES[kind]
     pointers.copy(dst, src, size, Stream.null, "memcpy", into=into, out_of=out_of, blocking=True)
 
@@ -122,9 +126,22 @@ def memcpyPeerAsync(  # noqa: N802, PLR0917 - CUDA's name and signature
 
 
 def memcpyPeer(dst: int, dst_device: int, src: int, src_device: int, size: int) -> None:  # noqa: N802
-    """``cudaMemcpyPeer``: the host waits for it."""
+    """``cudaMemcpyPeer``: the host does not wait; the copy is serialised with devices' work.
+
+    As CUDA documents it: asynchronous with respect to the host, but serialised with all pending
+    and future work on the current device, ``src_device`` and ``dst_device``.
+    """
+    devices = tuple(sorted({current_device(), int(src_device), int(dst_device)}))
     pointers.copy(
-        dst, src, size, Stream.null, "memcpyPeer", into="device", out_of="device", blocking=True
+        dst,
+        src,
+        size,
+        Stream.null,
+        "memcpyPeer",
+        into="device",
+        out_of="device",
+        blocking=True,
+        serialize_devices=devices,
     )
 
 
