@@ -347,23 +347,30 @@ def test_a_block_freed_on_one_stream_is_not_reused_by_another(cupy: ModuleType) 
     assert y.data.ptr != address
 
 
-def free_pinned_memory_under_a_copy(*, reuse: bool) -> None:
+def free_pinned_memory_under_a_copy(*, reuse: bool, size: int = 8, again: int = 8) -> None:
     """Free a pinned buffer while a copy may still read it (and reuse it at once if asked)."""
     with simulated_cuda(1) as cupy:
-        target = cupy.empty(8, np.uint8)
-        memory = cupy.cuda.alloc_pinned_memory(8)
-        target.data.copy_from_host_async(ctypes.addressof(memory), 8)
+        target = cupy.empty(size, np.uint8)
+        memory = cupy.cuda.alloc_pinned_memory(size)
+        target.data.copy_from_host_async(ctypes.addressof(memory), size)
         del memory  # back to the pool while the copy may still read it
         if reuse:
             with pytest.raises(
                 RaceError, match=r"host writing pinned memory .*read by `copy_from_host_async"
             ):
-                cupy.cuda.alloc_pinned_memory(8)
+                cupy.cuda.alloc_pinned_memory(again)
 
 
-def test_pinned_memory_reused_before_the_copy_read_it_is_a_race() -> None:
+@pytest.mark.parametrize(
+    ("size", "again"),
+    [(8, 8), (1024, 600), (600, 1024), (1536, 2048)],
+    ids=["same size", "smaller, same power of two", "larger, same power of two", "1.5 KiB in 2"],
+)
+def test_pinned_memory_reused_before_the_copy_read_it_is_a_race(size: int, again: int) -> None:
+    """CuPy's pinned pool rounds sizes up to a power of two of 512-byte units, so any request
+    that rounds alike gets the freed block."""
     with pytest.raises(RaceError, match=r"freed .* while `copy_from_host_async"):  # at the end
-        free_pinned_memory_under_a_copy(reuse=True)
+        free_pinned_memory_under_a_copy(reuse=True, size=size, again=again)
 
 
 def test_pinned_memory_kept_until_the_copy_is_done_is_clean(cupy: ModuleType) -> None:

@@ -37,7 +37,16 @@ from cupy_parallel._src.simcuda.clock import (
     happens_before,
 )
 
-__all__ = ["Block", "DevicePool", "PinnedPool", "Region", "access", "resolve", "round_size"]
+__all__ = [
+    "Block",
+    "DevicePool",
+    "PinnedPool",
+    "Region",
+    "access",
+    "resolve",
+    "round_pinned_size",
+    "round_size",
+]
 
 _UNIT = 512  # CuPy's allocation unit
 _EXACT_LIMIT = 1 << 20  # above this many elements a strided region is checked by its span
@@ -46,6 +55,16 @@ _EXACT_LIMIT = 1 << 20  # above this many elements a strided region is checked b
 def round_size(size: int) -> int:
     """``size`` rounded up to CuPy's 512-byte allocation unit (at least one unit)."""
     return max(-(-size // _UNIT), 1) * _UNIT
+
+
+def round_pinned_size(size: int) -> int:
+    """A pinned block's size: whole units, then the next power of two (CuPy's ``clp2``).
+
+    Example:
+        >>> round_pinned_size(1), round_pinned_size(600), round_pinned_size(1536)
+        (512, 1024, 2048)
+    """
+    return 1 << (round_size(size) - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -235,15 +254,23 @@ class DevicePool:
 
 
 class PinnedPool:
-    """CuPy's pinned memory pool: freed blocks are reused by any later allocation of their size."""
+    """CuPy's pinned memory pool: freed blocks are reused by any later allocation of their size.
+
+    (The size after rounding to a power of two of allocation units, as CuPy's pool rounds.)
+    """
 
     def __init__(self, simulation: Simulation) -> None:
         self._simulation = simulation
         self._free: dict[int, list[Block]] = defaultdict(list)
 
     def malloc(self, size: int) -> Block:
-        """A pinned block of at least ``size`` bytes, which the host is about to write."""
-        rounded = round_size(size)
+        """A pinned block of at least ``size`` bytes, which the host is about to write.
+
+        Sizes are rounded as CuPy's pinned pool rounds them (:func:`round_pinned_size`), so a
+        freed block serves any later request that rounds to its size: a 600-byte request reuses
+        a freed 1,024-byte block, whose tail a pending copy may still read.
+        """
+        rounded = round_pinned_size(size)
         free = self._free[rounded]
         if free:
             block = free.pop()
