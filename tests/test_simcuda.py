@@ -338,6 +338,55 @@ def test_a_freed_block_goes_to_the_next_allocation_on_its_stream_without_a_sync(
         y.fill(2.0)
 
 
+def test_part_of_a_larger_freed_block_is_reused_and_races(cupy: ModuleType) -> None:
+    """CuPy's best fit: a 4 KiB free chunk serves a 1 KiB request (split), without a sync."""
+    other = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.empty(512, np.float64)  # 4 KiB, for the legacy null stream
+    address = x.data.ptr
+    other.wait_event(cupy.cuda.Stream.null.record())
+    with other:
+        x[-8:] = 1.0  # the last 64 bytes, written on another stream
+        x[:8] = 1.0  # and the first 64
+    del x
+    y = cupy.empty(128, np.float64)  # 1 KiB: the front of the freed chunk
+    assert y.data.ptr == address
+    with pytest.raises(
+        RaceError, match=r"write by `kernel ndarray.fill .* write by `kernel setitem"
+    ):
+        y.fill(2.0)
+
+
+def test_the_split_off_rest_is_reused_too_and_freed_neighbours_merge(cupy: ModuleType) -> None:
+    pool = cupy.get_default_memory_pool()
+    x = cupy.empty(512, np.float64)  # one 4 KiB block
+    base, total = x.data.ptr, pool.total_bytes()
+    del x
+    y = cupy.empty(128, np.float64)  # the first KiB
+    z = cupy.empty(384, np.float64)  # the 3 KiB rest, not a new block
+    assert (y.data.ptr, z.data.ptr) == (base, base + 1024)
+    assert pool.total_bytes() == total
+    del y, z  # both parts free: merged back into one 4 KiB chunk
+    assert pool.n_free_blocks() == 1
+    w = cupy.empty(512, np.float64)
+    assert w.data.ptr == base
+    assert pool.total_bytes() == total
+    del w
+    pool.free_all_blocks()
+    assert pool.total_bytes() == total - 4096
+
+
+def test_a_split_block_is_not_released_until_merged(cupy: ModuleType) -> None:
+    pool = cupy.get_default_memory_pool()
+    x = cupy.empty(512, np.float64)
+    total = pool.total_bytes()
+    del x
+    y = cupy.empty(128, np.float64)  # holds part of the block
+    pool.free_all_blocks()  # the free 3 KiB part is not a whole block: kept (as CuPy)
+    assert pool.total_bytes() == total
+    assert pool.n_free_blocks() == 1
+    del y
+
+
 def test_a_block_freed_on_one_stream_is_not_reused_by_another(cupy: ModuleType) -> None:
     x = cupy.empty(64, np.float64)
     address = x.data.ptr

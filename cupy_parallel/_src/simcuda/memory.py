@@ -11,11 +11,12 @@ operations and their streams. The history survives freeing, so reuse of a pooled
 array is checked against the block's previous life. A write that covers an earlier access and is
 ordered after it retires that access from the history.
 
-Pools follow CuPy: :class:`DevicePool` keeps one free list per GPU per stream (the stream current
-when the block was allocated); a freed block goes, without any synchronisation, to the next
-allocation of the same rounded size on the same stream. :class:`PinnedPool` reuses freed pinned
-blocks for any allocation (CuPy's pinned pool does not track streams); the host is taken to write
-a pinned block when it allocates it, so reuse before the device finished reading it is a race.
+Pools follow CuPy: :class:`DevicePool` keeps one arena per GPU per stream (the stream current
+when the block was allocated); a freed chunk goes, without any synchronisation, to the next
+allocation on the same stream that fits it (best fit, split, freed neighbours merged).
+:class:`PinnedPool` reuses freed pinned blocks for any allocation (CuPy's pinned pool does not
+track streams); the host is taken to write a pinned block when it allocates it, so reuse before
+the device finished reading it is a race.
 Freeing a pinned block while a device operation on it may still run is reported too (CuPy leaves
 keeping it alive to the caller), as a race recorded on the simulation.
 """
@@ -39,6 +40,7 @@ from cupy_parallel._src.simcuda.clock import (
 
 __all__ = [
     "Block",
+    "Chunk",
     "DevicePool",
     "PinnedPool",
     "Region",
@@ -206,33 +208,92 @@ def registry_of(simulation: Simulation) -> Registry:
     return registry
 
 
+class Chunk:
+    """A piece of a device :class:`Block` handed out by the pool (CuPy's ``_Chunk``).
+
+    ``prev``/``next`` are the neighbouring chunks of the same block, so that freed neighbours
+    merge back; ``arena`` is the (device, stream) free list the block belongs to.
+    """
+
+    __slots__ = ("arena", "block", "in_use", "next", "offset", "prev", "size")
+
+    def __init__(self, block: Block, offset: int, size: int, arena: Any) -> None:
+        self.block, self.offset, self.size, self.arena = block, offset, size, arena
+        self.prev: Chunk | None = None
+        self.next: Chunk | None = None
+        self.in_use = False
+
+    def split(self, size: int) -> Chunk | None:
+        """Keep the first ``size`` bytes; the rest becomes a new chunk after this one."""
+        if self.size == size:
+            return None
+        rest = Chunk(self.block, self.offset + size, self.size - size, self.arena)
+        rest.prev, rest.next = self, self.next
+        if self.next is not None:
+            self.next.prev = rest
+        self.next, self.size = rest, size
+        return rest
+
+    def absorb_next(self) -> None:
+        """Merge the (free) next chunk into this one."""
+        nxt = self.next
+        assert nxt is not None
+        self.size += nxt.size
+        self.next = nxt.next
+        if nxt.next is not None:
+            nxt.next.prev = self
+
+
 class DevicePool:
-    """CuPy's device memory pool: per GPU, one free list per stream (the allocating stream)."""
+    """CuPy's device memory pool: per GPU, one arena per stream (the allocating stream).
+
+    As CuPy's ``SingleDeviceMemoryPool``: sizes are rounded to 512-byte units; an allocation
+    takes the smallest free chunk of its arena that is large enough (best fit) and splits off
+    the rest, which stays free; a freed chunk merges with free neighbours of the same block.
+    Reuse needs no synchronisation: a freed chunk goes, without a sync, to the next allocation
+    on the same stream, including part of a larger freed chunk, so a kernel still reading the
+    old array's bytes races with the new array's first write (the block's history is checked).
+    """
 
     def __init__(self, simulation: Simulation) -> None:
         self._simulation = simulation
-        self._free: dict[tuple[int, Any], dict[int, list[Block]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
+        self._free: dict[Any, dict[int, list[Chunk]]] = defaultdict(lambda: defaultdict(list))
         self._used = 0
         self._total = 0
 
-    def malloc(self, device: int, size: int, stream_key: Any) -> Block:
-        """A block of at least ``size`` bytes on ``device`` for work on stream ``stream_key``."""
+    def malloc(self, device: int, size: int, stream_key: Any) -> Chunk:
+        """A chunk of at least ``size`` bytes on ``device`` for work on stream ``stream_key``."""
         rounded = round_size(size)
-        free = self._free[(device, stream_key)][rounded]
-        if free:
-            block = free.pop()
+        arena = (device, stream_key)
+        sizes = [n for n, chunks in self._free[arena].items() if chunks and n >= rounded]
+        if sizes:
+            chunk = self._free[arena][min(sizes)].pop()
+            rest = chunk.split(rounded)
+            if rest is not None:
+                self._free[arena][rest.size].append(rest)
         else:
-            block = Block("device", device, rounded, (device, stream_key))
+            block = Block("device", device, rounded, arena)
             registry_of(self._simulation).add(block)
             self._total += rounded
-        self._used += rounded
-        return block
+            chunk = Chunk(block, 0, rounded, arena)
+        chunk.in_use = True
+        self._used += chunk.size
+        return chunk
 
-    def free(self, block: Block) -> None:
-        self._free[block.arena][block.size].append(block)
-        self._used -= block.size
+    def free(self, chunk: Chunk) -> None:
+        """Return ``chunk`` to its arena, merged with its free neighbours."""
+        free = self._free[chunk.arena]
+        chunk.in_use = False
+        self._used -= chunk.size
+        if chunk.next is not None and not chunk.next.in_use:
+            free[chunk.next.size].remove(chunk.next)
+            chunk.absorb_next()
+        if chunk.prev is not None and not chunk.prev.in_use:
+            previous = chunk.prev
+            free[previous.size].remove(previous)
+            previous.absorb_next()
+            chunk = previous
+        free[chunk.size].append(chunk)
 
     def used_bytes(self) -> int:
         """Bytes held by live arrays."""
@@ -243,14 +304,19 @@ class DevicePool:
         return self._total
 
     def n_free_blocks(self) -> int:
-        """How many freed blocks wait in the free lists."""
-        return sum(len(blocks) for sizes in self._free.values() for blocks in sizes.values())
+        """How many free chunks wait in the free lists."""
+        return sum(len(chunks) for sizes in self._free.values() for chunks in sizes.values())
 
     def free_all_blocks(self, stream: Any = None) -> None:
-        """Forget the cached free blocks (``cudaFree`` synchronises, so nothing can race)."""
-        for blocks in [b for sizes in self._free.values() for b in sizes.values()]:
-            self._total -= sum(block.size for block in blocks)
-            blocks.clear()
+        """Release the free chunks that are whole blocks (CuPy keeps split ones until merged).
+
+        ``cudaFree`` synchronises, so nothing can race with a released block.
+        """
+        for sizes in self._free.values():
+            for chunks in sizes.values():
+                whole = [c for c in chunks if c.prev is None and c.next is None]
+                self._total -= sum(c.size for c in whole)
+                chunks[:] = [c for c in chunks if c not in whole]
 
 
 class PinnedPool:

@@ -568,9 +568,9 @@ def _owner(r: np.ndarray, arrays: list[ndarray]) -> ndarray | None:
     if r.size == 0:
         return None
     address = int(r.__array_interface__["data"][0])
-    for x in arrays:
-        block = x.data.mem.block
-        if block is not None and block.address <= address < block.address + block.size:
+    for x in arrays:  # the operand whose allocation (a chunk of a pool block) holds the result
+        mem = x.data.mem
+        if mem.block is not None and mem.ptr <= address < mem.ptr + mem.size:
             return x
     return None
 

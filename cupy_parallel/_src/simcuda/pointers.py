@@ -22,6 +22,7 @@ from typing import Any
 from cupy_parallel._src.simcuda.clock import Simulation, SimulationError, state
 from cupy_parallel._src.simcuda.memory import (
     Block,
+    Chunk,
     DevicePool,
     PinnedPool,
     Region,
@@ -66,19 +67,20 @@ def pinned_pool() -> PinnedPool:
 
 
 class Memory:
-    """One pooled device allocation; its block returns to the pool when this object goes."""
+    """One pooled device allocation (a chunk of a block); it returns to the pool when it goes."""
 
-    def __init__(self, block: Block | None, device: int, simulation: Simulation) -> None:
-        self.block = block
+    def __init__(self, chunk: Chunk | None, device: int, simulation: Simulation) -> None:
+        self.chunk = chunk
+        self.block = None if chunk is None else chunk.block
         self.device_id = device
-        self.size = 0 if block is None else block.size
-        self.ptr = 0 if block is None else block.address
+        self.size = 0 if chunk is None else chunk.size
+        self.ptr = 0 if chunk is None else chunk.block.address + chunk.offset
         self._simulation = simulation
 
     def __del__(self) -> None:
-        if self.block is not None and self._simulation.active:
+        if self.chunk is not None and self._simulation.active:
             with self._simulation.lock:
-                self._simulation.extensions["pool"].free(self.block)
+                self._simulation.extensions["pool"].free(self.chunk)
 
 
 def _address(mem: Any) -> int:
@@ -219,8 +221,8 @@ def alloc(size: int) -> MemoryPointer:
         if size == 0:
             return MemoryPointer(Memory(None, device, simulation), 0)
         key = timeline_of(None).id
-        block = device_pool().malloc(device, size, key)
-        return MemoryPointer(Memory(block, device, simulation), 0)
+        chunk = device_pool().malloc(device, size, key)
+        return MemoryPointer(Memory(chunk, device, simulation), 0)
 
 
 def _device_range(simulation: Simulation, address: int, size: int, what: str) -> tuple[Block, int]:
