@@ -603,3 +603,18 @@ def test_memcpy_peer_is_serialised_with_both_devices_work_without_a_host_wait(
     with writer:
         src += 1  # later work on the source device is ordered after the copy as well
     np.testing.assert_array_equal(doubled.get(stream=late), np.arange(4.0) * 2)
+
+
+def test_shares_memory_runs_on_the_current_device_as_cupy(cupy: ModuleType) -> None:
+    """CuPy computes shares_memory with kernels on the current device that read both arrays."""
+    x = cupy.arange(8.0)
+    assert cupy.shares_memory(x[:4], x[2:6])
+    assert not cupy.shares_memory(x[:4], x[4:])
+    assert cupy.shares_memory(x[:4], x[4:], max_work="MAY_SHARE_BOUNDS") is False
+    with cupy.cuda.Device(1), pytest.raises(ValueError, match="different from the current device"):
+        cupy.shares_memory(x[:4], x[2:6])  # another GPU's arrays, no peer access
+    writer = cupy.cuda.Stream(non_blocking=True)
+    with writer:
+        x[:2] = 1.0
+    with pytest.raises(RaceError, match=r"read by `kernel shares_memory"):
+        cupy.shares_memory(x[:4], x[4:])  # reads x, unordered after the write

@@ -38,6 +38,7 @@ __all__ = [
     "ndarray",
     "ones",
     "ones_like",
+    "shares_memory",
     "simulation",
     "ufunc",
     "zeros",
@@ -142,6 +143,25 @@ def asnumpy(
     if isinstance(a, ndarray):
         return a.get(stream=stream, order=order, out=out, blocking=blocking)
     return np.asarray(a, order=order)  # type: ignore[call-overload]
+
+
+def shares_memory(a: ndarray, b: ndarray, max_work: Any = None) -> bool:
+    """Whether ``a`` and ``b`` share memory, computed as CuPy computes it: on the device.
+
+    CuPy launches kernels on the *current* device that read both arrays (so both must live
+    there, without peer access) and copies the answer to the host; ``MAY_SHARE_BOUNDS`` compares
+    the bounds on the host, and ``a is b`` answers at once.
+    """
+    if a is b and a.size != 0:
+        return True
+    if max_work == "MAY_SHARE_BOUNDS":
+        return bool(np.may_share_memory(a._layout_probe(), b._layout_probe()))
+    if max_work not in (None, "MAY_SHARE_EXACT"):
+        raise NotImplementedError("Not supported for integer `max_work`.")
+    answer = apply(
+        lambda x, y: np.asarray(np.shares_memory(x, y)), (a, b), {}, name="shares_memory"
+    )
+    return bool(answer)  # a blocking copy to the host
 
 
 def get_array_module(*args: Any) -> types.ModuleType:
