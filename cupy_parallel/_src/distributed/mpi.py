@@ -19,19 +19,10 @@
   process exits (after the ``TimeoutError`` has been reported), which also ends the peers stuck in
   it. A receive that outlives it is cancelled instead (the group stays usable). ``wait(timeout=t)``
   with a shorter ``t`` only stops waiting: the operation keeps running.
-* A failing rank ends the job (what ``python -m mpi4py`` does for its script): once a world of
-  more than one process exists, an uncaught exception (``KeyboardInterrupt`` from Ctrl-C
-  included) or a ``sys.exit(n)`` with ``n != 0`` that reaches the top of the program calls
-  ``MPI_Abort(COMM_WORLD, code)`` with the code Python would have exited with (1, 130 for
-  Ctrl-C, ``n``), so that ``mpiexec`` stops every rank at once and exits with that code. Without
-  it, the failing rank would wait in ``MPI_Finalize`` for peers that wait in a collective for it.
-  ``sys.exit`` (and the ``exit``/``quit`` builtins) are wrapped for this: their ``SystemExit`` is
-  a subclass that notices when it reaches the top. A ``raise SystemExit(n)`` written out is not
-  seen by these hooks; for it (and for a rank that skipped a collective and ended normally) every
-  guarded rank tells the others when its program ends, and a rank waiting with a rank that left
-  fails with ``RuntimeError`` after a grace period of 2 s (plus the 1 s its wait spends spinning
-  before it checks), instead of at the group's timeout; the exit code is then that rank's (1).
-  A rank killed by a signal is handled by ``mpiexec``, which tears the job down.
+* A failing rank ends the job: once a world of more than one process exists, the backend has
+  :func:`~cupy_parallel._src.distributed.mpi_job.guard_job` end the whole MPI job when a rank
+  dies with an uncaught exception or ``sys.exit(n != 0)``, and a rank waiting with a rank whose
+  program ended fails after a grace period (see that module).
 * Errors MPI reports (a message larger than the receiving array, arrays of different sizes on
   different ranks) become ``ValueError`` naming the operation; tags above the MPI's ``TAG_UB``
   are refused before anything is sent. A message shorter than the receiving array, which MPI
@@ -61,20 +52,16 @@
 
 from __future__ import annotations
 
-import atexit
-import builtins
-import contextlib
 import ctypes
 import dataclasses
 import functools
 import hashlib
 import importlib.util
 import os
-import sys
 import time
 import warnings
 import zlib
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -84,6 +71,13 @@ from cupy_parallel._src.distributed.backend import (
     average_in_place,
     disagreeing,
     per_rank,
+)
+from cupy_parallel._src.distributed.mpi_job import (
+    DEPARTURE_GRACE_S,
+    abort_at_exit,
+    departed_ranks,
+    guard_job,
+    load_mpi,
 )
 from cupy_parallel._src.distributed.work import Work
 from cupy_parallel._src.enums import Backend, ReduceOp
@@ -121,12 +115,6 @@ class _Plan(NamedTuple):
     average: bool
 
 
-def _mpi() -> Any:
-    from mpi4py import MPI
-
-    return MPI
-
-
 # ---------------------------------------------------------------------------------------------
 # MIN/MAX in a total order (every rank the same bits)
 
@@ -161,153 +149,9 @@ def _total_extremum_op(dtype: np.dtype[Any], largest: bool) -> Any:
             b = np.frombuffer(inout, dtype)
             _total_extremum(a, b, b, largest=largest)
 
-        op = _mpi().Op.Create(combine, commute=True)
+        op = load_mpi().Op.Create(combine, commute=True)
         _USER_OPS[dtype, largest] = op
     return op
-
-
-# ---------------------------------------------------------------------------------------------
-# Ending the job: after a timeout, and when a rank fails
-
-_stuck: list[str] = []
-_ABORT_GRACE_S = 0.5
-
-
-def _abort_if_stuck() -> None:
-    if _stuck:
-        sys.stderr.write(
-            f"cupy_parallel: aborting the MPI job: {_stuck[0]} MPI cannot cancel a started "
-            "collective, so the peers would wait forever.\n"
-        )
-        sys.stderr.flush()
-        # mpiexec (MPICH's hydra) tears the job down on MPI_Abort without draining the ranks'
-        # forwarded output: give it a moment, or the messages explaining the abort can be lost.
-        time.sleep(_ABORT_GRACE_S)
-        _mpi().COMM_WORLD.Abort(1)
-
-
-def _end_job(code: int, why: str) -> None:
-    """Abort the MPI job with exit ``code`` because this rank is failing (``why``)."""
-    mpi = _mpi()
-    if mpi.Is_finalized():
-        return
-    rank = mpi.COMM_WORLD.Get_rank()
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-    sys.stderr.write(
-        f"cupy_parallel: rank {rank} failed ({why}); aborting the MPI job with exit code {code} "
-        "so that no peer waits for it.\n"
-    )
-    sys.stderr.flush()
-    from cupy_parallel._src.distributed.launch import report_failure
-
-    report_failure(rank, code)
-    time.sleep(_ABORT_GRACE_S)  # see _abort_if_stuck
-    mpi.COMM_WORLD.Abort(code)
-
-
-class _RankExit(SystemExit):
-    """What ``sys.exit`` raises in a guarded rank: ends the job when it reaches the top.
-
-    Python frees the exception of a ``SystemExit`` that ended the program from C, with no Python
-    frame left on the stack, just before it exits; one caught by the program is freed inside it.
-    """
-
-    def __del__(self) -> None:
-        try:
-            sys._getframe(1)
-        except ValueError:  # nothing above: the program is exiting with this code
-            code = _exit_status(self.code)
-            if code != 0:
-                _end_job(code, f"sys.exit({self.code!r})")
-
-
-def _exit_status(code: object) -> int:
-    """The status Python exits with for ``SystemExit(code)``."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    return 1
-
-
-_guarded = False
-
-# Departures: every guarded rank tells the others when its program ends (at exit, before MPI's
-# finalisation), on a communicator of its own. A rank waiting in an operation with a rank that
-# left fails after a grace period instead of waiting for the group's timeout: this catches what
-# the hooks cannot see (``raise SystemExit(n)`` written out, a rank that skipped a collective and
-# ended normally).
-_GOODBYE_TAG = 1
-_DEPARTURE_GRACE_S = 2.0
-_departures: Any = None  # the communicator, once guarded
-_departed: dict[int, float] = {}  # world rank -> when this rank learnt that it left
-
-
-def _say_goodbye() -> None:
-    """At exit: tell every other rank that this rank's program ended."""
-    mpi = _mpi()
-    if _departures is None or mpi.Is_finalized():
-        return
-    me, size = _departures.Get_rank(), _departures.Get_size()
-    note = np.array([me], np.int64)
-    requests = [
-        _departures.Isend([note, mpi.INT64_T], peer, _GOODBYE_TAG)
-        for peer in range(size)
-        if peer != me
-    ]
-    mpi.Request.Waitall(requests)  # small messages: they complete at once
-
-
-def _listen() -> None:
-    """Record the goodbyes that have arrived."""
-    if _departures is None:
-        return
-    mpi = _mpi()
-    status = mpi.Status()
-    while _departures.Iprobe(mpi.ANY_SOURCE, _GOODBYE_TAG, status):
-        source = status.Get_source()
-        _departures.Recv([np.zeros(1, np.int64), mpi.INT64_T], source, _GOODBYE_TAG)
-        _departed.setdefault(source, time.monotonic())
-
-
-def _guard_job(world: Any) -> None:
-    """Install the hooks that end the job when this rank fails (once per process)."""
-    global _guarded, _departures
-    if _guarded:
-        return
-    _guarded = True
-    _departures = world.Dup()  # every rank is here: its world was just made
-    atexit.register(_say_goodbye)
-    previous_hook = sys.excepthook
-
-    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        previous_hook(kind, value, tb)
-        code = 130 if issubclass(kind, KeyboardInterrupt) else 1
-        _end_job(code, f"uncaught {kind.__name__}")
-
-    def guarded_exit(status: object = None, /) -> NoReturn:
-        raise _RankExit(status)
-
-    sys.excepthook = excepthook
-    sys.exit = guarded_exit
-    for name in ("exit", "quit"):  # the interactive helpers site installs raise SystemExit too
-        helper = getattr(builtins, name, None)
-        if helper is not None and type(helper).__name__ == "Quitter":
-            setattr(builtins, name, _Quitter(repr(helper)))
-
-
-class _Quitter:
-    """``exit``/``quit`` as ``site`` defines them, raising :class:`_RankExit`."""
-
-    def __init__(self, text: str) -> None:
-        self._text = text
-
-    def __repr__(self) -> str:
-        return self._text
-
-    def __call__(self, code: object = None) -> NoReturn:
-        raise _RankExit(code)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +171,7 @@ def mpi_is_cuda_aware() -> bool:
     forced = os.environ.get("CUPY_PARALLEL_MPI_CUDA_AWARE", "").strip()
     if forced in ("0", "1"):
         return forced == "1"
-    _mpi()  # loads the MPI library
+    load_mpi()  # loads the MPI library
     for path in _loaded_mpi_libraries():
         try:
             query = ctypes.CDLL(path).MPIX_Query_cuda_support
@@ -567,13 +411,13 @@ class _MPIWork(Work):
         request = self._request
         try:
             if type(request) is list:
-                return bool(_mpi().Request.Testall(request))
+                return bool(load_mpi().Request.Testall(request))
             if self._status is None:
                 return bool(request.Test())
             if request.Test(self._status):
                 self._received(self._status)
                 return True
-        except _mpi().Exception as error:
+        except load_mpi().Exception as error:
             raise self._mpi_error(error) from None
         return False
 
@@ -602,7 +446,7 @@ class _MPIWork(Work):
             return Work._block(self, deadline)
         try:
             return self._poll(request.Test, deadline)
-        except _mpi().Exception as error:
+        except load_mpi().Exception as error:
             raise self._mpi_error(error) from None
 
     def _check(self, mine: np.ndarray, verify: Callable[[np.ndarray], str | None]) -> _MPIWork:
@@ -620,7 +464,9 @@ class _MPIWork(Work):
         """
         backend = self._backend
         every = np.empty((backend.size, mine.size), np.int64)
-        request = backend._control.Iallgather([mine, _mpi().INT64_T], [every, _mpi().INT64_T])
+        request = backend._control.Iallgather(
+            [mine, load_mpi().INT64_T], [every, load_mpi().INT64_T]
+        )
         self._side = _SideCheck(request, mine, every, verify)
         return self
 
@@ -631,7 +477,7 @@ class _MPIWork(Work):
         try:
             if not side.request.Test():
                 return False
-        except _mpi().Exception as error:
+        except load_mpi().Exception as error:
             raise self._mpi_error(error) from None
         self._side = None
         problem = side.verify(side.every)
@@ -730,7 +576,7 @@ class _MPIWork(Work):
         backend = self._backend
         said = error.Get_error_string().split(", error stack")[0].strip()
         if self._receives:
-            if error.Get_error_class() == _mpi().ERR_TRUNCATE:
+            if error.Get_error_class() == load_mpi().ERR_TRUNCATE:
                 return ValueError(
                     f"{self._description}: the message is larger than tensor "
                     f"({self._keep.nbytes} bytes); pass a tensor as large as the array sent "
@@ -750,7 +596,7 @@ class _MPIWork(Work):
     def _cancel(self) -> bool:
         if not self._receives or type(self._request) is list:
             return False
-        mpi = _mpi()
+        mpi = load_mpi()
         status = mpi.Status()
         self._request.Cancel()
         self._request.Wait(status)
@@ -777,25 +623,23 @@ class _MPIWork(Work):
         backend = self._backend
         if backend.failure is None:
             backend.failure = message
-        if not _stuck:
-            atexit.register(_abort_if_stuck)
-        _stuck.append(message)
+        abort_at_exit(message)
 
     def _idle(self) -> None:
         """While waiting long: fail if a member's program ended (after a grace period)."""
-        _listen()
-        if not _departed:
+        departed = departed_ranks()
+        if not departed:
             return
         backend = self._backend
         if self._receives and self._source >= 0:  # a receive from one rank: that rank
             watched: tuple[int, ...] = (backend.world_ranks[self._source],)
         elif self._receives:  # from any rank: only if every other member left
             others = [r for i, r in enumerate(backend.world_ranks) if i != backend.rank]
-            watched = tuple(others) if all(r in _departed for r in others) else ()
+            watched = tuple(others) if all(r in departed for r in others) else ()
         else:
             watched = backend.world_ranks
-        gone = sorted(r for r in watched if r in _departed)
-        if not gone or time.monotonic() - max(_departed[r] for r in gone) < _DEPARTURE_GRACE_S:
+        gone = sorted(r for r in watched if r in departed)
+        if not gone or time.monotonic() - max(departed[r] for r in gone) < DEPARTURE_GRACE_S:
             return
         message = (
             f"{self._description} on process group {backend.group_name!r} cannot complete: "
@@ -836,7 +680,7 @@ class MPIBackend(ProcessGroupBackend):
         self._splits = 0
         self.world_ranks: tuple[int, ...] = tuple(range(self.size))  # subgroups: set by the split
         self._plans: dict[tuple[np.dtype[Any], ReduceOp | None], _Plan | None] = {}
-        mpi = _mpi()
+        mpi = load_mpi()
         self._in_place = mpi.IN_PLACE
         self._byte = mpi.BYTE
         self.max_tag = int(comm.Get_attr(mpi.TAG_UB)) - 1  # TAG_UB: monitored_barrier's
@@ -865,7 +709,7 @@ class MPIBackend(ProcessGroupBackend):
         with ``MPI.COMM_WORLD``: processes started without ``mpiexec`` are each a world of one.
         """
         del store
-        world = _mpi().COMM_WORLD
+        world = load_mpi().COMM_WORLD
         actual = (world.Get_rank(), world.Get_size())
         if world_size not in (-1, actual[1]) or rank not in (-1, actual[0]):
             raise ValueError(
@@ -885,11 +729,11 @@ class MPIBackend(ProcessGroupBackend):
         # More ranks on this node than cores: yield the core every few tests while polling, so the
         # peers that share it can progress. Measured on 4 ranks over 2 cores (4 KiB all_reduce):
         # 1 test per yield +13 us over a blocking Allreduce, 4 tests +3..8 us, 16 tests +24 us.
-        node = comm.Split_type(_mpi().COMM_TYPE_SHARED)
+        node = comm.Split_type(load_mpi().COMM_TYPE_SHARED)
         _MPIWork._polls_per_yield = 4 if node.Get_size() > (os.cpu_count() or 1) else 64
         node.Free()
         if backend.size > 1:
-            _guard_job(world)
+            guard_job(world)
         return backend
 
     def new_subgroup(
@@ -904,7 +748,7 @@ class MPIBackend(ProcessGroupBackend):
         self._splits += 1
         mine = np.array([self._splits, zlib.crc32(np.asarray(ranks, np.int64).tobytes())])
         every = np.zeros((self.size, 2), np.int64)
-        request = self._control.Iallgather([mine, _mpi().INT64_T], [every, _mpi().INT64_T])
+        request = self._control.Iallgather([mine, load_mpi().INT64_T], [every, load_mpi().INT64_T])
         description = f"new_group({list(ranks)}) waiting for every world rank"
         _MPIWork(description, self, request, keep=(mine, every), timeout=timeout).wait()
         differ = [r for r in range(self.size) if not np.array_equal(every[r], mine)]
@@ -915,7 +759,7 @@ class MPIBackend(ProcessGroupBackend):
                 "new_group with the same ranks, in the same order."
             )
         member = self.rank in ranks
-        mpi = _mpi()
+        mpi = load_mpi()
         color = 0 if member else mpi.UNDEFINED
         key = list(ranks).index(self.rank) if member else 0
         comm = self._comm.Split(color, key)
@@ -973,7 +817,7 @@ class MPIBackend(ProcessGroupBackend):
                 "array.astype(array.dtype.newbyteorder('='))."
             )
         work_dtype = np.dtype(np.float32) if dtype == np.float16 else None
-        mpi_type = _mpi().Datatype.fromcode((work_dtype or dtype).char)
+        mpi_type = load_mpi().Datatype.fromcode((work_dtype or dtype).char)
         if dtype.kind == "f" and op in (ReduceOp.MIN, ReduceOp.MAX):
             largest = op is ReduceOp.MAX
             return _Plan(
@@ -985,7 +829,7 @@ class MPIBackend(ProcessGroupBackend):
             )
         return _Plan(
             mpi_type,
-            getattr(_mpi(), number_op),
+            getattr(load_mpi(), number_op),
             getattr(np, number_ufunc),
             work_dtype,
             op is ReduceOp.AVG,
@@ -1155,7 +999,7 @@ class MPIBackend(ProcessGroupBackend):
 
     def agree(self, record: bytes, /) -> list[bytes]:
         """Digests on the control communicator; the records themselves only if they differ."""
-        mpi = _mpi()
+        mpi = load_mpi()
         digest = np.frombuffer(hashlib.blake2b(record, digest_size=16).digest(), np.uint8)
         every = np.zeros((self.size, 16), np.uint8)
         request = self._control.Iallgather([digest, mpi.BYTE], [every, mpi.BYTE])
@@ -1179,7 +1023,7 @@ class MPIBackend(ProcessGroupBackend):
     @_staged(0)
     def recv(self, array: Any, src: int | None, tag: int, /) -> Work:
         """Irecv of the array's bytes (``ANY_SOURCE`` when ``src`` is ``None``)."""
-        mpi = _mpi()
+        mpi = load_mpi()
         target = plain_buffer(array)
         status = mpi.Status()  # how many bytes came (and, from ANY_SOURCE, from whom)
         peer = mpi.ANY_SOURCE if src is None else src
