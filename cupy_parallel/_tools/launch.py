@@ -81,7 +81,7 @@ class LaunchBackend(enum.Enum):
 
 
 # --------------------------------------------------------------------------------------------
-# Ranks under mpiexec
+# Each rank: its variables, death with its parent, and its wrapper under mpiexec
 
 
 def _rank_env(rank: int, world_size: int, local_rank: int, local_world_size: int) -> dict[str, str]:
