@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cupy_parallel._src.distributed.launch import find_mpiexec
 from cupy_parallel._tools.benchmarking import Timing, result, script_main
+from cupy_parallel._tools.launch import find_mpiexec
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

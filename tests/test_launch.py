@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cupy_parallel._src.distributed.launch import detect_launch_env, find_mpiexec, main
+from cupy_parallel._src.distributed.env import detect_launch_env
+from cupy_parallel._tools.launch import find_mpiexec, main
 
 RANK_VARS = [
     "RANK",
@@ -74,7 +75,7 @@ os.replace(os.path.join(out, "pid" + rank + ".tmp"), os.path.join(out, "pid" + r
 time.sleep(60)
 """
 
-LAUNCHER = "import sys; from cupy_parallel._src.distributed.launch import main; sys.exit(main())"
+LAUNCHER = "import sys; from cupy_parallel._tools.launch import main; sys.exit(main())"
 
 
 def _script(tmp_path: Path, text: str, name: str = "script.py") -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cupy_parallel._src.distributed.launch import find_mpiexec
+from cupy_parallel._tools.launch import find_mpiexec
 
 WORKER = Path(__file__).parent / "mpi_workers" / "collectives_worker.py"
 MPIEXEC = find_mpiexec()
@@ -238,9 +238,7 @@ def test_environment_disagreeing_with_mpi_is_an_error(tmp_path: Path) -> None:
     script.write_text(
         "from cupy_parallel import distributed as dist\ndist.init_process_group('mpi')\n"
     )
-    launcher = (
-        "import sys; from cupy_parallel._src.distributed.launch import main; sys.exit(main())"
-    )
+    launcher = "import sys; from cupy_parallel._tools.launch import main; sys.exit(main())"
     result = subprocess.run(
         [
             sys.executable,

@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 import pytest
 
-from cupy_parallel._src.distributed.launch import find_mpiexec
+from cupy_parallel._tools.launch import find_mpiexec
 
 WORKER = Path(__file__).parent / "mpi_workers" / "fault_worker.py"
 MPIEXEC = find_mpiexec()
-LAUNCHER = "import sys; from cupy_parallel._src.distributed.launch import main; sys.exit(main())"
+LAUNCHER = "import sys; from cupy_parallel._tools.launch import main; sys.exit(main())"
 LIMIT_S = 15.0
 
 pytestmark = [

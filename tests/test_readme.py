@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cupy_parallel._src.distributed.launch import find_mpiexec
+from cupy_parallel._tools.launch import find_mpiexec
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)

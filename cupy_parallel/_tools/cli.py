@@ -445,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(handler=_bench, command_parser=bench)
 
-    from cupy_parallel._src.distributed import launch as launcher
+    from cupy_parallel._tools import launch as launcher
 
     launch = commands.add_parser(
         "launch",

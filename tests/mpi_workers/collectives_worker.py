@@ -437,7 +437,7 @@ def run_cupy(rank: int, n: int, cupy: ModuleType) -> None:
     """
     import warnings
 
-    from cupy_parallel._src.distributed.mpi import mpi_is_cuda_aware
+    from cupy_parallel._src.distributed.mpi_staging import mpi_is_cuda_aware
 
     def same(name: str, got: object, expected: np.ndarray) -> None:
         check(name, cupy.asnumpy(got), expected)

@@ -183,7 +183,7 @@ def _backend_class(backend: Backend) -> type[ProcessGroupBackend]:
 
 def _default_backend() -> Backend:
     """The backend ``init_process_group()`` picks when given none (see its docstring)."""
-    from cupy_parallel._src.distributed.launch import detect_launch_env
+    from cupy_parallel._src.distributed.env import detect_launch_env
 
     named = os.environ.get("CUPY_PARALLEL_BACKEND", "").strip()
     if named:

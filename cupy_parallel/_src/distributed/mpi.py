@@ -8,455 +8,67 @@
   also the fast path: a spinning ``Test`` loop answers sooner than a blocking MPI call does.
 * Buffers: NumPy and HostArray arrays are passed in place as plain ndarray views. Data movement
   uses ``MPI.BYTE`` (every dtype, float16 included, travels bit-exactly); reductions use the dtype's
-  MPI datatype, except ``float16``, which is reduced in ``float32`` and rounded once (portable:
-  not every MPI reduces ``MPIX_C_FLOAT16``, and more accurate than pairwise float16 sums).
-* CuPy arrays: passed to MPI directly when MPI is CUDA-aware (``MPIX_Query_cuda_support()`` of the
-  loaded MPI library, or ``CUPY_PARALLEL_MPI_CUDA_AWARE=1``), after synchronizing the current
-  stream; otherwise staged through host memory (copied out before, back after), with a one-time
-  ``RuntimeWarning``.
+  MPI datatype (``float16`` in ``float32``, ``MIN``/``MAX`` of floats in a total order: see
+  :mod:`~cupy_parallel._src.distributed.mpi_reductions`).
+* CuPy arrays: passed to a CUDA-aware MPI directly, otherwise staged through host memory (see
+  :mod:`~cupy_parallel._src.distributed.mpi_staging`).
 * Timeouts: MPI cannot cancel a collective, so a collective that outlives the group's timeout
   marks the group unusable and the job is aborted with ``MPI_Abort(COMM_WORLD, 1)`` when this
   process exits (after the ``TimeoutError`` has been reported), which also ends the peers stuck in
   it. A receive that outlives it is cancelled instead (the group stays usable). ``wait(timeout=t)``
   with a shorter ``t`` only stops waiting: the operation keeps running.
-* A failing rank ends the job (what ``python -m mpi4py`` does for its script): once a world of
-  more than one process exists, an uncaught exception (``KeyboardInterrupt`` from Ctrl-C
-  included) or a ``sys.exit(n)`` with ``n != 0`` that reaches the top of the program calls
-  ``MPI_Abort(COMM_WORLD, code)`` with the code Python would have exited with (1, 130 for
-  Ctrl-C, ``n``), so that ``mpiexec`` stops every rank at once and exits with that code. Without
-  it, the failing rank would wait in ``MPI_Finalize`` for peers that wait in a collective for it.
-  ``sys.exit`` (and the ``exit``/``quit`` builtins) are wrapped for this: their ``SystemExit`` is
-  a subclass that notices when it reaches the top. A ``raise SystemExit(n)`` written out is not
-  seen by these hooks; for it (and for a rank that skipped a collective and ended normally) every
-  guarded rank tells the others when its program ends, and a rank waiting with a rank that left
-  fails with ``RuntimeError`` after a grace period of 2 s (plus the 1 s its wait spends spinning
-  before it checks), instead of at the group's timeout; the exit code is then that rank's (1).
-  A rank killed by a signal is handled by ``mpiexec``, which tears the job down.
+* A failing rank ends the job: once a world of more than one process exists, the backend has
+  :func:`~cupy_parallel._src.distributed.mpi_job.guard_job` end the whole MPI job when a rank
+  dies with an uncaught exception or ``sys.exit(n != 0)``, and a rank waiting with a rank whose
+  program ended fails after a grace period (see that module).
 * Errors MPI reports (a message larger than the receiving array, arrays of different sizes on
   different ranks) become ``ValueError`` naming the operation; tags above the MPI's ``TAG_UB``
   are refused before anything is sent. A message shorter than the receiving array, which MPI
   accepts, is a ``ValueError`` too (torch's ``recv`` fills the whole tensor); the group stays
   usable.
-* Reductions ``MIN``/``MAX`` of floating-point arrays order values totally so that every rank
-  gets the same bits: a NaN anywhere gives NaN (NumPy's ``minimum``/``maximum`` propagate NaN;
-  the result is the canonical NaN) and ``-0.0 < +0.0`` (IEEE 754-2019 ``minimum``/``maximum``).
-  MPI's built-in ``MPI_MIN``/``MPI_MAX`` leave both to the order of evaluation.
 * Buffers the backend allocates (packing, receiving) are zero-filled: a peer that sends less
   than expected never exposes another call's bytes.
-* Rooted operations and ``all_to_all`` compare their arguments, always: ``broadcast``,
-  ``reduce``, ``gather`` and ``scatter`` (and what is built on them) exchange the root each rank
-  named and the dtype and shape of its array alongside the operation, ``all_to_all`` (and
-  ``all_to_all_single``) the byte counts each rank sends and expects; they finish only once
-  these agree. Ranks that disagree get ``ValueError`` naming them, on every rank, and the group
-  is unusable (MPI's result is undefined: one rank's array silently overwrites the root's; a
-  receiver expecting more than is sent keeps zeros; a reduction reads one dtype's bytes as
-  another's). The price is that rooted operations synchronise the group, as MPI allows any
-  collective to: ``benchmarks/bench_collectives.py`` reports a 4 KiB ``broadcast`` at 16–24 µs
-  against mpi4py's 2.3–3.1 (whose root returns at once) on 2 ranks, 75–95 µs against 7–9 on 4
-  ranks sharing 2 cores; the comparison itself costs about 8 µs and 56 µs of that. The other
-  collectives (``all_reduce``, ``all_gather``, ``reduce_scatter`` and their ``_tensor`` forms)
-  compare shapes and dtypes only in the debug mode (``DETAIL``): an exchange beside each would
-  double the 4-rank ``all_reduce`` latency.
+* Rooted operations and ``all_to_all`` compare their arguments, always (the root, dtype and
+  shape; the byte counts): see :mod:`~cupy_parallel._src.distributed.mpi_checks`. The other
+  collectives compare shapes and dtypes only in the debug mode (``DETAIL``).
 """
 
 from __future__ import annotations
 
-import atexit
-import builtins
-import contextlib
-import ctypes
 import dataclasses
 import functools
 import hashlib
 import importlib.util
 import os
-import sys
 import time
-import warnings
 import zlib
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from cupy_parallel._src.devices import cupy_arrays_may_exist, cupy_module, is_cupy_array
+from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import (
     ProcessGroupBackend,
     average_in_place,
-    disagreeing,
-    per_rank,
 )
+from cupy_parallel._src.distributed.mpi_checks import compare_counts, compare_root_and_array
+from cupy_parallel._src.distributed.mpi_job import (
+    DEPARTURE_GRACE_S,
+    abort_at_exit,
+    departed_ranks,
+    guard_job,
+    load_mpi,
+)
+from cupy_parallel._src.distributed.mpi_reductions import Plan, make_plan
+from cupy_parallel._src.distributed.mpi_staging import staged
 from cupy_parallel._src.distributed.work import Work
 from cupy_parallel._src.enums import Backend, ReduceOp
-from cupy_parallel._src.hostarray import HostArray, plain_buffer
+from cupy_parallel._src.hostarray import plain_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-__all__ = ["MPIBackend", "mpi_is_cuda_aware"]
-
-# ReduceOp -> (MPI op for numbers, MPI op for bool, NumPy ufunc for numbers, ufunc for bool).
-# ``None`` marks a reduction the dtype family does not have.
-_OPS: dict[ReduceOp, tuple[str, str | None, str, str | None]] = {
-    ReduceOp.SUM: ("SUM", "LOR", "add", "logical_or"),
-    ReduceOp.PRODUCT: ("PROD", "LAND", "multiply", "logical_and"),
-    ReduceOp.MIN: ("MIN", "LAND", "minimum", "logical_and"),
-    ReduceOp.MAX: ("MAX", "LOR", "maximum", "logical_or"),
-    ReduceOp.AVG: ("SUM", None, "add", None),
-    ReduceOp.BAND: ("BAND", "LAND", "bitwise_and", "logical_and"),
-    ReduceOp.BOR: ("BOR", "LOR", "bitwise_or", "logical_or"),
-    ReduceOp.BXOR: ("BXOR", "LXOR", "bitwise_xor", "logical_xor"),
-}
-_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
-
-_REDUCIBLE_KINDS = "biufc"
-
-
-class _Plan(NamedTuple):
-    """How to reduce one dtype with one op: MPI datatype/op, local ufunc, working dtype."""
-
-    mpi_type: Any
-    mpi_op: Any
-    ufunc: Callable[..., Any]  # (acc, operand, out=acc, casting="unsafe")
-    work_dtype: np.dtype[Any] | None  # float16 -> float32; None: reduce in the array's dtype
-    average: bool
-
-
-def _mpi() -> Any:
-    from mpi4py import MPI
-
-    return MPI
-
-
-# ---------------------------------------------------------------------------------------------
-# MIN/MAX in a total order (every rank the same bits)
-
-
-def _total_extremum(
-    a: np.ndarray, b: np.ndarray, out: np.ndarray, *, largest: bool, casting: str = "same_kind"
-) -> None:
-    """``out = min(a, b)`` (``max`` if ``largest``) with NaN propagating and ``-0.0 < +0.0``."""
-    del casting
-    result = np.maximum(a, b) if largest else np.minimum(a, b)
-    tie = a == b  # equal values differ in bits only for +-0.0
-    if tie.any():
-        negative = np.signbit(a)
-        zeros = np.where(negative, b, a) if largest else np.where(negative, a, b)
-        np.copyto(result, zeros, where=tie)
-    nan = np.isnan(result)
-    if nan.any():
-        result[nan] = np.nan  # the canonical NaN, whatever payload a rank had
-    out[...] = result
-
-
-_USER_OPS: dict[tuple[np.dtype[Any], bool], Any] = {}
-
-
-def _total_extremum_op(dtype: np.dtype[Any], largest: bool) -> Any:
-    """An MPI user operation computing :func:`_total_extremum` on buffers of ``dtype``."""
-    op = _USER_OPS.get((dtype, largest))
-    if op is None:
-
-        def combine(incoming: Any, inout: Any, _datatype: Any) -> None:
-            a = np.frombuffer(incoming, dtype)
-            b = np.frombuffer(inout, dtype)
-            _total_extremum(a, b, b, largest=largest)
-
-        op = _mpi().Op.Create(combine, commute=True)
-        _USER_OPS[dtype, largest] = op
-    return op
-
-
-# ---------------------------------------------------------------------------------------------
-# Ending the job: after a timeout, and when a rank fails
-
-_stuck: list[str] = []
-_ABORT_GRACE_S = 0.5
-
-
-def _abort_if_stuck() -> None:
-    if _stuck:
-        sys.stderr.write(
-            f"cupy_parallel: aborting the MPI job: {_stuck[0]} MPI cannot cancel a started "
-            "collective, so the peers would wait forever.\n"
-        )
-        sys.stderr.flush()
-        # mpiexec (MPICH's hydra) tears the job down on MPI_Abort without draining the ranks'
-        # forwarded output: give it a moment, or the messages explaining the abort can be lost.
-        time.sleep(_ABORT_GRACE_S)
-        _mpi().COMM_WORLD.Abort(1)
-
-
-def _end_job(code: int, why: str) -> None:
-    """Abort the MPI job with exit ``code`` because this rank is failing (``why``)."""
-    mpi = _mpi()
-    if mpi.Is_finalized():
-        return
-    rank = mpi.COMM_WORLD.Get_rank()
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-    sys.stderr.write(
-        f"cupy_parallel: rank {rank} failed ({why}); aborting the MPI job with exit code {code} "
-        "so that no peer waits for it.\n"
-    )
-    sys.stderr.flush()
-    from cupy_parallel._src.distributed.launch import report_failure
-
-    report_failure(rank, code)
-    time.sleep(_ABORT_GRACE_S)  # see _abort_if_stuck
-    mpi.COMM_WORLD.Abort(code)
-
-
-class _RankExit(SystemExit):
-    """What ``sys.exit`` raises in a guarded rank: ends the job when it reaches the top.
-
-    Python frees the exception of a ``SystemExit`` that ended the program from C, with no Python
-    frame left on the stack, just before it exits; one caught by the program is freed inside it.
-    """
-
-    def __del__(self) -> None:
-        try:
-            sys._getframe(1)
-        except ValueError:  # nothing above: the program is exiting with this code
-            code = _exit_status(self.code)
-            if code != 0:
-                _end_job(code, f"sys.exit({self.code!r})")
-
-
-def _exit_status(code: object) -> int:
-    """The status Python exits with for ``SystemExit(code)``."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    return 1
-
-
-_guarded = False
-
-# Departures: every guarded rank tells the others when its program ends (at exit, before MPI's
-# finalisation), on a communicator of its own. A rank waiting in an operation with a rank that
-# left fails after a grace period instead of waiting for the group's timeout: this catches what
-# the hooks cannot see (``raise SystemExit(n)`` written out, a rank that skipped a collective and
-# ended normally).
-_GOODBYE_TAG = 1
-_DEPARTURE_GRACE_S = 2.0
-_departures: Any = None  # the communicator, once guarded
-_departed: dict[int, float] = {}  # world rank -> when this rank learnt that it left
-
-
-def _say_goodbye() -> None:
-    """At exit: tell every other rank that this rank's program ended."""
-    mpi = _mpi()
-    if _departures is None or mpi.Is_finalized():
-        return
-    me, size = _departures.Get_rank(), _departures.Get_size()
-    note = np.array([me], np.int64)
-    requests = [
-        _departures.Isend([note, mpi.INT64_T], peer, _GOODBYE_TAG)
-        for peer in range(size)
-        if peer != me
-    ]
-    mpi.Request.Waitall(requests)  # small messages: they complete at once
-
-
-def _listen() -> None:
-    """Record the goodbyes that have arrived."""
-    if _departures is None:
-        return
-    mpi = _mpi()
-    status = mpi.Status()
-    while _departures.Iprobe(mpi.ANY_SOURCE, _GOODBYE_TAG, status):
-        source = status.Get_source()
-        _departures.Recv([np.zeros(1, np.int64), mpi.INT64_T], source, _GOODBYE_TAG)
-        _departed.setdefault(source, time.monotonic())
-
-
-def _guard_job(world: Any) -> None:
-    """Install the hooks that end the job when this rank fails (once per process)."""
-    global _guarded, _departures
-    if _guarded:
-        return
-    _guarded = True
-    _departures = world.Dup()  # every rank is here: its world was just made
-    atexit.register(_say_goodbye)
-    previous_hook = sys.excepthook
-
-    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        previous_hook(kind, value, tb)
-        code = 130 if issubclass(kind, KeyboardInterrupt) else 1
-        _end_job(code, f"uncaught {kind.__name__}")
-
-    def guarded_exit(status: object = None, /) -> NoReturn:
-        raise _RankExit(status)
-
-    sys.excepthook = excepthook
-    sys.exit = guarded_exit
-    for name in ("exit", "quit"):  # the interactive helpers site installs raise SystemExit too
-        helper = getattr(builtins, name, None)
-        if helper is not None and type(helper).__name__ == "Quitter":
-            setattr(builtins, name, _Quitter(repr(helper)))
-
-
-class _Quitter:
-    """``exit``/``quit`` as ``site`` defines them, raising :class:`_RankExit`."""
-
-    def __init__(self, text: str) -> None:
-        self._text = text
-
-    def __repr__(self) -> str:
-        return self._text
-
-    def __call__(self, code: object = None) -> NoReturn:
-        raise _RankExit(code)
-
-
-# ---------------------------------------------------------------------------------------------
-# CUDA-aware MPI and staging
-
-
-@functools.cache
-def mpi_is_cuda_aware() -> bool:
-    """Whether the loaded MPI library reads CUDA device memory (``MPIX_Query_cuda_support``).
-
-    ``CUPY_PARALLEL_MPI_CUDA_AWARE=0|1`` overrides the probe.
-
-    Example:
-        >>> isinstance(mpi_is_cuda_aware(), bool)
-        True
-    """
-    forced = os.environ.get("CUPY_PARALLEL_MPI_CUDA_AWARE", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    _mpi()  # loads the MPI library
-    for path in _loaded_mpi_libraries():
-        try:
-            query = ctypes.CDLL(path).MPIX_Query_cuda_support
-        except (OSError, AttributeError):
-            continue
-        query.restype = ctypes.c_int
-        return bool(query())
-    return False
-
-
-def _loaded_mpi_libraries() -> list[str]:
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as maps:
-            paths = {line.split()[-1] for line in maps if "libmpi" in line}
-    except OSError:
-        return []
-    return sorted(p for p in paths if os.path.basename(p).startswith("libmpi"))
-
-
-_staging_warned = False
-
-
-# Argument types that are never CuPy arrays: skipped without asking for their module.
-_NOT_DEVICE: frozenset[type] = frozenset({np.ndarray, HostArray, int, ReduceOp, type(None)})
-
-
-def _has_device_array(args: Sequence[Any]) -> bool:
-    """Whether an argument, or an element of a list argument (at any depth), is a CuPy array.
-
-    CuPy's or, inside ``simulated_cuda``, the stand-in's (:func:`is_cupy_array`).
-    """
-    for arg in args:
-        kind = type(arg)
-        if kind is list or kind is tuple:
-            for item in arg:  # host arrays, the common case, cost one set lookup each
-                if type(item) not in _NOT_DEVICE and _has_device_array((item,)):
-                    return True
-        elif kind not in _NOT_DEVICE and is_cupy_array(arg):
-            return True
-    return False
-
-
-def _dtype_row(dtype: np.dtype[Any]) -> list[int]:
-    """A dtype as the ranks compare it: number, item size and a checksum of its spelling.
-
-    The number and item size name it (:func:`_dtype_said`); the spelling holds the byte order
-    and the unit.
-    """
-    return [dtype.num, dtype.itemsize, zlib.crc32(dtype.str.encode())]
-
-
-def _dtype_said(number: int, itemsize: int) -> str:
-    """The name of a dtype the ranks compared by ``dtype.num`` and ``dtype.itemsize``."""
-    dtype = _DTYPES_BY_NUMBER.get(number)
-    name = dtype.name if dtype is not None else f"dtype number {number}"
-    if dtype is None or dtype.kind in "SUVMm":  # flexible, or with a unit: say the item size
-        name = f"{name} ({itemsize}-byte items)"
-    return name
-
-
-_DTYPES_BY_NUMBER: dict[int, np.dtype[Any]] = {
-    np.dtype(code).num: np.dtype(code) for code in np.typecodes["All"]
-}
-
-
-def _staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work]]:
-    """Let a primitive written for host arrays take CuPy arrays.
-
-    The arrays at argument positions ``outputs`` receive data and are copied back on completion.
-    A CUDA-aware MPI gets the device arrays themselves, except under ``simulated_cuda``: the
-    stand-in's memory is not CUDA memory that MPI could read, so its arrays are always staged.
-    """
-
-    def decorate(primitive: Callable[..., Work]) -> Callable[..., Work]:
-        @functools.wraps(primitive)
-        def run(self: MPIBackend, *args: Any) -> Work:
-            if not (cupy_arrays_may_exist() and _has_device_array(args)):
-                return primitive(self, *args)
-            cupy: Any = cupy_module()
-            cupy.cuda.get_current_stream().synchronize()
-            simulated = cupy.__name__ != "cupy"
-            if mpi_is_cuda_aware() and not simulated:
-                return primitive(self, *args)
-            _warn_staging(
-                "CUDA is simulated (simulated_cuda)" if simulated else "this MPI is not CUDA-aware"
-            )
-            pairs: list[tuple[Any, np.ndarray]] = []
-            host_args = [
-                _to_host(arg, pairs if index in outputs else None) for index, arg in enumerate(args)
-            ]
-            work = primitive(self, *host_args)
-            if pairs:
-                work._add_finalizer(functools.partial(_copy_back, pairs))
-            return work
-
-        return run
-
-    return decorate
-
-
-def _warn_staging(reason: str) -> None:
-    global _staging_warned
-    if not _staging_warned:
-        _staging_warned = True
-        warnings.warn(
-            f"cupy_parallel MPI backend: {reason}, so CuPy arrays are copied through host memory "
-            "for each call (set CUPY_PARALLEL_MPI_CUDA_AWARE=1 if this MPI is CUDA-aware, or "
-            "use the 'nccl' backend).",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-
-
-def _to_host(arg: Any, pairs: list[tuple[Any, np.ndarray]] | None) -> Any:
-    if type(arg) is list or type(arg) is tuple:
-        return [_to_host(a, pairs) for a in arg]
-    if not is_cupy_array(arg):
-        return arg
-    host = arg.get()
-    if pairs is not None:
-        pairs.append((arg, host))
-    return host
-
-
-def _copy_back(pairs: list[tuple[Any, np.ndarray]]) -> None:
-    for device_array, host in pairs:
-        with device_array.device:
-            device_array.set(host)
-
+__all__ = ["MPIBackend"]
 
 # ---------------------------------------------------------------------------------------------
 # Buffers
@@ -497,7 +109,7 @@ def _cast_into(dst: Any, src: Any) -> None:
         _copy(dst, src.astype(dst.dtype))
 
 
-def _accumulate(arrays: Sequence[Any], plan: _Plan) -> Any:
+def _accumulate(arrays: Sequence[Any], plan: Plan) -> Any:
     """A new buffer holding the local reduction of ``arrays`` in the plan's working dtype."""
     first = arrays[0]
     dtype = plan.work_dtype or first.dtype
@@ -567,13 +179,13 @@ class _MPIWork(Work):
         request = self._request
         try:
             if type(request) is list:
-                return bool(_mpi().Request.Testall(request))
+                return bool(load_mpi().Request.Testall(request))
             if self._status is None:
                 return bool(request.Test())
             if request.Test(self._status):
                 self._received(self._status)
                 return True
-        except _mpi().Exception as error:
+        except load_mpi().Exception as error:
             raise self._mpi_error(error) from None
         return False
 
@@ -602,7 +214,7 @@ class _MPIWork(Work):
             return Work._block(self, deadline)
         try:
             return self._poll(request.Test, deadline)
-        except _mpi().Exception as error:
+        except load_mpi().Exception as error:
             raise self._mpi_error(error) from None
 
     def _check(self, mine: np.ndarray, verify: Callable[[np.ndarray], str | None]) -> _MPIWork:
@@ -620,7 +232,9 @@ class _MPIWork(Work):
         """
         backend = self._backend
         every = np.empty((backend.size, mine.size), np.int64)
-        request = backend._control.Iallgather([mine, _mpi().INT64_T], [every, _mpi().INT64_T])
+        request = backend._control.Iallgather(
+            [mine, load_mpi().INT64_T], [every, load_mpi().INT64_T]
+        )
         self._side = _SideCheck(request, mine, every, verify)
         return self
 
@@ -631,7 +245,7 @@ class _MPIWork(Work):
         try:
             if not side.request.Test():
                 return False
-        except _mpi().Exception as error:
+        except load_mpi().Exception as error:
             raise self._mpi_error(error) from None
         self._side = None
         problem = side.verify(side.every)
@@ -645,92 +259,27 @@ class _MPIWork(Work):
         raise ValueError(message)
 
     def _check_root_and_array(self, root: int, array: Any) -> _MPIWork:
-        """Have the ranks compare the root (group rank) each named and the array each passed.
+        """Have the ranks compare the root each named and the array each passed.
 
-        Both travel in the one exchange of :meth:`_check`, so comparing the arrays costs no more
-        than comparing the roots: their dtypes, shapes (and so sizes) must agree, as the debug
-        mode requires of every collective. Otherwise MPI gives the root a reduction over
-        garbage, or leaves part of an array as it was, or reads one dtype's bytes as another's.
+        See :func:`~cupy_parallel._src.distributed.mpi_checks.compare_root_and_array`.
         """
-        world = self._backend.world_ranks
-        shape = zlib.crc32(repr(array.shape).encode())
-        mine = np.array([root, *_dtype_row(array.dtype), array.size, array.ndim, shape], np.int64)
-
-        def verify(every: np.ndarray) -> str | None:
-            roots = every[:, 0].tolist()
-            if roots.count(roots[0]) != len(roots):
-                named = per_rank([world[r] for r in roots], world)
-                return (
-                    f"{disagreeing(roots, world)} in the root they named (src/dst, as global "
-                    f"ranks: {named}). Every rank must pass the same root."
-                )
-            arrays = [tuple(row) for row in every[:, 1:].tolist()]
-            if arrays.count(arrays[0]) == len(arrays):
-                return None
-            said = [
-                f"{_dtype_said(number, itemsize)}, {size} elements, {ndim}-d"
-                for number, itemsize, _, size, ndim, _ in arrays
-            ]
-            layout = (
-                " (the same dtype and size: their shapes or byte orders differ; the debug mode "
-                "CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL names the shapes)"
-                if len(set(said)) == 1
-                else ""
-            )
-            passed = per_rank(said, world)
-            return (
-                f"{disagreeing(arrays, world)} in the array they passed{layout} ({passed}). Every "
-                "rank must pass an array of the same dtype and shape."
-            )
-
-        return self._check(mine, verify)
+        return self._check(*compare_root_and_array(root, array, self._backend.world_ranks))
 
     def _check_counts(
         self, sends: Sequence[int], receives: Sequence[int], dtype: np.dtype[Any]
     ) -> _MPIWork:
         """Have the ranks compare the bytes each sends to and expects from each other.
 
-        And the dtype (each rank's inputs and outputs share one): bytes of another dtype, even
-        of the same size, would be read as garbage.
+        See :func:`~cupy_parallel._src.distributed.mpi_checks.compare_counts`.
         """
-        world = self._backend.world_ranks
-        size = len(sends)
-
-        def verify(every: np.ndarray) -> str | None:
-            sent, expected = every[:, :size], every[:, size : 2 * size]  # [r, j]: r sends j
-            pairs = [
-                f"rank {world[r]} sends {sent[r, j]} bytes to rank {world[j]}, which expects "
-                f"{expected[j, r]}"
-                for r in range(size)
-                for j in range(size)
-                if sent[r, j] != expected[j, r]
-            ]
-            if pairs:
-                return (
-                    f"the ranks disagree on the sizes they exchange (global ranks): "
-                    f"{'; '.join(pairs)}. What rank r sends to rank j must be the size rank j "
-                    "expects from rank r."
-                )
-            dtypes = [tuple(row) for row in every[:, 2 * size :].tolist()]
-            if dtypes.count(dtypes[0]) == len(dtypes):
-                return None
-            said = [_dtype_said(number, itemsize) for number, itemsize, _ in dtypes]
-            order = "; their byte orders differ" if len(set(said)) == 1 else ""
-            passed = per_rank(said, world)
-            return (
-                f"{disagreeing(dtypes, world)} in the dtype they exchange ({passed}{order}). "
-                "Every rank must pass arrays of one dtype."
-            )
-
-        mine = [*sends, *receives, *_dtype_row(dtype)]
-        return self._check(np.array(mine, np.int64), verify)
+        return self._check(*compare_counts(sends, receives, dtype, self._backend.world_ranks))
 
     def _mpi_error(self, error: Any) -> Exception:
         """A clear error for what MPI reported; a failed collective poisons the group."""
         backend = self._backend
         said = error.Get_error_string().split(", error stack")[0].strip()
         if self._receives:
-            if error.Get_error_class() == _mpi().ERR_TRUNCATE:
+            if error.Get_error_class() == load_mpi().ERR_TRUNCATE:
                 return ValueError(
                     f"{self._description}: the message is larger than tensor "
                     f"({self._keep.nbytes} bytes); pass a tensor as large as the array sent "
@@ -750,7 +299,7 @@ class _MPIWork(Work):
     def _cancel(self) -> bool:
         if not self._receives or type(self._request) is list:
             return False
-        mpi = _mpi()
+        mpi = load_mpi()
         status = mpi.Status()
         self._request.Cancel()
         self._request.Wait(status)
@@ -777,25 +326,23 @@ class _MPIWork(Work):
         backend = self._backend
         if backend.failure is None:
             backend.failure = message
-        if not _stuck:
-            atexit.register(_abort_if_stuck)
-        _stuck.append(message)
+        abort_at_exit(message)
 
     def _idle(self) -> None:
         """While waiting long: fail if a member's program ended (after a grace period)."""
-        _listen()
-        if not _departed:
+        departed = departed_ranks()
+        if not departed:
             return
         backend = self._backend
         if self._receives and self._source >= 0:  # a receive from one rank: that rank
             watched: tuple[int, ...] = (backend.world_ranks[self._source],)
         elif self._receives:  # from any rank: only if every other member left
             others = [r for i, r in enumerate(backend.world_ranks) if i != backend.rank]
-            watched = tuple(others) if all(r in _departed for r in others) else ()
+            watched = tuple(others) if all(r in departed for r in others) else ()
         else:
             watched = backend.world_ranks
-        gone = sorted(r for r in watched if r in _departed)
-        if not gone or time.monotonic() - max(_departed[r] for r in gone) < _DEPARTURE_GRACE_S:
+        gone = sorted(r for r in watched if r in departed)
+        if not gone or time.monotonic() - max(departed[r] for r in gone) < DEPARTURE_GRACE_S:
             return
         message = (
             f"{self._description} on process group {backend.group_name!r} cannot complete: "
@@ -835,8 +382,8 @@ class MPIBackend(ProcessGroupBackend):
         self._control = control
         self._splits = 0
         self.world_ranks: tuple[int, ...] = tuple(range(self.size))  # subgroups: set by the split
-        self._plans: dict[tuple[np.dtype[Any], ReduceOp | None], _Plan | None] = {}
-        mpi = _mpi()
+        self._plans: dict[tuple[np.dtype[Any], ReduceOp | None], Plan | None] = {}
+        mpi = load_mpi()
         self._in_place = mpi.IN_PLACE
         self._byte = mpi.BYTE
         self.max_tag = int(comm.Get_attr(mpi.TAG_UB)) - 1  # TAG_UB: monitored_barrier's
@@ -865,7 +412,7 @@ class MPIBackend(ProcessGroupBackend):
         with ``MPI.COMM_WORLD``: processes started without ``mpiexec`` are each a world of one.
         """
         del store
-        world = _mpi().COMM_WORLD
+        world = load_mpi().COMM_WORLD
         actual = (world.Get_rank(), world.Get_size())
         if world_size not in (-1, actual[1]) or rank not in (-1, actual[0]):
             raise ValueError(
@@ -885,11 +432,11 @@ class MPIBackend(ProcessGroupBackend):
         # More ranks on this node than cores: yield the core every few tests while polling, so the
         # peers that share it can progress. Measured on 4 ranks over 2 cores (4 KiB all_reduce):
         # 1 test per yield +13 us over a blocking Allreduce, 4 tests +3..8 us, 16 tests +24 us.
-        node = comm.Split_type(_mpi().COMM_TYPE_SHARED)
+        node = comm.Split_type(load_mpi().COMM_TYPE_SHARED)
         _MPIWork._polls_per_yield = 4 if node.Get_size() > (os.cpu_count() or 1) else 64
         node.Free()
         if backend.size > 1:
-            _guard_job(world)
+            guard_job(world)
         return backend
 
     def new_subgroup(
@@ -904,7 +451,7 @@ class MPIBackend(ProcessGroupBackend):
         self._splits += 1
         mine = np.array([self._splits, zlib.crc32(np.asarray(ranks, np.int64).tobytes())])
         every = np.zeros((self.size, 2), np.int64)
-        request = self._control.Iallgather([mine, _mpi().INT64_T], [every, _mpi().INT64_T])
+        request = self._control.Iallgather([mine, load_mpi().INT64_T], [every, load_mpi().INT64_T])
         description = f"new_group({list(ranks)}) waiting for every world rank"
         _MPIWork(description, self, request, keep=(mine, every), timeout=timeout).wait()
         differ = [r for r in range(self.size) if not np.array_equal(every[r], mine)]
@@ -915,7 +462,7 @@ class MPIBackend(ProcessGroupBackend):
                 "new_group with the same ranks, in the same order."
             )
         member = self.rank in ranks
-        mpi = _mpi()
+        mpi = load_mpi()
         color = 0 if member else mpi.UNDEFINED
         key = list(ranks).index(self.rank) if member else 0
         comm = self._comm.Split(color, key)
@@ -934,74 +481,19 @@ class MPIBackend(ProcessGroupBackend):
     def check_dtype(self, dtype: np.dtype[Any], op: ReduceOp | None, /) -> None:
         """Refuse object arrays; for reductions, dtypes and ops MPI cannot combine."""
         if (dtype, op) not in self._plans:
-            self._plans[dtype, op] = self._make_plan(dtype, op)
+            self._plans[dtype, op] = make_plan(dtype, op)
 
-    def _make_plan(self, dtype: np.dtype[Any], op: ReduceOp | None) -> _Plan | None:
-        if dtype.hasobject:
-            raise TypeError(
-                f"arrays of dtype {dtype} hold Python objects, which cannot be communicated; "
-                "convert them to a numeric dtype."
-            )
-        if op is None:
-            return None
-        if dtype.kind not in _REDUCIBLE_KINDS:
-            raise TypeError(
-                f"cannot reduce arrays of dtype {dtype}; reductions take bool, integer, float "
-                "and complex arrays."
-            )
-        number_op, bool_op, number_ufunc, bool_ufunc = _OPS[op]
-        if dtype.kind == "b":
-            if bool_op is None or bool_ufunc is None:
-                raise TypeError(
-                    f"ReduceOp.{op.name} is not defined for bool arrays; cast them to an "
-                    "integer or float dtype first."
-                )
-            number_op, number_ufunc = bool_op, bool_ufunc
-        if op in _BITWISE and dtype.kind not in "biu":
-            raise TypeError(
-                f"ReduceOp.{op.name} is a bitwise reduction: it takes integer and bool arrays, "
-                f"got dtype {dtype}."
-            )
-        if dtype.kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
-            raise TypeError(
-                f"ReduceOp.{op.name} is not defined for complex dtype {dtype} (complex numbers "
-                "have no order); reduce the real and imaginary parts separately."
-            )
-        if not dtype.isnative:
-            raise TypeError(
-                f"cannot reduce arrays of non-native byte order ({dtype.str}); convert them with "
-                "array.astype(array.dtype.newbyteorder('='))."
-            )
-        work_dtype = np.dtype(np.float32) if dtype == np.float16 else None
-        mpi_type = _mpi().Datatype.fromcode((work_dtype or dtype).char)
-        if dtype.kind == "f" and op in (ReduceOp.MIN, ReduceOp.MAX):
-            largest = op is ReduceOp.MAX
-            return _Plan(
-                mpi_type,
-                _total_extremum_op(work_dtype or dtype, largest),
-                functools.partial(_total_extremum, largest=largest),
-                work_dtype,
-                average=False,
-            )
-        return _Plan(
-            mpi_type,
-            getattr(_mpi(), number_op),
-            getattr(np, number_ufunc),
-            work_dtype,
-            op is ReduceOp.AVG,
-        )
-
-    def _plan(self, dtype: np.dtype[Any], op: ReduceOp) -> _Plan:
+    def _plan(self, dtype: np.dtype[Any], op: ReduceOp) -> Plan:
         plan = self._plans.get((dtype, op))
         if plan is None:
-            plan = self._make_plan(dtype, op)
+            plan = make_plan(dtype, op)
             self._plans[dtype, op] = plan
         assert plan is not None  # only data movement (op None) has no plan
         return plan
 
     # --------------------------------------------------------------------------- primitives
 
-    @_staged(0)
+    @staged(0)
     def broadcast(self, arrays: Sequence[Any], root: int, root_index: int, /) -> Work:
         """Ibcast of one array, then local copies to the other local arrays."""
         arrays = [plain_buffer(x) for x in arrays]
@@ -1013,7 +505,7 @@ class MPIBackend(ProcessGroupBackend):
             work._add_finalizer(functools.partial(_copy_each, others, source))
         return work
 
-    @_staged(0)
+    @staged(0)
     def all_reduce(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
         """Iallreduce in place (one array) or of the local reduction (several)."""
         first = arrays[0]
@@ -1038,7 +530,7 @@ class MPIBackend(ProcessGroupBackend):
 
         return _MPIWork("all_reduce", self, request, keep=acc)._add_finalizer(finish)
 
-    @_staged(0)
+    @staged(0)
     def reduce(self, arrays: Sequence[Any], root: int, root_index: int, op: ReduceOp, /) -> Work:
         """Ireduce in place (one array) or of the local reduction (several)."""
         outputs = [plain_buffer(x) for x in arrays]
@@ -1065,7 +557,7 @@ class MPIBackend(ProcessGroupBackend):
             work._add_finalizer(finish)
         return work
 
-    @_staged(0)
+    @staged(0)
     def all_gather(self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], /) -> Work:
         """Iallgather of the packed local inputs into one buffer, unpacked on completion."""
         local = len(inputs)
@@ -1081,7 +573,7 @@ class MPIBackend(ProcessGroupBackend):
         work = _MPIWork("all_gather", self, request, keep=(send, received))
         return work._add_finalizer(finish)
 
-    @_staged(0)
+    @staged(0)
     def gather(self, outputs: Sequence[Any] | None, input: Any, root: int, /) -> Work:
         """Igather into one buffer at the root, unpacked on completion."""
         source = plain_buffer(input)
@@ -1096,7 +588,7 @@ class MPIBackend(ProcessGroupBackend):
         work._check_root_and_array(root, source)
         return work._add_finalizer(functools.partial(_unpack, received, outputs))
 
-    @_staged(0)
+    @staged(0)
     def scatter(self, output: Any, inputs: Sequence[Any] | None, root: int, /) -> Work:
         """Iscatter from the root's packed inputs straight into ``output``."""
         target = plain_buffer(output)
@@ -1106,7 +598,7 @@ class MPIBackend(ProcessGroupBackend):
             root, target
         )
 
-    @_staged(0)
+    @staged(0)
     def reduce_scatter(
         self, outputs: Sequence[Any], inputs: Sequence[Sequence[Any]], op: ReduceOp, /
     ) -> Work:
@@ -1137,7 +629,7 @@ class MPIBackend(ProcessGroupBackend):
         work = _MPIWork("reduce_scatter", self, request, keep=(acc, received))
         return work._add_finalizer(finish)
 
-    @_staged(0)
+    @staged(0)
     def all_to_all(self, outputs: Sequence[Any], inputs: Sequence[Any], /) -> Work:
         """Ialltoallv of byte counts, packed and unpacked locally."""
         first = plain_buffer(inputs[0])
@@ -1155,7 +647,7 @@ class MPIBackend(ProcessGroupBackend):
 
     def agree(self, record: bytes, /) -> list[bytes]:
         """Digests on the control communicator; the records themselves only if they differ."""
-        mpi = _mpi()
+        mpi = load_mpi()
         digest = np.frombuffer(hashlib.blake2b(record, digest_size=16).digest(), np.uint8)
         every = np.zeros((self.size, 16), np.uint8)
         request = self._control.Iallgather([digest, mpi.BYTE], [every, mpi.BYTE])
@@ -1169,17 +661,17 @@ class MPIBackend(ProcessGroupBackend):
         """Ibarrier."""
         return _MPIWork("barrier", self, self._comm.Ibarrier())
 
-    @_staged()
+    @staged()
     def send(self, array: Any, dst: int, tag: int, /) -> Work:
         """Isend of the array's bytes."""
         source = plain_buffer(array)
         request = self._comm.Isend([source, self._byte], dst, tag)
         return _MPIWork(f"send to group rank {dst}", self, request, keep=source)
 
-    @_staged(0)
+    @staged(0)
     def recv(self, array: Any, src: int | None, tag: int, /) -> Work:
         """Irecv of the array's bytes (``ANY_SOURCE`` when ``src`` is ``None``)."""
-        mpi = _mpi()
+        mpi = load_mpi()
         target = plain_buffer(array)
         status = mpi.Status()  # how many bytes came (and, from ANY_SOURCE, from whom)
         peer = mpi.ANY_SOURCE if src is None else src
@@ -1189,7 +681,7 @@ class MPIBackend(ProcessGroupBackend):
         work._set_source(-1 if src is None else src)  # known before completion (_idle watches it)
         return work
 
-    @_staged(0)
+    @staged(0)
     def all_reduce_coalesced(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
         """One Iallreduce per dtype over the arrays flattened into one buffer."""
         outputs = [plain_buffer(x) for x in arrays]
@@ -1215,7 +707,7 @@ class MPIBackend(ProcessGroupBackend):
             work._add_finalizer(finish)
         return work
 
-    @_staged(0)
+    @staged(0)
     def all_gather_coalesced(
         self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], /
     ) -> Work:
@@ -1280,7 +772,7 @@ def _unpack(packed: Any, arrays: Sequence[Any]) -> None:
         offset += target.nbytes
 
 
-def _unflatten(flat: Any, arrays: Sequence[Any], plan: _Plan, size: int) -> None:
+def _unflatten(flat: Any, arrays: Sequence[Any], plan: Plan, size: int) -> None:
     if plan.average:
         average_in_place(flat, size, np)
     offset = 0

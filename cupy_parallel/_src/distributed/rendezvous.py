@@ -2,7 +2,7 @@
 
 ``env://`` reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` from the environment
 (``RANK``/``WORLD_SIZE`` fall back to what ``mpiexec`` or Slurm set, see
-:func:`~cupy_parallel._src.distributed.launch.detect_launch_env`); ``tcp://host:port`` names rank
+:func:`~cupy_parallel._src.distributed.env.detect_launch_env`); ``tcp://host:port`` names rank
 0's :class:`TCPStore` directly; ``file:///path`` shares a :class:`FileStore`. All three accept
 ``?rank=R&world_size=W`` query parameters, as PyTorch does; a value given both as an argument and in
 the URL must agree. Unknown query parameters are refused rather than ignored (PyTorch ignores them),
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import parse_qs, unquote, urlparse
 
 from cupy_parallel._src.arguments import read_int, read_timeout
-from cupy_parallel._src.distributed.launch import detect_launch_env
+from cupy_parallel._src.distributed.env import detect_launch_env
 from cupy_parallel._src.distributed.store import FileStore, Store, TCPStore
 from cupy_parallel._src.distributed.store.interface import format_seconds
 

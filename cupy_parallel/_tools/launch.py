@@ -21,8 +21,8 @@ launcher; on Linux every rank (and, under ``--backend mpi``, every rank's proces
 when its parent dies (``PR_SET_PDEATHSIG``), so no rank outlives a killed launcher.
 
 Processes started by ``mpiexec`` or Slurm's ``srun`` already know their rank: see
-:func:`detect_launch_env`, which the ``env://`` rendezvous consults when ``RANK`` and
-``WORLD_SIZE`` are unset.
+:func:`~cupy_parallel._src.distributed.env.detect_launch_env`, which the ``env://`` rendezvous
+consults when ``RANK`` and ``WORLD_SIZE`` are unset.
 """
 
 from __future__ import annotations
@@ -42,22 +42,22 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TypedDict
+from typing import TYPE_CHECKING, NamedTuple
 
 from cupy_parallel._src.arguments import read_timeout
+from cupy_parallel._src.distributed.env import FAILURES_VAR, detect_launch_env, report_failure
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Sequence
     from types import FrameType
 
 __all__ = [
     "LaunchBackend",
-    "LaunchEnv",
     "add_arguments",
-    "detect_launch_env",
+    "find_mpiexec",
     "main",
-    "report_failure",
     "run",
+    "run_mpi_rank",
 ]
 
 _PROG = "cupy-parallel launch"
@@ -81,96 +81,7 @@ class LaunchBackend(enum.Enum):
 
 
 # --------------------------------------------------------------------------------------------
-# Ranks started by other launchers
-
-
-class LaunchEnv(TypedDict, total=False):
-    """What :func:`detect_launch_env` found: the launcher's name and the rank's place."""
-
-    source: str
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-
-
-class _LauncherVars(NamedTuple):
-    source: str
-    rank: str
-    world_size: str
-    local_rank: str
-    local_world_size: str
-
-
-# First match wins: Open MPI, then MPICH/Intel MPI (PMI), then Slurm's srun.
-_LAUNCHERS = (
-    _LauncherVars(
-        "Open MPI",
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    ),
-    _LauncherVars("MPICH (PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    _LauncherVars(
-        "Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"
-    ),
-)
-
-
-def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int:
-    text = env[name]
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(
-            f"environment variable {name} must be an integer >= {minimum}, got {text!r}."
-        ) from None
-    if value < minimum:
-        raise ValueError(f"environment variable {name} must be >= {minimum}, got {value}.")
-    return value
-
-
-def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
-    """The rank and world size an MPI launcher or Slurm gave this process, if any.
-
-    Reads ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE`` (Open MPI), ``PMI_RANK``/``PMI_SIZE``
-    (MPICH, Intel MPI), ``SLURM_PROCID``/``SLURM_NTASKS`` (``srun``), and their local-rank
-    counterparts when present. Returns an empty dict when none is set.
-
-    Args:
-        environ: the environment to read (default ``os.environ``).
-
-    Raises:
-        ValueError: a variable is set but is not a non-negative integer (the message names it).
-
-    Example:
-        >>> detect_launch_env({"PMI_RANK": "1", "PMI_SIZE": "4"})
-        {'source': 'MPICH (PMI)', 'rank': 1, 'world_size': 4}
-        >>> detect_launch_env({})
-        {}
-    """
-    env = os.environ if environ is None else environ
-    for names in _LAUNCHERS:
-        if names.rank not in env or names.world_size not in env:
-            continue
-        found = LaunchEnv(
-            source=names.source,
-            rank=_env_int(env, names.rank, 0),
-            world_size=_env_int(env, names.world_size, 1),
-        )
-        if found["rank"] >= found["world_size"]:
-            raise ValueError(
-                f"{names.rank}={found['rank']} is not below {names.world_size}="
-                f"{found['world_size']}; the launcher's environment is inconsistent."
-            )
-        if names.local_rank in env:
-            found["local_rank"] = _env_int(env, names.local_rank, 0)
-        if names.local_world_size in env:
-            with contextlib.suppress(ValueError):  # Slurm may write "2(x3)": not one number
-                found["local_world_size"] = _env_int(env, names.local_world_size, 1)
-        return found
-    return LaunchEnv()
+# Each rank: its variables, death with its parent, and its wrapper under mpiexec
 
 
 def _rank_env(rank: int, world_size: int, local_rank: int, local_world_size: int) -> dict[str, str]:
@@ -182,8 +93,7 @@ def _rank_env(rank: int, world_size: int, local_rank: int, local_world_size: int
     }
 
 
-_MPI_RANK_CODE = "from cupy_parallel._src.distributed.launch import _run_mpi_rank; _run_mpi_rank()"
-_FAILURES_VAR = "CUPY_PARALLEL_LAUNCH_FAILURES"  # where MPI ranks report a failed exit
+_MPI_RANK_CODE = "from cupy_parallel._tools.launch import run_mpi_rank; run_mpi_rank()"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -203,26 +113,7 @@ def _die_with_parent() -> None:
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def report_failure(rank: int, code: int) -> None:
-    """Tell ``cupy-parallel launch --backend mpi`` that ``rank`` fails with exit ``code``.
-
-    Writes the report into the launcher's failure directory (``CUPY_PARALLEL_LAUNCH_FAILURES``);
-    the first report of a rank stays. Does nothing outside the launcher.
-
-    Example:
-        >>> report_failure(0, 3)  # not under the launcher: nothing to do
-    """
-    failures = os.environ.get(_FAILURES_VAR)
-    if not failures or os.path.exists(os.path.join(failures, str(rank))):
-        return
-    partial = os.path.join(failures, f"{rank}.{os.getpid()}.partial")
-    with contextlib.suppress(OSError):
-        with open(partial, "w") as report:
-            report.write(str(code))
-        os.replace(partial, os.path.join(failures, str(rank)))  # complete or not at all
-
-
-def _run_mpi_rank() -> None:
+def run_mpi_rank() -> None:
     """Under ``mpiexec``: run ``python script args`` as this rank and report how it ended.
 
     The script runs as a child with this rank's variables and every inherited descriptor
@@ -386,7 +277,7 @@ def find_mpiexec() -> str | None:
 
     Example:
         >>> import cupy_parallel
-        >>> from cupy_parallel._src.distributed.launch import find_mpiexec
+        >>> from cupy_parallel._tools.launch import find_mpiexec
         >>> found = find_mpiexec()
         >>> found is None or Path(found).name.startswith("mpiexec")
         True
@@ -489,7 +380,7 @@ def run(args: argparse.Namespace) -> int:
     mpiexec = str(find_mpiexec())
     command = [mpiexec, "-n", str(nproc), sys.executable, "-c", _MPI_RANK_CODE, *script]
     with tempfile.TemporaryDirectory(prefix="cupy_parallel_launch_") as failures:
-        shared[_FAILURES_VAR] = failures
+        shared[FAILURES_VAR] = failures
         return _Supervisor([_Rank("mpiexec", command, shared)], args.grace_period, failures).run()
 
 

@@ -1,0 +1,156 @@
+"""How the MPI backend reduces: for each dtype and ``ReduceOp``, the MPI datatype and op.
+
+A :class:`Plan` names the MPI datatype and op, the NumPy ufunc that reduces the local arrays
+first, and the working dtype: ``float16`` is reduced in ``float32`` and rounded once (portable:
+not every MPI reduces ``MPIX_C_FLOAT16``, and more accurate than pairwise float16 sums).
+``MIN``/``MAX`` of floating-point arrays order values totally so that every rank gets the same
+bits: a NaN anywhere gives NaN (NumPy's ``minimum``/``maximum`` propagate NaN; the result is the
+canonical NaN) and ``-0.0 < +0.0`` (IEEE 754-2019 ``minimum``/``maximum``). MPI's built-in
+``MPI_MIN``/``MPI_MAX`` leave both to the order of evaluation.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from cupy_parallel._src.distributed.mpi_job import load_mpi
+from cupy_parallel._src.enums import ReduceOp
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["Plan", "make_plan"]
+
+# ReduceOp -> (MPI op for numbers, MPI op for bool, NumPy ufunc for numbers, ufunc for bool).
+# ``None`` marks a reduction the dtype family does not have.
+_OPS: dict[ReduceOp, tuple[str, str | None, str, str | None]] = {
+    ReduceOp.SUM: ("SUM", "LOR", "add", "logical_or"),
+    ReduceOp.PRODUCT: ("PROD", "LAND", "multiply", "logical_and"),
+    ReduceOp.MIN: ("MIN", "LAND", "minimum", "logical_and"),
+    ReduceOp.MAX: ("MAX", "LOR", "maximum", "logical_or"),
+    ReduceOp.AVG: ("SUM", None, "add", None),
+    ReduceOp.BAND: ("BAND", "LAND", "bitwise_and", "logical_and"),
+    ReduceOp.BOR: ("BOR", "LOR", "bitwise_or", "logical_or"),
+    ReduceOp.BXOR: ("BXOR", "LXOR", "bitwise_xor", "logical_xor"),
+}
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+
+_REDUCIBLE_KINDS = "biufc"
+
+
+class Plan(NamedTuple):
+    """How to reduce one dtype with one op: MPI datatype/op, local ufunc, working dtype."""
+
+    mpi_type: Any
+    mpi_op: Any
+    ufunc: Callable[..., Any]  # (acc, operand, out=acc, casting="unsafe")
+    work_dtype: np.dtype[Any] | None  # float16 -> float32; None: reduce in the array's dtype
+    average: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# MIN/MAX in a total order (every rank the same bits)
+
+
+def _total_extremum(
+    a: np.ndarray, b: np.ndarray, out: np.ndarray, *, largest: bool, casting: str = "same_kind"
+) -> None:
+    """``out = min(a, b)`` (``max`` if ``largest``) with NaN propagating and ``-0.0 < +0.0``."""
+    del casting
+    result = np.maximum(a, b) if largest else np.minimum(a, b)
+    tie = a == b  # equal values differ in bits only for +-0.0
+    if tie.any():
+        negative = np.signbit(a)
+        zeros = np.where(negative, b, a) if largest else np.where(negative, a, b)
+        np.copyto(result, zeros, where=tie)
+    nan = np.isnan(result)
+    if nan.any():
+        result[nan] = np.nan  # the canonical NaN, whatever payload a rank had
+    out[...] = result
+
+
+_USER_OPS: dict[tuple[np.dtype[Any], bool], Any] = {}
+
+
+def _total_extremum_op(dtype: np.dtype[Any], largest: bool) -> Any:
+    """An MPI user operation computing :func:`_total_extremum` on buffers of ``dtype``."""
+    op = _USER_OPS.get((dtype, largest))
+    if op is None:
+
+        def combine(incoming: Any, inout: Any, _datatype: Any) -> None:
+            a = np.frombuffer(incoming, dtype)
+            b = np.frombuffer(inout, dtype)
+            _total_extremum(a, b, b, largest=largest)
+
+        op = load_mpi().Op.Create(combine, commute=True)
+        _USER_OPS[dtype, largest] = op
+    return op
+
+
+def make_plan(dtype: np.dtype[Any], op: ReduceOp | None, /) -> Plan | None:
+    """How to reduce ``dtype`` with ``op`` (``None``: data movement only, no plan).
+
+    Raises:
+        TypeError: the dtype cannot be communicated, or not reduced with ``op``.
+
+    Example:
+        >>> import numpy as np
+        >>> make_plan(np.dtype(np.float16), ReduceOp.SUM).work_dtype
+        dtype('float32')
+    """
+    if dtype.hasobject:
+        raise TypeError(
+            f"arrays of dtype {dtype} hold Python objects, which cannot be communicated; "
+            "convert them to a numeric dtype."
+        )
+    if op is None:
+        return None
+    if dtype.kind not in _REDUCIBLE_KINDS:
+        raise TypeError(
+            f"cannot reduce arrays of dtype {dtype}; reductions take bool, integer, float "
+            "and complex arrays."
+        )
+    number_op, bool_op, number_ufunc, bool_ufunc = _OPS[op]
+    if dtype.kind == "b":
+        if bool_op is None or bool_ufunc is None:
+            raise TypeError(
+                f"ReduceOp.{op.name} is not defined for bool arrays; cast them to an "
+                "integer or float dtype first."
+            )
+        number_op, number_ufunc = bool_op, bool_ufunc
+    if op in _BITWISE and dtype.kind not in "biu":
+        raise TypeError(
+            f"ReduceOp.{op.name} is a bitwise reduction: it takes integer and bool arrays, "
+            f"got dtype {dtype}."
+        )
+    if dtype.kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
+        raise TypeError(
+            f"ReduceOp.{op.name} is not defined for complex dtype {dtype} (complex numbers "
+            "have no order); reduce the real and imaginary parts separately."
+        )
+    if not dtype.isnative:
+        raise TypeError(
+            f"cannot reduce arrays of non-native byte order ({dtype.str}); convert them with "
+            "array.astype(array.dtype.newbyteorder('='))."
+        )
+    work_dtype = np.dtype(np.float32) if dtype == np.float16 else None
+    mpi_type = load_mpi().Datatype.fromcode((work_dtype or dtype).char)
+    if dtype.kind == "f" and op in (ReduceOp.MIN, ReduceOp.MAX):
+        largest = op is ReduceOp.MAX
+        return Plan(
+            mpi_type,
+            _total_extremum_op(work_dtype or dtype, largest),
+            functools.partial(_total_extremum, largest=largest),
+            work_dtype,
+            average=False,
+        )
+    return Plan(
+        mpi_type,
+        getattr(load_mpi(), number_op),
+        getattr(np, number_ufunc),
+        work_dtype,
+        op is ReduceOp.AVG,
+    )
