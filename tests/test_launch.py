@@ -76,6 +76,7 @@ time.sleep(60)
 """
 
 LAUNCHER = "import sys; from cupy_parallel._tools.launch import main; sys.exit(main())"
+DIRECT = ["--backend", "nccl"]  # start the ranks directly (without --backend, no GPU picks mpi)
 
 
 def _script(tmp_path: Path, text: str, name: str = "script.py") -> str:
@@ -120,7 +121,20 @@ def _pid_gone(pid: int, within: float = 5.0) -> bool:
 
 def test_each_rank_gets_its_variables_and_the_script_arguments(tmp_path: Path) -> None:
     script, out = _script(tmp_path, ENV_SCRIPT), _outdir(tmp_path)
-    code = main(["--nproc-per-node", "3", "--master-port", "0", script, out, "--lr", "0.1"])
+    code = main(
+        [
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            "0",
+            "--backend",
+            "nccl",
+            script,
+            out,
+            "--lr",
+            "0.1",
+        ]
+    )
     assert code == 0
     ranks = _read_ranks(out, 3)
     port = ranks[0]["env"]["MASTER_PORT"]
@@ -134,12 +148,37 @@ def test_each_rank_gets_its_variables_and_the_script_arguments(tmp_path: Path) -
                 "LOCAL_WORLD_SIZE": "3",
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": port,
-                "CUPY_PARALLEL_BACKEND": None,
+                "CUPY_PARALLEL_BACKEND": "nccl",
             },
             "argv": ["--lr", "0.1"],
         }
         for r in range(3)
     ]
+
+
+@pytest.mark.parametrize("gpus", [False, True], ids=["no GPU", "GPU with NCCL"])
+def test_without_backend_the_launcher_picks_one_and_says_which(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    gpus: bool,
+) -> None:
+    """As torchrun: no --backend needed. No GPU: the ranks run under mpiexec (oracle: the
+    variables MPI's launcher sets, which a direct start lacks); a GPU: started directly."""
+    if not gpus and find_mpiexec() is None:
+        pytest.skip("needs mpiexec")
+    import cupy_parallel.distributed
+
+    monkeypatch.setattr(cupy_parallel.distributed, "is_nccl_available", lambda: gpus)
+    script = _script(tmp_path, MPI_SCRIPT if not gpus else ENV_SCRIPT)
+    out = _outdir(tmp_path)
+    assert main(["--nproc-per-node", "2", "--master-port", "0", script, out]) == 0
+    picked = "nccl" if gpus else "mpi"
+    assert f"no --backend given: using {picked!r}" in capsys.readouterr().err
+    ranks = _read_ranks(out, 2)
+    assert [r["env"]["CUPY_PARALLEL_BACKEND"] for r in ranks] == [picked] * 2
+    if not gpus:
+        assert [r["mpi"][:2] for r in ranks] == [[0, 2], [1, 2]]  # one MPI world of two
 
 
 def test_ranks_of_a_later_node_are_numbered_after_the_earlier_nodes(tmp_path: Path) -> None:
@@ -172,7 +211,17 @@ def test_a_failing_rank_stops_the_others_and_sets_the_exit_code(
     script, out = _script(tmp_path, FAILING_SCRIPT), _outdir(tmp_path)
     start = time.monotonic()
     code = main(
-        ["--nproc-per-node", "2", "--master-port", "0", "--grace-period", "20", script, out]
+        [
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "0",
+            "--grace-period",
+            "20",
+            *DIRECT,
+            script,
+            out,
+        ]
     )
     elapsed = time.monotonic() - start
     assert code == 3
@@ -188,7 +237,17 @@ def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(
     script, out = _script(tmp_path, FAILING_SCRIPT), _outdir(tmp_path)
     start = time.monotonic()
     code = main(
-        ["--nproc-per-node", "2", "--master-port", "0", "--grace-period", "0.5", script, out]
+        [
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "0",
+            "--grace-period",
+            "0.5",
+            *DIRECT,
+            script,
+            out,
+        ]
     )
     elapsed = time.monotonic() - start
     assert code == 3
@@ -200,7 +259,18 @@ def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(
 def test_signals_are_forwarded_to_every_rank(tmp_path: Path, signum: signal.Signals) -> None:
     script, out = _script(tmp_path, SIGNAL_SCRIPT), _outdir(tmp_path)
     launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, "--nproc-per-node", "2", "--master-port", "0", script, out]
+        [
+            sys.executable,
+            "-c",
+            LAUNCHER,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "0",
+            *DIRECT,
+            script,
+            out,
+        ]
     )
     try:
         _wait_for([Path(out, "ready0"), Path(out, "ready1")])
@@ -222,7 +292,7 @@ def _launch(tmp_path: Path, script: str, out: str, *options: str) -> subprocess.
             "2",
             "--master-port",
             "0",
-            *options,
+            *(options if "--backend" in options else (*options, *DIRECT)),
             script,
             out,
         ]
@@ -251,7 +321,7 @@ def test_ranks_ignoring_signals_are_killed_after_the_grace_period(tmp_path: Path
     assert all(_pid_gone(pid) for pid in pids)
 
 
-@pytest.mark.parametrize("backend", [[], ["--backend", "mpi"]], ids=["direct", "mpi"])
+@pytest.mark.parametrize("backend", [DIRECT, ["--backend", "mpi"]], ids=["direct", "mpi"])
 def test_no_rank_outlives_a_killed_launcher(tmp_path: Path, backend: list[str]) -> None:
     if backend and find_mpiexec() is None:
         pytest.skip("needs mpiexec")
@@ -296,7 +366,17 @@ def test_a_rank_that_cannot_start_is_a_clear_error(
 
     monkeypatch.setattr(subprocess, "Popen", popen)
     code = main(
-        ["--nproc-per-node", "3", "--master-port", "0", "--grace-period", "0.2", script, out]
+        [
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            "0",
+            "--grace-period",
+            "0.2",
+            *DIRECT,
+            script,
+            out,
+        ]
     )
     assert code == 1
     assert "cannot start rank 1 (1 of 3 started): Resource temporarily unavailable" in (

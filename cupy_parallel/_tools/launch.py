@@ -8,8 +8,11 @@ with the same ``--nnodes``, ``--master-addr`` and ``--master-port`` and that nod
 ``--node-rank``. With ``--backend mpi`` the ranks run under ``mpiexec -n N`` instead (one node);
 every rank still sees the same variables (a small wrapper per rank sets them from the MPI
 launcher's own and reports a failed exit back, because MPICH's ``mpiexec`` lets the other ranks
-run on when one exits with an error). ``--backend`` is also exported as
-``CUPY_PARALLEL_BACKEND`` for the script to read.
+run on when one exits with an error). ``--backend nccl`` starts the ranks directly. Without
+``--backend`` the launcher picks, and says on stderr what it picked: ``nccl`` where this machine
+has a GPU with NCCL, ``mpi`` otherwise (so that ``cupy-parallel launch --nproc-per-node 2
+train.py``, as with torchrun, runs on a CPU-only machine too). The backend is exported as
+``CUPY_PARALLEL_BACKEND``, which ``init_process_group()`` reads.
 
 The launcher forwards ``SIGINT`` and ``SIGTERM`` to the ranks; ranks still running
 ``--grace-period`` seconds after the first signal are killed (``SIGKILL``). When a rank fails, it
@@ -56,6 +59,7 @@ __all__ = [
     "add_arguments",
     "find_mpiexec",
     "main",
+    "pick_backend",
     "run",
     "run_mpi_rank",
 ]
@@ -251,8 +255,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=[backend.value for backend in LaunchBackend],
         default=None,
-        help="'mpi' runs the ranks through mpiexec; 'nccl' (or nothing) starts them directly. "
-        "Exported to the ranks as CUPY_PARALLEL_BACKEND.",
+        help="'mpi' runs the ranks through mpiexec; 'nccl' starts them directly. Default: "
+        "'nccl' where this machine has a GPU with NCCL, else 'mpi'. Exported to the ranks as "
+        "CUPY_PARALLEL_BACKEND.",
     )
     parser.add_argument(
         "--grace-period",
@@ -288,23 +293,40 @@ def find_mpiexec() -> str | None:
     return shutil.which("mpiexec")
 
 
-def _usage_problem(args: argparse.Namespace) -> str | None:
+def pick_backend() -> tuple[str, str]:
+    """The backend when ``--backend`` is not given, and why: ``nccl`` with GPUs, else ``mpi``.
+
+    Example:
+        >>> backend, why = pick_backend()
+        >>> backend in ("nccl", "mpi"), why.startswith(("this machine", "no GPU"))
+        (True, True)
+    """
+    from cupy_parallel.distributed import is_nccl_available
+
+    if is_nccl_available():
+        return LaunchBackend.NCCL.value, "this machine has a GPU with NCCL"
+    return LaunchBackend.MPI.value, "no GPU with NCCL here; the ranks run under mpiexec"
+
+
+def _usage_problem(args: argparse.Namespace, backend: str) -> str | None:
     """A message for option combinations argparse cannot check one by one, or None."""
     if args.node_rank >= args.nnodes:
         return f"--node-rank must be below --nnodes ({args.nnodes}), got {args.node_rank}."
     if args.master_port == 0 and args.nnodes > 1:
         return "--master-port 0 (pick a free port) works on one node only; give a fixed port."
-    if args.backend == LaunchBackend.MPI.value:
+    if backend == LaunchBackend.MPI.value:
+        said = "--backend mpi" if args.backend is not None else "the mpi backend (picked)"
         if args.nnodes > 1:
             return (
-                "--backend mpi starts the ranks of one node; for several nodes run mpiexec "
+                f"{said} starts the ranks of one node; for several nodes run mpiexec "
                 "yourself (the ranks read their place from its environment)."
             )
         if find_mpiexec() is None:
             return (
-                "--backend mpi needs mpiexec, found neither beside this Python "
+                f"{said} needs mpiexec, found neither beside this Python "
                 f"({Path(sys.executable).parent}) nor on PATH; install an MPI (e.g. "
-                "`pip install mpich`) or leave out --backend mpi."
+                "`pip install mpich`)"
+                + (" or leave out --backend mpi." if args.backend is not None else ".")
             )
     if not os.path.isfile(args.script):
         return f"script {args.script!r} not found."
@@ -346,13 +368,17 @@ def run(args: argparse.Namespace) -> int:
         ...     _ = f.write("import os, sys; sys.exit(int(os.environ['WORLD_SIZE']) - 2)")
         >>> parser = argparse.ArgumentParser()
         >>> add_arguments(parser)
-        >>> run(parser.parse_args(["--nproc-per-node", "2", "--master-port", "0", script]))
+        >>> argv = ["--nproc-per-node", "2", "--master-port", "0", "--backend", "nccl", script]
+        >>> run(parser.parse_args(argv))
         0
     """
-    problem = _usage_problem(args)
+    backend, why = (args.backend, "") if args.backend is not None else pick_backend()
+    problem = _usage_problem(args, backend)
     if problem is not None:
         print(f"{_PROG}: error: {problem}", file=sys.stderr)
         return 2
+    if args.backend is None:
+        print(f"{_PROG}: no --backend given: using {backend!r} ({why}).", file=sys.stderr)
     nproc, nnodes, node_rank = args.nproc_per_node, args.nnodes, args.node_rank
     try:
         port = args.master_port or _free_port(args.master_addr)
@@ -364,10 +390,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     shared = dict(os.environ, MASTER_ADDR=args.master_addr, MASTER_PORT=str(port))
-    if args.backend is not None:
-        shared["CUPY_PARALLEL_BACKEND"] = args.backend
+    shared["CUPY_PARALLEL_BACKEND"] = backend
     script = [args.script, *args.script_args]
-    if args.backend != LaunchBackend.MPI.value:
+    if backend != LaunchBackend.MPI.value:
         ranks = [
             _Rank(
                 f"rank {node_rank * nproc + local}",
