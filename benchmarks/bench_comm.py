@@ -25,7 +25,7 @@ import numpy as np
 
 from cupy_parallel._src import comm
 from cupy_parallel._src.arrays import to_device
-from cupy_parallel._src.devices import _host_devices, set_host_device_count
+from cupy_parallel._src.devices import host_device_count, set_host_device_count
 from cupy_parallel._src.hostarray import plain_buffer
 from cupy_parallel._tools.benchmarking import compare, script_main
 
@@ -104,7 +104,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
 
     The host device count is set to 4 for the run and restored afterwards.
     """
-    previous = _host_devices()
+    previous = host_device_count()
     set_host_device_count(len(DEVICES))
     repeats = 3 if quick else 9
     try:

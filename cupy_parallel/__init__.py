@@ -22,8 +22,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from cupy_parallel import comm, functions, ops
-from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array
-from cupy_parallel._src.arraytypes import Array
+from cupy_parallel._src.arrays import Array, array_namespace, device_of, empty, is_array
 from cupy_parallel._src.devices import Device, as_device, devices, platform, set_host_device_count
 from cupy_parallel._src.exports import set_module
 from cupy_parallel._src.functional import grad, value_and_grad

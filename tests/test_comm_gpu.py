@@ -17,7 +17,8 @@ import pytest
 from helpers import assert_bits_equal, random_bits, to_numpy
 
 from cupy_parallel import Device, comm, device_of, to_device
-from cupy_parallel._src.cuda import copies, pinned, streams, transfer
+from cupy_parallel._src import comm_transfer as transfer
+from cupy_parallel._src.cuda import copies, pinned, streams
 from cupy_parallel._src.cuda import nccl as cuda_nccl
 from cupy_parallel._src.devices import _cuda_device_count
 from cupy_parallel.testing import simulated_cuda

@@ -1,14 +1,28 @@
 """Arrays on devices: which arrays this library places, where they live, and the raw move.
 
 Three kinds of arrays are placed: ``numpy.ndarray`` on the ``"cpu"``, :class:`HostArray` on a
-simulated ``"host:k"`` device, ``cupy.ndarray`` on ``"cuda:k"``. :func:`to_device` here is the
-raw, non-differentiable copy used by library internals; the public ``cupy_parallel.to_device``
-is the same move recorded on the tape.
+simulated ``"host:k"`` device, ``cupy.ndarray`` on ``"cuda:k"``; their static type is
+:data:`Array`. :func:`copy_into` is the one raw copy between devices (whatever devices the two
+arrays live on), :func:`move` puts an array the library holds on a device through it, and
+:func:`to_device` is the same move for any input, checked; the public
+``cupy_parallel.to_device`` is that move recorded on the tape.
+
+``Array`` is ``numpy.ndarray | HostArray | cupy.ndarray``. At run time it is a class that
+cannot be instantiated and whose ``isinstance`` is :func:`is_array`; for type checkers
+``cupy.ndarray`` is the stand-in :class:`~cupy_parallel._src.arraytypes.CupyArray` (see there
+why).
+
+Example:
+    >>> import numpy as np, cupy_parallel as cp
+    >>> def double(x: cp.Array) -> cp.Array:
+    ...     return cp.ops.multiply(x, 2.0)
+    >>> double(np.arange(3))
+    array([0., 2., 4.])
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
@@ -21,20 +35,75 @@ from cupy_parallel._src.devices import (
     is_cupy_array,
     require_cupy,
 )
-from cupy_parallel._src.hostarray import HostArray, check_device_dtype, host_array, host_buffer
+from cupy_parallel._src.dtypes import check_device_dtype
+from cupy_parallel._src.hostarray import (
+    HostArray,
+    host_array,
+    plain_buffer,
+    set_mover,
+    set_numpy_dispatch,
+)
+from cupy_parallel._src.hostdispatch import apply_function, apply_ufunc
 from cupy_parallel._src.memory import get_host_memory_pool
 
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from numpy.typing import DTypeLike
+    from numpy.typing import DTypeLike, NDArray
 
-    from cupy_parallel._src.arraytypes import Array
+    from cupy_parallel._src.arraytypes import CupyArray, Scalar
     from cupy_parallel._src.devices import DeviceLike
 
-__all__ = ["array_namespace", "device_of", "empty", "is_array", "to_device"]
+__all__ = [
+    "Array",
+    "Operand",
+    "array_namespace",
+    "copy_into",
+    "device_of",
+    "empty",
+    "is_array",
+    "move",
+    "to_device",
+]
 
 _KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+if TYPE_CHECKING:
+    Array: TypeAlias = "NDArray[Any] | HostArray | CupyArray"
+else:
+
+    class _ArrayMeta(type):
+        def __instancecheck__(cls, instance: object) -> bool:
+            return is_array(instance)
+
+    class Array(metaclass=_ArrayMeta):
+        """An array the library places: ``numpy.ndarray``, ``HostArray`` or ``cupy.ndarray``.
+
+        For type checkers this is the union ``numpy.typing.NDArray[Any] | HostArray |
+        cupy.ndarray`` (``cupy.ndarray`` through a stand-in, as CuPy has no type information);
+        use it to annotate your own functions. At run time it cannot be instantiated, and
+        ``isinstance(x, Array)`` is :func:`cupy_parallel.is_array`.
+
+        Example:
+            >>> import numpy as np, cupy_parallel as cp
+            >>> def double(x: cp.Array) -> cp.Array:
+            ...     return cp.ops.multiply(x, 2.0)
+            >>> double(np.arange(3.0)), isinstance(np.ones(2), cp.Array), isinstance([1], cp.Array)
+            (array([0., 2., 4.]), True, False)
+        """
+
+        __slots__ = ()
+
+        def __new__(cls, *args: object, **kwargs: object) -> Array:
+            raise TypeError(
+                "cupy_parallel.Array is a type for annotations and isinstance checks; make "
+                "arrays with numpy, cupy_parallel.to_device or cupy_parallel.empty."
+            )
+
+
+Operand: TypeAlias = "Array | Scalar"
+"""An operand of the element-wise :mod:`cupy_parallel.ops`: an array or a scalar."""
 
 
 def is_array(x: object, /) -> bool:
@@ -170,14 +239,62 @@ def to_device(array: Any, device: Any, /, *, stream: Any = None) -> Any:
     if stream is not None:
         _check_stream(stream, target if target.kind == "cuda" else source)
     out = empty(source_array.shape, source_array.dtype, target)
-    if source.kind == "cuda" and target.kind == "cuda":
-        copies.peer(out, target.index, source_array, source.index, stream)
-    elif target.kind == "cuda":
-        copies.upload(out, target.index, _buffer(source_array), stream)
-    elif source.kind == "cuda":
-        copies.download(_buffer(out), source_array, source.index, stream)
+    copy_into(out, source_array, stream=stream)
+    return out
+
+
+# The host array's behaviours that live above it: NumPy's general dispatch and this move
+set_numpy_dispatch(apply_ufunc, apply_function)
+set_mover(to_device)
+
+
+def copy_into(dst: Any, src: Any, *, stream: Any = None) -> None:
+    """Copy ``src`` into ``dst`` (same shape and dtype), whatever devices they live on.
+
+    The one raw copy of the library, unchecked (for arrays the library holds): host memories
+    (``"cpu"``, ``"host:k"``) copy with one ``numpy.copyto``; copies that touch a GPU go through
+    :mod:`cupy_parallel._src.cuda.copies`, ordered against the current streams of the devices
+    involved. ``stream`` (on ``dst``'s GPU for uploads and peer copies, on ``src``'s GPU for
+    downloads) carries the copy instead of the default: a background stream for uploads, the
+    current stream otherwise. Either way the current streams wait for the copy before returning.
+
+    Example:
+        >>> import numpy as np
+        >>> out = empty(3, np.int64, "host:0")
+        >>> copy_into(out, np.arange(3))
+        >>> out
+        HostArray([0, 1, 2], device='host:0')
+    """
+    source, target = device_of(src), device_of(dst)
+    if source.kind != "cuda" and target.kind != "cuda":
+        np.copyto(plain_buffer(dst), plain_buffer(src), casting="no")
+    elif src.size == 0:
+        return
+    elif target.kind == "cuda" and source.kind != "cuda":
+        copies.upload(dst, target.index, plain_buffer(src), stream)
+    elif source.kind == "cuda" and target.kind != "cuda":
+        copies.download(plain_buffer(dst), src, source.index, stream)
+    elif source == target:
+        copies.local(dst, src, target.index, stream)
     else:
-        np.copyto(_buffer(out), _buffer(source_array), casting="no")
+        copies.peer(dst, target.index, src, source.index, stream)
+
+
+def move(x: Any, device: Device, /) -> Any:
+    """``x`` on ``device``: itself when already there, else a copy ordered as :func:`copy_into`.
+
+    For arrays the library holds (no checks); :func:`to_device` is the checked move.
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.arange(2)
+        >>> move(x, CPU) is x, move(x, Device("host", 0))
+        (True, HostArray([0, 1], device='host:0'))
+    """
+    if device_of(x) == device:
+        return x
+    out = empty(x.shape, x.dtype, device)
+    copy_into(out, x)
     return out
 
 
@@ -194,7 +311,3 @@ def _check_stream(stream: Any, gpu: Device) -> None:
             f"uploads and GPU-to-GPU copies, the source for downloads); create it under "
             f"cupy.cuda.Device({gpu.index})."
         )
-
-
-def _buffer(x: Any) -> Any:
-    return host_buffer(x) if type(x) is HostArray else x

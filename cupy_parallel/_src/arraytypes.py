@@ -1,11 +1,11 @@
-"""The static type of the arrays this library takes and returns: :data:`Array`.
+"""Typing-only names: the pytree type variables, :data:`Scalar` and the :class:`CupyArray` stand-in.
 
-``Array`` is ``numpy.ndarray | HostArray | cupy.ndarray``, the three kinds of arrays the library
-places (see :mod:`cupy_parallel._src.arrays`). At run time it is a class that cannot be
-instantiated and whose ``isinstance`` is :func:`cupy_parallel.is_array`. Functions that take a
-pytree and give back the same structure are generic instead (``Tape.gradient(loss, params)`` has
-the type of ``params``). The structure is what the type promises, not every leaf: a non-array
-leaf of ``Tape.gradient``'s sources, or a source left unconnected with
+This module sits at the bottom of the package and imports nothing from it; the array type
+:data:`cupy_parallel.Array` (``numpy.ndarray | HostArray | cupy.ndarray``) is built from these
+names where the host array is visible, in :mod:`cupy_parallel._src.arrays`. Functions that take
+a pytree and give back the same structure are generic (``Tape.gradient(loss, params)`` has the
+type of ``params``). The structure is what the type promises, not every leaf: a non-array leaf
+of ``Tape.gradient``'s sources, or a source left unconnected with
 ``unconnected_gradients="none"``, comes back as ``None`` under its source's type; ``gather``
 turns 0-d leaves into vectors.
 
@@ -18,11 +18,11 @@ refused. A ``cupy.ndarray`` in user code is ``Any`` to the checker and is accept
 ``Array`` is. Without CuPy installed nothing changes (nothing here imports CuPy).
 
 Example:
-    >>> import numpy as np, cupy_parallel as cp
-    >>> def double(x: cp.Array) -> cp.Array:
-    ...     return cp.ops.multiply(x, 2.0)
-    >>> double(np.arange(3.0))
-    array([0., 2., 4.])
+    >>> from cupy_parallel._src.arraytypes import Tree
+    >>> def identity(tree: Tree) -> Tree:
+    ...     return tree
+    >>> identity({"w": 1.0})
+    {'w': 1.0}
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 
     import numpy as np
     from numpy.typing import NDArray
-
-    from cupy_parallel._src.hostarray import HostArray
 
     class CupyArray:
         """Stand-in for ``cupy.ndarray`` (CuPy has no type information): everything is ``Any``."""
@@ -94,7 +92,7 @@ if TYPE_CHECKING:
         def __invert__(self) -> Any: ...
 
 
-__all__ = ["Array", "Operand", "Output", "Params", "Scalar", "Tree"]
+__all__ = ["Output", "Params", "Scalar", "Tree"]  # CupyArray exists for type checkers only
 
 Tree = TypeVar("Tree")
 """A pytree given to a function that returns one of the same structure (and so the same type)."""
@@ -107,40 +105,3 @@ Output = TypeVar("Output")
 
 Scalar: TypeAlias = "bool | int | float | complex | np.generic"
 """A scalar operand of :mod:`cupy_parallel.ops` (Python numbers and NumPy scalars)."""
-
-Operand: TypeAlias = "Array | Scalar"
-"""An operand of the element-wise :mod:`cupy_parallel.ops`: an array or a scalar."""
-
-if TYPE_CHECKING:
-    Array: TypeAlias = "NDArray[Any] | HostArray | CupyArray"
-else:
-
-    class _ArrayMeta(type):
-        def __instancecheck__(cls, instance: object) -> bool:
-            from cupy_parallel._src.arrays import is_array  # arrays is the layer above
-
-            return is_array(instance)
-
-    class Array(metaclass=_ArrayMeta):
-        """An array the library places: ``numpy.ndarray``, ``HostArray`` or ``cupy.ndarray``.
-
-        For type checkers this is the union ``numpy.typing.NDArray[Any] | HostArray |
-        cupy.ndarray`` (``cupy.ndarray`` through a stand-in, as CuPy has no type information);
-        use it to annotate your own functions. At run time it cannot be instantiated, and
-        ``isinstance(x, Array)`` is :func:`cupy_parallel.is_array`.
-
-        Example:
-            >>> import numpy as np, cupy_parallel as cp
-            >>> def double(x: cp.Array) -> cp.Array:
-            ...     return cp.ops.multiply(x, 2.0)
-            >>> double(np.arange(3.0)), isinstance(np.ones(2), cp.Array), isinstance([1], cp.Array)
-            (array([0., 2., 4.]), True, False)
-        """
-
-        __slots__ = ()
-
-        def __new__(cls, *args: object, **kwargs: object) -> Array:
-            raise TypeError(
-                "cupy_parallel.Array is a type for annotations and isinstance checks; make "
-                "arrays with numpy, cupy_parallel.to_device or cupy_parallel.empty."
-            )

@@ -27,18 +27,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cupy_parallel._src import comm_transfer as _transfer
 from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, empty, is_array
 from cupy_parallel._src.cuda import nccl as _nccl
 from cupy_parallel._src.cuda import streams as _streams
-from cupy_parallel._src.cuda import transfer as _transfer
 from cupy_parallel._src.devices import Device, cupy_module, platform, read_device, read_devices
-from cupy_parallel._src.hostarray import check_device_dtype, plain_buffer
+from cupy_parallel._src.dtypes import check_device_dtype
+from cupy_parallel._src.hostarray import plain_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from cupy_parallel._src.arraytypes import Array
+    from cupy_parallel._src.arrays import Array
     from cupy_parallel._src.devices import DeviceLike
 
 __all__ = [

@@ -39,6 +39,7 @@ __all__ = [
     "cupy_arrays_may_exist",
     "cupy_module",
     "devices",
+    "host_device_count",
     "platform",
     "read_device",
     "read_devices",
@@ -345,7 +346,14 @@ def set_host_device_count(count: int, /) -> None:
     _host_device_count = int(count)
 
 
-def _host_devices() -> int:
+def host_device_count() -> int:
+    """How many ``"host:k"`` devices exist (:func:`set_host_device_count`, else the environment).
+
+    Example:
+        >>> set_host_device_count(3)
+        >>> host_device_count()
+        3
+    """
     if _host_device_count is not None:
         return _host_device_count
     text = os.environ.get("CUPY_PARALLEL_HOST_DEVICES", "1")
@@ -365,13 +373,13 @@ def devices() -> list[Device]:
     """
     if platform() == "cuda":
         return [Device("cuda", k) for k in range(_cuda_device_count())]
-    return [Device("host", k) for k in range(_host_devices())]
+    return [Device("host", k) for k in range(host_device_count())]
 
 
 def check_exists(device: Device, /) -> None:
     """Raise ``ValueError`` unless ``device`` exists in this process (the cpu always does)."""
     if device.kind == "host":
-        count = _host_devices()
+        count = host_device_count()
         if device.index >= count:
             raise ValueError(
                 f"device {device} does not exist: there are {count} host devices "

@@ -31,7 +31,7 @@ from cupy_parallel._src.tape import Function, FunctionContext, is_recording
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-    from cupy_parallel._src.arraytypes import Array
+    from cupy_parallel._src.arrays import Array
     from cupy_parallel._src.devices import DeviceLike
 
 __all__ = ["Broadcast", "Gather", "ReduceAddCoalesced", "Scatter", "ToDevice", "to_device"]

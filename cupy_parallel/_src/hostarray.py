@@ -19,73 +19,60 @@ the conformance table in ``tests/test_hostarray_conformance.py`` checks them one
 Library internals reach the buffer with :func:`host_buffer` and wrap one with :func:`host_array`
 (no copy, no checks); :func:`version` counts in-place writes; :func:`set_dispatch_guard` lets the
 tape refuse raw NumPy on arrays it tracks.
+
+This module holds the class, its attributes and its hot paths (operators, one- and two-operand
+ufunc calls, the computing methods, indexing). The rest of NumPy's dispatch (ufunc methods and
+keywords, NumPy functions) is :mod:`cupy_parallel._src.hostdispatch`, the error messages are
+:mod:`cupy_parallel._src.hosterrors`, the dtypes CuPy has :mod:`cupy_parallel._src.dtypes`, the
+write counters :mod:`cupy_parallel._src.versions`, and ``HostArray.to_device`` is
+:func:`cupy_parallel._src.arrays.to_device`; ``arrays``, the layer above, installs those two
+here (:func:`set_numpy_dispatch`, :func:`set_mover`) when the package is imported.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import pickle
-import weakref
-from collections import UserList
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import optree
 
 from cupy_parallel._src.devices import Device, as_device, check_exists, is_cupy_array
+from cupy_parallel._src.dtypes import DEVICE_DTYPE_CHARS, SCALAR_TYPES, check_device_dtype
+from cupy_parallel._src.hosterrors import (
+    EXITS,
+    cross_device,
+    foreign,
+    implicit_conversion,
+    out_error,
+)
+from cupy_parallel._src.versions import count_write, writes
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping
     from types import ModuleType
 
-    from cupy_parallel._src.arraytypes import Array
+    from numpy.typing import NDArray
+
+    from cupy_parallel._src.arraytypes import CupyArray
     from cupy_parallel._src.devices import DeviceLike
 
 __all__ = [
+    "UFUNCS_CUPY_LACKS",
     "HostArray",
-    "check_device_dtype",
+    "check_guard",
     "host_array",
     "host_buffer",
     "plain_buffer",
+    "read_method_argument",
+    "read_out",
     "set_dispatch_guard",
+    "set_mover",
+    "set_numpy_dispatch",
     "version",
+    "wrap_result",
 ]
-
-# --------------------------------------------------------------------------------------------
-# Dtypes: those CuPy has (``cupy/_core/_dtype.pyx``: bool, integers, float16/32/64, complex64/128)
-
-_DEVICE_DTYPE_CHARS = frozenset("?bBhHiIlLqQefdFD")
-_SCALAR_TYPES = frozenset(
-    {int, float, bool, complex} | {np.dtype(c).type for c in _DEVICE_DTYPE_CHARS}
-)
-"""Operands CuPy's kernels take as scalars (``cupy/_core/_scalar.pyx``, ``scalar_type_set``)."""
-
-
-def check_device_dtype(dtype: Any, name: str, /) -> np.dtype[Any]:
-    """``numpy.dtype(dtype)`` if CuPy has it, else ``TypeError`` naming ``name``.
-
-    CuPy computes on bool, integer, float16/32/64 and complex64/128 arrays in native byte order
-    (``cupy/_core/_dtype.pyx``, ``check_supported_dtype``); object, string, datetime,
-    timedelta, ``longdouble`` and ``StringDType`` arrays exist only on the cpu, and CuPy refuses
-    big-endian dtypes. Structured and void dtypes are refused too: CuPy's main branch can hold
-    their bytes but computes nothing on them, so a host device refuses them at the boundary.
-    The error is a ``TypeError`` (CuPy raises ``ValueError('Unsupported dtype ...')``), the same
-    at every size.
-
-    Example:
-        >>> check_device_dtype("float32", "dtype")
-        dtype('float32')
-    """
-    read = np.dtype(dtype)
-    if read.char not in _DEVICE_DTYPE_CHARS or not read.isnative:
-        raise TypeError(
-            f"{name} is {read}, a dtype device arrays cannot hold (CuPy has bool, integer, "
-            "float16/32/64 and complex64/128 arrays only, in native byte order); keep such "
-            "data on the cpu as a NumPy array."
-        )
-    return read
-
 
 # --------------------------------------------------------------------------------------------
 # The dispatch guard and the version counter
@@ -121,30 +108,14 @@ def set_dispatch_guard(guard: Callable[[str, tuple[Any, ...]], None] | None, /) 
     _guard = guard
 
 
-_versions: dict[int, list[Any]] = {}
-"""``id(root buffer) -> [writes, weakref to root]``: a buffer's counter, made at its first write."""
+def check_guard(operation: str, operands: tuple[Any, ...], /) -> None:
+    """Call the dispatch guard, if one is installed (for the dispatch outside this module).
 
-
-def _root(data: np.ndarray) -> np.ndarray:
-    """The ndarray owning ``data``'s memory (NumPy collapses base chains to it)."""
-    base = data.base
-    while isinstance(base, np.ndarray):
-        data, base = base, base.base
-    return data
-
-
-def _bump(data: np.ndarray) -> None:
-    root = _root(data)
-    key = id(root)
-    entry = _versions.get(key)
-    if entry is not None and entry[1]() is root:
-        entry[0] += 1
-    else:
-        _versions[key] = [1, weakref.ref(root, functools.partial(_forget, key))]
-
-
-def _forget(key: int, _: object) -> None:
-    _versions.pop(key, None)
+    Example:
+        >>> check_guard("numpy.add", ())  # no guard installed: nothing happens
+    """
+    if _guard is not None:
+        _guard(operation, operands)
 
 
 def version(x: Any, /) -> int | None:
@@ -167,85 +138,19 @@ def version(x: Any, /) -> int | None:
     """
     if type(x) is not HostArray:
         return None
-    root = _root(x._data)
-    entry = _versions.get(id(root))
-    return entry[0] if entry is not None and entry[1]() is root else 0
-
-
-# --------------------------------------------------------------------------------------------
-# Errors, in the caller's words
-
-
-_EXITS = "use `.get()` or cupy_parallel.to_device(array, 'cpu') to make a NumPy array explicitly"
-
-
-def _implicit_conversion(what: str = "a NumPy array") -> TypeError:
-    return TypeError(
-        f"Implicit conversion of a device array to {what} is not allowed (as for cupy.ndarray); "
-        f"{_EXITS}."
-    )
-
-
-def _cross_device(operation: str, device: Device, other: Device) -> ValueError:
-    return ValueError(
-        f"{operation} got arrays on different devices, {device} and {other}. "
-        "Move them to one device with cupy_parallel.to_device(array, device)."
-    )
-
-
-def _foreign(operation: str, device: Device, x: Any) -> TypeError:
-    """The error for an operand CuPy's kernels refuse (``_kernel.pyx``, ``_preprocess_arg``)."""
-    move = f"cupy_parallel.to_device(array, '{device}')"
-    if isinstance(x, np.ndarray):
-        return TypeError(
-            f"{operation} mixes an array on {device} with a plain numpy.ndarray (on cpu), "
-            f"which CuPy would refuse too. Move it with {move}."
-        )
-    if is_cupy_array(x):
-        return TypeError(
-            f"{operation} mixes an array on {device} with a cupy.ndarray on cuda:"
-            f"{x.device.id}. Move it with {move}."
-        )
-    if isinstance(x, list | tuple):
-        return TypeError(
-            f"{operation} got a {type(x).__name__} operand; device arrays take arrays of their "
-            "own device and Python/NumPy scalars only (CuPy refuses sequences too: "
-            f"'Unsupported type'). Make an array with {move}."
-        )
-    return TypeError(
-        f"{operation} got an operand of unsupported type {type(x).__name__} (CuPy: "
-        "'Unsupported type'); device arrays take arrays of their own device and Python/NumPy "
-        "scalars."
-    )
-
-
-def _out_error(operation: str, device: Device, out: Any) -> TypeError:
-    return TypeError(
-        f"{operation}: out= must be an array on {device} (CuPy: 'Output arguments must be "
-        f"cupy.ndarray'), got {type(out).__name__}."
-    )
+    return writes(x._data)
 
 
 # --------------------------------------------------------------------------------------------
 # Reading operands
 
 
-def _operand(x: Any, device: Device, operation: str) -> Any:
-    """The NumPy value computing for operand ``x`` of an elementwise operation on ``device``."""
-    if type(x) is HostArray:
-        if x._device is not device and x._device != device:
-            raise _cross_device(operation, device, x._device)
-        return x._data
-    if type(x) in _SCALAR_TYPES:
-        return x
-    raise _foreign(operation, device, x)
-
-
-def _out(x: Any, device: Device, operation: str) -> np.ndarray:
+def read_out(x: Any, device: Device, operation: str) -> np.ndarray:
+    """The buffer of ``out=`` argument ``x``: a host array on ``device``, else the error."""
     if type(x) is not HostArray:
-        raise _out_error(operation, device, x)
+        raise out_error(operation, device, x)
     if x._device != device:
-        raise _cross_device(operation, device, x._device)
+        raise cross_device(operation, device, x._device)
     return x._data
 
 
@@ -293,18 +198,18 @@ def plain_buffer(x: Any, /) -> Any:
     return x._data if type(x) is HostArray else x
 
 
-def _wrap(result: Any, device: Device) -> Any:
+def wrap_result(result: Any, device: Device) -> Any:
     """A NumPy result as device arrays: arrays and NumPy scalars become arrays on ``device``."""
     if type(result) is np.ndarray:
-        if result.dtype.char not in _DEVICE_DTYPE_CHARS:
+        if result.dtype.char not in DEVICE_DTYPE_CHARS:
             check_device_dtype(result.dtype, "the result's dtype")
         return host_array(result, device)
     if isinstance(result, np.generic):
-        return _wrap(np.asarray(result), device)
+        return wrap_result(np.asarray(result), device)
     if isinstance(result, np.ndarray):  # a subclass (np.matrix, masked arrays): its data
-        return _wrap(result.view(np.ndarray), device)
+        return wrap_result(result.view(np.ndarray), device)
     if isinstance(result, tuple | list):
-        return optree.tree_map(functools.partial(_wrap, device=device), cast("Any", result))
+        return optree.tree_map(functools.partial(wrap_result, device=device), cast("Any", result))
     return result
 
 
@@ -325,7 +230,7 @@ def _other_operand(self: HostArray, other: Any, operation: str) -> Any:
         ufunc is _PRIORITY and getattr(other, "__array_priority__", 0) > _PRIORITY
     ):
         return NotImplemented
-    raise _foreign(operation, self._device, other)
+    raise foreign(operation, self._device, other)
 
 
 def _binary(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
@@ -335,9 +240,9 @@ def _binary(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
         t = type(other)
         if t is HostArray:
             if other._device is not self._device and other._device != self._device:
-                raise _cross_device(operation, self._device, other._device)
+                raise cross_device(operation, self._device, other._device)
             b = other._data
-        elif t in _SCALAR_TYPES:
+        elif t in SCALAR_TYPES:
             b = other
         else:
             return _other_operand(self, other, operation)
@@ -357,7 +262,7 @@ def _reflected(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
     operation = f"operator {symbol}"
 
     def method(self: HostArray, other: Any) -> Any:
-        if type(other) not in _SCALAR_TYPES:
+        if type(other) not in SCALAR_TYPES:
             return _other_operand(self, other, operation)
         if _guard is not None:
             _guard(operation, (other, self))
@@ -376,16 +281,16 @@ def _inplace(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
     def method(self: HostArray, other: Any) -> Any:
         if type(other) is HostArray:
             if other._device is not self._device and other._device != self._device:
-                raise _cross_device(operation, self._device, other._device)
+                raise cross_device(operation, self._device, other._device)
             b = other._data
-        elif type(other) in _SCALAR_TYPES:
+        elif type(other) in SCALAR_TYPES:
             b = other
         else:
             return _other_operand(self, other, operation)
         if _guard is not None:
             _guard(operation, (self, other))
         ufunc(self._data, b, out=self._data)
-        _bump(self._data)
+        count_write(self._data)
         return self
 
     return method
@@ -401,7 +306,7 @@ def _comparison(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]
     fast = _binary(ufunc, symbol)
 
     def method(self: HostArray, other: Any) -> Any:
-        if type(other) is HostArray or type(other) in _SCALAR_TYPES:
+        if type(other) is HostArray or type(other) in SCALAR_TYPES:
             return fast(self, other)
         if isinstance(other, np.ndarray) and other.ndim == 0:
             return fast(self, other.item())
@@ -475,6 +380,9 @@ _VIEW_METHODS = frozenset(
 _HOST_DATA_ARGUMENTS = {"take": 0, "compress": 0, "repeat": 0}
 """Arguments CuPy converts from host data (``core.array(...)``): lists and NumPy arrays pass."""
 
+_METHOD_KEYWORDS_CUPY_LACKS = frozenset({"where", "initial", "correction", "mean"})
+"""Reduction keywords NumPy's ndarray methods take and ``cupy.ndarray``'s do not."""
+
 
 def _computing_method(name: str, out_position: int | None) -> Callable[..., Any]:
     operation = f"HostArray.{name}"
@@ -486,12 +394,12 @@ def _computing_method(name: str, out_position: int | None) -> Callable[..., Any]
         if not args and not kwargs:  # the hot path: x.sum(), x.copy(), x.ravel()
             if guarded and _guard is not None:
                 _guard(operation, (self,))
-            return _wrap(getattr(self._data, name)(), device)
+            return wrap_result(getattr(self._data, name)(), device)
         out = kwargs.pop("out", None)
         if out_position is not None and len(args) > out_position:
             out, args = args[out_position], args[:out_position] + args[out_position + 1 :]
         read = [
-            _method_argument(a, device, operation, host_data=i == host_data or not guarded)
+            read_method_argument(a, device, operation, host_data=i == host_data or not guarded)
             for i, a in enumerate(args)
         ]
         given = kwargs
@@ -502,36 +410,36 @@ def _computing_method(name: str, out_position: int | None) -> Callable[..., Any]
             )
         if kwargs:
             kwargs = {
-                k: _method_argument(v, device, operation, host_data=False)
+                k: read_method_argument(v, device, operation, host_data=False)
                 for k, v in kwargs.items()
             }
         if out is not None:
-            kwargs["out"] = _out(out, device, operation)
+            kwargs["out"] = read_out(out, device, operation)
         if guarded and _guard is not None:
             _guard(operation, (self, *args, *given.values(), *(() if out is None else (out,))))
         result = getattr(self._data, name)(*read, **kwargs)
         if out is not None:
-            _bump(kwargs["out"])
+            count_write(kwargs["out"])
             return out
-        return _wrap(result, device)
+        return wrap_result(result, device)
 
     method.__name__ = name
     method.__doc__ = f"``numpy.ndarray.{name}`` on the device; results stay on it."
     return method
 
 
-def _method_argument(x: Any, device: Device, operation: str, *, host_data: bool) -> Any:
+def read_method_argument(x: Any, device: Device, operation: str, *, host_data: bool) -> Any:
     """A method argument: arrays must be on ``device``; host data only where CuPy converts it."""
     if type(x) is HostArray:
         if x._device is not device and x._device != device:
-            raise _cross_device(operation, device, x._device)
+            raise cross_device(operation, device, x._device)
         return x._data
     if isinstance(x, np.ndarray | list | tuple) and not host_data:
         if isinstance(x, tuple) and all(isinstance(v, int | np.integer) for v in x):
             return x  # an axis tuple or a shape
-        raise _foreign(operation, device, x)
+        raise foreign(operation, device, x)
     if is_cupy_array(x):
-        raise _foreign(operation, device, x)
+        raise foreign(operation, device, x)
     return x
 
 
@@ -555,11 +463,59 @@ def _index(key: Any, device: Device) -> tuple[Any, ...]:
 def _index_item(k: Any, device: Device) -> Any:
     if type(k) is HostArray:
         if k._device is not device and k._device != device:
-            raise _cross_device("indexing", device, k._device)
+            raise cross_device("indexing", device, k._device)
         return k._data
     if is_cupy_array(k):
-        raise _foreign("indexing", device, k)
+        raise foreign("indexing", device, k)
     return k
+
+
+# --------------------------------------------------------------------------------------------
+# What the modules above install: NumPy's general dispatch and the move between devices
+
+UFUNCS_CUPY_LACKS = frozenset({"isnat", "matvec", "spacing", "vecdot", "vecmat"})
+"""NumPy ufuncs with no CuPy counterpart (CuPy 14.2): ``__array_ufunc__`` returns NotImplemented."""
+_UFUNC_OBJECTS_CUPY_LACKS = frozenset(
+    getattr(np, name) for name in UFUNCS_CUPY_LACKS if hasattr(np, name)
+)
+
+_apply_ufunc: Callable[[Device, np.ufunc, str, tuple[Any, ...], dict[str, Any]], Any]
+_apply_function: Callable[[Device, Any, tuple[Any, ...], Mapping[str, Any]], Any]
+_mover: Callable[..., Any]
+
+
+def set_numpy_dispatch(
+    apply_ufunc: Callable[[Device, np.ufunc, str, tuple[Any, ...], dict[str, Any]], Any],
+    apply_function: Callable[[Device, Any, tuple[Any, ...], Mapping[str, Any]], Any],
+    /,
+) -> None:
+    """Install the general paths of ``__array_ufunc__`` and ``__array_function__``.
+
+    :mod:`cupy_parallel._src.arrays` installs :mod:`cupy_parallel._src.hostdispatch`'s
+    ``apply_ufunc(device, ufunc, method, inputs, kwargs)`` and ``apply_function(device, func,
+    args, kwargs)`` when the package is imported; the operators and the one- and two-operand
+    ufunc calls stay here, on the hot path.
+
+    Example:
+        >>> from cupy_parallel._src import hostdispatch
+        >>> set_numpy_dispatch(hostdispatch.apply_ufunc, hostdispatch.apply_function)
+    """
+    global _apply_ufunc, _apply_function
+    _apply_ufunc, _apply_function = apply_ufunc, apply_function
+
+
+def set_mover(move: Callable[..., Any], /) -> None:
+    """Install ``move(array, device, /, *, stream=None)`` behind ``HostArray.to_device``.
+
+    :mod:`cupy_parallel._src.arrays` installs its ``to_device`` when the package is imported:
+    placing arrays is the layer above this one.
+
+    Example:
+        >>> from cupy_parallel._src import arrays
+        >>> set_mover(arrays.to_device)
+    """
+    global _mover
+    _mover = move
 
 
 # --------------------------------------------------------------------------------------------
@@ -823,10 +779,10 @@ class HostArray:
     # -- exits to the host ---------------------------------------------------------------------
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        raise _implicit_conversion()
+        raise implicit_conversion()
 
     def __buffer__(self, flags: int) -> memoryview:
-        raise _implicit_conversion("a buffer (memoryview)")
+        raise implicit_conversion("a buffer (memoryview)")
 
     def get(
         self,
@@ -892,7 +848,7 @@ class HostArray:
         if _guard is not None:
             _guard("HostArray.set", (self, arr))
         np.copyto(self._data, arr)
-        _bump(self._data)
+        count_write(self._data)
 
     def item(self, *args: Any) -> Any:
         """The one element as a Python scalar."""
@@ -934,7 +890,9 @@ class HostArray:
     def __complex__(self) -> complex:
         return complex(self._data)
 
-    def to_device(self, device: DeviceLike, /, *, stream: Any = None) -> Array:
+    def to_device(
+        self, device: DeviceLike, /, *, stream: Any = None
+    ) -> NDArray[Any] | HostArray | CupyArray:  # cupy_parallel.Array, spelled out: see arrays
         """This array on ``device`` (array API standard); the same array if it is there.
 
         Example:
@@ -946,9 +904,7 @@ class HostArray:
             >>> to_device(np.arange(2), "host:0").to_device("host:1")
             HostArray([0, 1], device='host:1')
         """
-        from cupy_parallel._src.arrays import to_device  # the layer above
-
-        return to_device(self, device, stream=stream)
+        return _mover(self, device, stream=stream)
 
     def __array_namespace__(self, /, *, api_version: str | None = None) -> ModuleType:
         return np
@@ -968,7 +924,7 @@ class HostArray:
             raise BufferError(
                 f"An array on {self._device} is device memory: DLPack exports it only to a "
                 "consumer asking for the cpu explicitly (np.from_dlpack(array, device='cpu')), "
-                f"which copies; {_EXITS}."
+                f"which copies; {EXITS}."
             )
         if copy is False:
             raise ValueError("Device memory cannot be exported to the cpu without a copy.")
@@ -1011,7 +967,7 @@ class HostArray:
         if (isinstance(dtype, type) and issubclass(dtype, np.ndarray)) or array_class is not None:
             raise TypeError(
                 f"HostArray.view returns device arrays only (CuPy: 'Type must be a sub-type of "
-                f"ndarray type'); {_EXITS}."
+                f"ndarray type'); {EXITS}."
             )
         if dtype is None:
             return host_array(self._data.view(), self._device)
@@ -1024,14 +980,14 @@ class HostArray:
         """Set every element to the scalar ``value`` (a 0-d array of this device counts)."""
         if type(value) is HostArray:
             if value._device != self._device:
-                raise _cross_device("HostArray.fill", self._device, value._device)
+                raise cross_device("HostArray.fill", self._device, value._device)
             if value._data.ndim:
                 raise ValueError("non-scalar array cannot be used for fill (as in CuPy).")
             scalar: Any = value._data[()]
-        elif type(value) in _SCALAR_TYPES:
+        elif type(value) in SCALAR_TYPES:
             scalar = value
         elif is_cupy_array(value):
-            raise _foreign("HostArray.fill", self._device, value)
+            raise foreign("HostArray.fill", self._device, value)
         else:  # CuPy reads host data as numpy.asarray(value, dtype) and wants a scalar
             host = np.asarray(value, dtype=self._data.dtype)
             if host.shape:
@@ -1042,34 +998,34 @@ class HostArray:
         if _guard is not None:
             _guard("HostArray.fill", (self, value))
         self._data.fill(scalar)
-        _bump(self._data)
+        count_write(self._data)
 
     def sort(self, axis: int = -1, kind: Any = None, order: Any = None) -> None:
         """Sort in place along ``axis``."""
         if _guard is not None:
             _guard("HostArray.sort", (self,))
         self._data.sort(axis, kind, order)
-        _bump(self._data)
+        count_write(self._data)
 
     def partition(
         self, kth: Any, axis: int = -1, kind: str = "introselect", order: Any = None
     ) -> None:
         """Partition in place around ``kth``."""
-        kth = _method_argument(kth, self._device, "HostArray.partition", host_data=True)
+        kth = read_method_argument(kth, self._device, "HostArray.partition", host_data=True)
         if _guard is not None:
             _guard("HostArray.partition", (self,))
         self._data.partition(kth, axis, kind, order)
-        _bump(self._data)
+        count_write(self._data)
 
     def put(self, indices: Any, values: Any, mode: str = "raise") -> None:
         """Set the flat elements at ``indices`` to ``values`` (host data converted, as CuPy)."""
         operation = "HostArray.put"
-        read_indices = _method_argument(indices, self._device, operation, host_data=True)
-        read_values = _method_argument(values, self._device, operation, host_data=True)
+        read_indices = read_method_argument(indices, self._device, operation, host_data=True)
+        read_values = read_method_argument(values, self._device, operation, host_data=True)
         if _guard is not None:
             _guard(operation, (self, indices, values))
         self._data.put(read_indices, read_values, mode)
-        _bump(self._data)
+        count_write(self._data)
 
     # -- indexing ------------------------------------------------------------------------------
 
@@ -1099,10 +1055,10 @@ class HostArray:
                     f"move it first with cupy_parallel.to_device(value, '{device}')."
                 )
             source: Any = value._data
-        elif type(value) in _SCALAR_TYPES:
+        elif type(value) in SCALAR_TYPES:
             source = value
         elif is_cupy_array(value):
-            raise _foreign("assignment", device, value)
+            raise foreign("assignment", device, value)
         elif type(key) is tuple and _is_advanced(key):
             source = np.asarray(value, dtype=self._data.dtype)  # CuPy uploads it here
         else:  # CuPy's basic-index assignment is fill(): host data must be one scalar
@@ -1117,7 +1073,7 @@ class HostArray:
         if _guard is not None:
             _guard("operator []=", (self, value))
         self._data[key] = source
-        _bump(self._data)
+        count_write(self._data)
 
     # -- NumPy's dispatch protocols ------------------------------------------------------------
 
@@ -1131,13 +1087,13 @@ class HostArray:
                 a = self._data
             elif type(a) is HostArray and (a._device is device or a._device == device):
                 a = a._data
-            elif type(a) not in _SCALAR_TYPES:
+            elif type(a) not in SCALAR_TYPES:
                 return _apply_ufunc(device, ufunc, method, inputs, kwargs)
             if b is self:
                 b = self._data
             elif type(b) is HostArray and (b._device is device or b._device == device):
                 b = b._data
-            elif type(b) not in _SCALAR_TYPES:
+            elif type(b) not in SCALAR_TYPES:
                 return _apply_ufunc(device, ufunc, method, inputs, kwargs)
             if _guard is not None:
                 _guard(f"numpy.{ufunc.__name__}", inputs)
@@ -1213,7 +1169,7 @@ def _divmod(self: HostArray, other: Any) -> Any:
 
 
 def _rdivmod(self: HostArray, other: Any) -> Any:
-    if type(other) not in _SCALAR_TYPES:
+    if type(other) not in SCALAR_TYPES:
         return _other_operand(self, other, "operator divmod")
     return _apply_ufunc(self._device, np.divmod, "__call__", (other, self), {})
 
@@ -1229,374 +1185,3 @@ def _unpickle(data: np.ndarray, device: str) -> HostArray:
     except ValueError as error:
         raise ValueError(f"Cannot unpickle an array of {device}: {error}") from None
     return host_array(data, target)
-
-
-# --------------------------------------------------------------------------------------------
-# ufuncs (CuPy: ``core.pyx`` ``__array_ufunc__`` and ``_kernel.pyx`` ``ufunc.__call__``)
-
-_UFUNC_KEYWORDS = {
-    "__call__": frozenset({"out", "dtype", "casting"}),
-    "outer": frozenset({"out", "dtype", "casting"}),
-    "reduce": frozenset({"axis", "dtype", "out", "keepdims"}),
-    "accumulate": frozenset({"axis", "dtype", "out"}),
-    "reduceat": frozenset({"axis", "dtype", "out"}),
-    "at": frozenset(),
-}
-_UFUNC_METHODS_CUPY_HAS: dict[str, frozenset[str] | None] = {
-    "__call__": None,  # every ufunc CuPy has
-    "outer": None,
-    "reduce": frozenset({"add", "multiply"}),
-    "accumulate": frozenset({"add", "multiply"}),
-    "reduceat": frozenset({"add"}),
-    "at": frozenset(
-        {"add", "subtract", "maximum", "minimum", "bitwise_and", "bitwise_or", "bitwise_xor"}
-    ),
-}
-_UFUNCS_CUPY_LACKS = frozenset({"isnat", "matvec", "spacing", "vecdot", "vecmat"})
-"""NumPy ufuncs with no CuPy counterpart (CuPy 14.2): ``__array_ufunc__`` returns NotImplemented."""
-_UFUNC_OBJECTS_CUPY_LACKS = frozenset(
-    getattr(np, name) for name in _UFUNCS_CUPY_LACKS if hasattr(np, name)
-)
-_COMPARISONS = frozenset(
-    {np.equal, np.not_equal, np.less, np.less_equal, np.greater, np.greater_equal}
-)
-
-
-def _apply_ufunc(
-    device: Device, ufunc: np.ufunc, method: str, inputs: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    name = ufunc.__name__
-    operation = f"numpy.{name}" if method == "__call__" else f"numpy.{name}.{method}"
-    if name in _UFUNCS_CUPY_LACKS:
-        raise TypeError(
-            f"{operation} is not available for device arrays (CuPy has no cupy.{name})."
-        )
-    supported = _UFUNC_METHODS_CUPY_HAS.get(method, frozenset())
-    if supported is not None and name not in supported:
-        raise NotImplementedError(
-            f"{operation} is not supported for device arrays (CuPy: '{name}.{method} is not "
-            "supported yet')."
-        )
-    unknown = set(kwargs) - _UFUNC_KEYWORDS[method]
-    if unknown:
-        raise TypeError(
-            f"{operation}: Wrong arguments {sorted(unknown)} (CuPy's ufuncs take "
-            f"{sorted(_UFUNC_KEYWORDS[method])} only)."
-        )
-    out = kwargs.get("out")
-    outs: tuple[Any, ...] = ()
-    if out is not None:
-        outs = out if isinstance(out, tuple) else (out,)
-        if len(outs) != 1:
-            raise ValueError(f"{operation}: The 'out' parameter must have exactly one array value.")
-        kwargs["out"] = tuple(_out(o, device, operation) for o in outs)
-    if "dtype" in kwargs and kwargs["dtype"] is not None:
-        check_device_dtype(kwargs["dtype"], f"{operation}'s dtype")
-    if method == "at":
-        a, indices, *rest = inputs
-        read: list[Any] = [
-            _out(a, device, operation),
-            _method_argument(indices, device, operation, host_data=True),
-            *(_operand(b, device, operation) for b in rest),
-        ]
-    elif ufunc in _COMPARISONS:
-        read = [
-            _operand(
-                x.item() if isinstance(x, np.ndarray) and x.ndim == 0 else x, device, operation
-            )
-            for x in inputs
-        ]
-    else:
-        read = [_operand(x, device, operation) for x in inputs]
-    if _guard is not None:
-        _guard(operation, (*inputs, *outs))
-    result = getattr(ufunc, method)(*read, **kwargs)
-    if method == "at":
-        _bump(read[0])
-        return None
-    if outs:
-        _bump(kwargs["out"][0])
-        return outs[0] if ufunc.nout == 1 or method != "__call__" else outs
-    return _wrap(result, device)
-
-
-# --------------------------------------------------------------------------------------------
-# NumPy functions (CuPy: ``core.pyx`` ``__array_function__`` calls the ``cupy`` function)
-
-_CREATION_FUNCTIONS: frozenset[Any] = frozenset(
-    {
-        np.array,
-        np.asarray,
-        np.asanyarray,
-        np.ascontiguousarray,
-        np.asfortranarray,
-        np.require,
-        np.arange,
-        np.empty,
-        np.zeros,
-        np.ones,
-        np.full,
-        np.eye,
-        np.identity,
-        np.tri,
-        np.frombuffer,
-        np.fromfile,
-        np.fromfunction,
-        np.fromiter,
-        np.fromstring,
-        np.loadtxt,
-        np.genfromtxt,
-    }
-)
-"""Functions that dispatch here only through ``like=`` (NEP 35): host data is uploaded."""
-
-_WRITTEN_ARGUMENTS: dict[Any, str] = {
-    np.copyto: "dst",
-    np.put: "a",
-    np.place: "arr",
-    np.putmask: "a",
-    np.fill_diagonal: "a",
-    np.put_along_axis: "arr",
-}
-"""Functions writing into an argument other than ``out`` (their version counters count it)."""
-
-
-@functools.cache
-def _written_positions(func: Any) -> tuple[tuple[int | None, str], ...]:
-    """(position, name) of the arguments ``func`` writes into: ``out`` and the table above.
-
-    The position is ``None`` for a keyword-only parameter (``einsum(*operands, out=None)``).
-    """
-    names = {"out", _WRITTEN_ARGUMENTS.get(func, "out")}
-    try:
-        parameters = list(inspect.signature(func).parameters.values())
-    except (TypeError, ValueError):  # a builtin without a signature: out= by keyword only
-        return ((None, "out"),)
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(
-        (i if p.kind in positional else None, p.name)
-        for i, p in enumerate(parameters)
-        if p.name in names
-    )
-
-
-_FUNCTIONS_CUPY_LACKS = frozenset(
-    {
-        "numpy.block",
-        "numpy.busday_count",
-        "numpy.busday_offset",
-        "numpy.datetime_as_string",
-        "numpy.einsum_path",
-        "numpy.geomspace",
-        "numpy.histogram_bin_edges",
-        "numpy.insert",
-        "numpy.is_busday",
-        "numpy.linalg.diagonal",
-        "numpy.linalg.matrix_norm",
-        "numpy.linalg.multi_dot",
-        "numpy.linalg.outer",
-        "numpy.linalg.svdvals",
-        "numpy.linalg.tensordot",
-        "numpy.linalg.trace",
-        "numpy.linalg.vecdot",
-        "numpy.linalg.vector_norm",
-        "numpy.nanpercentile",
-        "numpy.nanquantile",
-        "numpy.polyder",
-        "numpy.polydiv",
-        "numpy.polyint",
-        "numpy.unstack",
-    }
-)
-"""NumPy functions with no CuPy counterpart (CuPy 14.2, NumPy 2.4): on a GPU array,
-``cupy.ndarray.__array_function__`` returns ``NotImplemented`` and NumPy raises ``TypeError``."""
-
-
-_KEYWORDS_CUPY_LACKS: dict[str, frozenset[str]] = {
-    name: frozenset(keywords.split())
-    for name, keywords in {
-        "numpy.all": "where",
-        "numpy.amax": "initial where",
-        "numpy.amin": "initial where",
-        "numpy.any": "where",
-        "numpy.argpartition": "kind order",
-        "numpy.argsort": "order stable",
-        "numpy.astype": "device",
-        "numpy.broadcast_arrays": "subok",
-        "numpy.broadcast_to": "subok",
-        "numpy.clip": "min max",
-        "numpy.copy": "subok",
-        "numpy.count_nonzero": "keepdims",
-        "numpy.isin": "kind",
-        "numpy.lexsort": "axis",
-        "numpy.linalg.cholesky": "upper",
-        "numpy.linalg.matrix_rank": "hermitian rtol",
-        "numpy.linalg.pinv": "hermitian rtol",
-        "numpy.linalg.svd": "hermitian",
-        "numpy.max": "initial where",
-        "numpy.mean": "where",
-        "numpy.min": "initial where",
-        "numpy.nanmax": "initial where",
-        "numpy.nanmean": "where",
-        "numpy.nanmin": "initial where",
-        "numpy.nanprod": "initial where",
-        "numpy.nanstd": "correction mean where",
-        "numpy.nansum": "initial where",
-        "numpy.nanvar": "correction mean where",
-        "numpy.partition": "kind order",
-        "numpy.percentile": "weights",
-        "numpy.prod": "initial where",
-        "numpy.quantile": "weights",
-        "numpy.reshape": "shape",
-        "numpy.sort": "order stable",
-        "numpy.std": "correction mean where",
-        "numpy.sum": "initial where",
-        "numpy.take": "mode",
-        "numpy.trim_zeros": "axis",
-        "numpy.unique": "sorted",
-        "numpy.unpackbits": "count",
-        "numpy.var": "correction mean where",
-        **{
-            f"numpy.fft.{transform}": "out"
-            for transform in ("fft", "fft2", "fftn", "hfft", "ifft", "ifft2", "ifftn", "ihfft")
-        },
-        **{
-            f"numpy.fft.{transform}": "out"
-            for transform in ("irfft", "irfft2", "irfftn", "rfft", "rfft2", "rfftn")
-        },
-    }.items()
-}
-"""Keywords NumPy's function takes and CuPy's counterpart does not (CuPy 14.2, NumPy 2.4): CuPy
-raises ``TypeError`` (an unexpected keyword argument), so a host array does too."""
-
-_METHOD_KEYWORDS_CUPY_LACKS = frozenset({"where", "initial", "correction", "mean"})
-"""Reduction keywords NumPy's ndarray methods take and ``cupy.ndarray``'s do not."""
-
-_HOST_DATA_PARAMETERS: dict[str, frozenset[str]] = {
-    name: frozenset(parameters.split())
-    for name, parameters in {
-        "numpy.append": "arr values",
-        "numpy.around": "a",
-        "numpy.average": "a",
-        "numpy.cov": "y",
-        "numpy.cross": "a b",
-        "numpy.diag": "v",
-        "numpy.diff": "a prepend append",
-        "numpy.einsum": "operands",
-        "numpy.extract": "condition",
-        "numpy.gradient": "f",
-        "numpy.histogramdd": "weights",
-        "numpy.imag": "val",
-        "numpy.isclose": "a b",
-        "numpy.linspace": "start stop",
-        "numpy.place": "mask vals",
-        "numpy.polyval": "x",
-        "numpy.real": "val",
-        "numpy.resize": "a",
-        "numpy.tril": "m",
-        "numpy.triu": "m",
-        "numpy.unwrap": "p",
-        "numpy.vander": "x",
-        "numpy.linalg.cond": "x",
-        "numpy.fft.fftshift": "x",
-        "numpy.fft.ifftshift": "x",
-    }.items()
-}
-"""Parameters whose CuPy implementation uploads host data (``x = cupy.asarray(x)``, CuPy 14.2):
-NumPy arrays passed there are accepted and copied to the device, as CuPy copies them."""
-
-
-@functools.cache
-def _signature(func: Any) -> inspect.Signature:
-    return inspect.signature(func)
-
-
-def _upload_host_data(
-    device: Device, name: str, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments with NumPy arrays in host-data parameters copied to ``device``."""
-    bound = _signature(func).bind(*args, **kwargs)
-    for parameter in _HOST_DATA_PARAMETERS[name]:
-        if parameter not in bound.arguments:
-            continue
-        value = bound.arguments[parameter]
-        if _signature(func).parameters[parameter].kind is inspect.Parameter.VAR_POSITIONAL:
-            bound.arguments[parameter] = tuple(
-                host_array(v.copy(), device) if type(v) is np.ndarray else v for v in value
-            )
-        elif type(value) is np.ndarray:
-            bound.arguments[parameter] = host_array(value.copy(), device)
-    return bound.args, bound.kwargs
-
-
-def _copyto_source(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
-    """CuPy's ``copyto`` takes a NumPy source of one element as a scalar, refuses larger ones."""
-    if len(args) >= 2 and type(args[1]) is np.ndarray:
-        if args[1].size != 1:
-            raise ValueError(
-                "non-scalar numpy.ndarray cannot be used for copyto (as in CuPy); move it with "
-                "cupy_parallel.to_device first."
-            )
-        return (args[0], args[1].reshape(())[()], *args[2:])
-    return args
-
-
-def _apply_function(
-    device: Device, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-) -> Any:
-    operation = f"numpy.{func.__name__}"
-    qualified = f"{func.__module__}.{func.__name__}"
-    unknown = set(kwargs) & _KEYWORDS_CUPY_LACKS.get(qualified, frozenset())
-    if unknown:
-        raise TypeError(
-            f"{qualified}() got keyword arguments CuPy's {qualified.replace('numpy', 'cupy', 1)} "
-            f"does not take: {sorted(unknown)}."
-        )
-    if qualified in _HOST_DATA_PARAMETERS:
-        args, kwargs = _upload_host_data(device, qualified, func, args, kwargs)
-    elif func is np.copyto:
-        args = _copyto_source(args, kwargs)
-    if qualified in _FUNCTIONS_CUPY_LACKS:
-        raise TypeError(
-            f"no implementation found for '{func.__module__}.{func.__name__}' on device arrays "
-            f"(CuPy has no {func.__module__.replace('numpy', 'cupy', 1)}.{func.__name__})."
-        )
-    creation = func in _CREATION_FUNCTIONS
-    leaves: list[Any]
-    leaves, spec = optree.tree_flatten(cast("Any", (args, dict(kwargs))), none_is_leaf=True)
-    read = [_function_leaf(x, device, operation, creation) for x in leaves]
-    read_args, read_kwargs = optree.tree_unflatten(spec, read)
-    written = [
-        read_kwargs[name] if name in read_kwargs else read_args[i]
-        for i, name in _written_positions(func)
-        if name in read_kwargs or (i is not None and i < len(read_args))
-    ]
-    if isinstance(read_kwargs.get("out"), tuple):
-        written.extend(read_kwargs["out"])
-    if func is np.nan_to_num and (read_args[1:2] or [read_kwargs.get("copy", True)])[0] is False:
-        written.append(read_args[0])  # nan_to_num(x, copy=False) writes into x
-    if _guard is not None and not creation:
-        _guard(operation, tuple(leaves))  # the arguments flattened (a list of arrays opened)
-    result = func(*read_args, **read_kwargs)
-    for buffer in written:
-        if isinstance(buffer, np.ndarray):
-            _bump(buffer)
-    if "out" in kwargs and kwargs["out"] is not None and result is read_kwargs["out"]:
-        return kwargs["out"]
-    return _wrap(result, device)
-
-
-def _function_leaf(x: Any, device: Device, operation: str, creation: bool) -> Any:
-    if type(x) is HostArray:
-        if x._device is not device and x._device != device:
-            raise _cross_device(operation, device, x._device)
-        return x._data
-    if isinstance(x, np.ndarray):
-        if creation:
-            return x
-        raise _foreign(operation, device, x)
-    if is_cupy_array(x):
-        raise _foreign(operation, device, x)
-    if isinstance(x, list | tuple | UserList):  # a subclass or UserList: optree left it whole
-        return [_function_leaf(v, device, operation, creation) for v in x]
-    return x

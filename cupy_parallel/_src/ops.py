@@ -58,7 +58,7 @@ from cupy_parallel._src.tape import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from cupy_parallel._src.arraytypes import Array, Operand
+    from cupy_parallel._src.arrays import Array, Operand
 
 __all__ = [
     "abs",

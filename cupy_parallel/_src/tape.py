@@ -64,7 +64,8 @@ from cupy_parallel._src.tree import flatten_with_names
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
-    from cupy_parallel._src.arraytypes import Array, Tree
+    from cupy_parallel._src.arrays import Array
+    from cupy_parallel._src.arraytypes import Tree
 
 __all__ = [
     "Function",

@@ -4,11 +4,12 @@ Every module here imports CuPy lazily, only when a CUDA array reaches it, so the
 without CuPy. The modules are small and layered: :mod:`.streams` (background copy streams, the
 one "stream A waits for stream B" helper, the per-thread stream hand-off) and :mod:`.pinned`
 (page-locked staging buffers) underlie :mod:`.copies` (the four CUDA copies, each ordered
-against the current streams); these three use only :mod:`cupy_parallel._src.devices`, so
-:func:`cupy_parallel._src.arrays.to_device` moves CUDA data through them too. :mod:`.transfer`
-(``comm``'s copies, broadcast and reduce buffers) and :mod:`.nccl` (communicators and
-collectives) sit on top. Every CUDA path runs in the tests on the simulated CUDA
-(:mod:`cupy_parallel._src.simcuda`), whose race checker fails a test on any unordered access.
+against the current streams); these three use only :mod:`cupy_parallel._src.devices`, and
+:func:`cupy_parallel._src.arrays.copy_into`, the one raw move, moves CUDA data through them.
+:mod:`.nccl` (communicators and collectives) sits beside them; ``comm``'s broadcast and reduce
+buffers are :mod:`cupy_parallel._src.comm_transfer`. Every CUDA path runs in the tests on the
+simulated CUDA (:mod:`cupy_parallel._src.simcuda`), whose race checker fails a test on any
+unordered access.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ GPU-to-GPU copies follow torch's two-way rule: the copy waits for the source's s
 source's stream waits for the copy, so the source's memory is not reused before it was read.
 
 These functions take CuPy arrays and GPU indices and depend only on :mod:`.streams`,
-:mod:`.pinned` and CuPy: both :func:`cupy_parallel._src.arrays.to_device` and
-:mod:`.transfer` (``comm``) move data through them.
+:mod:`.pinned` and CuPy: :func:`cupy_parallel._src.arrays.copy_into`, the one raw move between
+devices (behind ``to_device`` and ``comm``), picks one of them.
 """
 
 from __future__ import annotations

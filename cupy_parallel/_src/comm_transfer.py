@@ -1,11 +1,13 @@
-"""Copies between devices: host to GPU through pinned staging, GPU to host, GPU to GPU.
+"""The multi-device buffer moves behind :mod:`cupy_parallel._src.comm`: broadcast and reduce.
 
-Copies between host memories (``"cpu"`` and ``"host:k"``) are one ``numpy.copyto``.
-
-Copies that touch a GPU go through :mod:`.copies`, which orders each against CuPy's *current*
-streams of the devices involved (see there and :mod:`.streams`). Host-to-GPU copies run on a
-background stream per GPU (or the stream the caller passes) from pinned memory, so the
-host-side staging of the next chunk overlaps with the DMA of the previous one.
+:func:`broadcast_from_host` stages a host array through pinned memory once for many targets;
+:func:`broadcast_flat` and :func:`reduce_flat` pack arrays into one flat buffer per GPU and
+move it with one NCCL call when NCCL is available (peer copies and additions otherwise);
+:func:`sum_into` adds terms on one GPU. Every single copy is
+:func:`~cupy_parallel._src.arrays.copy_into`, the one raw move, ordered against CuPy's *current*
+streams of the devices involved (see :mod:`cupy_parallel._src.cuda.copies`); ``comm`` still
+reaches it and :func:`~cupy_parallel._src.arrays.move` as ``comm_transfer.copy_into`` and
+``comm_transfer.move``, names this module imports.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cupy_parallel._src.arrays import device_of, empty
+from cupy_parallel._src.arrays import copy_into, device_of, empty, move
 from cupy_parallel._src.cuda import nccl
-from cupy_parallel._src.cuda.copies import download, local, peer, upload, upload_staged
+from cupy_parallel._src.cuda.copies import upload_staged
 from cupy_parallel._src.cuda.pinned import staging_array
 from cupy_parallel._src.devices import require_cupy
 from cupy_parallel._src.hostarray import plain_buffer
@@ -29,42 +31,9 @@ if TYPE_CHECKING:
 __all__ = [
     "broadcast_flat",
     "broadcast_from_host",
-    "copy_into",
-    "move",
     "reduce_flat",
     "sum_into",
 ]
-
-
-def copy_into(dst: Any, src: Any, *, stream: Any = None) -> None:
-    """Copy ``src`` into ``dst`` (same shape and dtype), whatever devices they live on.
-
-    ``stream`` (on ``dst``'s GPU for uploads and peer copies, on ``src``'s GPU for downloads)
-    carries the copy instead of the default: a background stream for uploads, the current
-    stream otherwise. Either way the current streams wait for the copy before returning.
-    """
-    source, target = device_of(src), device_of(dst)
-    if source.kind != "cuda" and target.kind != "cuda":
-        np.copyto(plain_buffer(dst), plain_buffer(src), casting="no")
-    elif src.size == 0:
-        return
-    elif target.kind == "cuda" and source.kind != "cuda":
-        upload(dst, target.index, plain_buffer(src), stream)
-    elif source.kind == "cuda" and target.kind != "cuda":
-        download(plain_buffer(dst), src, source.index, stream)
-    elif source == target:
-        local(dst, src, target.index, stream)
-    else:
-        peer(dst, target.index, src, source.index, stream)
-
-
-def move(x: Any, device: Device) -> Any:
-    """``x`` on ``device``: itself when already there, else a copy ordered as :func:`copy_into`."""
-    if device_of(x) == device:
-        return x
-    out = empty(x.shape, x.dtype, device)
-    copy_into(out, x)
-    return out
 
 
 def broadcast_from_host(array: Any, outs: Sequence[Any]) -> None:

@@ -1,0 +1,46 @@
+"""The dtypes and scalars device arrays take: those CuPy has (``cupy/_core/_dtype.pyx``).
+
+Bool, integers, float16/32/64 and complex64/128, in native byte order; :func:`check_device_dtype`
+is the one check, for CUDA arrays and host arrays alike (a host device refuses what a GPU
+refuses). Nothing here imports CuPy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DEVICE_DTYPE_CHARS", "SCALAR_TYPES", "check_device_dtype"]
+
+
+DEVICE_DTYPE_CHARS = frozenset("?bBhHiIlLqQefdFD")
+SCALAR_TYPES = frozenset(
+    {int, float, bool, complex} | {np.dtype(c).type for c in DEVICE_DTYPE_CHARS}
+)
+"""Operands CuPy's kernels take as scalars (``cupy/_core/_scalar.pyx``, ``scalar_type_set``)."""
+
+
+def check_device_dtype(dtype: Any, name: str, /) -> np.dtype[Any]:
+    """``numpy.dtype(dtype)`` if CuPy has it, else ``TypeError`` naming ``name``.
+
+    CuPy computes on bool, integer, float16/32/64 and complex64/128 arrays in native byte order
+    (``cupy/_core/_dtype.pyx``, ``check_supported_dtype``); object, string, datetime,
+    timedelta, ``longdouble`` and ``StringDType`` arrays exist only on the cpu, and CuPy refuses
+    big-endian dtypes. Structured and void dtypes are refused too: CuPy's main branch can hold
+    their bytes but computes nothing on them, so a host device refuses them at the boundary.
+    The error is a ``TypeError`` (CuPy raises ``ValueError('Unsupported dtype ...')``), the same
+    at every size.
+
+    Example:
+        >>> check_device_dtype("float32", "dtype")
+        dtype('float32')
+    """
+    read = np.dtype(dtype)
+    if read.char not in DEVICE_DTYPE_CHARS or not read.isnative:
+        raise TypeError(
+            f"{name} is {read}, a dtype device arrays cannot hold (CuPy has bool, integer, "
+            "float16/32/64 and complex64/128 arrays only, in native byte order); keep such "
+            "data on the cpu as a NumPy array."
+        )
+    return read

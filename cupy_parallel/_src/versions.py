@@ -1,0 +1,64 @@
+"""Version counters: how many in-place writes have hit a NumPy buffer's memory.
+
+torch's version counter, for host arrays: views of one buffer share one counter (it is kept for
+the ndarray owning the memory), made at the first write and dropped with the memory. The host
+array counts every in-place write through its API (:func:`cupy_parallel._src.hostarray.version`
+reads it); the tape compares counts to catch a write into an array it saved.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import numpy as np
+
+__all__ = ["count_write", "writes"]
+
+_versions: dict[int, list[Any]] = {}
+"""``id(root buffer) -> [writes, weakref to root]``: a buffer's counter, made at its first write."""
+
+
+def _root(data: np.ndarray) -> np.ndarray:
+    """The ndarray owning ``data``'s memory (NumPy collapses base chains to it)."""
+    base = data.base
+    while isinstance(base, np.ndarray):
+        data, base = base, base.base
+    return data
+
+
+def count_write(data: np.ndarray, /) -> None:
+    """Count one in-place write into ``data``'s memory.
+
+    Example:
+        >>> import numpy as np
+        >>> data = np.zeros(3)
+        >>> count_write(data[1:])
+        >>> writes(data)
+        1
+    """
+    root = _root(data)
+    key = id(root)
+    entry = _versions.get(key)
+    if entry is not None and entry[1]() is root:
+        entry[0] += 1
+    else:
+        _versions[key] = [1, weakref.ref(root, functools.partial(_forget, key))]
+
+
+def _forget(key: int, _: object) -> None:
+    _versions.pop(key, None)
+
+
+def writes(data: np.ndarray, /) -> int:
+    """How many in-place writes have hit ``data``'s memory (through any view of it).
+
+    Example:
+        >>> import numpy as np
+        >>> writes(np.zeros(1))
+        0
+    """
+    root = _root(data)
+    entry = _versions.get(id(root))
+    return entry[0] if entry is not None and entry[1]() is root else 0
