@@ -3,7 +3,7 @@
 Every collective is one :func:`_run` call (mpi4py's ``pkl5`` one-liners over one helper are the
 model): the runner resolves the group (``None`` means the world; on a non-member the call returns
 ``None`` at once), lets the collective's ``prepare`` check the arguments in the caller's words
-(:func:`_array`, :func:`_arrays`, :func:`_peer`, :func:`_reduction`) and name the backend
+(:func:`_array`, :func:`_arrays`, ``pg.group_rank``, :func:`_reduction`) and name the backend
 primitive with its arguments, reads ``async_op``, compares the ranks' arguments in the debug
 mode, starts the primitive and waits on the returned :class:`~cupy_parallel.distributed.Work`
 unless ``async_op=True``.
@@ -39,7 +39,7 @@ import numpy as np
 from cupy_parallel._src.arguments import read_bool, read_int, read_timeout
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.distributed.backend import disagreeing, per_rank
-from cupy_parallel._src.distributed.groups import _resolve
+from cupy_parallel._src.distributed.groups import resolve_group
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray
 
@@ -119,7 +119,7 @@ def _run(
     work = call.primitive(*call.args)
     if asynchronous:
         outputs = call.args[0] if call.outputs is None and call.args else call.outputs
-        work._result = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
+        work.outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
         return work
     work.wait()
     return None
@@ -166,10 +166,10 @@ def _compare(
 
 
 def _backend_of(group: Any) -> tuple[ProcessGroup, ProcessGroupBackend] | None:
-    pg = _resolve(group)
+    pg = resolve_group(group)
     if pg is None:
         return None
-    backend = pg._live()
+    backend = pg.live_backend()
     if backend.failure is not None:
         raise RuntimeError(
             f"process group {pg.name!r} is unusable: {backend.failure} "
@@ -261,19 +261,6 @@ def _distinct_devices(xs: Sequence[Any], name: str) -> None:
             f"{name} must hold one array per local device (each on a different device), got "
             f"devices {[str(d) for d in seen]}."
         )
-
-
-def peer_rank(pg: ProcessGroup, rank: Any, name: str) -> int:
-    """The group rank of world rank ``rank``."""
-    local = pg._group_rank.get(rank) if type(rank) is int else None
-    if local is None:
-        local = pg._group_rank.get(read_int(rank, name))
-        if local is None:
-            raise ValueError(
-                f"{name}={rank} is not a member of process group {pg.name!r}, whose world "
-                f"ranks are {list(pg.ranks)}."
-            )
-    return local
 
 
 def _reduction(backend: ProcessGroupBackend, dtype: Any, op: Any) -> None:
@@ -373,7 +360,7 @@ def _rooted(
     The list is required on the root (one array per member, like ``tensor``) and must be ``None``
     (or empty) elsewhere, where ``None`` is returned for it.
     """
-    root = peer_rank(pg, rank, rank_name)
+    root = pg.group_rank(rank, rank_name)
     role, receives = _ROOT_ROLES[rank_name]
     if root != backend.rank:
         if _given(xs):
@@ -499,7 +486,7 @@ def broadcast(
 
     def prepare(pg: ProcessGroup, backend: ProcessGroupBackend) -> _Call:
         _data(backend, tensor, "tensor")
-        root = peer_rank(pg, src, "src")
+        root = pg.group_rank(src, "src")
         return _Call(backend.broadcast, ([tensor], root, 0), (root, tensor))
 
     return _run("broadcast", group, async_op, prepare)
@@ -616,7 +603,7 @@ def reduce(
     def prepare(pg: ProcessGroup, backend: ProcessGroupBackend) -> _Call:
         _array(backend, tensor, "tensor")
         _reduction(backend, tensor.dtype, op)
-        root = peer_rank(pg, dst, "dst")
+        root = pg.group_rank(dst, "dst")
         return _Call(backend.reduce, ([tensor], root, 0, op), (root, op, tensor))
 
     return _run("reduce", group, async_op, prepare)
@@ -1228,7 +1215,7 @@ def _p2p(
         if not receive:
             raise TypeError(f"{name} must be an int (a world rank), got None.")
         return pg, backend, None, tag
-    local = peer_rank(pg, peer, name)
+    local = pg.group_rank(peer, name)
     if local == backend.rank:
         raise ValueError(
             f"{name}={peer} is this process's own rank; a rank cannot "
@@ -1283,7 +1270,7 @@ def irecv(
         return None
     pg, backend, local, tag = checked
     work: Work = backend.recv(tensor, local, tag)
-    work._ranks = pg.ranks
+    work.world_ranks = pg.ranks
     return work
 
 
@@ -1528,7 +1515,7 @@ def broadcast_multigpu(
     def prepare(pg: ProcessGroup, backend: ProcessGroupBackend) -> _Call:
         _device_list(backend, tensor_list, "tensor_list")
         backend.check_dtype(tensor_list[0].dtype, None)
-        root = peer_rank(pg, src, "src")
+        root = pg.group_rank(src, "src")
         index = _index(src_tensor, len(tensor_list), "src_tensor")
         return _Call(backend.broadcast, (tensor_list, root, index), (root, tensor_list))
 
@@ -1655,7 +1642,7 @@ def reduce_multigpu(  # noqa: PLR0917 - torch's signature
     def prepare(pg: ProcessGroup, backend: ProcessGroupBackend) -> _Call:
         _device_list(backend, tensor_list, "tensor_list")
         _reduction(backend, tensor_list[0].dtype, op)
-        root = peer_rank(pg, dst, "dst")
+        root = pg.group_rank(dst, "dst")
         index = _index(dst_tensor, len(tensor_list), "dst_tensor")
         return _Call(backend.reduce, (tensor_list, root, index, op), (root, op, tensor_list))
 
@@ -1884,7 +1871,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     for item, (pg, backend, local, tag) in checked:
         if item.op is irecv:
             work = backend.recv(item.tensor, local, tag)
-            work._ranks = pg.ranks
+            work.world_ranks = pg.ranks
         else:
             assert local is not None
             work = backend.send(item.tensor, local, tag)
@@ -1930,7 +1917,7 @@ def monitored_barrier(
     if backend.rank != 0:
         backend.send(np.zeros(1, np.uint8), 0, tag).wait()
         release = backend.recv(np.zeros(1, np.uint8), 0, tag)
-        if not _arrived(release, deadline):
+        if not release.wait_or_cancel(deadline):
             raise RuntimeError(
                 f"monitored_barrier on process group {pg.name!r}: rank {pg.ranks[0]} did not "
                 f"release this rank ({pg.ranks[backend.rank]}) within {limit:g} s (some rank "
@@ -1940,7 +1927,7 @@ def monitored_barrier(
     arrivals = [(r, backend.recv(np.zeros(1, np.uint8), r, tag)) for r in range(1, backend.size)]
     missing = []
     for r, work in arrivals:
-        if not _arrived(work, deadline):
+        if not work.wait_or_cancel(deadline):
             missing.append(pg.ranks[r])
             if not every:
                 deadline = 0.0  # cancel the rest at once
@@ -1952,14 +1939,3 @@ def monitored_barrier(
         )
     for r in range(1, backend.size):
         backend.send(np.zeros(1, np.uint8), r, tag).wait()
-
-
-def _arrived(work: Work, deadline: float) -> bool:
-    """Wait for a receive until ``deadline``; cancel it if it did not complete."""
-    try:
-        work.wait(timeout=max(deadline - time.monotonic(), 1e-3))
-    except TimeoutError:
-        if not work._cancel():
-            raise
-        return work.is_success()
-    return True

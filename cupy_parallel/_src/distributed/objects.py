@@ -17,7 +17,7 @@ import numpy as np
 
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed import collectives
-from cupy_parallel._src.distributed.groups import _resolve
+from cupy_parallel._src.distributed.groups import resolve_group
 
 if TYPE_CHECKING:
     from cupy_parallel._src.distributed.groups import ProcessGroup
@@ -31,8 +31,8 @@ __all__ = [
 
 
 def _member(group: Any) -> ProcessGroup | None:
-    pg = _resolve(group)
-    if pg is not None and pg._live().failure is not None:
+    pg = resolve_group(group)
+    if pg is not None and pg.live_backend().failure is not None:
         collectives.barrier(group)  # raises the group's failure in the usual words
     return pg
 
@@ -40,7 +40,7 @@ def _member(group: Any) -> ProcessGroup | None:
 def _buffer(pg: ProcessGroup, data: bytes | int, dtype: Any = np.uint8) -> Any:
     """An array for the group's backend holding ``data`` (bytes) or ``data`` zeros."""
     host = np.frombuffer(data, dtype).copy() if isinstance(data, bytes) else np.zeros(data, dtype)
-    if "cpu" in pg._live().array_kinds:
+    if "cpu" in pg.live_backend().array_kinds:
         return host
     cupy: Any = cupy_module()
     return cupy.asarray(host)
@@ -90,8 +90,8 @@ def broadcast_object_list(
     if pg is None:
         return
     _list(object_list, "object_list")
-    root = collectives.peer_rank(pg, src, "src")
-    is_root = root == pg._live().rank
+    root = pg.group_rank(src, "src")
+    is_root = root == pg.rank()
     pickled = [pickle.dumps(o) for o in object_list] if is_root else []
     sizes = _buffer(pg, np.array([len(p) for p in pickled], np.int64).tobytes(), np.int64)
     if not is_root:
@@ -155,8 +155,8 @@ def gather_object(
     pg = _member(group)
     if pg is None:
         return
-    root = collectives.peer_rank(pg, dst, "dst")
-    is_root = root == pg._live().rank
+    root = pg.group_rank(dst, "dst")
+    is_root = root == pg.rank()
     if is_root:
         _list(object_gather_list, "object_gather_list", length=pg.size())
     elif object_gather_list is not None:
@@ -200,8 +200,8 @@ def scatter_object_list(
     output = _list(scatter_object_output_list, "scatter_object_output_list")
     if not output:
         raise ValueError("scatter_object_output_list must hold at least one item, got [].")
-    root = collectives.peer_rank(pg, src, "src")
-    is_root = root == pg._live().rank
+    root = pg.group_rank(src, "src")
+    is_root = root == pg.rank()
     if is_root:
         inputs = _list(scatter_object_input_list, "scatter_object_input_list", length=pg.size())
         pickled = [pickle.dumps(o) for o in inputs]
