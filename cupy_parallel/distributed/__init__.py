@@ -20,33 +20,13 @@ Example:
     >>> dist.destroy_process_group()
 """
 
-from cupy_parallel._src.distributed.collectives import (
-    P2POp,
+from cupy_parallel._src.distributed.barriers import barrier, monitored_barrier
+from cupy_parallel._src.distributed.exchanges import (
     all_gather,
     all_gather_coalesced,
     all_gather_into_tensor,
-    all_gather_multigpu,
-    all_reduce,
-    all_reduce_coalesced,
-    all_reduce_multigpu,
     all_to_all,
     all_to_all_single,
-    barrier,
-    batch_isend_irecv,
-    broadcast,
-    broadcast_multigpu,
-    gather,
-    irecv,
-    isend,
-    monitored_barrier,
-    recv,
-    reduce,
-    reduce_multigpu,
-    reduce_scatter,
-    reduce_scatter_multigpu,
-    reduce_scatter_tensor,
-    scatter,
-    send,
 )
 from cupy_parallel._src.distributed.groups import (
     GroupMember,
@@ -65,12 +45,27 @@ from cupy_parallel._src.distributed.groups import (
     is_nccl_available,
     new_group,
 )
+from cupy_parallel._src.distributed.multigpu import (
+    all_gather_multigpu,
+    all_reduce_multigpu,
+    broadcast_multigpu,
+    reduce_multigpu,
+    reduce_scatter_multigpu,
+)
 from cupy_parallel._src.distributed.objects import (
     all_gather_object,
     broadcast_object_list,
     gather_object,
     scatter_object_list,
 )
+from cupy_parallel._src.distributed.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from cupy_parallel._src.distributed.reductions import (
+    all_reduce,
+    all_reduce_coalesced,
+    reduce_scatter,
+    reduce_scatter_tensor,
+)
+from cupy_parallel._src.distributed.rooted import broadcast, gather, reduce, scatter
 from cupy_parallel._src.distributed.store import (
     DistError,
     DistNetworkError,

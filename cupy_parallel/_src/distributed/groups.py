@@ -39,6 +39,7 @@ __all__ = [
     "is_mpi_available",
     "is_nccl_available",
     "new_group",
+    "resolve_group",
 ]
 
 # Backend -> (module, class) implementing it, imported on first use.
@@ -91,7 +92,9 @@ class ProcessGroup:
     """A set of processes that communicate together; made by ``new_group``.
 
     ``rank()``/``size()`` are this process's rank in the group and the group's size; ``ranks``
-    lists the members' world ranks (a member's group rank is its position there).
+    lists the members' world ranks (a member's group rank is its position there). For the
+    collectives' layer: ``live_backend()`` is the group's backend object and ``group_rank()``
+    reads a world rank argument into a group rank.
 
     Example:
         >>> ProcessGroup.rank.__doc__
@@ -108,19 +111,36 @@ class ProcessGroup:
 
     def rank(self) -> int:
         """This process's rank in the group."""
-        return self._live().rank
+        return self.live_backend().rank
 
     def size(self) -> int:
         """The number of processes in the group."""
         return len(self.ranks)
 
-    def _live(self) -> ProcessGroupBackend:
+    def live_backend(self) -> ProcessGroupBackend:
+        """The group's backend object, which the collectives call; ``ValueError`` once destroyed."""
         backend = self._backend
         if backend is None:
             raise ValueError(
                 f"process group {self.name!r} was destroyed; create a new one with new_group()."
             )
         return backend
+
+    def group_rank(self, world_rank: Any, name: str = "global_rank") -> int:
+        """The group rank of world rank ``world_rank``, the caller's argument ``name``.
+
+        Raises ``ValueError`` naming ``name`` when that rank is not a member. The one reading of
+        a world rank into the group: ``get_group_rank`` and every ``src``/``dst``/``peer``.
+        """
+        local = self._group_rank.get(world_rank) if type(world_rank) is int else None
+        if local is None:
+            local = self._group_rank.get(read_int(world_rank, name))
+            if local is None:
+                raise ValueError(
+                    f"{name}={world_rank} is not a member of process group {self.name!r}, whose "
+                    f"world ranks are {list(self.ranks)}."
+                )
+        return local
 
     def __repr__(self) -> str:
         state = "destroyed" if self._backend is None else str(self._backend.backend)
@@ -142,7 +162,7 @@ def _not_initialized() -> RuntimeError:
     )
 
 
-def _resolve(group: Any) -> ProcessGroup | None:
+def resolve_group(group: Any) -> ProcessGroup | None:
     """The group a call names (``None``: the world), or ``None`` for a non-member."""
     if group is None or group is _WORLD:
         return _world_group()
@@ -153,7 +173,7 @@ def _resolve(group: Any) -> ProcessGroup | None:
             "group must be None, group.WORLD, GroupMember.NON_GROUP_MEMBER or a group from "
             f"new_group(), got {type(group).__name__} {group!r}."
         )
-    group._live()
+    group.live_backend()
     return group
 
 
@@ -387,7 +407,7 @@ def new_group(
     """
     global _group_count
     world = _world_group()
-    world_backend = world._live()
+    world_backend = world.live_backend()
     size = world.size()
     if ranks is None:
         members = tuple(range(size))
@@ -435,7 +455,7 @@ def destroy_process_group(group: Any = None) -> None:
     global _world, _group_count, _owned_store
     if group is _NON_MEMBER:
         return
-    pg = _world_group() if group is None or group is _WORLD else _resolve(group)
+    pg = _world_group() if group is None or group is _WORLD else resolve_group(group)
     if pg is None:
         return
     if pg is not _world:
@@ -468,12 +488,12 @@ def get_backend(group: Any = None) -> Backend:
         ...
         RuntimeError: The default process group is not initialized; call ...
     """
-    pg = _resolve(group)
+    pg = resolve_group(group)
     if pg is None:
         raise ValueError(
             "get_backend got GroupMember.NON_GROUP_MEMBER: this process is not in that group."
         )
-    return pg._live().backend
+    return pg.live_backend().backend
 
 
 def get_rank(group: Any = None) -> int:
@@ -483,8 +503,8 @@ def get_rank(group: Any = None) -> int:
         >>> get_rank(GroupMember.NON_GROUP_MEMBER)
         -1
     """
-    pg = _resolve(group)
-    return -1 if pg is None else pg._live().rank
+    pg = resolve_group(group)
+    return -1 if pg is None else pg.live_backend().rank
 
 
 def get_world_size(group: Any = None) -> int:
@@ -494,12 +514,12 @@ def get_world_size(group: Any = None) -> int:
         >>> get_world_size(GroupMember.NON_GROUP_MEMBER)
         -1
     """
-    pg = _resolve(group)
+    pg = resolve_group(group)
     return -1 if pg is None else len(pg.ranks)
 
 
 def _member_group(group: Any, caller: str) -> ProcessGroup:
-    pg = _resolve(group)
+    pg = resolve_group(group)
     if pg is None:
         raise ValueError(
             f"{caller} got GroupMember.NON_GROUP_MEMBER; pass a group of this process."
@@ -547,11 +567,4 @@ def get_group_rank(group: Any, global_rank: int) -> int:
         ...
         RuntimeError: The default process group is not initialized; call ...
     """
-    pg = _member_group(group, "get_group_rank")
-    index = pg._group_rank.get(read_int(global_rank, "global_rank"))
-    if index is None:
-        raise ValueError(
-            f"global_rank={global_rank} is not a member of process group {pg.name!r}, whose "
-            f"world ranks are {list(pg.ranks)}."
-        )
-    return index
+    return _member_group(group, "get_group_rank").group_rank(global_rank, "global_rank")

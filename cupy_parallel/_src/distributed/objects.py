@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src.devices import cupy_module
-from cupy_parallel._src.distributed import collectives
-from cupy_parallel._src.distributed.groups import _resolve
+from cupy_parallel._src.distributed.dispatch import backend_of
+from cupy_parallel._src.distributed.exchanges import all_gather
+from cupy_parallel._src.distributed.rooted import broadcast, gather, scatter
 
 if TYPE_CHECKING:
     from cupy_parallel._src.distributed.groups import ProcessGroup
@@ -31,16 +32,14 @@ __all__ = [
 
 
 def _member(group: Any) -> ProcessGroup | None:
-    pg = _resolve(group)
-    if pg is not None and pg._live().failure is not None:
-        collectives.barrier(group)  # raises the group's failure in the usual words
-    return pg
+    resolved = backend_of(group)  # raises the group's failure in the usual words
+    return None if resolved is None else resolved[0]
 
 
 def _buffer(pg: ProcessGroup, data: bytes | int, dtype: Any = np.uint8) -> Any:
     """An array for the group's backend holding ``data`` (bytes) or ``data`` zeros."""
     host = np.frombuffer(data, dtype).copy() if isinstance(data, bytes) else np.zeros(data, dtype)
-    if "cpu" in pg._live().array_kinds:
+    if "cpu" in pg.live_backend().array_kinds:
         return host
     cupy: Any = cupy_module()
     return cupy.asarray(host)
@@ -53,7 +52,7 @@ def _host(x: Any) -> np.ndarray:
 def _sizes(pg: ProcessGroup, own: int, group: Any) -> list[int]:
     """Every member's ``own``, by group rank (an ``all_gather`` of one int64)."""
     parts = [_buffer(pg, 1, np.int64) for _ in range(pg.size())]
-    collectives.all_gather(parts, _buffer(pg, np.int64(own).tobytes(), np.int64), group)
+    all_gather(parts, _buffer(pg, np.int64(own).tobytes(), np.int64), group)
     return [int(_host(p)[0]) for p in parts]
 
 
@@ -90,16 +89,16 @@ def broadcast_object_list(
     if pg is None:
         return
     _list(object_list, "object_list")
-    root = collectives.peer_rank(pg, src, "src")
-    is_root = root == pg._live().rank
+    root = pg.group_rank(src, "src")
+    is_root = root == pg.rank()
     pickled = [pickle.dumps(o) for o in object_list] if is_root else []
     sizes = _buffer(pg, np.array([len(p) for p in pickled], np.int64).tobytes(), np.int64)
     if not is_root:
         sizes = _buffer(pg, len(object_list), np.int64)
-    collectives.broadcast(sizes, src, group)
+    broadcast(sizes, src, group)
     counts = [int(n) for n in _host(sizes)]
     data = _buffer(pg, b"".join(pickled)) if is_root else _buffer(pg, sum(counts))
-    collectives.broadcast(data, src, group)
+    broadcast(data, src, group)
     if not is_root:
         raw, start = _host(data).tobytes(), 0
         for i, n in enumerate(counts):
@@ -130,7 +129,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
     sizes = _sizes(pg, len(mine), group)
     longest = max(sizes)
     parts = [_buffer(pg, longest) for _ in sizes]
-    collectives.all_gather(parts, _buffer(pg, mine.ljust(longest, b"\0")), group)
+    all_gather(parts, _buffer(pg, mine.ljust(longest, b"\0")), group)
     for r, (part, n) in enumerate(zip(parts, sizes, strict=True)):
         object_list[r] = pickle.loads(_host(part).tobytes()[:n])  # noqa: S301 - see module
 
@@ -155,8 +154,8 @@ def gather_object(
     pg = _member(group)
     if pg is None:
         return
-    root = collectives.peer_rank(pg, dst, "dst")
-    is_root = root == pg._live().rank
+    root = pg.group_rank(dst, "dst")
+    is_root = root == pg.rank()
     if is_root:
         _list(object_gather_list, "object_gather_list", length=pg.size())
     elif object_gather_list is not None:
@@ -167,7 +166,7 @@ def gather_object(
     sizes = _sizes(pg, len(mine), group)
     longest = max(sizes)
     parts = [_buffer(pg, longest) for _ in sizes] if is_root else None
-    collectives.gather(_buffer(pg, mine.ljust(longest, b"\0")), parts, dst, group)
+    gather(_buffer(pg, mine.ljust(longest, b"\0")), parts, dst, group)
     if parts is not None and object_gather_list is not None:
         for r, (part, n) in enumerate(zip(parts, sizes, strict=True)):
             object_gather_list[r] = pickle.loads(_host(part).tobytes()[:n])  # noqa: S301
@@ -200,8 +199,8 @@ def scatter_object_list(
     output = _list(scatter_object_output_list, "scatter_object_output_list")
     if not output:
         raise ValueError("scatter_object_output_list must hold at least one item, got [].")
-    root = collectives.peer_rank(pg, src, "src")
-    is_root = root == pg._live().rank
+    root = pg.group_rank(src, "src")
+    is_root = root == pg.rank()
     if is_root:
         inputs = _list(scatter_object_input_list, "scatter_object_input_list", length=pg.size())
         pickled = [pickle.dumps(o) for o in inputs]
@@ -209,13 +208,13 @@ def scatter_object_list(
     else:
         pickled, longest = [], 0
     top = _buffer(pg, np.int64(longest).tobytes(), np.int64)
-    collectives.broadcast(top, src, group)
+    broadcast(top, src, group)
     longest = int(_host(top)[0])
     size_out = _buffer(pg, 1, np.int64)
     size_in = [_buffer(pg, np.int64(len(p)).tobytes(), np.int64) for p in pickled] or None
-    collectives.scatter(size_out, size_in, src, group)
+    scatter(size_out, size_in, src, group)
     data_out = _buffer(pg, longest)
     data_in = [_buffer(pg, p.ljust(longest, b"\0")) for p in pickled] or None
-    collectives.scatter(data_out, data_in, src, group)
+    scatter(data_out, data_in, src, group)
     n = int(_host(size_out)[0])
     output[0] = pickle.loads(_host(data_out).tobytes()[:n])  # noqa: S301 - see module

@@ -61,6 +61,10 @@ class Work:
 
     :meth:`get_future` returns a ``concurrent.futures.Future`` of the output arrays (PyTorch 2).
 
+    For the public layer: it sets :attr:`outputs` (the arrays the future holds) and
+    :attr:`world_ranks` (what :meth:`source_rank` translates to) on the work it hands out, and
+    :meth:`wait_or_cancel` waits for a receive with a deadline (``monitored_barrier``).
+
     For backend authors: subclass and implement :meth:`_test` (non-blocking: ``True`` once the
     operation finished; raise to report failure). Optionally override :meth:`_block` (block until
     done or a deadline; the default polls ``_test`` with backoff), :meth:`_on_timeout` (react to an
@@ -91,10 +95,10 @@ class Work:
         "_future",
         "_group",
         "_keep",
-        "_ranks",
-        "_result",
         "_source",
         "_timeout",
+        "outputs",
+        "world_ranks",
     )
 
     #: Tests between two yields of the core while polling; backends lower it when oversubscribed.
@@ -115,8 +119,11 @@ class Work:
         self._exception: BaseException | None = None
         self._finalizers: list[Callable[[], object]] | None = None
         self._source = -1
-        self._ranks: tuple[int, ...] | None = None
-        self._result: Any = None  # what get_future()'s future holds: the output arrays
+        #: The group's world ranks by group rank, for :meth:`source_rank` (``irecv`` sets them).
+        self.world_ranks: tuple[int, ...] | None = None
+        #: The arrays the operation writes, :meth:`get_future`'s result (the public layer sets
+        #: them when it returns the work: ``async_op=True``).
+        self.outputs: Any = None
         self._future: Future[Any] | None = None
 
     # ----------------------------------------------------------------------------- backend hooks
@@ -339,7 +346,7 @@ class Work:
                 except BaseException as error:  # noqa: BLE001 - handed to the future
                     future.set_exception(error)
                 else:
-                    future.set_result(self._result if self._result is not None else [])
+                    future.set_result(self.outputs if self.outputs is not None else [])
 
             threading.Thread(target=settle, name=f"{self._description} future", daemon=True).start()
         return self._future
@@ -347,9 +354,23 @@ class Work:
     def source_rank(self) -> int:
         """The global rank a finished receive got its message from (``-1`` for other operations)."""
         self.wait()
-        if self._ranks is not None and self._source >= 0:
-            return self._ranks[self._source]
+        if self.world_ranks is not None and self._source >= 0:
+            return self.world_ranks[self._source]
         return self._source
+
+    def wait_or_cancel(self, deadline: float) -> bool:
+        """Wait for a receive until ``deadline`` (``time.monotonic()``); cancel it if not complete.
+
+        ``True`` when it completed, ``False`` when it was cancelled (``monitored_barrier``'s
+        wait for a late rank); re-raises the ``TimeoutError`` if it could not be cancelled.
+        """
+        try:
+            self.wait(timeout=max(deadline - time.monotonic(), 1e-3))
+        except TimeoutError:
+            if not self._cancel():
+                raise
+            return self.is_success()
+        return True
 
     def __repr__(self) -> str:
         state = "completed" if self._done else "pending"

@@ -1,0 +1,105 @@
+"""Barriers: ``barrier``, and ``monitored_barrier`` (PyTorch 2), which names the late ranks."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+import numpy as np
+
+from cupy_parallel._src.arguments import read_bool, read_timeout
+from cupy_parallel._src.distributed.dispatch import Call, backend_of, run
+
+if TYPE_CHECKING:
+    from cupy_parallel._src.distributed.backend import ProcessGroupBackend
+    from cupy_parallel._src.distributed.groups import ProcessGroup
+    from cupy_parallel._src.distributed.work import Work
+
+__all__ = ["barrier", "monitored_barrier"]
+
+
+@overload
+def barrier(group: ProcessGroup | None = None, async_op: Literal[False] = False) -> None: ...
+@overload
+def barrier(group: ProcessGroup | None, async_op: Literal[True]) -> Work: ...
+@overload
+def barrier(group: ProcessGroup | None = None, *, async_op: Literal[True]) -> Work: ...
+@overload
+def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None: ...
+def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Wait until every rank of the group has called ``barrier``.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> dist.barrier(async_op=True).wait()
+        True
+        >>> dist.destroy_process_group()
+    """
+
+    def prepare(pg: ProcessGroup, backend: ProcessGroupBackend) -> Call:
+        return Call(backend.barrier, (), (), [])
+
+    return run("barrier", group, async_op, prepare)
+
+
+def monitored_barrier(
+    group: ProcessGroup | None = None, timeout: Any = None, wait_all_ranks: bool = False
+) -> None:
+    """A barrier that names the ranks that did not arrive within ``timeout`` (PyTorch 2).
+
+    Group rank 0 waits for a message from every other rank, then releases them. If some rank
+    does not arrive in time, rank 0 raises ``RuntimeError`` naming the first such rank (every
+    such rank with ``wait_all_ranks=True``), and the other ranks raise ``RuntimeError`` when
+    rank 0 does not release them. Pending receives are cancelled, so the group stays usable.
+    Host backends only (it uses point-to-point messages on host arrays), as torch's is gloo's.
+
+    Args:
+        group: The process group (default: the world).
+        timeout: Seconds or a ``datetime.timedelta``; default: the group's timeout.
+        wait_all_ranks: Wait for every rank and name all the missing ones.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> dist.monitored_barrier(timeout=5)
+        >>> dist.destroy_process_group()
+    """
+    resolved = backend_of(group)
+    if resolved is None:
+        return
+    pg, backend = resolved
+    limit = backend.timeout if timeout is None else read_timeout(timeout)
+    every = read_bool(wait_all_ranks, "wait_all_ranks")
+    if "cpu" not in backend.array_kinds:
+        raise NotImplementedError(
+            f"monitored_barrier needs a host backend; the {backend.backend.value!r} backend "
+            "moves device arrays only (use barrier())."
+        )
+    tag = backend.max_tag + 1
+    deadline = time.monotonic() + limit
+    if backend.rank != 0:
+        backend.send(np.zeros(1, np.uint8), 0, tag).wait()
+        release = backend.recv(np.zeros(1, np.uint8), 0, tag)
+        if not release.wait_or_cancel(deadline):
+            raise RuntimeError(
+                f"monitored_barrier on process group {pg.name!r}: rank {pg.ranks[0]} did not "
+                f"release this rank ({pg.ranks[backend.rank]}) within {limit:g} s (some rank "
+                "did not arrive; rank 0 names it)."
+            )
+        return
+    arrivals = [(r, backend.recv(np.zeros(1, np.uint8), r, tag)) for r in range(1, backend.size)]
+    missing = []
+    for r, work in arrivals:
+        if not work.wait_or_cancel(deadline):
+            missing.append(pg.ranks[r])
+            if not every:
+                deadline = 0.0  # cancel the rest at once
+    if missing:
+        raise RuntimeError(
+            f"monitored_barrier on process group {pg.name!r}: rank"
+            f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not arrive "
+            f"within {limit:g} s."
+        )
+    for r in range(1, backend.size):
+        backend.send(np.zeros(1, np.uint8), r, tag).wait()

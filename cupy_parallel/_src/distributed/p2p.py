@@ -1,0 +1,228 @@
+"""Point-to-point messages: ``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``.
+
+``dst``/``src`` are world ranks; ``recv``/``irecv`` take any sender when ``src=None``.
+``batch_isend_irecv`` starts a list of :class:`P2POp` (PyTorch 2).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.distributed.dispatch import backend_of, check_data
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from cupy_parallel._src.arraytypes import Array
+    from cupy_parallel._src.distributed.backend import ProcessGroupBackend
+    from cupy_parallel._src.distributed.groups import ProcessGroup
+    from cupy_parallel._src.distributed.work import Work
+
+__all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
+
+
+def _tag(backend: ProcessGroupBackend, tag: Any) -> int:
+    tag = read_int(tag, "tag", minimum=0)
+    if tag > backend.max_tag:
+        raise ValueError(
+            f"tag must be at most {backend.max_tag} (the largest tag the "
+            f"{backend.backend.value!r} backend carries), got {tag}."
+        )
+    return tag
+
+
+def _p2p(
+    tensor: Any, peer: Any, name: str, group: Any, tag: Any, *, receive: bool
+) -> tuple[ProcessGroup, ProcessGroupBackend, int | None, int] | None:
+    """Check a send (``receive=False``) or receive; ``peer`` (named ``name``) may be None then."""
+    resolved = backend_of(group)
+    if resolved is None:
+        return None
+    pg, backend = resolved
+    check_data(backend, tensor, "tensor", output=receive)
+    tag = _tag(backend, tag)
+    if peer is None:
+        if not receive:
+            raise TypeError(f"{name} must be an int (a world rank), got None.")
+        return pg, backend, None, tag
+    local = pg.group_rank(peer, name)
+    if local == backend.rank:
+        raise ValueError(
+            f"{name}={peer} is this process's own rank; a rank cannot "
+            f"{'receive from' if receive else 'send to'} itself."
+        )
+    return pg, backend, local, tag
+
+
+def isend(tensor: Array, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> Work | None:
+    """Start sending ``tensor`` to world rank ``dst``; returns a :class:`Work` to wait on.
+
+    ``tensor`` must not be modified until the work completed. Returns ``None`` on non-members.
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> dist.isend(np.zeros(1), dst=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: dst=0 is this process's own rank; a rank cannot send to itself.
+        >>> dist.destroy_process_group()
+    """
+    checked = _p2p(tensor, dst, "dst", group, tag, receive=False)
+    if checked is None:
+        return None
+    _pg, backend, local, tag = checked
+    assert local is not None
+    work: Work = backend.send(tensor, local, tag)
+    return work
+
+
+def irecv(
+    tensor: Array, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0
+) -> Work | None:
+    """Start receiving into ``tensor`` from world rank ``src`` (any rank when ``None``).
+
+    ``Work.source_rank()`` gives the sender's world rank once it completed.
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> dist.irecv(np.zeros(1), src=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: src=1 is not a member of process group '0', whose world ranks are [0].
+        >>> dist.destroy_process_group()
+    """
+    checked = _p2p(tensor, src, "src", group, tag, receive=True)
+    if checked is None:
+        return None
+    pg, backend, local, tag = checked
+    work: Work = backend.recv(tensor, local, tag)
+    work.world_ranks = pg.ranks
+    return work
+
+
+def send(tensor: Array, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
+    """Send ``tensor`` to world rank ``dst`` and wait until the buffer can be reused.
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> dist.send(np.zeros(1), dst=3)
+        Traceback (most recent call last):
+        ...
+        ValueError: dst=3 is not a member of process group '0', whose world ranks are [0].
+        >>> dist.destroy_process_group()
+    """
+    work = isend(tensor, dst, group, tag)
+    if work is not None:
+        work.wait()
+
+
+def recv(
+    tensor: Array, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0
+) -> int:
+    """Receive into ``tensor`` from world rank ``src`` (any rank when ``None``).
+
+    The message must be as large as ``tensor``: a larger one raises ``ValueError``, and so does a
+    smaller one on the ``"mpi"`` backend (torch's gloo fills the front of the tensor and leaves
+    the rest as it was, with no way to tell how much came; a size known to both sides is the
+    only safe use). On ``"nccl"`` the sizes must match, as NCCL requires.
+
+    Returns:
+        The sender's world rank; ``-1`` on non-members of ``group``.
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.init_process_group("mpi")
+        >>> dist.recv(np.zeros(1), src=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: src=0 is this process's own rank; a rank cannot receive from itself.
+        >>> dist.destroy_process_group()
+    """
+    work = irecv(tensor, src, group, tag)
+    if work is None:
+        return -1
+    return work.source_rank()
+
+
+class P2POp:
+    """One send or receive for :func:`batch_isend_irecv`: ``op`` is :func:`isend` or :func:`irecv`.
+
+    The arguments are those of ``op`` (``peer`` is its ``dst``/``src``, a world rank) and are
+    checked when the batch starts.
+
+    Example:
+        >>> import numpy as np
+        >>> P2POp(isend, np.zeros(2), 1)
+        P2POp(isend, peer=1, tag=0)
+    """
+
+    __slots__ = ("group", "op", "peer", "tag", "tensor")
+
+    def __init__(
+        self,
+        op: Callable[..., Any],
+        tensor: Array,
+        peer: int,
+        group: ProcessGroup | None = None,
+        tag: int = 0,
+    ) -> None:
+        if op is not isend and op is not irecv:
+            raise ValueError(
+                "op must be cupy_parallel.distributed.isend or irecv, got "
+                f"{getattr(op, '__name__', type(op).__name__)}."
+            )
+        self.op = op
+        self.tensor = tensor
+        self.peer = peer
+        self.group = group
+        self.tag = tag
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
+    """Start every send and receive of ``p2p_op_list``; one :class:`Work` each, in order.
+
+    Every operation is checked before any starts. Operations on groups this process is not a
+    member of are skipped (no work for them), as single ``isend``/``irecv`` calls return
+    ``None`` there.
+
+    Example:
+        >>> from cupy_parallel import distributed as dist
+        >>> dist.batch_isend_irecv([])
+        Traceback (most recent call last):
+        ...
+        ValueError: p2p_op_list must hold at least one P2POp, got an empty list.
+    """
+    if not isinstance(p2p_op_list, list | tuple):
+        raise TypeError(f"p2p_op_list must be a list of P2POp, got {type(p2p_op_list).__name__}.")
+    if not p2p_op_list:
+        raise ValueError("p2p_op_list must hold at least one P2POp, got an empty list.")
+    checked = []
+    for index, item in enumerate(p2p_op_list):
+        if not isinstance(item, P2POp):
+            raise TypeError(f"p2p_op_list[{index}] must be a P2POp, got {type(item).__name__}.")
+        receive = item.op is irecv
+        name = "src" if receive else "dst"
+        found = _p2p(item.tensor, item.peer, name, item.group, item.tag, receive=receive)
+        if found is not None:
+            checked.append((item, found))
+    works = []
+    for item, (pg, backend, local, tag) in checked:
+        if item.op is irecv:
+            work = backend.recv(item.tensor, local, tag)
+            work.world_ranks = pg.ranks
+        else:
+            assert local is not None
+            work = backend.send(item.tensor, local, tag)
+        works.append(work)
+    return works
