@@ -25,7 +25,7 @@ from cupy_parallel._src.distributed.dispatch import (
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from cupy_parallel._src.arraytypes import Array
+    from cupy_parallel._src.arrays import Array
     from cupy_parallel._src.distributed.backend import ProcessGroupBackend
     from cupy_parallel._src.distributed.groups import ProcessGroup
     from cupy_parallel._src.distributed.work import Work

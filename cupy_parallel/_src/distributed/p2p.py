@@ -14,7 +14,7 @@ from cupy_parallel._src.distributed.dispatch import backend_of, check_data
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from cupy_parallel._src.arraytypes import Array
+    from cupy_parallel._src.arrays import Array
     from cupy_parallel._src.distributed.backend import ProcessGroupBackend
     from cupy_parallel._src.distributed.groups import ProcessGroup
     from cupy_parallel._src.distributed.work import Work

@@ -21,7 +21,7 @@ from cupy_parallel._src.enums import ReduceOp
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from cupy_parallel._src.arraytypes import Array
+    from cupy_parallel._src.arrays import Array
     from cupy_parallel._src.distributed.backend import ProcessGroupBackend
     from cupy_parallel._src.distributed.groups import ProcessGroup
     from cupy_parallel._src.distributed.work import Work
