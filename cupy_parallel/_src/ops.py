@@ -45,15 +45,11 @@ from numpy.lib.array_utils import normalize_axis_index, normalize_axis_tuple
 
 from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, is_array
+from cupy_parallel._src.compute import cuda_device
 from cupy_parallel._src.devices import cupy_module
+from cupy_parallel._src.guard import register_ops
 from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer
-from cupy_parallel._src.tape import (
-    active_tapes,
-    cuda_device,
-    record,
-    record_binary,
-    record_unary,
-)
+from cupy_parallel._src.recording import active_tapes, record, record_binary, record_unary
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -1223,3 +1219,6 @@ def _split_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, axis: int) -> Gr
         for g, z in zip(gs, zs, strict=True)
     ]
     return (_fit(concatenate(parts, axis), xs[0]),)
+
+
+register_ops(__all__)  # the guard names these ops in its errors (tape never imports ops)
