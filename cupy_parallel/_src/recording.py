@@ -298,7 +298,10 @@ def _astype(x: Any, dtype: Any) -> Any:
 
 
 def cast(x: Any, dtype: Any, /) -> Any:
-    """``x`` as ``dtype`` (a new array), recorded; its gradient is cast back."""
+    """``x`` as ``dtype`` (a new array), recorded; its gradient is cast back.
+
+    The one recorded cast: the tape's gradients and every vjp's ``fit`` use it.
+    """
     z = compute(_astype, x, dtype)
     record_unary(_cast_vjp, x, z, None)
     return z
