@@ -34,7 +34,8 @@ import numpy as np
 from cupy_parallel._src import ops
 from cupy_parallel._src.arrays import to_device
 from cupy_parallel._src.devices import Device, devices, set_host_device_count
-from cupy_parallel._src.tape import Tape, active_tapes, record_binary
+from cupy_parallel._src.recording import active_tapes, record_binary
+from cupy_parallel._src.tape import Tape
 from cupy_parallel._tools.benchmarking import result, script_main
 
 if TYPE_CHECKING:

@@ -25,6 +25,7 @@ from cupy_parallel import comm, functions, ops
 from cupy_parallel._src.arrays import Array, array_namespace, device_of, empty, is_array
 from cupy_parallel._src.devices import Device, as_device, devices, platform, set_host_device_count
 from cupy_parallel._src.exports import set_module
+from cupy_parallel._src.function import Function, FunctionContext
 from cupy_parallel._src.functional import grad, value_and_grad
 from cupy_parallel._src.functions import to_device
 from cupy_parallel._src.gradcheck import GradcheckError, gradcheck
@@ -32,7 +33,7 @@ from cupy_parallel._src.hostarray import HostArray
 from cupy_parallel._src.memory import HostMemoryPool, get_host_memory_pool
 from cupy_parallel._src.nested import gather, scatter, scatter_kwargs
 from cupy_parallel._src.parallel import DataParallel, data_parallel, parallel_apply, replicate
-from cupy_parallel._src.tape import Function, FunctionContext, Tape, stop_gradient
+from cupy_parallel._src.tape import Tape, stop_gradient
 
 if TYPE_CHECKING:
     from types import ModuleType

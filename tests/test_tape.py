@@ -130,7 +130,7 @@ def test_operations_outside_the_block_or_on_untracked_arrays_are_not_recorded() 
     assert tape.tracks(y)
     assert not tape.tracks(constant)
     assert not tape.tracks(after)
-    assert not cupy_parallel._src.tape.is_recording()
+    assert not cupy_parallel._src.recording.is_recording()
 
 
 # --------------------------------------------------------------------------------------------
@@ -661,7 +661,7 @@ def test_unconnected_gradients() -> None:
 
 
 def test_ctx_argument_errors() -> None:
-    ctx = cupy_parallel._src.tape.FunctionContext((True,))
+    ctx = cupy_parallel._src.function.FunctionContext((True,))
     with pytest.raises(TypeError, match="save_for_backward takes arrays or None, got int"):
         ctx.save_for_backward(np.ones(1), 3)
     with pytest.raises(TypeError, match="mark_non_differentiable takes output arrays"):
@@ -943,7 +943,7 @@ def halves(x: Any, scale: Any) -> tuple[Any, Any]:
     return first, second
 
 
-tape_module = cupy_parallel._src.tape
+tape_module = cupy_parallel._src.recording
 
 
 def test_record_is_a_no_op_without_a_tape_and_records_on_each_tape_that_tracks_an_input() -> None:

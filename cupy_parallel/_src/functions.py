@@ -26,7 +26,8 @@ from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.arrays import to_device as move
 from cupy_parallel._src.cuda.streams import background_stream
 from cupy_parallel._src.devices import Device, read_devices
-from cupy_parallel._src.tape import Function, FunctionContext, is_recording
+from cupy_parallel._src.function import Function, FunctionContext
+from cupy_parallel._src.recording import is_recording
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray

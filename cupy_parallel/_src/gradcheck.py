@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src.arrays import is_array, to_device
-from cupy_parallel._src.tape import Tape, on_device_of, pullback, zeros_like
+from cupy_parallel._src.compute import on_device_of, zeros_like
+from cupy_parallel._src.recording import pullback
+from cupy_parallel._src.tape import Tape
 from cupy_parallel._src.tree import leaves as tree_leaves
 
 if TYPE_CHECKING:

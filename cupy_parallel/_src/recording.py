@@ -1,0 +1,431 @@
+"""The autodiff core: the active tapes, recording an operation, and the reverse pass.
+
+Every active tape records (``tf.GradientTape`` semantics): an operation is recorded on each tape
+of the context that tracks one of its inputs, not only on the innermost. While a tape computes a
+gradient it stops recording, but the other active tapes go on; vector-Jacobian products written
+with recorded operations are therefore recorded on an outer tape, which gives second derivatives
+and Hessian-vector products.
+
+A recorded operation is a *node*, a plain tuple ``(vjp, inputs, needs, outputs, aux, cuda)``:
+
+- ``vjp(cotangents, inputs, needs, outputs, aux)`` maps the list of output gradients to one
+  gradient (or ``None``) per input; ``aux`` carries whatever else it needs (axes, a ctx);
+- ``needs[i]`` says whether input ``i`` is tracked by this tape (only those receive gradients);
+- ``cuda`` is the ``cupy.cuda.Device`` the vjp runs on, ``None`` on the host.
+
+On host devices the tape also notes the version of every host array a node touches when it
+first sees it; a node whose array was written in place since refuses to run (PyTorch's version
+counter).
+
+Operations record themselves with :func:`record` (or its fast paths :func:`record_unary` and
+:func:`record_binary`). Nodes are tuples and vjps module-level functions (no closures) because
+recording is the hot path of a training step: fewer allocations, and far fewer objects for
+Python's cyclic collector.
+
+Nodes are appended in the order they run; an operation can only consume arrays that already
+exist, so that order is a topological order of the graph, and :func:`pullback` is one reversed
+loop over it (micrograd's ``Value.backward``). The active tapes live in a
+:class:`contextvars.ContextVar`, so ``contextvars.copy_context().run(...)`` carries them into
+worker threads; recording takes a lock, so threads may record on one tape concurrently.
+
+What a tape records is :class:`Records`, the base of :class:`~cupy_parallel.Tape`: this module
+reads and writes it, under its lock. It knows no op: the ops and
+:class:`~cupy_parallel.Function` build on it (HIPS autograd's core never imports its NumPy
+vjps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import operator
+import threading
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import numpy as np
+
+from cupy_parallel._src.arrays import device_of, is_array
+from cupy_parallel._src.compute import compute, cuda_device
+from cupy_parallel._src.hostarray import HostArray, version
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+
+__all__ = [
+    "Node",
+    "Records",
+    "Vjp",
+    "activate",
+    "active_tapes",
+    "append_node",
+    "cast",
+    "deactivate",
+    "in_backward",
+    "is_recording",
+    "modified_error",
+    "name_nodes",
+    "op_name",
+    "pause_recording",
+    "pullback",
+    "record",
+    "record_binary",
+    "record_unary",
+    "release",
+    "tapes_tracking",
+    "track_leaves",
+]
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Records, ...]] = contextvars.ContextVar(
+    "cupy_parallel_active_tapes", default=()
+)
+
+_IN_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "cupy_parallel_in_backward", default=False
+)
+"""Whether a :func:`pullback` runs in this context (for the guard's message)."""
+
+Vjp: TypeAlias = (
+    "Callable[[list[Any], tuple[Any, ...], tuple[bool, ...], tuple[Any, ...], Any], Sequence[Any]]"
+)
+Node: TypeAlias = "tuple[Vjp, tuple[Any, ...], tuple[bool, ...], tuple[Any, ...], Any, Any]"
+
+
+class Records:
+    """What a tape recorded: its nodes, the arrays it tracks, the host versions it noted.
+
+    The base of :class:`~cupy_parallel.Tape`. Recording (:func:`record`, :func:`append_node`)
+    and :func:`pullback` read and write it, in this module, under its lock.
+    """
+
+    def __init__(self, nodes: list[Node], /) -> None:
+        self._tracked: dict[int, Any] = {}  # id -> array: every tracked array, kept alive
+        self._leaves: set[int] = set()  # ids of watched arrays no recorded operation produced
+        self._nodes = nodes
+        self._versions: dict[int, tuple[Any, int | None]] = {}  # id -> (host array, 1st version)
+        self._lock = threading.Lock()
+
+    def tracks(self, x: Any, /) -> bool:
+        """Whether ``x`` is watched or was produced by an operation recorded on this tape.
+
+        Example:
+            >>> import numpy as np
+            >>> import cupy_parallel
+            >>> w = np.ones(2)
+            >>> tape = cupy_parallel.Tape()
+            >>> tape.watch(w)
+            >>> tape.tracks(w), tape.tracks(np.ones(2))
+            (True, False)
+        """
+        return id(x) in self._tracked
+
+    def _needs(self, inputs: Sequence[Any], /) -> tuple[bool, ...] | None:
+        """Which ``inputs`` are tracked, or ``None`` when none is (nothing to record)."""
+        tracked = self._tracked
+        needs = tuple([id(x) in tracked for x in inputs])
+        return needs if True in needs else None
+
+
+# --------------------------------------------------------------------------------------------
+# Recording: the interface of differentiable operations
+
+
+active_tapes: Callable[[], tuple[Records, ...]] = _ACTIVE.get
+"""The tapes recording in this context, outermost first (empty, so false, when none).
+
+The context variable's own ``get``, not a Python function around it: ops call it once per
+operation (``if active_tapes(): record...``), so it is the cheapest "is anything recording" test.
+"""
+
+
+def is_recording() -> bool:
+    """Whether any tape records in this context (cheap: lets an op skip preparing a record)."""
+    return bool(_ACTIVE.get())
+
+
+@contextlib.contextmanager
+def pause_recording(tape: Records | None = None, /) -> Iterator[None]:
+    """No tape records inside the block (as a ``Function``'s ``forward`` runs).
+
+    With ``tape``, only that tape stops recording; the other active tapes go on (as
+    ``Tape.stop_recording``, and while a tape computes a gradient).
+    """
+    tapes = () if tape is None else tuple(t for t in _ACTIVE.get() if t is not tape)
+    token = _ACTIVE.set(tapes)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+in_backward: Callable[[], bool] = _IN_BACKWARD.get
+"""Whether a :func:`pullback` runs in this context (for the raw-NumPy guard's message)."""
+
+
+def activate(tape: Records, /) -> contextvars.Token[tuple[Records, ...]]:
+    """Make ``tape`` the innermost active tape here; :func:`deactivate` with the token ends it."""
+    return _ACTIVE.set((*_ACTIVE.get(), tape))
+
+
+def deactivate(token: contextvars.Token[tuple[Records, ...]], /) -> None:
+    """Restore the active tapes as :func:`activate` found them."""
+    _ACTIVE.reset(token)
+
+
+def tapes_tracking(inputs: Sequence[Any], /) -> list[tuple[Records, tuple[bool, ...]]]:
+    """The active tapes that track one of ``inputs``, each with which of them it tracks."""
+    return [(t, n) for t in _ACTIVE.get() if (n := t._needs(inputs)) is not None]
+
+
+def append_node(tape: Records, node: Node, tracked: Sequence[Any], /) -> None:
+    """Append a node to ``tape``; the arrays ``tracked`` (some of its outputs) become tracked."""
+    with tape._lock:
+        tape._nodes.append(node)
+        for y in tracked:
+            tape._tracked[id(y)] = y
+
+
+def track_leaves(tape: Records, arrays: Sequence[Any], /) -> None:
+    """Track ``arrays`` on ``tape`` as watched leaves, those it does not track already."""
+    with tape._lock:
+        for leaf in arrays:
+            if id(leaf) not in tape._tracked:
+                tape._leaves.add(id(leaf))
+                tape._tracked[id(leaf)] = leaf
+
+
+def release(tape: Records, /) -> None:
+    """Drop everything ``tape`` recorded (a non-persistent tape, once it computed gradients)."""
+    tape._nodes, tape._tracked, tape._leaves, tape._versions = [], {}, set(), {}
+
+
+def _cuda_or_note_versions(tape: Records, inputs: tuple[Any, ...], outputs: tuple[Any, ...]) -> Any:
+    """A node's last slot: the CUDA device its vjp runs on for CuPy, else ``None``.
+
+    On host devices, it first notes on ``tape`` the version of each host array the node touches
+    that the tape has not seen yet (PyTorch's version-counter rule: :func:`pullback` refuses
+    nodes whose arrays were written in place since).
+    """
+    if type(outputs[0]) is HostArray:
+        seen = tape._versions
+        for a in (*inputs, *outputs):
+            if type(a) is HostArray and id(a) not in seen:
+                seen[id(a)] = (a, version(a))
+        return None
+    return cuda_device(outputs[0])
+
+
+def record(vjp: Vjp, inputs: tuple[Any, ...], outputs: tuple[Any, ...], aux: Any, /) -> None:
+    """Record ``outputs = op(*inputs)`` on every active tape that tracks one of ``inputs``.
+
+    A no-op when no tape does. On each tape that records it, the array ``outputs`` become
+    tracked; ``vjp(cotangents, inputs, needs, outputs, aux)`` later maps the output gradients
+    (``None`` for an output no gradient reached) to one gradient or ``None`` per input.
+    """
+    tapes = _ACTIVE.get()
+    if not tapes:
+        return
+    tracked = [y for y in outputs if is_array(y)]
+    for tape in tapes:
+        needs = tape._needs(inputs)
+        if needs is not None:
+            extra = _cuda_or_note_versions(tape, inputs, outputs) if outputs else None
+            append_node(tape, (vjp, inputs, needs, outputs, aux, extra), tracked)
+
+
+def record_unary(vjp: Vjp, x: Any, z: Any, aux: Any, /) -> None:
+    """:func:`record` for ``z = op(x)``, the fast path."""
+    for tape in _ACTIVE.get():
+        if id(x) in tape._tracked:
+            node = (
+                vjp,
+                (x,),
+                (True,),
+                (z,),
+                aux,
+                None if isinstance(z, np.ndarray) else _cuda_or_note_versions(tape, (x,), (z,)),
+            )
+            with tape._lock:
+                tape._nodes.append(node)
+                tape._tracked[id(z)] = z
+
+
+# needs of a binary op, indexed by [a is tracked][b is tracked]: constants, nothing to allocate
+_NEEDS = ((None, (False, True)), ((True, False), (True, True)))
+
+
+def record_binary(vjp: Vjp, a: Any, b: Any, z: Any, aux: Any, /) -> None:
+    """:func:`record` for ``z = op(a, b)``, the fast path."""
+    for tape in _ACTIVE.get():
+        tracked = tape._tracked
+        needs = _NEEDS[id(a) in tracked][id(b) in tracked]
+        if needs is not None:
+            node = (
+                vjp,
+                (a, b),
+                needs,
+                (z,),
+                aux,
+                None if isinstance(z, np.ndarray) else _cuda_or_note_versions(tape, (a, b), (z,)),
+            )
+            with tape._lock:
+                tape._nodes.append(node)
+                tracked[id(z)] = z
+
+
+# Differentiable helpers the tape itself needs, so that a gradient computed under an outer tape
+# is recorded there in full (accumulation, dtype casts).
+
+
+def _sum_pair(total: Any, grad: Any) -> Any:
+    """``total + grad`` of two gradients of one array (same shape), recorded."""
+    if type(total) is np.ndarray:
+        z = total + grad
+        z = z if type(z) is np.ndarray else np.asarray(z)  # 0-d NumPy
+    else:
+        z = compute(operator.add, total, grad)
+    if _ACTIVE.get():
+        record_binary(_sum_pair_vjp, total, grad, z, None)
+    return z
+
+
+def _sum_pair_vjp(gs: list[Any], xs: tuple[Any, ...], needs: Any, zs: Any, aux: None) -> Any:
+    return gs[0], gs[0]
+
+
+def _astype(x: Any, dtype: Any) -> Any:
+    return x.astype(dtype)
+
+
+def cast(x: Any, dtype: Any, /) -> Any:
+    """``x`` as ``dtype`` (a new array), recorded; its gradient is cast back.
+
+    The one recorded cast: the tape's gradients and every vjp's ``fit`` use it.
+    """
+    z = compute(_astype, x, dtype)
+    record_unary(_cast_vjp, x, z, None)
+    return z
+
+
+def _cast_vjp(gs: list[Any], xs: tuple[Any, ...], needs: Any, zs: Any, aux: None) -> Any:
+    return (cast(gs[0], xs[0].dtype),)
+
+
+# --------------------------------------------------------------------------------------------
+# The reverse pass
+
+
+def pullback(
+    tape: Records, targets: Sequence[Any], seeds: Sequence[Any], sources: Sequence[Any], /
+) -> list[Any]:
+    """Reverse accumulation on ``tape``: each source's gradient, ``None`` where none arrives.
+
+    Unchecked: ``targets`` and ``sources`` must be arrays ``tape`` tracks and ``seeds`` the
+    targets' cotangents (:meth:`Tape.gradient` is the checked entry). ``tape`` records nothing
+    meanwhile; the other active tapes record the vjps' recorded operations (higher order).
+    """
+    grads: dict[int, Any] = {}  # id(array) -> gradient accumulated so far
+    for t, s in zip(targets, seeds, strict=True):
+        k = id(t)
+        grads[k] = s if k not in grads else _sum_pair(grads[k], s)
+    keep = {id(x) for x in sources} - tape._leaves  # sources that are intermediate results
+    kept: dict[int, Any] = {}
+    written = _written(tape)  # ids of host arrays written in place since they were recorded
+    pop = grads.pop
+    with pause_recording(tape), _backward():
+        for node in reversed(tape._nodes):
+            vjp, inputs, needs, outputs, aux, cuda = node
+            if len(outputs) == 1:  # most nodes: no list comprehension (a frame each, in 3.11)
+                if (g := pop(id(outputs[0]), None)) is None:
+                    continue  # no gradient reaches this node
+                out_grads = [g]  # complete: consumers came later
+            else:
+                size = len(grads)
+                out_grads = [pop(id(y), None) for y in outputs]
+                if len(grads) == size:
+                    continue
+            if keep:
+                _keep(kept, keep, outputs, out_grads)
+            if written:
+                _refuse_written(tape, node, written)
+            if cuda is None:
+                in_grads = vjp(out_grads, inputs, needs, outputs, aux)
+            else:
+                with cuda:
+                    in_grads = vjp(out_grads, inputs, needs, outputs, aux)
+            if len(in_grads) != len(inputs):
+                raise _count_error(node, len(in_grads))
+            i = 0  # a counter: zip (~300 ns) or enumerate (~50 ns) cost more a node
+            for g in in_grads:
+                if g is not None and needs[i]:
+                    k = id(inputs[i])
+                    grads[k] = g if (total := grads.get(k)) is None else _sum_pair(total, g)
+                i += 1  # noqa: SIM113 - see above
+    kept.update(grads)
+    return [kept.get(id(x)) for x in sources]
+
+
+@contextlib.contextmanager
+def _backward() -> Iterator[None]:
+    """Inside the block a :func:`pullback` runs (the guard's message says so)."""
+    token = _IN_BACKWARD.set(True)
+    try:
+        yield
+    finally:
+        _IN_BACKWARD.reset(token)
+
+
+def _keep(kept: dict[int, Any], keep: set[int], outputs: tuple[Any, ...], grads: list[Any]) -> None:
+    """Set aside the complete gradients of intermediate results asked for as sources."""
+    kept.update((id(y), g) for y, g in zip(outputs, grads, strict=True) if id(y) in keep)
+
+
+def _count_error(node: Node, count: int) -> ValueError:
+    """A vjp returned ``count`` gradients for a node with another number of inputs."""
+    return ValueError(
+        f"The vjp of {op_name(node[0], node[4])} returned {count} gradients for "
+        f"{len(node[1])} inputs: a vjp returns one gradient (or None) per input."
+    )
+
+
+def _written(tape: Records) -> set[int]:
+    """Ids of the host arrays on ``tape`` whose version moved since the tape first saw them."""
+    return {k for k, (a, recorded) in tape._versions.items() if version(a) != recorded}
+
+
+def _refuse_written(tape: Records, node: Node, written: set[int]) -> None:
+    """Raise if the node about to run consumed or produced an array written in place since."""
+    inputs = node[1]
+    for i, a in enumerate((*inputs, *node[3])):
+        if id(a) in written:
+            where = f"input {i}" if i < len(inputs) else f"output {i - len(inputs)}"
+            raise modified_error(op_name(node[0], node[4]), where, a, tape._versions[id(a)][1])
+
+
+_NODE_NAMES: list[tuple[Vjp, Callable[[Any], str]]] = []
+"""(vjp, name_of): how errors name the nodes of a vjp from their ``aux`` (:func:`name_nodes`)."""
+
+
+def name_nodes(vjp: Vjp, name_of: Callable[[Any], str], /) -> None:
+    """Have errors name the nodes of ``vjp`` as ``name_of(aux)`` (a Function's by its class)."""
+    _NODE_NAMES.append((vjp, name_of))
+
+
+def op_name(vjp: Vjp, aux: Any) -> str:
+    """How errors name a node's operation: the Function's class or the op behind a vjp."""
+    for named, name_of in _NODE_NAMES:
+        if vjp is named:
+            return name_of(aux)
+    name = getattr(vjp, "__name__", repr(vjp))
+    return f"ops.{name.strip('_').removesuffix('_vjp')}" if name.endswith("_vjp") else name
+
+
+def modified_error(op: str, where: str, array: Any, recorded: int | None) -> RuntimeError:
+    """The error for an array ``op`` needs that was written in place since (version moved)."""
+    return RuntimeError(
+        f"An array the gradient of {op} needs was modified in place after {op} was recorded: "
+        f"its {where} (shape {array.shape}, on {device_of(array)}) is at version "
+        f"{version(array)}, expected {recorded}. Writes such as x[...] = v, x += 1, x.fill(v) "
+        "or out=x change the values the gradient is computed from (PyTorch raises here too). "
+        "Write into a copy, or compute a new array with cupy_parallel.ops."
+    )

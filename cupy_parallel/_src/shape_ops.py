@@ -1,0 +1,376 @@
+"""The ops that move and add up elements: shapes, indexing, joining, sums, and ``fit``.
+
+``reshape``, ``transpose``, ``getitem``, ``concatenate``, ``stack``, ``split`` and ``sum`` are
+linear, and so are their vjps: each is written with the ops of this module (``sum``'s is a
+broadcast, a broadcast's a sum). Every vjp of every op ends with :func:`fit`, which reduces a
+broadcast gradient to its input's shape and dtype with ``sum``, ``reshape`` and the tape's
+recorded cast: the other op modules build on this one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import numpy as np
+from numpy.lib.array_utils import normalize_axis_index, normalize_axis_tuple
+
+from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.arrays import device_of, is_array
+from cupy_parallel._src.compute import host_operand, named_kernel, run_kernel, zeros_like
+from cupy_parallel._src.hostarray import HostArray
+from cupy_parallel._src.recording import active_tapes, cast, record, record_unary
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from cupy_parallel._src.arrays import Array
+
+__all__ = [
+    "Args",
+    "Grads",
+    "Needs",
+    "concatenate",
+    "fit",
+    "getitem",
+    "read_axes",
+    "require_array",
+    "reshape",
+    "split",
+    "spread",
+    "stack",
+    "sum",
+    "transpose",
+]
+
+
+Args: TypeAlias = tuple[Any, ...]
+Needs: TypeAlias = tuple[bool, ...]
+Grads: TypeAlias = tuple[Any, ...]
+
+
+def require_array(x: Any, op: str) -> None:
+    """Refuse an ``x`` that is no array: ``ops.<op>`` takes one."""
+    if not is_array(x):
+        raise TypeError(f"ops.{op} takes an array, got {type(x).__name__}.")
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient plumbing, written with ops so that it is recorded under an outer tape
+
+
+def fit(g: Any, x: Any) -> Any:
+    """Reduce a broadcast gradient ``g`` to the shape and dtype of the input ``x``.
+
+    Every vjp calls it once per input gradient, mostly with ``g`` already fitting: the
+    reduction lives in :func:`_unbroadcast` so that this common case creates no closure cells
+    (its generator expression would, on every call).
+    """
+    if g.shape != x.shape:
+        g = _unbroadcast(g, x)
+    return g if g.dtype == x.dtype else cast(g, x.dtype)
+
+
+def _unbroadcast(g: Any, x: Any) -> Any:
+    """Sum the broadcast gradient ``g`` over the axes broadcasting added to ``x``'s shape."""
+    lead = g.ndim - x.ndim
+    axes = (
+        *range(lead),
+        *(lead + i for i, n in enumerate(x.shape) if n == 1 and g.shape[lead + i] != 1),
+    )
+    return reshape(sum(g, axes, keepdims=True), x.shape)
+
+
+def _broadcast_to_kernel(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
+    return xp.broadcast_to(x, shape).copy()  # a writable array, never a stride-0 view
+
+
+def _broadcast_to(x: Any, shape: tuple[int, ...], /) -> Any:
+    z = run_kernel(_broadcast_to_kernel, x, x, shape)
+    if active_tapes():
+        record_unary(_broadcast_to_vjp, x, z, None)
+    return z
+
+
+def _broadcast_to_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
+    return (fit(gs[0], xs[0]),)
+
+
+def spread(g: Any, x: Any, axes: tuple[int, ...], keepdims: bool) -> Any:
+    """The gradient of a reduction over ``axes``: ``g`` copied along them to ``x``'s shape."""
+    if not keepdims:
+        g = reshape(g, tuple(1 if i in axes else n for i, n in enumerate(x.shape)))
+    return g if g.shape == x.shape else _broadcast_to(g, x.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Sums
+
+
+def read_axes(x: Any, axis: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    """``axis`` of ``x`` as a tuple of non-negative axes (``None``: all of them)."""
+    if axis is None:
+        return tuple(range(x.ndim))
+    return tuple(normalize_axis_tuple(axis, x.ndim, "axis"))
+
+
+_sum_kernel = named_kernel("sum")
+
+
+def sum(x: Array, /, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False) -> Array:
+    """Sum over ``axis`` (all axes by default), differentiable.
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel import ops
+        >>> ops.sum(np.ones((2, 3)), axis=0)
+        array([2., 2., 2.])
+    """
+    require_array(x, "sum")
+    axes = read_axes(x, axis)
+    z = run_kernel(_sum_kernel, x, x, axis=axes, keepdims=keepdims)
+    if active_tapes():
+        record_unary(_sum_vjp, x, z, (axes, keepdims))
+    return z
+
+
+def _sum_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: tuple[Any, bool]) -> Grads:
+    return (spread(gs[0], xs[0], *aux),)
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes, indexing, joining
+
+
+_reshape_kernel = named_kernel("reshape")
+_transpose_kernel = named_kernel("transpose")
+
+
+def reshape(x: Array, /, shape: int | tuple[int, ...]) -> Array:
+    """``x`` with a new shape (one entry may be -1), differentiable.
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel import ops
+        >>> ops.reshape(np.arange(4.0), (2, 2))
+        array([[0., 1.],
+               [2., 3.]])
+    """
+    require_array(x, "reshape")
+    z = run_kernel(_reshape_kernel, x, x, shape)
+    if active_tapes():
+        record_unary(_reshape_vjp, x, z, None)
+    return z
+
+
+def _reshape_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
+    return (reshape(gs[0], xs[0].shape),)
+
+
+def transpose(x: Array, /, axes: tuple[int, ...] | None = None) -> Array:
+    """``x`` with its axes permuted (reversed by default), differentiable.
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel import ops
+        >>> ops.transpose(np.zeros((2, 3, 4)), (2, 0, 1)).shape
+        (4, 2, 3)
+    """
+    require_array(x, "transpose")
+    z = run_kernel(_transpose_kernel, x, x, axes)
+    if active_tapes():
+        inverse = (
+            None if axes is None else tuple(int(i) for i in np.argsort([i % z.ndim for i in axes]))
+        )
+        record_unary(_transpose_vjp, x, z, inverse)
+    return z
+
+
+def _transpose_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, inverse: Any) -> Grads:
+    return (transpose(gs[0], inverse),)
+
+
+def _read_key(x: Any, index: Any) -> tuple[tuple[Any, ...], bool]:
+    """``index`` as a tuple of raw components, and whether it repeats elements (int arrays)."""
+    key = index if isinstance(index, tuple) else (index,)
+    raw = []
+    repeats = False
+    for c in key:
+        if isinstance(c, HostArray):
+            if not isinstance(x, HostArray):
+                raise TypeError(
+                    f"ops.getitem indexes an array on {device_of(x)} with an index array on "
+                    f"{c.device}. Move the index with cupy_parallel.to_device(index, "
+                    f"'{device_of(x)}')."
+                )
+            c = host_operand(c, x.device, "getitem")  # noqa: PLW2901 - an index is a constant
+        elif isinstance(c, list | tuple):
+            c = np.asarray(c)  # noqa: PLW2901
+        elif is_array(c) and c.dtype.kind == "f":
+            raise IndexError(
+                f"ops.getitem indexes with ints, slices, None, ..., integer or boolean arrays, "
+                f"got a {c.dtype} array."
+            )
+        if is_array(c) and c.dtype.kind in "iu":
+            repeats = True
+        raw.append(c)
+    return tuple(raw), repeats
+
+
+def _getitem_kernel(xp: Any, x: Any, key: tuple[Any, ...]) -> Any:
+    if xp is not np:
+        key = tuple(xp.asarray(c) if isinstance(c, np.ndarray) else c for c in key)
+    return x[key]
+
+
+def getitem(x: Array, index: Any, /) -> Array:
+    """``x[index]`` with NumPy's rules, differentiable.
+
+    ``index`` may hold ints, slices, ``None``, ``...``, integer arrays (repeated elements get
+    their gradients summed) and boolean masks. The result is a new array (a view of ``x`` for
+    basic indexing, as in NumPy).
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel import ops
+        >>> x = np.arange(6.0).reshape(2, 3)
+        >>> ops.getitem(x, (1, slice(0, 2))), ops.getitem(x, x > 3.5)
+        (array([3., 4.]), array([4., 5.]))
+    """
+    require_array(x, "getitem")
+    key, repeats = _read_key(x, index)
+    z = run_kernel(_getitem_kernel, x, x, key)
+    if active_tapes():
+        record_unary(_getitem_vjp, x, z, (key, repeats))
+    return z
+
+
+def _getitem_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: Any) -> Grads:
+    key, repeats = aux
+    return (_index_add(fit(gs[0], zs[0]), key, xs[0].shape, repeats),)
+
+
+def _index_add_kernel(
+    xp: Any, g: Any, key: tuple[Any, ...], shape: tuple[int, ...], repeats: bool
+) -> Any:
+    out = xp.zeros(shape, g.dtype)
+    if xp is not np:
+        key = tuple(xp.asarray(c) if isinstance(c, np.ndarray) else c for c in key)
+    if repeats:
+        xp.add.at(out, key, g)
+    else:
+        out[key] = g
+    return out
+
+
+def _index_add(g: Any, key: tuple[Any, ...], shape: tuple[int, ...], repeats: bool) -> Any:
+    """Zeros of ``shape`` with ``g`` added at ``key`` (the adjoint of ``getitem``)."""
+    z = run_kernel(_index_add_kernel, g, g, key, shape, repeats)
+    if active_tapes():
+        record_unary(_index_add_vjp, g, z, key)
+    return z
+
+
+def _index_add_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, key: Any) -> Grads:
+    return (getitem(gs[0], key),)
+
+
+def _arrays(arrays: Any, op: str) -> tuple[Any, ...]:
+    if is_array(arrays) or not isinstance(arrays, list | tuple):
+        raise TypeError(f"ops.{op} takes a list or tuple of arrays, got {type(arrays).__name__}.")
+    if not arrays:
+        raise ValueError(f"ops.{op} needs at least one array, got an empty sequence.")
+    for i, a in enumerate(arrays):
+        if not is_array(a):
+            raise TypeError(f"ops.{op} takes arrays, but item {i} is a {type(a).__name__}.")
+    return tuple(arrays)
+
+
+def _concatenate_kernel(xp: Any, arrays: Sequence[Any], axis: int) -> Any:
+    return xp.concatenate(arrays, axis=axis)
+
+
+def concatenate(arrays: Sequence[Array], /, axis: int = 0) -> Array:
+    """Join ``arrays`` along an existing ``axis``, differentiable.
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel import ops
+        >>> ops.concatenate([np.zeros(2), np.ones(1)])
+        array([0., 0., 1.])
+    """
+    xs = _arrays(arrays, "concatenate")
+    z = run_kernel(_concatenate_kernel, xs[0], list(xs), read_int(axis, "axis"))
+    if active_tapes():
+        axis = int(normalize_axis_index(axis, z.ndim))
+        offsets = np.cumsum([x.shape[axis] for x in xs[:-1]]).tolist()
+        record(_concatenate_vjp, xs, (z,), (axis, offsets))
+    return z
+
+
+def _concatenate_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: Any) -> Grads:
+    axis, offsets = aux
+    parts = split(gs[0], offsets, axis)
+    return tuple(fit(p, x) if need else None for p, x, need in zip(parts, xs, needs, strict=True))
+
+
+def _stack_kernel(xp: Any, arrays: Sequence[Any], axis: int) -> Any:
+    return xp.stack(arrays, axis=axis)
+
+
+def stack(arrays: Sequence[Array], /, axis: int = 0) -> Array:
+    """Join ``arrays`` of one shape along a new ``axis``, differentiable.
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel import ops
+        >>> ops.stack([np.zeros(2), np.ones(2)], axis=1)
+        array([[0., 1.],
+               [0., 1.]])
+    """
+    xs = _arrays(arrays, "stack")
+    z = run_kernel(_stack_kernel, xs[0], list(xs), read_int(axis, "axis"))
+    if active_tapes():
+        record(_stack_vjp, xs, (z,), int(normalize_axis_index(axis, z.ndim)))
+    return z
+
+
+def _stack_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, axis: int) -> Grads:
+    lead = (slice(None),) * axis
+    return tuple(
+        fit(getitem(gs[0], (*lead, i)), x) if need else None
+        for i, (x, need) in enumerate(zip(xs, needs, strict=True))
+    )
+
+
+def _split_kernel(xp: Any, x: Any, sections: Any, axis: int) -> list[Any]:
+    return list(xp.split(x, sections, axis=axis))
+
+
+def split(x: Array, indices_or_sections: int | Sequence[int], /, axis: int = 0) -> list[Array]:
+    """Split ``x`` along ``axis`` into equal sections or at indices (``numpy.split``).
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel import ops
+        >>> ops.split(np.arange(5.0), [2])
+        [array([0., 1.]), array([2., 3., 4.])]
+    """
+    require_array(x, "split")
+    axis = int(normalize_axis_index(read_int(axis, "axis"), x.ndim))
+    sections = indices_or_sections
+    if not isinstance(sections, list | tuple):
+        sections = read_int(sections, "indices_or_sections", minimum=1)
+        if x.shape[axis] % sections:
+            raise ValueError(
+                f"ops.split cannot cut axis {axis} of length {x.shape[axis]} into {sections} "
+                "equal sections; pass the split indices instead."
+            )
+    zs = run_kernel(_split_kernel, x, x, sections, axis)
+    if active_tapes():
+        record(_split_vjp, (x,), tuple(zs), axis)
+    return zs
+
+
+def _split_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, axis: int) -> Grads:
+    parts = [zeros_like(z) if g is None else g for g, z in zip(gs, zs, strict=True)]
+    return (fit(concatenate(parts, axis), xs[0]),)
