@@ -30,7 +30,7 @@ from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.comm import chunk_count, even_chunks, normalize_axis
 from cupy_parallel._src.devices import Device, read_device, read_devices
-from cupy_parallel._src.functions import SCALARS_WARNING, Gather, Scatter
+from cupy_parallel._src.moves import SCALARS_WARNING, Gather, Scatter
 from cupy_parallel._src.tree import flatten, key_path, leaves_equal, structure_difference
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ pytree, the functional counterpart of a ``torch.nn.Module``. The four pieces fol
 ``torch.nn.parallel``:
 
 - :func:`replicate` copies the parameters onto every device through the differentiable
-  :class:`~cupy_parallel._src.functions.Broadcast`, so gradients of the replicas sum back into
+  :class:`~cupy_parallel._src.moves.Broadcast`, so gradients of the replicas sum back into
   the originals;
 - :func:`parallel_apply` calls several functions at once, one thread per replica, each inside its
   device's context and carrying the caller's active :class:`~cupy_parallel._src.tape.Tape`;
@@ -28,7 +28,7 @@ from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.arraytypes import Output, Params, Tree
 from cupy_parallel._src.cuda.streams import StreamHandoff
 from cupy_parallel._src.devices import Device, cupy_module, devices, read_device, read_devices
-from cupy_parallel._src.functions import Broadcast
+from cupy_parallel._src.moves import Broadcast
 from cupy_parallel._src.nested import gather, scatter_kwargs
 from cupy_parallel._src.tree import flatten, key_path, leaves
 
@@ -62,7 +62,7 @@ def replicate(params: Tree, /, devices: Sequence[DeviceLike], detach: bool = Fal
     """Copy a parameter pytree onto each of ``devices``: one pytree per device.
 
     All array leaves are broadcast together, coalesced into a few buffers per dtype, through
-    :class:`~cupy_parallel._src.functions.Broadcast`: on an active tape the replicas are recorded
+    :class:`~cupy_parallel._src.moves.Broadcast`: on an active tape the replicas are recorded
     outputs, and the gradient of a source array is the sum of its replicas' gradients (the
     adjoint of a broadcast is a reduce-add). With ``detach=True`` the copy goes through
     :func:`~cupy_parallel._src.comm.broadcast_coalesced` and nothing is recorded. Leaves that
@@ -334,7 +334,8 @@ def _as_sequence(value: Any, name: str) -> Sequence[Any]:
 # data_parallel, DataParallel
 
 
-def _placement(device_ids: Any, output_device: Any) -> tuple[list[Device], Device]:
+def _pick_devices(device_ids: Any, output_device: Any) -> tuple[list[Device], Device]:
+    """The devices ``device_ids`` names (every device for ``None``) and the output device."""
     if device_ids is None:
         ids = devices()
     else:
@@ -407,7 +408,7 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable as fn(params, *inputs), got {type(fn).__name__}.")
-    ids, output = _placement(device_ids, output_device)
+    ids, output = _pick_devices(device_ids, output_device)
     dim = read_int(dim, "dim")
     if module_kwargs is not None and not isinstance(module_kwargs, Mapping):
         raise TypeError(
@@ -472,7 +473,7 @@ class DataParallel(Generic[Params, Output]):
         if not callable(fn):
             raise TypeError(f"fn must be callable as fn(params, *inputs), got {type(fn).__name__}.")
         self.fn = fn
-        self.device_ids, self.output_device = _placement(device_ids, output_device)
+        self.device_ids, self.output_device = _pick_devices(device_ids, output_device)
         self.dim = read_int(dim, "dim")
         _check_params_on(params, self.device_ids[0], "DataParallel")
         self.params = params
