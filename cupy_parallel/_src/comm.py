@@ -22,12 +22,11 @@ Conventions shared by all six functions, carried over from ``torch.cuda.comm``:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.arguments import read_axis, read_int, read_sequence
 from cupy_parallel._src.arrays import device_of, empty, is_array
 from cupy_parallel._src.cuda import nccl as _nccl
 from cupy_parallel._src.cuda import streams as _streams
@@ -36,7 +35,7 @@ from cupy_parallel._src.devices import Device, cupy_module, platform, read_devic
 from cupy_parallel._src.hostarray import check_device_dtype, plain_buffer
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterable, Sequence
 
     from cupy_parallel._src.arraytypes import Array
     from cupy_parallel._src.devices import DeviceLike
@@ -78,12 +77,12 @@ def _check_array(x: Any, name: str) -> None:
 
 def _read_arrays(seq: Any, name: str, *, allow_empty: bool = False) -> tuple[Any, ...]:
     """A sequence of arrays as a tuple; refuses a bare array, a string or a mapping."""
-    if is_array(seq) or isinstance(seq, str | bytes | Mapping) or not isinstance(seq, Iterable):
-        raise TypeError(
-            f"{name} must be a sequence (list or tuple) of arrays, got {type(seq).__name__}; "
-            f"wrap a single array as [array]."
-        )
-    items = tuple(seq)
+    items = read_sequence(
+        seq,
+        name,
+        expected="a sequence (list or tuple) of arrays",
+        hint="wrap a single array as [array]",
+    )
     if not items and not allow_empty:
         raise ValueError(f"{name} must contain at least one array, got an empty sequence.")
     for i, x in enumerate(items):
@@ -110,17 +109,7 @@ def _read_dim(dim: Any, ndim: int, what: str) -> int:
             f"{what} is 0-d, so it has no dimension {dim} to split or join along; "
             "reshape it to at least one dimension (e.g. array.reshape(1))."
         )
-    return normalize_axis(dim, ndim, what)
-
-
-def normalize_axis(dim: int, ndim: int, what: str) -> int:
-    """``dim`` as an axis of the ``ndim``-d (``ndim >= 1``) ``what``, in ``[0, ndim)``."""
-    if not -ndim <= dim < ndim:
-        raise ValueError(
-            f"dim must be in [{-ndim}, {ndim - 1}] for the {ndim}-d {what}, got {dim}; pass a "
-            "dim in that range or reshape the array."
-        )
-    return dim % ndim
+    return read_axis(dim, ndim, "dim", of=what)
 
 
 def _read_buffer_size(buffer_size: Any) -> int:
@@ -131,12 +120,8 @@ def _read_buffer_size(buffer_size: Any) -> int:
 
 
 def _read_chunk_sizes(chunk_sizes: Any, count: int, total: int, dim: int) -> tuple[int, ...]:
-    if isinstance(chunk_sizes, str | bytes | Mapping) or not isinstance(chunk_sizes, Iterable):
-        raise TypeError(
-            f"chunk_sizes must be a sequence of ints, got {type(chunk_sizes).__name__} "
-            f"{chunk_sizes!r}."
-        )
-    sizes = tuple(read_int(s, f"chunk_sizes[{i}]", minimum=0) for i, s in enumerate(chunk_sizes))
+    entries = read_sequence(chunk_sizes, "chunk_sizes", expected="a sequence of ints")
+    sizes = tuple(read_int(s, f"chunk_sizes[{i}]", minimum=0) for i, s in enumerate(entries))
     if len(sizes) != count:
         raise ValueError(
             f"chunk_sizes must have one entry per device: len(devices) = {count}, "
@@ -153,12 +138,9 @@ def _read_chunk_sizes(chunk_sizes: Any, count: int, total: int, dim: int) -> tup
 def _read_streams(streams: Any, targets: Sequence[Device]) -> tuple[Any, ...]:
     if streams is None:
         return (None,) * len(targets)
-    if isinstance(streams, str | bytes | Mapping) or not isinstance(streams, Iterable):
-        raise TypeError(
-            f"streams must be a sequence of cupy.cuda.Stream or None, one per device, "
-            f"got {type(streams).__name__}."
-        )
-    entries = tuple(streams)
+    entries = read_sequence(
+        streams, "streams", expected="a sequence of cupy.cuda.Stream or None, one per device"
+    )
     if len(entries) != len(targets):
         raise ValueError(
             f"streams must have one entry (a cupy.cuda.Stream or None) per device: "
@@ -310,11 +292,8 @@ def _index(dim: int, start: int, stop: int) -> tuple[slice, ...]:
 
 
 def _offsets(sizes: Iterable[int]) -> list[tuple[int, int]]:
-    spans, start = [], 0
-    for size in sizes:
-        spans.append((start, start + size))
-        start += size
-    return spans
+    """``(start, stop)`` of each size, laid back to back from 0."""
+    return list(itertools.pairwise(itertools.accumulate(sizes, initial=0)))
 
 
 def chunk_count(size: int, devices: int) -> int:
@@ -692,12 +671,8 @@ def _broadcast_bucket(members: Sequence[Any], targets: Sequence[Device]) -> list
 
 def _unflatten(flat: Any, like: Sequence[Any]) -> list[Any]:
     """Views of the 1-d ``flat`` with the shapes of ``like``, packed back to back."""
-    views, start = [], 0
-    for x in like:
-        stop = start + int(x.size)
-        views.append(flat[start:stop].reshape(x.shape))
-        start = stop
-    return views
+    spans = _offsets(int(x.size) for x in like)
+    return [flat[start:stop].reshape(x.shape) for x, (start, stop) in zip(like, spans, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -833,18 +808,13 @@ def reduce_add_coalesced(
         >>> comm.reduce_add_coalesced(grads, destination="host:0")
         (HostArray([3., 3.], device='host:0'), HostArray([0, 1, 2], device='host:0'))
     """
-    if (
-        is_array(inputs)
-        or isinstance(inputs, str | bytes | Mapping)
-        or not isinstance(inputs, Iterable)
-    ):
-        raise TypeError(
-            "inputs must be a sequence with one list of arrays per device, "
-            f"got {type(inputs).__name__}."
-        )
     lists = tuple(
         _read_arrays(per_device, f"inputs[{k}]", allow_empty=True)
-        for k, per_device in enumerate(inputs)
+        for k, per_device in enumerate(
+            read_sequence(
+                inputs, "inputs", expected="a sequence with one list of arrays per device"
+            )
+        )
     )
     if not lists:
         raise ValueError("inputs must hold at least one list of arrays, got an empty sequence.")

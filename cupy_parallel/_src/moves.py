@@ -22,6 +22,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from cupy_parallel._src import comm, ops
+from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.arrays import to_device as move
 from cupy_parallel._src.cuda.streams import background_stream
@@ -204,8 +205,7 @@ class ReduceAddCoalesced(Function):
         ctx: FunctionContext, destination: Any, num_inputs: int, *grads: Any
     ) -> tuple[Any, ...]:
         """Sum the groups."""
-        if isinstance(num_inputs, bool) or not isinstance(num_inputs, int):
-            raise TypeError(f"num_inputs must be an int, got {type(num_inputs).__name__}.")
+        num_inputs = read_int(num_inputs, "num_inputs")
         if num_inputs < 1 or len(grads) % num_inputs:
             raise ValueError(
                 f"num_inputs must be a positive divisor of the number of arrays ({len(grads)}), "

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.arguments import read_axis, read_int, read_sequence
 from cupy_parallel._src.arrays import device_of, is_array
-from cupy_parallel._src.comm import chunk_count, even_chunks, normalize_axis
+from cupy_parallel._src.comm import chunk_count, even_chunks
 from cupy_parallel._src.devices import Device, read_device, read_devices
 from cupy_parallel._src.moves import SCALARS_WARNING, Gather, Scatter
 from cupy_parallel._src.tree import flatten, key_path, leaves_equal, structure_difference
@@ -146,7 +146,7 @@ def scatter(inputs: Tree, /, target_devices: Sequence[DeviceLike], dim: int = 0)
                 f"{where} is a 0-d array, which cannot be split along dim={dim}; "
                 "give it a dimension (x.reshape(1)) or pass it as a Python scalar to share it."
             )
-        dims[k] = normalize_axis(dim, leaf.ndim, f"array {where}")
+        dims[k] = read_axis(dim, leaf.ndim, "dim", of=f"array {where}")
     replicas = min(
         (chunk_count(leaves[k].shape[d], len(devices)) for k, d in dims.items()),
         default=len(devices),
@@ -202,11 +202,14 @@ def scatter_kwargs(
     """
     if inputs is None:
         inputs = ()
-    if not isinstance(inputs, tuple | list):
-        raise TypeError(
-            "inputs must be a tuple or list of positional arguments, got "
-            f"{type(inputs).__name__}; wrap a single argument as (x,)."
-        )
+    positional = read_sequence(
+        inputs,
+        "inputs",
+        expected="a tuple or list of positional arguments",
+        hint="wrap a single argument as (x,)",
+    )
+    if not isinstance(inputs, tuple | list):  # a namedtuple keeps its field names in key paths
+        inputs = positional
     if kwargs is None:
         kwargs = {}
     if not isinstance(kwargs, Mapping):
@@ -260,11 +263,12 @@ def gather(outputs: Sequence[Tree], /, target_device: DeviceLike, dim: int = 0) 
         >>> gather(parts, "cpu")
         {'y': array([0., 1., 2., 3., 4., 5.]), 'n': 3}
     """
-    if isinstance(outputs, str | bytes) or is_array(outputs) or not isinstance(outputs, Sequence):
-        raise TypeError(
-            "outputs must be a list or tuple with one structure per replica, got "
-            f"{type(outputs).__name__}; wrap a single replica's output as [output]."
-        )
+    outputs = read_sequence(
+        outputs,
+        "outputs",
+        expected="a list or tuple with one structure per replica",
+        hint="wrap a single replica's output as [output]",
+    )
     if len(outputs) == 0:
         raise ValueError("outputs is empty; gather needs at least one replica's output.")
     target = read_device(target_device, "target_device")
@@ -362,7 +366,7 @@ def _check_column(column: list[Any], dim: int, path: str) -> int | None:
                 f"stack along dim=0, not dim={dim}; give them a dimension (x.reshape(1))."
             )
         return 0
-    axis = normalize_axis(dim, first.ndim, f"array outputs[0]{path}")
+    axis = read_axis(dim, first.ndim, "dim", of=f"array outputs[0]{path}")
     for r, array in enumerate(column[1:], start=1):
         if _shape_off(array.shape, axis) != _shape_off(first.shape, axis):
             raise ValueError(

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Generic
 
 from cupy_parallel._src import comm
-from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.arguments import read_bool, read_callable, read_int, read_sequence
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.arraytypes import Output, Params, Tree
 from cupy_parallel._src.cuda.streams import StreamHandoff
@@ -97,8 +97,7 @@ def replicate(params: Tree, /, devices: Sequence[DeviceLike], detach: bool = Fal
         (['host:0', 'host:1'], 'tanh')
     """
     targets = read_devices(devices, "devices", accelerators_only=False, allow_empty=True)
-    if not isinstance(detach, bool):
-        raise TypeError(f"detach must be a bool, got {type(detach).__name__} {detach!r}.")
+    detach = read_bool(detach, "detach")
     if not targets:
         return []
     _check_params_on(params, targets[0], "replicate")
@@ -239,11 +238,10 @@ def parallel_apply(
         >>> cupy_parallel.parallel_apply([np.sum, np.max], xs, devices=["host:0", "host:1"])
         [HostArray(3., device='host:0'), HostArray(2., device='host:1')]
     """
-    fns = _as_sequence(fns, "fns")
-    inputs = _as_sequence(inputs, "inputs")
+    fns = _per_replica(fns, "fns")
+    inputs = _per_replica(inputs, "inputs")
     for i, fn in enumerate(fns):
-        if not callable(fn):
-            raise TypeError(f"fns[{i}] must be callable, got {type(fn).__name__} {fn!r}.")
+        read_callable(fn, f"fns[{i}]")
     count = len(fns)
     if len(inputs) != count:
         raise ValueError(
@@ -252,7 +250,7 @@ def parallel_apply(
         )
     if kwargs_tup is None:
         kwargs_tup = [{}] * count
-    kwargs_tup = _as_sequence(kwargs_tup, "kwargs_tup")
+    kwargs_tup = _per_replica(kwargs_tup, "kwargs_tup")
     if len(kwargs_tup) != count:
         raise ValueError(
             f"kwargs_tup must have one mapping per function: got {count} fns and "
@@ -266,7 +264,7 @@ def parallel_apply(
             )
     if devices is None:
         devices = [None] * count
-    devices = _as_sequence(devices, "devices")
+    devices = _per_replica(devices, "devices")
     if len(devices) != count:
         raise ValueError(
             f"devices must have one entry per function: got {count} fns and "
@@ -321,13 +319,8 @@ def parallel_apply(
     return results
 
 
-def _as_sequence(value: Any, name: str) -> Sequence[Any]:
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise TypeError(
-            f"{name} must be a list or tuple with one entry per replica, "
-            f"got {type(value).__name__}."
-        )
-    return value
+def _per_replica(value: Any, name: str) -> tuple[Any, ...]:
+    return read_sequence(value, name, expected="a list or tuple with one entry per replica")
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,8 +399,7 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
         >>> cupy_parallel.data_parallel(fn, params, np.arange(5.0).reshape(5, 1))
         HostArray([[0.], [2.], [4.], [6.], [8.]], device='host:0')
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable as fn(params, *inputs), got {type(fn).__name__}.")
+    read_callable(fn, "fn", call="fn(params, *inputs)")
     ids, output = _pick_devices(device_ids, output_device)
     dim = read_int(dim, "dim")
     if module_kwargs is not None and not isinstance(module_kwargs, Mapping):
@@ -470,8 +462,7 @@ class DataParallel(Generic[Params, Output]):
         output_device: DeviceLike | None = None,
         dim: int = 0,
     ) -> None:
-        if not callable(fn):
-            raise TypeError(f"fn must be callable as fn(params, *inputs), got {type(fn).__name__}.")
+        read_callable(fn, "fn", call="fn(params, *inputs)")
         self.fn = fn
         self.device_ids, self.output_device = _pick_devices(device_ids, output_device)
         self.dim = read_int(dim, "dim")
