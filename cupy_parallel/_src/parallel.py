@@ -20,6 +20,7 @@ import contextvars
 import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Concatenate, Generic
 
 from cupy_parallel._src import comm
@@ -126,15 +127,6 @@ def replicate(params: Tree, /, devices: Sequence[DeviceLike], detach: bool = Fal
 # parallel_apply
 
 
-class _Failure:
-    """A worker's exception, kept until the caller re-raises it."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
 def _reraise(index: int, device: Device | None, error: BaseException) -> None:
     """Re-raise ``error`` in the caller, saying which replica on which device raised it.
 
@@ -175,16 +167,50 @@ def _run_replica(
     device: Device | None,
     stream: StreamHandoff | None,
 ) -> Any:
-    try:
-        if device is None:
+    if device is None:
+        return fn(*args, **kwargs)
+    with device:
+        if stream is None:
             return fn(*args, **kwargs)
-        with device:
-            if stream is None:
-                return fn(*args, **kwargs)
-            with stream:
-                return fn(*args, **kwargs)
-    except BaseException as error:  # noqa: BLE001 - handed to the caller, who re-raises it
-        return _Failure(error)
+        with stream:
+            return fn(*args, **kwargs)
+
+
+def _run_all(calls: Sequence[Callable[[], Any]]) -> list[Future[Any]]:
+    """Run every call; once all have ended, one future per call with its result or exception.
+
+    A single call runs in this thread (as in torch); several run at once, each in a worker thread
+    of its own and in a copy of this thread's :mod:`contextvars` context, so an active tape
+    records what the workers do. A future holds any exception, ``KeyboardInterrupt`` too, for
+    the caller to re-raise.
+    """
+    if len(calls) == 1:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(calls[0]())
+        except BaseException as error:  # noqa: BLE001 - re-raised by the caller, as from a worker
+            future.set_exception(error)
+        return [future]
+    if not calls:
+        return []
+    # No call starts before all are submitted, so no worker is idle when one is submitted and
+    # each call gets a thread of its own (thread-local state, CUDA per-thread default streams).
+    start = threading.Event()
+
+    def gated(call: Callable[[], Any]) -> Any:
+        start.wait()
+        return call()
+
+    pool = ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="cupy_parallel-replica")
+    futures = [pool.submit(contextvars.copy_context().run, gated, call) for call in calls]
+    start.set()
+    try:
+        wait(futures)
+    except BaseException:
+        pool.shutdown(wait=False)  # interrupted (Ctrl-C): the workers end their calls unwaited
+        raise
+    pool.shutdown()  # every call has ended: join the idle workers
+    return futures
 
 
 def parallel_apply(
@@ -196,7 +222,7 @@ def parallel_apply(
 ) -> list[Output]:
     """Call ``fns[i](*inputs[i], **kwargs_tup[i])`` for every ``i`` at once, one thread each.
 
-    Each call runs in its own thread (a single call runs in the caller's thread, as in torch)
+    Each call runs in a thread of its own (a single call runs in the caller's thread, as in torch)
     inside its device's context: on CUDA the device is made current and the caller's current
     CuPy stream on that device is used, so the work is ordered as if the caller had launched it.
     Under per-thread default streams (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``) the caller's
@@ -290,33 +316,15 @@ def parallel_apply(
             fns, inputs, kwargs_tup, places, streams, strict=True
         )
     ]
-    if count == 1:
-        results = [calls[0]()]
-    else:
-        results = [None] * count
-
-        def work(i: int) -> None:
-            results[i] = calls[i]()
-
-        threads = [
-            threading.Thread(
-                target=contextvars.copy_context().run,
-                args=(work, i),
-                name=f"cupy_parallel-replica-{i}",
-            )
-            for i in range(count)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+    futures = _run_all(calls)  # every replica ends before any error is re-raised
     for handoff in streams:
         if handoff is not None:
             handoff.finish()
-    for i, (result, device) in enumerate(zip(results, places, strict=True)):
-        if isinstance(result, _Failure):
-            _reraise(i, device, result.error)
-    return results
+    for i, (future, device) in enumerate(zip(futures, places, strict=True)):
+        error = future.exception()
+        if error is not None:
+            _reraise(i, device, error)
+    return [future.result() for future in futures]
 
 
 def _per_replica(value: Any, name: str) -> tuple[Any, ...]:
