@@ -415,14 +415,33 @@ def scatter(
             )
         copy_streams = _read_streams(streams, targets)
         _check_outs(_named("out", outs), [("array", array)], "scatter")
+    return scatter_unchecked(array, targets, sizes, axis, copy_streams, out=outs)
+
+
+def scatter_unchecked(
+    array: Any,
+    targets: Sequence[Device],
+    sizes: Sequence[int],
+    axis: int,
+    streams: Sequence[Any] | None = None,
+    *,
+    out: Sequence[Any] | None = None,
+) -> tuple[Any, ...]:
+    """:func:`scatter` of arguments already read, checking nothing: the library's callers.
+
+    ``targets`` are existing accelerator devices, ``sizes`` one per target summing to
+    ``array.shape[axis]``, ``axis`` in ``[0, array.ndim)``, ``streams`` one (or ``None``) per
+    target, ``out`` (instead of fresh arrays) one writable array per target.
+    """
     source = device_of(array)
+    copy_streams = (None,) * len(targets) if streams is None else streams
     chunks = []
     for i, (device, (start, stop)) in enumerate(zip(targets, _offsets(sizes), strict=True)):
         piece = array[_index(axis, start, stop)]
-        if outs is None and device == source:
+        if out is None and device == source:
             chunks.append(piece)
             continue
-        dst = empty(piece.shape, array.dtype, device) if outs is None else outs[i]
+        dst = empty(piece.shape, array.dtype, device) if out is None else out[i]
         _transfer.copy_into(dst, piece, stream=copy_streams[i])
         chunks.append(dst)
     return tuple(chunks)
@@ -498,25 +517,44 @@ def gather(
                 f"{tuple(expected)} (the shape of arrays[0] except along dim)."
             )
         _check_same_dtype(x, first.dtype, f"arrays[{i}]", "arrays[0]")
-    expected[axis] = sum(x.shape[axis] for x in items)
-    shape = tuple(expected)
     if out is None:
         target = (
             _current_device() if destination is None else read_device(destination, "destination")
         )
-        result = empty(shape, first.dtype, target)
-    else:
-        _not_with("destination", destination, "out")
-        _check_array(out, "out")
-        if out.shape != shape:
-            raise ValueError(f"out must have the gathered shape {shape}, got {out.shape}.")
-        _check_same_dtype(out, first.dtype, "out", "arrays[0]")
-        _check_outs([("out", out)], _named("arrays", items), "gather")
-        result = out
-    spans = _offsets(x.shape[axis] for x in items)
-    for x, (start, stop) in zip(items, spans, strict=True):
-        _transfer.copy_into(result[_index(axis, start, stop)], x)
-    return result
+        return gather_unchecked(items, axis, target)
+    _not_with("destination", destination, "out")
+    _check_array(out, "out")
+    shape = _gathered_shape(items, axis)
+    if out.shape != shape:
+        raise ValueError(f"out must have the gathered shape {shape}, got {out.shape}.")
+    _check_same_dtype(out, first.dtype, "out", "arrays[0]")
+    _check_outs([("out", out)], _named("arrays", items), "gather")
+    return _join_into(out, items, axis)
+
+
+def _gathered_shape(arrays: Sequence[Any], axis: int) -> tuple[int, ...]:
+    shape = list(arrays[0].shape)
+    shape[axis] = sum(x.shape[axis] for x in arrays)
+    return tuple(shape)
+
+
+def gather_unchecked(arrays: Sequence[Any], axis: int, destination: Device) -> Any:
+    """:func:`gather` of arguments already read, checking nothing: the library's callers.
+
+    ``arrays`` are one or more arrays on accelerator devices, of one dtype and ndim, equal in
+    shape off ``axis`` (in ``[0, ndim)``); the result is a new array on the existing
+    ``destination``.
+    """
+    return _join_into(
+        empty(_gathered_shape(arrays, axis), arrays[0].dtype, destination), arrays, axis
+    )
+
+
+def _join_into(out: Any, arrays: Sequence[Any], axis: int) -> Any:
+    spans = _offsets(x.shape[axis] for x in arrays)
+    for x, (start, stop) in zip(arrays, spans, strict=True):
+        _transfer.copy_into(out[_index(axis, start, stop)], x)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -642,6 +680,17 @@ def broadcast_coalesced(
                 f"arrays[{i}] is on {device_of(x)}, but broadcast_coalesced needs every array "
                 f"on devices[0] ({targets[0]}); move it there with cupy_parallel.to_device."
             )
+    return broadcast_coalesced_unchecked(items, targets, limit)
+
+
+def broadcast_coalesced_unchecked(
+    items: Sequence[Any], targets: Sequence[Device], limit: int = DEFAULT_BUFFER_SIZE
+) -> tuple[tuple[Any, ...], ...]:
+    """:func:`broadcast_coalesced` of arguments already read, checking nothing.
+
+    ``items`` are arrays of dtypes CuPy has, all on ``targets[0]``; ``targets`` are existing
+    accelerator devices; ``limit`` is a positive number of bytes per bucket.
+    """
     results: list[list[Any]] = [list(items)] + [[None] * len(items) for _ in targets[1:]]
     for bucket in _buckets(items, limit):
         members = [items[i] for i in bucket]

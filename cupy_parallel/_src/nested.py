@@ -19,7 +19,6 @@ Arrays move through the differentiable :class:`~cupy_parallel.functions.Scatter`
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -30,14 +29,21 @@ from cupy_parallel._src.arguments import read_axis, read_int, read_sequence
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.comm import chunk_count, even_chunks
 from cupy_parallel._src.devices import Device, read_device, read_devices
-from cupy_parallel._src.moves import SCALARS_WARNING, Gather, Scatter
+from cupy_parallel._src.moves import UncheckedGather, UncheckedScatter
 from cupy_parallel._src.tree import flatten, key_path, leaves_equal, structure_difference
 
 if TYPE_CHECKING:
     from cupy_parallel._src.arraytypes import Tree
     from cupy_parallel._src.devices import DeviceLike
 
-__all__ = ["gather", "scatter", "scatter_kwargs"]
+__all__ = [
+    "gather",
+    "gather_unchecked",
+    "scatter",
+    "scatter_kwargs",
+    "scatter_kwargs_unchecked",
+    "scatter_unchecked",
+]
 
 # --------------------------------------------------------------------------------------------
 # Leaves: the one place arrays are split and joined
@@ -46,11 +52,11 @@ __all__ = ["gather", "scatter", "scatter_kwargs"]
 def _scatter_leaf(
     array: Any, devices: tuple[Device, ...], chunk_sizes: tuple[int, ...], dim: int
 ) -> tuple[Any, ...]:
-    return tuple(Scatter.apply(devices, chunk_sizes, dim, array))
+    return tuple(UncheckedScatter.apply(devices, chunk_sizes, dim, array))
 
 
 def _gather_leaves(arrays: Sequence[Any], target: Device, dim: int) -> Any:
-    return Gather.apply(target, dim, *arrays)
+    return UncheckedGather.apply(target, dim, *arrays)
 
 
 def _foreign_array_type(leaf: object) -> str | None:
@@ -127,7 +133,14 @@ def scatter(inputs: Tree, /, target_devices: Sequence[DeviceLike], dim: int = 0)
         (True, 'batch')
     """
     devices = read_devices(target_devices, "target_devices", accelerators_only=True)
-    dim = read_int(dim, "dim")
+    return scatter_unchecked(inputs, devices, read_int(dim, "dim"))
+
+
+def scatter_unchecked(inputs: Tree, devices: tuple[Device, ...], dim: int) -> list[Tree]:
+    """:func:`scatter` with ``devices`` (existing accelerators) and the int ``dim`` already read.
+
+    The leaves are checked here (arrays of other libraries, 0-d arrays, ``dim`` out of range).
+    """
     accessors, leaves, spec = flatten(inputs)
     dims: dict[int, int] = {}
     for k, (accessor, leaf) in enumerate(zip(accessors, leaves, strict=True)):
@@ -217,9 +230,15 @@ def scatter_kwargs(
             f"kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}."
         )
     devices = read_devices(target_devices, "target_devices", accelerators_only=True)
-    read_int(dim, "dim")
-    scattered_inputs = [tuple(r) for r in scatter(inputs, devices, dim)] if inputs else []
-    scattered_kwargs = [dict(r) for r in scatter(kwargs, devices, dim)] if kwargs else []
+    return scatter_kwargs_unchecked(inputs, kwargs, devices, read_int(dim, "dim"))
+
+
+def scatter_kwargs_unchecked(
+    inputs: Sequence[Any], kwargs: Mapping[str, Any], devices: tuple[Device, ...], dim: int
+) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
+    """:func:`scatter_kwargs` of arguments already read: a tuple or list, a mapping, devices."""
+    scattered_inputs = [tuple(r) for r in scatter_unchecked(inputs, devices, dim)] if inputs else []
+    scattered_kwargs = [dict(r) for r in scatter_unchecked(kwargs, devices, dim)] if kwargs else []
     count = max(len(scattered_inputs), len(scattered_kwargs))
     scattered_inputs += [() for _ in range(count - len(scattered_inputs))]
     scattered_kwargs += [{} for _ in range(count - len(scattered_kwargs))]
@@ -272,8 +291,17 @@ def gather(outputs: Sequence[Tree], /, target_device: DeviceLike, dim: int = 0) 
     if len(outputs) == 0:
         raise ValueError("outputs is empty; gather needs at least one replica's output.")
     target = read_device(target_device, "target_device")
-    dim = read_int(dim, "dim")
+    return gather_unchecked(outputs, target, read_int(dim, "dim"), stacklevel=3)
 
+
+def gather_unchecked(
+    outputs: Sequence[Tree], target: Device, dim: int, *, stacklevel: int = 2
+) -> Tree:
+    """:func:`gather` of arguments already read: one or more outputs, a device, an int ``dim``.
+
+    The replicas' structures and leaves are checked here. ``stacklevel`` is the 0-d warning's,
+    counted from this function (2: its caller).
+    """
     accessors, first, spec = flatten(outputs[0])
     columns: list[list[Any]] = [[leaf] for leaf in first]
     for r, replica in enumerate(outputs[1:], start=1):
@@ -303,15 +331,12 @@ def gather(outputs: Sequence[Tree], /, target_device: DeviceLike, dim: int = 0) 
             f"stacked into vectors of length {len(outputs)} (one element per replica). Return "
             "arrays with a leading dimension to gather without this warning.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
-    with warnings.catch_warnings():
-        # Gather warns per 0-d leaf; this call has warned once for all of them above.
-        warnings.filterwarnings("ignore", re.escape(SCALARS_WARNING), UserWarning)
-        gathered = [
-            column[0] if plan is None else _gather_leaves(column, target, plan)
-            for plan, column in zip(plans, columns, strict=True)
-        ]
+    gathered = [
+        column[0] if plan is None else _gather_leaves(column, target, plan)
+        for plan, column in zip(plans, columns, strict=True)
+    ]
     return cast("Tree", spec.unflatten(gathered))  # the structure of every replica
 
 

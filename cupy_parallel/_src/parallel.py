@@ -12,6 +12,11 @@ pytree, the functional counterpart of a ``torch.nn.Module``. The four pieces fol
 - :func:`data_parallel` scatters the inputs, replicates the parameters, applies the replicas and
   gathers the outputs; the gradient of a data-parallel step equals the one-device gradient;
 - :class:`DataParallel` keeps a function, its parameters and the placement options together.
+
+Arguments are read once, at the public entry. :func:`data_parallel` reads its own and then calls
+the unchecked cores of the other steps (``_replicate``, ``_parallel_apply``,
+:func:`~cupy_parallel._src.nested.scatter_kwargs_unchecked`,
+:func:`~cupy_parallel._src.nested.gather_unchecked`), which read nothing again.
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.arraytypes import Output, Params, Tree
 from cupy_parallel._src.cuda.streams import StreamHandoff
 from cupy_parallel._src.devices import Device, cupy_module, devices, read_device, read_devices
-from cupy_parallel._src.moves import Broadcast
-from cupy_parallel._src.nested import gather, scatter_kwargs
+from cupy_parallel._src.moves import Broadcast, UncheckedBroadcast
+from cupy_parallel._src.nested import gather_unchecked, scatter_kwargs_unchecked
 from cupy_parallel._src.tree import flatten, key_path, leaves
 
 if TYPE_CHECKING:
+    from optree import PyTreeSpec
+
     from cupy_parallel._src.devices import DeviceLike
 
 __all__ = ["DataParallel", "data_parallel", "parallel_apply", "replicate"]
@@ -42,9 +49,12 @@ __all__ = ["DataParallel", "data_parallel", "parallel_apply", "replicate"]
 # Placement checks shared by replicate and data_parallel
 
 
-def _check_params_on(params: Any, device: Device, where: str) -> None:
-    """Raise ``ValueError`` naming the key path of the first array leaf not on ``device``."""
-    accessors, params_leaves, _ = flatten(params)
+def _params_on(params: Any, device: Device, where: str) -> tuple[list[Any], PyTreeSpec]:
+    """The leaves and structure of ``params``, whose array leaves must all be on ``device``.
+
+    Raises ``ValueError`` naming the key path of the first array leaf not on ``device``.
+    """
+    accessors, params_leaves, spec = flatten(params)
     for accessor, leaf in zip(accessors, params_leaves, strict=True):
         if is_array(leaf) and device_of(leaf) != device:
             raise ValueError(
@@ -53,6 +63,7 @@ def _check_params_on(params: Any, device: Device, where: str) -> None:
                 f"first, e.g. optree.tree_map(lambda a: cupy_parallel.to_device(a, '{device}'), "
                 "params, namespace='cupy_parallel')."
             )
+    return params_leaves, spec
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,8 +112,23 @@ def replicate(params: Tree, /, devices: Sequence[DeviceLike], detach: bool = Fal
     detach = read_bool(detach, "detach")
     if not targets:
         return []
-    _check_params_on(params, targets[0], "replicate")
-    _, params_leaves, spec = flatten(params)
+    params_leaves, spec = _params_on(params, targets[0], "replicate")
+    return _replicate(params_leaves, spec, targets, detach=detach, checked=True)
+
+
+def _replicate(
+    params_leaves: list[Any],
+    spec: PyTreeSpec,
+    targets: tuple[Device, ...],
+    *,
+    detach: bool,
+    checked: bool,
+) -> list[Tree]:
+    """:func:`replicate` of flattened parameters on ``targets[0]`` and existing ``targets``.
+
+    ``checked=False`` (data_parallel, whose devices are read and accelerators) broadcasts with
+    :class:`UncheckedBroadcast`, which checks nothing again.
+    """
     slots = [i for i, leaf in enumerate(params_leaves) if is_array(leaf)]
     arrays = [params_leaves[i] for i in slots]
     copies: Sequence[Sequence[Any]]
@@ -111,7 +137,7 @@ def replicate(params: Tree, /, devices: Sequence[DeviceLike], detach: bool = Fal
     elif detach:
         copies = comm.broadcast_coalesced(arrays, targets)
     else:
-        flat = Broadcast.apply(targets, *arrays)
+        flat = (Broadcast if checked else UncheckedBroadcast).apply(targets, *arrays)
         width = len(arrays)
         copies = [flat[k * width : (k + 1) * width] for k in range(len(targets))]
     replicas = []
@@ -302,16 +328,24 @@ def parallel_apply(
         else _first_array_device((args, kwargs))
         for i, (spec, args, kwargs) in enumerate(zip(devices, inputs, kwargs_tup, strict=True))
     ]
+    positional = [tuple(args) if isinstance(args, tuple | list) else (args,) for args in inputs]
+    return _parallel_apply(fns, positional, kwargs_tup, places)
+
+
+def _parallel_apply(
+    fns: Sequence[Callable[..., Output]],
+    inputs: Sequence[tuple[Any, ...]],
+    kwargs_tup: Sequence[Mapping[str, Any]],
+    places: Sequence[Device | None],
+) -> list[Output]:
+    """:func:`parallel_apply` of arguments already read, checking nothing.
+
+    As many callables, argument tuples, keyword mappings and existing devices (or ``None``: no
+    device context).
+    """
     streams = [_cuda_stream(device) for device in places]
     calls = [
-        functools.partial(
-            _run_replica,
-            fn,
-            tuple(args) if isinstance(args, tuple | list) else (args,),
-            kwargs,
-            device,
-            stream,
-        )
+        functools.partial(_run_replica, fn, args, kwargs, device, stream)
         for fn, args, kwargs, device, stream in zip(
             fns, inputs, kwargs_tup, places, streams, strict=True
         )
@@ -335,14 +369,12 @@ def _per_replica(value: Any, name: str) -> tuple[Any, ...]:
 # data_parallel, DataParallel
 
 
-def _pick_devices(device_ids: Any, output_device: Any) -> tuple[list[Device], Device]:
+def _pick_devices(device_ids: Any, output_device: Any) -> tuple[tuple[Device, ...], Device]:
     """The devices ``device_ids`` names (every device for ``None``) and the output device."""
     if device_ids is None:
-        ids = devices()
+        ids = tuple(devices())
     else:
-        ids = list(
-            read_devices(device_ids, "device_ids", accelerators_only=False, allow_empty=True)
-        )
+        ids = read_devices(device_ids, "device_ids", accelerators_only=False, allow_empty=True)
     if not ids:
         raise ValueError(
             "device_ids must name at least one device, got an empty sequence "
@@ -414,22 +446,38 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
         raise TypeError(
             f"module_kwargs must be a mapping or None, got {type(module_kwargs).__name__}."
         )
-    _check_params_on(params, ids[0], "data_parallel")
+    params_leaves, spec = _params_on(params, ids[0], "data_parallel")
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
     kwargs = dict(module_kwargs or {})
+    # Every argument is read above, once; the steps below are the unchecked cores.
     if inputs or kwargs:
-        args, kwargs_per = scatter_kwargs(inputs, kwargs, ids, dim)
+        _accelerators(ids)
+        args, kwargs_per = scatter_kwargs_unchecked(inputs, kwargs, ids, dim)
     else:  # nothing to split: one call on device_ids[0], as torch
         args, kwargs_per = ((),), ({},)
     used = ids[: len(args)]
-    replicas = [params] if len(used) == 1 else replicate(params, used)
-    outputs = parallel_apply(
+    replicas = (
+        [params]
+        if len(used) == 1
+        else _replicate(params_leaves, spec, used, detach=False, checked=False)
+    )
+    outputs = _parallel_apply(
         [functools.partial(fn, replica) for replica in replicas], args, kwargs_per, used
     )
     if len(used) == 1 and output == used[0]:
         return outputs[0]
-    return gather(outputs, output, dim)
+    return gather_unchecked(outputs, output, dim)
+
+
+def _accelerators(ids: tuple[Device, ...]) -> None:
+    """Refuse ``"cpu"`` among the devices a batch is scattered over (arrays there are NumPy)."""
+    for i, device in enumerate(ids):
+        if device.kind == "cpu":
+            raise ValueError(
+                f"device_ids[{i}] must be an accelerator device ('host:k' or 'cuda:k') to take a "
+                "slice of the batch, got 'cpu' (plain NumPy memory); use cupy_parallel.devices()."
+            )
 
 
 class DataParallel(Generic[Params, Output]):
@@ -472,9 +520,10 @@ class DataParallel(Generic[Params, Output]):
     ) -> None:
         read_callable(fn, "fn", call="fn(params, *inputs)")
         self.fn = fn
-        self.device_ids, self.output_device = _pick_devices(device_ids, output_device)
+        ids, self.output_device = _pick_devices(device_ids, output_device)
+        self.device_ids = list(ids)
         self.dim = read_int(dim, "dim")
-        _check_params_on(params, self.device_ids[0], "DataParallel")
+        _params_on(params, ids[0], "DataParallel")
         self.params = params
 
     def __call__(self, /, *inputs: Any, **kwargs: Any) -> Output:
