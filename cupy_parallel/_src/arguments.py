@@ -13,6 +13,7 @@ These readers are the only place such checks are written:
   (``str``, ``bytes``, ``bytearray``), a mapping and an array (anything with an array protocol),
   each of which would otherwise be iterated into characters, keys or rows by mistake. A generator
   is read once, so the caller may iterate the result as often as it needs;
+- :func:`read_mapping`: keyword arguments (any ``Mapping``);
 - :func:`read_callable`: a callable;
 - :func:`read_axis`: an axis of an ``ndim``-d array in ``[0, ndim)``, negative counting from
   the end (NumPy's ``normalize_axis_index``; out of range is NumPy's ``AxisError``, which is a
@@ -33,7 +34,15 @@ import numpy as np
 from numpy.exceptions import AxisError
 from numpy.lib.array_utils import normalize_axis_index
 
-__all__ = ["read_axis", "read_bool", "read_callable", "read_int", "read_sequence", "read_timeout"]
+__all__ = [
+    "read_axis",
+    "read_bool",
+    "read_callable",
+    "read_int",
+    "read_mapping",
+    "read_sequence",
+    "read_timeout",
+]
 
 _ARRAY_PROTOCOLS = (
     "__array_namespace__",
@@ -143,6 +152,26 @@ def read_sequence(value: Any, name: str, /, *, expected: str, hint: str = "") ->
             f"{name} must be {expected}, got {type(value).__name__} {reprlib.repr(value)}{fix}."
         )
     return tuple(value)
+
+
+def read_mapping(
+    value: Any, name: str, /, *, expected: str = "a mapping of keyword arguments"
+) -> Mapping[str, Any]:
+    """``value`` if it is a ``Mapping``; ``expected`` completes "``name`` must be ...".
+
+    Example:
+        >>> read_mapping({"scale": 2.0}, "kwargs")
+        {'scale': 2.0}
+        >>> read_mapping([1], "module_kwargs", expected="a mapping or None")
+        Traceback (most recent call last):
+        ...
+        TypeError: module_kwargs must be a mapping or None, got list [1].
+    """
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{name} must be {expected}, got {type(value).__name__} {reprlib.repr(value)}."
+        )
+    return value
 
 
 def read_callable(value: Any, name: str, /, *, call: str = "") -> Callable[..., Any]:

@@ -20,12 +20,11 @@ Arrays move through the differentiable :class:`~cupy_parallel.functions.Scatter`
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from cupy_parallel._src.arguments import read_axis, read_int, read_sequence
+from cupy_parallel._src.arguments import read_axis, read_int, read_mapping, read_sequence
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.comm import chunk_count, even_chunks
 from cupy_parallel._src.devices import Device, read_device, read_devices
@@ -33,6 +32,8 @@ from cupy_parallel._src.moves import UncheckedGather, UncheckedScatter
 from cupy_parallel._src.tree import flatten, key_path, leaves_equal, structure_difference
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
     from cupy_parallel._src.arraytypes import Tree
     from cupy_parallel._src.devices import DeviceLike
 
@@ -223,12 +224,7 @@ def scatter_kwargs(
     )
     if not isinstance(inputs, tuple | list):  # a namedtuple keeps its field names in key paths
         inputs = positional
-    if kwargs is None:
-        kwargs = {}
-    if not isinstance(kwargs, Mapping):
-        raise TypeError(
-            f"kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}."
-        )
+    kwargs = read_mapping({} if kwargs is None else kwargs, "kwargs")
     devices = read_devices(target_devices, "target_devices", accelerators_only=True)
     return scatter_kwargs_unchecked(inputs, kwargs, devices, read_int(dim, "dim"))
 

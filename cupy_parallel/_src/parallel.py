@@ -24,12 +24,17 @@ from __future__ import annotations
 import contextvars
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Concatenate, Generic
 
 from cupy_parallel._src import comm
-from cupy_parallel._src.arguments import read_bool, read_callable, read_int, read_sequence
+from cupy_parallel._src.arguments import (
+    read_bool,
+    read_callable,
+    read_int,
+    read_mapping,
+    read_sequence,
+)
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.arraytypes import Output, Params, Tree
 from cupy_parallel._src.cuda.streams import StreamHandoff
@@ -39,6 +44,8 @@ from cupy_parallel._src.nested import gather_unchecked, scatter_kwargs_unchecked
 from cupy_parallel._src.tree import flatten, key_path, leaves
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
     from optree import PyTreeSpec
 
     from cupy_parallel._src.devices import DeviceLike
@@ -309,11 +316,7 @@ def parallel_apply(
             f"{len(kwargs_tup)} kwargs (pass None for no keyword arguments)."
         )
     for i, kwargs in enumerate(kwargs_tup):
-        if not isinstance(kwargs, Mapping):
-            raise TypeError(
-                f"kwargs_tup[{i}] must be a mapping of keyword arguments, "
-                f"got {type(kwargs).__name__} {kwargs!r}."
-            )
+        read_mapping(kwargs, f"kwargs_tup[{i}]")
     if devices is None:
         devices = [None] * count
     devices = _per_replica(devices, "devices")
@@ -442,10 +445,8 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
     read_callable(fn, "fn", call="fn(params, *inputs)")
     ids, output = _pick_devices(device_ids, output_device)
     dim = read_int(dim, "dim")
-    if module_kwargs is not None and not isinstance(module_kwargs, Mapping):
-        raise TypeError(
-            f"module_kwargs must be a mapping or None, got {type(module_kwargs).__name__}."
-        )
+    if module_kwargs is not None:
+        read_mapping(module_kwargs, "module_kwargs", expected="a mapping or None")
     params_leaves, spec = _params_on(params, ids[0], "data_parallel")
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
