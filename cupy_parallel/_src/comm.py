@@ -5,7 +5,9 @@ or copied; a bad argument raises ``TypeError`` (wrong type) or ``ValueError`` (w
 it. The work is then done by device-generic helpers: host memory (``"cpu"`` and ``"host:k"``) is
 copied with ``numpy.copyto`` into pooled buffers from :func:`~cupy_parallel.empty`; anything that
 touches a GPU goes through :mod:`cupy_parallel._src.cuda` (pinned staging on background streams,
-peer copies, NCCL).
+peer copies, NCCL). :func:`scatter_unchecked`, :func:`gather_unchecked` and
+:func:`broadcast_coalesced_unchecked` are the public functions after their checks, for the
+library's callers that read their arguments already (the recorded moves of ``data_parallel``).
 
 Conventions shared by all six functions, carried over from ``torch.cuda.comm``:
 
