@@ -27,10 +27,10 @@ from cupy_parallel._src.devices import Device, as_device, devices, platform, set
 from cupy_parallel._src.exports import set_module
 from cupy_parallel._src.function import Function, FunctionContext
 from cupy_parallel._src.functional import grad, value_and_grad
-from cupy_parallel._src.functions import to_device
 from cupy_parallel._src.gradcheck import GradcheckError, gradcheck
 from cupy_parallel._src.hostarray import HostArray
 from cupy_parallel._src.memory import HostMemoryPool, get_host_memory_pool
+from cupy_parallel._src.moves import to_device
 from cupy_parallel._src.nested import gather, scatter, scatter_kwargs
 from cupy_parallel._src.parallel import DataParallel, data_parallel, parallel_apply, replicate
 from cupy_parallel._src.tape import Tape, stop_gradient

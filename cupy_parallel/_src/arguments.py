@@ -7,20 +7,50 @@ These readers are the only place such checks are written:
 - :func:`read_int`: a Python or NumPy integer (never ``bool``), optionally bounded below;
 - :func:`read_bool`: a Python or NumPy bool;
 - :func:`read_timeout`: seconds as ``datetime.timedelta``, ``int`` or ``float`` (finite, >= 0, or
-  > 0 with ``positive=True``), returned as float seconds, the one timeout convention.
+  > 0 with ``positive=True``), returned as float seconds, the one timeout convention;
+- :func:`read_sequence`: a sequence of devices, arrays, sizes or per-replica entries, read once
+  into a tuple. The one rule for what counts as a sequence: any iterable except a string
+  (``str``, ``bytes``, ``bytearray``), a mapping and an array (anything with an array protocol),
+  each of which would otherwise be iterated into characters, keys or rows by mistake. A generator
+  is read once, so the caller may iterate the result as often as it needs;
+- :func:`read_mapping`: keyword arguments (any ``Mapping``);
+- :func:`read_callable`: a callable;
+- :func:`read_axis`: an axis of an ``ndim``-d array in ``[0, ndim)``, negative counting from
+  the end (NumPy's ``normalize_axis_index``; out of range is NumPy's ``AxisError``, which is a
+  ``ValueError`` and an ``IndexError``).
 
-This module is the bottom layer: it imports nothing from the package.
+This module is the bottom layer: it imports nothing from the package (NumPy only).
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
+from numpy.exceptions import AxisError
+from numpy.lib.array_utils import normalize_axis_index
 
-__all__ = ["read_bool", "read_int", "read_timeout"]
+__all__ = [
+    "read_axis",
+    "read_bool",
+    "read_callable",
+    "read_int",
+    "read_mapping",
+    "read_sequence",
+    "read_timeout",
+]
+
+_ARRAY_PROTOCOLS = (
+    "__array_namespace__",
+    "__array__",
+    "__array_interface__",
+    "__cuda_array_interface__",
+    "__dlpack__",
+)
 
 
 def read_int(value: Any, name: str, /, *, minimum: int | None = None) -> int:
@@ -93,3 +123,100 @@ def read_timeout(value: Any, name: str = "timeout", /, *, positive: bool = True)
         bound = "more than 0" if positive else "at least 0"
         raise ValueError(f"{name} must be {bound} seconds, got {value!r}.")
     return seconds
+
+
+def read_sequence(value: Any, name: str, /, *, expected: str, hint: str = "") -> tuple[Any, ...]:
+    """``value`` as a tuple: any iterable except a string, a mapping or an array.
+
+    ``expected`` completes "``name`` must be ..." in the message, ``hint`` (optional) says how to
+    fix the call. Entries are not checked: the caller reads each one with its own reader.
+
+    Example:
+        >>> read_sequence(["host:0", "host:1"], "devices", expected="a sequence of devices")
+        ('host:0', 'host:1')
+        >>> read_sequence((k for k in range(3)), "sizes", expected="a sequence of ints")
+        (0, 1, 2)
+        >>> read_sequence("host:0", "devices", expected="a sequence of devices",
+        ...               hint="wrap a single device as [device]")
+        Traceback (most recent call last):
+        ...
+        TypeError: devices must be a sequence of devices, got str 'host:0'; wrap a single device as [device].
+    """  # noqa: E501 - a doctest's expected output is one line
+    if (
+        isinstance(value, str | bytes | bytearray | Mapping)
+        or any(hasattr(type(value), protocol) for protocol in _ARRAY_PROTOCOLS)
+        or not isinstance(value, Iterable)
+    ):
+        fix = f"; {hint}" if hint else ""
+        raise TypeError(
+            f"{name} must be {expected}, got {type(value).__name__} {reprlib.repr(value)}{fix}."
+        )
+    return tuple(value)
+
+
+def read_mapping(
+    value: Any, name: str, /, *, expected: str = "a mapping of keyword arguments"
+) -> Mapping[str, Any]:
+    """``value`` if it is a ``Mapping``; ``expected`` completes "``name`` must be ...".
+
+    Example:
+        >>> read_mapping({"scale": 2.0}, "kwargs")
+        {'scale': 2.0}
+        >>> read_mapping([1], "module_kwargs", expected="a mapping or None")
+        Traceback (most recent call last):
+        ...
+        TypeError: module_kwargs must be a mapping or None, got list [1].
+    """
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{name} must be {expected}, got {type(value).__name__} {reprlib.repr(value)}."
+        )
+    return value
+
+
+def read_callable(value: Any, name: str, /, *, call: str = "") -> Callable[..., Any]:
+    """``value`` if it is callable; ``call`` (optional) shows how it will be called.
+
+    Example:
+        >>> read_callable(len, "fn") is len
+        True
+        >>> read_callable("mlp", "fn", call="fn(params, *inputs)")
+        Traceback (most recent call last):
+        ...
+        TypeError: fn must be callable as fn(params, *inputs), got str 'mlp'.
+    """
+    if not callable(value):
+        how = f" as {call}" if call else ""
+        raise TypeError(
+            f"{name} must be callable{how}, got {type(value).__name__} {reprlib.repr(value)}."
+        )
+    return value
+
+
+def read_axis(value: Any, ndim: int, name: str = "axis", /, *, of: str = "array") -> int:
+    """``value`` as an axis of the ``ndim``-d ``of``, in ``[0, ndim)``; negative counts from the end.
+
+    An int is read with :func:`read_int`; one out of range raises NumPy's ``AxisError`` (a
+    ``ValueError`` and an ``IndexError``) with a message naming ``name``, the range and ``of``.
+
+    Example:
+        >>> read_axis(-1, 3, "dim"), read_axis(1, 3, "dim")
+        (2, 1)
+        >>> read_axis(2, 2, "dim", of="array x")
+        Traceback (most recent call last):
+        ...
+        numpy.exceptions.AxisError: dim must be in [-2, 1] for the 2-d array x, got 2; pass a dim in that range or reshape the array.
+    """  # noqa: E501 - a doctest's expected output is one line
+    axis = read_int(value, name)
+    try:
+        return int(normalize_axis_index(axis, ndim))
+    except AxisError:
+        if ndim == 0:
+            raise AxisError(
+                f"{name} must be an axis of the {of}, but it is 0-d and has none, got {axis}; "
+                "reshape it to at least one dimension (e.g. x.reshape(1))."
+            ) from None
+        raise AxisError(
+            f"{name} must be in [{-ndim}, {ndim - 1}] for the {ndim}-d {of}, got {axis}; pass a "
+            f"{name} in that range or reshape the array."
+        ) from None

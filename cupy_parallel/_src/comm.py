@@ -5,7 +5,9 @@ or copied; a bad argument raises ``TypeError`` (wrong type) or ``ValueError`` (w
 it. The work is then done by device-generic helpers: host memory (``"cpu"`` and ``"host:k"``) is
 copied with ``numpy.copyto`` into pooled buffers from :func:`~cupy_parallel.empty`; anything that
 touches a GPU goes through :mod:`cupy_parallel._src.cuda` (pinned staging on background streams,
-peer copies, NCCL).
+peer copies, NCCL). :func:`scatter_unchecked`, :func:`gather_unchecked` and
+:func:`broadcast_coalesced_unchecked` are the public functions after their checks, for the
+library's callers that read their arguments already (the recorded moves of ``data_parallel``).
 
 Conventions shared by all six functions, carried over from ``torch.cuda.comm``:
 
@@ -22,14 +24,13 @@ Conventions shared by all six functions, carried over from ``torch.cuda.comm``:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cupy_parallel._src import comm_transfer as _transfer
-from cupy_parallel._src.arguments import read_int
-from cupy_parallel._src.arrays import device_of, empty, is_array
+from cupy_parallel._src.arguments import read_axis, read_int, read_sequence
+from cupy_parallel._src.arrays import copy_into, device_of, empty, is_array, move
 from cupy_parallel._src.cuda import nccl as _nccl
 from cupy_parallel._src.cuda import streams as _streams
 from cupy_parallel._src.devices import Device, cupy_module, platform, read_device, read_devices
@@ -37,7 +38,7 @@ from cupy_parallel._src.dtypes import check_device_dtype
 from cupy_parallel._src.hostarray import plain_buffer
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterable, Sequence
 
     from cupy_parallel._src.arrays import Array
     from cupy_parallel._src.devices import DeviceLike
@@ -79,12 +80,12 @@ def _check_array(x: Any, name: str) -> None:
 
 def _read_arrays(seq: Any, name: str, *, allow_empty: bool = False) -> tuple[Any, ...]:
     """A sequence of arrays as a tuple; refuses a bare array, a string or a mapping."""
-    if is_array(seq) or isinstance(seq, str | bytes | Mapping) or not isinstance(seq, Iterable):
-        raise TypeError(
-            f"{name} must be a sequence (list or tuple) of arrays, got {type(seq).__name__}; "
-            f"wrap a single array as [array]."
-        )
-    items = tuple(seq)
+    items = read_sequence(
+        seq,
+        name,
+        expected="a sequence (list or tuple) of arrays",
+        hint="wrap a single array as [array]",
+    )
     if not items and not allow_empty:
         raise ValueError(f"{name} must contain at least one array, got an empty sequence.")
     for i, x in enumerate(items):
@@ -111,17 +112,7 @@ def _read_dim(dim: Any, ndim: int, what: str) -> int:
             f"{what} is 0-d, so it has no dimension {dim} to split or join along; "
             "reshape it to at least one dimension (e.g. array.reshape(1))."
         )
-    return normalize_axis(dim, ndim, what)
-
-
-def normalize_axis(dim: int, ndim: int, what: str) -> int:
-    """``dim`` as an axis of the ``ndim``-d (``ndim >= 1``) ``what``, in ``[0, ndim)``."""
-    if not -ndim <= dim < ndim:
-        raise ValueError(
-            f"dim must be in [{-ndim}, {ndim - 1}] for the {ndim}-d {what}, got {dim}; pass a "
-            "dim in that range or reshape the array."
-        )
-    return dim % ndim
+    return read_axis(dim, ndim, "dim", of=what)
 
 
 def _read_buffer_size(buffer_size: Any) -> int:
@@ -132,12 +123,8 @@ def _read_buffer_size(buffer_size: Any) -> int:
 
 
 def _read_chunk_sizes(chunk_sizes: Any, count: int, total: int, dim: int) -> tuple[int, ...]:
-    if isinstance(chunk_sizes, str | bytes | Mapping) or not isinstance(chunk_sizes, Iterable):
-        raise TypeError(
-            f"chunk_sizes must be a sequence of ints, got {type(chunk_sizes).__name__} "
-            f"{chunk_sizes!r}."
-        )
-    sizes = tuple(read_int(s, f"chunk_sizes[{i}]", minimum=0) for i, s in enumerate(chunk_sizes))
+    entries = read_sequence(chunk_sizes, "chunk_sizes", expected="a sequence of ints")
+    sizes = tuple(read_int(s, f"chunk_sizes[{i}]", minimum=0) for i, s in enumerate(entries))
     if len(sizes) != count:
         raise ValueError(
             f"chunk_sizes must have one entry per device: len(devices) = {count}, "
@@ -154,12 +141,9 @@ def _read_chunk_sizes(chunk_sizes: Any, count: int, total: int, dim: int) -> tup
 def _read_streams(streams: Any, targets: Sequence[Device]) -> tuple[Any, ...]:
     if streams is None:
         return (None,) * len(targets)
-    if isinstance(streams, str | bytes | Mapping) or not isinstance(streams, Iterable):
-        raise TypeError(
-            f"streams must be a sequence of cupy.cuda.Stream or None, one per device, "
-            f"got {type(streams).__name__}."
-        )
-    entries = tuple(streams)
+    entries = read_sequence(
+        streams, "streams", expected="a sequence of cupy.cuda.Stream or None, one per device"
+    )
     if len(entries) != len(targets):
         raise ValueError(
             f"streams must have one entry (a cupy.cuda.Stream or None) per device: "
@@ -311,11 +295,8 @@ def _index(dim: int, start: int, stop: int) -> tuple[slice, ...]:
 
 
 def _offsets(sizes: Iterable[int]) -> list[tuple[int, int]]:
-    spans, start = [], 0
-    for size in sizes:
-        spans.append((start, start + size))
-        start += size
-    return spans
+    """``(start, stop)`` of each size, laid back to back from 0."""
+    return list(itertools.pairwise(itertools.accumulate(sizes, initial=0)))
 
 
 def chunk_count(size: int, devices: int) -> int:
@@ -437,15 +418,34 @@ def scatter(
             )
         copy_streams = _read_streams(streams, targets)
         _check_outs(_named("out", outs), [("array", array)], "scatter")
+    return scatter_unchecked(array, targets, sizes, axis, copy_streams, out=outs)
+
+
+def scatter_unchecked(
+    array: Any,
+    targets: Sequence[Device],
+    sizes: Sequence[int],
+    axis: int,
+    streams: Sequence[Any] | None = None,
+    *,
+    out: Sequence[Any] | None = None,
+) -> tuple[Any, ...]:
+    """:func:`scatter` of arguments already read, checking nothing: the library's callers.
+
+    ``targets`` are existing accelerator devices, ``sizes`` one per target summing to
+    ``array.shape[axis]``, ``axis`` in ``[0, array.ndim)``, ``streams`` one (or ``None``) per
+    target, ``out`` (instead of fresh arrays) one writable array per target.
+    """
     source = device_of(array)
+    copy_streams = (None,) * len(targets) if streams is None else streams
     chunks = []
     for i, (device, (start, stop)) in enumerate(zip(targets, _offsets(sizes), strict=True)):
         piece = array[_index(axis, start, stop)]
-        if outs is None and device == source:
+        if out is None and device == source:
             chunks.append(piece)
             continue
-        dst = empty(piece.shape, array.dtype, device) if outs is None else outs[i]
-        _transfer.copy_into(dst, piece, stream=copy_streams[i])
+        dst = empty(piece.shape, array.dtype, device) if out is None else out[i]
+        copy_into(dst, piece, stream=copy_streams[i])
         chunks.append(dst)
     return tuple(chunks)
 
@@ -520,25 +520,44 @@ def gather(
                 f"{tuple(expected)} (the shape of arrays[0] except along dim)."
             )
         _check_same_dtype(x, first.dtype, f"arrays[{i}]", "arrays[0]")
-    expected[axis] = sum(x.shape[axis] for x in items)
-    shape = tuple(expected)
     if out is None:
         target = (
             _current_device() if destination is None else read_device(destination, "destination")
         )
-        result = empty(shape, first.dtype, target)
-    else:
-        _not_with("destination", destination, "out")
-        _check_array(out, "out")
-        if out.shape != shape:
-            raise ValueError(f"out must have the gathered shape {shape}, got {out.shape}.")
-        _check_same_dtype(out, first.dtype, "out", "arrays[0]")
-        _check_outs([("out", out)], _named("arrays", items), "gather")
-        result = out
-    spans = _offsets(x.shape[axis] for x in items)
-    for x, (start, stop) in zip(items, spans, strict=True):
-        _transfer.copy_into(result[_index(axis, start, stop)], x)
-    return result
+        return gather_unchecked(items, axis, target)
+    _not_with("destination", destination, "out")
+    _check_array(out, "out")
+    shape = _gathered_shape(items, axis)
+    if out.shape != shape:
+        raise ValueError(f"out must have the gathered shape {shape}, got {out.shape}.")
+    _check_same_dtype(out, first.dtype, "out", "arrays[0]")
+    _check_outs([("out", out)], _named("arrays", items), "gather")
+    return _join_into(out, items, axis)
+
+
+def _gathered_shape(arrays: Sequence[Any], axis: int) -> tuple[int, ...]:
+    shape = list(arrays[0].shape)
+    shape[axis] = sum(x.shape[axis] for x in arrays)
+    return tuple(shape)
+
+
+def gather_unchecked(arrays: Sequence[Any], axis: int, destination: Device) -> Any:
+    """:func:`gather` of arguments already read, checking nothing: the library's callers.
+
+    ``arrays`` are one or more arrays on accelerator devices, of one dtype and ndim, equal in
+    shape off ``axis`` (in ``[0, ndim)``); the result is a new array on the existing
+    ``destination``.
+    """
+    return _join_into(
+        empty(_gathered_shape(arrays, axis), arrays[0].dtype, destination), arrays, axis
+    )
+
+
+def _join_into(out: Any, arrays: Sequence[Any], axis: int) -> Any:
+    spans = _offsets(x.shape[axis] for x in arrays)
+    for x, (start, stop) in zip(arrays, spans, strict=True):
+        copy_into(out[_index(axis, start, stop)], x)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -598,7 +617,7 @@ def broadcast(
     _check_outs(_named("out", outs), [("array", array)], "broadcast", self_copy=True)
     if not _nccl.broadcast_into(array, outs):
         for o in outs:
-            _transfer.copy_into(o, array)
+            copy_into(o, array)
     return outs
 
 
@@ -617,7 +636,7 @@ def _broadcast_copies(array: Any, outs: Sequence[Any]) -> None:
         _transfer.broadcast_from_host(array, outs)
     else:
         for o in outs:
-            _transfer.copy_into(o, array)
+            copy_into(o, array)
 
 
 def broadcast_coalesced(
@@ -664,6 +683,17 @@ def broadcast_coalesced(
                 f"arrays[{i}] is on {device_of(x)}, but broadcast_coalesced needs every array "
                 f"on devices[0] ({targets[0]}); move it there with cupy_parallel.to_device."
             )
+    return broadcast_coalesced_unchecked(items, targets, limit)
+
+
+def broadcast_coalesced_unchecked(
+    items: Sequence[Any], targets: Sequence[Device], limit: int = DEFAULT_BUFFER_SIZE
+) -> tuple[tuple[Any, ...], ...]:
+    """:func:`broadcast_coalesced` of arguments already read, checking nothing.
+
+    ``items`` are arrays of dtypes CuPy has, all on ``targets[0]``; ``targets`` are existing
+    accelerator devices; ``limit`` is a positive number of bytes per bucket.
+    """
     results: list[list[Any]] = [list(items)] + [[None] * len(items) for _ in targets[1:]]
     for bucket in _buckets(items, limit):
         members = [items[i] for i in bucket]
@@ -686,19 +716,15 @@ def _broadcast_bucket(members: Sequence[Any], targets: Sequence[Device]) -> list
         flat = empty((total,), dtype, device)
         views = _unflatten(flat, members)
         for view, x in zip(views, members, strict=True):
-            _transfer.copy_into(view, x)
+            copy_into(view, x)
         outputs.append(views)
     return outputs
 
 
 def _unflatten(flat: Any, like: Sequence[Any]) -> list[Any]:
     """Views of the 1-d ``flat`` with the shapes of ``like``, packed back to back."""
-    views, start = [], 0
-    for x in like:
-        stop = start + int(x.size)
-        views.append(flat[start:stop].reshape(x.shape))
-        start = stop
-    return views
+    spans = _offsets(int(x.size) for x in like)
+    return [flat[start:stop].reshape(x.shape) for x, (start, stop) in zip(like, spans, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -781,14 +807,13 @@ def _sum_into(out: Any, terms: Sequence[Any]) -> None:
     """``out[...] = ((terms[0] + terms[1]) + ...)``, computed on ``out``'s device."""
     device = device_of(out)
     if device.kind == "cuda":
-        _transfer.sum_into(out, [_transfer.move(t, device) for t in terms])
+        _transfer.sum_into(out, [move(t, device) for t in terms])
         return
     dst = plain_buffer(out)
     # Host devices share the machine's memory: reading another host device's array directly is
     # its transfer, fused into the addition instead of a separate copy.
     values = [
-        plain_buffer(t if device_of(t).kind in _HOST_MEMORY else _transfer.move(t, device))
-        for t in terms
+        plain_buffer(t if device_of(t).kind in _HOST_MEMORY else move(t, device)) for t in terms
     ]
     if len(values) == 1:
         np.copyto(dst, values[0], casting="no")
@@ -834,18 +859,13 @@ def reduce_add_coalesced(
         >>> comm.reduce_add_coalesced(grads, destination="host:0")
         (HostArray([3., 3.], device='host:0'), HostArray([0, 1, 2], device='host:0'))
     """
-    if (
-        is_array(inputs)
-        or isinstance(inputs, str | bytes | Mapping)
-        or not isinstance(inputs, Iterable)
-    ):
-        raise TypeError(
-            "inputs must be a sequence with one list of arrays per device, "
-            f"got {type(inputs).__name__}."
-        )
     lists = tuple(
         _read_arrays(per_device, f"inputs[{k}]", allow_empty=True)
-        for k, per_device in enumerate(inputs)
+        for k, per_device in enumerate(
+            read_sequence(
+                inputs, "inputs", expected="a sequence with one list of arrays per device"
+            )
+        )
     )
     if not lists:
         raise ValueError("inputs must hold at least one list of arrays, got an empty sequence.")

@@ -19,25 +19,32 @@ Arrays move through the differentiable :class:`~cupy_parallel.functions.Scatter`
 
 from __future__ import annotations
 
-import re
 import warnings
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.arguments import read_axis, read_int, read_mapping, read_sequence
 from cupy_parallel._src.arrays import device_of, is_array
-from cupy_parallel._src.comm import chunk_count, even_chunks, normalize_axis
+from cupy_parallel._src.comm import chunk_count, even_chunks
 from cupy_parallel._src.devices import Device, read_device, read_devices
-from cupy_parallel._src.functions import SCALARS_WARNING, Gather, Scatter
+from cupy_parallel._src.moves import UncheckedGather, UncheckedScatter
 from cupy_parallel._src.tree import flatten, key_path, leaves_equal, structure_difference
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
     from cupy_parallel._src.arraytypes import Tree
     from cupy_parallel._src.devices import DeviceLike
 
-__all__ = ["gather", "scatter", "scatter_kwargs"]
+__all__ = [
+    "gather",
+    "gather_unchecked",
+    "scatter",
+    "scatter_kwargs",
+    "scatter_kwargs_unchecked",
+    "scatter_unchecked",
+]
 
 # --------------------------------------------------------------------------------------------
 # Leaves: the one place arrays are split and joined
@@ -46,11 +53,11 @@ __all__ = ["gather", "scatter", "scatter_kwargs"]
 def _scatter_leaf(
     array: Any, devices: tuple[Device, ...], chunk_sizes: tuple[int, ...], dim: int
 ) -> tuple[Any, ...]:
-    return tuple(Scatter.apply(devices, chunk_sizes, dim, array))
+    return tuple(UncheckedScatter.apply(devices, chunk_sizes, dim, array))
 
 
 def _gather_leaves(arrays: Sequence[Any], target: Device, dim: int) -> Any:
-    return Gather.apply(target, dim, *arrays)
+    return UncheckedGather.apply(target, dim, *arrays)
 
 
 def _foreign_array_type(leaf: object) -> str | None:
@@ -127,7 +134,14 @@ def scatter(inputs: Tree, /, target_devices: Sequence[DeviceLike], dim: int = 0)
         (True, 'batch')
     """
     devices = read_devices(target_devices, "target_devices", accelerators_only=True)
-    dim = read_int(dim, "dim")
+    return scatter_unchecked(inputs, devices, read_int(dim, "dim"))
+
+
+def scatter_unchecked(inputs: Tree, devices: tuple[Device, ...], dim: int) -> list[Tree]:
+    """:func:`scatter` with ``devices`` (existing accelerators) and the int ``dim`` already read.
+
+    The leaves are checked here (arrays of other libraries, 0-d arrays, ``dim`` out of range).
+    """
     accessors, leaves, spec = flatten(inputs)
     dims: dict[int, int] = {}
     for k, (accessor, leaf) in enumerate(zip(accessors, leaves, strict=True)):
@@ -146,7 +160,7 @@ def scatter(inputs: Tree, /, target_devices: Sequence[DeviceLike], dim: int = 0)
                 f"{where} is a 0-d array, which cannot be split along dim={dim}; "
                 "give it a dimension (x.reshape(1)) or pass it as a Python scalar to share it."
             )
-        dims[k] = normalize_axis(dim, leaf.ndim, f"array {where}")
+        dims[k] = read_axis(dim, leaf.ndim, "dim", of=f"array {where}")
     replicas = min(
         (chunk_count(leaves[k].shape[d], len(devices)) for k, d in dims.items()),
         default=len(devices),
@@ -202,21 +216,25 @@ def scatter_kwargs(
     """
     if inputs is None:
         inputs = ()
-    if not isinstance(inputs, tuple | list):
-        raise TypeError(
-            "inputs must be a tuple or list of positional arguments, got "
-            f"{type(inputs).__name__}; wrap a single argument as (x,)."
-        )
-    if kwargs is None:
-        kwargs = {}
-    if not isinstance(kwargs, Mapping):
-        raise TypeError(
-            f"kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}."
-        )
+    positional = read_sequence(
+        inputs,
+        "inputs",
+        expected="a tuple or list of positional arguments",
+        hint="wrap a single argument as (x,)",
+    )
+    if not isinstance(inputs, tuple | list):  # a namedtuple keeps its field names in key paths
+        inputs = positional
+    kwargs = read_mapping({} if kwargs is None else kwargs, "kwargs")
     devices = read_devices(target_devices, "target_devices", accelerators_only=True)
-    read_int(dim, "dim")
-    scattered_inputs = [tuple(r) for r in scatter(inputs, devices, dim)] if inputs else []
-    scattered_kwargs = [dict(r) for r in scatter(kwargs, devices, dim)] if kwargs else []
+    return scatter_kwargs_unchecked(inputs, kwargs, devices, read_int(dim, "dim"))
+
+
+def scatter_kwargs_unchecked(
+    inputs: Sequence[Any], kwargs: Mapping[str, Any], devices: tuple[Device, ...], dim: int
+) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
+    """:func:`scatter_kwargs` of arguments already read: a tuple or list, a mapping, devices."""
+    scattered_inputs = [tuple(r) for r in scatter_unchecked(inputs, devices, dim)] if inputs else []
+    scattered_kwargs = [dict(r) for r in scatter_unchecked(kwargs, devices, dim)] if kwargs else []
     count = max(len(scattered_inputs), len(scattered_kwargs))
     scattered_inputs += [() for _ in range(count - len(scattered_inputs))]
     scattered_kwargs += [{} for _ in range(count - len(scattered_kwargs))]
@@ -260,16 +278,26 @@ def gather(outputs: Sequence[Tree], /, target_device: DeviceLike, dim: int = 0) 
         >>> gather(parts, "cpu")
         {'y': array([0., 1., 2., 3., 4., 5.]), 'n': 3}
     """
-    if isinstance(outputs, str | bytes) or is_array(outputs) or not isinstance(outputs, Sequence):
-        raise TypeError(
-            "outputs must be a list or tuple with one structure per replica, got "
-            f"{type(outputs).__name__}; wrap a single replica's output as [output]."
-        )
+    outputs = read_sequence(
+        outputs,
+        "outputs",
+        expected="a list or tuple with one structure per replica",
+        hint="wrap a single replica's output as [output]",
+    )
     if len(outputs) == 0:
         raise ValueError("outputs is empty; gather needs at least one replica's output.")
     target = read_device(target_device, "target_device")
-    dim = read_int(dim, "dim")
+    return gather_unchecked(outputs, target, read_int(dim, "dim"), stacklevel=3)
 
+
+def gather_unchecked(
+    outputs: Sequence[Tree], target: Device, dim: int, *, stacklevel: int = 2
+) -> Tree:
+    """:func:`gather` of arguments already read: one or more outputs, a device, an int ``dim``.
+
+    The replicas' structures and leaves are checked here. ``stacklevel`` is the 0-d warning's,
+    counted from this function (2: its caller).
+    """
     accessors, first, spec = flatten(outputs[0])
     columns: list[list[Any]] = [[leaf] for leaf in first]
     for r, replica in enumerate(outputs[1:], start=1):
@@ -299,15 +327,12 @@ def gather(outputs: Sequence[Tree], /, target_device: DeviceLike, dim: int = 0) 
             f"stacked into vectors of length {len(outputs)} (one element per replica). Return "
             "arrays with a leading dimension to gather without this warning.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
-    with warnings.catch_warnings():
-        # Gather warns per 0-d leaf; this call has warned once for all of them above.
-        warnings.filterwarnings("ignore", re.escape(SCALARS_WARNING), UserWarning)
-        gathered = [
-            column[0] if plan is None else _gather_leaves(column, target, plan)
-            for plan, column in zip(plans, columns, strict=True)
-        ]
+    gathered = [
+        column[0] if plan is None else _gather_leaves(column, target, plan)
+        for plan, column in zip(plans, columns, strict=True)
+    ]
     return cast("Tree", spec.unflatten(gathered))  # the structure of every replica
 
 
@@ -362,7 +387,7 @@ def _check_column(column: list[Any], dim: int, path: str) -> int | None:
                 f"stack along dim=0, not dim={dim}; give them a dimension (x.reshape(1))."
             )
         return 0
-    axis = normalize_axis(dim, first.ndim, f"array outputs[0]{path}")
+    axis = read_axis(dim, first.ndim, "dim", of=f"array outputs[0]{path}")
     for r, array in enumerate(column[1:], start=1):
         if _shape_off(array.shape, axis) != _shape_off(first.shape, axis):
             raise ValueError(

@@ -5,13 +5,18 @@ pytree, the functional counterpart of a ``torch.nn.Module``. The four pieces fol
 ``torch.nn.parallel``:
 
 - :func:`replicate` copies the parameters onto every device through the differentiable
-  :class:`~cupy_parallel._src.functions.Broadcast`, so gradients of the replicas sum back into
+  :class:`~cupy_parallel._src.moves.Broadcast`, so gradients of the replicas sum back into
   the originals;
 - :func:`parallel_apply` calls several functions at once, one thread per replica, each inside its
   device's context and carrying the caller's active :class:`~cupy_parallel._src.tape.Tape`;
 - :func:`data_parallel` scatters the inputs, replicates the parameters, applies the replicas and
   gathers the outputs; the gradient of a data-parallel step equals the one-device gradient;
 - :class:`DataParallel` keeps a function, its parameters and the placement options together.
+
+Arguments are read once, at the public entry. :func:`data_parallel` reads its own and then calls
+the unchecked cores of the other steps (``_replicate``, ``_parallel_apply``,
+:func:`~cupy_parallel._src.nested.scatter_kwargs_unchecked`,
+:func:`~cupy_parallel._src.nested.gather_unchecked`), which read nothing again.
 """
 
 from __future__ import annotations
@@ -19,20 +24,30 @@ from __future__ import annotations
 import contextvars
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Concatenate, Generic
 
 from cupy_parallel._src import comm
-from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.arguments import (
+    read_bool,
+    read_callable,
+    read_int,
+    read_mapping,
+    read_sequence,
+)
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.arraytypes import Output, Params, Tree
 from cupy_parallel._src.cuda.streams import StreamHandoff
 from cupy_parallel._src.devices import Device, cupy_module, devices, read_device, read_devices
-from cupy_parallel._src.functions import Broadcast
-from cupy_parallel._src.nested import gather, scatter_kwargs
+from cupy_parallel._src.moves import Broadcast, UncheckedBroadcast
+from cupy_parallel._src.nested import gather_unchecked, scatter_kwargs_unchecked
 from cupy_parallel._src.tree import flatten, key_path, leaves
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+    from optree import PyTreeSpec
+
     from cupy_parallel._src.devices import DeviceLike
 
 __all__ = ["DataParallel", "data_parallel", "parallel_apply", "replicate"]
@@ -41,9 +56,12 @@ __all__ = ["DataParallel", "data_parallel", "parallel_apply", "replicate"]
 # Placement checks shared by replicate and data_parallel
 
 
-def _check_params_on(params: Any, device: Device, where: str) -> None:
-    """Raise ``ValueError`` naming the key path of the first array leaf not on ``device``."""
-    accessors, params_leaves, _ = flatten(params)
+def _params_on(params: Any, device: Device, where: str) -> tuple[list[Any], PyTreeSpec]:
+    """The leaves and structure of ``params``, whose array leaves must all be on ``device``.
+
+    Raises ``ValueError`` naming the key path of the first array leaf not on ``device``.
+    """
+    accessors, params_leaves, spec = flatten(params)
     for accessor, leaf in zip(accessors, params_leaves, strict=True):
         if is_array(leaf) and device_of(leaf) != device:
             raise ValueError(
@@ -52,6 +70,7 @@ def _check_params_on(params: Any, device: Device, where: str) -> None:
                 f"first, e.g. optree.tree_map(lambda a: cupy_parallel.to_device(a, '{device}'), "
                 "params, namespace='cupy_parallel')."
             )
+    return params_leaves, spec
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,7 +81,7 @@ def replicate(params: Tree, /, devices: Sequence[DeviceLike], detach: bool = Fal
     """Copy a parameter pytree onto each of ``devices``: one pytree per device.
 
     All array leaves are broadcast together, coalesced into a few buffers per dtype, through
-    :class:`~cupy_parallel._src.functions.Broadcast`: on an active tape the replicas are recorded
+    :class:`~cupy_parallel._src.moves.Broadcast`: on an active tape the replicas are recorded
     outputs, and the gradient of a source array is the sum of its replicas' gradients (the
     adjoint of a broadcast is a reduce-add). With ``detach=True`` the copy goes through
     :func:`~cupy_parallel._src.comm.broadcast_coalesced` and nothing is recorded. Leaves that
@@ -97,12 +116,26 @@ def replicate(params: Tree, /, devices: Sequence[DeviceLike], detach: bool = Fal
         (['host:0', 'host:1'], 'tanh')
     """
     targets = read_devices(devices, "devices", accelerators_only=False, allow_empty=True)
-    if not isinstance(detach, bool):
-        raise TypeError(f"detach must be a bool, got {type(detach).__name__} {detach!r}.")
+    detach = read_bool(detach, "detach")
     if not targets:
         return []
-    _check_params_on(params, targets[0], "replicate")
-    _, params_leaves, spec = flatten(params)
+    params_leaves, spec = _params_on(params, targets[0], "replicate")
+    return _replicate(params_leaves, spec, targets, detach=detach, checked=True)
+
+
+def _replicate(
+    params_leaves: list[Any],
+    spec: PyTreeSpec,
+    targets: tuple[Device, ...],
+    *,
+    detach: bool,
+    checked: bool,
+) -> list[Tree]:
+    """:func:`replicate` of flattened parameters on ``targets[0]`` and existing ``targets``.
+
+    ``checked=False`` (data_parallel, whose devices are read and accelerators) broadcasts with
+    :class:`UncheckedBroadcast`, which checks nothing again.
+    """
     slots = [i for i, leaf in enumerate(params_leaves) if is_array(leaf)]
     arrays = [params_leaves[i] for i in slots]
     copies: Sequence[Sequence[Any]]
@@ -111,7 +144,7 @@ def replicate(params: Tree, /, devices: Sequence[DeviceLike], detach: bool = Fal
     elif detach:
         copies = comm.broadcast_coalesced(arrays, targets)
     else:
-        flat = Broadcast.apply(targets, *arrays)
+        flat = (Broadcast if checked else UncheckedBroadcast).apply(targets, *arrays)
         width = len(arrays)
         copies = [flat[k * width : (k + 1) * width] for k in range(len(targets))]
     replicas = []
@@ -125,15 +158,6 @@ def replicate(params: Tree, /, devices: Sequence[DeviceLike], detach: bool = Fal
 
 # --------------------------------------------------------------------------------------------
 # parallel_apply
-
-
-class _Failure:
-    """A worker's exception, kept until the caller re-raises it."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
 
 
 def _reraise(index: int, device: Device | None, error: BaseException) -> None:
@@ -176,16 +200,50 @@ def _run_replica(
     device: Device | None,
     stream: StreamHandoff | None,
 ) -> Any:
-    try:
-        if device is None:
+    if device is None:
+        return fn(*args, **kwargs)
+    with device:
+        if stream is None:
             return fn(*args, **kwargs)
-        with device:
-            if stream is None:
-                return fn(*args, **kwargs)
-            with stream:
-                return fn(*args, **kwargs)
-    except BaseException as error:  # noqa: BLE001 - handed to the caller, who re-raises it
-        return _Failure(error)
+        with stream:
+            return fn(*args, **kwargs)
+
+
+def _run_all(calls: Sequence[Callable[[], Any]]) -> list[Future[Any]]:
+    """Run every call; once all have ended, one future per call with its result or exception.
+
+    A single call runs in this thread (as in torch); several run at once, each in a worker thread
+    of its own and in a copy of this thread's :mod:`contextvars` context, so an active tape
+    records what the workers do. A future holds any exception, ``KeyboardInterrupt`` too, for
+    the caller to re-raise.
+    """
+    if len(calls) == 1:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(calls[0]())
+        except BaseException as error:  # noqa: BLE001 - re-raised by the caller, as from a worker
+            future.set_exception(error)
+        return [future]
+    if not calls:
+        return []
+    # No call starts before all are submitted, so no worker is idle when one is submitted and
+    # each call gets a thread of its own (thread-local state, CUDA per-thread default streams).
+    start = threading.Event()
+
+    def gated(call: Callable[[], Any]) -> Any:
+        start.wait()
+        return call()
+
+    pool = ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="cupy_parallel-replica")
+    futures = [pool.submit(contextvars.copy_context().run, gated, call) for call in calls]
+    start.set()
+    try:
+        wait(futures)
+    except BaseException:
+        pool.shutdown(wait=False)  # interrupted (Ctrl-C): the workers end their calls unwaited
+        raise
+    pool.shutdown()  # every call has ended: join the idle workers
+    return futures
 
 
 def parallel_apply(
@@ -197,7 +255,7 @@ def parallel_apply(
 ) -> list[Output]:
     """Call ``fns[i](*inputs[i], **kwargs_tup[i])`` for every ``i`` at once, one thread each.
 
-    Each call runs in its own thread (a single call runs in the caller's thread, as in torch)
+    Each call runs in a thread of its own (a single call runs in the caller's thread, as in torch)
     inside its device's context: on CUDA the device is made current and the caller's current
     CuPy stream on that device is used, so the work is ordered as if the caller had launched it.
     Under per-thread default streams (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``) the caller's
@@ -239,11 +297,10 @@ def parallel_apply(
         >>> cupy_parallel.parallel_apply([np.sum, np.max], xs, devices=["host:0", "host:1"])
         [HostArray(3., device='host:0'), HostArray(2., device='host:1')]
     """
-    fns = _as_sequence(fns, "fns")
-    inputs = _as_sequence(inputs, "inputs")
+    fns = _per_replica(fns, "fns")
+    inputs = _per_replica(inputs, "inputs")
     for i, fn in enumerate(fns):
-        if not callable(fn):
-            raise TypeError(f"fns[{i}] must be callable, got {type(fn).__name__} {fn!r}.")
+        read_callable(fn, f"fns[{i}]")
     count = len(fns)
     if len(inputs) != count:
         raise ValueError(
@@ -252,21 +309,17 @@ def parallel_apply(
         )
     if kwargs_tup is None:
         kwargs_tup = [{}] * count
-    kwargs_tup = _as_sequence(kwargs_tup, "kwargs_tup")
+    kwargs_tup = _per_replica(kwargs_tup, "kwargs_tup")
     if len(kwargs_tup) != count:
         raise ValueError(
             f"kwargs_tup must have one mapping per function: got {count} fns and "
             f"{len(kwargs_tup)} kwargs (pass None for no keyword arguments)."
         )
     for i, kwargs in enumerate(kwargs_tup):
-        if not isinstance(kwargs, Mapping):
-            raise TypeError(
-                f"kwargs_tup[{i}] must be a mapping of keyword arguments, "
-                f"got {type(kwargs).__name__} {kwargs!r}."
-            )
+        read_mapping(kwargs, f"kwargs_tup[{i}]")
     if devices is None:
         devices = [None] * count
-    devices = _as_sequence(devices, "devices")
+    devices = _per_replica(devices, "devices")
     if len(devices) != count:
         raise ValueError(
             f"devices must have one entry per function: got {count} fns and "
@@ -278,69 +331,53 @@ def parallel_apply(
         else _first_array_device((args, kwargs))
         for i, (spec, args, kwargs) in enumerate(zip(devices, inputs, kwargs_tup, strict=True))
     ]
+    positional = [tuple(args) if isinstance(args, tuple | list) else (args,) for args in inputs]
+    return _parallel_apply(fns, positional, kwargs_tup, places)
+
+
+def _parallel_apply(
+    fns: Sequence[Callable[..., Output]],
+    inputs: Sequence[tuple[Any, ...]],
+    kwargs_tup: Sequence[Mapping[str, Any]],
+    places: Sequence[Device | None],
+) -> list[Output]:
+    """:func:`parallel_apply` of arguments already read, checking nothing.
+
+    As many callables, argument tuples, keyword mappings and existing devices (or ``None``: no
+    device context).
+    """
     streams = [_cuda_stream(device) for device in places]
     calls = [
-        functools.partial(
-            _run_replica,
-            fn,
-            tuple(args) if isinstance(args, tuple | list) else (args,),
-            kwargs,
-            device,
-            stream,
-        )
+        functools.partial(_run_replica, fn, args, kwargs, device, stream)
         for fn, args, kwargs, device, stream in zip(
             fns, inputs, kwargs_tup, places, streams, strict=True
         )
     ]
-    if count == 1:
-        results = [calls[0]()]
-    else:
-        results = [None] * count
-
-        def work(i: int) -> None:
-            results[i] = calls[i]()
-
-        threads = [
-            threading.Thread(
-                target=contextvars.copy_context().run,
-                args=(work, i),
-                name=f"cupy_parallel-replica-{i}",
-            )
-            for i in range(count)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+    futures = _run_all(calls)  # every replica ends before any error is re-raised
     for handoff in streams:
         if handoff is not None:
             handoff.finish()
-    for i, (result, device) in enumerate(zip(results, places, strict=True)):
-        if isinstance(result, _Failure):
-            _reraise(i, device, result.error)
-    return results
+    for i, (future, device) in enumerate(zip(futures, places, strict=True)):
+        error = future.exception()
+        if error is not None:
+            _reraise(i, device, error)
+    return [future.result() for future in futures]
 
 
-def _as_sequence(value: Any, name: str) -> Sequence[Any]:
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise TypeError(
-            f"{name} must be a list or tuple with one entry per replica, "
-            f"got {type(value).__name__}."
-        )
-    return value
+def _per_replica(value: Any, name: str) -> tuple[Any, ...]:
+    return read_sequence(value, name, expected="a list or tuple with one entry per replica")
 
 
 # --------------------------------------------------------------------------------------------
 # data_parallel, DataParallel
 
 
-def _placement(device_ids: Any, output_device: Any) -> tuple[list[Device], Device]:
+def _pick_devices(device_ids: Any, output_device: Any) -> tuple[tuple[Device, ...], Device]:
+    """The devices ``device_ids`` names (every device for ``None``) and the output device."""
     if device_ids is None:
-        ids = devices()
+        ids = tuple(devices())
     else:
-        ids = list(
-            read_devices(device_ids, "device_ids", accelerators_only=False, allow_empty=True)
-        )
+        ids = read_devices(device_ids, "device_ids", accelerators_only=False, allow_empty=True)
     if not ids:
         raise ValueError(
             "device_ids must name at least one device, got an empty sequence "
@@ -405,30 +442,43 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
         >>> cupy_parallel.data_parallel(fn, params, np.arange(5.0).reshape(5, 1))
         HostArray([[0.], [2.], [4.], [6.], [8.]], device='host:0')
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable as fn(params, *inputs), got {type(fn).__name__}.")
-    ids, output = _placement(device_ids, output_device)
+    read_callable(fn, "fn", call="fn(params, *inputs)")
+    ids, output = _pick_devices(device_ids, output_device)
     dim = read_int(dim, "dim")
-    if module_kwargs is not None and not isinstance(module_kwargs, Mapping):
-        raise TypeError(
-            f"module_kwargs must be a mapping or None, got {type(module_kwargs).__name__}."
-        )
-    _check_params_on(params, ids[0], "data_parallel")
+    if module_kwargs is not None:
+        read_mapping(module_kwargs, "module_kwargs", expected="a mapping or None")
+    params_leaves, spec = _params_on(params, ids[0], "data_parallel")
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
     kwargs = dict(module_kwargs or {})
+    # Every argument is read above, once; the steps below are the unchecked cores.
     if inputs or kwargs:
-        args, kwargs_per = scatter_kwargs(inputs, kwargs, ids, dim)
+        _accelerators(ids)
+        args, kwargs_per = scatter_kwargs_unchecked(inputs, kwargs, ids, dim)
     else:  # nothing to split: one call on device_ids[0], as torch
         args, kwargs_per = ((),), ({},)
     used = ids[: len(args)]
-    replicas = [params] if len(used) == 1 else replicate(params, used)
-    outputs = parallel_apply(
+    replicas = (
+        [params]
+        if len(used) == 1
+        else _replicate(params_leaves, spec, used, detach=False, checked=False)
+    )
+    outputs = _parallel_apply(
         [functools.partial(fn, replica) for replica in replicas], args, kwargs_per, used
     )
     if len(used) == 1 and output == used[0]:
         return outputs[0]
-    return gather(outputs, output, dim)
+    return gather_unchecked(outputs, output, dim)
+
+
+def _accelerators(ids: tuple[Device, ...]) -> None:
+    """Refuse ``"cpu"`` among the devices a batch is scattered over (arrays there are NumPy)."""
+    for i, device in enumerate(ids):
+        if device.kind == "cpu":
+            raise ValueError(
+                f"device_ids[{i}] must be an accelerator device ('host:k' or 'cuda:k') to take a "
+                "slice of the batch, got 'cpu' (plain NumPy memory); use cupy_parallel.devices()."
+            )
 
 
 class DataParallel(Generic[Params, Output]):
@@ -469,12 +519,12 @@ class DataParallel(Generic[Params, Output]):
         output_device: DeviceLike | None = None,
         dim: int = 0,
     ) -> None:
-        if not callable(fn):
-            raise TypeError(f"fn must be callable as fn(params, *inputs), got {type(fn).__name__}.")
+        read_callable(fn, "fn", call="fn(params, *inputs)")
         self.fn = fn
-        self.device_ids, self.output_device = _placement(device_ids, output_device)
+        ids, self.output_device = _pick_devices(device_ids, output_device)
+        self.device_ids = list(ids)
         self.dim = read_int(dim, "dim")
-        _check_params_on(params, self.device_ids[0], "DataParallel")
+        _params_on(params, ids[0], "DataParallel")
         self.params = params
 
     def __call__(self, /, *inputs: Any, **kwargs: Any) -> Output:

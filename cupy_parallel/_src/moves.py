@@ -7,6 +7,10 @@ each is the other, applied through ``.apply`` so that the moves stay the library
 :class:`ToDevice` (the public :func:`cupy_parallel.to_device`) is its own adjoint: its backward
 moves the gradient back, as PyTorch's ``.to()`` does.
 
+:class:`UncheckedScatter`, :class:`UncheckedGather` and :class:`UncheckedBroadcast` are the same
+moves for the library's own callers (``nested``, ``parallel``), whose arguments are already read
+at their public entry: their forward checks nothing again; their backward is the public class's.
+
 Every backward here is written with recorded operations (``differentiable_backward = True``),
 so gradients through the moves are themselves differentiable (Hessian-vector products through
 :func:`~cupy_parallel.data_parallel`).
@@ -22,6 +26,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from cupy_parallel._src import comm, ops
+from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.arrays import to_device as move
 from cupy_parallel._src.cuda.streams import background_stream
@@ -35,7 +40,17 @@ if TYPE_CHECKING:
     from cupy_parallel._src.arrays import Array
     from cupy_parallel._src.devices import DeviceLike
 
-__all__ = ["Broadcast", "Gather", "ReduceAddCoalesced", "Scatter", "ToDevice", "to_device"]
+__all__ = [
+    "Broadcast",
+    "Gather",
+    "ReduceAddCoalesced",
+    "Scatter",
+    "ToDevice",
+    "UncheckedBroadcast",
+    "UncheckedGather",
+    "UncheckedScatter",
+    "to_device",
+]
 
 
 def _copy_streams(source: Device, targets: tuple[Device, ...]) -> list[Any] | None:
@@ -89,11 +104,34 @@ class Scatter(Function):
         return (None, None, None, Gather.apply(ctx.input_device, ctx.dim, *grads))
 
 
+class UncheckedScatter(Scatter):
+    """:class:`Scatter` of arguments already read; nothing is checked again.
+
+    ``UncheckedScatter.apply(targets, chunk_sizes, axis, array)``: ``targets`` a tuple of existing
+    accelerator devices, ``chunk_sizes`` one size per target summing to the array's size along
+    ``axis`` (in ``[0, array.ndim)``), ``array`` an array of this library.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionContext,
+        target_devices: tuple[Device, ...],
+        chunk_sizes: tuple[int, ...],
+        dim: int,
+        array: Any,
+    ) -> tuple[Any, ...]:
+        """Split ``array`` and place the chunks."""
+        ctx.dim = dim
+        ctx.input_device = device_of(array)
+        streams = _copy_streams(ctx.input_device, target_devices)
+        return comm.scatter_unchecked(array, target_devices, chunk_sizes, dim, streams)
+
+
 SCALARS_WARNING = (
     "Gather was asked to join 0-d arrays along dim 0; they are joined as 1-element vectors "
     "and the result is a vector (as torch does)."
 )
-"""Gather's warning for 0-d inputs (``nested.gather`` filters it where it expects them)."""
+"""Gather's warning for 0-d inputs (``nested.gather`` warns once per call instead)."""
 
 
 class Gather(Function):
@@ -123,11 +161,9 @@ class Gather(Function):
                 raise TypeError(
                     f"Gather.apply joins arrays, but argument {i + 2} is a {type(x).__name__}."
                 )
-        ctx.input_devices = tuple(device_of(x) for x in arrays)
-        ctx.unsqueezed_scalar = bool(arrays) and dim == 0 and all(x.ndim == 0 for x in arrays)
+        arrays = _unsqueeze_scalars(ctx, dim, arrays)
         if ctx.unsqueezed_scalar:
             warnings.warn(SCALARS_WARNING, UserWarning, stacklevel=3)
-            arrays = tuple(x.reshape(1) for x in arrays)
         result = comm.gather(arrays, dim, target_device)
         ctx.dim = dim % result.ndim
         ctx.input_sizes = tuple(x.shape[ctx.dim] for x in arrays)
@@ -140,6 +176,31 @@ class Gather(Function):
         if ctx.unsqueezed_scalar:
             pieces = tuple(ops.reshape(p, ()) for p in pieces)
         return (None, None, *pieces)
+
+
+def _unsqueeze_scalars(ctx: FunctionContext, dim: int, arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``arrays`` as 1-element vectors when all are 0-d and ``dim`` is 0 (noted on ``ctx``)."""
+    ctx.input_devices = tuple(device_of(x) for x in arrays)
+    ctx.unsqueezed_scalar = bool(arrays) and dim == 0 and all(x.ndim == 0 for x in arrays)
+    return tuple(x.reshape(1) for x in arrays) if ctx.unsqueezed_scalar else arrays
+
+
+class UncheckedGather(Gather):
+    """:class:`Gather` of arguments already read; nothing is checked again, nothing warns.
+
+    ``UncheckedGather.apply(target, axis, *arrays)``: ``target`` an existing device, ``arrays``
+    on accelerator devices of one dtype and ndim, equal in shape off ``axis`` (in
+    ``[0, ndim)``), or all 0-d with ``axis`` 0 (stacked into a vector, as :class:`Gather` does,
+    without its warning: the caller warns).
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionContext, target_device: Any, dim: int, *arrays: Any) -> Any:
+        """Concatenate ``arrays`` on ``target_device``."""
+        arrays = _unsqueeze_scalars(ctx, dim, arrays)
+        ctx.dim = dim
+        ctx.input_sizes = tuple(x.shape[dim] for x in arrays)
+        return comm.gather_unchecked(arrays, dim, target_device)
 
 
 class Broadcast(Function):
@@ -171,16 +232,38 @@ class Broadcast(Function):
         if not arrays:
             return ()
         ctx.input_device = device_of(arrays[0]) if is_array(arrays[0]) else None
-        per_device = comm.broadcast_coalesced(arrays, ctx.target_devices)
-        for i, needs in enumerate(ctx.needs_input_grad[1:]):
-            if not needs:
-                ctx.mark_non_differentiable(*(copies[i] for copies in per_device))
-        return tuple(x for copies in per_device for x in copies)
+        return _flat_copies(ctx, comm.broadcast_coalesced(arrays, ctx.target_devices))
 
     @staticmethod
     def backward(ctx: FunctionContext, *grads: Any) -> tuple[Any, ...]:
         """Sum the gradients of the copies onto the input device."""
         return (None, *ReduceAddCoalesced.apply(ctx.input_device, ctx.num_inputs, *grads))
+
+
+def _flat_copies(ctx: FunctionContext, per_device: tuple[tuple[Any, ...], ...]) -> tuple[Any, ...]:
+    """The copies grouped per device, flat; copies of untracked arrays are non-differentiable."""
+    for i, needs in enumerate(ctx.needs_input_grad[1:]):
+        if not needs:
+            ctx.mark_non_differentiable(*(copies[i] for copies in per_device))
+    return tuple(x for copies in per_device for x in copies)
+
+
+class UncheckedBroadcast(Broadcast):
+    """:class:`Broadcast` of arguments already read; nothing is checked again.
+
+    ``UncheckedBroadcast.apply(targets, *arrays)``: ``targets`` a tuple of existing accelerator
+    devices, ``arrays`` (at least one) arrays of this library, all on ``targets[0]``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionContext, target_devices: tuple[Device, ...], *arrays: Any
+    ) -> tuple[Any, ...]:
+        """Broadcast ``arrays`` to ``target_devices``."""
+        ctx.target_devices = target_devices
+        ctx.num_inputs = len(arrays)
+        ctx.input_device = target_devices[0]
+        return _flat_copies(ctx, comm.broadcast_coalesced_unchecked(arrays, target_devices))
 
 
 class ReduceAddCoalesced(Function):
@@ -205,8 +288,7 @@ class ReduceAddCoalesced(Function):
         ctx: FunctionContext, destination: Any, num_inputs: int, *grads: Any
     ) -> tuple[Any, ...]:
         """Sum the groups."""
-        if isinstance(num_inputs, bool) or not isinstance(num_inputs, int):
-            raise TypeError(f"num_inputs must be an int, got {type(num_inputs).__name__}.")
+        num_inputs = read_int(num_inputs, "num_inputs")
         if num_inputs < 1 or len(grads) % num_inputs:
             raise ValueError(
                 f"num_inputs must be a positive divisor of the number of arrays ({len(grads)}), "
