@@ -233,7 +233,8 @@ def test_new_group_is_bounded_by_the_timeout() -> None:
 
 
 def test_environment_disagreeing_with_mpi_is_an_error(tmp_path: Path) -> None:
-    """`launch` without --backend mpi: each rank is a world of one; init refuses, names both."""
+    """`launch --backend nccl` (ranks started directly) with init_process_group('mpi'): each
+    rank is a world of one; init refuses, names both."""
     script = tmp_path / "script.py"
     script.write_text(
         "from cupy_parallel import distributed as dist\ndist.init_process_group('mpi')\n"
@@ -250,6 +251,8 @@ def test_environment_disagreeing_with_mpi_is_an_error(tmp_path: Path) -> None:
             "0",
             "--grace-period",
             "1",
+            "--backend",
+            "nccl",
             str(script),
         ],
         capture_output=True,

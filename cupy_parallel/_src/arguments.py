@@ -6,6 +6,7 @@ These readers are the only place such checks are written:
 
 - :func:`read_int`: a Python or NumPy integer (never ``bool``), optionally bounded below;
 - :func:`read_bool`: a Python or NumPy bool;
+- :func:`read_real`: a Python or NumPy real number (never ``bool``), as a float;
 - :func:`read_timeout`: seconds as ``datetime.timedelta``, ``int`` or ``float`` (finite, >= 0, or
   > 0 with ``positive=True``), returned as float seconds, the one timeout convention;
 - :func:`read_sequence`: a sequence of devices, arrays, sizes or per-replica entries, read once
@@ -40,6 +41,7 @@ __all__ = [
     "read_callable",
     "read_int",
     "read_mapping",
+    "read_real",
     "read_sequence",
     "read_timeout",
 ]
@@ -94,6 +96,26 @@ def read_bool(value: Any, name: str, /) -> bool:
     return bool(value)
 
 
+def read_real(value: Any, name: str, /, *, expected: str = "a real number") -> float:
+    """``value`` as a ``float``: Python and NumPy integers and floats; ``bool`` is refused.
+
+    ``expected`` completes "``name`` must be ..." (say the range the caller then checks).
+
+    Example:
+        >>> read_real(np.float32(0.5), "fraction"), read_real(2, "atol")
+        (0.5, 2.0)
+        >>> read_real("half", "fraction", expected="a number in [0, 1]")
+        Traceback (most recent call last):
+        ...
+        TypeError: fraction must be a number in [0, 1], got str 'half'.
+    """
+    if isinstance(value, bool | np.bool_) or not isinstance(
+        value, int | float | np.integer | np.floating
+    ):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}.")
+    return float(value)
+
+
 def read_timeout(value: Any, name: str = "timeout", /, *, positive: bool = True) -> float:
     """A timeout as float seconds, from a ``datetime.timedelta`` or a number of seconds.
 
@@ -125,11 +147,15 @@ def read_timeout(value: Any, name: str = "timeout", /, *, positive: bool = True)
     return seconds
 
 
-def read_sequence(value: Any, name: str, /, *, expected: str, hint: str = "") -> tuple[Any, ...]:
+def read_sequence(
+    value: Any, name: str, /, *, expected: str, hint: str = "", lists_only: bool = False
+) -> tuple[Any, ...]:
     """``value`` as a tuple: any iterable except a string, a mapping or an array.
 
     ``expected`` completes "``name`` must be ..." in the message, ``hint`` (optional) says how to
     fix the call. Entries are not checked: the caller reads each one with its own reader.
+    ``lists_only=True`` is the second rule, torch's for the lists a collective fills or reads in
+    place, ``gradcheck``'s inputs and a store's keys: a ``list`` or ``tuple`` only.
 
     Example:
         >>> read_sequence(["host:0", "host:1"], "devices", expected="a sequence of devices")
@@ -141,11 +167,15 @@ def read_sequence(value: Any, name: str, /, *, expected: str, hint: str = "") ->
         Traceback (most recent call last):
         ...
         TypeError: devices must be a sequence of devices, got str 'host:0'; wrap a single device as [device].
+        >>> read_sequence(iter([1]), "keys", expected="a list of str", lists_only=True)
+        Traceback (most recent call last):
+        ...
+        TypeError: keys must be a list of str, got list_iterator <list_iterator object at 0x...>.
     """  # noqa: E501 - a doctest's expected output is one line
     if (
         isinstance(value, str | bytes | bytearray | Mapping)
         or any(hasattr(type(value), protocol) for protocol in _ARRAY_PROTOCOLS)
-        or not isinstance(value, Iterable)
+        or not isinstance(value, list | tuple if lists_only else Iterable)
     ):
         fix = f"; {hint}" if hint else ""
         raise TypeError(

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
 
 import numpy as np
 
+from cupy_parallel._src.arguments import read_int
+
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from types import ModuleType
@@ -339,11 +341,7 @@ def set_host_device_count(count: int, /) -> None:
         ['host:0', 'host:1', 'host:2', 'host:3']
     """
     global _host_device_count
-    if isinstance(count, bool) or not isinstance(count, int | np.integer):
-        raise TypeError(f"count must be an int, got {type(count).__name__}.")
-    if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}.")
-    _host_device_count = int(count)
+    _host_device_count = read_int(count, "count", minimum=1)
 
 
 def host_device_count() -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, overload
 
-from cupy_parallel._src.arguments import read_bool
+from cupy_parallel._src.arguments import read_bool, read_callable
 from cupy_parallel._src.tape import Tape
 
 if TYPE_CHECKING:
@@ -84,8 +84,7 @@ def value_and_grad(
         >>> value, grads
         (array(12.), {'w': array(12.)})
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
+    read_callable(fn, "fn")
     numbers = _read_argnums(argnums)
     aux_flag = read_bool(has_aux, "has_aux")
     single = not isinstance(argnums, tuple)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cupy_parallel._src.arguments import read_real, read_sequence
 from cupy_parallel._src.arrays import is_array, to_device
 from cupy_parallel._src.compute import on_device_of, zeros_like
 from cupy_parallel._src.recording import pullback
@@ -104,11 +105,13 @@ def gradcheck(
         >>> cupy_parallel.gradcheck(lambda x: ops.tanh(ops.multiply(x, x)), [x])
         True
     """
-    if is_array(inputs) or not isinstance(inputs, list | tuple):
-        raise TypeError(
-            f"inputs must be a list or tuple of fn's arguments, got {type(inputs).__name__}; "
-            "wrap a single array as [x]."
-        )
+    read_sequence(
+        inputs,
+        "inputs",
+        expected="a list or tuple of fn's arguments",
+        hint="wrap a single array as [x]",
+        lists_only=True,
+    )
     eps, atol, rtol = (
         _read_tolerance(v, name, positive=name == "eps")
         for v, name in ((eps, "eps"), (atol, "atol"), (rtol, "rtol"))
@@ -154,9 +157,7 @@ def gradcheck(
 
 def _read_tolerance(value: Any, name: str, *, positive: bool) -> float:
     """A finite real ``value`` (> 0 when ``positive``, else >= 0) as a float."""
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}.")
-    value = float(value)
+    value = read_real(value, name)
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         bound = "positive" if positive else "non-negative"
         raise ValueError(f"{name} must be a finite {bound} number, got {value}.")

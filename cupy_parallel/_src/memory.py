@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.arguments import read_int, read_real
 
 __all__ = ["ALLOCATION_UNIT", "POOL_THRESHOLD", "HostMemoryPool", "get_host_memory_pool"]
 
@@ -334,13 +334,7 @@ class HostMemoryPool:
                 f"fraction={fraction!r}."
             )
         if fraction is not None:
-            if isinstance(fraction, bool | np.bool_) or not isinstance(
-                fraction, int | float | np.integer | np.floating
-            ):
-                raise TypeError(
-                    f"fraction must be a number in [0, 1], got {type(fraction).__name__} "
-                    f"{fraction!r}."
-                )
+            read_real(fraction, "fraction", expected="a number in [0, 1]")
             if not 0 <= fraction <= 1:
                 raise ValueError(f"fraction must be in [0, 1], got {fraction!r}.")
             limit = int(fraction * _physical_memory())

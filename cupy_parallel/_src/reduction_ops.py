@@ -12,9 +12,8 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from numpy.lib.array_utils import normalize_axis_index
 
-from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.arguments import read_axis, read_int
 from cupy_parallel._src.arrays import is_array
 from cupy_parallel._src.compute import named_kernel, run_kernel
 from cupy_parallel._src.elementwise import divide, exp, multiply, negative, square, subtract
@@ -224,7 +223,7 @@ def _class_axis(x: Any, axis: Any, op: str) -> int:
     require_array(x, op)
     if x.ndim == 0:
         raise ValueError(f"ops.{op} needs an array with at least one axis, got a 0-d array.")
-    return int(normalize_axis_index(read_int(axis, "axis"), x.ndim))
+    return read_axis(axis, x.ndim)
 
 
 def softmax(x: Array, /, axis: int = -1) -> Array:

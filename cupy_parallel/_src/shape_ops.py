@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 from numpy.lib.array_utils import normalize_axis_index, normalize_axis_tuple
 
-from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.arguments import read_axis, read_int
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.compute import host_operand, named_kernel, run_kernel, zeros_like
 from cupy_parallel._src.hostarray import HostArray
@@ -356,7 +356,7 @@ def split(x: Array, indices_or_sections: int | Sequence[int], /, axis: int = 0) 
         [array([0., 1.]), array([2., 3., 4.])]
     """
     require_array(x, "split")
-    axis = int(normalize_axis_index(read_int(axis, "axis"), x.ndim))
+    axis = read_axis(axis, x.ndim)
     sections = indices_or_sections
     if not isinstance(sections, list | tuple):
         sections = read_int(sections, "indices_or_sections", minimum=1)

@@ -18,6 +18,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from cupy_parallel._src import tree
+from cupy_parallel._src.arguments import read_bool
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.compute import compute, on_device_of, ones_like, zeros_like
 from cupy_parallel._src.fingerprints import FingerprintedNodes
@@ -116,10 +117,8 @@ class Tape(Records):
     """
 
     def __init__(self, *, persistent: bool = False, check_writes: bool = False) -> None:
-        if not isinstance(persistent, bool):
-            raise TypeError(f"persistent must be a bool, got {type(persistent).__name__}.")
-        if not isinstance(check_writes, bool):
-            raise TypeError(f"check_writes must be a bool, got {type(check_writes).__name__}.")
+        persistent = read_bool(persistent, "persistent")
+        check_writes = read_bool(check_writes, "check_writes")
         super().__init__(FingerprintedNodes() if check_writes else [])
         self.persistent = persistent
         self._token: contextvars.Token[tuple[Records, ...]] | None = None

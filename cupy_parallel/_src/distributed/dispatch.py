@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cupy_parallel._src.arguments import read_bool
+from cupy_parallel._src.arguments import read_bool, read_sequence
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.distributed.backend import disagreeing, per_rank
 from cupy_parallel._src.distributed.groups import resolve_group
@@ -233,8 +233,7 @@ def check_arrays(
     output: bool = True,
 ) -> Sequence[Any]:
     """Check a list of arrays: its type, length, each array, and dtype (shape) against ``like``."""
-    if not isinstance(xs, list | tuple):
-        raise TypeError(f"{name} must be a list of arrays, got {type(xs).__name__}.")
+    read_sequence(xs, name, expected="a list of arrays", lists_only=True)
     if length is not None and len(xs) != length:
         raise ValueError(f"{name} must hold {length} arrays, got {len(xs)}.")
     if not xs:
@@ -305,8 +304,7 @@ def check_lists(
     inner: Callable[[int, Any, str], None],
 ) -> Sequence[Sequence[Any]]:
     """A list of ``length`` lists of arrays; ``inner(i, lists[i], "name[i]")`` checks each."""
-    if not isinstance(lists, list | tuple):
-        raise TypeError(f"{name} must be a list of lists of arrays, got {type(lists).__name__}.")
+    read_sequence(lists, name, expected="a list of lists of arrays", lists_only=True)
     if len(lists) != length:
         raise ValueError(f"{name} must hold {length} lists, got {len(lists)}.")
     for i, xs in enumerate(lists):

@@ -17,13 +17,12 @@ Exception policy (so that code ported from ``torch.distributed`` catches the sam
 
 from __future__ import annotations
 
-import operator
 import re
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from cupy_parallel._src.arguments import read_bool, read_timeout
+from cupy_parallel._src.arguments import read_bool, read_int, read_sequence, read_timeout
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -138,16 +137,18 @@ def check_key(key: object, name: str = "key") -> str:
 
 def check_keys(keys: object, name: str = "keys") -> list[str]:
     """A list of at most :data:`MAX_WAIT_KEYS` str keys."""
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)):
-        raise TypeError(
-            f"{name} must be a list of str, got {type(keys).__name__} {keys!r}; "
-            f"wrap a single key in a list: [{keys!r}]."
-        )
-    if len(keys) > MAX_WAIT_KEYS:
+    listed = read_sequence(
+        keys,
+        name,
+        expected="a list of str",
+        hint=f"wrap a single key in a list: [{keys!r}]",
+        lists_only=True,
+    )
+    if len(listed) > MAX_WAIT_KEYS:
         raise ValueError(
-            f"{name} may name at most {MAX_WAIT_KEYS} keys, got {len(keys)}; split the call."
+            f"{name} may name at most {MAX_WAIT_KEYS} keys, got {len(listed)}; split the call."
         )
-    return [check_key(key, f"{name}[{i}]") for i, key in enumerate(keys)]
+    return [check_key(key, f"{name}[{i}]") for i, key in enumerate(listed)]
 
 
 def check_value(value: object, name: str = "value") -> bytes:
@@ -168,11 +169,10 @@ def check_value(value: object, name: str = "value") -> bytes:
 
 def check_values(values: object, count: int) -> list[bytes]:
     """``count`` values for ``multi_set``, together at most :data:`MAX_VALUE_BYTES` long."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
-        raise TypeError(f"values must be a list of bytes or str, got {type(values).__name__}.")
-    if len(values) != count:
-        raise ValueError(f"multi_set needs one value per key: {count} keys, {len(values)} values.")
-    data = [check_value(value, f"values[{i}]") for i, value in enumerate(values)]
+    listed = read_sequence(values, "values", expected="a list of bytes or str", lists_only=True)
+    if len(listed) != count:
+        raise ValueError(f"multi_set needs one value per key: {count} keys, {len(listed)} values.")
+    data = [check_value(value, f"values[{i}]") for i, value in enumerate(listed)]
     total = sum(len(item) for item in data)
     if total > MAX_VALUE_BYTES:
         raise ValueError(
@@ -184,15 +184,10 @@ def check_values(values: object, count: int) -> list[bytes]:
 
 def check_amount(amount: object) -> int:
     """An ``add`` amount: an int (not bool) in the signed 64-bit range."""
-    if isinstance(amount, bool):
-        raise TypeError(f"amount must be an int, got bool {amount!r}.")
-    try:
-        value = operator.index(amount)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"amount must be an int, got {type(amount).__name__} {amount!r}.") from None
+    value = read_int(amount, "amount")
     if not I64_MIN <= value <= I64_MAX:
         raise ValueError(f"amount must fit in a signed 64-bit integer, got {value}.")
-    return int(value)
+    return value
 
 
 def key_bytes(key: str) -> bytes:
