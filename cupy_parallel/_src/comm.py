@@ -29,7 +29,7 @@ import numpy as np
 
 from cupy_parallel._src.arguments import read_int
 from cupy_parallel._src.arrays import device_of, empty, is_array
-from cupy_parallel._src.cuda import nccl as _nccl
+from cupy_parallel._src.cuda import nccl_comm as _nccl
 from cupy_parallel._src.cuda import streams as _streams
 from cupy_parallel._src.cuda import transfer as _transfer
 from cupy_parallel._src.devices import Device, cupy_module, platform, read_device, read_devices

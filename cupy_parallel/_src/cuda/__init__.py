@@ -6,8 +6,10 @@ one "stream A waits for stream B" helper, the per-thread stream hand-off) and :m
 (page-locked staging buffers) underlie :mod:`.copies` (the four CUDA copies, each ordered
 against the current streams); these three use only :mod:`cupy_parallel._src.devices`, so
 :func:`cupy_parallel._src.arrays.to_device` moves CUDA data through them too. :mod:`.transfer`
-(``comm``'s copies, broadcast and reduce buffers) and :mod:`.nccl` (communicators and
-collectives) sit on top. Every CUDA path runs in the tests on the simulated CUDA
+(``comm``'s copies, broadcast and reduce buffers) and :mod:`.nccl_comm` (``comm``'s NCCL
+broadcast and reduce) sit on top; :mod:`.nccl_runtime` (the loader, availability, the
+grouped-launch lock and the communicator cache) is the one NCCL runtime under it and under the
+process-group backend. Every CUDA path runs in the tests on the simulated CUDA
 (:mod:`cupy_parallel._src.simcuda`), whose race checker fails a test on any unordered access.
 """
 

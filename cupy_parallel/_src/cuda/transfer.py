@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src.arrays import device_of, empty
-from cupy_parallel._src.cuda import nccl
+from cupy_parallel._src.cuda import nccl_comm as nccl
 from cupy_parallel._src.cuda.copies import download, local, peer, upload, upload_staged
 from cupy_parallel._src.cuda.pinned import staging_array
 from cupy_parallel._src.devices import require_cupy
