@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 
 import cupy_parallel
 import cupy_parallel.distributed  # relabels its public names before doctests are collected
-from cupy_parallel._src.devices import _cuda_device_count
+from cupy_parallel._src.devices import cuda_device_count
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -31,7 +31,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip ``gpu``-marked tests cleanly when CuPy sees no GPU."""
-    if _cuda_device_count() > 0:
+    if cuda_device_count() > 0:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (CuPy sees none)")
     for item in items:

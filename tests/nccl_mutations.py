@@ -3,7 +3,8 @@
 Run ``python tests/nccl_mutations.py`` from the repository root (about a minute). It reuses the
 harness of ``tests/simcuda_mutations.py`` (copy the tree, remove one call, run the tests, list the
 failures) on the NCCL code: every ``wait_event``/``record``/``synchronize`` of the NCCL backend
-and the three locks that serialise grouped calls and communicator set-up. The simulated NCCL
+and the three locks that serialise grouped calls and communicator set-up (each user's lock
+given to its :class:`~cupy_parallel._src.cuda.nccl_runtime.Communicators`). The simulated NCCL
 tests run with ``-x``: without a synchronisation every barrier would wait out its group's
 timeout. Not collected by pytest.
 """
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 import simcuda_mutations as harness
 
-BACKEND = "cupy_parallel/_src/distributed/nccl.py"
-COMM = "cupy_parallel/_src/cuda/nccl.py"
+BACKEND = "cupy_parallel/_src/distributed/nccl_backend.py"
+COMM = "cupy_parallel/_src/cuda/nccl_comm.py"
+RUNTIME = "cupy_parallel/_src/cuda/nccl_runtime.py"
 
 harness.TESTS = ["-x", "-k", "sim", "tests/test_nccl.py"]
 harness.MUTATIONS = [
@@ -36,15 +38,26 @@ harness.MUTATIONS = [
     ),
     (
         BACKEND,
-        "            with self._group_lock:  # threads never interleave their calls",
-        "            with contextlib.nullcontext():",
+        "            launch_lock=threading.Lock(),  # held from groupStart to groupEnd",
+        "            launch_lock=contextlib.nullcontext(),",
     ),
     (
         BACKEND,
-        "        with self._setup_lock:  # two threads of this rank make one set, not two",
-        "        with contextlib.nullcontext():",
+        "            setup_lock=threading.Lock(),  # two threads of this rank make one set",
+        "            setup_lock=contextlib.nullcontext(),",
     ),
-    (COMM, "    with _group_lock:  # until groupEnd", "    with contextlib.nullcontext():"),
+    (
+        COMM,
+        "    launch_lock=_lock,  # held from groupStart to groupEnd (torch's AutoNcclGroup)",
+        "    launch_lock=__import__('contextlib').nullcontext(),",
+    ),
+    # The shared mechanism itself (what every user's lock above goes through).
+    (RUNTIME, "        with self._launch_lock:  # until groupEnd", "        if True:"),
+    (
+        RUNTIME,
+        "        with self._setup_lock:  # two threads make one set, not two",
+        "        if True:",
+    ),
 ]
 
 if __name__ == "__main__":

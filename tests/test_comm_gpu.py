@@ -18,9 +18,8 @@ from helpers import assert_bits_equal, random_bits, to_numpy
 
 from cupy_parallel import Device, comm, device_of, to_device
 from cupy_parallel._src import comm_transfer as transfer
-from cupy_parallel._src.cuda import copies, pinned, streams
-from cupy_parallel._src.cuda import nccl as cuda_nccl
-from cupy_parallel._src.devices import _cuda_device_count
+from cupy_parallel._src.cuda import copies, nccl_comm, nccl_runtime, pinned, streams
+from cupy_parallel._src.devices import cuda_device_count
 from cupy_parallel.testing import simulated_cuda
 
 if TYPE_CHECKING:
@@ -47,18 +46,18 @@ def cupy(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
 
 def targets(at_least: int = 2) -> list[Device]:
     """Every GPU, cycled so that there are at least ``at_least`` targets."""
-    count = _cuda_device_count()
+    count = cuda_device_count()
     return [Device("cuda", k % count) for k in range(max(at_least, count))]
 
 
 def distinct_gpus(n: int = 2) -> list[Device]:
-    if _cuda_device_count() < n:
+    if cuda_device_count() < n:
         pytest.skip(f"needs {n} GPUs")
     return [Device("cuda", k) for k in range(n)]
 
 
 def synchronize_all(cupy: ModuleType) -> None:
-    for k in range(_cuda_device_count()):
+    for k in range(cuda_device_count()):
         with cupy.cuda.Device(k):
             cupy.cuda.get_current_stream().synchronize()
             streams.background_stream(k).synchronize()
@@ -171,16 +170,16 @@ def test_broadcast_from_a_gpu_returns_the_source_and_copies_elsewhere(cupy: Modu
 
 
 def test_nccl_broadcast_and_reduce_match_numpy(cupy: ModuleType) -> None:
-    if not cuda_nccl.is_available():
+    if not nccl_runtime.is_available():
         pytest.skip("NCCL is not available")
     gpus = distinct_gpus(2)
     values = [np.arange(12, dtype=np.float32).reshape(3, 4) * (k + 1) for k in range(len(gpus))]
     inputs = [to_device(v, d) for v, d in zip(values, gpus, strict=True)]
     outs = [to_device(np.zeros((3, 4), np.float32), d) for d in gpus[1:]]
-    assert cuda_nccl.broadcast_into(inputs[0], outs)
+    assert nccl_comm.broadcast_into(inputs[0], outs)
     for out in outs:
         assert_bits_equal(out, values[0])
-    assert cuda_nccl.can_reduce(inputs, gpus[1])
+    assert nccl_comm.can_reduce(inputs, gpus[1])
     total = comm.reduce_add(inputs, destination=gpus[1])
     assert device_of(total) == gpus[1]
     assert_bits_equal(total, functools.reduce(np.add, values))  # small integers: exact
@@ -190,7 +189,7 @@ def test_reduce_add_falls_back_to_copies_for_dtypes_nccl_lacks(cupy: ModuleType)
     values = [random_bits((4, 4), np.int16, seed=k) for k in range(3)]
     devices = targets(3)[:3]
     inputs = [to_device(v, d) for v, d in zip(values, devices, strict=True)]
-    assert not cuda_nccl.can_reduce(inputs, devices[0])
+    assert not nccl_comm.can_reduce(inputs, devices[0])
     total = comm.reduce_add(inputs, destination=devices[0])
     assert_bits_equal(total, functools.reduce(np.add, values))
 

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from cupy_parallel import Device
 from cupy_parallel import distributed as dist
-from cupy_parallel._src.cuda import nccl as cuda_nccl
+from cupy_parallel._src.cuda import nccl_comm
+from cupy_parallel._src.cuda import nccl_runtime as cuda_nccl
 from cupy_parallel._src.cuda.nccl_tables import (
     AVG_VERSION,
     P2P_VERSION,
@@ -34,13 +35,11 @@ from cupy_parallel._src.cuda.nccl_tables import (
     version_code,
     version_string,
 )
-from cupy_parallel._src.devices import _cuda_device_count, cupy_module
-from cupy_parallel._src.distributed import groups
-from cupy_parallel._src.distributed import nccl as nccl_backend
+from cupy_parallel._src.devices import cuda_device_count, cupy_module
+from cupy_parallel._src.distributed import groups, nccl_backend
 from cupy_parallel._src.distributed.store import FileStore, TCPStore
 from cupy_parallel._src.enums import Backend, ReduceOp
-from cupy_parallel._src.simcuda import SimulationError
-from cupy_parallel._src.simcuda import nccl as sim_nccl
+from cupy_parallel._src.simcuda import SimulationError, sim_nccl
 from cupy_parallel.testing import RaceError, simulated_cuda
 
 if TYPE_CHECKING:
@@ -88,7 +87,7 @@ def _real_nccl() -> types.ModuleType | None:
 def test_module_imports_without_nccl_and_warns_nothing() -> None:
     # A fresh interpreter with warnings as errors: importing and probing must stay silent.
     code = (
-        "import cupy_parallel._src.distributed.nccl as m; "
+        "import cupy_parallel._src.distributed.nccl_backend as m; "
         "from cupy_parallel import distributed as d; "
         "print(m.nccl_module() is not None, d.is_nccl_available())"
     )
@@ -98,11 +97,11 @@ def test_module_imports_without_nccl_and_warns_nothing() -> None:
     assert out.stderr == ""
     loads, available = out.stdout.split()
     assert loads == str(_real_nccl() is not None)
-    assert available == str(_real_nccl() is not None and _cuda_device_count() > 0)
+    assert available == str(_real_nccl() is not None and cuda_device_count() > 0)
 
 
 def test_is_nccl_available_tells_the_truth() -> None:
-    truth = _real_nccl() is not None and _cuda_device_count() > 0
+    truth = _real_nccl() is not None and cuda_device_count() > 0
     assert dist.is_nccl_available() is truth
     assert nccl_backend.NCCLBackend.is_available() is truth
     assert cuda_nccl.is_available() is truth  # comm's NCCL: one meaning of "available"
@@ -150,12 +149,12 @@ def test_unavailable_backend_says_what_is_missing(
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
     monkeypatch.setattr(cuda_nccl, "cupy_module", lambda: fake_cupy if cupy else None)
     monkeypatch.setattr(cuda_nccl, "nccl_module", lambda: _fake_nccl(NEW) if nccl else None)
-    monkeypatch.setattr(cuda_nccl, "_cuda_device_count", lambda: gpus)
+    monkeypatch.setattr(cuda_nccl, "cuda_device_count", lambda: gpus)
     assert not nccl_backend.NCCLBackend.is_available()
     assert not cuda_nccl.is_available()
     with pytest.raises(RuntimeError, match=rf"^The 'nccl' backend is not available here: {why}"):
         groups._backend_class(Backend.NCCL)
-    monkeypatch.setattr(cuda_nccl, "_cuda_device_count", lambda: 1)
+    monkeypatch.setattr(cuda_nccl, "cuda_device_count", lambda: 1)
     assert nccl_backend.NCCLBackend.is_available() is (cupy and nccl)
     assert cuda_nccl.is_available() is (cupy and nccl)
 
@@ -1345,7 +1344,7 @@ def test_sim_comm_reduce_add_and_broadcast_through_nccl(
 
         inputs = [_on(cupy, k, h) for k, h in enumerate(hosts)]
         target = f"cuda:{gpus - 1}"
-        uses_nccl = cuda_nccl.can_reduce(inputs, Device("cuda", gpus - 1))
+        uses_nccl = nccl_comm.can_reduce(inputs, Device("cuda", gpus - 1))
         total = comm.reduce_add(inputs, destination=target)
         copies = comm.broadcast(inputs[1], [f"cuda:{k}" for k in range(gpus)])
         np.testing.assert_array_equal(_host(total), expected)

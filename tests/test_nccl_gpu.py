@@ -29,7 +29,7 @@ from test_nccl import _values as _sample  # values whose sums and products are e
 
 from cupy_parallel import distributed as dist
 from cupy_parallel._src.cuda.nccl_tables import version_code
-from cupy_parallel._src.devices import _cuda_device_count, cupy_module
+from cupy_parallel._src.devices import cuda_device_count, cupy_module
 from cupy_parallel._src.distributed import groups
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel.testing import simulated_cuda
@@ -49,7 +49,7 @@ def real_gpu(test: Any) -> Any:
 
 
 cupy: Any = cupy_module()  # the world fixture swaps in the module of its run
-needs_two = pytest.mark.skipif(_cuda_device_count() < 2, reason="needs two GPUs")
+needs_two = pytest.mark.skipif(cuda_device_count() < 2, reason="needs two GPUs")
 
 MOVED = [
     "bool",
@@ -87,7 +87,7 @@ def _backend() -> Any:
 
 
 def _need(gpus: int) -> None:
-    if _cuda_device_count() < gpus:
+    if cuda_device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
 
 
@@ -115,7 +115,7 @@ def world(
             module = stack.enter_context(simulated_cuda(request.param))
             monkeypatch.setattr(sys.modules[__name__], "cupy", module)
         yield from _world(tmp_path)
-        for device in range(_cuda_device_count()):  # the simulated GPU finishes when waited for
+        for device in range(cuda_device_count()):  # the simulated GPU finishes when waited for
             cupy.cuda.Device(device).synchronize()
 
 
@@ -551,7 +551,7 @@ def test_barrier_blocks_the_host_while_the_gpu_is_busy(world: Any) -> None:
 @pytest.mark.parametrize("dtype", ["bool", "int32", "int64", "float32", "float64", "complex64"])
 def test_all_reduce_and_reduce_multigpu(world: Any, dtype: str, op: ReduceOp, version: str) -> None:
     _need(2)
-    GPUS = _cuda_device_count()
+    GPUS = cuda_device_count()
     if _refusal(dtype, op) is not None:
         return
     if version == "old":
@@ -571,7 +571,7 @@ def test_all_reduce_and_reduce_multigpu(world: Any, dtype: str, op: ReduceOp, ve
 
 def test_movement_multigpu(world: Any) -> None:
     _need(2)
-    GPUS = _cuda_device_count()
+    GPUS = cuda_device_count()
     hosts = [_sample("complex128", (3, 2), 20 + k) for k in range(GPUS)]
     xs = [_on(k, h) for k, h in enumerate(hosts)]
     dist.broadcast_multigpu(xs, src=0, src_tensor=1)
@@ -587,7 +587,7 @@ def test_movement_multigpu(world: Any) -> None:
 
 def test_reduce_scatter_multigpu(world: Any) -> None:
     _need(2)
-    GPUS = _cuda_device_count()
+    GPUS = cuda_device_count()
     # inputs[i][j] on GPU i; output j receives the sum over i of inputs[i][j].
     hosts = [[_sample("int64", (4,), 30 + GPUS * i + j) for j in range(GPUS)] for i in range(GPUS)]
     inputs = [[_on(i, h) for h in row] for i, row in enumerate(hosts)]

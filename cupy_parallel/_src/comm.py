@@ -31,7 +31,7 @@ import numpy as np
 from cupy_parallel._src import comm_transfer as _transfer
 from cupy_parallel._src.arguments import read_axis, read_int, read_sequence
 from cupy_parallel._src.arrays import copy_into, device_of, empty, is_array, move
-from cupy_parallel._src.cuda import nccl as _nccl
+from cupy_parallel._src.cuda import nccl_comm as _nccl
 from cupy_parallel._src.cuda import streams as _streams
 from cupy_parallel._src.devices import Device, cupy_module, platform, read_device, read_devices
 from cupy_parallel._src.dtypes import check_device_dtype

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src.arrays import copy_into, device_of, empty, move
-from cupy_parallel._src.cuda import nccl
+from cupy_parallel._src.cuda import nccl_comm as nccl
 from cupy_parallel._src.cuda.copies import upload_staged
 from cupy_parallel._src.cuda.pinned import staging_array
 from cupy_parallel._src.devices import require_cupy

@@ -38,6 +38,7 @@ __all__ = [
     "DeviceLike",
     "as_device",
     "check_exists",
+    "cuda_device_count",
     "cupy_arrays_may_exist",
     "cupy_module",
     "devices",
@@ -97,12 +98,12 @@ def substitute_cupy(module: ModuleType) -> Iterator[None]:
         'stand_in'
     """
     _substitutes.append(module)
-    _cuda_device_count.cache_clear()
+    cuda_device_count.cache_clear()
     try:
         yield
     finally:
         _substitutes.remove(module)
-        _cuda_device_count.cache_clear()
+        cuda_device_count.cache_clear()
 
 
 def require_cupy() -> ModuleType:
@@ -129,7 +130,7 @@ def require_cupy() -> ModuleType:
 
 
 @functools.cache
-def _cuda_device_count() -> int:
+def cuda_device_count() -> int:
     cupy = cupy_module()
     if cupy is None:
         return 0
@@ -232,7 +233,7 @@ def _context_stack() -> list[Any]:
 def _require_cuda(device: Device) -> ModuleType:
     """CuPy when it sees a GPU, else ``ValueError`` saying that ``device`` cannot be used here."""
     cupy = cupy_module()
-    if cupy is None or _cuda_device_count() == 0:
+    if cupy is None or cuda_device_count() == 0:
         raise ValueError(
             f"Device {device} needs CUDA, which is not available here "
             f"({'CuPy is not installed' if cupy is None else 'CuPy sees no GPU'}). "
@@ -329,7 +330,7 @@ def platform() -> Kind:
         if forced not in _PLATFORMS:
             raise ValueError(f"CUPY_PARALLEL_PLATFORM must be 'host' or 'cuda', got {forced!r}.")
         return "cuda" if forced == "cuda" else "host"
-    return "cuda" if _cuda_device_count() > 0 else "host"
+    return "cuda" if cuda_device_count() > 0 else "host"
 
 
 def set_host_device_count(count: int, /) -> None:
@@ -370,7 +371,7 @@ def devices() -> list[Device]:
         True
     """
     if platform() == "cuda":
-        return [Device("cuda", k) for k in range(_cuda_device_count())]
+        return [Device("cuda", k) for k in range(cuda_device_count())]
     return [Device("host", k) for k in range(host_device_count())]
 
 
@@ -385,9 +386,9 @@ def check_exists(device: Device, /) -> None:
             )
     elif device.kind == "cuda":
         _require_cuda(device)
-        if device.index >= _cuda_device_count():
+        if device.index >= cuda_device_count():
             raise ValueError(
-                f"device {device} does not exist: CuPy sees {_cuda_device_count()} GPUs."
+                f"device {device} does not exist: CuPy sees {cuda_device_count()} GPUs."
             )
 
 

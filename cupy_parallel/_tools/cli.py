@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import cupy_parallel
-from cupy_parallel._src.cuda import nccl as cuda_nccl
+from cupy_parallel._src.cuda import nccl_runtime as cuda_nccl
 from cupy_parallel._src.cuda.nccl_tables import version_string
 from cupy_parallel._src.devices import Device, cupy_module
 

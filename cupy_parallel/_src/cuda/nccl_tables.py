@@ -1,7 +1,7 @@
 """What NCCL can do with which dtype: its type and operation constants, and the tables onto them.
 
 Pure Python, importable without CuPy or NCCL, so that the tables can be checked anywhere. All
-NCCL code of the library (``comm`` through :mod:`.nccl`, and the ``"nccl"`` process-group
+NCCL code of the library (``comm`` through :mod:`.nccl_comm`, and the ``"nccl"`` process-group
 backend) asks :func:`reduction` how to reduce an array and :func:`transfer` how to move one;
 everything NCCL refuses is refused here, once, in the caller's words.
 

@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from cupy_parallel._src.arguments import read_int, read_timeout
+from cupy_parallel._src.cuda.nccl_runtime import is_available as nccl_is_available
 from cupy_parallel._src.enums import Backend
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ __all__ = [
 # Backend -> (module, class) implementing it, imported on first use.
 _BACKENDS: dict[Backend, tuple[str, str]] = {
     Backend.MPI: ("cupy_parallel._src.distributed.mpi", "MPIBackend"),
-    Backend.NCCL: ("cupy_parallel._src.distributed.nccl", "NCCLBackend"),
+    Backend.NCCL: ("cupy_parallel._src.distributed.nccl_backend", "NCCLBackend"),
 }
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -255,13 +256,7 @@ def is_nccl_available() -> bool:
         >>> isinstance(is_nccl_available(), bool)
         True
     """
-    if importlib.util.find_spec("cupy") is None:
-        return False
-    try:
-        cls = _loaded_class(Backend.NCCL)
-    except ImportError:
-        return False
-    return bool(cls.is_available())
+    return nccl_is_available()
 
 
 def init_process_group(  # noqa: PLR0917 - torch's signature

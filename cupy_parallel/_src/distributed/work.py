@@ -49,8 +49,8 @@ class Work:
     stream afterwards see the results, and reading them on the host (``x.get()``) synchronises as
     usual. ``wait(timeout=t)`` additionally blocks the host until the operation finished or ``t``
     passed. A background watchdog enforces the group's timeout for NCCL operations nobody blocks
-    on (see :class:`~cupy_parallel._src.distributed.nccl.NCCLBackend`). The MPI backend always
-    blocks the host.
+    on (see :class:`~cupy_parallel._src.distributed.nccl_backend.NCCLBackend`). The MPI backend
+    always blocks the host.
 
     A collective that outlives the group's timeout cannot be cancelled (neither MPI nor NCCL can
     take back a collective other ranks may be inside), so it makes the process group unusable:

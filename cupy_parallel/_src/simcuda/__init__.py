@@ -12,8 +12,8 @@ Modules, bottom up: :mod:`.clock` (timelines, vector clocks, host synchronisatio
 ``Stream``, ``Event``, current device and streams per thread), :mod:`.pointers` (``Memory``,
 ``MemoryPointer``, pinned memory, every copy), :mod:`.ndarray` (the array and kernels),
 :mod:`.runtime`, :mod:`.cuda` and :mod:`.xp` (the ``cupy.cuda.runtime``, ``cupy.cuda`` and
-``cupy`` namespaces), :mod:`.session` (``simulated_cuda``). An NCCL add-on lives in ``nccl.py``
-(``cupy.cuda.nccl``); it can keep per-simulation state in ``state().extensions``.
+``cupy`` namespaces), :mod:`.session` (``simulated_cuda``). An NCCL add-on lives in
+``sim_nccl.py`` (``cupy.cuda.nccl``); it can keep per-simulation state in ``state().extensions``.
 """
 
 from __future__ import annotations

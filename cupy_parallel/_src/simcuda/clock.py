@@ -22,7 +22,7 @@ The simulated GPU completes work only when the host waits for it: ``Event.done``
 adversarial legal schedule), and host functions (``Stream.launch_host_func``) run when the host
 synchronises with a point after them.
 
-Public (for :mod:`.nccl` and tests): :func:`state`, :class:`Simulation` (``enqueue``,
+Public (for :mod:`.sim_nccl` and tests): :func:`state`, :class:`Simulation` (``enqueue``,
 ``enqueue_group`` for collectives, ``host_op``, ``synchronize_host``, ``known_done``, ``lock``,
 ``extensions`` for add-on state, ``races``), :func:`happens_before`, :class:`Timeline`,
 :class:`Op`, :class:`RaceError`. An add-on operation on memory does, under ``state().lock``:

@@ -1,7 +1,7 @@
 """Simulated ``cupy.cuda``: devices, streams, events, memory and the runtime.
 
-``nccl`` is the simulated ``cupy.cuda.nccl`` from :mod:`cupy_parallel._src.simcuda.nccl` when that
-module exists (looked up lazily); without it, ``cupy.cuda.nccl`` raises ``AttributeError``,
+``nccl`` is the simulated ``cupy.cuda.nccl`` from :mod:`cupy_parallel._src.simcuda.sim_nccl` when
+that module exists (looked up lazily); without it, ``cupy.cuda.nccl`` raises ``AttributeError``,
 which callers read as "NCCL is not available".
 """
 
@@ -60,7 +60,7 @@ def get_device_id() -> int:
 def __getattr__(name: str) -> Any:
     if name == "nccl":
         try:
-            return importlib.import_module("cupy_parallel._src.simcuda.nccl")
+            return importlib.import_module("cupy_parallel._src.simcuda.sim_nccl")
         except ModuleNotFoundError as error:
-            raise AttributeError("The simulated CUDA has no NCCL (simcuda/nccl.py).") from error
+            raise AttributeError("The simulated CUDA has no NCCL (simcuda/sim_nccl.py).") from error
     raise AttributeError(f"module 'cupy.cuda' (simulated) has no attribute {name!r}")

@@ -13,7 +13,7 @@ Kernels must run on a stream of the current device; copies may use a stream of a
 An ``Event`` belongs to the device current at its creation and can only be recorded on a stream
 of that device; ``Stream.wait_event`` accepts events of any device.
 
-For add-ons (:mod:`.nccl`): :func:`timeline_of` resolves a stream (or ``None``: the current
+For add-ons (:mod:`.sim_nccl`): :func:`timeline_of` resolves a stream (or ``None``: the current
 stream) to its :class:`.clock.Timeline`; :func:`from_handle` reads a raw stream handle
 (``stream.ptr``, as NCCL calls take it); :func:`current_device` / :func:`set_device`;
 ``Event.op`` is the recorded :class:`.clock.Op` (``None`` before ``record``).

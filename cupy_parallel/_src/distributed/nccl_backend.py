@@ -37,7 +37,13 @@
   the group and its works.
 * Threads: the calls of one group are issued under a lock from ``groupStart`` to ``groupEnd``, so
   two threads sharing a group never interleave their calls on its communicators; communicators
-  are made under another lock, so two threads' first calls make one set.
+  are made under another lock, so two threads' first calls make one set. Both locks are the
+  group's own :class:`~cupy_parallel._src.cuda.nccl_runtime.Communicators` (the mechanism
+  ``comm`` uses too, with one process-wide instance). Lock order: the set-up lock, then the
+  communicator cache's own (a leaf); the group's state lock (``_lock``: the works in flight and
+  their states), then the cache's; the state lock is never held while a launch or set-up lock
+  is taken, and an abort (state lock only) never waits for the launch lock, since it is what
+  makes a ``groupEnd`` blocked under that lock return.
 * Barrier: ``barrier().wait()`` blocks the host until every rank arrived (torch's); before any
   other call it runs on GPU ``rank % device_count``, as torch's does.
 * Set-up: creating a communicator waits for every member; past the group's timeout it raises
@@ -66,7 +72,14 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cupy_parallel._src.cuda.nccl import nccl_module, nccl_version, unavailable_reason
+from cupy_parallel._src.cuda.nccl_runtime import (
+    Communicators,
+    device_ids,
+    nccl_module,
+    nccl_version,
+    unavailable_reason,
+)
+from cupy_parallel._src.cuda.nccl_runtime import is_available as nccl_is_available
 from cupy_parallel._src.cuda.nccl_tables import (
     P2P_VERSION,
     NcclDataType,
@@ -87,13 +100,7 @@ if TYPE_CHECKING:
 
     import numpy as np
 
-__all__ = [
-    "ERROR_HANDLING_VARIABLE",
-    "NCCLBackend",
-    "nccl_module",
-    "tears_down_on_abort",
-    "unavailable_reason",
-]
+__all__ = ["ERROR_HANDLING_VARIABLE", "NCCLBackend", "tears_down_on_abort"]
 
 #: The watchdog polls this often (seconds), or ten times per group timeout when that is shorter.
 _WATCH_INTERVAL = 0.1
@@ -388,16 +395,19 @@ class NCCLBackend(ProcessGroupBackend):
         self._store = store
         # Features are gated on the older of the NCCL CuPy was built with and the one loaded.
         self._version: int = nccl_version(nccl)
-        self._comms: dict[tuple[int, ...], list[Any]] = {}
+        # One set of communicators per tuple of local devices (see cuda.nccl_runtime), with its
+        # own locks: a launch of this group never waits for another group's, nor for a set-up.
+        self._comms = Communicators(
+            launch_lock=threading.Lock(),  # held from groupStart to groupEnd
+            setup_lock=threading.Lock(),  # two threads of this rank make one set
+        )
         self._streams: dict[int, Any] = {}
         self._made = 0  # communicators made so far: numbers the unique-id keys
         self._agreed = 0  # debug-mode comparisons so far: numbers their keys
         self._last_devices: tuple[int, ...] | None = None
         self._in_flight: list[_NCCLWork] = []  # unfinished works, pruned by the watchdog
         self._plans: dict[tuple[np.dtype[Any], ReduceOp], Reduction] = {}
-        self._lock = threading.RLock()  # guards _in_flight, _comms and the works' states
-        self._group_lock = threading.Lock()  # held from groupStart to groupEnd
-        self._setup_lock = threading.Lock()  # held while communicators are made
+        self._lock = threading.RLock()  # guards _in_flight and the works' states
         self._tear_down = tears_down_on_abort()
         self._watchdog: _Watchdog | None = None
         self._closed = False
@@ -406,13 +416,13 @@ class NCCLBackend(ProcessGroupBackend):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        """What is missing for NCCL here (see the module's ``unavailable_reason``), or ``None``."""
+        """What is missing for NCCL here (``cuda.nccl_runtime.unavailable_reason``), or ``None``."""
         return unavailable_reason()
 
     @classmethod
     def is_available(cls) -> bool:
-        """Whether CuPy's NCCL library loads and a GPU is visible (see ``unavailable_reason``)."""
-        return unavailable_reason() is None
+        """Whether CuPy's NCCL library loads and a GPU is visible (``cuda.nccl_runtime``'s)."""
+        return nccl_is_available()
 
     @classmethod
     def create_world(
@@ -451,11 +461,8 @@ class NCCLBackend(ProcessGroupBackend):
                 # A timeout or an NCCL error aborts the communicators and sets self.failure.
                 with contextlib.suppress(TimeoutError, RuntimeError):
                     work.wait(self.timeout)
-        with self._lock:
-            comms, self._comms = list(self._comms.values()), {}
-        for group in comms:
-            for comm in group:
-                comm.destroy()
+        for comm in self._comms.take_all():
+            comm.destroy()
 
     def _abort(self, reason: str, *, culprit: _NCCLWork | None = None) -> None:
         """Mark the group unusable and abort its communicators (kernels stuck in them return).
@@ -479,13 +486,12 @@ class NCCLBackend(ProcessGroupBackend):
                     work._fail(TimeoutError(reason))
                 else:
                     work._fail(RuntimeError(f"{work._description} cannot complete: {reason}"))
-            comms, self._comms = list(self._comms.values()), {}
+            comms = self._comms.take_all()
             # Streams already made to wait on an unfinished work run on once the aborted kernels
             # exit, reading partial results; nothing can stop a CUDA stream from the host.
             waited = [w._description for w in in_flight if w._ordered and not w._events_done()]
-        for group in comms:
-            for comm in group:
-                comm.abort()
+        for comm in comms:
+            comm.abort()
         if waited and self._tear_down:
             _tear_down(
                 f"cupy_parallel: process group {self.group_name!r} (rank {self.rank} of "
@@ -559,15 +565,8 @@ class NCCLBackend(ProcessGroupBackend):
                 stream = self._streams[device] = cupy.cuda.Stream(non_blocking=True)
         return stream
 
-    def _communicators(self, devices: tuple[int, ...]) -> list[Any]:
-        comms = self._comms.get(devices)
-        if comms is not None:
-            return comms
-        with self._setup_lock:  # two threads of this rank make one set, not two
-            comms = self._comms.get(devices)
-            return comms if comms is not None else self._make_communicators(devices)
-
     def _make_communicators(self, devices: tuple[int, ...]) -> list[Any]:
+        """The group's communicators on ``devices`` (``self._comms`` stores them, once)."""
         nccl, cupy = self._nccl, self._cupy
         local = len(devices)
         key = f"cupy_parallel/nccl/{self.group_name}/{self._made}"
@@ -616,8 +615,6 @@ class NCCLBackend(ProcessGroupBackend):
             raise TimeoutError(reason)
         if errors:
             raise errors[0]
-        with self._lock:
-            self._comms[devices] = made
         return made
 
     def _launch(
@@ -639,7 +636,7 @@ class NCCLBackend(ProcessGroupBackend):
         """
         if self._closed:
             raise RuntimeError(f"process group {self.group_name!r} was shut down.")
-        comms = self._communicators(devices)
+        comms = self._comms.get_or_make(devices, self._make_communicators)
         cupy, nccl = self._cupy, self._nccl
         streams = [self._stream(device) for device in devices]
         for device, stream in zip(devices, streams, strict=True):
@@ -653,14 +650,10 @@ class NCCLBackend(ProcessGroupBackend):
             if self._watchdog is None:
                 self._watchdog = _Watchdog(self)
         try:
-            with self._group_lock:  # threads never interleave their calls
-                nccl.groupStart()
-                try:
-                    for j, device in enumerate(devices):
-                        with cupy.cuda.Device(device):
-                            issue(j, comms[j], streams[j].ptr)
-                finally:
-                    nccl.groupEnd()
+            with self._comms.group(nccl):  # threads never interleave their calls
+                for j, device in enumerate(devices):
+                    with cupy.cuda.Device(device):
+                        issue(j, comms[j], streams[j].ptr)
         except Exception as error:
             if not work._done:  # NCCL refused the call: the peers' calls cannot match it
                 self._abort(
@@ -726,7 +719,7 @@ class NCCLBackend(ProcessGroupBackend):
                 ptr = arrays[j].data.ptr
                 comm.broadcast(ptr, ptr, nbytes, _UINT8, source, stream)
 
-        return self._launch("broadcast", _devices(arrays), issue, keep=arrays)
+        return self._launch("broadcast", device_ids(arrays), issue, keep=arrays)
 
     def all_reduce(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
         """``ncclAllReduce`` in place."""
@@ -740,7 +733,7 @@ class NCCLBackend(ProcessGroupBackend):
                 comm.allReduce(ptr, ptr, count, plan.datatype, plan.op, stream)
 
         after = (lambda j: self._divide([arrays[j]], participants)) if plan.divide else None
-        return self._launch("all_reduce", _devices(arrays), issue, after=after, keep=arrays)
+        return self._launch("all_reduce", device_ids(arrays), issue, after=after, keep=arrays)
 
     def reduce(self, arrays: Sequence[Any], root: int, root_index: int, op: ReduceOp, /) -> Work:
         """``ncclReduce`` in place; only the root member's array changes."""
@@ -761,7 +754,7 @@ class NCCLBackend(ProcessGroupBackend):
 
         divide = plan.divide and self.rank == root
         return self._launch(
-            "reduce", _devices(arrays), issue, after=after if divide else None, keep=arrays
+            "reduce", device_ids(arrays), issue, after=after if divide else None, keep=arrays
         )
 
     def all_gather(self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], /) -> Work:
@@ -777,7 +770,7 @@ class NCCLBackend(ProcessGroupBackend):
             self._unpack(received[j], outputs[j])
 
         keep = (inputs, outputs, received)
-        return self._launch("all_gather", _devices(inputs), issue, after=after, keep=keep)
+        return self._launch("all_gather", device_ids(inputs), issue, after=after, keep=keep)
 
     def gather(self, outputs: Sequence[Any] | None, input: Any, root: int, /) -> Work:
         """Sends to the root, which receives each rank's bytes straight into ``outputs``."""
@@ -816,7 +809,7 @@ class NCCLBackend(ProcessGroupBackend):
                 self._unpack(source, [target])
 
         keep = (mine, per_rank)
-        return self._launch(name, _devices([mine]), issue, after=after, keep=keep)
+        return self._launch(name, device_ids([mine]), issue, after=after, keep=keep)
 
     def reduce_scatter(
         self, outputs: Sequence[Any], inputs: Sequence[Sequence[Any]], op: ReduceOp, /
@@ -834,7 +827,7 @@ class NCCLBackend(ProcessGroupBackend):
 
         after = (lambda j: self._divide([outputs[j]], participants)) if plan.divide else None
         keep = (outputs, packed)
-        return self._launch("reduce_scatter", _devices(outputs), issue, after=after, keep=keep)
+        return self._launch("reduce_scatter", device_ids(outputs), issue, after=after, keep=keep)
 
     def all_to_all(self, outputs: Sequence[Any], inputs: Sequence[Any], /) -> Work:
         """A send and a receive per peer in one NCCL group; the own slot is copied locally."""
@@ -854,7 +847,7 @@ class NCCLBackend(ProcessGroupBackend):
             self._unpack(inputs[me], [outputs[me]])
 
         keep = (outputs, inputs)
-        return self._launch("all_to_all", _devices(inputs[:1]), issue, after=after, keep=keep)
+        return self._launch("all_to_all", device_ids(inputs[:1]), issue, after=after, keep=keep)
 
     def agree(self, record: bytes, /) -> list[bytes]:
         """Every rank's ``record`` through the store (the debug mode's comparison).
@@ -925,7 +918,7 @@ class NCCLBackend(ProcessGroupBackend):
             if nbytes:
                 comm.send(array.data.ptr, nbytes, _UINT8, dst, stream)
 
-        return self._launch(f"send to group rank {dst}", _devices([array]), issue, keep=array)
+        return self._launch(f"send to group rank {dst}", device_ids([array]), issue, keep=array)
 
     def recv(self, array: Any, src: int | None, tag: int, /) -> Work:
         """``ncclRecv`` of the array's bytes (``tag`` is not used: NCCL has no tags)."""
@@ -943,7 +936,7 @@ class NCCLBackend(ProcessGroupBackend):
             if nbytes:
                 comm.recv(array.data.ptr, nbytes, _UINT8, src, stream)
 
-        work = self._launch(f"recv from group rank {src}", _devices([array]), issue, keep=array)
+        work = self._launch(f"recv from group rank {src}", device_ids([array]), issue, keep=array)
         work._set_source(src)
         return work
 
@@ -960,7 +953,7 @@ class NCCLBackend(ProcessGroupBackend):
         divided = [x for x, plan in zip(arrays, plans, strict=True) if plan.divide]
         after = (lambda _: self._divide(divided, self.size)) if divided else None
         return self._launch(
-            "all_reduce_coalesced", _devices(arrays[:1]), issue, after=after, keep=arrays
+            "all_reduce_coalesced", device_ids(arrays[:1]), issue, after=after, keep=arrays
         )
 
     def all_gather_coalesced(
@@ -981,7 +974,7 @@ class NCCLBackend(ProcessGroupBackend):
 
         keep = (outputs, send, received)
         return self._launch(
-            "all_gather_coalesced", _devices(inputs[:1]), issue, after=after, keep=keep
+            "all_gather_coalesced", device_ids(inputs[:1]), issue, after=after, keep=keep
         )
 
     def _buffer(self, like: Any, nbytes: int) -> Any:
@@ -1029,7 +1022,3 @@ class _Watchdog:
         self._stop.set()
         if threading.current_thread() is not self.thread:
             self.thread.join()
-
-
-def _devices(arrays: Sequence[Any]) -> tuple[int, ...]:
-    return tuple(int(x.device.id) for x in arrays)
