@@ -557,16 +557,18 @@ def _check_op(op: int) -> int:
 class NcclCommunicator:
     """One rank of a simulated NCCL communicator, driving the GPU current when it was made."""
 
-    def __init__(self, ndev: int, commId: bytes, rank: int) -> None:  # noqa: N803 - CuPy's
+    def __init__(self, ndev: int, commId: bytes, rank: int, config: Any = None) -> None:  # noqa: N803 - CuPy's
         ndev = as_c_int(ndev, "ndev")
         if not isinstance(commId, bytes):
             raise TypeError(
                 f"Argument 'commId' has incorrect type (expected bytes, got "
                 f"{type(commId).__name__})"
             )
+        rank = as_c_int(rank, "rank")
         if len(commId) != _UNIQUE_ID_BYTES:
             raise ValueError(f"commId length {len(commId)} != {_UNIQUE_ID_BYTES}.")
-        rank = as_c_int(rank, "rank")
+        if config is not None:
+            raise NotImplementedError("The simulated NCCL does not model NcclConfig: pass None.")
         if ndev < 1 or not 0 <= rank < ndev:
             raise NcclError(NCCL_ERROR_INVALID_ARGUMENT, f"rank {rank} of {ndev} ranks")
         nccl = _state()

@@ -344,11 +344,14 @@ class ndarray:  # noqa: N801 - CuPy's name
             )
         return out
 
-    def view(self, dtype: Any = None) -> Any:
+    def view(self, dtype: Any = None, type: Any = None) -> Any:
         """The same memory seen with another dtype; ``view()`` keeps the dtype, as CuPy's does.
 
-        (NumPy's ``ndarray.view(a, None)`` would read ``None`` as float64.)
+        (NumPy's ``ndarray.view(a, None)`` would read ``None`` as float64.) ``type`` (an
+        ndarray subclass) is not supported, as in CuPy.
         """
+        if type is not None:
+            raise NotImplementedError("ndarray.view(type=...) is not supported, as in CuPy.")
         args = (self,) if dtype is None else (self, dtype)
         return apply(np.ndarray.view, args, {}, name="view")
 
