@@ -125,27 +125,42 @@ _DOC_LINE = re.compile(r"^\s*[\w.]+\((?P<params>.*)\)\s*(->.*)?$")
 def doc_parameters(doc_line: str) -> list[tuple[str, str | None]]:
     """(name, C type or ``None``) of each parameter in a Cython signature line, self left out.
 
+    A keyword-only parameter's name is written ``*name``; ``*args`` and ``**kwargs`` are left out.
+
     Example:
         >>> doc_parameters("memcpy(intptr_t dst, intptr_t src, size_t size, int kind)")[2]
         ('size', 'size_t')
-        >>> doc_parameters("Device(device=None)")
-        [('device', None)]
+        >>> doc_parameters("get(self, stream=None, *, bint blocking=True)")
+        [('stream', None), ('*blocking', 'bint')]
     """
     match = _DOC_LINE.match(doc_line)
     if match is None:
         raise ValueError(f"not a Cython signature line: {doc_line!r}")
     out = []
+    keyword_only = False
     for part in filter(None, (p.strip() for p in match["params"].split(","))):
         words = part.split("=")[0].split()
-        name = words[-1].lstrip("*")
+        name = words[-1]
+        if name.startswith("*"):  # a bare *, *args or **kwargs: keyword-only from here
+            keyword_only = True
+            continue
         if name in ("self", "cls"):
             continue
-        out.append((name, words[0] if len(words) > 1 else None))
+        out.append(("*" * keyword_only + name, words[0] if len(words) > 1 else None))
     return out
 
 
 def _named(doc_line: str) -> str:
     return doc_line.strip().split("(")[0].split(".")[-1]
+
+
+def _signature_names(obj: Any) -> list[str]:
+    """Parameter names from ``inspect.signature``, keyword-only ones written ``*name``."""
+    return [
+        f"*{p.name}" if p.kind == p.KEYWORD_ONLY else p.name
+        for p in inspect.signature(obj).parameters.values()
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in ("self", "cls")
+    ]
 
 
 def real_parameters(obj: Any) -> list[tuple[str, str | None]]:
@@ -154,21 +169,11 @@ def real_parameters(obj: Any) -> list[tuple[str, str | None]]:
     doc = (obj.__doc__ or "").strip().splitlines()
     if doc and _DOC_LINE.match(doc[0]) and _named(doc[0]) in (obj.__name__, "__init__"):
         return doc_parameters(doc[0])
-    signature = inspect.signature(obj)
-    return [
-        (p.name, None)
-        for p in signature.parameters.values()
-        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in ("self", "cls")
-    ]
+    return [(name, None) for name in _signature_names(obj)]
 
 
 def sim_parameters(obj: Any) -> list[str]:
-    signature = inspect.signature(obj)
-    return [
-        p.name
-        for p in signature.parameters.values()
-        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in ("self", "cls")
-    ]
+    return _signature_names(obj)
 
 
 def kind_of(obj: Any) -> str:

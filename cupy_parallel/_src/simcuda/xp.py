@@ -191,7 +191,7 @@ def ascontiguousarray(a: ndarray, dtype: Any = None) -> ndarray:
 
 
 def asnumpy(
-    a: Any, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True
+    a: Any, stream: Any = None, order: str = "C", out: Any = None, *, blocking: bool = True
 ) -> np.ndarray:
     """A host copy of a device array (NumPy input is returned as an array)."""
     if isinstance(a, ndarray):
