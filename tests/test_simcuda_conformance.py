@@ -230,15 +230,17 @@ def real_has(class_path: str, name: str) -> bool:
         return True
     instances = {
         "cupy.cuda.Stream": lambda: cls.null,
-        "cupy.cuda.ExternalStream": lambda: cls(0),
+        "cupy.cuda.ExternalStream": lambda: _external_stream(cupy),
         "cupy.cuda.Device": lambda: cls(0),
     }
     make = instances.get(class_path)
-    if make is None:
-        return False
+    return make is not None and hasattr(make(), name)
+
+
+def _external_stream(cupy_module: Any) -> Any:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # ExternalStream (CuPy 14)
-        return hasattr(make(), name)
+        warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14 deprecates it
+        return cupy_module.cuda.ExternalStream(0)
 
 
 def _instances(cp: Any) -> dict[str, Any]:
@@ -247,7 +249,7 @@ def _instances(cp: Any) -> dict[str, Any]:
     return {
         "cupy.cuda.Device": cp.cuda.Device(0),
         "cupy.cuda.Stream": cp.cuda.Stream(),
-        "cupy.cuda.ExternalStream": cp.cuda.ExternalStream(0),
+        "cupy.cuda.ExternalStream": _external_stream(cp),
         "cupy.cuda.Event": cp.cuda.Event(),
         "cupy.ndarray": cp.zeros(1),
         "cupy.cuda.nccl.NcclCommunicator": cp.cuda.nccl.NcclCommunicator.initAll(1)[0],
@@ -339,6 +341,21 @@ def test_member_is_cupys(path: str) -> None:
         assert kind_of(getattr(cls, name)) == kind_of(real), path
         return
     _check_parameters(path, real, getattr(cls, name))
+
+
+def test_external_stream_is_deprecated_as_in_cupy() -> None:
+    """CuPy 14 warns when an ``ExternalStream`` is made (errors under pytest): so does the
+    simulator, with CuPy's words; its own handle lookups (NCCL's stream handles) do not warn."""
+    with pytest.warns(DeprecationWarning, match="^ExternalStream is deprecated") as real:
+        cupy.cuda.ExternalStream(0)
+    with simulated_cuda(1) as cp:
+        with pytest.warns(DeprecationWarning, match="^ExternalStream is deprecated") as sim:
+            cp.cuda.ExternalStream(0)
+        assert [str(w.message) for w in sim] == [str(w.message) for w in real]
+        (comm,) = cp.cuda.nccl.NcclCommunicator.initAll(1)
+        x = cp.zeros(1)
+        stream = cp.cuda.Stream()
+        comm.allReduce(x.data.ptr, x.data.ptr, 1, 8, 0, stream.ptr)  # no warning: an error here
 
 
 def test_instance_attributes_are_cupys() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from typing import Any, ClassVar
 
 from cupy_parallel._src.simcuda.cargs import as_c_int
@@ -51,6 +52,10 @@ __all__ = [
 _LEGACY_PTR = 0
 _PER_THREAD_PTR = 2
 _pointers = itertools.count(0x7E5700)
+_EXTERNAL_DEPRECATED = (  # CuPy 14's words
+    "ExternalStream is deprecated. Use Stream.from_external() instead to interoperate with "
+    "external streams that implement the CUDA stream protocol."
+)
 
 
 def _local(simulation: Simulation) -> threading.local:
@@ -247,9 +252,16 @@ Stream.ptds = Stream(ptds=True)
 
 
 class ExternalStream(BaseStream):
-    """A stream given by its handle ``ptr`` (a simulated stream's ``ptr``, 0 or 2)."""
+    """A stream given by its handle ``ptr`` (a simulated stream's ``ptr``, 0 or 2).
+
+    Deprecated in CuPy 14, which warns when one is made (``DeprecationWarning``); so does this.
+    """
 
     def __init__(self, ptr: int, device_id: int = -1) -> None:
+        warnings.warn(_EXTERNAL_DEPRECATED, DeprecationWarning, stacklevel=2)
+        self._attach(ptr, device_id)
+
+    def _attach(self, ptr: int, device_id: int) -> None:
         super().__init__(null=True)
         self.ptr, self.device_id = int(ptr), int(device_id)
         if self.ptr not in (_LEGACY_PTR, _PER_THREAD_PTR):
@@ -267,7 +279,9 @@ def from_handle(handle: int) -> BaseStream:
         return Stream.null
     if handle == _PER_THREAD_PTR:
         return Stream.ptds
-    return ExternalStream(handle)
+    stream = ExternalStream.__new__(ExternalStream)  # no deprecation: not the caller's doing
+    stream._attach(handle, -1)
+    return stream
 
 
 def _check_current(device_id: int) -> int:
