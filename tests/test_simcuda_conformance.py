@@ -585,6 +585,7 @@ def _real_cases() -> dict[str, tuple[Any, list[Any]]]:
         "cupy.cuda.runtime.getDeviceProperties": (runtime.getDeviceProperties, [0]),
         "cupy.cuda.runtime.streamSynchronize": (runtime.streamSynchronize, [0]),
         "cupy.cuda.get_current_stream": (cupy.cuda.get_current_stream, [0]),
+        "cupy.cuda.alloc": (cupy.cuda.alloc, [0]),
         "cupy.cuda.alloc_pinned_memory": (cupy.cuda.alloc_pinned_memory, [0]),
         "cupy.cuda.MemoryPointer": (
             cupy.cuda.MemoryPointer,
@@ -651,9 +652,15 @@ def _refuses(call: Any) -> bool:
     return False
 
 
-def _c_typed(real: Any) -> list[tuple[int, str, str]]:
+# Parameters whose C type CuPy's signature line does not show: path -> (name, C type)
+UNTYPED_LINES = {
+    "cupy.cuda.alloc": [("size", "size_t")],  # alloc(size) hands it to MemoryPool.malloc(size_t)
+}
+
+
+def _c_typed(path: str, real: Any) -> list[tuple[int, str, str]]:
     """(index, name, C type) of each C-integer parameter, from CuPy's signature line."""
-    params = real_parameters(real)
+    params = UNTYPED_LINES.get(path) or real_parameters(real)
     return [(i, name, ctype) for i, (name, ctype) in enumerate(params) if ctype in C_TYPES]
 
 
@@ -671,7 +678,7 @@ def test_argument_conversion_is_cupys(path: str) -> None:
     if path not in cases:
         pytest.skip(NO_NCCL)
     real, defaults = cases[path]
-    typed = _c_typed(real_object(path))
+    typed = _c_typed(path, real_object(path))
     assert typed, f"{path}: no C-integer parameters found in CuPy's signature"
     real_pointer = cupy.cuda.MemoryPointer.__new__(cupy.cuda.MemoryPointer)
     mismatches = []
