@@ -7,7 +7,8 @@ device operation is stamped with a vector clock (:mod:`.clock`); every access to
 pinned memory is checked to happen after the conflicting accesses before it (:mod:`.memory`),
 and a race raises :class:`RaceError` naming both operations and their streams.
 
-Modules, bottom up: :mod:`.clock` (timelines, vector clocks, host synchronisation),
+Modules, bottom up: :mod:`.cargs` (C integer arguments, converted as CuPy's Cython converts
+them), :mod:`.clock` (timelines, vector clocks, host synchronisation),
 :mod:`.memory` (blocks, regions, the race checker, the pools), :mod:`.streams` (``Device``,
 ``Stream``, ``Event``, current device and streams per thread), :mod:`.pointers` (``Memory``,
 ``MemoryPointer``, pinned memory, every copy), :mod:`.ndarray` (the array and kernels),

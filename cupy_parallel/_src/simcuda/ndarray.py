@@ -28,7 +28,12 @@ import optree
 from cupy_parallel._src.simcuda.clock import Op, Simulation, state
 from cupy_parallel._src.simcuda.memory import Region, access
 from cupy_parallel._src.simcuda.pointers import Memory, MemoryPointer, alloc
-from cupy_parallel._src.simcuda.streams import Device, Stream, current_device, timeline_of
+from cupy_parallel._src.simcuda.streams import (
+    BaseStream,
+    Device,
+    current_device,
+    timeline_of,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -205,7 +210,7 @@ class ndarray:  # noqa: N801 - CuPy's name
 
     def get(
         self,
-        stream: Stream | None = None,
+        stream: BaseStream | None = None,
         order: str = "C",
         out: np.ndarray | None = None,
         blocking: bool = True,
@@ -238,7 +243,7 @@ class ndarray:  # noqa: N801 - CuPy's name
                 stream.synchronize()
         return host
 
-    def set(self, arr: np.ndarray, stream: Stream | None = None) -> None:
+    def set(self, arr: np.ndarray, stream: BaseStream | None = None) -> None:
         """Copy host array ``arr`` (same shape and dtype) in, on ``stream`` (default: current)."""
         if not isinstance(arr, np.ndarray):
             raise TypeError("Only numpy.ndarray can be set to cupy.ndarray")
@@ -339,11 +344,14 @@ class ndarray:  # noqa: N801 - CuPy's name
             )
         return out
 
-    def view(self, dtype: Any = None) -> Any:
+    def view(self, dtype: Any = None, type: Any = None) -> Any:
         """The same memory seen with another dtype; ``view()`` keeps the dtype, as CuPy's does.
 
-        (NumPy's ``ndarray.view(a, None)`` would read ``None`` as float64.)
+        (NumPy's ``ndarray.view(a, None)`` would read ``None`` as float64.) ``type`` (an
+        ndarray subclass) is not supported, as in CuPy.
         """
+        if type is not None:
+            raise NotImplementedError("ndarray.view(type=...) is not supported, as in CuPy.")
         args = (self,) if dtype is None else (self, dtype)
         return apply(np.ndarray.view, args, {}, name="view")
 
@@ -432,13 +440,13 @@ def _host_leaves(tree: Any) -> Any:
     )
 
 
-def _current_stream() -> Stream:
+def _current_stream() -> BaseStream:
     from cupy_parallel._src.simcuda.streams import get_current_stream
 
     return get_current_stream()
 
 
-def _on_stream(stream: Stream, fn: Callable[[], Any]) -> Any:
+def _on_stream(stream: BaseStream, fn: Callable[[], Any]) -> Any:
     with stream:
         return fn()
 

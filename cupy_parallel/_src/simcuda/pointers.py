@@ -19,6 +19,7 @@ import ctypes
 import functools
 from typing import Any
 
+from cupy_parallel._src.simcuda.cargs import as_c_int
 from cupy_parallel._src.simcuda.clock import Simulation, SimulationError, state
 from cupy_parallel._src.simcuda.memory import (
     Block,
@@ -30,6 +31,7 @@ from cupy_parallel._src.simcuda.memory import (
     resolve,
 )
 from cupy_parallel._src.simcuda.streams import (
+    BaseStream,
     Device,
     Stream,
     current_device,
@@ -94,7 +96,7 @@ class MemoryPointer:
 
     def __init__(self, mem: Memory, offset: int) -> None:
         self.mem = mem
-        self.ptr = mem.ptr + offset
+        self.ptr = mem.ptr + as_c_int(offset, "offset", "ptrdiff_t")
         self.device_id = mem.device_id
 
     @property
@@ -111,44 +113,44 @@ class MemoryPointer:
         return self + -int(offset)
 
     def copy_from_device_async(
-        self, src: MemoryPointer, size: int, stream: Stream | None = None
+        self, src: MemoryPointer, size: int, stream: BaseStream | None = None
     ) -> None:
         """Copy ``size`` bytes from device pointer ``src`` (any GPU) on ``stream``."""
         copy(
             self.ptr,
-            src.ptr,
-            size,
+            _device_pointer(src).ptr,
+            as_c_int(size, "size", "size_t"),
             stream,
             "copy_from_device_async",
             into="device",
             out_of="device",
         )
 
-    def copy_from_host_async(self, mem: Any, size: int, stream: Stream | None = None) -> None:
+    def copy_from_host_async(self, mem: Any, size: int, stream: BaseStream | None = None) -> None:
         """Copy ``size`` bytes from host address ``mem`` (pinned for true asynchrony)."""
         copy(
             self.ptr,
             _address(mem),
-            size,
+            as_c_int(size, "size", "size_t"),
             stream,
             "copy_from_host_async",
             into="device",
             out_of="host",
         )
 
-    def copy_to_host_async(self, mem: Any, size: int, stream: Stream | None = None) -> None:
+    def copy_to_host_async(self, mem: Any, size: int, stream: BaseStream | None = None) -> None:
         """Copy ``size`` bytes to host address ``mem``."""
         copy(
             _address(mem),
             self.ptr,
-            size,
+            as_c_int(size, "size", "size_t"),
             stream,
             "copy_to_host_async",
             into="host",
             out_of="device",
         )
 
-    def copy_from_async(self, mem: Any, size: int, stream: Stream | None = None) -> None:
+    def copy_from_async(self, mem: Any, size: int, stream: BaseStream | None = None) -> None:
         """Copy from a device pointer or a host address."""
         if isinstance(mem, MemoryPointer):
             self.copy_from_device_async(mem, size, stream)
@@ -159,8 +161,8 @@ class MemoryPointer:
         """Synchronous copy on the legacy null stream (CuPy's ``cudaMemcpy``)."""
         copy(
             self.ptr,
-            src.ptr,
-            size,
+            _device_pointer(src).ptr,
+            as_c_int(size, "size", "size_t"),
             Stream.null,
             "copy_from_device",
             into="device",
@@ -173,7 +175,7 @@ class MemoryPointer:
         copy(
             self.ptr,
             _address(mem),
-            size,
+            as_c_int(size, "size", "size_t"),
             Stream.null,
             "copy_from_host",
             into="device",
@@ -186,7 +188,7 @@ class MemoryPointer:
         copy(
             _address(mem),
             self.ptr,
-            size,
+            as_c_int(size, "size", "size_t"),
             Stream.null,
             "copy_to_host",
             into="host",
@@ -201,8 +203,9 @@ class MemoryPointer:
         else:
             self.copy_from_host(mem, size)
 
-    def memset_async(self, value: int, size: int, stream: Stream | None = None) -> None:
+    def memset_async(self, value: int, size: int, stream: BaseStream | None = None) -> None:
         """Set ``size`` bytes to ``value`` on ``stream``."""
+        value, size = as_c_int(value, "value"), as_c_int(size, "size", "size_t")
         simulation = state()
         with simulation.lock:
             if size == 0:
@@ -215,6 +218,7 @@ class MemoryPointer:
 
 def alloc(size: int) -> MemoryPointer:
     """``size`` bytes on the current device, from the pool of the current stream."""
+    size = as_c_int(size, "size", "size_t")  # CuPy's MemoryPool.malloc(size_t size)
     simulation = state()
     with simulation.lock:
         device = current_device()
@@ -223,6 +227,16 @@ def alloc(size: int) -> MemoryPointer:
         key = timeline_of(None).id
         chunk = device_pool().malloc(device, size, key)
         return MemoryPointer(Memory(chunk, device, simulation), 0)
+
+
+def _device_pointer(src: Any) -> MemoryPointer:
+    """``src`` when a :class:`MemoryPointer` (CuPy's parameter is typed), else Cython's error."""
+    if not isinstance(src, MemoryPointer):
+        raise TypeError(
+            "Argument 'src' has incorrect type (expected cupy.cuda.memory.MemoryPointer, got "
+            f"{type(src).__name__})"
+        )
+    return src
 
 
 def _device_range(simulation: Simulation, address: int, size: int, what: str) -> tuple[Block, int]:
@@ -238,7 +252,7 @@ def copy(
     dst: int,
     src: int,
     size: int,
-    stream: Stream | None,
+    stream: BaseStream | None,
     name: str,
     *,
     into: str | None,
@@ -329,6 +343,7 @@ PinnedMemoryPointer = _PinnedMixin
 
 def alloc_pinned_memory(size: int) -> Any:
     """``size`` bytes of pinned host memory from the pinned pool (buffer protocol supported)."""
+    size = as_c_int(size, "size", "size_t")
     simulation = state()
     with simulation.lock:
         block = pinned_pool().malloc(size)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from cupy_parallel._src.simcuda import pointers
+from cupy_parallel._src.simcuda.cargs import as_c_int
 from cupy_parallel._src.simcuda.clock import state
 from cupy_parallel._src.simcuda.streams import (
     Device,
@@ -70,14 +71,14 @@ def getDevice() -> int:  # noqa: N802
 
 def setDevice(device: int) -> None:  # noqa: N802
     """Make ``device`` current for the calling thread."""
-    set_device(int(device))
+    set_device(as_c_int(device, "device"))
 
 
-def deviceCanAccessPeer(device: int, peer: int) -> int:  # noqa: N802
+def deviceCanAccessPeer(device: int, peerDevice: int) -> int:  # noqa: N802, N803 - CUDA's names
     """Always 0: the simulated GPUs have no peer access."""
     simulation = state()
-    simulation.check_device(device)
-    simulation.check_device(peer)
+    simulation.check_device(as_c_int(device, "device"))
+    simulation.check_device(as_c_int(peerDevice, "peerDevice"))
     return 0
 
 
@@ -96,14 +97,17 @@ def driverGetVersion() -> int:  # noqa: N802
 
 def getDeviceProperties(device: int) -> dict[str, Any]:  # noqa: N802
     """A few properties of a simulated GPU."""
-    state().check_device(device)
+    state().check_device(as_c_int(device, "device"))
     return {"name": b"Simulated GPU", "totalGlobalMem": 1 << 34, "major": 9, "minor": 0}
 
 
 def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:  # noqa: N802
     """``cudaMemcpyAsync`` on the stream with handle ``stream``."""
-    into, out_of = _SIDES[kind]
-    pointers.copy(dst, src, size, from_handle(stream), "memcpyAsync", into=into, out_of=out_of)
+    dst, src = as_c_int(dst, "dst", "intptr_t"), as_c_int(src, "src", "intptr_t")
+    size, kind = as_c_int(size, "size", "size_t"), as_c_int(kind, "kind")
+    into, out_of = _sides(kind)
+    stream_ = from_handle(as_c_int(stream, "stream", "intptr_t"))
+    pointers.copy(dst, src, size, stream_, "memcpyAsync", into=into, out_of=out_of)
 
 
 def memcpy(dst: int, src: int, size: int, kind: int) -> None:
@@ -112,26 +116,34 @@ def memcpy(dst: int, src: int, size: int, kind: int) -> None:
     (Device to host or host to host: for the copy; pinned host to device: for the copy;
     pageable host to device: for the stream's earlier work; device to device: not at all.)
     """
-    into, out_of = _SIDES[kind]
+    dst, src = as_c_int(dst, "dst", "intptr_t"), as_c_int(src, "src", "intptr_t")
+    size, kind = as_c_int(size, "size", "size_t"), as_c_int(kind, "kind")
+    into, out_of = _sides(kind)
     pointers.copy(dst, src, size, Stream.null, "memcpy", into=into, out_of=out_of, blocking=True)
 
 
 def memcpyPeerAsync(  # noqa: N802, PLR0917 - CUDA's name and signature
-    dst: int, dst_device: int, src: int, src_device: int, size: int, stream: int
+    dst: int,
+    dstDevice: int,  # noqa: N803
+    src: int,
+    srcDevice: int,  # noqa: N803
+    size: int,
+    stream: int,
 ) -> None:
     """``cudaMemcpyPeerAsync`` between two GPUs' memory."""
-    pointers.copy(
-        dst, src, size, from_handle(stream), "memcpyPeerAsync", into="device", out_of="device"
-    )
+    dst, src, size = _peer_arguments(dst, dstDevice, src, srcDevice, size)
+    stream_ = from_handle(as_c_int(stream, "stream", "intptr_t"))
+    pointers.copy(dst, src, size, stream_, "memcpyPeerAsync", into="device", out_of="device")
 
 
-def memcpyPeer(dst: int, dst_device: int, src: int, src_device: int, size: int) -> None:  # noqa: N802
+def memcpyPeer(dst: int, dstDevice: int, src: int, srcDevice: int, size: int) -> None:  # noqa: N802, N803
     """``cudaMemcpyPeer``: the host does not wait; the copy is serialised with devices' work.
 
     As CUDA documents it: asynchronous with respect to the host, but serialised with all pending
-    and future work on the current device, ``src_device`` and ``dst_device``.
+    and future work on the current device, ``srcDevice`` and ``dstDevice``.
     """
-    devices = tuple(sorted({current_device(), int(src_device), int(dst_device)}))
+    dst, src, size = _peer_arguments(dst, dstDevice, src, srcDevice, size)
+    devices = tuple(sorted({current_device(), int(srcDevice), int(dstDevice)}))
     pointers.copy(
         dst,
         src,
@@ -147,4 +159,24 @@ def memcpyPeer(dst: int, dst_device: int, src: int, src_device: int, size: int) 
 
 def streamSynchronize(stream: int) -> None:  # noqa: N802
     """The host waits for the stream with handle ``stream``."""
-    from_handle(stream).synchronize()
+    from_handle(as_c_int(stream, "stream", "intptr_t")).synchronize()
+
+
+def _sides(kind: int) -> tuple[str | None, str | None]:
+    """Which memory (``"device"``, ``"host"``, ``None``: either) ``kind`` copies into, out of."""
+    if kind not in _SIDES:
+        raise CUDARuntimeError(f"cudaErrorInvalidMemcpyDirection: invalid copy kind {kind}")
+    return _SIDES[kind]
+
+
+def _peer_arguments(
+    dst: Any, dst_device: Any, src: Any, src_device: Any, size: Any
+) -> tuple[int, int, int]:
+    """The C values of ``memcpyPeer``'s arguments (the device ids are checked, not used)."""
+    as_c_int(dst_device, "dstDevice")
+    as_c_int(src_device, "srcDevice")
+    return (
+        as_c_int(dst, "dst", "intptr_t"),
+        as_c_int(src, "src", "intptr_t"),
+        as_c_int(size, "size", "size_t"),
+    )

@@ -71,6 +71,7 @@ from typing import Any
 
 import numpy as np
 
+from cupy_parallel._src.simcuda.cargs import as_c_int
 from cupy_parallel._src.simcuda.clock import Op, Simulation, SimulationError, Timeline, state
 from cupy_parallel._src.simcuda.memory import Region, access, resolve
 from cupy_parallel._src.simcuda.streams import current_device, from_handle, set_device
@@ -540,29 +541,34 @@ def _perform(slot: _Slot) -> None:
 
 
 def _check_datatype(datatype: int) -> int:
-    if int(datatype) not in _WIRE:
+    value = as_c_int(datatype, "datatype")
+    if value not in _WIRE:
         raise NcclError(NCCL_ERROR_INVALID_ARGUMENT, f"unknown datatype {datatype}")
-    return int(datatype)
+    return value
 
 
 def _check_op(op: int) -> int:
-    if int(op) not in _OP_NAMES:
+    value = as_c_int(op, "op")
+    if value not in _OP_NAMES:
         raise NcclError(NCCL_ERROR_INVALID_ARGUMENT, f"unknown reduction {op}")
-    return int(op)
+    return value
 
 
 class NcclCommunicator:
     """One rank of a simulated NCCL communicator, driving the GPU current when it was made."""
 
-    def __init__(self, ndev: int, commId: bytes, rank: int) -> None:  # noqa: N803 - CuPy's
+    def __init__(self, ndev: int, commId: bytes, rank: int, config: Any = None) -> None:  # noqa: N803 - CuPy's
+        ndev = as_c_int(ndev, "ndev")
         if not isinstance(commId, bytes):
             raise TypeError(
                 f"Argument 'commId' has incorrect type (expected bytes, got "
                 f"{type(commId).__name__})"
             )
+        rank = as_c_int(rank, "rank")
         if len(commId) != _UNIQUE_ID_BYTES:
             raise ValueError(f"commId length {len(commId)} != {_UNIQUE_ID_BYTES}.")
-        ndev, rank = int(ndev), int(rank)
+        if config is not None:
+            raise NotImplementedError("The simulated NCCL does not model NcclConfig: pass None.")
         if ndev < 1 or not 0 <= rank < ndev:
             raise NcclError(NCCL_ERROR_INVALID_ARGUMENT, f"rank {rank} of {ndev} ranks")
         nccl = _state()
@@ -673,10 +679,11 @@ class NcclCommunicator:
         self._check_usable()
         return self._clique.nranks
 
-    def _root(self, root: int) -> int:
-        if not 0 <= int(root) < self._clique.nranks:
+    def _root(self, root: int, name: str = "root") -> int:
+        value = as_c_int(root, name)
+        if not 0 <= value < self._clique.nranks:
             raise NcclError(NCCL_ERROR_INVALID_ARGUMENT, f"root {root} of {self._clique.nranks}")
-        return int(root)
+        return value
 
     def allReduce(  # noqa: N802, PLR0917 - CuPy's name and signature
         self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int
@@ -685,12 +692,12 @@ class NcclCommunicator:
         _call(
             self,
             "allReduce",
-            send=int(sendbuf),
-            recv=int(recvbuf),
-            count=int(count),
+            send=as_c_int(sendbuf, "sendbuf", "intptr_t"),
+            recv=as_c_int(recvbuf, "recvbuf", "intptr_t"),
+            count=as_c_int(count, "count", "size_t"),
             datatype=_check_datatype(datatype),
             op=_check_op(op),
-            stream=int(stream),
+            stream=as_c_int(stream, "stream", "intptr_t"),
         )
 
     def reduce(  # noqa: PLR0917 - CuPy's name and signature
@@ -700,13 +707,13 @@ class NcclCommunicator:
         _call(
             self,
             "reduce",
-            send=int(sendbuf),
-            recv=int(recvbuf),
-            count=int(count),
+            send=as_c_int(sendbuf, "sendbuf", "intptr_t"),
+            recv=as_c_int(recvbuf, "recvbuf", "intptr_t"),
+            count=as_c_int(count, "count", "size_t"),
             datatype=_check_datatype(datatype),
             op=_check_op(op),
             root=self._root(root),
-            stream=int(stream),
+            stream=as_c_int(stream, "stream", "intptr_t"),
         )
 
     def broadcast(  # noqa: PLR0917 - CuPy's name and signature
@@ -716,12 +723,12 @@ class NcclCommunicator:
         _call(
             self,
             "broadcast",
-            send=int(sendbuff),
-            recv=int(recvbuff),
-            count=int(count),
+            send=as_c_int(sendbuff, "sendbuff", "intptr_t"),
+            recv=as_c_int(recvbuff, "recvbuff", "intptr_t"),
+            count=as_c_int(count, "count", "size_t"),
             datatype=_check_datatype(datatype),
             root=self._root(root),
-            stream=int(stream),
+            stream=as_c_int(stream, "stream", "intptr_t"),
         )
 
     def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
@@ -729,12 +736,12 @@ class NcclCommunicator:
         _call(
             self,
             "bcast",
-            send=int(buff),
-            recv=int(buff),
-            count=int(count),
+            send=as_c_int(buff, "buff", "intptr_t"),
+            recv=as_c_int(buff, "buff", "intptr_t"),
+            count=as_c_int(count, "count", "size_t"),
             datatype=_check_datatype(datatype),
             root=self._root(root),
-            stream=int(stream),
+            stream=as_c_int(stream, "stream", "intptr_t"),
         )
 
     def reduceScatter(  # noqa: N802, PLR0917 - CuPy's name and signature
@@ -744,12 +751,12 @@ class NcclCommunicator:
         _call(
             self,
             "reduceScatter",
-            send=int(sendbuf),
-            recv=int(recvbuf),
-            count=int(recvcount),
+            send=as_c_int(sendbuf, "sendbuf", "intptr_t"),
+            recv=as_c_int(recvbuf, "recvbuf", "intptr_t"),
+            count=as_c_int(recvcount, "recvcount", "size_t"),
             datatype=_check_datatype(datatype),
             op=_check_op(op),
-            stream=int(stream),
+            stream=as_c_int(stream, "stream", "intptr_t"),
         )
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:  # noqa: N802
@@ -757,11 +764,11 @@ class NcclCommunicator:
         _call(
             self,
             "allGather",
-            send=int(sendbuf),
-            recv=int(recvbuf),
-            count=int(count),
+            send=as_c_int(sendbuf, "sendbuf", "intptr_t"),
+            recv=as_c_int(recvbuf, "recvbuf", "intptr_t"),
+            count=as_c_int(count, "count", "size_t"),
             datatype=_check_datatype(datatype),
-            stream=int(stream),
+            stream=as_c_int(stream, "stream", "intptr_t"),
         )
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
@@ -769,11 +776,11 @@ class NcclCommunicator:
         _call(
             self,
             "send",
-            send=int(sendbuf),
-            count=int(count),
+            send=as_c_int(sendbuf, "sendbuf", "intptr_t"),
+            count=as_c_int(count, "count", "size_t"),
             datatype=_check_datatype(datatype),
-            peer=self._root(peer),
-            stream=int(stream),
+            peer=self._root(peer, "peer"),
+            stream=as_c_int(stream, "stream", "intptr_t"),
         )
 
     def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
@@ -781,9 +788,9 @@ class NcclCommunicator:
         _call(
             self,
             "recv",
-            recv=int(recvbuf),
-            count=int(count),
+            recv=as_c_int(recvbuf, "recvbuf", "intptr_t"),
+            count=as_c_int(count, "count", "size_t"),
             datatype=_check_datatype(datatype),
-            peer=self._root(peer),
-            stream=int(stream),
+            peer=self._root(peer, "peer"),
+            stream=as_c_int(stream, "stream", "intptr_t"),
         )

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from typing import Any, ClassVar
 
+from cupy_parallel._src.simcuda.cargs import as_c_int
 from cupy_parallel._src.simcuda.clock import (
     Op,
     Simulation,
@@ -35,6 +37,7 @@ from cupy_parallel._src.simcuda.clock import (
 )
 
 __all__ = [
+    "BaseStream",
     "Device",
     "Event",
     "ExternalStream",
@@ -49,6 +52,10 @@ __all__ = [
 _LEGACY_PTR = 0
 _PER_THREAD_PTR = 2
 _pointers = itertools.count(0x7E5700)
+_EXTERNAL_DEPRECATED = (  # CuPy 14's words
+    "ExternalStream is deprecated. Use Stream.from_external() instead to interoperate with "
+    "external streams that implement the CUDA stream protocol."
+)
 
 
 def _local(simulation: Simulation) -> threading.local:
@@ -117,11 +124,12 @@ class Device:
         return f"<CUDA Device {self.id}>"
 
 
-class Stream:
-    """A simulated CUDA stream (``null``/``ptds`` singletons, or a new stream of the device)."""
+class BaseStream:
+    """What every simulated stream is and does (CuPy's ``_BaseStream``).
 
-    null: ClassVar[Stream]
-    ptds: ClassVar[Stream]
+    ``Stream`` and ``ExternalStream`` both derive from it, as in CuPy: an ``ExternalStream`` is
+    not a ``Stream``.
+    """
 
     def __init__(
         self,
@@ -166,7 +174,7 @@ class Stream:
         return self._non_blocking
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Stream) and other.ptr == self.ptr
+        return isinstance(other, BaseStream) and other.ptr == self.ptr
 
     def __hash__(self) -> int:
         return self.ptr
@@ -174,7 +182,7 @@ class Stream:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.ptr} (device {self.device_id})>"
 
-    def __enter__(self) -> Stream:
+    def __enter__(self) -> BaseStream:
         device = _check_current(self.device_id)
         local = _local(state())
         local.__dict__.setdefault("stack", []).append((device, get_current_stream(device)))
@@ -185,7 +193,7 @@ class Stream:
         device, previous = _local(state()).stack.pop()
         _set_current(device, previous)
 
-    def use(self) -> Stream:
+    def use(self) -> BaseStream:
         """Make this stream current on its device."""
         _set_current(_check_current(self.device_id), self)
         return self
@@ -232,14 +240,28 @@ class Stream:
         self.launch_host_func(lambda a: callback(self, 0, a), arg)
 
 
+class Stream(BaseStream):
+    """A simulated CUDA stream (``null``/``ptds`` singletons, or a new stream of the device)."""
+
+    null: ClassVar[Stream]
+    ptds: ClassVar[Stream]
+
+
 Stream.null = Stream(null=True)
 Stream.ptds = Stream(ptds=True)
 
 
-class ExternalStream(Stream):
-    """A stream given by its handle ``ptr`` (a simulated stream's ``ptr``, 0 or 2)."""
+class ExternalStream(BaseStream):
+    """A stream given by its handle ``ptr`` (a simulated stream's ``ptr``, 0 or 2).
+
+    Deprecated in CuPy 14, which warns when one is made (``DeprecationWarning``); so does this.
+    """
 
     def __init__(self, ptr: int, device_id: int = -1) -> None:
+        warnings.warn(_EXTERNAL_DEPRECATED, DeprecationWarning, stacklevel=2)
+        self._attach(ptr, device_id)
+
+    def _attach(self, ptr: int, device_id: int) -> None:
         super().__init__(null=True)
         self.ptr, self.device_id = int(ptr), int(device_id)
         if self.ptr not in (_LEGACY_PTR, _PER_THREAD_PTR):
@@ -251,13 +273,15 @@ class ExternalStream(Stream):
             self._non_blocking = known.is_non_blocking
 
 
-def from_handle(handle: int) -> Stream:
+def from_handle(handle: int) -> BaseStream:
     """The stream with raw handle ``handle`` (``Stream.ptr``; 0 or 1 legacy, 2 per-thread)."""
     if handle in (_LEGACY_PTR, 1):
         return Stream.null
     if handle == _PER_THREAD_PTR:
         return Stream.ptds
-    return ExternalStream(handle)
+    stream = ExternalStream.__new__(ExternalStream)  # no deprecation: not the caller's doing
+    stream._attach(handle, -1)
+    return stream
 
 
 def _check_current(device_id: int) -> int:
@@ -270,14 +294,15 @@ def _check_current(device_id: int) -> int:
     return current
 
 
-def _set_current(device: int, stream: Stream) -> None:
+def _set_current(device: int, stream: BaseStream) -> None:
     _local(state()).__dict__.setdefault("current", {})[device] = stream
 
 
-def get_current_stream(device_id: int = -1) -> Stream:
+def get_current_stream(device_id: int = -1) -> BaseStream:
     """The calling thread's current stream on ``device_id`` (default: the current device)."""
+    device_id = as_c_int(device_id, "device_id")
     simulation = state()
-    device = current_device() if device_id == -1 else int(device_id)
+    device = current_device() if device_id == -1 else device_id
     simulation.check_device(device)
     current = _local(simulation).__dict__.get("current", {})
     stream = current.get(device)
@@ -286,7 +311,7 @@ def get_current_stream(device_id: int = -1) -> Stream:
     return stream
 
 
-def timeline_of(stream: Stream | None) -> Timeline:
+def timeline_of(stream: BaseStream | None) -> Timeline:
     """The timeline of ``stream``, or of the current stream of the current device."""
     return (get_current_stream() if stream is None else stream).timeline()
 
@@ -302,7 +327,7 @@ class Event:
         self.device = current_device()
         self.op: Op | None = None
 
-    def record(self, stream: Stream | None = None) -> None:
+    def record(self, stream: BaseStream | None = None) -> None:
         """Capture the work queued so far on ``stream`` (default: the current stream)."""
         simulation = state()
         with simulation.lock:

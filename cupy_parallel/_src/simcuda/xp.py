@@ -86,44 +86,99 @@ def ones(shape: Any, dtype: Any = float, order: str = "C") -> ndarray:
     return full(shape, 1, dtype, order)
 
 
-def empty_like(a: ndarray, dtype: Any = None, shape: Any = None) -> ndarray:
-    """An uninitialised array like ``a`` (its data is not read)."""
-    return empty(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+def _like_order(a: ndarray, order: str, subok: Any) -> str:
+    """The layout of a ``*_like`` result: ``"K"``/``"A"`` keep an F-contiguous ``a``'s (CuPy)."""
+    if subok is not None:
+        raise TypeError("subok is not supported yet")
+    if order in ("K", "A"):
+        return "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+    return order
 
 
-def zeros_like(a: ndarray, dtype: Any = None, shape: Any = None) -> ndarray:
+def empty_like(
+    prototype: ndarray, dtype: Any = None, order: str = "K", subok: Any = None, shape: Any = None
+) -> ndarray:
+    """An uninitialised array like ``prototype`` (its data is not read)."""
+    order = _like_order(prototype, order, subok)
+    dtype = prototype.dtype if dtype is None else dtype
+    return empty(prototype.shape if shape is None else shape, dtype, order)
+
+
+def zeros_like(
+    a: ndarray, dtype: Any = None, order: str = "K", subok: Any = None, shape: Any = None
+) -> ndarray:
     """Zeros like ``a`` (its data is not read)."""
-    return zeros(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+    order = _like_order(a, order, subok)
+    return zeros(a.shape if shape is None else shape, a.dtype if dtype is None else dtype, order)
 
 
-def ones_like(a: ndarray, dtype: Any = None, shape: Any = None) -> ndarray:
+def ones_like(
+    a: ndarray, dtype: Any = None, order: str = "K", subok: Any = None, shape: Any = None
+) -> ndarray:
     """Ones like ``a`` (its data is not read)."""
-    return ones(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+    order = _like_order(a, order, subok)
+    return ones(a.shape if shape is None else shape, a.dtype if dtype is None else dtype, order)
 
 
-def full_like(a: ndarray, fill_value: Any, dtype: Any = None, shape: Any = None) -> ndarray:
+def full_like(  # noqa: PLR0917 - CuPy's signature
+    a: ndarray,
+    fill_value: Any,
+    dtype: Any = None,
+    order: str = "K",
+    subok: Any = None,
+    shape: Any = None,
+) -> ndarray:
     """``fill_value`` like ``a`` (its data is not read)."""
+    order = _like_order(a, order, subok)
     return full(
-        a.shape if shape is None else shape, fill_value, a.dtype if dtype is None else dtype
+        a.shape if shape is None else shape, fill_value, a.dtype if dtype is None else dtype, order
     )
 
 
-def array(obj: Any, dtype: Any = None, copy: bool = True, order: str = "K") -> ndarray:
-    """A new device array from host data (copied on the current stream) or a device array."""
+def array(  # noqa: PLR0917 - CuPy's signature
+    obj: Any,
+    dtype: Any = None,
+    copy: bool = True,
+    order: str = "K",
+    subok: bool = False,
+    ndmin: int = 0,
+    *,
+    blocking: bool = False,
+) -> ndarray:
+    """A new device array from host data (copied on the current stream) or a device array.
+
+    ``order`` and ``subok`` are accepted and not used (results are C-contiguous); ``blocking``
+    is not needed (the simulated upload has finished reading the host data when it returns).
+    """
     if isinstance(obj, ndarray):
-        return obj.astype(obj.dtype if dtype is None else dtype, copy=True)
+        out = obj.astype(obj.dtype if dtype is None else dtype, copy=True)
+        return out.reshape((1,) * (ndmin - out.ndim) + out.shape) if ndmin > out.ndim else out
     host = np.ascontiguousarray(np.asarray(obj, dtype=dtype))
     if obj is not None and np.ndim(obj) == 0:
         host = host.reshape(())
+    if ndmin > host.ndim:
+        host = host.reshape((1,) * (ndmin - host.ndim) + host.shape)
     out = ndarray(host.shape, host.dtype)
     out.set(host)
     return out
 
 
-def asarray(a: Any, dtype: Any = None, order: Any = None) -> ndarray:
-    """``a`` itself when a device array of ``dtype``, else a device copy."""
+def asarray(
+    a: Any,
+    dtype: Any = None,
+    order: Any = None,
+    *,
+    copy: bool | None = None,
+    blocking: bool = False,
+) -> ndarray:
+    """``a`` itself when a device array of ``dtype``, else a device copy (``copy``: NumPy's)."""
+    reusable = isinstance(a, ndarray) and (dtype is None or np.dtype(dtype) == a.dtype)
+    if copy is False and not reusable:
+        raise ValueError("Unable to avoid copy while creating an array as requested.")
+    if copy:
+        return array(a, dtype)
     if isinstance(a, ndarray):
-        return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+        return a if reusable else a.astype(dtype)
     return array(a, dtype)
 
 
@@ -137,7 +192,7 @@ def ascontiguousarray(a: ndarray, dtype: Any = None) -> ndarray:
 
 
 def asnumpy(
-    a: Any, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True
+    a: Any, stream: Any = None, order: str = "C", out: Any = None, *, blocking: bool = True
 ) -> np.ndarray:
     """A host copy of a device array (NumPy input is returned as an array)."""
     if isinstance(a, ndarray):
