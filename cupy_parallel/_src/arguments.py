@@ -167,10 +167,10 @@ def read_sequence(
         Traceback (most recent call last):
         ...
         TypeError: devices must be a sequence of devices, got str 'host:0'; wrap a single device as [device].
-        >>> read_sequence(iter([1]), "keys", expected="a list of str", lists_only=True)
+        >>> read_sequence({"k"}, "keys", expected="a list of str", lists_only=True)
         Traceback (most recent call last):
         ...
-        TypeError: keys must be a list of str, got list_iterator <list_iterator object at 0x...>.
+        TypeError: keys must be a list of str, got set {'k'}.
     """  # noqa: E501 - a doctest's expected output is one line
     if (
         isinstance(value, str | bytes | bytearray | Mapping)
