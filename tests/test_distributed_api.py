@@ -381,7 +381,7 @@ class _ArrivesAtTheCancel(Work):
 
     def _cancel(self) -> bool:
         self.received = True  # MPI's cancel found the message already delivered
-        self._complete()
+        self.complete()
         return True
 
 
@@ -399,7 +399,7 @@ class _CancelledAtTheTimeout(_ArrivesAtTheCancel):
     __slots__ = ()
 
     def _cancel(self) -> bool:
-        self._fail(TimeoutError("recv from group rank 1 was cancelled."))
+        self.fail(TimeoutError("recv from group rank 1 was cancelled."))
         return True
 
 
@@ -429,11 +429,11 @@ def test_work_reports_backend_errors() -> None:
 def test_work_finalizers_run_once_in_order() -> None:
     calls: list[int] = []
     work = CompletedWork("x", "0")
-    work._add_finalizer(lambda: calls.append(1))._add_finalizer(lambda: calls.append(2))
+    work.add_finalizer(lambda: calls.append(1)).add_finalizer(lambda: calls.append(2))
     assert work.wait()
     assert work.wait()
     assert calls == [1, 2]
-    failing = CompletedWork("x", "0")._add_finalizer(lambda: 1 / 0)
+    failing = CompletedWork("x", "0").add_finalizer(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         failing.wait()
     assert isinstance(failing.exception(), ZeroDivisionError)

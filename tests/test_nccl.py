@@ -1034,7 +1034,7 @@ def test_sim_watchdog_releases_finished_work_and_stops_on_shutdown(
         assert watchdog is not None
         work.wait()
         np.testing.assert_array_equal(x.get(), np.arange(4.0))  # the host waits for the GPU
-        _until(lambda: work._done)  # the watchdog retires it, releasing its arrays
+        _until(lambda: work.done)  # the watchdog retires it, releasing its arrays
         assert work._keep is None
         assert backend._in_flight == []
         time.sleep(0.3)  # longer than the timeout: a finished work never trips the watchdog

@@ -16,7 +16,7 @@ Conventions every primitive follows:
   ``r * L + j`` is local array ``j`` of group rank ``r``.
 * Every primitive starts the operation and returns a :class:`~.work.Work` at once (or after
   finishing it, for backends without asynchronous progress). Results must be in the output arrays
-  once ``Work.wait()`` returned; register copies-back with ``Work._add_finalizer``.
+  once ``Work.wait()`` returned; register copies-back with ``Work.add_finalizer``.
 * ``Work.wait(None)`` must end by :attr:`timeout` (seconds): a backend's work either completes,
   fails with an error, or times out (see :class:`~.work.Work`).
 * ``ReduceOp`` is mapped to the backend's constant through one dict in the backend module.
@@ -275,7 +275,7 @@ class ProcessGroupBackend(abc.ABC):
     def recv(self, array: Any, src: int | None, tag: int, /) -> Work:
         """Receive into ``array`` from group rank ``src`` (any rank when ``None``).
 
-        The returned work records the sender with ``Work._set_source(group_rank)`` before it
+        The returned work records the sender with ``Work.set_source(group_rank)`` before it
         reports completion.
         """
 

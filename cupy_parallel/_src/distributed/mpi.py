@@ -196,11 +196,11 @@ class _MPIWork(Work):
         hand the caller old bytes as if received. The message is consumed all the same, so the
         group stays usable.
         """
-        self._set_source(status.Get_source())
+        self.set_source(status.Get_source())
         got = status.Get_count(self._backend._byte)
         if got != self._keep.nbytes:
             raise ValueError(
-                f"{self._description}: the message is smaller than tensor ({got} bytes "
+                f"{self.description}: the message is smaller than tensor ({got} bytes "
                 f"received, tensor has {self._keep.nbytes}); pass a tensor of the size sent. "
                 "The rest of tensor was left as it was."
             )
@@ -252,7 +252,7 @@ class _MPIWork(Work):
         if problem is None:
             return True
         message = (
-            f"{self._description} on process group {self._backend.group_name!r}: {problem} "
+            f"{self.description} on process group {self._backend.group_name!r}: {problem} "
             "The arrays' contents are undefined now, and this process group is unusable."
         )
         self._abandon(message)
@@ -281,13 +281,13 @@ class _MPIWork(Work):
         if self._receives:
             if error.Get_error_class() == load_mpi().ERR_TRUNCATE:
                 return ValueError(
-                    f"{self._description}: the message is larger than tensor "
+                    f"{self.description}: the message is larger than tensor "
                     f"({self._keep.nbytes} bytes); pass a tensor as large as the array sent "
                     f"(MPI: {said})."
                 )
-            return RuntimeError(f"{self._description} failed (MPI: {said}).")
+            return RuntimeError(f"{self.description} failed (MPI: {said}).")
         message = (
-            f"{self._description} failed on process group {backend.group_name!r}: the ranks' "
+            f"{self.description} failed on process group {backend.group_name!r}: the ranks' "
             "arrays differ in size (every rank must pass arrays of the same shape and dtype; "
             "set CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL to have the ranks compare them and name "
             f"the one that differs). MPI said: {said}"
@@ -304,20 +304,20 @@ class _MPIWork(Work):
         self._request.Cancel()
         self._request.Wait(status)
         if status.Is_cancelled():
-            self._fail(TimeoutError(f"{self._description} was cancelled."))
+            self.fail(TimeoutError(f"{self.description} was cancelled."))
             return True
         try:
             self._received(status)
         except ValueError as error:
-            self._fail(error)
+            self.fail(error)
             return True
-        self._complete()  # the message arrived meanwhile
+        self.complete()  # the message arrived meanwhile
         return True
 
     def _on_timeout(self) -> None:
         backend = self._backend
         self._abandon(
-            f"{self._description} timed out after {self._timeout:g} s on process group "
+            f"{self.description} timed out after {self._timeout:g} s on process group "
             f"{backend.group_name!r} (rank {backend.rank} of {backend.size})."
         )
 
@@ -345,7 +345,7 @@ class _MPIWork(Work):
         if not gone or time.monotonic() - max(departed[r] for r in gone) < DEPARTURE_GRACE_S:
             return
         message = (
-            f"{self._description} on process group {backend.group_name!r} cannot complete: "
+            f"{self.description} on process group {backend.group_name!r} cannot complete: "
             f"world rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} left the job "
             "(its program ended) while this rank waited for it."
         )
@@ -502,7 +502,7 @@ class MPIBackend(ProcessGroupBackend):
         work = _MPIWork("broadcast", self, request, keep=source)._check_root_and_array(root, source)
         if len(arrays) > 1:
             others = [x for x in arrays if x is not source]
-            work._add_finalizer(functools.partial(_copy_each, others, source))
+            work.add_finalizer(functools.partial(_copy_each, others, source))
         return work
 
     @staged(0)
@@ -515,7 +515,7 @@ class MPIBackend(ProcessGroupBackend):
             request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
             work = _MPIWork("all_reduce", self, request, keep=buffer)
             if plan.average:
-                work._add_finalizer(functools.partial(average_in_place, buffer, self.size, np))
+                work.add_finalizer(functools.partial(average_in_place, buffer, self.size, np))
             return work
         outputs = [plain_buffer(x) for x in arrays]
         acc = _accumulate(outputs, plan)
@@ -528,7 +528,7 @@ class MPIBackend(ProcessGroupBackend):
             for x in outputs:
                 _cast_into(x, acc)
 
-        return _MPIWork("all_reduce", self, request, keep=acc)._add_finalizer(finish)
+        return _MPIWork("all_reduce", self, request, keep=acc).add_finalizer(finish)
 
     @staged(0)
     def reduce(self, arrays: Sequence[Any], root: int, root_index: int, op: ReduceOp, /) -> Work:
@@ -554,7 +554,7 @@ class MPIBackend(ProcessGroupBackend):
                 if acc is not target:
                     _cast_into(target, acc)
 
-            work._add_finalizer(finish)
+            work.add_finalizer(finish)
         return work
 
     @staged(0)
@@ -571,7 +571,7 @@ class MPIBackend(ProcessGroupBackend):
                 _unpack(received, row)
 
         work = _MPIWork("all_gather", self, request, keep=(send, received))
-        return work._add_finalizer(finish)
+        return work.add_finalizer(finish)
 
     @staged(0)
     def gather(self, outputs: Sequence[Any] | None, input: Any, root: int, /) -> Work:
@@ -586,7 +586,7 @@ class MPIBackend(ProcessGroupBackend):
         request = self._comm.Igather([source, self._byte], [received, self._byte], root)
         work = _MPIWork("gather", self, request, keep=(source, received))
         work._check_root_and_array(root, source)
-        return work._add_finalizer(functools.partial(_unpack, received, outputs))
+        return work.add_finalizer(functools.partial(_unpack, received, outputs))
 
     @staged(0)
     def scatter(self, output: Any, inputs: Sequence[Any] | None, root: int, /) -> Work:
@@ -627,7 +627,7 @@ class MPIBackend(ProcessGroupBackend):
                     _cast_into(x, received[j])
 
         work = _MPIWork("reduce_scatter", self, request, keep=(acc, received))
-        return work._add_finalizer(finish)
+        return work.add_finalizer(finish)
 
     @staged(0)
     def all_to_all(self, outputs: Sequence[Any], inputs: Sequence[Any], /) -> Work:
@@ -643,7 +643,7 @@ class MPIBackend(ProcessGroupBackend):
         )
         work = _MPIWork("all_to_all", self, request, keep=(send, received))
         work._check_counts(send_counts, recv_counts, first.dtype)
-        return work._add_finalizer(functools.partial(_unpack, received, outputs))
+        return work.add_finalizer(functools.partial(_unpack, received, outputs))
 
     def agree(self, record: bytes, /) -> list[bytes]:
         """Digests on the control communicator; the records themselves only if they differ."""
@@ -678,7 +678,7 @@ class MPIBackend(ProcessGroupBackend):
         request = self._comm.Irecv([target, self._byte], peer, tag)
         description = "recv from any rank" if src is None else f"recv from group rank {src}"
         work = _MPIWork(description, self, request, keep=target, status=status, receives=True)
-        work._set_source(-1 if src is None else src)  # known before completion (_idle watches it)
+        work.set_source(-1 if src is None else src)  # known before completion (_idle watches it)
         return work
 
     @staged(0)
@@ -704,7 +704,7 @@ class MPIBackend(ProcessGroupBackend):
             finishers.append(functools.partial(_unflatten, flat, group, plan, self.size))
         work = _MPIWork("all_reduce_coalesced", self, requests, keep=buffers)
         for finish in finishers:
-            work._add_finalizer(finish)
+            work.add_finalizer(finish)
         return work
 
     @staged(0)
@@ -722,7 +722,7 @@ class MPIBackend(ProcessGroupBackend):
                 _unpack(received[r * total : (r + 1) * total], row)
 
         work = _MPIWork("all_gather_coalesced", self, request, keep=(send, received))
-        return work._add_finalizer(finish)
+        return work.add_finalizer(finish)
 
 
 def _check_environment(rank: int, size: int) -> None:

@@ -112,7 +112,7 @@ def staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work]
             ]
             work = primitive(self, *host_args)
             if pairs:
-                work._add_finalizer(functools.partial(_copy_back, pairs))
+                work.add_finalizer(functools.partial(_copy_back, pairs))
             return work
 
         return run

@@ -248,29 +248,29 @@ class _NCCLWork(Work):
             return True
         backend = self._backend
         if backend.failure is not None:
-            raise RuntimeError(f"{self._description} cannot complete: {backend.failure}")
+            raise RuntimeError(f"{self.description} cannot complete: {backend.failure}")
         try:
             for comm in self._comms:
                 comm.check_async_error()
         except backend._nccl.NcclError as error:
-            backend._abort(f"{self._description} failed in NCCL ({error}).")
+            backend._abort(f"{self.description} failed in NCCL ({error}).")
             raise
         return False
 
-    def _complete(self) -> None:
+    def complete(self) -> None:
         with self._backend._lock:
-            if self._done:
+            if self.done:
                 return
             self._comms = []
-            super()._complete()
+            super().complete()
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
         with self._backend._lock:
-            if self._done:  # the watchdog (or an abort) settled it first
+            if self.done:  # the watchdog (or an abort) settled it first
                 return
             self._keep = None
             self._comms = []
-            super()._fail(error)
+            super().fail(error)
 
     def _block(self, deadline: float) -> bool:
         """Block the host until the events fired (``True``) or the deadline (``False``).
@@ -287,7 +287,7 @@ class _NCCLWork(Work):
 
         def synchronize() -> None:
             try:
-                while self._events is None and not self._done and time.monotonic() < deadline:
+                while self._events is None and not self.done and time.monotonic() < deadline:
                     time.sleep(0.001)  # another thread is still issuing it (inside groupEnd)
                 for done in self._events or ():
                     done.event.synchronize()
@@ -295,7 +295,7 @@ class _NCCLWork(Work):
                 synced.set()
 
         threading.Thread(
-            target=synchronize, name=f"cupy_parallel NCCL wait ({self._description})", daemon=True
+            target=synchronize, name=f"cupy_parallel NCCL wait ({self.description})", daemon=True
         ).start()
         while not synced.wait(min(max(deadline - time.monotonic(), 0.0), _WATCH_INTERVAL)):
             if self._backend.failure is not None or time.monotonic() >= deadline:
@@ -305,7 +305,7 @@ class _NCCLWork(Work):
     def _on_timeout(self) -> None:
         backend = self._backend
         backend._abort(
-            f"{self._description} was abandoned by a blocking wait() on process group "
+            f"{self.description} was abandoned by a blocking wait() on process group "
             f"{backend.group_name!r} (rank {backend.rank} of {backend.size}); its NCCL "
             "communicators were aborted.",
             culprit=self,
@@ -478,18 +478,18 @@ class NCCLBackend(ProcessGroupBackend):
             if culprit is not None and culprit not in in_flight:
                 in_flight.append(culprit)
             for work in in_flight:
-                if work._done:
+                if work.done:
                     continue
                 if work._events_done():
-                    work._complete()
+                    work.complete()
                 elif work is culprit:
-                    work._fail(TimeoutError(reason))
+                    work.fail(TimeoutError(reason))
                 else:
-                    work._fail(RuntimeError(f"{work._description} cannot complete: {reason}"))
+                    work.fail(RuntimeError(f"{work.description} cannot complete: {reason}"))
             comms = self._comms.take_all()
             # Streams already made to wait on an unfinished work run on once the aborted kernels
             # exit, reading partial results; nothing can stop a CUDA stream from the host.
-            waited = [w._description for w in in_flight if w._ordered and not w._events_done()]
+            waited = [w.description for w in in_flight if w._ordered and not w._events_done()]
         for comm in comms:
             comm.abort()
         if waited and self._tear_down:
@@ -507,11 +507,11 @@ class NCCLBackend(ProcessGroupBackend):
             if self.failure is not None:
                 self._in_flight.clear()
                 return
-            pending = [w for w in self._in_flight if not w._done and not w._events_done()]
-            done = [w for w in self._in_flight if not w._done and w not in pending]
+            pending = [w for w in self._in_flight if not w.done and not w._events_done()]
+            done = [w for w in self._in_flight if not w.done and w not in pending]
             self._in_flight = pending
         for work in done:
-            work._complete()  # releases the arrays it kept alive
+            work.complete()  # releases the arrays it kept alive
         now = time.monotonic()
         checked: set[int] = set()
         for work in pending:
@@ -522,13 +522,13 @@ class NCCLBackend(ProcessGroupBackend):
                         comm.check_async_error()
             except self._nccl.NcclError as error:
                 self._abort(
-                    f"{work._description} failed in NCCL ({error}) on process group "
+                    f"{work.description} failed in NCCL ({error}) on process group "
                     f"{self.group_name!r}; its NCCL communicators were aborted."
                 )
                 return
             if now - work._started > self.timeout:
                 self._abort(
-                    f"{work._description} timed out after {self.timeout:g} s on process group "
+                    f"{work.description} timed out after {self.timeout:g} s on process group "
                     f"{self.group_name!r} (rank {self.rank} of {self.size}); the watchdog "
                     "aborted its NCCL communicators.",
                     culprit=work,
@@ -655,16 +655,16 @@ class NCCLBackend(ProcessGroupBackend):
                     with cupy.cuda.Device(device):
                         issue(j, comms[j], streams[j].ptr)
         except Exception as error:
-            if not work._done:  # NCCL refused the call: the peers' calls cannot match it
+            if not work.done:  # NCCL refused the call: the peers' calls cannot match it
                 self._abort(
                     f"{description} failed while being issued to NCCL ({error!r}) on process "
                     f"group {self.group_name!r}; its NCCL communicators were aborted."
                 )
-            raise work._exception or error from error
+            raise work.exception() or error from error
         events = []
         for j, device in enumerate(devices):
             stream = streams[j]
-            if after is not None and not work._done:
+            if after is not None and not work.done:
                 with cupy.cuda.Device(device), stream:
                     after(j)
             events.append(_Done(record_event(stream, device), device))
@@ -937,7 +937,7 @@ class NCCLBackend(ProcessGroupBackend):
                 comm.recv(array.data.ptr, nbytes, _UINT8, src, stream)
 
         work = self._launch(f"recv from group rank {src}", device_ids([array]), issue, keep=array)
-        work._set_source(src)
+        work.set_source(src)
         return work
 
     def all_reduce_coalesced(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:

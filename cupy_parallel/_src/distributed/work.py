@@ -71,11 +71,14 @@ class Work:
     abandoned operation), :meth:`_cancel` (take a pending operation back after the group's
     timeout; ``True`` if it was), the class attribute ``_abandon_on_wait_timeout``,
     :meth:`_order_on_device` (what ``wait()`` without a timeout does instead of blocking: device
-    backends order the caller's stream) and :meth:`wait_stream`. :meth:`_add_finalizer`
-    registers callbacks run once, in the waiting thread, right after completion (unpacking,
-    dividing for ``AVG``, copying staged data back); a finalizer that raises
-    makes the work fail with that error. ``keep`` (the constructor's) holds what the operation
-    reads or writes until it completed, then lets it go.
+    backends order the caller's stream) and :meth:`wait_stream`. A backend drives its works
+    through :meth:`add_finalizer` (callbacks run once, in the waiting thread, right after
+    completion: unpacking, dividing for ``AVG``, copying staged data back; a finalizer that raises
+    makes the work fail with that error), :meth:`set_source` (where a receive's message came
+    from), :meth:`complete` and :meth:`fail` (settle it from outside, e.g. a watchdog), and reads
+    :attr:`description` (what the operation is, for messages) and :attr:`done` (settled).
+    ``keep`` (the constructor's) holds what the operation reads or writes until it completed,
+    then lets it go.
 
     Example:
         >>> import numpy as np
@@ -88,8 +91,6 @@ class Work:
     """
 
     __slots__ = (
-        "_description",
-        "_done",
         "_exception",
         "_finalizers",
         "_future",
@@ -97,6 +98,8 @@ class Work:
         "_keep",
         "_source",
         "_timeout",
+        "description",
+        "done",
         "outputs",
         "world_ranks",
     )
@@ -111,11 +114,11 @@ class Work:
     def __init__(
         self, description: str, group: str, timeout: float = 1800.0, keep: Any = None
     ) -> None:
-        self._description = description
+        self.description = description
         self._group = group
         self._timeout = timeout
         self._keep = keep  # what the operation reads or writes: held until it completed
-        self._done = False
+        self.done = False
         self._exception: BaseException | None = None
         self._finalizers: list[Callable[[], object]] | None = None
         self._source = -1
@@ -193,9 +196,9 @@ class Work:
         """
         return False
 
-    def _add_finalizer(self, finalizer: Callable[[], object], /) -> Work:
+    def add_finalizer(self, finalizer: Callable[[], object], /) -> Work:
         """Run ``finalizer()`` once after the operation finished (in registration order)."""
-        if self._done:
+        if self.done:
             raise RuntimeError("cannot add a finalizer to a work that already completed.")
         if self._finalizers is None:
             self._finalizers = [finalizer]
@@ -203,14 +206,14 @@ class Work:
             self._finalizers.append(finalizer)
         return self
 
-    def _set_source(self, source: int, /) -> None:
+    def set_source(self, source: int, /) -> None:
         """Record the group rank a receive got its message from."""
         self._source = source
 
     # ----------------------------------------------------------------------------- completion
 
-    def _complete(self) -> None:
-        self._done = True
+    def complete(self) -> None:
+        self.done = True
         self._keep = None
         finalizers, self._finalizers = self._finalizers, None
         if finalizers is not None:
@@ -220,22 +223,22 @@ class Work:
             except Exception as error:  # noqa: BLE001 - stored and re-raised by wait()
                 self._exception = error
 
-    def _fail(self, error: BaseException) -> None:
-        self._done = True
+    def fail(self, error: BaseException) -> None:
+        self.done = True
         self._finalizers = None
         self._exception = error
 
     def is_completed(self) -> bool:
         """Whether the operation finished (successfully or not); never blocks."""
-        if not self._done:
+        if not self.done:
             try:
                 finished = self._test()
             except Exception as error:  # noqa: BLE001 - reported through wait()/exception()
-                self._fail(error)
+                self.fail(error)
                 return True
             if finished:
-                self._complete()
-        return self._done
+                self.complete()
+        return self.done
 
     def is_success(self) -> bool:
         """Whether the operation finished without error; never blocks."""
@@ -263,7 +266,7 @@ class Work:
                 here an MPI operation keeps running and the group stays usable (wait again);
                 NCCL aborts its communicators, as torch's ProcessGroupNCCL does.
         """
-        if not self._done:
+        if not self.done:
             if timeout is None:
                 if self._order_on_device():
                     return True
@@ -273,14 +276,14 @@ class Work:
             try:
                 finished = self._block(time.monotonic() + limit)
             except Exception as error:  # noqa: BLE001 - re-raised below with the others
-                self._fail(error)
+                self.fail(error)
                 finished = True
             if not finished:
                 expired = self._expired(limit, explicit=timeout is not None)
-                if not (self._done and self._exception is None):  # not finished meanwhile
+                if not (self.done and self._exception is None):  # not finished meanwhile
                     raise expired
-            if not self._done:
-                self._complete()
+            if not self.done:
+                self.complete()
         if self._exception is not None:
             raise self._exception
         return True
@@ -288,7 +291,7 @@ class Work:
     def _expired(self, limit: float, *, explicit: bool) -> TimeoutError:
         """The error of a wait that gave up after ``limit`` s, having dealt with the operation."""
         head = (
-            f"{self._description} on process group {self._group!r} did not complete within "
+            f"{self.description} on process group {self._group!r} did not complete within "
             f"{limit:g} s"
         )
         if explicit and not self._abandon_on_wait_timeout:
@@ -348,7 +351,7 @@ class Work:
                 else:
                     future.set_result(self.outputs if self.outputs is not None else [])
 
-            threading.Thread(target=settle, name=f"{self._description} future", daemon=True).start()
+            threading.Thread(target=settle, name=f"{self.description} future", daemon=True).start()
         return self._future
 
     def source_rank(self) -> int:
@@ -373,8 +376,8 @@ class Work:
         return True
 
     def __repr__(self) -> str:
-        state = "completed" if self._done else "pending"
-        return f"<{type(self).__name__} {self._description} on group {self._group!r}: {state}>"
+        state = "completed" if self.done else "pending"
+        return f"<{type(self).__name__} {self.description} on group {self._group!r}: {state}>"
 
 
 class CompletedWork(Work):
