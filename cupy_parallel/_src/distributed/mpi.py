@@ -211,7 +211,7 @@ class _MPIWork(Work):
             return False
         request = self._request
         if type(request) is list or self._status is not None:
-            return Work._block(self, deadline)
+            return super()._block(deadline)
         try:
             return self._poll(request.Test, deadline)
         except load_mpi().Exception as error:
