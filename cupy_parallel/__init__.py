@@ -1,7 +1,8 @@
 """cupy_parallel: PyTorch's multi-device layer for CuPy and NumPy arrays, without torch.
 
 The whole public API is re-exported here and in the public submodules ``comm``, ``functions``,
-``ops``, ``distributed`` and ``testing``; the code lives in ``cupy_parallel._src``.
+``ops``, ``distributed`` and ``testing``; the code lives in ``cupy_parallel._src``, in layers
+that import one way (its docstring lists them).
 ``distributed`` and ``testing`` are imported on first access; ``testing`` is not in ``__all__``
 (its strategies need hypothesis, an extra), so ``from cupy_parallel import *`` never imports it.
 
