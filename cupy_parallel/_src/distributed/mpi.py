@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import itertools
 import os
 import time
 import zlib
@@ -745,11 +746,8 @@ def _check_environment(rank: int, size: int) -> None:
 
 
 def _offsets(counts: Sequence[int]) -> list[int]:
-    offsets, total = [], 0
-    for count in counts:
-        offsets.append(total)
-        total += count
-    return offsets
+    """Where each count's block starts (MPI's displacements)."""
+    return list(itertools.accumulate(counts[:-1], initial=0))
 
 
 def _pack(arrays: Sequence[Any]) -> Any:
