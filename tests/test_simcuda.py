@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 
 import cupy_parallel
 from cupy_parallel._src.devices import cupy_module
+from cupy_parallel._src.simcuda import SimulationError, sim_nccl
 from cupy_parallel.testing import RaceError, simulated_cuda
 
 if TYPE_CHECKING:
@@ -618,3 +620,51 @@ def test_shares_memory_runs_on_the_current_device_as_cupy(cupy: ModuleType) -> N
         x[:2] = 1.0
     with pytest.raises(RaceError, match=r"read by `kernel shares_memory"):
         cupy.shares_memory(x[:4], x[4:])  # reads x, unordered after the write
+
+
+# -- the simulated NCCL is as strict as NCCL ---------------------------------------------------
+
+
+def test_two_threads_calling_one_communicator_at_once_is_reported() -> None:
+    """NCCL communicators are not thread-safe: a call while another thread is inside one is an
+    error (real NCCL would corrupt or hang); one thread at a time, as with a lock, is fine."""
+    with simulated_cuda(2) as cupy:
+        nccl = cupy.cuda.nccl
+        uid = nccl.get_unique_id()
+        made: dict[int, Any] = {}
+
+        def make(rank: int) -> None:
+            with cupy.cuda.Device(rank):
+                made[rank] = nccl.NcclCommunicator(2, uid, rank)
+
+        threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with cupy.cuda.Device(0):
+            x = cupy.ones(4)
+        errors: list[BaseException] = []
+
+        def all_reduce() -> None:  # rank 0's member, used by a second thread while the first waits
+            try:
+                with cupy.cuda.Device(0):
+                    made[0].allReduce(
+                        x.data.ptr, x.data.ptr, 4, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, 0
+                    )
+            except BaseException as error:  # noqa: BLE001 - collected for the assertion
+                errors.append(error)
+
+        sim_nccl.set_deadlock_limit(5.0)
+        first = threading.Thread(target=all_reduce)
+        first.start()  # waits in the call: rank 1 never comes
+        time.sleep(0.3)
+        with (
+            pytest.raises(SimulationError, match=r"while thread .* is inside nccl allReduce"),
+            cupy.cuda.Device(0),
+        ):
+            made[0].allReduce(x.data.ptr, x.data.ptr, 4, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, 0)
+        made[0].abort()  # releases the waiting thread (as a watchdog would)
+        first.join()
+        assert len(errors) == 1
+        assert "aborted" in str(errors[0])

@@ -269,8 +269,38 @@ def groupEnd() -> None:  # noqa: N802 - NCCL's name
 
 
 def _run(pending: list[Any]) -> None:
-    """Launch ``pending`` (calls, and cliques to join) in order, then wait for all of them."""
+    """Launch ``pending`` (calls, and cliques to join) in order, then wait for all of them.
+
+    NCCL forbids calls on one communicator from two threads at once (a communicator is not
+    thread-safe; only ``ncclCommAbort`` and ``ncclCommGetAsyncError`` may come from another
+    thread): a call while another thread is inside a call of the same member raises
+    :class:`SimulationError` naming both threads.
+    """
     nccl = _state()
+    comms = list(dict.fromkeys(item.comm for item in pending if isinstance(item, _Call)))
+    me = threading.current_thread()
+    with nccl.changed:
+        for comm in comms:
+            other = comm._user
+            if other is not None and other[0] is not me:
+                raise SimulationError(
+                    f"simulated NCCL: thread {me.name!r} calls rank {comm._rank}'s communicator "
+                    f"while thread {other[0].name!r} is inside {other[1]} on it; NCCL forbids "
+                    "concurrent calls on one communicator (serialise them, e.g. with a lock)."
+                )
+        what = " + ".join(item.describe() for item in pending if isinstance(item, _Call))
+        for comm in comms:
+            comm._user = (me, f"nccl {what}")
+    try:
+        _wait_for(nccl, pending)
+    finally:
+        with nccl.changed:
+            for comm in comms:
+                comm._user = None
+
+
+def _wait_for(nccl: _State, pending: list[Any]) -> None:
+    """Launch ``pending`` in order, then wait until each has matched its peers."""
     waits: list[tuple[Any, _Slot | _Clique, NcclCommunicator]] = []
     for item in pending:
         if isinstance(item, NcclCommunicator):
@@ -577,6 +607,7 @@ class NcclCommunicator:
         self._aborted = False
         self._destroyed = False
         self._async_error: int | None = None
+        self._user: tuple[threading.Thread, str] | None = None  # the thread inside a call
         with nccl.changed:
             clique = nccl.cliques.get(commId)
             if clique is None:
