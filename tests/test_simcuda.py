@@ -668,3 +668,46 @@ def test_two_threads_calling_one_communicator_at_once_is_reported() -> None:
         first.join()
         assert len(errors) == 1
         assert "aborted" in str(errors[0])
+
+
+def _two_gpu_communicators(cupy: ModuleType) -> list[Any]:
+    return cupy.cuda.nccl.NcclCommunicator.initAll([0, 1])
+
+
+@pytest.mark.parametrize("root", [0, 1])
+def test_a_broadcast_root_may_finish_before_its_peers_start(root: int) -> None:
+    """NCCL's buffered protocols let a root (a sender) finish first: the root's later work is not
+    ordered after a peer's earlier work, while the peer's later work is ordered after the
+    root's earlier work (it received the root's data)."""
+    peer = 1 - root
+    with simulated_cuda(2) as cupy:
+        nccl = cupy.cuda.nccl
+        comms = _two_gpu_communicators(cupy)
+        streams, xs, scratch = {}, {}, {}
+        for d in (0, 1):
+            with cupy.cuda.Device(d):
+                streams[d] = cupy.cuda.Stream(non_blocking=True)
+                xs[d] = cupy.zeros(4)
+                scratch[d] = cupy.zeros(4)
+                cupy.cuda.Device(d).synchronize()
+        for d in (0, 1):  # each GPU writes its scratch on its stream, unsynchronised
+            with cupy.cuda.Device(d), streams[d]:
+                scratch[d][...] = d + 1.0
+        nccl.groupStart()
+        for d in (0, 1):
+            with cupy.cuda.Device(d):
+                comms[d].bcast(xs[d].data.ptr, 4, nccl.NCCL_FLOAT64, root, streams[d].ptr)
+        nccl.groupEnd()
+        rt = cupy.cuda.runtime
+        with cupy.cuda.Device(root), streams[root]:  # the root reads the peer's: not ordered
+            late = cupy.zeros(4)
+            with pytest.raises(RaceError, match=r"memcpyPeerAsync .* write by `kernel setitem"):
+                rt.memcpyPeerAsync(
+                    late.data.ptr, root, scratch[peer].data.ptr, peer, 32, streams[root].ptr
+                )
+        with cupy.cuda.Device(peer), streams[peer]:  # the receiver reads the root's: ordered
+            out = cupy.zeros(4)
+            rt.memcpyPeerAsync(
+                out.data.ptr, peer, scratch[root].data.ptr, root, 32, streams[peer].ptr
+            )
+            np.testing.assert_array_equal(out.get(stream=streams[peer]), [root + 1.0] * 4)

@@ -184,20 +184,29 @@ class Simulation:
         self._prepare(timeline)
         return Op(name, timeline, timeline.tick())
 
-    def enqueue_group(self, timelines: list[Timeline], name: str) -> list[Op]:
-        """Stamp one operation on each stream that completes only when all of them started.
+    def enqueue_group(
+        self,
+        timelines: list[Timeline],
+        name: str,
+        sources: list[list[int]] | None = None,
+    ) -> list[Op]:
+        """Stamp one operation on each stream, each completing after the members it receives from.
 
-        For collectives (an NCCL call on each rank's stream inside one group): each rank's
-        operation happens after everything queued before it on *every* participating stream,
-        so a rank's receive is ordered after each peer's writes of the data it sends.
+        For collectives (an NCCL call on each rank's stream inside one group). Member ``i``'s
+        operation happens after everything queued before it on its own stream and on the streams
+        of ``sources[i]``, the members whose data it receives (default: every member, as for
+        ``allReduce``): a receiver is ordered after each sender's writes of what it sends, while a
+        member that only sends (a broadcast's root, a ``reduce``'s other ranks, a ``send``) may
+        finish before its peers even start, as NCCL's buffered protocols allow.
         """
-        joint: Clock = {}
         for timeline in timelines:
             self._prepare(timeline)
-            join(joint, timeline.clock)
+        before = [dict(timeline.clock) for timeline in timelines]
+        everyone = list(range(len(timelines)))
         ops = []
-        for timeline in timelines:
-            join(timeline.clock, joint)
+        for i, timeline in enumerate(timelines):
+            for j in everyone if sources is None else sources[i]:
+                join(timeline.clock, before[j])
             ops.append(Op(name, timeline, timeline.tick()))
         return ops
 

@@ -459,12 +459,13 @@ def _run_matched(simulation: Simulation, slot: _Slot) -> None:
     """Stamp every member's kernel, check their memory accesses, and move the data.
 
     The members' kernels are stamped together (:meth:`.clock.Simulation.enqueue_group`): each
-    completes only after all have started, so work queued after the call on any member's
-    stream is ordered after what every member queued before it, as NCCL's kernels synchronise.
+    completes only after the members it receives data from have started (:func:`_sources`), so
+    work queued after the call on a receiver's stream is ordered after what every sender queued
+    before it, while a member that only sends may be done before its peers start.
     """
     calls = [slot.calls[k] for k in sorted(slot.calls, key=str)]
     timelines = [call.timeline for call in calls]
-    ops = simulation.enqueue_group(timelines, "nccl")  # type: ignore[arg-type]
+    ops = simulation.enqueue_group(timelines, "nccl", _sources(calls))  # type: ignore[arg-type]
     for call, op in zip(calls, ops, strict=True):
         op.name = f"nccl {call.describe()}"
         call.op = op
@@ -473,6 +474,26 @@ def _run_matched(simulation: Simulation, slot: _Slot) -> None:
                 block, offset = _block_of(simulation, call.comm, ptr, nbytes, op.name)
                 access(simulation, block, Region(offset, offset + nbytes), op, write=write)
     _perform(slot)
+
+
+def _sources(calls: list[_Call]) -> list[list[int]] | None:
+    """For each call (in ``calls``' order), the calls whose data it receives; ``None``: all.
+
+    ``allReduce``, ``allGather`` and ``reduceScatter`` receive from every rank; a broadcast's
+    non-roots from the root, a ``reduce``'s root from everyone (its other ranks only send);
+    a ``recv`` from its ``send``. A member that receives nothing depends on itself only.
+    """
+    kind = calls[0].kind
+    if kind in ("send", "recv"):
+        sender = next(i for i, call in enumerate(calls) if call.kind == "send")
+        return [[i, sender] if call.kind == "recv" else [i] for i, call in enumerate(calls)]
+    if kind not in ("broadcast", "bcast", "reduce"):
+        return None
+    root = next(i for i, call in enumerate(calls) if call.comm._rank == call.args["root"])
+    everyone = list(range(len(calls)))
+    if kind == "reduce":
+        return [everyone if i == root else [i] for i in everyone]
+    return [[i] if i == root else [i, root] for i in everyone]
 
 
 def _mismatch(call: _Call, other: _Call) -> str | None:
