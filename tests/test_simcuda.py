@@ -711,3 +711,75 @@ def test_a_broadcast_root_may_finish_before_its_peers_start(root: int) -> None:
                 out.data.ptr, peer, scratch[root].data.ptr, root, 32, streams[peer].ptr
             )
             np.testing.assert_array_equal(out.get(stream=streams[peer]), [root + 1.0] * 4)
+
+
+# -- the host's accesses to pinned memory in flight --------------------------------------------
+
+
+def _pinned(cupy: ModuleType, n: int) -> np.ndarray:
+    return np.frombuffer(cupy.cuda.alloc_pinned_memory(8 * n), np.float64, n)
+
+
+def test_a_pinned_download_is_there_only_after_the_host_waits(cupy: ModuleType) -> None:
+    x = ready(cupy, cupy.arange(4.0))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    out = _pinned(cupy, 4)
+    x.get(stream=stream, out=out, blocking=False)
+    assert np.isnan(out).all()  # read too early: undefined on a GPU, NaN here, never the data
+    stream.synchronize()
+    np.testing.assert_array_equal(out, np.arange(4.0))
+
+
+def test_later_device_work_in_stream_order_sees_a_pinned_download(cupy: ModuleType) -> None:
+    x = ready(cupy, cupy.arange(4.0))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    staged = _pinned(cupy, 4)
+    with stream:
+        y = cupy.empty(4)
+    x.get(stream=stream, out=staged, blocking=False)
+    y.set(staged, stream=stream)  # ordered after the download on the same stream
+    np.testing.assert_array_equal(y.get(stream=stream), np.arange(4.0))
+
+
+def write_pinned_in_flight(direction: str) -> None:
+    """The host writes pinned memory an asynchronous copy in ``direction`` may still use."""
+    with simulated_cuda(1) as cupy:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            x = cupy.arange(4.0)
+        buffer = _pinned(cupy, 4)
+        if direction == "download":
+            x.get(stream=stream, out=buffer, blocking=False)
+        else:
+            buffer[...] = np.arange(4.0)
+            x.set(buffer, stream=stream)
+        buffer[0] = 7.0  # before synchronising with the copy
+        stream.synchronize()
+
+
+@pytest.mark.parametrize(
+    ("direction", "copy"),
+    [("download", "copy_to_host_async"), ("upload", "copy_from_host_async")],
+)
+def test_the_host_writing_pinned_memory_in_flight_is_a_race(direction: str, copy: str) -> None:
+    """Refilling the pinned source of a pending upload, or writing the pinned target of a
+    pending download, races with the copy on a GPU; reported when the simulation ends."""
+    with pytest.raises(RaceError, match=rf"the host wrote it while `{copy}"):
+        write_pinned_in_flight(direction)
+
+
+def test_the_host_touching_pinned_memory_after_waiting_is_clean(cupy: ModuleType) -> None:
+    x = ready(cupy, cupy.arange(4.0))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        y = cupy.empty(4)
+    buffer = _pinned(cupy, 4)
+    buffer[...] = 5.0
+    y.set(buffer, stream=stream)
+    stream.synchronize()
+    buffer[...] = -1.0  # the upload is done: free to refill
+    x.get(stream=stream, out=buffer, blocking=False)
+    stream.synchronize()
+    buffer += 1.0
+    np.testing.assert_array_equal(buffer, np.arange(4.0) + 1)
+    np.testing.assert_array_equal(y.get(stream=stream), [5.0] * 4)

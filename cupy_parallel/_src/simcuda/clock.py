@@ -150,6 +150,7 @@ class Simulation:
         self.races: list[RaceError] = []
         self.deferred: list[RaceError] = []
         self._host_funcs: list[tuple[Op, Callable[[Any], None], Any]] = []
+        self._end_checks: list[Callable[[], None]] = []
         self.extensions: dict[str, Any] = {}  # per-simulation state of add-ons (e.g. NCCL)
         self._device_barriers: dict[int, Clock] = {}  # cudaMemcpyPeer: future work after it
 
@@ -249,6 +250,15 @@ class Simulation:
 
     def add_host_func(self, op: Op, func: Callable[[Any], None], arg: Any) -> None:
         self._host_funcs.append((op, func, arg))
+
+    def at_end(self, check: Callable[[], None]) -> None:
+        """Run ``check()`` when the simulation ends (it may :meth:`defer` races)."""
+        self._end_checks.append(check)
+
+    def finish(self) -> None:
+        """The end of the simulation: run the end checks (their races are deferred)."""
+        for check in self._end_checks:
+            check()
 
     def _run_host_funcs(self) -> None:
         due = [entry for entry in self._host_funcs if self.known_done(entry[0])]

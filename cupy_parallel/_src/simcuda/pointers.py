@@ -20,7 +20,15 @@ import functools
 from typing import Any
 
 from cupy_parallel._src.simcuda.cargs import as_c_int
-from cupy_parallel._src.simcuda.clock import Simulation, SimulationError, state
+from cupy_parallel._src.simcuda.clock import (
+    Clock,
+    Op,
+    RaceError,
+    Simulation,
+    SimulationError,
+    happens_before,
+    state,
+)
 from cupy_parallel._src.simcuda.memory import (
     Block,
     Chunk,
@@ -304,16 +312,111 @@ def copy(
             if found is not None:
                 block, offset = found
                 access(simulation, block, Region(offset, offset + size), op, write=write)
-        ctypes.memmove(dst, src, size)
         source, target = (_memory_kind(found) for found in ends)
         if target == "pageable" or (blocking and target == "pinned"):
-            simulation.synchronize_host(op.clock)  # into host memory: returns when done
+            wait: Clock | None = op.clock  # into host memory: returns when done
         elif blocking and source == "pinned":
-            simulation.synchronize_host(op.clock)  # pinned to device: synchronous
+            wait = op.clock  # pinned to device: synchronous
         elif blocking and source == "pageable":
-            before = dict(op.clock)
-            before[timeline.id] -= 1
-            simulation.synchronize_host(before)  # the stream's earlier work, then staging
+            wait = dict(op.clock)
+            wait[timeline.id] -= 1  # the stream's earlier work, then staging
+        else:
+            wait = None
+        host_waits = wait is op.clock
+        pending = _pending_host_copies(simulation)
+        pending.flush_before(op)  # earlier downloads into the pinned memory this copy touches
+        if target == "pinned" and not host_waits:
+            pending.download(op, dst, ctypes.string_at(src, size))
+        else:
+            ctypes.memmove(dst, src, size)
+        if source == "pinned" and not host_waits:
+            pending.watch_source(op, src, size)
+        if wait is not None:
+            simulation.synchronize_host(wait)
+
+
+class PendingHostCopies:
+    """Asynchronous copies to or from pinned memory that the host has not waited for yet.
+
+    CUDA reads and writes the pinned side of ``cudaMemcpyAsync`` while the host runs on, so the
+    host must not touch it before synchronising with the copy. The simulator cannot see host
+    loads and stores, so it makes them show: a download into pinned memory leaves the
+    destination filled with ``0xFF`` bytes (NaN for floats; on a GPU it is undefined until the
+    copy is done) and writes the data only when the host has waited for the copy, or when later
+    device work ordered after it touches that memory; a host write meanwhile is reported, as is
+    a host write to the pinned source of an upload before the upload is done (the bytes are
+    compared with a snapshot when the host waits for the copy, or when the simulation ends).
+    Such races are deferred (:meth:`.clock.Simulation.defer`) and raised when the simulation
+    ends.
+    """
+
+    POISON = 0xFF
+
+    def __init__(self, simulation: Simulation) -> None:
+        self._simulation = simulation
+        self._downloads: list[tuple[Op, int, bytes]] = []
+        self._sources: list[tuple[Op, int, bytes]] = []
+
+    def download(self, op: Op, dst: int, data: bytes) -> None:
+        """Write ``data`` to pinned ``dst`` once ``op`` is done; poison it until then."""
+        ctypes.memset(dst, self.POISON, len(data))
+        entry = (op, dst, data)
+        self._downloads.append(entry)
+        self._simulation.add_host_func(op, self._land, entry)
+
+    def watch_source(self, op: Op, src: int, size: int) -> None:
+        """Check at ``op``'s completion that the host left pinned ``src`` as ``op`` read it."""
+        entry = (op, src, ctypes.string_at(src, size))
+        self._sources.append(entry)
+        self._simulation.add_host_func(op, self._check_source, entry)
+
+    def flush_before(self, op: Op) -> None:
+        """Land the downloads ``op`` is ordered after (device work sees them in stream order)."""
+        for entry in [e for e in self._downloads if happens_before(e[0], op)]:
+            self._land(entry)
+
+    def finish(self) -> None:
+        """At the end of the simulation: check what the host never waited for."""
+        for entry in list(self._sources):
+            self._check_source(entry)
+        for op, dst, data in self._downloads:
+            if ctypes.string_at(dst, len(data)) != bytes([self.POISON]) * len(data):
+                self._host_wrote("into", dst, len(data), op)
+
+    def _land(self, entry: tuple[Op, int, bytes]) -> None:
+        if entry not in self._downloads:
+            return  # landed already
+        self._downloads.remove(entry)
+        op, dst, data = entry
+        if ctypes.string_at(dst, len(data)) != bytes([self.POISON]) * len(data):
+            self._host_wrote("into", dst, len(data), op)
+        ctypes.memmove(dst, data, len(data))
+
+    def _check_source(self, entry: tuple[Op, int, bytes]) -> None:
+        if entry not in self._sources:
+            return
+        self._sources.remove(entry)
+        op, src, snapshot = entry
+        if ctypes.string_at(src, len(snapshot)) != snapshot:
+            self._host_wrote("from", src, len(snapshot), op)
+
+    def _host_wrote(self, direction: str, address: int, size: int, op: Op) -> None:
+        self._simulation.defer(
+            RaceError(
+                f"Data race on pinned host memory [{address:#x}, +{size}): the host wrote it "
+                f"while `{op}` may still have been copying {direction} it (an asynchronous copy "
+                "reads and writes pinned memory after the call returns: touch it only after "
+                "synchronising with the copy, e.g. stream.synchronize() or an event)."
+            )
+        )
+
+
+def _pending_host_copies(simulation: Simulation) -> PendingHostCopies:
+    pending = simulation.extensions.get("pending_host_copies")
+    if pending is None:
+        pending = simulation.extensions["pending_host_copies"] = PendingHostCopies(simulation)
+        simulation.at_end(pending.finish)
+    return pending
 
 
 def _memory_kind(found: tuple[Block, int] | None) -> str:

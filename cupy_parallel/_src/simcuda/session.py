@@ -74,6 +74,8 @@ def simulated_cuda(
         with substitute_cupy(module):
             yield module
     finally:
+        with simulation.lock:
+            simulation.finish()
         clock.deactivate(simulation)  # first: what is dropped below is not freed into it
         pinned.forget_in_flight()
         streams.forget_background_streams()
