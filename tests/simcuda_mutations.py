@@ -47,7 +47,7 @@ MUTATIONS = [
         "                pass",
     ),
     ("cupy_parallel/_src/parallel.py", "            handoff.finish()", "            pass"),
-    (CUDA + "pinned.py", "    stream.launch_host_func(_release, token)", "    pass"),
+    (CUDA + "pinned.py", "    stream.launch_host_func(_finish, token)", "    pass"),
 ] + [
     (CUDA + "copies.py", line, re.sub(r"\S.*", "pass", line))
     for line in (ROOT / CUDA / "copies.py").read_text().splitlines()

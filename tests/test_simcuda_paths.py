@@ -17,7 +17,7 @@ from helpers import DTYPES, assert_bits_equal, random_bits, to_numpy
 
 from cupy_parallel import Device, Tape, comm, data_parallel, device_of, ops
 from cupy_parallel._src.arrays import to_device
-from cupy_parallel._src.cuda import streams
+from cupy_parallel._src.cuda import pinned, streams
 from cupy_parallel._src.parallel import parallel_apply
 from cupy_parallel.functions import Broadcast, Gather, ReduceAddCoalesced, Scatter
 from cupy_parallel.testing import simulated_cuda
@@ -305,8 +305,26 @@ def test_staging_buffers_return_to_the_pool_once_their_copies_finish(cupy: Modul
     comm.scatter(np.arange(64.0).reshape(8, 8), targets)
     for d in sorted({t.index for t in targets}):
         streams.background_stream(d).synchronize()
-    # No further upload and no call into the staging code: the buffers are back already.
+    # The copies are done: the next call into the staging code (here in_flight) drops the
+    # buffers on this host thread, never inside a host function (a CUDA call when the pinned pool
+    # is disabled).
+    assert pinned.in_flight() == 0
     assert pool.n_free_blocks() == len(targets)
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["pinned pool", "pool disabled"])
+def test_staging_never_frees_pinned_memory_inside_a_host_function(pooled: bool) -> None:
+    """With set_pinned_memory_allocator(None), dropping pinned memory is cudaFreeHost, which
+    CUDA forbids in host functions; the simulator reports it (the drop used to happen there)."""
+    with simulated_cuda(2) as cupy:
+        if not pooled:
+            cupy.cuda.set_pinned_memory_allocator(None)
+        for _ in range(3):  # the second and third scatters drop the first ones' buffers
+            parts = comm.scatter(np.arange(8.0), ["cuda:0", "cuda:1"])
+            for d in (0, 1):
+                streams.background_stream(d).synchronize()
+        np.testing.assert_array_equal(to_numpy(parts[1]), np.arange(4.0, 8.0))
+        assert pinned.in_flight() == 0
 
 
 def test_back_to_back_scatters_reuse_pinned_buffers_safely(cupy: ModuleType) -> None:

@@ -148,7 +148,8 @@ class Simulation:
         ]
         self._ptds: dict[tuple[int, int], Timeline] = {}
         self.races: list[RaceError] = []
-        self.deferred: list[RaceError] = []
+        self.deferred: list[RuntimeError] = []
+        self.in_host_func = False  # while host functions (cudaLaunchHostFunc) run
         self._host_funcs: list[tuple[Op, Callable[[Any], None], Any]] = []
         self._end_checks: list[Callable[[], None]] = []
         self.extensions: dict[str, Any] = {}  # per-simulation state of add-ons (e.g. NCCL)
@@ -265,8 +266,12 @@ class Simulation:
         if not due:
             return
         self._host_funcs = [entry for entry in self._host_funcs if entry not in due]
-        for _, func, arg in due:
-            func(arg)
+        running, self.in_host_func = self.in_host_func, True
+        try:
+            for _, func, arg in due:
+                func(arg)
+        finally:
+            self.in_host_func = running
 
     def known_done(self, op: Op) -> bool:
         """Whether the host has already synchronised with ``op`` (so it is complete)."""
@@ -277,9 +282,10 @@ class Simulation:
         self.races.append(error)
         return error
 
-    def defer(self, error: RaceError) -> None:
-        """Note a race found where nothing can raise (a finaliser); raised at the end."""
-        self.races.append(error)
+    def defer(self, error: RuntimeError) -> None:
+        """Note a race or misuse found where nothing can raise (a finaliser); raised at the end."""
+        if isinstance(error, RaceError):
+            self.races.append(error)
         self.deferred.append(error)
 
 

@@ -17,6 +17,7 @@ from cupy_parallel._src.simcuda.pointers import (
     PinnedMemoryPointer,
     alloc,
     alloc_pinned_memory,
+    set_pinned_memory_allocator,
 )
 from cupy_parallel._src.simcuda.streams import (
     Device,
@@ -41,6 +42,7 @@ __all__ = [
     "get_device_id",
     "is_available",
     "runtime",
+    "set_pinned_memory_allocator",
 ]
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "PinnedPool",
     "Region",
     "access",
+    "check_pinned_free",
     "resolve",
     "round_pinned_size",
     "round_size",
@@ -319,6 +320,19 @@ class DevicePool:
                 chunks[:] = [c for c in chunks if c not in whole]
 
 
+def check_pinned_free(simulation: Simulation, block: Block) -> None:
+    """Report freeing pinned memory that device work may still access (deferred: a finaliser)."""
+    busy = [a for a in block.history if not simulation.known_done(a.op)]
+    if busy and simulation.active:
+        simulation.defer(
+            RaceError(
+                f"{block.describe()} was freed (its last reference dropped) while "
+                f"`{busy[-1].op}` may still access it: keep pinned memory alive until an "
+                "event recorded after that work has completed."
+            )
+        )
+
+
 class PinnedPool:
     """CuPy's pinned memory pool: freed blocks are reused by any later allocation of their size.
 
@@ -348,16 +362,8 @@ class PinnedPool:
         return block
 
     def free(self, block: Block) -> None:
-        simulation = self._simulation
-        busy = [a for a in block.history if not simulation.known_done(a.op)]
-        if busy and simulation.active:
-            simulation.defer(
-                RaceError(
-                    f"{block.describe()} was freed (its last reference dropped) while "
-                    f"`{busy[-1].op}` may still access it: keep pinned memory alive until an "
-                    "event recorded after that work has completed."
-                )
-            )
+        """Take ``block`` back for reuse (no CUDA call, so host functions may drop memory)."""
+        check_pinned_free(self._simulation, block)
         self._free[block.size].append(block)
 
     def n_free_blocks(self) -> int:

@@ -36,6 +36,8 @@ from cupy_parallel._src.simcuda.memory import (
     PinnedPool,
     Region,
     access,
+    check_pinned_free,
+    registry_of,
     resolve,
 )
 from cupy_parallel._src.simcuda.streams import (
@@ -55,6 +57,7 @@ __all__ = [
     "copy",
     "device_pool",
     "pinned_pool",
+    "set_pinned_memory_allocator",
 ]
 
 
@@ -435,22 +438,76 @@ class _PinnedMixin:
     size: int
     _simulation: Simulation
 
+    _pooled: bool
+
     def __del__(self) -> None:
         if self._simulation.active:
             with self._simulation.lock:
-                self._simulation.extensions["pinned_pool"].free(self.block)
+                if self._pooled:
+                    self._simulation.extensions["pinned_pool"].free(self.block)
+                else:
+                    _free_host(self._simulation, self.block)
 
 
 PinnedMemoryPointer = _PinnedMixin
 
 
 def alloc_pinned_memory(size: int) -> Any:
-    """``size`` bytes of pinned host memory from the pinned pool (buffer protocol supported)."""
+    """``size`` bytes of pinned host memory (buffer protocol supported).
+
+    From the pinned pool, or with ``cudaHostAlloc`` after ``set_pinned_memory_allocator(None)``
+    (then dropping the last reference calls ``cudaFreeHost``, a CUDA call).
+    """
     size = as_c_int(size, "size", "size_t")
     simulation = state()
+    allocator = simulation.extensions.get("pinned_allocator", _POOLED)
+    if allocator is not _POOLED and allocator is not None:
+        return allocator(size)
     with simulation.lock:
-        block = pinned_pool().malloc(size)
+        pooled = allocator is _POOLED
+        block = pinned_pool().malloc(size) if pooled else _host_alloc(simulation, size)
         pointer = _pinned_type(max(int(size), 1)).from_buffer(block.buffer)
         pointer.block, pointer.ptr, pointer.size = block, block.address, int(size)
-        pointer._simulation = simulation
+        pointer._simulation, pointer._pooled = simulation, pooled
         return pointer
+
+
+_POOLED: Any = object()  # the default pinned allocator: the simulation's pool
+
+
+def _host_alloc(simulation: Simulation, size: int) -> Block:
+    """``cudaHostAlloc``: a new pinned block (the pool disabled), which the host then writes."""
+    block = Block("pinned", -1, max(size, 1))
+    registry_of(simulation).add(block)
+    op = simulation.host_op("the host writing pinned memory from alloc_pinned_memory")
+    access(simulation, block, Region(0, block.size), op, write=True)
+    return block
+
+
+def _free_host(simulation: Simulation, block: Block) -> None:
+    """``cudaFreeHost``: a CUDA call, which CUDA forbids inside a host function."""
+    check_pinned_free(simulation, block)
+    if simulation.in_host_func:
+        simulation.defer(
+            SimulationError(
+                f"cudaErrorNotPermitted: cudaFreeHost of {block.describe()} inside a host "
+                "function (cudaLaunchHostFunc): CUDA forbids CUDA calls there, and with the "
+                "pinned pool disabled (set_pinned_memory_allocator(None)) dropping the last "
+                "reference to pinned memory calls it; drop it on a host thread instead."
+            )
+        )
+
+
+def set_pinned_memory_allocator(allocator: Any = None) -> None:
+    """CuPy's ``set_pinned_memory_allocator``: ``None`` disables the pinned pool.
+
+    Without the pool every allocation is a ``cudaHostAlloc`` and every drop a ``cudaFreeHost``;
+    ``cupy.get_default_pinned_memory_pool().malloc`` (the default) restores it, and any other
+    callable taking a size and returning pinned memory is used as it is.
+    """
+    simulation = state()
+    if allocator is not None and not callable(allocator):
+        raise TypeError(f"allocator must be callable or None, got {type(allocator).__name__}.")
+    simulation.extensions["pinned_allocator"] = (
+        _POOLED if allocator is not None and allocator == pinned_pool().malloc else allocator
+    )
