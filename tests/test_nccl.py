@@ -40,6 +40,7 @@ from cupy_parallel._src.distributed import groups, nccl_backend
 from cupy_parallel._src.distributed.store import FileStore, TCPStore
 from cupy_parallel._src.enums import Backend, ReduceOp
 from cupy_parallel._src.simcuda import SimulationError, sim_nccl
+from cupy_parallel._src.simcuda import streams as sim_streams
 from cupy_parallel.testing import RaceError, simulated_cuda
 
 if TYPE_CHECKING:
@@ -1367,9 +1368,13 @@ class _StuckEvent:
         self.released.wait(30)
 
 
-def test_blocking_wait_gives_up_at_its_deadline(fake_backend: nccl_backend.NCCLBackend) -> None:
+def test_blocking_wait_gives_up_at_its_deadline(
+    fake_backend: nccl_backend.NCCLBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # wait(timeout=t) synchronises in a helper thread; when the event does not fire within t
     # the caller gets TimeoutError at t (not when the helper returns) and the group is aborted.
+    # (No GPU to make current here: the fake event needs none.)
+    monkeypatch.setattr(nccl_backend._Done, "_current", lambda self: contextlib.nullcontext())
     event = _StuckEvent()
     work = nccl_backend._NCCLWork("all_reduce", fake_backend, [], keep=None)
     work._events = [nccl_backend._Done(event, 0)]
@@ -1461,3 +1466,33 @@ def test_sim_two_threads_sharing_a_group_do_not_interleave_their_calls(
         _shutdown(cupy, [backend])
     assert results == [[True] * 40, [True] * 40]
     assert backend._made == 1  # the two threads' first calls made one set of communicators
+
+
+def test_sim_helper_threads_use_only_their_ranks_gpu(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    """The watchdog and the wait helper set their device before touching events: a thread's first
+    CUDA call binds its current device's context, GPU 0 if it never set one (about 0.5 GiB on
+    GPU 0 per rank on a real machine)."""
+    with _gpus(2, monkeypatch) as (cupy, torn):
+
+        def body(r: int, b: Any) -> list[float]:
+            cupy.cuda.Device(r).use()
+            x = cupy.full(4, r + 1.0)
+            work = b.all_reduce([x], ReduceOp.SUM)
+            time.sleep(3 * b._watchdog.interval)  # the watchdog polls the pending events
+            work.wait(timeout=20)  # blocks the host: the wait helper thread
+            return list(x.get())
+
+        backends = _world(store, 2, name="ctx", timeout=5.0)
+        results = _on_ranks(backends, body)
+        used = sim_streams.contexts()
+        _shutdown(cupy, backends)
+        assert torn == []
+    assert results == [[3.0] * 4, [3.0] * 4]
+    helpers = {name: devices for name, devices in used.items() if "NCCL" in name}
+    assert any("watchdog" in name for name in helpers), used
+    assert any("wait" in name for name in helpers)
+    for name, devices in helpers.items():
+        rank = int(re.search(r"rank (\d)", name).group(1))  # type: ignore[union-attr]
+        assert devices == {rank}, f"{name} used the contexts of GPUs {sorted(devices)}"

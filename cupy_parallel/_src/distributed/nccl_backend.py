@@ -290,13 +290,12 @@ class _NCCLWork(Work):
                 while self._events is None and not self.done and time.monotonic() < deadline:
                     time.sleep(0.001)  # another thread is still issuing it (inside groupEnd)
                 for done in self._events or ():
-                    done.event.synchronize()
+                    done.synchronize()
             finally:
                 synced.set()
 
-        threading.Thread(
-            target=synchronize, name=f"cupy_parallel NCCL wait ({self.description})", daemon=True
-        ).start()
+        name = f"cupy_parallel NCCL wait ({self.description}, rank {self._backend.rank})"
+        threading.Thread(target=synchronize, name=name, daemon=True).start()
         while not synced.wait(min(max(deadline - time.monotonic(), 0.0), _WATCH_INTERVAL)):
             if self._backend.failure is not None or time.monotonic() >= deadline:
                 return self._test()
@@ -343,7 +342,12 @@ class _NCCLWork(Work):
 
 
 class _Done:
-    """A completion event and the device it was recorded on."""
+    """A completion event and the device it was recorded on.
+
+    Queried and waited for with that device current: the watchdog and the wait helper are
+    threads of their own, and a thread's first CUDA call with no device set would bind GPU 0's
+    context (memory on GPU 0 for every rank of a node).
+    """
 
     __slots__ = ("device_id", "event")
 
@@ -351,9 +355,19 @@ class _Done:
         self.event = event
         self.device_id = device_id
 
+    def _current(self) -> Any:
+        # A new Device each time: CuPy's Device keeps the devices it replaced on the instance,
+        # so one object must not be entered by two threads at once.
+        return cupy_module().cuda.Device(self.device_id)  # type: ignore[union-attr]
+
     @property
     def done(self) -> bool:
-        return bool(self.event.done)
+        with self._current():
+            return bool(self.event.done)
+
+    def synchronize(self) -> None:
+        with self._current():
+            self.event.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -996,7 +1010,8 @@ class _Watchdog:
         self._backend = weakref.ref(backend)
         self._stop = threading.Event()
         self.thread = threading.Thread(
-            target=self._run, name=f"cupy_parallel NCCL watchdog (group {backend.group_name})"
+            target=self._run,
+            name=f"cupy_parallel NCCL watchdog (group {backend.group_name}, rank {backend.rank})",
         )
         self.thread.daemon = True  # never keeps the process alive
         self.thread.start()

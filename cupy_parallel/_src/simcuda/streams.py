@@ -42,11 +42,13 @@ __all__ = [
     "Event",
     "ExternalStream",
     "Stream",
+    "contexts",
     "current_device",
     "from_handle",
     "get_current_stream",
     "set_device",
     "timeline_of",
+    "use_context",
 ]
 
 _LEGACY_PTR = 0
@@ -69,6 +71,24 @@ def _local(simulation: Simulation) -> threading.local:
 def current_device() -> int:
     """The calling thread's current GPU (0 until set)."""
     return int(getattr(_local(state()), "device", 0))
+
+
+def use_context() -> None:
+    """Note that the calling thread uses the CUDA context of its current device.
+
+    A thread's first CUDA call creates (or binds) the primary context of its current device,
+    which is GPU 0 in a thread that never set one: on a real GPU that costs memory on GPU 0
+    (about 0.5 GiB on an H100) for every process whose helper threads forget to set their
+    device. :func:`contexts` tells which thread used which device, for tests.
+    """
+    simulation = state()
+    used = simulation.extensions.setdefault("contexts", {})
+    used.setdefault(threading.current_thread().name, set()).add(current_device())
+
+
+def contexts() -> dict[str, set[int]]:
+    """The GPUs whose context each thread (by name) has used so far in the simulation."""
+    return {name: set(devices) for name, devices in state().extensions.get("contexts", {}).items()}
 
 
 def set_device(device: int) -> None:
@@ -201,6 +221,7 @@ class BaseStream:
     @property
     def done(self) -> bool:
         """Whether all queued work is known complete (the host synchronised with it)."""
+        use_context()
         simulation = state()
         with simulation.lock:
             timeline = self.timeline()
@@ -208,6 +229,7 @@ class BaseStream:
 
     def synchronize(self) -> None:
         """The host waits for all work queued on this stream."""
+        use_context()
         simulation = state()
         with simulation.lock:
             simulation.synchronize_host(self.timeline().clock)
@@ -342,10 +364,12 @@ class Event:
     @property
     def done(self) -> bool:
         """Whether the captured work is known complete (never-recorded events are done)."""
+        use_context()
         return self.op is None or state().known_done(self.op)
 
     def synchronize(self) -> None:
         """The host waits for the captured work."""
+        use_context()
         simulation = state()
         with simulation.lock:
             if self.op is not None:
