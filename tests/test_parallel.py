@@ -179,6 +179,32 @@ def test_kwargs_are_scattered_and_non_array_kwargs_shared():
     np.testing.assert_allclose(to_numpy(out), expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("use_class", [False, True], ids=["data_parallel", "DataParallel"])
+def test_keyword_of_another_batch_size_is_refused(use_class):
+    # Row 4 of issue 23: replicas 1-3 ran without the keyword (mask=None here, so the module
+    # silently returned x unmasked for rows 1-3); torch pads the same way. Now: a ValueError.
+    def masked(p, x, mask=None):
+        return x if mask is None else ops.multiply(x, mask)
+
+    x, mask = np.ones((4, 2)), np.zeros((1, 2))
+    match = (
+        r"module_kwargs\['mask'\] has batch size 1 along dim 0, so it splits into 1 replica, "
+        r"but inputs\[0\] has batch size 4 and splits into 4 on the 4 devices: replicas 1-3 "
+        r"would run without module_kwargs\['mask'\]"
+    )
+    if use_class:
+        with pytest.raises(ValueError, match=match):
+            DataParallel(masked, {}, [0, 1, 2, 3])(x, mask=mask)
+    else:
+        with pytest.raises(ValueError, match=match):
+            data_parallel(masked, {}, (x,), [0, 1, 2, 3], module_kwargs={"mask": mask})
+    # a keyword of the batch's size, or one without arrays, reaches every replica
+    out = data_parallel(masked, {}, (x,), [0, 1, 2, 3], module_kwargs={"mask": np.zeros((4, 2))})
+    np.testing.assert_array_equal(to_numpy(out), np.zeros((4, 2)))
+    out = data_parallel(masked, {}, (x[:2],), [0, 1, 2, 3], module_kwargs={"mask": 0.0})
+    np.testing.assert_array_equal(to_numpy(out), np.zeros((2, 2)))
+
+
 def test_output_device_and_dim():
     w = to_device(np.array([[1.0], [2.0], [3.0]]), HOST0)
     x = np.arange(30.0).reshape(3, 10)

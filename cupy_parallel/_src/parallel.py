@@ -430,8 +430,11 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
 
     Raises:
         TypeError: ``fn`` is not callable, ``dim`` is not an int, or a device is misspelt.
-        ValueError: ``device_ids`` is empty or names a missing device, or a parameter is not on
-            ``device_ids[0]`` (the message names its key path).
+        ValueError: ``device_ids`` is empty or names a missing device, a parameter is not on
+            ``device_ids[0]`` (the message names its key path), or the arrays of ``inputs`` and
+            ``module_kwargs`` split into different numbers of replicas, so that some replica
+            would run without an argument the others get (torch runs it so; see
+            :func:`~cupy_parallel._src.nested.scatter_kwargs`).
 
     Example:
         >>> import numpy as np
@@ -454,7 +457,9 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
     # Every argument is read above, once; the steps below are the unchecked cores.
     if inputs or kwargs:
         _accelerators(ids)
-        args, kwargs_per = scatter_kwargs_unchecked(inputs, kwargs, ids, dim)
+        args, kwargs_per = scatter_kwargs_unchecked(
+            inputs, kwargs, ids, dim, names=("inputs", "module_kwargs")
+        )
     else:  # nothing to split: one call on device_ids[0], as torch
         args, kwargs_per = ((),), ({},)
     used = ids[: len(args)]
