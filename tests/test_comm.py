@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import cupy_parallel as cp
 from cupy_parallel import Device, comm, device_of, to_device
-from cupy_parallel._src.hostarray import host_array, plain_buffer
+from cupy_parallel._src.hostarray import host_array, plain_buffer, version
 from cupy_parallel._src.memory import POOL_THRESHOLD, get_host_memory_pool
 
 
@@ -212,17 +212,47 @@ def test_broadcast_coalesced_matches_per_array_copies(
             assert_bits_equal(got, want)
 
 
+def address(x: Any) -> int:
+    return int(plain_buffer(x).ctypes.data)
+
+
 def test_broadcast_coalesced_packs_buckets_per_dtype_and_buffer_size() -> None:
     f32 = [to_device(np.full(4, i, np.float32), "host:0") for i in range(3)]  # 16 bytes each
     i64 = to_device(np.arange(2), "host:0")
     arrays = [f32[0], i64, f32[1], f32[2]]
     packed = comm.broadcast_coalesced(arrays, ["host:0", "host:1"], buffer_size=32)[1]
-    assert plain_buffer(packed[0]).base is not None
-    assert shares(plain_buffer(packed[0]).base, packed[2])  # first float32 bucket: arrays 0 and 2
-    assert not shares(packed[2], packed[3])  # array 3 overflows into a new bucket
+    # first float32 bucket: arrays 0 and 2, back to back in one buffer
+    assert address(packed[2]) == address(packed[0]) + 16
+    assert address(packed[3]) != address(packed[2]) + 16  # array 3 overflows into a new bucket
     assert not shares(packed[0], packed[1])  # int64 has its own bucket
     separate = comm.broadcast_coalesced(arrays, ["host:0", "host:1"], buffer_size=1)[1]
-    assert not shares(separate[0], separate[2])
+    assert address(separate[2]) != address(separate[0]) + 16
+
+
+@pytest.mark.parametrize("call", ["broadcast_coalesced", "reduce_add_coalesced"])
+def test_coalesced_outputs_have_a_version_counter_each(call: str) -> None:
+    # Issue 23, row 10: the outputs of one bucket (views of one flat buffer) shared one version
+    # counter, so a write into one output counted as a write into all; torch gives each output
+    # a counter of its own.
+    sources = [np.arange(3.0), np.ones((2, 2)), np.full(1, 5.0)]
+    arrays = [to_device(x, "host:0") for x in sources]
+    if call == "broadcast_coalesced":
+        outs = comm.broadcast_coalesced(arrays, hosts(2))[1]
+        expected = sources
+    else:
+        others = [to_device(x, "host:1") for x in sources]
+        outs = comm.reduce_add_coalesced([arrays, others], "host:1")
+        expected = [2 * x for x in sources]
+    assert address(outs[1]) == address(outs[0]) + 24  # still one bucket
+    assert [version(o) for o in outs] == [0, 0, 0]
+    outs[1][...] = 7.0
+    view = outs[2][:1]
+    view += 1.0
+    assert [version(o) for o in outs] == [0, 1, 1]
+    assert version(view) == 1  # a view of an output shares the output's counter
+    assert_bits_equal(outs[0], expected[0])
+    assert_bits_equal(outs[1], np.full((2, 2), 7.0))
+    assert_bits_equal(outs[2], expected[2] + 1.0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -504,6 +504,20 @@ def test_replicate_placement(detach):
     assert replicate({"lr": 0.1}, [0, 1]) == [{"lr": 0.1}, {"lr": 0.1}]
 
 
+def test_writing_one_replica_array_leaves_the_others_differentiable():
+    # Issue 23, row 10: the replicas of one device are views of one coalesced buffer and shared
+    # one version counter, so writing replica b made the tape refuse the gradient through
+    # replica w ("modified in place"); torch gives each output its own counter.
+    w = to_device(np.array([1.0, -2.0, 3.0]), HOST0)
+    params = {"w": w, "b": to_device(np.zeros(2), HOST0)}
+    with Tape() as tape:
+        tape.watch(w)
+        replicas = replicate(params, [0, 1])
+        loss = ops.sum(ops.multiply(replicas[1]["w"], replicas[1]["w"]))
+        replicas[1]["b"][...] = 3.0
+    np.testing.assert_array_equal(to_numpy(tape.gradient(loss, w)), 2 * np.array([1.0, -2.0, 3.0]))
+
+
 def test_replicate_gradient_is_the_sum_over_replicas():
     """Dot-product test of replicate's adjoint: <c, R(p)> = <R^T c, p> with R^T c = sum_k c_k."""
     rng = np.random.default_rng(7)

@@ -35,7 +35,8 @@ from cupy_parallel._src.cuda import nccl_comm as _nccl
 from cupy_parallel._src.cuda import streams as _streams
 from cupy_parallel._src.devices import Device, cupy_module, platform, read_device, read_devices
 from cupy_parallel._src.dtypes import check_device_dtype
-from cupy_parallel._src.hostarray import plain_buffer
+from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, plain_buffer
+from cupy_parallel._src.versions import own_counter
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -658,7 +659,8 @@ def broadcast_coalesced(
 
     Returns:
         One tuple per device. ``result[0]`` holds the input arrays themselves (as torch); the
-        others hold copies that are views into the bucket buffers on their device.
+        others hold copies that are views into the bucket buffers on their device, each with a
+        version counter of its own, as torch (a write into one is no write into the others).
 
     Raises:
         TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
@@ -722,9 +724,20 @@ def _broadcast_bucket(members: Sequence[Any], targets: Sequence[Device]) -> list
 
 
 def _unflatten(flat: Any, like: Sequence[Any]) -> list[Any]:
-    """Views of the 1-d ``flat`` with the shapes of ``like``, packed back to back."""
+    """Views of the 1-d ``flat`` with the shapes of ``like``, packed back to back.
+
+    On a host device each view heads a version counter of its own, as torch gives each output
+    of a coalesced call a new counter: an in-place write into one output is no write into the
+    others (the tape would refuse a gradient that reads them). CuPy arrays have no counters.
+    """
     spans = _offsets(int(x.size) for x in like)
-    return [flat[start:stop].reshape(x.shape) for x, (start, stop) in zip(like, spans, strict=True)]
+    views = [
+        flat[start:stop].reshape(x.shape) for x, (start, stop) in zip(like, spans, strict=True)
+    ]
+    if type(flat) is not HostArray:
+        return views
+    device = device_of(flat)
+    return [host_array(own_counter(host_buffer(view)), device) for view in views]
 
 
 # --------------------------------------------------------------------------------------------
@@ -834,8 +847,9 @@ def reduce_add_coalesced(
     ``inputs[k]`` is device ``k``'s list; all lists have the same length and the arrays at one
     position share shape and dtype. Each list must live on one device. The sums land on
     ``destination`` (the device of one list; ``None`` is the current device), packed per dtype
-    into buffers of at most ``buffer_size`` bytes and returned as views, in input order. Sums are
-    taken in list order (see :func:`reduce_add`); a single list gives fresh copies.
+    into buffers of at most ``buffer_size`` bytes and returned as views, in input order, each
+    with a version counter of its own (as torch: a write into one is no write into the others).
+    Sums are taken in list order (see :func:`reduce_add`); a single list gives fresh copies.
 
     Args:
         inputs: one sequence of arrays per device.
