@@ -346,6 +346,17 @@ def test_empty_places_and_shapes() -> None:
     assert (type(small), small.shape, small.dtype) == (np.ndarray, (3,), np.int16)
 
 
+def test_empty_takes_dtype_and_device_by_keyword() -> None:
+    # Issue 23: empty(shape, dtype, device=...) raised TypeError (device was positional-only).
+    cp.set_host_device_count(2)
+    a = cp.empty((2, 3), np.float32, device="host:1")
+    b = cp.empty(4, dtype=np.int16, device="cpu")
+    assert (device_of(a), a.shape, a.dtype) == (Device("host", 1), (2, 3), np.float32)
+    assert (type(b), b.shape, b.dtype) == (np.ndarray, (4,), np.int16)
+    with pytest.raises(ValueError, match=r"device host:5 does not exist"):
+        cp.empty(1, np.float32, device="host:5")
+
+
 # --------------------------------------------------------------------------------------------
 # memory pool
 
