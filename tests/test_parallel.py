@@ -318,6 +318,33 @@ def test_non_callable_module():
         DataParallel(None, init_mlp())
 
 
+@pytest.mark.parametrize("device_ids", [[0, 1], [0]], ids=["two-replicas", "one-replica"])
+def test_module_of_the_wrong_signature_gets_a_hint(device_ids):
+    # Issue 23: DataParallel(lambda x: ..., params) failed with only Python's "takes 1
+    # positional argument but 2 were given"; the error now says how a module is called.
+    w = to_device(np.ones(2), HOST0)
+    match = (
+        r"Caught TypeError in replica 0 on device host:0: .*takes 1 positional argument but 2 "
+        r"were given; the module <lambda>\(x\) cannot be called as data_parallel calls it, "
+        r"fn\(params, \*inputs, \*\*kwargs\), here with params and 1 input: a module function "
+        r"must be fn\(params, \*inputs\)"
+    )
+    with pytest.raises(TypeError, match=match):
+        DataParallel(lambda x: x, w, device_ids)(np.ones((4, 2)))
+
+    def needs_y(p, x, *, y):
+        return x
+
+    with pytest.raises(TypeError, match=r"needs_y\(p, x, \*, y\) cannot be called"):
+        data_parallel(needs_y, w, (np.ones((4, 2)),), device_ids)
+
+    def inner_error(p, x):
+        return len(5)  # a TypeError from inside the module: no hint
+
+    with pytest.raises(TypeError, match=r"has no len\(\)$"):
+        data_parallel(inner_error, w, (np.ones((4, 2)),), device_ids)
+
+
 def test_worker_exception_names_replica_and_device():
     params = init_mlp()
 
