@@ -17,6 +17,7 @@ import cupy_parallel as cp
 from cupy_parallel import Device, comm, device_of, to_device
 from cupy_parallel._src.hostarray import host_array, plain_buffer, version
 from cupy_parallel._src.memory import POOL_THRESHOLD, get_host_memory_pool
+from cupy_parallel.testing import simulated_cuda
 
 
 def shares(a: Any, b: Any) -> bool:
@@ -125,6 +126,65 @@ def test_scatter_gives_a_view_for_the_source_device_and_copies_elsewhere() -> No
     assert shares(parts[0], x)
     assert not shares(parts[1], x)
     assert not shares(comm.scatter(np.arange(4.0), ["host:0"])[0], x)
+
+
+def channels_last(shape: tuple[int, ...]) -> np.ndarray:
+    """An NCHW array laid out NHWC in memory (torch's channels_last), values 0, 1, 2, ..."""
+    n, c, h, w = shape
+    return np.arange(float(n * c * h * w)).reshape(n, h, w, c).transpose(0, 3, 1, 2)
+
+
+def layout_of(x: np.ndarray) -> tuple[int, ...]:
+    """The strides NumPy gives a new array laid out as ``x`` (``order="K"``): the oracle."""
+    return np.empty_like(x, order="K").strides
+
+
+@pytest.mark.parametrize(
+    ("source", "dim"),
+    [
+        (channels_last((5, 3, 4, 2)), 0),
+        (channels_last((4, 3, 5, 2)), 2),
+        (np.asfortranarray(np.arange(15.0).reshape(5, 3)), 0),
+        (np.asfortranarray(np.arange(15.0).reshape(3, 5)), 1),
+        (np.arange(24.0).reshape(2, 3, 4).transpose(2, 0, 1), 0),
+    ],
+    ids=["channels-last-dim0", "channels-last-dim2", "fortran-dim0", "fortran-dim1", "permuted"],
+)
+@pytest.mark.parametrize("on", ["cpu", "host:0"])
+def test_scatter_and_gather_keep_the_memory_layout(source: np.ndarray, dim: int, on: str) -> None:
+    # Issue 23: the copied chunks and the gathered array were always C-contiguous; torch's are
+    # channels-last for a channels-last input (test_memory_format_scatter_gather). Here every
+    # layout is kept as NumPy's order="K" keeps it, Fortran order too.
+    array = source if on == "cpu" else host_array(source.copy(order="K"), host(0))
+    parts = comm.scatter(array, hosts(3), dim=dim)
+    expected = split_oracle(source, [p.shape[dim] for p in parts], dim)
+    for part, want in zip(parts, expected, strict=True):
+        assert_bits_equal(part, want)
+        if device_of(part) == device_of(array):  # a view of the source, as torch
+            assert shares(part, array)
+            assert part.strides == source.strides
+        else:
+            assert part.strides == layout_of(want)
+    for destination in ["cpu", "host:2"]:
+        gathered = comm.gather(parts, dim, destination)
+        assert_bits_equal(gathered, source)
+        assert gathered.strides == layout_of(source)
+    plain = comm.scatter(np.arange(12.0).reshape(4, 3), hosts(2))
+    assert all(p.flags.c_contiguous for p in plain)  # C order stays C order
+    assert comm.gather(plain, 0, "host:1").flags.c_contiguous
+
+
+def test_scatter_and_gather_keep_the_memory_layout_on_simulated_gpus() -> None:
+    # The CUDA paths (staged uploads, peer copies, downloads into strided arrays) under the
+    # simulated CUDA, which also checks every copy's stream ordering.
+    source = channels_last((5, 3, 4, 2))
+    with simulated_cuda(2):
+        parts = comm.scatter(source, ["cuda:0", "cuda:1"])
+        assert [p.strides for p in parts] == [layout_of(source[:3]), layout_of(source[3:])]
+        for destination in ["cpu", "cuda:0", "cuda:1"]:
+            gathered = comm.gather(parts, 0, destination)
+            assert gathered.strides == layout_of(source)
+            assert_bits_equal(to_device(gathered, "cpu"), source)
 
 
 def test_scatter_into_out_infers_chunk_sizes() -> None:
