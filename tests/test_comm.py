@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 import cupy_parallel as cp
 from cupy_parallel import Device, comm, device_of, to_device
-from cupy_parallel._src.hostarray import host_array, plain_buffer
+from cupy_parallel._src.hostarray import host_array, plain_buffer, version
 from cupy_parallel._src.memory import POOL_THRESHOLD, get_host_memory_pool
+from cupy_parallel.testing import simulated_cuda
 
 
 def shares(a: Any, b: Any) -> bool:
@@ -127,6 +128,65 @@ def test_scatter_gives_a_view_for_the_source_device_and_copies_elsewhere() -> No
     assert not shares(comm.scatter(np.arange(4.0), ["host:0"])[0], x)
 
 
+def channels_last(shape: tuple[int, ...]) -> np.ndarray:
+    """An NCHW array laid out NHWC in memory (torch's channels_last), values 0, 1, 2, ..."""
+    n, c, h, w = shape
+    return np.arange(float(n * c * h * w)).reshape(n, h, w, c).transpose(0, 3, 1, 2)
+
+
+def layout_of(x: np.ndarray) -> tuple[int, ...]:
+    """The strides NumPy gives a new array laid out as ``x`` (``order="K"``): the oracle."""
+    return np.empty_like(x, order="K").strides
+
+
+@pytest.mark.parametrize(
+    ("source", "dim"),
+    [
+        (channels_last((5, 3, 4, 2)), 0),
+        (channels_last((4, 3, 5, 2)), 2),
+        (np.asfortranarray(np.arange(15.0).reshape(5, 3)), 0),
+        (np.asfortranarray(np.arange(15.0).reshape(3, 5)), 1),
+        (np.arange(24.0).reshape(2, 3, 4).transpose(2, 0, 1), 0),
+    ],
+    ids=["channels-last-dim0", "channels-last-dim2", "fortran-dim0", "fortran-dim1", "permuted"],
+)
+@pytest.mark.parametrize("on", ["cpu", "host:0"])
+def test_scatter_and_gather_keep_the_memory_layout(source: np.ndarray, dim: int, on: str) -> None:
+    # Issue 23: the copied chunks and the gathered array were always C-contiguous; torch's are
+    # channels-last for a channels-last input (test_memory_format_scatter_gather). Here every
+    # layout is kept as NumPy's order="K" keeps it, Fortran order too.
+    array = source if on == "cpu" else host_array(source.copy(order="K"), host(0))
+    parts = comm.scatter(array, hosts(3), dim=dim)
+    expected = split_oracle(source, [p.shape[dim] for p in parts], dim)
+    for part, want in zip(parts, expected, strict=True):
+        assert_bits_equal(part, want)
+        if device_of(part) == device_of(array):  # a view of the source, as torch
+            assert shares(part, array)
+            assert part.strides == source.strides
+        else:
+            assert part.strides == layout_of(want)
+    for destination in ["cpu", "host:2"]:
+        gathered = comm.gather(parts, dim, destination)
+        assert_bits_equal(gathered, source)
+        assert gathered.strides == layout_of(source)
+    plain = comm.scatter(np.arange(12.0).reshape(4, 3), hosts(2))
+    assert all(p.flags.c_contiguous for p in plain)  # C order stays C order
+    assert comm.gather(plain, 0, "host:1").flags.c_contiguous
+
+
+def test_scatter_and_gather_keep_the_memory_layout_on_simulated_gpus() -> None:
+    # The CUDA paths (staged uploads, peer copies, downloads into strided arrays) under the
+    # simulated CUDA, which also checks every copy's stream ordering.
+    source = channels_last((5, 3, 4, 2))
+    with simulated_cuda(2):
+        parts = comm.scatter(source, ["cuda:0", "cuda:1"])
+        assert [p.strides for p in parts] == [layout_of(source[:3]), layout_of(source[3:])]
+        for destination in ["cpu", "cuda:0", "cuda:1"]:
+            gathered = comm.gather(parts, 0, destination)
+            assert gathered.strides == layout_of(source)
+            assert_bits_equal(to_device(gathered, "cpu"), source)
+
+
 def test_scatter_into_out_infers_chunk_sizes() -> None:
     x = random_bits((3, 5), np.int16)
     out = [cp.empty((3, 0), np.int16, "host:2"), cp.empty((3, 5), np.int16, "host:3")]
@@ -212,17 +272,47 @@ def test_broadcast_coalesced_matches_per_array_copies(
             assert_bits_equal(got, want)
 
 
+def address(x: Any) -> int:
+    return int(plain_buffer(x).ctypes.data)
+
+
 def test_broadcast_coalesced_packs_buckets_per_dtype_and_buffer_size() -> None:
     f32 = [to_device(np.full(4, i, np.float32), "host:0") for i in range(3)]  # 16 bytes each
     i64 = to_device(np.arange(2), "host:0")
     arrays = [f32[0], i64, f32[1], f32[2]]
     packed = comm.broadcast_coalesced(arrays, ["host:0", "host:1"], buffer_size=32)[1]
-    assert plain_buffer(packed[0]).base is not None
-    assert shares(plain_buffer(packed[0]).base, packed[2])  # first float32 bucket: arrays 0 and 2
-    assert not shares(packed[2], packed[3])  # array 3 overflows into a new bucket
+    # first float32 bucket: arrays 0 and 2, back to back in one buffer
+    assert address(packed[2]) == address(packed[0]) + 16
+    assert address(packed[3]) != address(packed[2]) + 16  # array 3 overflows into a new bucket
     assert not shares(packed[0], packed[1])  # int64 has its own bucket
     separate = comm.broadcast_coalesced(arrays, ["host:0", "host:1"], buffer_size=1)[1]
-    assert not shares(separate[0], separate[2])
+    assert address(separate[2]) != address(separate[0]) + 16
+
+
+@pytest.mark.parametrize("call", ["broadcast_coalesced", "reduce_add_coalesced"])
+def test_coalesced_outputs_have_a_version_counter_each(call: str) -> None:
+    # Issue 23, row 10: the outputs of one bucket (views of one flat buffer) shared one version
+    # counter, so a write into one output counted as a write into all; torch gives each output
+    # a counter of its own.
+    sources = [np.arange(3.0), np.ones((2, 2)), np.full(1, 5.0)]
+    arrays = [to_device(x, "host:0") for x in sources]
+    if call == "broadcast_coalesced":
+        outs = comm.broadcast_coalesced(arrays, hosts(2))[1]
+        expected = sources
+    else:
+        others = [to_device(x, "host:1") for x in sources]
+        outs = comm.reduce_add_coalesced([arrays, others], "host:1")
+        expected = [2 * x for x in sources]
+    assert address(outs[1]) == address(outs[0]) + 24  # still one bucket
+    assert [version(o) for o in outs] == [0, 0, 0]
+    outs[1][...] = 7.0
+    view = outs[2][:1]
+    view += 1.0
+    assert [version(o) for o in outs] == [0, 1, 1]
+    assert version(view) == 1  # a view of an output shares the output's counter
+    assert_bits_equal(outs[0], expected[0])
+    assert_bits_equal(outs[1], np.full((2, 2), 7.0))
+    assert_bits_equal(outs[2], expected[2] + 1.0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from helpers import DTYPES, random_bits
 
 import cupy_parallel as cp
 from cupy_parallel import Device, HostArray, as_device, device_of, to_device
+from cupy_parallel._src.devices import host_device_count
 from cupy_parallel._src.memory import POOL_THRESHOLD, HostMemoryPool
 
 # --------------------------------------------------------------------------------------------
@@ -142,6 +143,33 @@ def test_bad_environment(
 def test_set_host_device_count_rejects(count: object, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         cp.set_host_device_count(count)  # type: ignore[arg-type]
+
+
+def test_set_host_device_count_refuses_to_remove_a_device_arrays_live_on() -> None:
+    # Issue 23: set_host_device_count(2) with arrays on host:5 left them on a device that no
+    # longer existed (every later operation on them failed, far from the cause).
+    cp.set_host_device_count(8)
+    a = cp.to_device(np.arange(3.0), "host:5")
+    view = a[1:]
+    b = cp.to_device(np.ones(2), "host:3")
+    match = (
+        r"set_host_device_count\(2\) would remove host devices that arrays still live on "
+        r"\(1 array on host:3, 2 arrays on host:5\); delete those arrays or move them"
+    )
+    with pytest.raises(ValueError, match=match):
+        cp.set_host_device_count(2)
+    assert host_device_count() == 8  # refused before anything changed
+    cp.set_host_device_count(6)  # keeps host:3 and host:5
+    with pytest.raises(ValueError, match=r"\(2 arrays on host:5\)"):
+        cp.set_host_device_count(4)
+    np.testing.assert_array_equal(to_device(view, "cpu"), [1.0, 2.0])
+    del a, view, b
+    cp.set_host_device_count(8)
+    cycle: list[object] = [cp.to_device(np.ones(1), "host:7")]
+    cycle.append(cycle)  # unreachable garbage in a reference cycle does not count
+    del cycle
+    cp.set_host_device_count(2)
+    assert host_device_count() == 2
 
 
 def test_import_without_cupy() -> None:
@@ -344,6 +372,17 @@ def test_empty_places_and_shapes() -> None:
         np.uint8,
     )
     assert (type(small), small.shape, small.dtype) == (np.ndarray, (3,), np.int16)
+
+
+def test_empty_takes_dtype_and_device_by_keyword() -> None:
+    # Issue 23: empty(shape, dtype, device=...) raised TypeError (device was positional-only).
+    cp.set_host_device_count(2)
+    a = cp.empty((2, 3), np.float32, device="host:1")
+    b = cp.empty(4, dtype=np.int16, device="cpu")
+    assert (device_of(a), a.shape, a.dtype) == (Device("host", 1), (2, 3), np.float32)
+    assert (type(b), b.shape, b.dtype) == (np.ndarray, (4,), np.int16)
+    with pytest.raises(ValueError, match=r"device host:5 does not exist"):
+        cp.empty(1, np.float32, device="host:5")
 
 
 # --------------------------------------------------------------------------------------------

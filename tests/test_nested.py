@@ -348,20 +348,42 @@ def test_equal_non_array_leaves_are_returned_once():
 # scatter_kwargs
 
 
-def test_scatter_kwargs_pads_the_inputs_side():
-    args, kwargs = scatter_kwargs((np.arange(2),), {"y": np.arange(4)}, H[:4])
-    assert len(args) == len(kwargs) == 4
-    assert [a[0].tolist() for a in args[:2]] == [[0], [1]]
-    assert args[2:] == ((), ())
-    assert [k["y"].tolist() for k in kwargs] == [[0], [1], [2], [3]]
+@pytest.mark.parametrize(
+    ("inputs", "kwargs", "short", "long", "missing"),
+    [
+        ((np.arange(2),), {"y": np.arange(4)}, r"inputs\[0\] has batch size 2", "kwargs", "2-3"),
+        ((np.arange(4), "f"), {"y": np.arange(2)}, r"kwargs\['y'\] has batch size 2", "in", "2-3"),
+        ((np.arange(4),), {"m": np.ones((1, 2))}, r"kwargs\['m'\] has batch size 1", "in", "1-3"),
+        (
+            (np.arange(4),),
+            {"a": np.arange(4), "b": np.arange(3)},
+            r"kwargs\['b'\] has batch size 3",
+            "in",
+            "3",
+        ),
+    ],
+    ids=["inputs-short", "kwargs-short", "kwargs-batch-1", "one-kwarg-short"],
+)
+def test_scatter_kwargs_refuses_sides_of_different_replica_counts(
+    inputs, kwargs, short, long, missing
+):
+    # torch pads the shorter side with () / {}, and so did this library: replicas 2-3 ran
+    # without an argument replicas 0-1 got, with no error.
+    replicas = "replica" if "-" not in missing else "replicas"
+    match = rf"{short} along dim 0.* but {long}.*: {replicas} {missing} would run without"
+    with pytest.raises(ValueError, match=match):
+        scatter_kwargs(inputs, kwargs, H[:4])
 
 
-def test_scatter_kwargs_pads_the_kwargs_side():
-    args, kwargs = scatter_kwargs((np.arange(4), "flag"), {"y": np.arange(2)}, H[:4])
-    assert len(args) == len(kwargs) == 4
-    assert [a[1] for a in args] == ["flag"] * 4
-    assert [k["y"].tolist() for k in kwargs[:2]] == [[0], [1]]
-    assert kwargs[2:] == ({}, {})
+def test_scatter_kwargs_shares_a_side_without_arrays_with_every_replica():
+    # A side without arrays follows the other side's replica count, so every replica gets it
+    # (it was scattered to all 4 devices and the array side padded: replicas 2-3 ran without x).
+    args, kwargs = scatter_kwargs((np.arange(2),), {"flag": True}, H[:4])
+    assert [[_numpy(x).tolist() for x in a] for a in args] == [[[0]], [[1]]]
+    assert kwargs == ({"flag": True}, {"flag": True})
+    args, kwargs = scatter_kwargs(("label",), {"y": np.arange(3)}, H[:4])
+    assert args == (("label",),) * 3
+    assert [_numpy(k["y"]).tolist() for k in kwargs] == [[0], [1], [2]]
 
 
 def test_scatter_kwargs_with_one_side_empty():

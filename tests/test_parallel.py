@@ -179,6 +179,32 @@ def test_kwargs_are_scattered_and_non_array_kwargs_shared():
     np.testing.assert_allclose(to_numpy(out), expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("use_class", [False, True], ids=["data_parallel", "DataParallel"])
+def test_keyword_of_another_batch_size_is_refused(use_class):
+    # Row 4 of issue 23: replicas 1-3 ran without the keyword (mask=None here, so the module
+    # silently returned x unmasked for rows 1-3); torch pads the same way. Now: a ValueError.
+    def masked(p, x, mask=None):
+        return x if mask is None else ops.multiply(x, mask)
+
+    x, mask = np.ones((4, 2)), np.zeros((1, 2))
+    match = (
+        r"module_kwargs\['mask'\] has batch size 1 along dim 0, so it splits into 1 replica, "
+        r"but inputs\[0\] has batch size 4 and splits into 4 on the 4 devices: replicas 1-3 "
+        r"would run without module_kwargs\['mask'\]"
+    )
+    if use_class:
+        with pytest.raises(ValueError, match=match):
+            DataParallel(masked, {}, [0, 1, 2, 3])(x, mask=mask)
+    else:
+        with pytest.raises(ValueError, match=match):
+            data_parallel(masked, {}, (x,), [0, 1, 2, 3], module_kwargs={"mask": mask})
+    # a keyword of the batch's size, or one without arrays, reaches every replica
+    out = data_parallel(masked, {}, (x,), [0, 1, 2, 3], module_kwargs={"mask": np.zeros((4, 2))})
+    np.testing.assert_array_equal(to_numpy(out), np.zeros((4, 2)))
+    out = data_parallel(masked, {}, (x[:2],), [0, 1, 2, 3], module_kwargs={"mask": 0.0})
+    np.testing.assert_array_equal(to_numpy(out), np.zeros((2, 2)))
+
+
 def test_output_device_and_dim():
     w = to_device(np.array([[1.0], [2.0], [3.0]]), HOST0)
     x = np.arange(30.0).reshape(3, 10)
@@ -290,6 +316,33 @@ def test_non_callable_module():
         data_parallel("mlp", init_mlp(), (batch(4)[0],))
     with pytest.raises(TypeError, match="fn must be callable as fn"):
         DataParallel(None, init_mlp())
+
+
+@pytest.mark.parametrize("device_ids", [[0, 1], [0]], ids=["two-replicas", "one-replica"])
+def test_module_of_the_wrong_signature_gets_a_hint(device_ids):
+    # Issue 23: DataParallel(lambda x: ..., params) failed with only Python's "takes 1
+    # positional argument but 2 were given"; the error now says how a module is called.
+    w = to_device(np.ones(2), HOST0)
+    match = (
+        r"Caught TypeError in replica 0 on device host:0: .*takes 1 positional argument but 2 "
+        r"were given; the module <lambda>\(x\) cannot be called as data_parallel calls it, "
+        r"fn\(params, \*inputs, \*\*kwargs\), here with params and 1 input: a module function "
+        r"must be fn\(params, \*inputs\)"
+    )
+    with pytest.raises(TypeError, match=match):
+        DataParallel(lambda x: x, w, device_ids)(np.ones((4, 2)))
+
+    def needs_y(p, x, *, y):
+        return x
+
+    with pytest.raises(TypeError, match=r"needs_y\(p, x, \*, y\) cannot be called"):
+        data_parallel(needs_y, w, (np.ones((4, 2)),), device_ids)
+
+    def inner_error(p, x):
+        return len(5)  # a TypeError from inside the module: no hint
+
+    with pytest.raises(TypeError, match=r"has no len\(\)$"):
+        data_parallel(inner_error, w, (np.ones((4, 2)),), device_ids)
 
 
 def test_worker_exception_names_replica_and_device():
@@ -476,6 +529,20 @@ def test_replicate_placement(detach):
         assert replicas[0]["layers"][0]["w"] is params["layers"][0]["w"]
     assert replicate(params, []) == []
     assert replicate({"lr": 0.1}, [0, 1]) == [{"lr": 0.1}, {"lr": 0.1}]
+
+
+def test_writing_one_replica_array_leaves_the_others_differentiable():
+    # Issue 23, row 10: the replicas of one device are views of one coalesced buffer and shared
+    # one version counter, so writing replica b made the tape refuse the gradient through
+    # replica w ("modified in place"); torch gives each output its own counter.
+    w = to_device(np.array([1.0, -2.0, 3.0]), HOST0)
+    params = {"w": w, "b": to_device(np.zeros(2), HOST0)}
+    with Tape() as tape:
+        tape.watch(w)
+        replicas = replicate(params, [0, 1])
+        loss = ops.sum(ops.multiply(replicas[1]["w"], replicas[1]["w"]))
+        replicas[1]["b"][...] = 3.0
+    np.testing.assert_array_equal(to_numpy(tape.gradient(loss, w)), 2 * np.array([1.0, -2.0, 3.0]))
 
 
 def test_replicate_gradient_is_the_sum_over_replicas():

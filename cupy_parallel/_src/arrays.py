@@ -151,8 +151,11 @@ def array_namespace(array: Array, /) -> ModuleType:
     return device_of(array).xp
 
 
-def empty(shape: tuple[int, ...] | int, dtype: DTypeLike, device: DeviceLike, /) -> Array:
+def empty(shape: tuple[int, ...] | int, /, dtype: DTypeLike, device: DeviceLike) -> Array:
     """An uninitialised C-contiguous array on ``device``.
+
+    ``dtype`` and ``device`` may be passed by position or by keyword (``empty(shape, dtype,
+    device=d)``, as torch's ``empty(..., device=d)``).
 
     Host and cpu arrays of 128 KiB or more come from the host memory pool (see
     :mod:`cupy_parallel._src.memory`), CUDA arrays from CuPy's pool. On an accelerator the
@@ -165,6 +168,8 @@ def empty(shape: tuple[int, ...] | int, dtype: DTypeLike, device: DeviceLike, /)
         >>> set_host_device_count(2)
         >>> empty((2, 3), np.float32, "host:1").device
         Device('host:1')
+        >>> empty(4, np.int64, device="host:1").shape
+        (4,)
     """
     device = as_device(device)
     shape = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)

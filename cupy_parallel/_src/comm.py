@@ -35,7 +35,8 @@ from cupy_parallel._src.cuda import nccl_comm as _nccl
 from cupy_parallel._src.cuda import streams as _streams
 from cupy_parallel._src.devices import Device, cupy_module, platform, read_device, read_devices
 from cupy_parallel._src.dtypes import check_device_dtype
-from cupy_parallel._src.hostarray import plain_buffer
+from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, plain_buffer
+from cupy_parallel._src.versions import own_counter
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -353,6 +354,10 @@ def scatter(
     gives one empty chunk on ``devices[0]``. Explicit ``chunk_sizes`` give one chunk per device and
     may contain zeros. A chunk whose device is the array's own device is a view of ``array``
     (as torch); every other chunk is a copy. ``"cpu"`` (NumPy) and accelerator sources are accepted.
+    A copy keeps the chunk's memory layout (NumPy's ``order="K"``: its axes lie in memory in the
+    order of the chunk's strides), so the chunks of a channels-last array are channels-last, as
+    torch's are, and those of a Fortran-ordered array are Fortran-ordered (torch would make those
+    C-contiguous, having no Fortran memory format).
 
     On CUDA, copies from host memory go through pinned staging buffers on a background stream of
     each target (or on ``streams[i]`` when given), and each target's current stream waits for its
@@ -444,10 +449,26 @@ def scatter_unchecked(
         if out is None and device == source:
             chunks.append(piece)
             continue
-        dst = empty(piece.shape, array.dtype, device) if out is None else out[i]
+        dst = _empty_like_layout(piece, piece.shape, device) if out is None else out[i]
         copy_into(dst, piece, stream=copy_streams[i])
         chunks.append(dst)
     return tuple(chunks)
+
+
+def _empty_like_layout(like: Any, shape: tuple[int, ...], device: Device) -> Any:
+    """An uninitialised array of ``like``'s dtype whose axes lie in memory in ``like``'s order.
+
+    NumPy's ``order="K"``: the axes are ordered by ``like``'s strides, largest first (ties in
+    axis order), so a channels-last ``like`` gives a channels-last array and a Fortran-ordered
+    one a Fortran-ordered array; a C-contiguous (or 0-size, or 1-d) ``like`` gives a
+    C-contiguous array.
+    """
+    if like.ndim < 2 or like.size == 0 or like.flags.c_contiguous:
+        return empty(shape, like.dtype, device)
+    strides = like.strides
+    order = sorted(range(like.ndim), key=lambda axis: -abs(strides[axis]))
+    memory = empty(tuple(shape[axis] for axis in order), like.dtype, device)
+    return memory.transpose(tuple(order.index(axis) for axis in range(like.ndim)))
 
 
 def _check_scatter_out(o: Any, i: int, array: Any, axis: int) -> None:
@@ -474,7 +495,9 @@ def gather(
     ``destination`` may be any device; ``"cpu"`` or ``-1`` gives a plain ``numpy.ndarray`` (``-1``
     without torch's deprecation warning, since this library spells cpu that way on purpose).
     ``None`` means the current device (CuPy's current GPU on CUDA, ``host:0`` on the host
-    platform), as torch uses the current CUDA device. The result is always a new array.
+    platform), as torch uses the current CUDA device. The result is always a new array, laid out
+    in memory as ``arrays[0]`` (NumPy's ``order="K"``: channels-last stays channels-last, as in
+    torch, which follows the first input's memory format; Fortran order stays Fortran order).
 
     Args:
         arrays: the pieces, each on an accelerator device, all of one dtype and the same shape
@@ -548,9 +571,8 @@ def gather_unchecked(arrays: Sequence[Any], axis: int, destination: Device) -> A
     shape off ``axis`` (in ``[0, ndim)``); the result is a new array on the existing
     ``destination``.
     """
-    return _join_into(
-        empty(_gathered_shape(arrays, axis), arrays[0].dtype, destination), arrays, axis
-    )
+    out = _empty_like_layout(arrays[0], _gathered_shape(arrays, axis), destination)
+    return _join_into(out, arrays, axis)
 
 
 def _join_into(out: Any, arrays: Sequence[Any], axis: int) -> Any:
@@ -658,7 +680,8 @@ def broadcast_coalesced(
 
     Returns:
         One tuple per device. ``result[0]`` holds the input arrays themselves (as torch); the
-        others hold copies that are views into the bucket buffers on their device.
+        others hold copies that are views into the bucket buffers on their device, each with a
+        version counter of its own, as torch (a write into one is no write into the others).
 
     Raises:
         TypeError: an argument has the wrong type, or an array has a dtype CuPy lacks.
@@ -722,9 +745,20 @@ def _broadcast_bucket(members: Sequence[Any], targets: Sequence[Device]) -> list
 
 
 def _unflatten(flat: Any, like: Sequence[Any]) -> list[Any]:
-    """Views of the 1-d ``flat`` with the shapes of ``like``, packed back to back."""
+    """Views of the 1-d ``flat`` with the shapes of ``like``, packed back to back.
+
+    On a host device each view heads a version counter of its own, as torch gives each output
+    of a coalesced call a new counter: an in-place write into one output is no write into the
+    others (the tape would refuse a gradient that reads them). CuPy arrays have no counters.
+    """
     spans = _offsets(int(x.size) for x in like)
-    return [flat[start:stop].reshape(x.shape) for x, (start, stop) in zip(like, spans, strict=True)]
+    views = [
+        flat[start:stop].reshape(x.shape) for x, (start, stop) in zip(like, spans, strict=True)
+    ]
+    if type(flat) is not HostArray:
+        return views
+    device = device_of(flat)
+    return [host_array(own_counter(host_buffer(view)), device) for view in views]
 
 
 # --------------------------------------------------------------------------------------------
@@ -834,8 +868,9 @@ def reduce_add_coalesced(
     ``inputs[k]`` is device ``k``'s list; all lists have the same length and the arrays at one
     position share shape and dtype. Each list must live on one device. The sums land on
     ``destination`` (the device of one list; ``None`` is the current device), packed per dtype
-    into buffers of at most ``buffer_size`` bytes and returned as views, in input order. Sums are
-    taken in list order (see :func:`reduce_add`); a single list gives fresh copies.
+    into buffers of at most ``buffer_size`` bytes and returned as views, in input order, each
+    with a version counter of its own (as torch: a write into one is no write into the others).
+    Sums are taken in list order (see :func:`reduce_add`); a single list gives fresh copies.
 
     Args:
         inputs: one sequence of arrays per device.

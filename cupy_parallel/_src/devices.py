@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import sys
 import threading
@@ -27,7 +28,7 @@ import numpy as np
 from cupy_parallel._src.arguments import read_int
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
     from types import ModuleType
 
     from cupy_parallel._src.arraytypes import CupyArray
@@ -47,6 +48,7 @@ __all__ = [
     "read_device",
     "read_devices",
     "require_cupy",
+    "set_host_array_census",
     "set_host_device_count",
 ]
 
@@ -333,8 +335,36 @@ def platform() -> Kind:
     return "cuda" if cuda_device_count() > 0 else "host"
 
 
+_host_array_census: Callable[[int], Mapping[Device, int]] | None = None
+
+
+def set_host_array_census(census: Callable[[int], Mapping[Device, int]] | None, /) -> None:
+    """Install ``census(first)``: how many arrays live on each ``host:k`` with ``k >= first``.
+
+    :mod:`cupy_parallel._src.hostarray`, a layer above, installs it at import, so that
+    :func:`set_host_device_count` can refuse to remove a device arrays still live on.
+
+    Example:
+        >>> set_host_array_census(_host_array_census)  # reinstall the one in place
+    """
+    global _host_array_census
+    _host_array_census = census
+
+
 def set_host_device_count(count: int, /) -> None:
     """Set how many ``"host:k"`` devices exist (overrides ``CUPY_PARALLEL_HOST_DEVICES``).
+
+    Removing devices that host arrays still live on is refused: those arrays would be on a
+    device that does not exist (torch cannot remove a GPU under its tensors). Fewer devices
+    than now are checked by a scan of the objects Python's garbage collector tracks (after a
+    collection when the first scan finds arrays, so that unreachable ones do not count), which
+    costs each array nothing and takes milliseconds; a count that keeps every device is not
+    checked. Changing ``CUPY_PARALLEL_HOST_DEVICES`` instead is not checked.
+
+    Raises:
+        TypeError: ``count`` is not an int.
+        ValueError: ``count`` is below 1, or arrays live on a device ``count`` would remove (the
+            message names the devices and how many arrays live on each).
 
     Example:
         >>> set_host_device_count(4)
@@ -342,7 +372,27 @@ def set_host_device_count(count: int, /) -> None:
         ['host:0', 'host:1', 'host:2', 'host:3']
     """
     global _host_device_count
-    _host_device_count = read_int(count, "count", minimum=1)
+    count = read_int(count, "count", minimum=1)
+    try:
+        removes = count < host_device_count()
+    except ValueError:  # CUPY_PARALLEL_HOST_DEVICES is unreadable: check every device
+        removes = True
+    if removes and _host_array_census is not None:
+        live = _host_array_census(count)
+        if live:
+            gc.collect()  # arrays in unreachable cycles are garbage, not live
+            live = _host_array_census(count)
+        if live:
+            where = ", ".join(
+                f"{n} array{'s' if n > 1 else ''} on {device}"
+                for device, n in sorted(live.items(), key=lambda item: item[0].index)
+            )
+            raise ValueError(
+                f"set_host_device_count({count}) would remove host devices that arrays still "
+                f"live on ({where}); delete those arrays or move them with "
+                f"cupy_parallel.to_device(x, 'host:k') for k < {count} first."
+            )
+    _host_device_count = count
 
 
 def host_device_count() -> int:

@@ -32,13 +32,20 @@ here (:func:`set_numpy_dispatch`, :func:`set_mover`) when the package is importe
 from __future__ import annotations
 
 import functools
+import gc
 import pickle
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import optree
 
-from cupy_parallel._src.devices import Device, as_device, check_exists, is_cupy_array
+from cupy_parallel._src.devices import (
+    Device,
+    as_device,
+    check_exists,
+    is_cupy_array,
+    set_host_array_census,
+)
 from cupy_parallel._src.dtypes import DEVICE_DTYPE_CHARS, SCALAR_TYPES, check_device_dtype
 from cupy_parallel._src.hosterrors import (
     EXITS,
@@ -1185,3 +1192,22 @@ def _unpickle(data: np.ndarray, device: str) -> HostArray:
     except ValueError as error:
         raise ValueError(f"Cannot unpickle an array of {device}: {error}") from None
     return host_array(data, target)
+
+
+def _host_array_census(first: int, /) -> dict[Device, int]:
+    """How many host arrays live on each ``host:k`` with ``k >= first``.
+
+    A scan of the objects the garbage collector tracks (every HostArray is one), so that
+    creating an array costs nothing for it; ``set_host_device_count`` runs it only when it
+    removes devices.
+    """
+    counts: dict[Device, int] = {}
+    for obj in gc.get_objects():
+        if type(obj) is HostArray:
+            device = getattr(obj, "_device", None)  # None: being built in another thread
+            if device is not None and device.index >= first:
+                counts[device] = counts.get(device, 0) + 1
+    return counts
+
+
+set_host_array_census(_host_array_census)

@@ -142,40 +142,57 @@ def scatter_unchecked(inputs: Tree, devices: tuple[Device, ...], dim: int) -> li
 
     The leaves are checked here (arrays of other libraries, 0-d arrays, ``dim`` out of range).
     """
-    accessors, leaves, spec = flatten(inputs)
-    dims: dict[int, int] = {}
-    for k, (accessor, leaf) in enumerate(zip(accessors, leaves, strict=True)):
-        if not is_array(leaf):
-            foreign = _foreign_array_type(leaf)
-            if foreign is not None:
-                raise TypeError(
-                    f"{key_path(accessor, 'inputs')} is a {foreign}, an array of another "
-                    "library, which scatter cannot split or place (it would be shared whole by "
-                    "every replica); convert it first with cupy_parallel.to_device(x, device)."
+    plan = _Plan(inputs, devices, dim, "inputs")
+    # optree types an unflattened tree as PyTree[Any]; each has the structure (type) of inputs
+    return plan.split(len(devices) if plan.shortest is None else plan.shortest[0])
+
+
+class _Plan:
+    """One structure read for scatter, ready to split into any number of replicas.
+
+    It holds the leaves, the split dim of each array leaf, and the array that gives the fewest
+    chunks (``shortest``: its chunk count, key path and size along its dim; ``None`` when the
+    structure holds no array).
+    """
+
+    def __init__(self, inputs: Any, devices: tuple[Device, ...], dim: int, root: str) -> None:
+        accessors, self.leaves, self.spec = flatten(inputs)
+        self.devices = devices
+        self.dims: dict[int, int] = {}
+        self.shortest: tuple[int, str, int] | None = None
+        for k, (accessor, leaf) in enumerate(zip(accessors, self.leaves, strict=True)):
+            if not is_array(leaf):
+                foreign = _foreign_array_type(leaf)
+                if foreign is not None:
+                    raise TypeError(
+                        f"{key_path(accessor, root)} is a {foreign}, an array of another "
+                        "library, which scatter cannot split or place (it would be shared whole "
+                        "by every replica); convert it first with "
+                        "cupy_parallel.to_device(x, device)."
+                    )
+                continue
+            where = key_path(accessor, root)
+            if leaf.ndim == 0:
+                raise ValueError(
+                    f"{where} is a 0-d array, which cannot be split along dim={dim}; "
+                    "give it a dimension (x.reshape(1)) or pass it as a Python scalar to share "
+                    "it."
                 )
-            continue
-        where = key_path(accessor, "inputs")
-        if leaf.ndim == 0:
-            raise ValueError(
-                f"{where} is a 0-d array, which cannot be split along dim={dim}; "
-                "give it a dimension (x.reshape(1)) or pass it as a Python scalar to share it."
-            )
-        dims[k] = read_axis(dim, leaf.ndim, "dim", of=f"array {where}")
-    replicas = min(
-        (chunk_count(leaves[k].shape[d], len(devices)) for k, d in dims.items()),
-        default=len(devices),
-    )
-    columns: list[Any] = []
-    for k, leaf in enumerate(leaves):
-        if k in dims:
-            sizes = even_chunks(leaf.shape[dims[k]], replicas)
-            columns.append(_scatter_leaf(leaf, devices[:replicas], sizes, dims[k]))
-        else:
-            columns.append((leaf,) * replicas)
-    # optree types an unflattened tree as PyTree[Any]; it has the structure (type) of inputs
-    return [
-        cast("Tree", spec.unflatten([column[r] for column in columns])) for r in range(replicas)
-    ]
+            axis = self.dims[k] = read_axis(dim, leaf.ndim, "dim", of=f"array {where}")
+            count = chunk_count(leaf.shape[axis], len(devices))
+            if self.shortest is None or count < self.shortest[0]:
+                self.shortest = (count, where, leaf.shape[axis])
+
+    def split(self, replicas: int) -> list[Any]:
+        """The structure split into ``replicas`` (at most the chunk count of every array)."""
+        columns: list[Any] = []
+        for k, leaf in enumerate(self.leaves):
+            if k in self.dims:
+                sizes = even_chunks(leaf.shape[self.dims[k]], replicas)
+                columns.append(_scatter_leaf(leaf, self.devices[:replicas], sizes, self.dims[k]))
+            else:
+                columns.append((leaf,) * replicas)
+        return [self.spec.unflatten([column[r] for column in columns]) for r in range(replicas)]
 
 
 def scatter_kwargs(
@@ -187,10 +204,13 @@ def scatter_kwargs(
 ) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
     """:func:`scatter` positional arguments and keyword arguments together, one pair per replica.
 
-    Each side is scattered on its own (an empty side is not scattered). When the two sides give
-    different replica counts, the shorter is padded with empty ``()`` / ``{}`` so they pair up;
-    torch compares against the wrong length and can leave the keyword side short, which is fixed
-    here. As in torch, when both sides are empty the result is ``((), ())``.
+    Each side is scattered as :func:`scatter` does, and every replica gets both sides: a side
+    without arrays (or an empty side, as ``()`` / ``{}``) is given to as many replicas as the
+    other side makes. When both sides hold arrays that split into different replica counts (a
+    batch of 4 positional rows and a keyword array of 1 row on 4 devices), some replica would
+    run without an argument the others get, so this raises ``ValueError`` naming the two arrays
+    and their sizes; torch pads the shorter side with empty arguments and runs the extra
+    replicas without them. As in torch, when both sides are empty the result is ``((), ())``.
 
     Args:
         inputs: The positional arguments, a tuple or list (or ``None`` for none).
@@ -204,6 +224,8 @@ def scatter_kwargs(
 
     Raises:
         TypeError: ``inputs`` is not a tuple or list, or ``kwargs`` is not a mapping; and the
+            errors of :func:`scatter`.
+        ValueError: The two sides split into different replica counts (see above); and the
             errors of :func:`scatter`.
 
     Example:
@@ -230,15 +252,56 @@ def scatter_kwargs(
 
 
 def scatter_kwargs_unchecked(
-    inputs: Sequence[Any], kwargs: Mapping[str, Any], devices: tuple[Device, ...], dim: int
+    inputs: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    devices: tuple[Device, ...],
+    dim: int,
+    *,
+    names: tuple[str, str] = ("inputs", "kwargs"),
 ) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
-    """:func:`scatter_kwargs` of arguments already read: a tuple or list, a mapping, devices."""
-    scattered_inputs = [tuple(r) for r in scatter_unchecked(inputs, devices, dim)] if inputs else []
-    scattered_kwargs = [dict(r) for r in scatter_unchecked(kwargs, devices, dim)] if kwargs else []
-    count = max(len(scattered_inputs), len(scattered_kwargs))
-    scattered_inputs += [() for _ in range(count - len(scattered_inputs))]
-    scattered_kwargs += [{} for _ in range(count - len(scattered_kwargs))]
+    """:func:`scatter_kwargs` of arguments already read: a tuple or list, a mapping, devices.
+
+    ``names`` are the two sides' names in the caller's words, for the error messages.
+    """
+    plans = [
+        None if not side else _Plan(side, devices, dim, name)
+        for side, name in zip((inputs, kwargs), names, strict=True)
+    ]
+    if plans[0] is None and plans[1] is None:
+        return (), ()
+    shortest = [plan.shortest for plan in plans if plan is not None and plan.shortest]
+    if len(shortest) == 2 and shortest[0][0] != shortest[1][0]:
+        _refuse_unequal_sides(shortest[0], shortest[1], len(devices), dim)
+    count = shortest[0][0] if shortest else len(devices)  # a side without arrays is shared
+    first, second = plans
+    scattered_inputs: list[tuple[Any, ...]] = (
+        [tuple(r) for r in first.split(count)] if first else [() for _ in range(count)]
+    )
+    scattered_kwargs: list[dict[str, Any]] = (
+        [dict(r) for r in second.split(count)] if second else [{} for _ in range(count)]
+    )
     return tuple(scattered_inputs), tuple(scattered_kwargs)
+
+
+def _refuse_unequal_sides(
+    first: tuple[int, str, int], second: tuple[int, str, int], devices: int, dim: int
+) -> None:
+    """The positional and keyword sides split into different replica counts: refuse.
+
+    torch pads the shorter side with empty arguments, so the extra replicas run without the
+    arguments that the others get; splitting both sides into the smaller count would instead
+    give one replica a whole batch the caller meant to spread. Neither is what was asked for.
+    """
+    (few, short, short_size), (many, long, long_size) = sorted((first, second))
+    missing = f"replica {few}" if many - few == 1 else f"replicas {few}-{many - 1}"
+    raise ValueError(
+        f"{short} has batch size {short_size} along dim {dim}, so it splits into {few} "
+        f"replica{'s' if few > 1 else ''}, but {long} has batch size {long_size} and splits into "
+        f"{many} on the {devices} devices: {missing} would run without {short}. Give the "
+        f"scattered arrays of the positional and keyword arguments one size along dim {dim}, "
+        "or pass an array every replica needs whole another way (a Python value, a closure or "
+        "the parameters)."
+    )
 
 
 def gather(outputs: Sequence[Tree], /, target_device: DeviceLike, dim: int = 0) -> Tree:

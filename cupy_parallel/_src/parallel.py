@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Concatenate, Generic
@@ -429,9 +430,14 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
         The gathered output, shaped as one call of ``fn`` on the whole batch would give.
 
     Raises:
-        TypeError: ``fn`` is not callable, ``dim`` is not an int, or a device is misspelt.
-        ValueError: ``device_ids`` is empty or names a missing device, or a parameter is not on
-            ``device_ids[0]`` (the message names its key path).
+        TypeError: ``fn`` is not callable, ``dim`` is not an int, or a device is misspelt; or
+            ``fn`` cannot be called as ``fn(params, *inputs, **kwargs)`` (the error a replica
+            raises then says that a module must be ``fn(params, *inputs)``).
+        ValueError: ``device_ids`` is empty or names a missing device, a parameter is not on
+            ``device_ids[0]`` (the message names its key path), or the arrays of ``inputs`` and
+            ``module_kwargs`` split into different numbers of replicas, so that some replica
+            would run without an argument the others get (torch runs it so; see
+            :func:`~cupy_parallel._src.nested.scatter_kwargs`).
 
     Example:
         >>> import numpy as np
@@ -454,7 +460,9 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
     # Every argument is read above, once; the steps below are the unchecked cores.
     if inputs or kwargs:
         _accelerators(ids)
-        args, kwargs_per = scatter_kwargs_unchecked(inputs, kwargs, ids, dim)
+        args, kwargs_per = scatter_kwargs_unchecked(
+            inputs, kwargs, ids, dim, names=("inputs", "module_kwargs")
+        )
     else:  # nothing to split: one call on device_ids[0], as torch
         args, kwargs_per = ((),), ({},)
     used = ids[: len(args)]
@@ -463,12 +471,49 @@ def data_parallel(  # noqa: PLR0917 - torch's data_parallel takes its options po
         if len(used) == 1
         else _replicate(params_leaves, spec, used, detach=False, checked=False)
     )
-    outputs = _parallel_apply(
-        [functools.partial(fn, replica) for replica in replicas], args, kwargs_per, used
-    )
+    try:
+        outputs = _parallel_apply(
+            [functools.partial(fn, replica) for replica in replicas], args, kwargs_per, used
+        )
+    except TypeError as error:
+        _refuse_signature(fn, error, replicas[0], args[0], kwargs_per[0])
+        raise
     if len(used) == 1 and output == used[0]:
         return outputs[0]
     return gather_unchecked(outputs, output, dim)
+
+
+def _refuse_signature(
+    fn: Callable[..., Any],
+    error: TypeError,
+    params: Any,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> None:
+    """If ``fn`` cannot be called with a replica's arguments, say how a module is called.
+
+    Called when a replica raised ``TypeError``: if ``fn``'s signature cannot bind
+    ``(params, *args, **kwargs)``, the error came from the call itself, not from inside ``fn``,
+    and the ``TypeError`` raised instead says that a module is ``fn(params, *inputs)``.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without a signature Python can read
+        return
+    try:
+        signature.bind(params, *args, **kwargs)
+    except TypeError:
+        pass
+    else:
+        return
+    name = getattr(fn, "__name__", type(fn).__name__)
+    keywords = f" and keywords {sorted(kwargs)}" if kwargs else ""
+    raise TypeError(
+        f"{error}; the module {name}{signature} cannot be called as data_parallel calls it, "
+        f"fn(params, *inputs, **kwargs), here with params and {len(args)} input"
+        f"{'s' if len(args) != 1 else ''}{keywords}: a module function must be "
+        "fn(params, *inputs), taking its parameter pytree first (e.g. lambda params, x: ...)."
+    ) from error.__cause__ or error
 
 
 def _accelerators(ids: tuple[Device, ...]) -> None:

@@ -4,6 +4,9 @@ torch's version counter, for host arrays: views of one buffer share one counter 
 the ndarray owning the memory), made at the first write and dropped with the memory. The host
 array counts every in-place write through its API (:func:`cupy_parallel._src.hostarray.version`
 reads it); the tape compares counts to catch a write into an array it saved.
+:func:`own_counter` gives a part of a buffer a counter of its own, as torch gives each output of
+``comm.broadcast_coalesced`` / ``reduce_add_coalesced`` a new counter although the outputs of a
+bucket are views of one flat buffer.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["count_write", "writes"]
+__all__ = ["count_write", "own_counter", "writes"]
 
 _versions: dict[int, list[Any]] = {}
 """``id(root buffer) -> [writes, weakref to root]``: a buffer's counter, made at its first write."""
@@ -62,3 +65,29 @@ def writes(data: np.ndarray, /) -> int:
     root = _root(data)
     entry = _versions.get(id(root))
     return entry[0] if entry is not None and entry[1]() is root else 0
+
+
+def own_counter(data: np.ndarray, /) -> np.ndarray:
+    """A C-contiguous ``data`` as an array heading a version counter of its own.
+
+    The result is ``data``'s memory (no copy; it keeps ``data`` alive), but writes through it
+    and its views count for it alone, not for the buffer ``data`` is a view of, and writes
+    through that buffer's other views do not count for it. A 0-size ``data`` (no memory to
+    share) gives a new empty array.
+
+    Example:
+        >>> import numpy as np
+        >>> flat = np.zeros(4)
+        >>> first, second = own_counter(flat[:2]), own_counter(flat[2:])
+        >>> count_write(first[1:])
+        >>> writes(first), writes(second), writes(flat)
+        (1, 0, 0)
+        >>> np.shares_memory(first, flat)
+        True
+    """
+    if data.size == 0:
+        return np.empty(data.shape, data.dtype)
+    # An array over a memoryview of ``data`` (``data.data``): NumPy stops collapsing a view's
+    # base chain at an array whose base is not an ndarray, so this array roots its views.
+    raw = np.frombuffer(data.data.cast("B"), dtype=data.dtype)
+    return raw.reshape(data.shape)
