@@ -221,3 +221,21 @@ def test_coalesced_broadcast_and_reduce_on_gpus(cupy: ModuleType) -> None:
     for j, got in enumerate(sums):
         assert device_of(got) == devices[-1]
         assert_bits_equal(got, functools.reduce(np.add, [xs[j] for xs in lists]))
+
+
+def test_comms_nccl_communicators_are_destroyed_with_the_simulation() -> None:
+    """The cached initAll communicators are destroyed (at exit, and when a simulated CUDA ends):
+    the next simulation makes its own instead of reusing the dead one's."""
+    made = []
+    for _ in range(2):
+        with simulated_cuda(2) as cupy:
+            x = to_device(np.arange(4.0), "cuda:0")
+            outs = comm.broadcast(x, ["cuda:0", "cuda:1"])
+            np.testing.assert_array_equal(outs[1].get(), np.arange(4.0))
+            made.append(list(nccl_comm._communicators.values()))
+            assert made[-1], "comm used NCCL"
+            assert cupy.cuda.nccl is not None
+        assert len(nccl_comm._communicators) == 0
+    first, second = (sorted(id(c) for comms in m for c in comms) for m in made)
+    assert not set(first) & set(second)
+    assert all(c._destroyed for comms in made[0] for c in comms)

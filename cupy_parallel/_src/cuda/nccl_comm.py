@@ -23,6 +23,7 @@ Decisions:
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -44,13 +45,35 @@ if TYPE_CHECKING:
     from cupy_parallel._src.cuda.nccl_tables import Reduction
     from cupy_parallel._src.devices import Device
 
-__all__ = ["broadcast_into", "can_reduce", "reduce"]
+__all__ = ["broadcast_into", "can_reduce", "destroy_communicators", "reduce"]
 
 _lock = threading.RLock()  # re-entrant: initAll, made under it, runs its own NCCL group
 _communicators = Communicators(
     launch_lock=_lock,  # held from groupStart to groupEnd (torch's AutoNcclGroup)
     setup_lock=_lock,
 )
+
+
+def destroy_communicators() -> int:
+    """Destroy the cached communicators (``ncclCommDestroy``); returns how many there were.
+
+    Run at interpreter exit (``atexit``), so that NCCL's resources are released while CUDA is
+    still up, and when a simulated CUDA ends (its communicators must not serve the next one).
+    Every communicator is destroyed even if one raises; the first error is then raised.
+    """
+    comms = _communicators.take_all()
+    errors = []
+    for comm in comms:
+        try:
+            comm.destroy()
+        except Exception as error:  # noqa: BLE001, PERF203 - destroy the others, then report
+            errors.append(error)
+    if errors:
+        raise errors[0]
+    return len(comms)
+
+
+atexit.register(destroy_communicators)
 
 
 def _initialise(device_ids: tuple[int, ...]) -> list[Any]:

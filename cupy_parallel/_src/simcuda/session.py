@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from cupy_parallel._src.arguments import read_bool, read_int
-from cupy_parallel._src.cuda import pinned, streams
+from cupy_parallel._src.cuda import nccl_comm, pinned, streams
 from cupy_parallel._src.devices import substitute_cupy
 from cupy_parallel._src.simcuda import clock, xp
 
@@ -76,6 +76,7 @@ def simulated_cuda(
     finally:
         with simulation.lock:
             simulation.finish()
+        nccl_comm.destroy_communicators()  # comm's NCCL communicators live in this simulation
         clock.deactivate(simulation)  # first: what is dropped below is not freed into it
         pinned.forget_in_flight()
         streams.forget_background_streams()
