@@ -1,0 +1,117 @@
+"""The ops at their edges: infinities, crossed bounds, empty pieces, aliased arguments.
+
+Each case was a wrong answer without an error (issue 23). The oracles are independent: NumPy
+written out by hand, finite differences (``gradcheck``) and PyTorch's numbers, hard-coded
+because PyTorch is not a test dependency. Each PyTorch number says how it was obtained (torch
+2.13 CPU, float64).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cupy_parallel as cp
+from cupy_parallel import Tape, ops, to_device
+
+INF = np.inf
+
+
+def _vjp_and_second(
+    fn: Any, xs: list[np.ndarray], g: np.ndarray, u: np.ndarray
+) -> tuple[list[Any], list[Any], Any]:
+    """``fn``'s vjp with ``g``, and the derivatives of ``<vjp_i, u>`` summed over ``i``.
+
+    Returns the vjps, the second derivatives with respect to each input (Hessian-vector
+    products) and with respect to ``g`` (a Jacobian-vector product): what PyTorch computes with
+    ``torch.autograd.grad(..., create_graph=True)`` and a second ``grad``.
+    """
+    with Tape() as outer:
+        outer.watch((xs, g))
+        with Tape() as inner:
+            inner.watch(xs)
+            y = fn(*xs)
+        vjps = inner.gradient(y, list(xs), output_gradients=g)
+        total = ops.sum(ops.multiply(vjps[0], u))
+        for v in vjps[1:]:
+            total = ops.add(total, ops.sum(ops.multiply(v, u)))
+    second, second_g = outer.gradient(total, (list(xs), g))
+    return vjps, second, second_g
+
+
+# --------------------------------------------------------------------------------------------
+# softmax_cross_entropy with masked classes (logit -inf)
+
+MASKED_LOGITS = np.array([[2.0, -INF, 1.0], [0.5, 1.5, -INF]])
+MASKED_LABELS = np.array([0, 1])
+
+
+def _masked_losses_by_hand() -> np.ndarray:
+    """The losses with the masked classes dropped: a stable log-softmax over the rest."""
+    losses = []
+    for row, label in zip(MASKED_LOGITS, MASKED_LABELS, strict=True):
+        kept = row[np.isfinite(row)]
+        top = kept.max()
+        losses.append(-(row[label] - top - np.log(np.exp(kept - top).sum())))
+    return np.array(losses)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_with_masked_classes_is_finite(reduction: str) -> None:
+    losses = _masked_losses_by_hand()
+    expected = {"mean": losses.mean(), "sum": losses.sum(), "none": losses}[reduction]
+    actual = ops.softmax_cross_entropy(MASKED_LOGITS, MASKED_LABELS, reduction=reduction)
+    np.testing.assert_allclose(actual, expected, rtol=1e-14)
+    # torch.nn.functional.cross_entropy(logits, labels, reduction=reduction)
+    torch_loss = {
+        "mean": 0.31326168751822286,
+        "sum": 0.6265233750364457,
+        "none": [0.31326168751822286] * 2,
+    }
+    np.testing.assert_allclose(actual, torch_loss[reduction], rtol=1e-14)
+
+
+def test_cross_entropy_with_masked_classes_first_and_second_derivatives() -> None:
+    u = np.array([[0.3, -0.2, 0.5], [0.1, 0.4, -0.7]])
+    (grad,), (hvp,), _ = _vjp_and_second(
+        lambda z: ops.softmax_cross_entropy(z, MASKED_LABELS), [MASKED_LOGITS], np.array(1.0), u
+    )
+    # softmax - one_hot, averaged over the rows, with the masked classes at probability 0
+    probabilities = np.exp(MASKED_LOGITS - MASKED_LOGITS.max(1, keepdims=True))
+    probabilities /= probabilities.sum(1, keepdims=True)
+    np.testing.assert_allclose(grad, (probabilities - np.eye(3)[MASKED_LABELS]) / 2, rtol=1e-14)
+    # torch: grad of cross_entropy (create_graph=True), then grad of <grad, u>
+    torch_grad = [
+        [-0.13447071068499755, 0.0, 0.13447071068499755],
+        [0.13447071068499755, -0.13447071068499755, 0.0],
+    ]
+    torch_hvp = [
+        [-0.019661193324148174, 0.0, 0.019661193324148188],
+        [-0.02949178998622228, 0.029491789986222268, 0.0],
+    ]
+    np.testing.assert_allclose(grad, torch_grad, rtol=1e-14)
+    np.testing.assert_allclose(hvp, torch_hvp, rtol=1e-12, atol=1e-17)
+
+
+def test_cross_entropy_with_masked_classes_on_a_host_device() -> None:
+    logits = to_device(MASKED_LOGITS, "host:1")
+    labels = to_device(MASKED_LABELS, "host:1")
+    loss = ops.softmax_cross_entropy(logits, labels, reduction="none")
+    assert loss.device == cp.as_device("host:1")
+    np.testing.assert_allclose(to_device(loss, "cpu"), _masked_losses_by_hand(), rtol=1e-14)
+
+
+def test_cross_entropy_target_at_minus_infinity_is_infinite_as_in_torch() -> None:
+    logits = np.array([[-INF, 1.0, 2.0]])
+    loss, grad = cp.value_and_grad(lambda z: ops.softmax_cross_entropy(z, np.array([0])))(logits)
+    assert loss == INF  # the target has probability 0; torch: inf
+    # torch: [[-1.0, 0.2689, 0.7311]] (softmax - one_hot, finite)
+    np.testing.assert_allclose(grad, [[-1.0, 1 / (1 + np.e), np.e / (1 + np.e)]], rtol=1e-14)
+
+
+def test_cross_entropy_row_of_minus_infinities_is_nan_as_in_torch() -> None:
+    with np.errstate(invalid="ignore"):  # -inf - -inf in NumPy's log-softmax
+        loss = ops.softmax_cross_entropy(np.array([[-INF, -INF], [0.0, 0.0]]), np.array([0, 1]))
+    assert np.isnan(loss)  # no distribution over the classes; torch: nan
