@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import cupy_parallel as cp
-from cupy_parallel import Tape, ops, to_device
+from cupy_parallel import Tape, gradcheck, ops, to_device
 
 INF = np.inf
 
@@ -115,3 +115,37 @@ def test_cross_entropy_row_of_minus_infinities_is_nan_as_in_torch() -> None:
     with np.errstate(invalid="ignore"):  # -inf - -inf in NumPy's log-softmax
         loss = ops.softmax_cross_entropy(np.array([[-INF, -INF], [0.0, 0.0]]), np.array([0, 1]))
     assert np.isnan(loss)  # no distribution over the classes; torch: nan
+
+
+# --------------------------------------------------------------------------------------------
+# clip with crossed bounds (lo > hi): the value is hi, and so is the gradient
+
+# x, lo, hi away from every kink (|x - lo|, |x - hi|, |lo - hi| >= 0.25): the last three
+# elements have crossed bounds, with x below lo, between them, and above lo
+CLIP_X = np.array([-1.0, 0.5, 2.0, 0.0, 1.5, 3.0])
+CLIP_LO = np.array([0.0, 0.0, 0.0, 2.0, 2.0, 2.0])
+CLIP_HI = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+
+
+def test_clip_with_crossed_bounds_has_numpys_value() -> None:
+    expected = np.clip(CLIP_X, CLIP_LO, CLIP_HI)
+    np.testing.assert_array_equal(expected[3:], CLIP_HI[3:])  # NumPy: hi where lo > hi
+    np.testing.assert_array_equal(ops.clip(CLIP_X, CLIP_LO, CLIP_HI), expected)
+    np.testing.assert_array_equal(ops.clip(CLIP_X, 2.0, 1.0), np.full(6, 1.0))
+
+
+def test_clip_with_crossed_bounds_matches_finite_differences() -> None:
+    assert gradcheck(ops.clip, [CLIP_X, CLIP_LO, CLIP_HI])
+    assert gradcheck(lambda x: ops.clip(x, 2.0, 1.0), [CLIP_X])
+
+
+def test_clip_gradients_where_the_bounds_cross_or_meet_are_torchs() -> None:
+    # torch.clamp(x, lo, hi).sum() differentiated in x, lo and hi (torch 2.13): the 4th and
+    # 5th elements have lo == hi (the kink), the rest crossed bounds
+    x = np.array([0.0, 1.0, 2.0, 0.0, 1.0, 3.0])
+    lo = np.array([2.0, 2.0, 2.0, 1.0, 1.0, 1.0])
+    hi = np.array([0.5, 1.0, 1.5, 1.0, 1.0, 1.0])
+    gx, glo, ghi = cp.grad(lambda *a: ops.sum(ops.clip(*a)), argnums=(0, 1, 2))(x, lo, hi)
+    np.testing.assert_array_equal(gx, [0.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    np.testing.assert_array_equal(glo, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(ghi, [1.0, 1.0, 1.0, 0.0, 0.0, 1.0])

@@ -439,11 +439,20 @@ def _clip_kernel(xp: Any, x: Any, lo: Any, hi: Any) -> Any:
 
 
 def _clip_masks_kernel(xp: Any, x: Any, lo: Any, hi: Any) -> list[Any]:
+    """Where the gradient of ``clip(x, lo, hi)`` flows to ``x``, to ``lo`` and to ``hi`` (torch).
+
+    Where the bounds cross (``lo > hi``) the value is ``hi`` whatever ``x`` and ``lo`` are, so
+    the gradient goes to ``hi`` alone; where they meet (``lo == hi``), to ``x`` if it equals
+    them, else to ``hi`` only where ``x > hi``.
+    """
     inside = xp.ones(x.shape, bool) if lo is None else x >= lo
     if hi is not None:
         inside = inside & (x <= hi)
     below = None if lo is None else x < lo
     above = None if hi is None else x > hi
+    if lo is not None and hi is not None:
+        below = below & (lo < hi)
+        above = above | (hi < lo)
     return [inside, below, above]
 
 
@@ -451,7 +460,9 @@ def clip(x: Operand, lo: Operand | None = None, hi: Operand | None = None, /) ->
     """``x`` limited to ``[lo, hi]`` (either bound may be ``None``), differentiable.
 
     The gradient flows to ``x`` where ``lo <= x <= hi``, to an array ``lo`` where ``x < lo`` and
-    to an array ``hi`` where ``x > hi`` (PyTorch's ``clamp``).
+    to an array ``hi`` where ``x > hi`` (PyTorch's ``clamp``). Where the bounds cross
+    (``lo > hi``) the value is ``hi``, as in NumPy and PyTorch, and so is the gradient: all of
+    it goes to ``hi``, none to ``x`` or ``lo``.
 
     Example:
         >>> import numpy as np
