@@ -149,3 +149,58 @@ def test_clip_gradients_where_the_bounds_cross_or_meet_are_torchs() -> None:
     np.testing.assert_array_equal(gx, [0.0, 0.0, 0.0, 0.0, 1.0, 0.0])
     np.testing.assert_array_equal(glo, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     np.testing.assert_array_equal(ghi, [1.0, 1.0, 1.0, 0.0, 0.0, 1.0])
+
+
+# --------------------------------------------------------------------------------------------
+# split at decreasing indices: NumPy's empty and overlapping pieces
+
+SPLITS = [[3, 1], [-2, 7, 2], [4, -4], [-9, 2], [2, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("indices", SPLITS, ids=str)
+@pytest.mark.parametrize("device", ["cpu", "host:1"])
+def test_split_pieces_are_numpys(indices: list[int], device: str) -> None:
+    x = np.arange(12.0).reshape(2, 6)
+    pieces = ops.split(to_device(x, device), indices, 1)
+    expected = np.split(x, indices, 1)
+    assert len(pieces) == len(expected)
+    for piece, want in zip(pieces, expected, strict=True):
+        assert cp.device_of(piece) == cp.as_device(device)
+        np.testing.assert_array_equal(to_device(piece, "cpu"), want)
+
+
+@pytest.mark.parametrize("indices", SPLITS, ids=str)
+def test_split_gradients_match_finite_differences(indices: list[int]) -> None:
+    x = np.random.default_rng(0).uniform(-1.0, 1.0, (2, 6))
+
+    def weighted(x: Any) -> Any:  # every piece counts, nonlinearly, so overlaps must add up
+        pieces = ops.split(x, indices, 1)
+        return ops.concatenate(
+            [ops.multiply(ops.tanh(p), float(k + 1)) for k, p in enumerate(pieces)], 1
+        )
+
+    assert gradcheck(weighted, [x])
+    assert gradcheck(cp.grad(lambda x: ops.sum(ops.square(weighted(x)))), [x])  # second order
+
+
+def test_split_gradient_at_decreasing_indices_is_torchs() -> None:
+    x = np.arange(5.0)
+    weights = [np.array([1.0, 2.0, 3.0]), np.zeros(0), np.array([10.0, 20.0, 30.0, 40.0])]
+
+    def loss(x: Any) -> Any:
+        pieces = ops.split(x, [3, 1])
+        total = ops.sum(ops.multiply(pieces[0], weights[0]))
+        for piece, w in zip(pieces[1:], weights[1:], strict=True):
+            total = ops.add(total, ops.sum(ops.multiply(piece, w)))
+        return total
+
+    # torch.tensor_split(x, [3, 1]) (NumPy's pieces), the same weighted sum, backward()
+    np.testing.assert_array_equal(cp.grad(loss)(x), [1.0, 12.0, 23.0, 30.0, 40.0])
+    # a piece no gradient reaches contributes nothing (the empty one, and here x[:3])
+    g = cp.grad(lambda x: ops.sum(ops.split(x, [3, 1])[2]))(x)
+    np.testing.assert_array_equal(g, [0.0, 1.0, 1.0, 1.0, 1.0])
+
+
+def test_split_refuses_indices_that_are_not_ints() -> None:
+    with pytest.raises(TypeError, match=r"indices_or_sections\[1\] must be an int, got float 2.0"):
+        ops.split(np.arange(5.0), [1, 2.0])
