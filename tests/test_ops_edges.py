@@ -20,13 +20,14 @@ INF = np.inf
 
 
 def _vjp_and_second(
-    fn: Any, xs: list[np.ndarray], g: np.ndarray, u: np.ndarray
+    fn: Any, xs: list[np.ndarray], g: np.ndarray, u: np.ndarray, which: int | None = None
 ) -> tuple[list[Any], list[Any], Any]:
-    """``fn``'s vjp with ``g``, and the derivatives of ``<vjp_i, u>`` summed over ``i``.
+    """``fn``'s vjps with ``g``, and the derivatives of ``<vjp_i, u>`` (summed over ``i``).
 
     Returns the vjps, the second derivatives with respect to each input (Hessian-vector
     products) and with respect to ``g`` (a Jacobian-vector product): what PyTorch computes with
-    ``torch.autograd.grad(..., create_graph=True)`` and a second ``grad``.
+    ``torch.autograd.grad(..., create_graph=True)`` and a second ``grad``. ``which`` picks one
+    vjp ``i`` instead of the sum.
     """
     with Tape() as outer:
         outer.watch((xs, g))
@@ -34,8 +35,9 @@ def _vjp_and_second(
             inner.watch(xs)
             y = fn(*xs)
         vjps = inner.gradient(y, list(xs), output_gradients=g)
-        total = ops.sum(ops.multiply(vjps[0], u))
-        for v in vjps[1:]:
+        picked = vjps if which is None else [vjps[which]]
+        total = ops.sum(ops.multiply(picked[0], u))
+        for v in picked[1:]:
             total = ops.add(total, ops.sum(ops.multiply(v, u)))
     second, second_g = outer.gradient(total, (list(xs), g))
     return vjps, second, second_g
@@ -204,3 +206,73 @@ def test_split_gradient_at_decreasing_indices_is_torchs() -> None:
 def test_split_refuses_indices_that_are_not_ints() -> None:
     with pytest.raises(TypeError, match=r"indices_or_sections\[1\] must be an int, got float 2.0"):
         ops.split(np.arange(5.0), [1, 2.0])
+
+
+# --------------------------------------------------------------------------------------------
+# power's exponent gradient where log(base) is not finite: PyTorch's values, inf and NaN included
+
+# bases 0, 0, -0, -2, -2, 0, 3 with exponents -1, -0.5, -1, 2, 3, 2, 0.5
+POWER_A = np.array([0.0, 0.0, -0.0, -2.0, -2.0, 0.0, 3.0])
+POWER_B = np.array([-1.0, -0.5, -1.0, 2.0, 3.0, 2.0, 0.5])
+POWER_G = np.array([1.0, 1.0, 1.0, 1.0, 1.0, -2.0, 1.0])
+POWER_U = np.full(7, 0.5)
+NAN = np.nan
+
+# torch (2.13, float64): ga, gb = autograd.grad(a ** b, (a, b), g, create_graph=True), then
+# autograd.grad((v * u).sum(), (a, b, g)) for v = ga and v = gb
+TORCH_POWER_VJPS = (
+    [-INF, -INF, -INF, -4.0, 12.0, -0.0, 0.28867513459481287],
+    [-INF, -INF, INF, NAN, NAN, -0.0, 1.902852301792692],
+)
+TORCH_POWER_SECOND = (
+    (
+        [INF, INF, -INF, 1.0, -6.0, -2.0, -0.024056261216234408],
+        [INF, INF, INF, NAN, NAN, -0.0, 0.4472461597442039],
+        [-INF, -INF, -INF, -2.0, 6.0, 0.0, 0.14433756729740643],
+    ),
+    (
+        [INF, INF, INF, NAN, NAN, NAN, 0.4472461597442039],
+        [INF, INF, -INF, NAN, NAN, NAN, 1.045248461134925],
+        [-INF, -INF, INF, NAN, NAN, 0.0, 0.951426150896346],
+    ),
+)
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["base", "exponent"])
+def test_power_first_and_second_derivatives_are_torchs(which: int) -> None:
+    """-inf for the exponent at base 0 (inf * log 0), NaN through log of a negative base."""
+    with np.errstate(divide="ignore", invalid="ignore"):  # NumPy's 0 ** -1, 0 * inf, ...
+        vjps, (second_a, second_b), second_g = _vjp_and_second(
+            ops.power, [POWER_A, POWER_B], POWER_G, POWER_U, which
+        )
+    for actual, expected in zip(vjps, TORCH_POWER_VJPS, strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-14)
+    for actual, expected in zip(
+        (second_a, second_b, second_g), TORCH_POWER_SECOND[which], strict=True
+    ):
+        np.testing.assert_allclose(actual, expected, rtol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("base", "first", "second", "second_g"),
+    [  # torch: the same with a Python number as the base, exponents [-1, 0, 2], g = u = 1
+        (0.0, [-INF, 0.0, 0.0], [INF, NAN, NAN], [-INF, 0.0, 0.0]),
+        (-2.0, [NAN] * 3, [NAN] * 3, [NAN] * 3),
+    ],
+    ids=["zero", "negative"],
+)
+def test_power_of_a_constant_base_exponent_derivatives_are_torchs(
+    base: float, first: list[float], second: list[float], second_g: list[float]
+) -> None:
+    exponent, g, u = np.array([-1.0, 0.0, 2.0]), np.ones(3), np.ones(3)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        (vjp,), (hvp,), jvp = _vjp_and_second(lambda b: ops.power(base, b), [exponent], g, u)
+    np.testing.assert_allclose(vjp, first, rtol=1e-14)
+    np.testing.assert_allclose(hvp, second, rtol=1e-14)
+    np.testing.assert_allclose(jvp, second_g, rtol=1e-14)
+
+
+def test_power_exponent_gradient_draws_no_numpy_warning() -> None:
+    """log(0) and log(-2) are computed on purpose: no RuntimeWarning (PyTorch gives none)."""
+    grad = cp.grad(lambda b: ops.sum(ops.power(np.array([0.0, -2.0, 2.0]), b)))
+    np.testing.assert_allclose(grad(np.array([1.0, 2.0, 3.0])), [0.0, NAN, 8 * np.log(2.0)])
