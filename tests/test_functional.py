@@ -125,3 +125,81 @@ def test_errors_when_called() -> None:
         cp.grad(ops.exp)(x)
     with pytest.raises(ValueError, match="target was not recorded on this tape"):
         cp.grad(lambda a, b: cube(b))(x, x.copy())  # a value independent of argnums: refused
+
+
+def _partial_by_differences(fn: Any, args: list[np.ndarray], i: int, eps: float = 1e-6) -> Any:
+    """The partial derivative of the scalar ``fn(*args)`` in argument ``i``, by differences."""
+    result = np.zeros_like(args[i])
+    for index in np.ndindex(args[i].shape):
+        values = []
+        for step in (eps, -eps):
+            moved = [a.copy() for a in args]
+            moved[i][index] += step
+            values.append(float(fn(*moved)))
+        result[index] = (values[0] - values[1]) / (2 * eps)
+    return result
+
+
+def mixed(a: Any, b: Any) -> Any:
+    """``sum(a * b**2 + exp(a))``: its two partials differ, so they cannot be confused."""
+    return ops.sum(ops.add(ops.multiply(a, ops.square(b)), ops.exp(a)))
+
+
+def test_one_array_passed_twice_gets_the_partial_derivatives() -> None:
+    """Each argument is its own variable, as in jax.grad: not the total derivative twice."""
+    x = rand(3)
+    ga, gb = cp.grad(mixed, argnums=(0, 1))(x, x)
+    for i, g in enumerate((ga, gb)):
+        np.testing.assert_allclose(g, _partial_by_differences(mixed, [x, x], i), rtol=1e-7)
+    np.testing.assert_allclose(ga, x**2 + np.exp(x), rtol=1e-14)
+    np.testing.assert_allclose(gb, 2 * x * x, rtol=1e-14)
+    value, (vb, va) = cp.value_and_grad(mixed, argnums=(1, 0))(x, x)  # in argnums order
+    np.testing.assert_allclose(value, np.sum(x**3 + np.exp(x)), rtol=1e-14)
+    np.testing.assert_array_equal(va, ga)
+    np.testing.assert_array_equal(vb, gb)
+
+
+def test_one_array_at_two_leaves_of_a_params_tree_gets_the_partials() -> None:
+    x = rand(3)
+    grads = cp.grad(lambda p: mixed(p["a"], p["pair"][1]))({"a": x, "pair": (1.0, x)})
+    assert grads["pair"][0] is None
+    np.testing.assert_allclose(grads["a"], _partial_by_differences(mixed, [x, x], 0), rtol=1e-7)
+    np.testing.assert_allclose(grads["pair"][1], 2 * x * x, rtol=1e-14)
+
+
+def test_other_references_to_the_argument_are_constants() -> None:
+    """A closure over the array, or the array as an argument not in argnums: constants (JAX)."""
+    x = rand(3)
+    np.testing.assert_allclose(cp.grad(lambda a: mixed(a, x))(x), x**2 + np.exp(x), rtol=1e-14)
+    np.testing.assert_allclose(cp.grad(mixed, argnums=1)(x, x), 2 * x * x, rtol=1e-14)
+
+
+def test_partials_of_one_array_nest_and_record_on_an_outer_tape() -> None:
+    x = rand(3)
+    # d/da and d/db of sum(d mixed / da) = sum(b**2 + exp(a)): exp(a) and 2 b
+    first_in_a = cp.grad(mixed)
+    ga, gb = cp.grad(lambda a, b: ops.sum(first_in_a(a, b)), argnums=(0, 1))(x, x)
+    np.testing.assert_allclose(ga, np.exp(x), rtol=1e-14)
+    np.testing.assert_allclose(gb, 2 * x, rtol=1e-14)
+    with Tape() as outer:  # the partials are functions of x: x**2 + exp(x) and 2 x**2
+        outer.watch(x)
+        pa, pb = cp.grad(mixed, argnums=(0, 1))(x, x)
+        total = ops.sum(ops.add(pa, pb))
+    np.testing.assert_allclose(outer.gradient(total, x), 6 * x + np.exp(x), rtol=1e-14)
+
+
+def test_a_tape_gives_one_watched_array_its_total_derivative_at_every_entry() -> None:
+    """Tape.gradient knows arrays by identity, as torch.autograd.grad(y, (x, x)) (both 2 x)."""
+    x = rand(3)
+    with Tape() as tape:
+        tape.watch(x)
+        y = ops.sum(ops.multiply(x, x))
+    first, second = tape.gradient(y, (x, x))
+    np.testing.assert_allclose(first, 2 * x, rtol=1e-14)
+    np.testing.assert_allclose(second, 2 * x, rtol=1e-14)
+
+
+def test_argnums_naming_one_argument_twice_is_refused() -> None:
+    x = rand(3)
+    with pytest.raises(ValueError, match=r"argnums \(1, -1\) names one argument twice"):
+        cp.grad(mixed, argnums=(1, -1))(x, x)

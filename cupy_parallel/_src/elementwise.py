@@ -127,9 +127,29 @@ def _power_grad_base_kernel(xp: Any, b: Any) -> Any:
     return b != 0
 
 
-def _power_exponent_fill_kernel(xp: Any, a: Any, b: Any, dtype: Any) -> Any:
-    """Where the base is not positive: 0 if it is 0 and the exponent >= 0, else NaN (torch)."""
-    return xp.where((a == 0) & (b >= 0), 0.0, xp.nan).astype(dtype)
+def _zero_base_kernel(xp: Any, a: Any, b: Any) -> Any:
+    """Where ``d(a ** b)/db`` is 0 although ``log(a)`` is not finite: ``a == 0``, ``b >= 0``."""
+    return (a == 0) & (b >= 0)
+
+
+def _power_exponent_vjp(g: Any, a: Any, b: Any, z: Any) -> Any:
+    """``g * a ** b * log(a)``, and 0 where ``a == 0 <= b``: PyTorch's formula, as it is.
+
+    So -inf where ``a == 0 > b`` (``inf * log(0)``) and NaN at a negative base, whose logarithm
+    is NaN; the second derivatives through it are NaN there too, and at ``a == 0 <= b``, where
+    the masked branch passes ``0 * log(0)`` back (the true limits are infinite for ``b <= 1``
+    and 0 above: NaN says "undefined" rather than guessing). NumPy's warnings about these
+    values are silenced here, as PyTorch gives none.
+    """
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if isinstance(a, SCALARS):  # a constant base: its logarithm is a number
+            if a > 0:  # type: ignore[operator]  # 2 ** x, the common case
+                return multiply(g, multiply(z, math.log(a)))  # type: ignore[arg-type]
+            log_a: Any = -math.inf if a == 0 else math.nan
+        else:
+            log_a = log(a)
+        masked = run_kernel(_zero_base_kernel, z, a, b)
+        return multiply(g, where(masked, 0.0, multiply(z, log_a)))
 
 
 def _power_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
@@ -145,14 +165,7 @@ def _power_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Gr
                 ga = where(run_kernel(_power_grad_base_kernel, b, b), ga, 0.0)
         ga = fit(ga, a)
     if needs[1]:
-        gz = multiply(g, z)
-        fill = run_kernel(_power_exponent_fill_kernel, b, a, b, z.dtype)
-        if isinstance(a, SCALARS):  # a constant base: keep every array on b's device
-            gb = multiply(gz, math.log(a)) if a > 0 else add(multiply(gz, 0.0), fill)  # type: ignore[operator, arg-type]
-        else:
-            positive = run_kernel(_positive_kernel, a, a)
-            gb = where(positive, multiply(gz, log(where(positive, a, 1.0))), fill)
-        gb = fit(gb, b)
+        gb = fit(_power_exponent_vjp(g, a, b, z), b)
     return ga, gb
 
 
@@ -439,11 +452,20 @@ def _clip_kernel(xp: Any, x: Any, lo: Any, hi: Any) -> Any:
 
 
 def _clip_masks_kernel(xp: Any, x: Any, lo: Any, hi: Any) -> list[Any]:
+    """Where the gradient of ``clip(x, lo, hi)`` flows to ``x``, to ``lo`` and to ``hi`` (torch).
+
+    Where the bounds cross (``lo > hi``) the value is ``hi`` whatever ``x`` and ``lo`` are, so
+    the gradient goes to ``hi`` alone; where they meet (``lo == hi``), to ``x`` if it equals
+    them, else to ``hi`` only where ``x > hi``.
+    """
     inside = xp.ones(x.shape, bool) if lo is None else x >= lo
     if hi is not None:
         inside = inside & (x <= hi)
     below = None if lo is None else x < lo
     above = None if hi is None else x > hi
+    if lo is not None and hi is not None:
+        below = below & (lo < hi)
+        above = above | (hi < lo)
     return [inside, below, above]
 
 
@@ -451,7 +473,9 @@ def clip(x: Operand, lo: Operand | None = None, hi: Operand | None = None, /) ->
     """``x`` limited to ``[lo, hi]`` (either bound may be ``None``), differentiable.
 
     The gradient flows to ``x`` where ``lo <= x <= hi``, to an array ``lo`` where ``x < lo`` and
-    to an array ``hi`` where ``x > hi`` (PyTorch's ``clamp``).
+    to an array ``hi`` where ``x > hi`` (PyTorch's ``clamp``). Where the bounds cross
+    (``lo > hi``) the value is ``hi``, as in NumPy and PyTorch, and so is the gradient: all of
+    it goes to ``hi``, none to ``x`` or ``lo``.
 
     Example:
         >>> import numpy as np

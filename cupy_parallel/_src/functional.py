@@ -12,7 +12,11 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, overload
 
+from cupy_parallel._src import tree
 from cupy_parallel._src.arguments import read_bool, read_callable
+from cupy_parallel._src.arrays import is_array
+from cupy_parallel._src.compute import compute
+from cupy_parallel._src.recording import active_tapes, name_nodes, record_unary
 from cupy_parallel._src.tape import Tape
 
 if TYPE_CHECKING:
@@ -40,6 +44,44 @@ def _read_argnums(argnums: Any) -> tuple[int, ...]:
     return numbers
 
 
+def _positions(numbers: tuple[int, ...], count: int) -> tuple[int, ...]:
+    """The argument positions ``numbers`` name in a call with ``count`` positional arguments."""
+    for i in numbers:
+        if not -count <= i < count:
+            raise ValueError(
+                f"argnums names argument {i}, but the function was called with {count} "
+                "positional arguments."
+            )
+    positions = tuple(i % count for i in numbers)
+    if len(set(positions)) != len(positions):
+        raise ValueError(
+            f"argnums {numbers} names one argument twice in a call with {count} positional "
+            "arguments (a negative position counts from the end)."
+        )
+    return positions
+
+
+def _view_of(x: Any) -> Any:
+    return x.view()
+
+
+def _own_variable(leaf: Any) -> Any:
+    """An array ``leaf`` as a new view of its memory, recorded as the identity; others as is."""
+    if not is_array(leaf):
+        return leaf
+    view = compute(_view_of, leaf)
+    if active_tapes():
+        record_unary(_own_variable_vjp, leaf, view, None)
+    return view
+
+
+def _own_variable_vjp(gs: list[Any], xs: tuple[Any, ...], needs: Any, zs: Any, aux: None) -> Any:
+    return (gs[0],)
+
+
+name_nodes(_own_variable_vjp, lambda aux: "grad's view of a differentiated argument")
+
+
 @overload  # argnums=0: the gradient has the first argument's type (first match wins)
 def value_and_grad(  # type: ignore[overload-overlap]
     fn: Callable[Concatenate[Tree, Args], Output], argnums: Literal[0] = 0, *, has_aux: bool = False
@@ -58,6 +100,15 @@ def value_and_grad(
     :meth:`Tape.watch <cupy_parallel.Tape.watch>` skips them); ``fn`` must return an array with
     one element built from recorded operations (or, with ``has_aux``, a pair ``(value, aux)``).
 
+    Each array leaf of a differentiated argument is its own variable, as in ``jax.grad``:
+    ``grad(f, argnums=(0, 1))(x, x)`` returns the two partial derivatives, not the total
+    derivative twice, and so does one array at two leaves of a params tree. ``fn`` receives
+    these arguments rebuilt, with each array leaf replaced by a view of it (the same memory
+    under a new identity); any other reference to the same array (a closure, an argument not
+    named by ``argnums``) is a constant. :meth:`Tape.gradient <cupy_parallel.Tape.gradient>`
+    differs: it knows arrays by identity, so ``tape.gradient(y, (x, x))`` returns the total
+    derivative for both entries, as ``torch.autograd.grad(y, (x, x))`` does.
+
     Args:
         fn: the function to differentiate.
         argnums: the position of the argument to differentiate with respect to, or a tuple of
@@ -72,7 +123,8 @@ def value_and_grad(
             ``has_aux`` is not a bool (at once); with ``has_aux``, ``fn`` did not return a
             pair (when called).
         ValueError: ``argnums`` names no argument or repeats one (at once), or an argument
-            the call does not have (when called); the errors of
+            the call does not have or one argument twice, as ``1`` and ``-1`` in a call with
+            two arguments (when called); the errors of
             :meth:`Tape.gradient <cupy_parallel.Tape.gradient>`.
 
     Example:
@@ -91,13 +143,11 @@ def value_and_grad(
 
     @functools.wraps(fn)
     def value_and_gradient(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        for i in numbers:
-            if not -len(args) <= i < len(args):
-                raise ValueError(
-                    f"argnums names argument {i}, but the function was called with "
-                    f"{len(args)} positional arguments."
-                )
-        sources = tuple(args[i] for i in numbers)
+        positions = _positions(numbers, len(args))
+        sources = tuple(tree.tree_map(_own_variable, args[i]) for i in positions)
+        args = tuple(
+            sources[positions.index(i)] if i in positions else a for i, a in enumerate(args)
+        )
         with Tape() as tape:
             tape.watch(sources)
             out = fn(*args, **kwargs)
@@ -133,7 +183,11 @@ def grad(
     """``fn`` turned into a function returning its gradient, as ``jax.grad``.
 
     See :func:`value_and_grad` for the arguments; with ``has_aux`` the function returns
-    ``(gradient, aux)``. Applied twice, it differentiates the gradient.
+    ``(gradient, aux)``. Applied twice, it differentiates the gradient. Each differentiated
+    argument (each array leaf of one) is its own variable, as in ``jax.grad``, even when one
+    array is passed twice: then ``grad`` returns the partial derivatives, where
+    :meth:`Tape.gradient <cupy_parallel.Tape.gradient>`, which knows arrays by identity,
+    returns the total derivative for each (as ``torch.autograd.grad`` does).
 
     Example:
         >>> import numpy as np
@@ -145,6 +199,9 @@ def grad(
         array([ 3., 12.])
         >>> cupy_parallel.grad(lambda x: ops.sum(cupy_parallel.grad(cube)(x)))(x)  # 6 x
         array([ 6., 12.])
+        >>> dot = lambda a, b: ops.sum(ops.multiply(a, b))
+        >>> cupy_parallel.grad(dot, argnums=(0, 1))(x, x)  # the partials b and a, not 2 x
+        (array([1., 2.]), array([1., 2.]))
     """
     inner = value_and_grad(fn, argnums, has_aux=has_aux)
 

@@ -21,8 +21,10 @@ Decisions:
   out, each with its checks.
 - Gradients at kinks and ties follow PyTorch: ``relu'(0) = abs'(0) = 0``, ``maximum``/``minimum``
   split the gradient evenly between equal operands, ``clip`` passes it where
-  ``lo <= x <= hi``, ``power``'s gradient is 0 where the exponent is 0 and, for the exponent,
-  0 where the base is 0 and the exponent non-negative (NaN for a negative base).
+  ``lo <= x <= hi`` (and to ``hi`` alone where the bounds cross, ``lo > hi``), ``power``'s
+  gradient is 0 where the exponent is 0 and, for the exponent, ``a ** b * log(a)`` written out
+  as PyTorch does: 0 where the base is 0 and the exponent non-negative, -inf where the base is
+  0 and the exponent negative, NaN for a negative base (and NaN second derivatives there).
 - ``softmax``, ``log_softmax`` and ``softmax_cross_entropy`` take the class axis last
   (``axis=-1``), as jax/optax do (PyTorch's ``cross_entropy`` takes classes on axis 1).
 - Host arrays compute on their buffers (``host_buffer``) and wrap the result on their device

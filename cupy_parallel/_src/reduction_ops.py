@@ -16,7 +16,15 @@ import numpy as np
 from cupy_parallel._src.arguments import read_axis, read_int
 from cupy_parallel._src.arrays import is_array
 from cupy_parallel._src.compute import named_kernel, run_kernel
-from cupy_parallel._src.elementwise import divide, exp, multiply, negative, square, subtract
+from cupy_parallel._src.elementwise import (
+    divide,
+    exp,
+    multiply,
+    negative,
+    square,
+    subtract,
+    where,
+)
 from cupy_parallel._src.recording import active_tapes, record_binary, record_unary
 from cupy_parallel._src.shape_ops import (
     fit,
@@ -268,8 +276,8 @@ def _log_softmax_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, axis: int)
     return (fit(subtract(g, multiply(exp(z), sum(g, axis, keepdims=True))), xs[0]),)
 
 
-def _one_hot_kernel(xp: Any, labels: Any, classes: int, dtype: Any) -> Any:
-    return (labels[..., None] == xp.arange(classes)).astype(dtype)
+def _one_hot_kernel(xp: Any, labels: Any, classes: int) -> Any:
+    return labels[..., None] == xp.arange(classes)
 
 
 def _label_range_kernel(xp: Any, labels: Any) -> list[Any]:
@@ -285,6 +293,12 @@ def softmax_cross_entropy(logits: Array, labels: Array, /, *, reduction: str = "
     ``logits`` has classes on its last axis, shape ``(..., C)``; ``labels`` has shape ``(...)``
     and integer values in ``[0, C)`` on the same device. ``reduction`` is ``"mean"`` (default,
     as PyTorch's ``cross_entropy``), ``"sum"`` or ``"none"`` (one loss per label).
+
+    Masked classes (logit ``-inf``, e.g. padding tokens) are allowed, as in PyTorch: a label's
+    loss reads only its own class's log-probability, so it stays finite, and the masked
+    classes get a zero gradient. A label whose own logit is ``-inf`` has probability 0 and
+    loss ``inf`` (PyTorch's value too; its gradient stays finite); a row whose logits are all
+    ``-inf`` has no distribution, and its loss and gradient are NaN, again as in PyTorch.
 
     Raises:
         TypeError: ``labels`` is not an integer array.
@@ -324,8 +338,10 @@ def softmax_cross_entropy(logits: Array, labels: Array, /, *, reduction: str = "
                 f"ops.softmax_cross_entropy got a label {low if low < 0 else high} outside "
                 f"[0, {classes}) for {classes} classes."
             )
-    one_hot = run_kernel(_one_hot_kernel, logits, labels, classes, logits.dtype)
-    losses = negative(sum(multiply(log_softmax(logits), one_hot), -1))
+    # The target's log-probability is picked with ``where``, not a product with a one-hot: a
+    # masked class (logit -inf) has log-probability -inf, and -inf * 0 is NaN.
+    target = run_kernel(_one_hot_kernel, logits, labels, classes)
+    losses = negative(sum(where(target, log_softmax(logits), 0.0), -1))
     if reduction == "none":
         return losses
     return mean(losses) if reduction == "mean" else sum(losses)

@@ -9,6 +9,7 @@ recorded cast: the other op modules build on this one.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
@@ -342,12 +343,23 @@ def _stack_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, axis: int) -> Gr
     )
 
 
-def _split_kernel(xp: Any, x: Any, sections: Any, axis: int) -> list[Any]:
-    return list(xp.split(x, sections, axis=axis))
+def _split_kernel(xp: Any, x: Any, sections: int | list[int], axis: int) -> list[Any]:
+    if isinstance(sections, int):
+        return list(xp.split(x, sections, axis=axis))
+    lead = (slice(None),) * axis
+    cuts = [0, *sections, x.shape[axis]]
+    keys = [(*lead, slice(a, b)) for a, b in itertools.pairwise(cuts)]
+    return [x[key] for key in keys]
 
 
 def split(x: Array, indices_or_sections: int | Sequence[int], /, axis: int = 0) -> list[Array]:
     """Split ``x`` along ``axis`` into equal sections or at indices (``numpy.split``).
+
+    With indices, piece ``i`` is ``x[cuts[i]:cuts[i + 1]]`` along ``axis``, where ``cuts`` is
+    ``[0, *indices, length]`` and each slice has Python's rules (negative indices count from
+    the end), as in NumPy (and ``torch.tensor_split``). Indices need not increase:
+    ``split(x, [3, 1])`` gives ``x[:3]``, an empty ``x[3:1]`` and ``x[1:]``, which overlap;
+    the gradient of ``x`` then adds up the gradients of every piece that holds an element.
 
     Example:
         >>> import numpy as np
@@ -357,9 +369,13 @@ def split(x: Array, indices_or_sections: int | Sequence[int], /, axis: int = 0) 
     """
     require_array(x, "split")
     axis = read_axis(axis, x.ndim)
-    sections = indices_or_sections
-    if not isinstance(sections, list | tuple):
-        sections = read_int(sections, "indices_or_sections", minimum=1)
+    sections: int | list[int]
+    if isinstance(indices_or_sections, list | tuple):
+        sections = [
+            read_int(i, f"indices_or_sections[{k}]") for k, i in enumerate(indices_or_sections)
+        ]
+    else:
+        sections = read_int(indices_or_sections, "indices_or_sections", minimum=1)
         if x.shape[axis] % sections:
             raise ValueError(
                 f"ops.split cannot cut axis {axis} of length {x.shape[axis]} into {sections} "
@@ -367,10 +383,32 @@ def split(x: Array, indices_or_sections: int | Sequence[int], /, axis: int = 0) 
             )
     zs = run_kernel(_split_kernel, x, x, sections, axis)
     if active_tapes():
-        record(_split_vjp, (x,), tuple(zs), axis)
+        record(_split_vjp, (x,), tuple(zs), (axis, _split_positions(x.shape[axis], sections)))
     return zs
 
 
-def _split_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, axis: int) -> Grads:
+def _split_positions(length: int, sections: int | list[int]) -> Any:
+    """``None`` when the pieces of ``split`` tile the axis in order, else where they lie.
+
+    Equal sections and non-decreasing indices tile the axis, and the gradient is the pieces'
+    gradients joined. Otherwise (decreasing indices: empty and overlapping pieces) it is the
+    joined gradients added at the positions of the pieces' elements along the axis, in order.
+    """
+    if isinstance(sections, int):
+        return None
+    cuts = [0, *sections, length]
+    pieces = [np.arange(*slice(a, b).indices(length)) for a, b in itertools.pairwise(cuts)]
+    positions = np.concatenate(pieces)
+    if positions.size == length and (positions == np.arange(length)).all():
+        return None
+    return positions
+
+
+def _split_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: Any) -> Grads:
+    axis, positions = aux
     parts = [zeros_like(z) if g is None else g for g, z in zip(gs, zs, strict=True)]
-    return (fit(concatenate(parts, axis), xs[0]),)
+    joined = concatenate(parts, axis)
+    if positions is None:
+        return (fit(joined, xs[0]),)
+    key = (*(slice(None),) * axis, positions)
+    return (fit(_index_add(joined, key, xs[0].shape, repeats=True), xs[0]),)
