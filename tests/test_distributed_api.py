@@ -251,6 +251,39 @@ def test_all_to_all_and_all_gather_coalesced_share_list_checks(
         dist.all_to_all(arrays, [x])  # type: ignore[arg-type]
 
 
+def test_outputs_sharing_memory_are_refused(world: None) -> None:
+    """``[[buf, buf]]`` used to be accepted: buf held the last input, the first result was lost.
+
+    (The lists of one array per rank, ``[buf] * n``, need ranks: mpi_workers/api_worker.py.)
+    """
+    buf = np.full(2, -1.0)
+    with pytest.raises(
+        ValueError,
+        match=r"output_tensor_lists\[0\]\[0\] and output_tensor_lists\[0\]\[1\] share memory, "
+        r"but this collective writes into each of them.*they are one array \(a list made as "
+        r"\[buf\] \* n repeats buf\)",
+    ):
+        dist.all_gather_coalesced([[buf, buf]], [np.ones(2), np.zeros(2)])
+    base = np.full(3, -1.0)
+    with pytest.raises(ValueError, match=r"\[0\]\[0\] and output_tensor_lists\[0\]\[1\] share"):
+        dist.all_gather_coalesced([[base[:2], base[1:]]], [np.ones(2), np.zeros(2)])
+    assert buf.tolist() == [-1.0, -1.0]
+    assert base.tolist() == [-1.0] * 3
+    # Past 8 outputs the overlap test sorts by address instead of testing every pair.
+    many = np.zeros(21)
+    disjoint = [many[2 * k : 2 * k + 2] for k in range(10)]
+    inputs = [np.full(2, float(k)) for k in range(10)]
+    dist.all_gather_coalesced([disjoint], inputs)
+    assert many.tolist() == [float(k) for k in range(10) for _ in range(2)] + [0.0]
+    with pytest.raises(ValueError, match=r"\[0\]\[8\] and output_tensor_lists\[0\]\[9\] share"):
+        dist.all_gather_coalesced([[*disjoint[:9], many[17:19]]], inputs)
+    # Reading and writing one array is fine (MPI stages the input): the own slot as the input.
+    out = [np.zeros(2)]
+    out[0][:] = [1.0, 2.0]
+    dist.all_gather(out, out[0])
+    assert out[0].tolist() == [1.0, 2.0]
+
+
 def test_p2p_checks(world: None) -> None:
     with pytest.raises(
         ValueError, match=r"dst=0 is this process's own rank; a rank cannot send to itself"

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src.arguments import read_bool, read_sequence
-from cupy_parallel._src.arrays import device_of, is_array
+from cupy_parallel._src.arrays import check_outs, device_of, is_array
 from cupy_parallel._src.distributed.backend import disagreeing, per_rank
 from cupy_parallel._src.distributed.groups import resolve_group
 from cupy_parallel._src.enums import ReduceOp
@@ -70,6 +70,7 @@ __all__ = [
     "check_array",
     "check_arrays",
     "check_data",
+    "check_disjoint",
     "check_like",
     "check_lists",
     "check_member_list",
@@ -242,7 +243,19 @@ def check_arrays(
         check_array(backend, x, f"{name}[{index}]", output=output)
         if like is not None:
             check_like(x, like, f"{name}[{index}]", like_name, shape=same_shape)
+    if output:
+        check_disjoint([(f"{name}[{index}]", x) for index, x in enumerate(xs)])
     return xs
+
+
+def check_disjoint(outputs: Sequence[tuple[str, Any]]) -> None:
+    """Refuse arrays a collective writes that share memory (``[buf] * n``): ``ValueError``.
+
+    ``outputs`` are ``(name, array)`` pairs. The collective would write every entry into the
+    same memory, leaving each holding the last rank's data; ``comm``'s overlap test
+    (:func:`~cupy_parallel._src.arrays.check_outs`) says so instead.
+    """
+    check_outs(outputs, (), "this collective")
 
 
 def check_same_device(xs: Sequence[Any], ref: Any, name: str, ref_name: str) -> None:
@@ -302,13 +315,22 @@ def check_lists(
     *,
     length: int,
     inner: Callable[[int, Any, str], None],
+    output: bool,
 ) -> Sequence[Sequence[Any]]:
-    """A list of ``length`` lists of arrays; ``inner(i, lists[i], "name[i]")`` checks each."""
+    """A list of ``length`` lists of arrays; ``inner(i, lists[i], "name[i]")`` checks each.
+
+    ``output=True``: the collective writes them, so no two arrays of all the lists may share
+    memory (``[[buf]] * n`` is refused as ``[buf] * n`` is).
+    """
     read_sequence(lists, name, expected="a list of lists of arrays", lists_only=True)
     if len(lists) != length:
         raise ValueError(f"{name} must hold {length} lists, got {len(lists)}.")
     for i, xs in enumerate(lists):
         inner(i, xs, f"{name}[{i}]")
+    if output:
+        check_disjoint(
+            [(f"{name}[{i}][{k}]", x) for i, xs in enumerate(lists) for k, x in enumerate(xs)]
+        )
     return lists
 
 

@@ -79,7 +79,7 @@ def _per_device_lists(
             backend, xs, item, per_device[0], first, length=count, output=output, on=on
         )
 
-    check_lists(backend, lists, name, length=local, inner=inner)
+    check_lists(backend, lists, name, length=local, inner=inner, output=output)
 
 
 def _device_list(backend: ProcessGroupBackend, xs: Any, name: str, *, output: bool = True) -> Any:
