@@ -159,9 +159,57 @@ def test_groups(world: None) -> None:
     non_member = dist.GroupMember.NON_GROUP_MEMBER
     assert dist.get_rank(non_member) == -1
     assert dist.get_world_size(non_member) == -1
-    assert dist.all_reduce(x, group=non_member) is None
-    assert dist.recv(x, group=non_member) == -1
+    with pytest.warns(UserWarning, match=r"Running all_reduce on global rank 0 which does not"):
+        assert dist.all_reduce(x, group=non_member) is None
+    with pytest.warns(UserWarning, match=r"Running recv on global rank 0 which does not"):
+        assert dist.recv(x, group=non_member) == -1
     assert dist.get_rank(dist.group.WORLD) == 0
+
+
+_NON_MEMBER_CALLS = {
+    "broadcast": lambda x, g: dist.broadcast(x, 0, g),
+    "all_reduce": lambda x, g: dist.all_reduce(x, group=g),
+    "reduce": lambda x, g: dist.reduce(x, 0, group=g),
+    "all_gather": lambda x, g: dist.all_gather([x], x, g),
+    "all_to_all_single": lambda x, g: dist.all_to_all_single(x, x.copy(), group=g),
+    "gather": lambda x, g: dist.gather(x, [x], 0, g),
+    "scatter": lambda x, g: dist.scatter(x, [x.copy()], 0, g),
+    "barrier": lambda x, g: dist.barrier(g),
+    "monitored_barrier": lambda x, g: dist.monitored_barrier(g),
+    "send": lambda x, g: dist.send(x, 0, g),
+    "isend": lambda x, g: dist.isend(x, 0, g),
+    "irecv": lambda x, g: dist.irecv(x, 0, g),
+    "batch_isend_irecv": lambda x, g: dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 0, g)]),
+    "all_gather_object": lambda x, g: dist.all_gather_object([None], 1, g),
+    "broadcast_object_list": lambda x, g: dist.broadcast_object_list([x], 0, g),
+}
+
+
+@pytest.mark.parametrize("initialized", [True, False], ids=["world", "before-init"])
+@pytest.mark.parametrize("name", list(_NON_MEMBER_CALLS))
+def test_non_members_are_warned_as_torch_warns(name: str, initialized: bool) -> None:
+    """A call on a group this rank is not in does nothing, as in torch, but no longer silently.
+
+    torch (c10d's ``_warn_not_in_group``) warns ``Running <op> on global rank <r> which does not
+    belong to the given group.``, with ``r = -1`` before ``init_process_group``; the warning
+    points at the caller's line.
+    """
+    if initialized:
+        dist.init_process_group("mpi", timeout=timedelta(seconds=20))
+    try:
+        x = np.arange(3.0)
+        rank = 0 if initialized else -1
+        message = (
+            rf"^Running {name} on global rank {rank} which does not belong to the given group\."
+        )
+        with pytest.warns(UserWarning, match=message) as caught:
+            result = _NON_MEMBER_CALLS[name](x, dist.GroupMember.NON_GROUP_MEMBER)
+        assert result is None or result == []
+        assert x.tolist() == [0.0, 1.0, 2.0]
+        assert [w.filename for w in caught] == [__file__]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------

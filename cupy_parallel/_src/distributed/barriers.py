@@ -65,7 +65,7 @@ def monitored_barrier(
         >>> dist.monitored_barrier(timeout=5)
         >>> dist.destroy_process_group()
     """
-    resolved = backend_of(group)
+    resolved = backend_of(group, "monitored_barrier")
     if resolved is None:
         return
     pg, backend = resolved

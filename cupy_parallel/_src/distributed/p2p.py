@@ -33,10 +33,13 @@ def _tag(backend: ProcessGroupBackend, tag: Any) -> int:
 
 
 def _p2p(
-    tensor: Any, peer: Any, name: str, group: Any, tag: Any, *, receive: bool
+    tensor: Any, peer: Any, name: str, group: Any, tag: Any, *, receive: bool, operation: str
 ) -> tuple[ProcessGroup, ProcessGroupBackend, int | None, int] | None:
-    """Check a send (``receive=False``) or receive; ``peer`` (named ``name``) may be None then."""
-    resolved = backend_of(group)
+    """Check a send (``receive=False``) or receive; ``peer`` (named ``name``) may be None then.
+
+    ``operation``: the public function called, for the warning on a non-member.
+    """
+    resolved = backend_of(group, operation)
     if resolved is None:
         return None
     pg, backend = resolved
@@ -70,7 +73,11 @@ def isend(tensor: Array, dst: int, group: ProcessGroup | None = None, tag: int =
         ValueError: dst=0 is this process's own rank; a rank cannot send to itself.
         >>> dist.destroy_process_group()
     """
-    checked = _p2p(tensor, dst, "dst", group, tag, receive=False)
+    return _send(tensor, dst, group, tag, "isend")
+
+
+def _send(tensor: Any, dst: Any, group: Any, tag: Any, operation: str) -> Work | None:
+    checked = _p2p(tensor, dst, "dst", group, tag, receive=False, operation=operation)
     if checked is None:
         return None
     _pg, backend, local, tag = checked
@@ -96,7 +103,11 @@ def irecv(
         ValueError: src=1 is not a member of process group '0', whose world ranks are [0].
         >>> dist.destroy_process_group()
     """
-    checked = _p2p(tensor, src, "src", group, tag, receive=True)
+    return _recv(tensor, src, group, tag, "irecv")
+
+
+def _recv(tensor: Any, src: Any, group: Any, tag: Any, operation: str) -> Work | None:
+    checked = _p2p(tensor, src, "src", group, tag, receive=True, operation=operation)
     if checked is None:
         return None
     pg, backend, local, tag = checked
@@ -118,7 +129,7 @@ def send(tensor: Array, dst: int, group: ProcessGroup | None = None, tag: int = 
         ValueError: dst=3 is not a member of process group '0', whose world ranks are [0].
         >>> dist.destroy_process_group()
     """
-    work = isend(tensor, dst, group, tag)
+    work = _send(tensor, dst, group, tag, "send")
     if work is not None:
         work.wait()
 
@@ -146,7 +157,7 @@ def recv(
         ValueError: src=0 is this process's own rank; a rank cannot receive from itself.
         >>> dist.destroy_process_group()
     """
-    work = irecv(tensor, src, group, tag)
+    work = _recv(tensor, src, group, tag, "recv")
     if work is None:
         return -1
     return work.source_rank()
@@ -213,7 +224,15 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
             raise TypeError(f"p2p_op_list[{index}] must be a P2POp, got {type(item).__name__}.")
         receive = item.op is irecv
         name = "src" if receive else "dst"
-        found = _p2p(item.tensor, item.peer, name, item.group, item.tag, receive=receive)
+        found = _p2p(
+            item.tensor,
+            item.peer,
+            name,
+            item.group,
+            item.tag,
+            receive=receive,
+            operation="batch_isend_irecv",
+        )
         if found is not None:
             checked.append((item, found))
     works = []
