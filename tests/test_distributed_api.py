@@ -216,6 +216,50 @@ def test_non_members_are_warned_as_torch_warns(name: str, initialized: bool) -> 
 # Argument checks, pinned
 
 
+_TORCH_VALUE_ERRORS = {
+    "complex-min": (
+        lambda: dist.all_reduce(np.zeros(2, complex), op=ReduceOp.MIN),
+        r"ReduceOp\.MIN is not defined for complex dtype complex128",
+    ),
+    "complex-max-reduce": (
+        lambda: dist.reduce(np.zeros(2, np.complex64), 0, op=ReduceOp.MAX),
+        r"ReduceOp\.MAX is not defined for complex dtype complex64",
+    ),
+    "all_gather-dtypes": (
+        lambda: dist.all_gather([np.zeros(2, np.float32)], np.zeros(2)),
+        r"tensor_list\[0\] has dtype float32 but tensor has float64",
+    ),
+    "batch-entry": (
+        lambda: dist.batch_isend_irecv([1]),  # type: ignore[list-item]
+        r"p2p_op_list\[0\] must be a P2POp, got int",
+    ),
+    "batch-not-a-list": (
+        lambda: dist.batch_isend_irecv(3),  # type: ignore[arg-type]
+        r"p2p_op_list must be a list of P2POp, got int",
+    ),
+    "Backend(None)": (lambda: Backend(None), r"backend must be a str or Backend"),
+    "PrefixStore(p, None)": (
+        lambda: dist.PrefixStore("p", None),  # type: ignore[arg-type]
+        r"store must be a cupy_parallel Store .*got NoneType",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_TORCH_VALUE_ERRORS))
+@pytest.mark.parametrize("caught", [ValueError, TypeError], ids=["torch", "ours"])
+def test_errors_torch_raises_as_value_errors_are_both(
+    world: None, case: str, caught: type[Exception]
+) -> None:
+    """torch raises ValueError here, where our convention says TypeError: both catch ours.
+
+    (torch: ``_check_p2p_op_list``, ``Backend.__new__``, ``_ensure_all_tensors_same_dtype``, the
+    complex check of ``all_reduce``/``reduce``; ``PrefixStore`` refuses a ``None`` store.)
+    """
+    call, message = _TORCH_VALUE_ERRORS[case]
+    with pytest.raises(caught, match=message):
+        call()
+
+
 def test_array_checks(world: None) -> None:
     with pytest.raises(TypeError, match=r"tensor must be an array .* got list"):
         dist.all_reduce([1.0])

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cupy_parallel._src.arguments import read_bool, read_sequence
+from cupy_parallel._src.arguments import ArgumentError, read_bool, read_sequence
 from cupy_parallel._src.arrays import check_outs, device_of, is_array
 from cupy_parallel._src.distributed.backend import disagreeing, per_rank
 from cupy_parallel._src.distributed.groups import get_rank, is_initialized, resolve_group
@@ -237,7 +237,7 @@ def check_array(backend: ProcessGroupBackend, x: Any, name: str, *, output: bool
 def check_like(x: Any, ref: Any, name: str, ref_name: str, *, shape: bool = True) -> None:
     """Check that ``x`` has ``ref``'s dtype (and shape, unless ``shape=False``)."""
     if x.dtype != ref.dtype:
-        raise TypeError(
+        raise ArgumentError(  # a TypeError, and torch's ValueError
             f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}; every array of the call "
             "must share one dtype."
         )
@@ -307,7 +307,15 @@ def check_reduction(backend: ProcessGroupBackend, dtype: Any, op: Any) -> None:
             f"ReduceOp.{op.name} is not available with the {backend.backend.value!r} backend "
             f"(it has {', '.join(sorted(o.name for o in backend.reduce_ops))})."
         )
+    if op in _ORDERED and np.dtype(dtype).kind == "c":
+        raise ArgumentError(  # a TypeError, and torch's ValueError
+            f"ReduceOp.{op.name} is not defined for complex dtype {dtype} (complex numbers "
+            "have no order); reduce abs() or the real and imaginary parts separately."
+        )
     backend.check_dtype(dtype, op)
+
+
+_ORDERED = frozenset({ReduceOp.MIN, ReduceOp.MAX})
 
 
 def check_data(backend: ProcessGroupBackend, x: Any, name: str, *, output: bool = True) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.arguments import ArgumentError, read_int
 from cupy_parallel._src.distributed.dispatch import backend_of, check_data
 
 if TYPE_CHECKING:
@@ -215,13 +215,15 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         ValueError: p2p_op_list must hold at least one P2POp, got an empty list.
     """
     if not isinstance(p2p_op_list, list | tuple):
-        raise TypeError(f"p2p_op_list must be a list of P2POp, got {type(p2p_op_list).__name__}.")
+        raise ArgumentError(
+            f"p2p_op_list must be a list of P2POp, got {type(p2p_op_list).__name__}."
+        )
     if not p2p_op_list:
         raise ValueError("p2p_op_list must hold at least one P2POp, got an empty list.")
     checked = []
     for index, item in enumerate(p2p_op_list):
         if not isinstance(item, P2POp):
-            raise TypeError(f"p2p_op_list[{index}] must be a P2POp, got {type(item).__name__}.")
+            raise ArgumentError(f"p2p_op_list[{index}] must be a P2POp, got {type(item).__name__}.")
         receive = item.op is irecv
         name = "src" if receive else "dst"
         found = _p2p(

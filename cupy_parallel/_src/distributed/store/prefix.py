@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from cupy_parallel._src.arguments import ArgumentError
 from cupy_parallel._src.distributed.store.interface import Store, check_key, check_keys
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class PrefixStore(Store):
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got {type(prefix).__name__} {prefix!r}.")
         if not isinstance(store, Store):
-            raise TypeError(
+            raise ArgumentError(  # torch's ValueError too
                 "store must be a cupy_parallel Store (TCPStore, FileStore, HashStore, "
                 f"PrefixStore or a subclass of Store), got {type(store).__name__}."
             )
