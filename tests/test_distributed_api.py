@@ -6,6 +6,7 @@ goes through the MPI backend; multi-rank behaviour is in test_mpi_collectives.py
 
 from __future__ import annotations
 
+import concurrent.futures
 import socket
 import time
 from datetime import timedelta
@@ -403,6 +404,33 @@ def test_single_rank_reductions_are_identity(world: None, dtype: type, op: Reduc
     assert work.wait() is True
     np.testing.assert_array_equal(x, original)
     assert x.dtype == original.dtype
+
+
+def test_work_result_and_torch_futures(world: None) -> None:
+    """Work.result() and a future with torch.futures.Future's wait/value/then (they were absent)."""
+    x = np.arange(3.0)
+    work = dist.all_reduce(x, async_op=True)
+    result = work.result()
+    assert len(result) == 1
+    assert result[0] is x
+    assert dist.barrier(async_op=True).result() == []
+    future = dist.all_reduce(x, async_op=True).get_future()
+    assert future.wait()[0] is x  # torch's wait() returns the value
+    assert future.value()[0] is x
+    assert future.then(lambda f: f.value()[0].sum() + 1).wait() == 4.0
+    failing = future.then(lambda f: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.wait()
+    assert isinstance(future, concurrent.futures.Future)
+    with pytest.raises(RuntimeError, match=r"value\(\) of a future that is not done yet"):
+        type(future)().value()
+    # barrier(timeout=): read and passed on (a late rank: mpi_workers/api_worker.py)
+    assert dist.barrier(timeout=5) is None
+    assert dist.barrier(timeout=timedelta(seconds=5)) is None
+    with pytest.raises(ValueError, match=r"barrier got timeout=5 and async_op=True"):
+        dist.barrier(async_op=True, timeout=5)
+    with pytest.raises(ValueError, match=r"timeout must be more than 0 seconds, got -1"):
+        dist.barrier(timeout=-1)
 
 
 def test_single_rank_movement(world: None) -> None:

@@ -92,6 +92,7 @@ def api(rank: int, size: int) -> None:
     dist.all_to_all_single(even, np.arange(size, dtype=float) + 10 * rank)
     check("all_to_all_single even", even, np.array([10.0 * r + rank for r in ranks]))
     overlapping_outputs(rank, size)
+    torch_work_api(rank, size)
     # objects
     objects = [{"from": rank}, f"text {rank}", (rank, [rank] * 2)] if rank == 1 else [None] * 3
     dist.broadcast_object_list(objects, src=np.int64(1))
@@ -214,6 +215,40 @@ def overlapping_outputs(rank: int, size: int) -> None:
         )
     else:
         dist.gather(row(rank), None, dst=0)
+
+
+def torch_work_api(rank: int, size: int) -> None:
+    """barrier(timeout=) with a late rank; Work.result() of isend/irecv; futures' then/wait."""
+    late = size - 1
+    if rank == late:
+        time.sleep(2.5)
+    start = time.monotonic()
+    try:
+        dist.barrier(timeout=1)
+        same("barrier(timeout=1) waits for the late rank", rank == late, True)
+    except TimeoutError as error:
+        same("barrier(timeout=1) times out on the punctual ranks", rank != late, True)
+        same(
+            "barrier timeout names barrier", str(error).startswith("barrier on process group"), True
+        )
+        same("barrier timeout after about 1 s", 0.9 < time.monotonic() - start < 2.4, True)
+    x = np.ones(1)
+    dist.all_reduce(x)  # the group stays usable: the barrier completed in the background
+    check("all_reduce after a barrier timeout", x, np.array([float(size)]))
+    right, left = (rank + 1) % size, (rank - 1) % size
+    sent = row(rank)
+    received = np.zeros(3)
+    receiving = dist.irecv(received, src=left, tag=11)
+    sending = dist.isend(sent, dst=right, tag=11)
+    assert receiving is not None
+    assert sending is not None
+    arrays = receiving.result()
+    same("irecv result() is [the receive buffer]", len(arrays) == 1 and arrays[0] is received, True)
+    check("irecv result() data", arrays[0], row(left))
+    same("isend result() is [the array sent]", sending.result()[0] is sent, True)
+    y = np.full(2, float(rank))
+    chained = dist.all_reduce(y, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    check("future.then(...).wait()", chained.wait(), np.full(2, 2.0 * sum(range(size))))
 
 
 def debug(rank: int, size: int) -> None:

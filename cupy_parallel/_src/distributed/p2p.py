@@ -83,6 +83,7 @@ def _send(tensor: Any, dst: Any, group: Any, tag: Any, operation: str) -> Work |
     _pg, backend, local, tag = checked
     assert local is not None
     work: Work = backend.send(tensor, local, tag)
+    work.outputs = [tensor]  # Work.result(), get_future(): torch's hold the tensor
     return work
 
 
@@ -113,6 +114,7 @@ def _recv(tensor: Any, src: Any, group: Any, tag: Any, operation: str) -> Work |
     pg, backend, local, tag = checked
     work: Work = backend.recv(tensor, local, tag)
     work.world_ranks = pg.ranks
+    work.outputs = [tensor]
     return work
 
 
