@@ -433,6 +433,27 @@ def test_work_result_and_torch_futures(world: None) -> None:
         dist.barrier(timeout=-1)
 
 
+def test_process_group_methods_torch_code_calls(world: None) -> None:
+    """pg.allreduce/pg.barrier return a Work; pg.monitored_barrier(timeout) (all were missing)."""
+    pg = dist.new_group([0])
+    x = np.arange(3.0)
+    for tensors in (x, [x]):
+        work = pg.allreduce(tensors)
+        assert isinstance(work, Work)
+        assert work.result()[0] is x
+    assert x.tolist() == [0.0, 1.0, 2.0]  # a sum over one rank
+    assert pg.allreduce([x], ReduceOp.MAX).wait()
+    with pytest.raises(TypeError, match=r"op must be a ReduceOp .*got str 'max'"):
+        pg.allreduce([x], "max")
+    with pytest.raises(TypeError, match=r"tensors must be an array or a list of arrays, got set"):
+        pg.allreduce({1})
+    barrier_work = pg.barrier()
+    assert isinstance(barrier_work, Work)
+    assert barrier_work.wait()
+    assert pg.monitored_barrier(timedelta(seconds=5)) is None
+    assert pg.monitored_barrier(5, wait_all_ranks=True) is None
+
+
 def test_single_rank_movement(world: None) -> None:
     x = np.arange(6.0).reshape(2, 3)
     out = [np.zeros((2, 3))]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -246,6 +247,17 @@ def torch_work_api(rank: int, size: int) -> None:
     same("irecv result() is [the receive buffer]", len(arrays) == 1 and arrays[0] is received, True)
     check("irecv result() data", arrays[0], row(left))
     same("isend result() is [the array sent]", sending.result()[0] is sent, True)
+    everyone = dist.new_group(list(range(size)))
+    z = np.full(2, float(rank + 1))
+    pg_work = everyone.allreduce([z], ReduceOp.SUM)
+    check(
+        "pg.allreduce([z]).result()",
+        pg_work.result()[0],
+        np.full(2, float(sum(range(1, size + 1)))),
+    )
+    everyone.monitored_barrier(timedelta(seconds=20))
+    same("pg.barrier().wait()", everyone.barrier().wait(), True)
+    dist.destroy_process_group(everyone)
     y = np.full(2, float(rank))
     chained = dist.all_reduce(y, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
     check("future.then(...).wait()", chained.wait(), np.full(2, 2.0 * sum(range(size))))

@@ -9,6 +9,7 @@ import numpy as np
 
 from cupy_parallel._src.arguments import read_bool, read_timeout
 from cupy_parallel._src.distributed.dispatch import Call, backend_of, run
+from cupy_parallel._src.distributed.groups import register_method
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -148,3 +149,13 @@ def monitored_barrier(
         )
     for r in range(1, backend.size):
         backend.send(np.zeros(1, np.uint8), r, tag).wait()
+
+
+def _barrier_method(pg: ProcessGroup) -> Work:
+    work = barrier(pg, async_op=True)
+    assert work is not None  # a ProcessGroup object: this rank is a member
+    return work
+
+
+register_method("barrier", _barrier_method)
+register_method("monitored_barrier", monitored_barrier)
