@@ -6,6 +6,7 @@ goes through the MPI backend; multi-rank behaviour is in test_mpi_collectives.py
 
 from __future__ import annotations
 
+import concurrent.futures
 import socket
 import time
 from datetime import timedelta
@@ -159,13 +160,105 @@ def test_groups(world: None) -> None:
     non_member = dist.GroupMember.NON_GROUP_MEMBER
     assert dist.get_rank(non_member) == -1
     assert dist.get_world_size(non_member) == -1
-    assert dist.all_reduce(x, group=non_member) is None
-    assert dist.recv(x, group=non_member) == -1
+    with pytest.warns(UserWarning, match=r"Running all_reduce on global rank 0 which does not"):
+        assert dist.all_reduce(x, group=non_member) is None
+    with pytest.warns(UserWarning, match=r"Running recv on global rank 0 which does not"):
+        assert dist.recv(x, group=non_member) == -1
     assert dist.get_rank(dist.group.WORLD) == 0
+
+
+_NON_MEMBER_CALLS = {
+    "broadcast": lambda x, g: dist.broadcast(x, 0, g),
+    "all_reduce": lambda x, g: dist.all_reduce(x, group=g),
+    "reduce": lambda x, g: dist.reduce(x, 0, group=g),
+    "all_gather": lambda x, g: dist.all_gather([x], x, g),
+    "all_to_all_single": lambda x, g: dist.all_to_all_single(x, x.copy(), group=g),
+    "gather": lambda x, g: dist.gather(x, [x], 0, g),
+    "scatter": lambda x, g: dist.scatter(x, [x.copy()], 0, g),
+    "barrier": lambda x, g: dist.barrier(g),
+    "monitored_barrier": lambda x, g: dist.monitored_barrier(g),
+    "send": lambda x, g: dist.send(x, 0, g),
+    "isend": lambda x, g: dist.isend(x, 0, g),
+    "irecv": lambda x, g: dist.irecv(x, 0, g),
+    "batch_isend_irecv": lambda x, g: dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 0, g)]),
+    "all_gather_object": lambda x, g: dist.all_gather_object([None], 1, g),
+    "broadcast_object_list": lambda x, g: dist.broadcast_object_list([x], 0, g),
+}
+
+
+@pytest.mark.parametrize("initialized", [True, False], ids=["world", "before-init"])
+@pytest.mark.parametrize("name", list(_NON_MEMBER_CALLS))
+def test_non_members_are_warned_as_torch_warns(name: str, initialized: bool) -> None:
+    """A call on a group this rank is not in does nothing, as in torch, but no longer silently.
+
+    torch (c10d's ``_warn_not_in_group``) warns ``Running <op> on global rank <r> which does not
+    belong to the given group.``, with ``r = -1`` before ``init_process_group``; the warning
+    points at the caller's line.
+    """
+    if initialized:
+        dist.init_process_group("mpi", timeout=timedelta(seconds=20))
+    try:
+        x = np.arange(3.0)
+        rank = 0 if initialized else -1
+        message = (
+            rf"^Running {name} on global rank {rank} which does not belong to the given group\."
+        )
+        with pytest.warns(UserWarning, match=message) as caught:
+            result = _NON_MEMBER_CALLS[name](x, dist.GroupMember.NON_GROUP_MEMBER)
+        assert result is None or result == []
+        assert x.tolist() == [0.0, 1.0, 2.0]
+        assert [w.filename for w in caught] == [__file__]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks, pinned
+
+
+_TORCH_VALUE_ERRORS = {
+    "complex-min": (
+        lambda: dist.all_reduce(np.zeros(2, complex), op=ReduceOp.MIN),
+        r"ReduceOp\.MIN is not defined for complex dtype complex128",
+    ),
+    "complex-max-reduce": (
+        lambda: dist.reduce(np.zeros(2, np.complex64), 0, op=ReduceOp.MAX),
+        r"ReduceOp\.MAX is not defined for complex dtype complex64",
+    ),
+    "all_gather-dtypes": (
+        lambda: dist.all_gather([np.zeros(2, np.float32)], np.zeros(2)),
+        r"tensor_list\[0\] has dtype float32 but tensor has float64",
+    ),
+    "batch-entry": (
+        lambda: dist.batch_isend_irecv([1]),  # type: ignore[list-item]
+        r"p2p_op_list\[0\] must be a P2POp, got int",
+    ),
+    "batch-not-a-list": (
+        lambda: dist.batch_isend_irecv(3),  # type: ignore[arg-type]
+        r"p2p_op_list must be a list of P2POp, got int",
+    ),
+    "Backend(None)": (lambda: Backend(None), r"backend must be a str or Backend"),
+    "PrefixStore(p, None)": (
+        lambda: dist.PrefixStore("p", None),  # type: ignore[arg-type]
+        r"store must be a cupy_parallel Store .*got NoneType",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_TORCH_VALUE_ERRORS))
+@pytest.mark.parametrize("caught", [ValueError, TypeError], ids=["torch", "ours"])
+def test_errors_torch_raises_as_value_errors_are_both(
+    world: None, case: str, caught: type[Exception]
+) -> None:
+    """torch raises ValueError here, where our convention says TypeError: both catch ours.
+
+    (torch: ``_check_p2p_op_list``, ``Backend.__new__``, ``_ensure_all_tensors_same_dtype``, the
+    complex check of ``all_reduce``/``reduce``; ``PrefixStore`` refuses a ``None`` store.)
+    """
+    call, message = _TORCH_VALUE_ERRORS[case]
+    with pytest.raises(caught, match=message):
+        call()
 
 
 def test_array_checks(world: None) -> None:
@@ -251,6 +344,39 @@ def test_all_to_all_and_all_gather_coalesced_share_list_checks(
         dist.all_to_all(arrays, [x])  # type: ignore[arg-type]
 
 
+def test_outputs_sharing_memory_are_refused(world: None) -> None:
+    """``[[buf, buf]]`` used to be accepted: buf held the last input, the first result was lost.
+
+    (The lists of one array per rank, ``[buf] * n``, need ranks: mpi_workers/api_worker.py.)
+    """
+    buf = np.full(2, -1.0)
+    with pytest.raises(
+        ValueError,
+        match=r"output_tensor_lists\[0\]\[0\] and output_tensor_lists\[0\]\[1\] share memory, "
+        r"but this collective writes into each of them.*they are one array \(a list made as "
+        r"\[buf\] \* n repeats buf\)",
+    ):
+        dist.all_gather_coalesced([[buf, buf]], [np.ones(2), np.zeros(2)])
+    base = np.full(3, -1.0)
+    with pytest.raises(ValueError, match=r"\[0\]\[0\] and output_tensor_lists\[0\]\[1\] share"):
+        dist.all_gather_coalesced([[base[:2], base[1:]]], [np.ones(2), np.zeros(2)])
+    assert buf.tolist() == [-1.0, -1.0]
+    assert base.tolist() == [-1.0] * 3
+    # Past 8 outputs the overlap test sorts by address instead of testing every pair.
+    many = np.zeros(21)
+    disjoint = [many[2 * k : 2 * k + 2] for k in range(10)]
+    inputs = [np.full(2, float(k)) for k in range(10)]
+    dist.all_gather_coalesced([disjoint], inputs)
+    assert many.tolist() == [float(k) for k in range(10) for _ in range(2)] + [0.0]
+    with pytest.raises(ValueError, match=r"\[0\]\[8\] and output_tensor_lists\[0\]\[9\] share"):
+        dist.all_gather_coalesced([[*disjoint[:9], many[17:19]]], inputs)
+    # Reading and writing one array is fine (MPI stages the input): the own slot as the input.
+    out = [np.zeros(2)]
+    out[0][:] = [1.0, 2.0]
+    dist.all_gather(out, out[0])
+    assert out[0].tolist() == [1.0, 2.0]
+
+
 def test_p2p_checks(world: None) -> None:
     with pytest.raises(
         ValueError, match=r"dst=0 is this process's own rank; a rank cannot send to itself"
@@ -278,6 +404,54 @@ def test_single_rank_reductions_are_identity(world: None, dtype: type, op: Reduc
     assert work.wait() is True
     np.testing.assert_array_equal(x, original)
     assert x.dtype == original.dtype
+
+
+def test_work_result_and_torch_futures(world: None) -> None:
+    """Work.result() and a future with torch.futures.Future's wait/value/then (they were absent)."""
+    x = np.arange(3.0)
+    work = dist.all_reduce(x, async_op=True)
+    result = work.result()
+    assert len(result) == 1
+    assert result[0] is x
+    assert dist.barrier(async_op=True).result() == []
+    future = dist.all_reduce(x, async_op=True).get_future()
+    assert future.wait()[0] is x  # torch's wait() returns the value
+    assert future.value()[0] is x
+    assert future.then(lambda f: f.value()[0].sum() + 1).wait() == 4.0
+    failing = future.then(lambda f: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.wait()
+    assert isinstance(future, concurrent.futures.Future)
+    with pytest.raises(RuntimeError, match=r"value\(\) of a future that is not done yet"):
+        type(future)().value()
+    # barrier(timeout=): read and passed on (a late rank: mpi_workers/api_worker.py)
+    assert dist.barrier(timeout=5) is None
+    assert dist.barrier(timeout=timedelta(seconds=5)) is None
+    with pytest.raises(ValueError, match=r"barrier got timeout=5 and async_op=True"):
+        dist.barrier(async_op=True, timeout=5)
+    with pytest.raises(ValueError, match=r"timeout must be more than 0 seconds, got -1"):
+        dist.barrier(timeout=-1)
+
+
+def test_process_group_methods_torch_code_calls(world: None) -> None:
+    """pg.allreduce/pg.barrier return a Work; pg.monitored_barrier(timeout) (all were missing)."""
+    pg = dist.new_group([0])
+    x = np.arange(3.0)
+    for tensors in (x, [x]):
+        work = pg.allreduce(tensors)
+        assert isinstance(work, Work)
+        assert work.result()[0] is x
+    assert x.tolist() == [0.0, 1.0, 2.0]  # a sum over one rank
+    assert pg.allreduce([x], ReduceOp.MAX).wait()
+    with pytest.raises(TypeError, match=r"op must be a ReduceOp .*got str 'max'"):
+        pg.allreduce([x], "max")
+    with pytest.raises(TypeError, match=r"tensors must be an array or a list of arrays, got set"):
+        pg.allreduce({1})
+    barrier_work = pg.barrier()
+    assert isinstance(barrier_work, Work)
+    assert barrier_work.wait()
+    assert pg.monitored_barrier(timedelta(seconds=5)) is None
+    assert pg.monitored_barrier(5, wait_all_ranks=True) is None
 
 
 def test_single_rank_movement(world: None) -> None:

@@ -154,6 +154,26 @@ def test_file_rendezvous_in_one_process(tmp_path: os.PathLike[str]) -> None:
         assert (rank, size) == (0, 1)
 
 
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_use_libuv_in_a_url_is_accepted_and_ignored(flag: str) -> None:
+    """torch's URLs may carry ``use_libuv`` (its choice of TCP server); it was refused here.
+
+    The other query parameters are still read (rank, world_size from the URL) and still checked.
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}?use_libuv={flag}&rank=0&world_size=1"
+    store, rank, size = rendezvous(url, -1, -1, timeout=FIVE)
+    with store:
+        assert isinstance(store, TCPStore)
+        assert (rank, size) == (0, 1)
+    with pytest.raises(
+        ValueError, match=r"unknown query parameter 'use_libuvv'.*use_libuv, ignored"
+    ):
+        rendezvous(f"tcp://127.0.0.1:{port}?use_libuvv=1", 0, 1, timeout=FIVE)
+
+
 # --------------------------------------------------------------------------------------------
 # Errors name the missing or invalid piece
 

@@ -26,7 +26,8 @@ Cases that do not apply, and why:
 - ``test_agent_store`` (``TORCHELASTIC_USE_AGENT_STORE``): we have no elastic agent.
 - ``test_underlying_non_prefix_store`` tests a private torch attribute.
 - ``test_get_underlying_store`` also expects ``PrefixStore("prefix", None)`` to raise
-  ``ValueError``; ours raises ``TypeError`` (a wrong type, by the project's rules).
+  ``ValueError``; ours raises ``ArgumentError``, a ``TypeError`` (a wrong type, by the
+  project's rules) that is also a ``ValueError``.
 - Message texts such as "wait timeout after 100ms, keys: /k" are torch's; ours say
   "timeout after 0.1 s" and name the keys (pinned in the tests below and in test_store.py).
 """
@@ -483,11 +484,54 @@ def test_extended_api_roundtrips_through_a_prefix() -> None:
     view = PrefixStore("p", base)
     assert view.has_extended_api()
     view.append("foo", "bar")
-    assert base.appends == [("p/foo", "bar")]
+    assert base.appends == [("p/foo", b"bar")]  # torch: str reaches the subclass as bytes
     assert view.multi_get(["foo", "bar"]) == [b"x", b"y"]
     assert base.multi_gets == [["p/foo", "p/bar"]]
-    view.multi_set(["foo", "bar"], [b"x", b"y"])
+    view.multi_set(["foo", "bar"], ["x", b"y"])
     assert base.multi_sets == [(["p/foo", "p/bar"], [b"x", b"y"])]
+
+
+def test_a_subclass_holding_str_round_trips_as_bytes() -> None:
+    """A subclass may keep and return str; torch hands it bytes and returns bytes to the caller.
+
+    Before, a str given to PrefixStore reached the subclass as str, and what the subclass
+    returned came back unconverted (``get`` gave ``'po'``, ``append`` mixed str and bytes).
+    """
+
+    class Loose(Store):  # keeps whatever it is given, returns it as it is
+        def __init__(self) -> None:
+            super().__init__()
+            self.data: dict[str, object] = {}
+            self.given: list[object] = []
+
+        def set(self, key: str, value: bytes | str) -> None:
+            self.given.append(value)
+            self.data[key] = value
+
+        def get(self, key: str) -> bytes:
+            return self.data[key]  # type: ignore[return-value]
+
+        def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+            self.given.extend([expected, desired])
+            current = self.data.get(key)
+            if current is None or current == expected:
+                self.data[key] = current = desired
+            return current  # type: ignore[return-value]
+
+    base = Loose()
+    view = PrefixStore("p", base)
+    view.set("foo", "po")
+    view.append("foo", "tato")
+    assert view.get("foo") == b"potato"
+    assert all(type(value) is bytes for value in base.given)
+    base.data["p/raw"] = "text"  # set on the subclass directly, as str
+    assert view.get("raw") == b"text"
+    view.append("raw", b"!")
+    assert view.get("raw") == b"text!"
+    direct = Loose()  # append on the subclass itself: its str value is extended as bytes
+    direct.set("k", "po")
+    direct.append("k", "tato")
+    assert direct.get("k") == b"potato"
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,9 +19,10 @@ hold this in the test suite (``tests/test_layers.py``), counting every import, t
   then ``cuda`` (streams, pinned staging, copies, the one NCCL runtime), ``hostarray`` and
   ``memory`` (the host pool); then ``hosterrors``.
 - ``devices``: the Device type, discovery, the one way to reach CuPy.
+- ``arraytypes`` (typing only), ``dtypes``, ``enums``, ``exports``, ``tree`` (the one
+  flattener), ``versions``;
 - the bottom, importing nothing from the package: ``arguments`` (the one reader per kind of
-  argument), ``arraytypes`` (typing only), ``dtypes``, ``enums``, ``exports``, ``tree`` (the one
-  flattener), ``versions``.
+  argument, and ``ArgumentError``, which ``enums`` raises).
 
 Where a lower layer must call a higher one, the higher one registers itself at import (the
 raw-NumPy guard with ``hostarray``; ``arrays`` installs the mover and NumPy dispatch of host

@@ -20,6 +20,10 @@ These readers are the only place such checks are written:
   the end (NumPy's ``normalize_axis_index``; out of range is NumPy's ``AxisError``, which is a
   ``ValueError`` and an ``IndexError``).
 
+:class:`ArgumentError` is the one exception for the few places where our convention
+(``TypeError`` for a wrong type) and torch's (``ValueError``) disagree: it is both, so that code
+ported from torch catches it as torch's and ours alike.
+
 This module is the bottom layer: it imports nothing from the package (NumPy only).
 """
 
@@ -36,6 +40,7 @@ from numpy.exceptions import AxisError
 from numpy.lib.array_utils import normalize_axis_index
 
 __all__ = [
+    "ArgumentError",
     "read_axis",
     "read_bool",
     "read_callable",
@@ -53,6 +58,21 @@ _ARRAY_PROTOCOLS = (
     "__cuda_array_interface__",
     "__dlpack__",
 )
+
+
+class ArgumentError(TypeError, ValueError):
+    """A wrong argument where torch raises ``ValueError`` and our convention says ``TypeError``.
+
+    Raised for a wrong type (a ``TypeError``, as everywhere in this library) where torch raises
+    ``ValueError``: ``Backend(None)``, ``PrefixStore(prefix, None)``, an entry of
+    ``batch_isend_irecv``'s list that is not a ``P2POp``, arrays of different dtypes in one
+    collective, ``ReduceOp.MIN``/``MAX`` on complex arrays. ``except ValueError`` (torch's
+    tests) and ``except TypeError`` both catch it.
+
+    Example:
+        >>> issubclass(ArgumentError, TypeError), issubclass(ArgumentError, ValueError)
+        (True, True)
+    """
 
 
 def read_int(value: Any, name: str, /, *, minimum: int | None = None) -> int:

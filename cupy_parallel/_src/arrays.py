@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
@@ -47,6 +48,7 @@ from cupy_parallel._src.hostdispatch import apply_function, apply_ufunc
 from cupy_parallel._src.memory import get_host_memory_pool
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from types import ModuleType
 
     from numpy.typing import DTypeLike, NDArray
@@ -58,11 +60,13 @@ __all__ = [
     "Array",
     "Operand",
     "array_namespace",
+    "check_outs",
     "copy_into",
     "device_of",
     "empty",
     "is_array",
     "move",
+    "shares_memory",
     "to_device",
 ]
 
@@ -316,3 +320,119 @@ def _check_stream(stream: Any, gpu: Device) -> None:
             f"uploads and GPU-to-GPU copies, the source for downloads); create it under "
             f"cupy.cuda.Device({gpu.index})."
         )
+
+
+def check_outs(
+    outs: Sequence[tuple[str, Any]],
+    inputs: Sequence[tuple[str, Any]],
+    operation: str,
+    *,
+    self_copy: bool = False,
+) -> None:
+    """Refuse an ``out`` that cannot take the result, before anything is copied or sent.
+
+    The one overlap test of the library: ``comm``'s functions and the collectives of
+    ``distributed`` that fill a list of arrays call it. An ``out`` is refused when it is
+    read-only, when it overlaps itself (a zero stride over more than one element, as
+    ``numpy.broadcast_to`` makes: torch's ``assert_no_internal_overlap``), when it shares
+    memory with another ``out`` (``[buf] * n``: every entry would end up holding the last
+    result), or when it shares memory with an input that the call reads (the copy would read
+    what it already overwrote; torch's ``cat`` refuses that as well). With ``self_copy=True``
+    an ``out`` occupying exactly the input's memory is accepted: copying an array onto itself
+    is a no-op (torch's ``copy_`` returns early). ``outs`` and ``inputs`` are ``(name, array)``
+    pairs; the names appear in the messages.
+    """
+    for name, o in outs:
+        if not getattr(o.flags, "writeable", True):  # CuPy arrays have no read-only flag
+            raise ValueError(
+                f"{name} is read-only, but {operation} writes its result into it; pass a "
+                "writable array (for example a copy)."
+            )
+        if o.size > 1 and any(
+            stride == 0 and extent > 1 for stride, extent in zip(o.strides, o.shape, strict=True)
+        ):
+            raise ValueError(
+                f"{name} has strides {o.strides} for shape {o.shape}: several of its elements "
+                f"are one memory location, so {operation} cannot write a result into it; pass "
+                "an array whose elements do not overlap (for example a copy)."
+            )
+    for i, j in _bounds_meet(outs):
+        (name, o), (other, p) = outs[i], outs[j]
+        if shares_memory(o, p):
+            same = (
+                "; they are one array (a list made as [buf] * n repeats buf): make one array "
+                "per entry, e.g. [numpy.empty_like(buf) for _ in range(n)]"
+                if o is p
+                else ""
+            )
+            raise ValueError(
+                f"{name} and {other} share memory, but {operation} writes into each of them, "
+                f"so all but the last result would be lost; pass out arrays that do not "
+                f"overlap{same}."
+            )
+    for name, o in outs:
+        for source, x in inputs:
+            if shares_memory(o, x) and not (self_copy and _layout(o) == _layout(x)):
+                raise ValueError(
+                    f"{name} shares memory with {source}, which {operation} reads, so writing "
+                    f"the result would overwrite its own input; pass an out that does not "
+                    f"overlap {source}."
+                )
+
+
+def _bounds_meet(named: Sequence[tuple[str, Any]]) -> list[tuple[int, int]]:
+    """The pairs ``(i, j)``, ``i < j`` in order, of arrays whose memory bounds intersect.
+
+    Only these can share memory: sorting by where each array's memory starts and sweeping
+    finds them in ``O(n log n)`` for disjoint arrays, where testing every pair (``O(n^2)``
+    exact tests) cost 1.6 ms for the 64 outputs of an ``all_gather`` on 64 ranks (0.3 ms
+    now). Up to ``_FEW`` arrays every pair is tested: reading an address costs more than that.
+    """
+    if len(named) <= _FEW:
+        return list(itertools.combinations(range(len(named)), 2))
+    spans = []
+    for index, (_, x) in enumerate(named):
+        if x.size == 0:
+            continue  # no memory
+        device = device_of(x)
+        start, shape, strides = _layout(x)
+        low = start + sum(s * (n - 1) for s, n in zip(strides, shape, strict=True) if s < 0)
+        high = start + sum(s * (n - 1) for s, n in zip(strides, shape, strict=True) if s > 0)
+        # host memory (cpu and host:k) is one address space; each GPU is its own
+        space = device.index if device.kind == "cuda" else -1
+        spans.append((space, low, high + x.itemsize, index))
+    spans.sort()
+    pairs: list[tuple[int, int]] = []
+    active: list[tuple[int, int, int, int]] = []
+    for span in spans:
+        space, low, _, index = span
+        active = [a for a in active if a[0] == space and a[2] > low]
+        pairs.extend((min(a[3], index), max(a[3], index)) for a in active)
+        active.append(span)
+    return sorted(pairs)
+
+
+_FEW = 8  # where testing every pair stops being faster than sorting (28 pairs: ~30 us)
+
+
+def shares_memory(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` have an element in common (unknown counts as yes)."""
+    first, second = device_of(a), device_of(b)
+    if first.kind == "cuda" or second.kind == "cuda":
+        # CuPy's exact test builds a pointer per element on the GPU: only when the bounds meet.
+        cupy = first.xp
+        return first == second and cupy.may_share_memory(a, b) and bool(cupy.shares_memory(a, b))
+    buffers = plain_buffer(a), plain_buffer(b)
+    try:  # a bounded search: exact answers for ordinary layouts, "yes" for pathological ones
+        return bool(np.shares_memory(*buffers, max_work=_SHARES_MEMORY_WORK))
+    except np.exceptions.TooHardError:
+        return True
+
+
+_SHARES_MEMORY_WORK: Any = 1 << 16  # numpy's stubs admit only -1 and 0, the runtime any bound
+
+
+def _layout(x: Any) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Where ``x``'s memory starts, its shape and strides: equal for the same memory."""
+    pointer = x.data.ptr if device_of(x).kind == "cuda" else plain_buffer(x).ctypes.data
+    return int(pointer), tuple(x.shape), tuple(x.strides)

@@ -30,7 +30,7 @@ import numpy as np
 
 from cupy_parallel._src import comm_transfer as _transfer
 from cupy_parallel._src.arguments import read_axis, read_int, read_sequence
-from cupy_parallel._src.arrays import copy_into, device_of, empty, is_array, move
+from cupy_parallel._src.arrays import check_outs, copy_into, device_of, empty, is_array, move
 from cupy_parallel._src.cuda import nccl_comm as _nccl
 from cupy_parallel._src.cuda import streams as _streams
 from cupy_parallel._src.devices import Device, cupy_module, platform, read_device, read_devices
@@ -209,76 +209,6 @@ def _check_same_dtype(x: Any, dtype: np.dtype[Any], name: str, reference: str) -
         )
 
 
-def _check_outs(
-    outs: Sequence[tuple[str, Any]],
-    inputs: Sequence[tuple[str, Any]],
-    operation: str,
-    *,
-    self_copy: bool = False,
-) -> None:
-    """Refuse an ``out`` that cannot take the result, before anything is copied.
-
-    An ``out`` is refused when it is read-only, when it overlaps itself (a zero stride over more
-    than one element, as ``numpy.broadcast_to`` makes: torch's ``assert_no_internal_overlap``),
-    when it shares memory with another ``out``, or when it shares memory with an input that
-    the call reads (the copy would read what it already overwrote; torch's ``cat`` refuses that
-    as well). With ``self_copy=True`` an ``out`` occupying exactly the input's memory is
-    accepted: copying an array onto itself is a no-op (torch's ``copy_`` returns early).
-    ``outs`` and ``inputs`` are ``(name, array)`` pairs; the names appear in the messages.
-    """
-    for name, o in outs:
-        if not getattr(o.flags, "writeable", True):  # CuPy arrays have no read-only flag
-            raise ValueError(
-                f"{name} is read-only, but {operation} writes its result into it; pass a "
-                "writable array (for example a copy)."
-            )
-        if o.size > 1 and any(
-            stride == 0 and extent > 1 for stride, extent in zip(o.strides, o.shape, strict=True)
-        ):
-            raise ValueError(
-                f"{name} has strides {o.strides} for shape {o.shape}: several of its elements "
-                f"are one memory location, so {operation} cannot write a result into it; pass "
-                "an array whose elements do not overlap (for example a copy)."
-            )
-    for (name, o), (other, p) in itertools.combinations(outs, 2):
-        if _shares_memory(o, p):
-            raise ValueError(
-                f"{name} and {other} share memory, but {operation} writes into each of them; "
-                "pass out arrays that do not overlap."
-            )
-    for name, o in outs:
-        for source, x in inputs:
-            if _shares_memory(o, x) and not (self_copy and _layout(o) == _layout(x)):
-                raise ValueError(
-                    f"{name} shares memory with {source}, which {operation} reads, so writing "
-                    f"the result would overwrite its own input; pass an out that does not "
-                    f"overlap {source}."
-                )
-
-
-def _shares_memory(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` have an element in common (unknown counts as yes)."""
-    first, second = device_of(a), device_of(b)
-    if first.kind == "cuda" or second.kind == "cuda":
-        # CuPy's exact test builds a pointer per element on the GPU: only when the bounds meet.
-        cupy = first.xp
-        return first == second and cupy.may_share_memory(a, b) and bool(cupy.shares_memory(a, b))
-    buffers = plain_buffer(a), plain_buffer(b)
-    try:  # a bounded search: exact answers for ordinary layouts, "yes" for pathological ones
-        return bool(np.shares_memory(*buffers, max_work=_SHARES_MEMORY_WORK))
-    except np.exceptions.TooHardError:
-        return True
-
-
-_SHARES_MEMORY_WORK: Any = 1 << 16  # numpy's stubs admit only -1 and 0, the runtime any bound
-
-
-def _layout(x: Any) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    """Where ``x``'s memory starts, its shape and strides: equal for the same memory."""
-    pointer = x.data.ptr if device_of(x).kind == "cuda" else plain_buffer(x).ctypes.data
-    return int(pointer), tuple(x.shape), tuple(x.strides)
-
-
 def _current_device() -> Device:
     """The current device, as torch means it: the current GPU on CUDA, else ``host:0``."""
     cupy = cupy_module()
@@ -422,7 +352,7 @@ def scatter(
                 f"{array.shape[axis]}, but they sum to {sum(sizes)} ({list(sizes)})."
             )
         copy_streams = _read_streams(streams, targets)
-        _check_outs(_named("out", outs), [("array", array)], "scatter")
+        check_outs(_named("out", outs), [("array", array)], "scatter")
     return scatter_unchecked(array, targets, sizes, axis, copy_streams, out=outs)
 
 
@@ -554,7 +484,7 @@ def gather(
     if out.shape != shape:
         raise ValueError(f"out must have the gathered shape {shape}, got {out.shape}.")
     _check_same_dtype(out, first.dtype, "out", "arrays[0]")
-    _check_outs([("out", out)], _named("arrays", items), "gather")
+    check_outs([("out", out)], _named("arrays", items), "gather")
     return _join_into(out, items, axis)
 
 
@@ -636,7 +566,7 @@ def broadcast(
                 f"{array.shape}."
             )
         _check_same_dtype(o, array.dtype, f"out[{i}]", "array")
-    _check_outs(_named("out", outs), [("array", array)], "broadcast", self_copy=True)
+    check_outs(_named("out", outs), [("array", array)], "broadcast", self_copy=True)
     if not _nccl.broadcast_into(array, outs):
         for o in outs:
             copy_into(o, array)

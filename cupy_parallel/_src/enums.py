@@ -1,12 +1,14 @@
 """The enumerations of the process-group API, :class:`Backend` and :class:`ReduceOp`.
 
 Both the process groups and the CUDA layer below them (the NCCL tables) read them, so they import
-nothing from the package.
+only ``arguments`` (the bottom layer) from the package.
 """
 
 from __future__ import annotations
 
 import enum
+
+from cupy_parallel._src.arguments import ArgumentError
 
 __all__ = ["Backend", "ReduceOp"]
 
@@ -23,7 +25,8 @@ class Backend(str, enum.Enum):
 
     Members are strings, so ``Backend.MPI == "mpi"`` as in torch, and calling the class parses a
     name case-insensitively. ``"gloo"`` is not implemented here; the error names ``"mpi"``, which
-    serves the same CPU use.
+    serves the same CPU use. A name that is not a string (``Backend(None)``) raises a
+    ``TypeError`` that is also torch's ``ValueError`` (:class:`ArgumentError`).
 
     Example:
         >>> Backend("MPI")
@@ -38,7 +41,7 @@ class Backend(str, enum.Enum):
     @classmethod
     def _missing_(cls, value: object) -> Backend:
         if not isinstance(value, str):
-            raise TypeError(
+            raise ArgumentError(
                 f"backend must be a str or Backend ('nccl' or 'mpi'), got {type(value).__name__} "
                 f"{value!r}."
             )

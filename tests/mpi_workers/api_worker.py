@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,8 @@ def api(rank: int, size: int) -> None:
     even = np.zeros(size)
     dist.all_to_all_single(even, np.arange(size, dtype=float) + 10 * rank)
     check("all_to_all_single even", even, np.array([10.0 * r + rank for r in ranks]))
+    overlapping_outputs(rank, size)
+    torch_work_api(rank, size)
     # objects
     objects = [{"from": rank}, f"text {rank}", (rank, [rank] * 2)] if rank == 1 else [None] * 3
     dist.broadcast_object_list(objects, src=np.int64(1))
@@ -158,6 +161,106 @@ def api(rank: int, size: int) -> None:
         z = np.zeros(3)
         dist.recv(z, src=np.int64(0), tag=np.int32(9))
         check("send/recv with NumPy ints", z, row(7))
+
+
+def refused(name: str, call: Any, message: str) -> None:
+    """``call()`` must raise ``ValueError`` whose message holds ``message``."""
+    global checks
+    checks += 1
+    try:
+        call()
+    except ValueError as error:
+        if message not in str(error):
+            bad.append(f"{name}: ValueError without {message!r}: {error}")
+    else:
+        bad.append(f"{name}: accepted")
+
+
+def overlapping_outputs(rank: int, size: int) -> None:
+    """Output lists whose entries share memory are refused on every rank, nothing sent.
+
+    Before, ``[buf] * size`` was accepted and every entry (one array) held the last rank's data.
+    """
+    buf = np.full(3, -1.0)
+    one = "tensor_list[0] and tensor_list[1] share memory"
+    refused("all_gather [buf] * n", lambda: dist.all_gather([buf] * size, row(rank)), one)
+    base = np.zeros(size + 2)
+    views = [base[r : r + 3] for r in range(size)]  # neighbours overlap in two elements
+    refused("all_gather overlapping views", lambda: dist.all_gather(views, row(rank)), one)
+    inputs = [row(rank) for _ in range(size)]
+    refused(
+        "all_to_all [buf] * n",
+        lambda: dist.all_to_all([buf] * size, inputs),
+        "output_tensor_list[0] and output_tensor_list[1] share memory",
+    )
+    refused(
+        "all_gather_coalesced [[buf]] * n",
+        lambda: dist.all_gather_coalesced([[buf]] * size, [row(rank)]),
+        "output_tensor_lists[0][0] and output_tensor_lists[1][0] share memory",
+    )
+    check(
+        "refused outputs untouched",
+        np.concatenate([buf, base]),
+        np.r_[[-1.0] * 3, [0.0] * (size + 2)],
+    )
+    if rank == 0:  # only the root holds a gather_list: it refuses, then gathers for the others
+        refused(
+            "gather [buf] * n",
+            lambda: dist.gather(row(rank), [buf] * size, dst=0),
+            "gather_list[0] and gather_list[1] share memory",
+        )
+        gathered = [np.zeros(3) for _ in range(size)]
+        dist.gather(row(rank), gathered, dst=0)
+        check(
+            "gather after the refusal", np.stack(gathered), np.stack([row(r) for r in range(size)])
+        )
+    else:
+        dist.gather(row(rank), None, dst=0)
+
+
+def torch_work_api(rank: int, size: int) -> None:
+    """barrier(timeout=) with a late rank; Work.result() of isend/irecv; futures' then/wait."""
+    late = size - 1
+    if rank == late:
+        time.sleep(2.5)
+    start = time.monotonic()
+    try:
+        dist.barrier(timeout=1)
+        same("barrier(timeout=1) waits for the late rank", rank == late, True)
+    except TimeoutError as error:
+        same("barrier(timeout=1) times out on the punctual ranks", rank != late, True)
+        same(
+            "barrier timeout names barrier", str(error).startswith("barrier on process group"), True
+        )
+        same("barrier timeout after about 1 s", 0.9 < time.monotonic() - start < 2.4, True)
+    x = np.ones(1)
+    dist.all_reduce(x)  # the group stays usable: the barrier completed in the background
+    check("all_reduce after a barrier timeout", x, np.array([float(size)]))
+    right, left = (rank + 1) % size, (rank - 1) % size
+    sent = row(rank)
+    received = np.zeros(3)
+    receiving = dist.irecv(received, src=left, tag=11)
+    sending = dist.isend(sent, dst=right, tag=11)
+    assert receiving is not None
+    assert sending is not None
+    arrays = receiving.result()
+    same("irecv result() is [the receive buffer]", len(arrays) == 1 and arrays[0] is received, True)
+    check("irecv result() data", arrays[0], row(left))
+    same("isend result() is [the array sent]", sending.result()[0] is sent, True)
+    everyone = dist.new_group(list(range(size)))
+    z = np.full(2, float(rank + 1))
+    pg_work = everyone.allreduce([z], ReduceOp.SUM)
+    check(
+        "pg.allreduce([z]).result()",
+        pg_work.result()[0],
+        np.full(2, float(sum(range(1, size + 1)))),
+    )
+    everyone.monitored_barrier(timedelta(seconds=20))
+    same("pg.barrier().wait()", everyone.barrier().wait(), True)
+    dist.destroy_process_group(everyone)
+    y = np.full(2, float(rank))
+    chained = dist.all_reduce(y, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    check("future.then(...).wait()", chained.wait(), np.full(2, 2.0 * sum(range(size))))
 
 
 def debug(rank: int, size: int) -> None:

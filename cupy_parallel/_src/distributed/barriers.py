@@ -9,8 +9,11 @@ import numpy as np
 
 from cupy_parallel._src.arguments import read_bool, read_timeout
 from cupy_parallel._src.distributed.dispatch import Call, backend_of, run
+from cupy_parallel._src.distributed.groups import register_method
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
     from cupy_parallel._src.distributed.backend import ProcessGroupBackend
     from cupy_parallel._src.distributed.groups import ProcessGroup
     from cupy_parallel._src.distributed.work import Work
@@ -19,28 +22,71 @@ __all__ = ["barrier", "monitored_barrier"]
 
 
 @overload
-def barrier(group: ProcessGroup | None = None, async_op: Literal[False] = False) -> None: ...
+def barrier(
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+    *,
+    timeout: float | timedelta | None = None,
+) -> None: ...
 @overload
-def barrier(group: ProcessGroup | None, async_op: Literal[True]) -> Work: ...
+def barrier(
+    group: ProcessGroup | None,
+    async_op: Literal[True],
+    *,
+    timeout: float | timedelta | None = None,
+) -> Work: ...
 @overload
-def barrier(group: ProcessGroup | None = None, *, async_op: Literal[True]) -> Work: ...
+def barrier(
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+    timeout: float | timedelta | None = None,
+) -> Work: ...
 @overload
-def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None: ...
-def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+def barrier(
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    timeout: float | timedelta | None = None,
+) -> Work | None: ...
+def barrier(
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    timeout: float | timedelta | None = None,
+) -> Work | None:
     """Wait until every rank of the group has called ``barrier``.
+
+    ``timeout`` (seconds or a ``datetime.timedelta``; torch's ``BarrierOptions.timeout``): how
+    long the barrier waits before it raises ``TimeoutError`` naming the group (the default is
+    the group's timeout). On the ``"mpi"`` backend the barrier keeps running then and the group
+    stays usable, as after ``Work.wait(timeout=...)``. With ``async_op=True`` give it to the
+    returned work's ``wait(timeout=...)`` instead (both at once is refused, not ignored).
 
     Example:
         >>> from cupy_parallel import distributed as dist
         >>> dist.init_process_group("mpi")
         >>> dist.barrier(async_op=True).wait()
         True
+        >>> dist.barrier(timeout=5)
         >>> dist.destroy_process_group()
     """
+    limit = None if timeout is None else read_timeout(timeout)
 
     def prepare(pg: ProcessGroup, backend: ProcessGroupBackend) -> Call:
         return Call(backend.barrier, (), (), [])
 
-    return run("barrier", group, async_op, prepare)
+    if limit is None:
+        return run("barrier", group, async_op, prepare)
+    if read_bool(async_op, "async_op"):
+        raise ValueError(
+            f"barrier got timeout={timeout!r} and async_op=True; pass the timeout to the "
+            "returned work's wait(timeout=...) instead."
+        )
+    work = run("barrier", group, async_op=True, prepare=prepare)
+    if work is not None:
+        work.wait(timeout=limit)
+    return None
 
 
 def monitored_barrier(
@@ -65,7 +111,7 @@ def monitored_barrier(
         >>> dist.monitored_barrier(timeout=5)
         >>> dist.destroy_process_group()
     """
-    resolved = backend_of(group)
+    resolved = backend_of(group, "monitored_barrier")
     if resolved is None:
         return
     pg, backend = resolved
@@ -103,3 +149,13 @@ def monitored_barrier(
         )
     for r in range(1, backend.size):
         backend.send(np.zeros(1, np.uint8), r, tag).wait()
+
+
+def _barrier_method(pg: ProcessGroup) -> Work:
+    work = barrier(pg, async_op=True)
+    assert work is not None  # a ProcessGroup object: this rank is a member
+    return work
+
+
+register_method("barrier", _barrier_method)
+register_method("monitored_barrier", monitored_barrier)

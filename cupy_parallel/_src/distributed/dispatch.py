@@ -1,12 +1,12 @@
 """Validate and dispatch, once for every collective: the runner and the argument checks.
 
 Every collective is one :func:`run` call (mpi4py's ``pkl5`` one-liners over one helper are the
-model): the runner resolves the group (``None`` means the world; on a non-member the call returns
-``None`` at once), lets the collective's ``prepare`` check the arguments in the caller's words
-(the checks below, and ``ProcessGroup.group_rank`` for ranks) and name the backend primitive
-with its arguments, reads ``async_op``, compares the ranks' arguments in the debug mode, starts
-the primitive and waits on the returned :class:`~cupy_parallel.distributed.Work` unless
-``async_op=True``.
+model): the runner resolves the group (``None`` means the world; on a non-member the call warns,
+as torch's does, and returns ``None`` at once), lets the collective's ``prepare`` check the
+arguments in the caller's words (the checks below, and ``ProcessGroup.group_rank`` for ranks)
+and name the backend primitive with its arguments, reads ``async_op``, compares the ranks'
+arguments in the debug mode, starts the primitive and waits on the returned
+:class:`~cupy_parallel.distributed.Work` unless ``async_op=True``.
 
 The collectives, by concern, each module calling this runner: ``rooted`` (one root rank:
 ``broadcast``, ``reduce``, ``gather``, ``scatter``), ``reductions`` (every rank receives a
@@ -46,14 +46,16 @@ lives there instead (``rooted``'s root and list, ``p2p``'s tag, ``multigpu``'s d
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cupy_parallel._src.arguments import read_bool, read_sequence
-from cupy_parallel._src.arrays import device_of, is_array
+from cupy_parallel._src.arguments import ArgumentError, read_bool, read_sequence
+from cupy_parallel._src.arrays import check_outs, device_of, is_array
 from cupy_parallel._src.distributed.backend import disagreeing, per_rank
-from cupy_parallel._src.distributed.groups import resolve_group
+from cupy_parallel._src.distributed.groups import get_rank, is_initialized, resolve_group
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray
 
@@ -70,6 +72,7 @@ __all__ = [
     "check_array",
     "check_arrays",
     "check_data",
+    "check_disjoint",
     "check_like",
     "check_lists",
     "check_member_list",
@@ -105,7 +108,7 @@ def run(
     prepare: Callable[[ProcessGroup, ProcessGroupBackend], Call],
 ) -> Work | None:
     """Resolve ``group``, check and start ``prepare``'s call, wait on it unless ``async_op``."""
-    resolved = backend_of(group)
+    resolved = backend_of(group, name)
     if resolved is None:
         return None
     pg, backend = resolved
@@ -122,10 +125,15 @@ def run(
     return None
 
 
-def backend_of(group: Any) -> tuple[ProcessGroup, ProcessGroupBackend] | None:
-    """The group ``group`` names and its backend; ``None`` on a non-member; a failed one raises."""
+def backend_of(group: Any, operation: str) -> tuple[ProcessGroup, ProcessGroupBackend] | None:
+    """The group ``group`` names and its backend; a failed one raises.
+
+    On a non-member ``None``, after torch's ``UserWarning`` saying that ``operation`` ran on a
+    rank outside the group (the call then does nothing, as in torch).
+    """
     pg = resolve_group(group)
     if pg is None:
+        _warn_not_member(operation)
         return None
     backend = pg.live_backend()
     if backend.failure is not None:
@@ -134,6 +142,25 @@ def backend_of(group: Any) -> tuple[ProcessGroup, ProcessGroupBackend] | None:
             "Destroy it and create a new group (or restart the job)."
         )
     return pg, backend
+
+
+def _warn_not_member(operation: str) -> None:
+    """Warn as torch does of a call on a group this rank is not in, at the user's line.
+
+    The first sentence is torch's (``c10d``'s ``_warn_not_in_group``), so that a filter written
+    for torch's warning matches ours too; the global rank is ``-1`` before
+    ``init_process_group``, as there.
+    """
+    rank = get_rank() if is_initialized() else -1
+    frame, level = inspect.currentframe(), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("cupy_parallel."):
+        frame, level = frame.f_back, level + 1  # the first frame outside the package
+    warnings.warn(
+        f"Running {operation} on global rank {rank} which does not belong to the given group. "
+        "It does nothing here: the arrays are left as they are and it returns None (recv -1).",
+        UserWarning,
+        stacklevel=level,
+    )
 
 
 def _describe(value: Any) -> Any:
@@ -210,7 +237,7 @@ def check_array(backend: ProcessGroupBackend, x: Any, name: str, *, output: bool
 def check_like(x: Any, ref: Any, name: str, ref_name: str, *, shape: bool = True) -> None:
     """Check that ``x`` has ``ref``'s dtype (and shape, unless ``shape=False``)."""
     if x.dtype != ref.dtype:
-        raise TypeError(
+        raise ArgumentError(  # a TypeError, and torch's ValueError
             f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}; every array of the call "
             "must share one dtype."
         )
@@ -242,7 +269,19 @@ def check_arrays(
         check_array(backend, x, f"{name}[{index}]", output=output)
         if like is not None:
             check_like(x, like, f"{name}[{index}]", like_name, shape=same_shape)
+    if output:
+        check_disjoint([(f"{name}[{index}]", x) for index, x in enumerate(xs)])
     return xs
+
+
+def check_disjoint(outputs: Sequence[tuple[str, Any]]) -> None:
+    """Refuse arrays a collective writes that share memory (``[buf] * n``): ``ValueError``.
+
+    ``outputs`` are ``(name, array)`` pairs. The collective would write every entry into the
+    same memory, leaving each holding the last rank's data; ``comm``'s overlap test
+    (:func:`~cupy_parallel._src.arrays.check_outs`) says so instead.
+    """
+    check_outs(outputs, (), "this collective")
 
 
 def check_same_device(xs: Sequence[Any], ref: Any, name: str, ref_name: str) -> None:
@@ -268,7 +307,15 @@ def check_reduction(backend: ProcessGroupBackend, dtype: Any, op: Any) -> None:
             f"ReduceOp.{op.name} is not available with the {backend.backend.value!r} backend "
             f"(it has {', '.join(sorted(o.name for o in backend.reduce_ops))})."
         )
+    if op in _ORDERED and np.dtype(dtype).kind == "c":
+        raise ArgumentError(  # a TypeError, and torch's ValueError
+            f"ReduceOp.{op.name} is not defined for complex dtype {dtype} (complex numbers "
+            "have no order); reduce abs() or the real and imaginary parts separately."
+        )
     backend.check_dtype(dtype, op)
+
+
+_ORDERED = frozenset({ReduceOp.MIN, ReduceOp.MAX})
 
 
 def check_data(backend: ProcessGroupBackend, x: Any, name: str, *, output: bool = True) -> None:
@@ -302,13 +349,22 @@ def check_lists(
     *,
     length: int,
     inner: Callable[[int, Any, str], None],
+    output: bool,
 ) -> Sequence[Sequence[Any]]:
-    """A list of ``length`` lists of arrays; ``inner(i, lists[i], "name[i]")`` checks each."""
+    """A list of ``length`` lists of arrays; ``inner(i, lists[i], "name[i]")`` checks each.
+
+    ``output=True``: the collective writes them, so no two arrays of all the lists may share
+    memory (``[[buf]] * n`` is refused as ``[buf] * n`` is).
+    """
     read_sequence(lists, name, expected="a list of lists of arrays", lists_only=True)
     if len(lists) != length:
         raise ValueError(f"{name} must hold {length} lists, got {len(lists)}.")
     for i, xs in enumerate(lists):
         inner(i, xs, f"{name}[{i}]")
+    if output:
+        check_disjoint(
+            [(f"{name}[{i}][{k}]", x) for i, xs in enumerate(lists) for k, x in enumerate(xs)]
+        )
     return lists
 
 

@@ -219,7 +219,12 @@ def all_gather_coalesced(
             check_same_device(outputs, inputs[0], item, "input_tensor_list[0]")
 
         check_lists(
-            backend, output_tensor_lists, "output_tensor_lists", length=pg.size(), inner=inner
+            backend,
+            output_tensor_lists,
+            "output_tensor_lists",
+            length=pg.size(),
+            inner=inner,
+            output=True,
         )
         return Call(backend.all_gather_coalesced, (output_tensor_lists, inputs), (inputs,))
 

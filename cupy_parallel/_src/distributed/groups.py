@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from cupy_parallel._src.arguments import read_int, read_timeout
 from cupy_parallel._src.cuda.nccl_runtime import is_available as nccl_is_available
-from cupy_parallel._src.enums import Backend
+from cupy_parallel._src.enums import Backend, ReduceOp
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from cupy_parallel._src.distributed.backend import ProcessGroupBackend
     from cupy_parallel._src.distributed.store import Store
@@ -40,6 +40,7 @@ __all__ = [
     "is_mpi_available",
     "is_nccl_available",
     "new_group",
+    "register_method",
     "resolve_group",
 ]
 
@@ -97,6 +98,12 @@ class ProcessGroup:
     collectives' layer: ``live_backend()`` is the group's backend object and ``group_rank()``
     reads a world rank argument into a group rank.
 
+    The methods of torch's ``ProcessGroup`` that torch code calls on a group object:
+    :meth:`allreduce` and :meth:`barrier` (which start the operation and return its
+    :class:`~cupy_parallel.distributed.Work`, as torch's do) and :meth:`monitored_barrier`.
+    They are the module functions on this group; those register them here when they are
+    imported (``cupy_parallel.distributed`` imports them all), since they sit above this module.
+
     Example:
         >>> ProcessGroup.rank.__doc__
         "This process's rank in the group."
@@ -143,9 +150,46 @@ class ProcessGroup:
                 )
         return local
 
+    # torch's ProcessGroup methods, the module functions registered in _METHODS.
+
+    def allreduce(self, tensors: Any, op: Any = ReduceOp.SUM) -> Any:
+        """Start ``all_reduce`` on this group; return its ``Work`` (torch's ``pg.allreduce``).
+
+        ``tensors``: an array, or a list of one array (``[x]``, torch's usual call), or one
+        array per local device (``all_reduce_multigpu``). ``op``: a ``ReduceOp`` (torch's
+        ``AllreduceOptions`` is not taken; pass its ``reduceOp``).
+        """
+        return _method("allreduce")(self, tensors, op)
+
+    def barrier(self) -> Any:
+        """Start a barrier on this group; return its ``Work`` (torch's ``pg.barrier()``)."""
+        return _method("barrier")(self)
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """``monitored_barrier`` on this group (torch's ``pg.monitored_barrier(timeout)``)."""
+        _method("monitored_barrier")(self, timeout, wait_all_ranks)
+
     def __repr__(self) -> str:
         state = "destroyed" if self._backend is None else str(self._backend.backend)
         return f"<ProcessGroup {self.name!r} ({state}) of world ranks {list(self.ranks)}>"
+
+
+# ProcessGroup's torch methods by name, registered by the modules defining the collectives.
+_METHODS: dict[str, Callable[..., Any]] = {}
+
+
+def register_method(name: str, implementation: Callable[..., Any], /) -> None:
+    """Make ``implementation(pg, *args)`` the body of ``ProcessGroup.<name>``."""
+    _METHODS[name] = implementation
+
+
+def _method(name: str) -> Callable[..., Any]:
+    found = _METHODS.get(name)
+    if found is None:
+        raise NotImplementedError(
+            f"ProcessGroup.{name} needs cupy_parallel.distributed imported (it registers it)."
+        )
+    return found
 
 
 _world: ProcessGroup | None = None

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from cupy_parallel._src.arguments import read_int
-from cupy_parallel._src.arrays import device_of
+from cupy_parallel._src.arguments import read_int, read_sequence
+from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.distributed.dispatch import (
     Call,
     check_arrays,
@@ -20,6 +20,8 @@ from cupy_parallel._src.distributed.dispatch import (
     check_reduction,
     run,
 )
+from cupy_parallel._src.distributed.groups import register_method
+from cupy_parallel._src.distributed.reductions import all_reduce
 from cupy_parallel._src.enums import ReduceOp
 
 if TYPE_CHECKING:
@@ -79,7 +81,7 @@ def _per_device_lists(
             backend, xs, item, per_device[0], first, length=count, output=output, on=on
         )
 
-    check_lists(backend, lists, name, length=local, inner=inner)
+    check_lists(backend, lists, name, length=local, inner=inner, output=output)
 
 
 def _device_list(backend: ProcessGroupBackend, xs: Any, name: str, *, output: bool = True) -> Any:
@@ -432,3 +434,18 @@ def reduce_scatter_multigpu(
         return Call(backend.reduce_scatter, args, (op, outputs))
 
     return run("reduce_scatter_multigpu", group, async_op, prepare)
+
+
+def _allreduce_method(pg: ProcessGroup, tensors: Any, op: Any) -> Work:
+    """``ProcessGroup.allreduce``: an array or ``[array]`` -> ``all_reduce``, more -> multigpu."""
+    if is_array(tensors):
+        return all_reduce(tensors, op, pg, async_op=True)
+    listed = read_sequence(
+        tensors, "tensors", expected="an array or a list of arrays", lists_only=True
+    )
+    if len(listed) == 1:
+        return all_reduce(listed[0], op, pg, async_op=True)
+    return all_reduce_multigpu(list(listed), op, pg, async_op=True)
+
+
+register_method("allreduce", _allreduce_method)

@@ -31,8 +31,8 @@ __all__ = [
 ]
 
 
-def _member(group: Any) -> ProcessGroup | None:
-    resolved = backend_of(group)  # raises the group's failure in the usual words
+def _member(group: Any, operation: str) -> ProcessGroup | None:
+    resolved = backend_of(group, operation)  # raises the group's failure in the usual words
     return None if resolved is None else resolved[0]
 
 
@@ -85,7 +85,7 @@ def broadcast_object_list(
         >>> dist.destroy_process_group()
     """
     del device
-    pg = _member(group)
+    pg = _member(group, "broadcast_object_list")
     if pg is None:
         return
     _list(object_list, "object_list")
@@ -121,7 +121,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
         [{'rank': 0}]
         >>> dist.destroy_process_group()
     """
-    pg = _member(group)
+    pg = _member(group, "all_gather_object")
     if pg is None:
         return
     _list(object_list, "object_list", length=pg.size())
@@ -151,7 +151,7 @@ def gather_object(
         [('done', 7)]
         >>> dist.destroy_process_group()
     """
-    pg = _member(group)
+    pg = _member(group, "gather_object")
     if pg is None:
         return
     root = pg.group_rank(dst, "dst")
@@ -193,7 +193,7 @@ def scatter_object_list(
         ['for rank 0']
         >>> dist.destroy_process_group()
     """
-    pg = _member(group)
+    pg = _member(group, "scatter_object_list")
     if pg is None:
         return
     output = _list(scatter_object_output_list, "scatter_object_output_list")

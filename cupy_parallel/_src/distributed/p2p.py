@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.arguments import ArgumentError, read_int
 from cupy_parallel._src.distributed.dispatch import backend_of, check_data
 
 if TYPE_CHECKING:
@@ -33,10 +33,13 @@ def _tag(backend: ProcessGroupBackend, tag: Any) -> int:
 
 
 def _p2p(
-    tensor: Any, peer: Any, name: str, group: Any, tag: Any, *, receive: bool
+    tensor: Any, peer: Any, name: str, group: Any, tag: Any, *, receive: bool, operation: str
 ) -> tuple[ProcessGroup, ProcessGroupBackend, int | None, int] | None:
-    """Check a send (``receive=False``) or receive; ``peer`` (named ``name``) may be None then."""
-    resolved = backend_of(group)
+    """Check a send (``receive=False``) or receive; ``peer`` (named ``name``) may be None then.
+
+    ``operation``: the public function called, for the warning on a non-member.
+    """
+    resolved = backend_of(group, operation)
     if resolved is None:
         return None
     pg, backend = resolved
@@ -70,12 +73,17 @@ def isend(tensor: Array, dst: int, group: ProcessGroup | None = None, tag: int =
         ValueError: dst=0 is this process's own rank; a rank cannot send to itself.
         >>> dist.destroy_process_group()
     """
-    checked = _p2p(tensor, dst, "dst", group, tag, receive=False)
+    return _send(tensor, dst, group, tag, "isend")
+
+
+def _send(tensor: Any, dst: Any, group: Any, tag: Any, operation: str) -> Work | None:
+    checked = _p2p(tensor, dst, "dst", group, tag, receive=False, operation=operation)
     if checked is None:
         return None
     _pg, backend, local, tag = checked
     assert local is not None
     work: Work = backend.send(tensor, local, tag)
+    work.outputs = [tensor]  # Work.result(), get_future(): torch's hold the tensor
     return work
 
 
@@ -96,12 +104,17 @@ def irecv(
         ValueError: src=1 is not a member of process group '0', whose world ranks are [0].
         >>> dist.destroy_process_group()
     """
-    checked = _p2p(tensor, src, "src", group, tag, receive=True)
+    return _recv(tensor, src, group, tag, "irecv")
+
+
+def _recv(tensor: Any, src: Any, group: Any, tag: Any, operation: str) -> Work | None:
+    checked = _p2p(tensor, src, "src", group, tag, receive=True, operation=operation)
     if checked is None:
         return None
     pg, backend, local, tag = checked
     work: Work = backend.recv(tensor, local, tag)
     work.world_ranks = pg.ranks
+    work.outputs = [tensor]
     return work
 
 
@@ -118,7 +131,7 @@ def send(tensor: Array, dst: int, group: ProcessGroup | None = None, tag: int = 
         ValueError: dst=3 is not a member of process group '0', whose world ranks are [0].
         >>> dist.destroy_process_group()
     """
-    work = isend(tensor, dst, group, tag)
+    work = _send(tensor, dst, group, tag, "send")
     if work is not None:
         work.wait()
 
@@ -146,7 +159,7 @@ def recv(
         ValueError: src=0 is this process's own rank; a rank cannot receive from itself.
         >>> dist.destroy_process_group()
     """
-    work = irecv(tensor, src, group, tag)
+    work = _recv(tensor, src, group, tag, "recv")
     if work is None:
         return -1
     return work.source_rank()
@@ -204,16 +217,26 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         ValueError: p2p_op_list must hold at least one P2POp, got an empty list.
     """
     if not isinstance(p2p_op_list, list | tuple):
-        raise TypeError(f"p2p_op_list must be a list of P2POp, got {type(p2p_op_list).__name__}.")
+        raise ArgumentError(
+            f"p2p_op_list must be a list of P2POp, got {type(p2p_op_list).__name__}."
+        )
     if not p2p_op_list:
         raise ValueError("p2p_op_list must hold at least one P2POp, got an empty list.")
     checked = []
     for index, item in enumerate(p2p_op_list):
         if not isinstance(item, P2POp):
-            raise TypeError(f"p2p_op_list[{index}] must be a P2POp, got {type(item).__name__}.")
+            raise ArgumentError(f"p2p_op_list[{index}] must be a P2POp, got {type(item).__name__}.")
         receive = item.op is irecv
         name = "src" if receive else "dst"
-        found = _p2p(item.tensor, item.peer, name, item.group, item.tag, receive=receive)
+        found = _p2p(
+            item.tensor,
+            item.peer,
+            name,
+            item.group,
+            item.tag,
+            receive=receive,
+            operation="batch_isend_irecv",
+        )
         if found is not None:
             checked.append((item, found))
     works = []

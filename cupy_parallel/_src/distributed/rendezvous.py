@@ -5,8 +5,10 @@
 :func:`~cupy_parallel._src.distributed.env.detect_launch_env`); ``tcp://host:port`` names rank
 0's :class:`TCPStore` directly; ``file:///path`` shares a :class:`FileStore`. All three accept
 ``?rank=R&world_size=W`` query parameters, as PyTorch does; a value given both as an argument and in
-the URL must agree. Unknown query parameters are refused rather than ignored (PyTorch ignores them),
-so that a typo does not go unnoticed.
+the URL must agree. ``use_libuv`` (torch's choice of TCP server implementation, which
+``init_process_group`` URLs carry) is accepted and ignored: there is one server here. Other
+unknown query parameters are refused rather than ignored (PyTorch ignores them), so that a typo
+does not go unnoticed.
 
 ``MASTER_ADDR`` (or the host of ``tcp://``) is where rank 0's server listens *and* where the
 other ranks connect: rank 0 binds exactly that address (see :class:`TCPStore`). On one machine
@@ -89,14 +91,21 @@ class _Place(NamedTuple):
     world_size: int
 
 
+# torch's parameters that choose how its store is implemented, meaningless here: accepted, ignored.
+_IGNORED_QUERY = ("use_libuv",)
+
+
 def _query_ints(url: ParseResult, init_method: str) -> dict[str, int]:
     """``rank``/``world_size`` from the URL query, refusing anything else."""
     found: dict[str, int] = {}
     for name, values in parse_qs(url.query, keep_blank_values=True).items():
+        if name in _IGNORED_QUERY:
+            continue
         if name not in _Place._fields:
             raise ValueError(
                 f"init_method {init_method!r} has an unknown query parameter {name!r}; "
-                f"only {' and '.join(_Place._fields)} are accepted."
+                f"only {' and '.join(_Place._fields)} are accepted (and {', '.join(_IGNORED_QUERY)}"
+                ", ignored)."
             )
         if len(values) != 1:
             raise ValueError(f"init_method {init_method!r} gives {name} {len(values)} times.")

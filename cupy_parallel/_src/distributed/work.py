@@ -8,11 +8,11 @@ errors raised by the backend, finalizers that unpack or copy back results) lives
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 import time
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from cupy_parallel._src.arguments import read_timeout
 
@@ -20,7 +20,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from datetime import timedelta
 
-__all__ = ["CompletedWork", "Work"]
+__all__ = ["CompletedWork", "Future", "Work"]
+
+_T = TypeVar("_T")
 
 # Polling, as MPI progress loops do: test repeatedly, yielding the core every few dozen tests
 # (ranks may share cores, and MPI's nonblocking collectives progress only while a rank tests);
@@ -33,6 +35,53 @@ _MAX_SLEEP = 2e-3
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+class Future(concurrent.futures.Future[_T]):
+    """A ``concurrent.futures.Future`` that also has ``torch.futures.Future``'s methods.
+
+    :meth:`Work.get_future` returns one. Besides ``result``/``done``/``add_done_callback``
+    (``concurrent.futures``), torch code calls :meth:`wait` (block, return the value or raise
+    the error), :meth:`value` (the value of a future already done) and :meth:`then` (a new
+    future of ``callback(self)``).
+
+    Example:
+        >>> future = Future()
+        >>> doubled = future.then(lambda f: 2 * f.value())
+        >>> future.set_result(21)
+        >>> future.wait(), doubled.wait()
+        (21, 42)
+    """
+
+    def wait(self) -> _T:
+        """Block until done; return the value, or raise the error (``torch.futures``)."""
+        return self.result()
+
+    def value(self) -> _T:
+        """The value of a future that is done (or raise its error); ``RuntimeError`` before."""
+        if not self.done():
+            raise RuntimeError(
+                "value() of a future that is not done yet; call wait() (it returns the value) "
+                "or read it in a callback given to then()."
+            )
+        return self.result()
+
+    def then(self, callback: Callable[[Future[_T]], Any], /) -> Future[Any]:
+        """A future of ``callback(self)``, run once this one is done (at once if it is).
+
+        The callback runs in the thread that completes this future; if it raises, the new
+        future holds that error, as in torch.
+        """
+        child: Future[Any] = Future()
+
+        def run(_: object) -> None:
+            try:
+                child.set_result(callback(self))
+            except BaseException as error:  # noqa: BLE001 - handed to the future
+                child.set_exception(error)
+
+        self.add_done_callback(run)
+        return child
 
 
 class Work:
@@ -59,7 +108,9 @@ class Work:
     that expires leaves an MPI operation running (wait again to complete it); NCCL aborts, as
     torch's ProcessGroupNCCL does. See :func:`cupy_parallel.distributed.init_process_group`.
 
-    :meth:`get_future` returns a ``concurrent.futures.Future`` of the output arrays (PyTorch 2).
+    :meth:`get_future` returns a :class:`Future` of the output arrays (PyTorch 2): a
+    ``concurrent.futures.Future`` with ``torch.futures.Future``'s ``wait``/``value``/``then``;
+    :meth:`result` waits and returns those arrays (torch's ``Work.result()``).
 
     For the public layer: it sets :attr:`outputs` (the arrays the future holds) and
     :attr:`world_ranks` (what :meth:`source_rank` translates to) on the work it hands out, and
@@ -322,11 +373,30 @@ class Work:
         del stream
         self.wait()
 
+    def result(self) -> list[Any]:
+        """Wait, then return the arrays the operation wrote (torch's ``Work.result()``).
+
+        The output arrays of the collective (for ``isend`` the array sent, for ``irecv`` the one
+        received into); ``[]`` for ``barrier``.
+
+        Example:
+            >>> import numpy as np
+            >>> from cupy_parallel import distributed as dist
+            >>> dist.init_process_group("mpi")  # outside mpiexec: a world of one
+            >>> dist.all_reduce(np.arange(2.0), async_op=True).result()
+            [array([0., 1.])]
+            >>> dist.destroy_process_group()
+        """
+        self.wait()
+        return list(self.outputs) if self.outputs is not None else []
+
     def get_future(self) -> Future[Any]:
-        """A ``concurrent.futures.Future`` completed when the operation is (PyTorch 2).
+        """A :class:`Future` completed when the operation is (PyTorch 2).
 
         Its result is the list of arrays the operation wrote (as torch's future holds the output
-        tensors), or its exception is the operation's error. A helper thread waits on the work
+        tensors), or its exception is the operation's error. It is a
+        ``concurrent.futures.Future`` that also has ``torch.futures.Future``'s ``wait()``,
+        ``value()`` and ``then()``. A helper thread waits on the work
         for it (so do not also ``wait`` on the work from another thread at the same time).
 
         Example:
@@ -337,6 +407,8 @@ class Work:
             >>> future = dist.all_reduce(x, async_op=True).get_future()
             >>> future.result(timeout=5)
             [array([0., 1., 2.])]
+            >>> future.then(lambda f: f.value()[0].sum()).wait()
+            np.float64(3.0)
             >>> dist.destroy_process_group()
         """
         if self._future is None:

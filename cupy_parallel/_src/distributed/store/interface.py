@@ -42,6 +42,7 @@ __all__ = [
     "check_key",
     "check_keys",
     "check_value",
+    "check_values",
     "format_seconds",
     "key_bytes",
     "next_counter",
@@ -466,14 +467,19 @@ class Store:
     # subclass that overrides those gets them too (torch's defaults; not atomic for multi_*).
 
     def _append(self, key: str, value: bytes) -> None:
-        expected, desired = b"", value  # get() might wait forever on a missing key
+        # A Python subclass may hold and return str (set("k", "po") stores what it is given):
+        # it is compared as returned and extended as its UTF-8 bytes, so str round-trips
+        # (torch's trampoline converts the subclass's values to bytes the same way).
+        result = f"{type(self).__name__}.compare_set's result"
+        expected: bytes | str = b""  # get() might wait forever on a missing key
+        desired = value
         current = self.compare_set(key, expected, desired)
-        while current != desired:
-            expected, desired = current, current + value
+        while (held := check_value(current, result)) != desired:
+            expected, desired = current, held + value
             current = self.compare_set(key, expected, desired)
 
     def _multi_get(self, keys: list[str], seconds: float) -> list[bytes]:
-        return [self.get(key) for key in keys]
+        return [check_value(self.get(key), f"{type(self).__name__}.get's result") for key in keys]
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
         for key, value in zip(keys, values, strict=True):

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cupy_parallel._src.distributed.store.interface import Store, check_key, check_keys
+from cupy_parallel._src.arguments import ArgumentError
+from cupy_parallel._src.distributed.store.interface import (
+    Store,
+    check_key,
+    check_keys,
+    check_value,
+    check_values,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -40,7 +47,7 @@ class PrefixStore(Store):
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got {type(prefix).__name__} {prefix!r}.")
         if not isinstance(store, Store):
-            raise TypeError(
+            raise ArgumentError(  # torch's ValueError too
                 "store must be a cupy_parallel Store (TCPStore, FileStore, HashStore, "
                 f"PrefixStore or a subclass of Store), got {type(store).__name__}."
             )
@@ -86,13 +93,15 @@ class PrefixStore(Store):
     def _fulls(self, keys: Sequence[str]) -> list[str]:
         return [f"{self._prefix}/{key}" for key in check_keys(keys)]
 
-    # The public API forwards to the underlying store's public API.
+    # The public API forwards to the underlying store's public API, values as bytes both ways:
+    # a Python subclass underneath receives bytes and may return str (torch's PrefixStore, in
+    # C++, converts through its trampoline the same way).
 
     def set(self, key: str, value: bytes | str) -> None:
-        self._store.set(self._full(key), value)
+        self._store.set(self._full(key), check_value(value))
 
     def get(self, key: str) -> bytes:
-        return self._store.get(self._full(key))
+        return _held(self._store.get(self._full(key)), self._store, "get")
 
     def add(self, key: str, amount: int) -> int:
         return self._store.add(self._full(key), amount)
@@ -100,16 +109,21 @@ class PrefixStore(Store):
     def compare_set(
         self, key: str, expected_value: bytes | str, desired_value: bytes | str
     ) -> bytes:
-        return self._store.compare_set(self._full(key), expected_value, desired_value)
+        full = self._full(key)
+        expected = check_value(expected_value, "expected_value")
+        desired = check_value(desired_value, "desired_value")
+        return _held(self._store.compare_set(full, expected, desired), self._store, "compare_set")
 
     def append(self, key: str, value: bytes | str) -> None:
-        self._store.append(self._full(key), value)
+        self._store.append(self._full(key), check_value(value))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        return self._store.multi_get(self._fulls(keys))
+        values = self._store.multi_get(self._fulls(keys))
+        return [_held(value, self._store, "multi_get") for value in values]
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
-        self._store.multi_set(self._fulls(keys), values)
+        fulls = self._fulls(keys)
+        self._store.multi_set(fulls, check_values(values, len(fulls)))
 
     def wait(self, keys: Sequence[str], timeout: timedelta | float | None = None) -> None:
         self._store.wait(self._fulls(keys), timeout)
@@ -124,10 +138,15 @@ class PrefixStore(Store):
         return self._store.num_keys()
 
     def queue_push(self, key: str, value: bytes | str) -> None:
-        self._store.queue_push(self._full(key), value)
+        self._store.queue_push(self._full(key), check_value(value))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
-        return self._store.queue_pop(self._full(key), block)
+        return _held(self._store.queue_pop(self._full(key), block), self._store, "queue_pop")
 
     def queue_len(self, key: str) -> int:
         return self._store.queue_len(self._full(key))
+
+
+def _held(value: object, store: Store, method: str) -> bytes:
+    """A value the underlying store returned, as bytes (a Python subclass may return str)."""
+    return check_value(value, f"{type(store).__name__}.{method}'s result")
