@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -412,9 +413,16 @@ def run_groups(rank: int, n: int) -> None:
         check("non-member rank", dist.get_rank(sub), -1)
         check("non-member size", dist.get_world_size(sub), -1)
         x = np.array([5.0])
-        check("non-member all_reduce returns None", dist.all_reduce(x, group=sub), None)
-        check("non-member all_reduce leaves data", x, np.array([5.0]))
-        check("non-member recv", dist.recv(np.zeros(1), group=sub), -1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check("non-member all_reduce returns None", dist.all_reduce(x, group=sub), None)
+            check("non-member all_reduce leaves data", x, np.array([5.0]))
+            check("non-member recv", dist.recv(np.zeros(1), group=sub), -1)
+        check(
+            "non-member calls warn as torch's",
+            [str(w.message).split(" which")[0] for w in caught],
+            [f"Running {op} on global rank {rank}" for op in ("all_reduce", "recv")],
+        )
     if rank % 2 == 1:
         x = np.array([rank])
         dist.all_reduce(x, group=odd)
