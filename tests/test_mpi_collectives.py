@@ -291,6 +291,16 @@ def test_pytorch2_api_matches_numpy(ranks: int) -> None:
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+def test_local_synchronization_groups_need_only_their_members(ranks: int) -> None:
+    """new_group(..., use_local_synchronization=True): each pair makes its own groups (two in a
+    row), without the other ranks calling; sums equal NumPy's; a non-member caller gets
+    NON_GROUP_MEMBER at once."""
+    result = launch_api(ranks, "local")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("checks passed") == ranks, result.stdout
+
+
 def test_debug_mode_names_the_differing_rank() -> None:
     result = launch_api(3, "debug", CUPY_PARALLEL_DISTRIBUTED_DEBUG="DETAIL")
     assert result.returncode == 0, result.stderr[-4000:]

@@ -302,11 +302,33 @@ def monitored(rank: int, size: int) -> None:
         print(f"CAUGHT rank {rank}: {error}", flush=True)
 
 
+def local(rank: int, size: int) -> None:
+    """use_local_synchronization: pairs make their own groups; nobody else calls new_group."""
+    pair = [rank - rank % 2, rank - rank % 2 + 1] if rank - rank % 2 + 1 < size else [rank]
+    made = [dist.new_group(pair, use_local_synchronization=True) for _ in range(2)]
+    for k, group in enumerate(made):
+        check(f"local group {k} size", dist.get_world_size(group), len(pair))
+        check(f"local group {k} rank", dist.get_rank(group), pair.index(rank))
+        x = np.array([float(rank + k)])
+        dist.all_reduce(x, group=group)
+        check(f"local group {k} all_reduce", x, np.array([float(sum(pair) + k * len(pair))]))
+    others = [r for r in range(size) if r not in pair]
+    if others:
+        outsider = dist.new_group(others, use_local_synchronization=True)
+        check(
+            "a non-member calling gets NON_GROUP_MEMBER",
+            outsider is dist.GroupMember.NON_GROUP_MEMBER,
+            True,
+        )
+    for group in made:
+        dist.destroy_process_group(group)
+
+
 def main() -> int:
     mode = sys.argv[1]
     dist.init_process_group("mpi", timeout=30 if mode != "monitored" else 3)
     rank, size = dist.get_rank(), dist.get_world_size()
-    {"api": api, "debug": debug, "monitored": monitored}[mode](rank, size)
+    {"api": api, "debug": debug, "monitored": monitored, "local": local}[mode](rank, size)
     if mode == "monitored" and rank == size - 1:
         time.sleep(1)
     dist.barrier() if mode != "monitored" else None

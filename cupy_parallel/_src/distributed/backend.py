@@ -179,13 +179,15 @@ class ProcessGroupBackend(abc.ABC):
 
     @abc.abstractmethod
     def new_subgroup(
-        self, ranks: Sequence[int], *, timeout: float, group_name: str
+        self, ranks: Sequence[int], *, timeout: float, group_name: str, local: bool = False
     ) -> ProcessGroupBackend | None:
         """A group of the world ranks ``ranks`` (sorted, distinct); called on the world group.
 
         Every world rank calls it, in the same order; members get their backend object, the
-        others ``None``. The group rank of world rank ``ranks[i]`` is ``i``. Must not block past
-        ``timeout`` seconds waiting for peers (raise ``TimeoutError``).
+        others ``None``. With ``local=True`` (``use_local_synchronization``) only the members
+        call it, and ``group_name`` is the same on every member. The group rank of world rank
+        ``ranks[i]`` is ``i``. Must not block past ``timeout`` seconds waiting for peers (raise
+        ``TimeoutError``).
         """
 
     @abc.abstractmethod

@@ -13,7 +13,7 @@ import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from cupy_parallel._src.arguments import read_int, read_timeout
+from cupy_parallel._src.arguments import read_bool, read_int, read_timeout
 from cupy_parallel._src.cuda.nccl_runtime import is_available as nccl_is_available
 from cupy_parallel._src.enums import Backend, ReduceOp
 
@@ -198,6 +198,7 @@ _world: ProcessGroup | None = None
 _owned_store: Store | None = None
 _subgroups: list[ProcessGroup] = []
 _group_count = 0
+_local_groups: dict[tuple[int, ...], int] = {}  # use_local_synchronization groups made, by ranks
 
 
 def _not_initialized() -> RuntimeError:
@@ -426,6 +427,8 @@ def new_group(
     ranks: Iterable[int] | None = None,
     timeout: timedelta | float | None = None,
     backend: Backend | str | None = None,
+    *,
+    use_local_synchronization: bool = False,
 ) -> ProcessGroup | Any:
     """A group of some world ranks; every process of the world must call it, in the same order.
 
@@ -434,6 +437,11 @@ def new_group(
             means every rank.
         timeout: Deadline of the group's operations; default: the world's.
         backend: Must be the world's backend (the default); mixing backends is not supported.
+        use_local_synchronization: As torch's: only the members need to call it (non-members
+            may, and get ``GroupMember.NON_GROUP_MEMBER`` at once), so that different ranks can
+            make different groups, each synchronising its own members only. The members of one
+            group must make their local groups of the same ranks in the same order (the name
+            that pairs them is the ranks and how many such groups came before).
 
     Returns:
         The new :class:`ProcessGroup` on members, ``GroupMember.NON_GROUP_MEMBER`` on the others.
@@ -470,9 +478,17 @@ def new_group(
             f"{world_backend.backend.value!r} world is not supported; leave backend=None to use "
             f"{world_backend.backend.value!r}."
         )
-    name = str(_group_count)
-    _group_count += 1
-    sub = world_backend.new_subgroup(members, timeout=limit, group_name=name)
+    local = read_bool(use_local_synchronization, "use_local_synchronization")
+    if local:
+        if world.rank() not in members:
+            return _NON_MEMBER
+        made_before = _local_groups.get(members, 0)
+        _local_groups[members] = made_before + 1
+        name = f"local {list(members)} #{made_before}"
+    else:
+        name = str(_group_count)
+        _group_count += 1
+    sub = world_backend.new_subgroup(members, timeout=limit, group_name=name, local=local)
     if sub is None:
         return _NON_MEMBER
     sub.detail = debug_detail()
@@ -507,6 +523,7 @@ def destroy_process_group(group: Any = None) -> None:
     _release(pg)
     _world = None
     _group_count = 0
+    _local_groups.clear()
     store, _owned_store = _owned_store, None
     if store is not None:
         store.close()

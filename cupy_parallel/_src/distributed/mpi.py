@@ -441,14 +441,17 @@ class MPIBackend(ProcessGroupBackend):
         return backend
 
     def new_subgroup(
-        self, ranks: Sequence[int], *, timeout: float, group_name: str
+        self, ranks: Sequence[int], *, timeout: float, group_name: str, local: bool = False
     ) -> MPIBackend | None:
         """Split the world communicator; every world rank calls it, within ``timeout``.
 
         The ranks first exchange (on the control communicator) which call this is and the
         member list they were given, so that the blocking ``MPI_Comm_split`` starts only once
-        every rank is known to be in it, with the same members.
+        every rank is known to be in it, with the same members. ``local=True``: only the members
+        call it (:meth:`_new_local_subgroup`).
         """
+        if local:
+            return self._new_local_subgroup(ranks, timeout=timeout, group_name=group_name)
         self._splits += 1
         mine = np.array([self._splits, zlib.crc32(np.asarray(ranks, np.int64).tobytes())])
         every = np.zeros((self.size, 2), np.int64)
@@ -469,6 +472,47 @@ class MPIBackend(ProcessGroupBackend):
         comm = self._comm.Split(color, key)
         if not member:
             return None
+        sub = MPIBackend(comm, comm.Dup(), timeout=timeout, group_name=group_name)
+        sub.world_ranks = tuple(ranks)
+        return sub
+
+    def _new_local_subgroup(
+        self, ranks: Sequence[int], *, timeout: float, group_name: str
+    ) -> MPIBackend | None:
+        """``MPI_Comm_create_group`` over the members only (``use_local_synchronization``).
+
+        The members first greet each other with point-to-point messages on the control
+        communicator, tagged by the group's name, each carrying the member list (a checksum):
+        the blocking ``MPI_Comm_create_group`` starts only once every member is known to be at
+        the same call with the same members, and a member that never comes is a
+        ``TimeoutError`` after ``timeout`` instead of a hang. A non-member has nothing to do.
+        """
+        if self.rank not in ranks:
+            return None
+        mpi = load_mpi()
+        tag = zlib.crc32(group_name.encode()) % max(self.max_tag, 1)
+        mine = np.array([zlib.crc32(np.asarray(ranks, np.int64).tobytes())], np.int64)
+        peers = [r for r in ranks if r != self.rank]
+        theirs = np.zeros(len(peers), np.int64)
+        requests = [self._control.Isend([mine, mpi.INT64_T], peer, tag) for peer in peers]
+        requests += [
+            self._control.Irecv([theirs[i : i + 1], mpi.INT64_T], peer, tag)
+            for i, peer in enumerate(peers)
+        ]
+        description = f"new_group({list(ranks)}, use_local_synchronization=True)"
+        _MPIWork(description, self, requests, keep=(mine, theirs), timeout=timeout).wait()
+        differ = [peer for peer, crc in zip(peers, theirs, strict=True) if crc != mine[0]]
+        if differ:
+            raise ValueError(
+                f"new_group(use_local_synchronization=True): world ranks {differ} passed other "
+                f"ranks than this rank ({list(ranks)}) for the same group; every member must "
+                "pass the same ranks."
+            )
+        members = self._comm.Get_group().Incl(list(ranks))
+        try:
+            comm = self._comm.Create_group(members, tag)
+        finally:
+            members.Free()
         sub = MPIBackend(comm, comm.Dup(), timeout=timeout, group_name=group_name)
         sub.world_ranks = tuple(ranks)
         return sub

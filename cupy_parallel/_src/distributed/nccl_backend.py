@@ -446,9 +446,13 @@ class NCCLBackend(ProcessGroupBackend):
         return cls(rank, world_size, store=store, timeout=timeout, group_name=group_name)
 
     def new_subgroup(
-        self, ranks: Sequence[int], *, timeout: float, group_name: str
+        self, ranks: Sequence[int], *, timeout: float, group_name: str, local: bool = False
     ) -> NCCLBackend | None:
-        """A group sharing the world's store; its communicators get their own unique ids."""
+        """A group sharing the world's store; its communicators get their own unique ids.
+
+        Making it needs no peer (its communicators meet through the store, under
+        ``group_name``), so ``local`` changes nothing here.
+        """
         if self.rank not in ranks:
             return None
         return NCCLBackend(
