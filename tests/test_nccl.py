@@ -947,6 +947,28 @@ def test_sim_first_barrier_uses_gpu_rank_mod_device_count(
         _shutdown(cupy, backends)
 
 
+def test_sim_first_subgroup_barrier_uses_the_global_rank(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    # A subgroup of world ranks 1 and 3 on a 4-GPU node: torch picks the GPU by the global rank
+    # (1 -> GPU 1, 3 -> GPU 3); the group rank (0, 1) would put world rank 1 on GPU 0, where
+    # world rank 0 runs, and rank 3 on GPU 1.
+    with _gpus(4, monkeypatch) as (cupy, _):
+
+        def body(r: int, b: Any) -> Any:
+            sub = b.new_subgroup([1, 3], timeout=30.0, group_name="odd")
+            if sub is None:
+                return None
+            sub.barrier().wait()
+            made = list(sub._comms)
+            sub.shutdown()
+            return made
+
+        backends = _world(store, 4)
+        assert _on_ranks(backends, body) == [None, [(1,)], None, [(3,)]]
+        _shutdown(cupy, backends)
+
+
 def _until(condition: Any, limit: float = 10.0) -> float:
     """Seconds until ``condition()`` held (fails the test after ``limit``)."""
     start = time.monotonic()

@@ -45,7 +45,7 @@
   is taken, and an abort (state lock only) never waits for the launch lock, since it is what
   makes a ``groupEnd`` blocked under that lock return.
 * Barrier: ``barrier().wait()`` blocks the host until every rank arrived (torch's); before any
-  other call it runs on GPU ``rank % device_count``, as torch's does.
+  other call it runs on GPU ``global_rank % device_count`` (the world rank), as torch's does.
 * Set-up: creating a communicator waits for every member; past the group's timeout it raises
   ``TimeoutError`` (a peer that never joins, or died) and the group is unusable.
 * Data: moving data (broadcast, gather, scatter, all_gather, all_to_all, send/recv) copies bytes
@@ -398,9 +398,18 @@ class NCCLBackend(ProcessGroupBackend):
     array_kinds: ClassVar[frozenset[str]] = frozenset({"cuda"})
 
     def __init__(
-        self, rank: int, size: int, *, store: Any, timeout: float, group_name: str
+        self,
+        rank: int,
+        size: int,
+        *,
+        store: Any,
+        timeout: float,
+        group_name: str,
+        global_rank: int | None = None,
     ) -> None:
         super().__init__(rank, size, timeout=timeout, group_name=group_name)
+        #: This process's rank in the world (a subgroup's ``rank`` is its rank in the group).
+        self.global_rank = rank if global_rank is None else global_rank
         nccl = nccl_module()
         if nccl is None:
             raise RuntimeError(f"The NCCL backend cannot start: {unavailable_reason()}")
@@ -461,6 +470,7 @@ class NCCLBackend(ProcessGroupBackend):
             store=self._store,
             timeout=timeout,
             group_name=group_name,
+            global_rank=self.global_rank,
         )
 
     def shutdown(self) -> None:
@@ -909,10 +919,11 @@ class NCCLBackend(ProcessGroupBackend):
         """An all-reduce of one byte; its ``wait()`` blocks the host until every rank arrived.
 
         As torch's: on the devices of the last call, or before any call on GPU
-        ``rank % device_count`` (one GPU per rank of a node, whichever device is current).
+        ``global_rank % device_count`` (one GPU per rank of a node, whichever device is current;
+        the world rank, also in a subgroup, where the group rank would put two ranks on a GPU).
         """
         cupy = self._cupy
-        devices = self._last_devices or (self.rank % cupy.cuda.runtime.getDeviceCount(),)
+        devices = self._last_devices or (self.global_rank % cupy.cuda.runtime.getDeviceCount(),)
         flags = []
         for device in devices:
             with cupy.cuda.Device(device):
