@@ -239,3 +239,19 @@ def test_comms_nccl_communicators_are_destroyed_with_the_simulation() -> None:
     first, second = (sorted(id(c) for comms in m for c in comms) for m in made)
     assert not set(first) & set(second)
     assert all(c._destroyed for comms in made[0] for c in comms)
+
+
+def test_overlapping_outs_on_another_gpu_are_refused_from_any_current_device() -> None:
+    """The overlap test of outs runs CuPy's shares_memory kernels on the outs' GPU, not on the
+    current one (where CuPy refuses another GPU's arrays without peer access)."""
+    with simulated_cuda(2) as cupy:
+        with cupy.cuda.Device(1):
+            buffer = cupy.zeros(6)
+        disjoint = [buffer[:3], buffer[3:]]
+        overlapping = [buffer[:3], buffer[2:5]]  # sizes sum to 6, element 2 twice
+        x = np.arange(6.0)
+        with cupy.cuda.Device(0):  # the current device is not the outs'
+            comm.scatter(x, out=disjoint)
+            with pytest.raises(ValueError, match=r"share memory"):
+                comm.scatter(x, out=overlapping)
+        np.testing.assert_array_equal(buffer.get(), x)

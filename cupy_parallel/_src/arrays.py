@@ -420,8 +420,12 @@ def shares_memory(a: Any, b: Any) -> bool:
     first, second = device_of(a), device_of(b)
     if first.kind == "cuda" or second.kind == "cuda":
         # CuPy's exact test builds a pointer per element on the GPU: only when the bounds meet.
+        # The exact test runs kernels on the current device: make it the arrays' own device.
         cupy = first.xp
-        return first == second and cupy.may_share_memory(a, b) and bool(cupy.shares_memory(a, b))
+        if first != second or not cupy.may_share_memory(a, b):
+            return False
+        with first:
+            return bool(cupy.shares_memory(a, b))
     buffers = plain_buffer(a), plain_buffer(b)
     try:  # a bounded search: exact answers for ordinary layouts, "yes" for pathological ones
         return bool(np.shares_memory(*buffers, max_work=_SHARES_MEMORY_WORK))
