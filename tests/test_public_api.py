@@ -86,7 +86,13 @@ CONTRACT: dict[str, list[tuple[str, Any]]] = {
         ("dim", 0),
     ],
     "cupy_parallel.to_device": [("array", _), ("device", _), ("stream", None)],
-    "cupy_parallel.distributed.new_group": [("ranks", None), ("timeout", None), ("backend", None)],
+    # The contract's three, then torch's keyword-only use_local_synchronization (issue 23).
+    "cupy_parallel.distributed.new_group": [
+        ("ranks", None),
+        ("timeout", None),
+        ("backend", None),
+        ("use_local_synchronization", False),
+    ],
 }
 
 

@@ -66,6 +66,7 @@ from cupy_parallel._src.distributed.reductions import (
     reduce_scatter_tensor,
 )
 from cupy_parallel._src.distributed.rooted import broadcast, gather, reduce, scatter
+from cupy_parallel._src.distributed.sampling import shard_indices
 from cupy_parallel._src.distributed.store import (
     DistError,
     DistNetworkError,
@@ -139,6 +140,7 @@ __all__ = [
     "scatter",
     "scatter_object_list",
     "send",
+    "shard_indices",
 ]
 
 set_module(__name__, globals(), __all__)
