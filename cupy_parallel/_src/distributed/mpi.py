@@ -225,8 +225,8 @@ class _MPIWork(Work):
         request = self._request
         if type(request) is list or self._status is not None:
             return super()._block(deadline)
-        try:
-            return self._poll(request.Test, deadline)
+        try:  # often done by the time the ranks' rows arrived: one Test, no poll set up
+            return bool(request.Test()) or self._poll(request.Test, deadline)
         except load_mpi().Exception as error:
             raise self._mpi_error(error) from None
 
@@ -245,9 +245,7 @@ class _MPIWork(Work):
         """
         backend = self._backend
         every = np.empty((backend.size, mine.size), np.int64)
-        request = backend._control.Iallgather(
-            [mine, load_mpi().INT64_T], [every, load_mpi().INT64_T]
-        )
+        request = backend._control.Iallgather([mine, backend._int64], [every, backend._int64])
         self._side = _SideCheck(request, mine, every, verify)
         return self
 
@@ -428,6 +426,7 @@ class MPIBackend(ProcessGroupBackend):
         mpi = load_mpi()
         self._in_place = mpi.IN_PLACE
         self._byte = mpi.BYTE
+        self._int64 = mpi.INT64_T
         self.max_tag = int(comm.Get_attr(mpi.TAG_UB)) - 1  # TAG_UB: monitored_barrier's
         self._issuing = threading.Lock()  # see _in_issue_order
         self._thread = threading.local()  # per thread: caller_fields and its number of calls
