@@ -326,3 +326,97 @@ def test_monitored_barrier_names_the_missing_rank() -> None:
     assert "CAUGHT rank 1: monitored_barrier on process group '0': rank 0 did not release" in (
         result.stdout
     )
+
+
+AGREEMENT = Path(__file__).parent / "mpi_workers" / "agreement_worker.py"
+
+
+def launch_agreement(ranks: int, mode: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(AGREEMENT), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+def test_threads_racing_on_one_group_raise_on_every_rank(ranks: int) -> None:
+    """Two threads per rank, 2,000 all_reduce calls each, on one group: MPI pairs the k-th call
+    of every rank, so rank 0's call from one thread summed with rank 1's from the other (before:
+    3,998 of 4,000 results mixed on 2 ranks, no error). Now no result is wrong: the ranks compare
+    the thread that issued each call, and the first mixed pair raises on every rank, naming the
+    threads."""
+    result = launch_agreement(ranks, "threads")
+    out = result.stdout
+    for rank in range(ranks):
+        counts = re.search(rf"rank {rank}: RESULTS right=(\d+) wrong=(\d+)", out)
+        assert counts is not None, out + result.stderr[-3000:]
+        assert counts[2] == "0", out
+        errors = re.findall(rf"rank {rank}: ERROR thread \d: (\w+): (.*)", out)
+        named = [
+            message
+            for kind, message in errors
+            if kind in ("ValueError", "RuntimeError")
+            and "in the thread that issued it (rank 0: thread 'summer-" in message
+            and "'summer-0', its call" in message
+            and "'summer-1', its call" in message
+        ]
+        assert named, out  # every rank raised, naming both threads
+    assert (
+        "MPI pairs a group's collectives in the order each rank issues them, and threads issuing "
+        "on one group at once issue in no set order across the ranks" in out
+    )
+
+
+def test_non_rooted_collectives_with_other_sizes_or_dtypes_raise_on_every_rank() -> None:
+    """all_reduce of float32[4] with float64[4] on one rank (or int32[4], or float32[6]) gave
+    garbage, stale pool bytes included, and exit code 0; as every non-rooted collective. Now
+    every rank raises ValueError naming the rank that differs, as gloo refuses ("Received data
+    size doesn't match"); the world group stays usable."""
+    result = launch_agreement(3, "mismatch")
+    out = result.stdout
+    assert "NO ERROR" not in out, out
+    assert out.count("OK world after: [3.0, 3.0]") == 3, out + result.stderr[-3000:]
+
+    def arrays(mine: str, theirs: str) -> str:
+        return f"rank 0: {mine}; rank 1: {mine}; rank 2: {theirs}"
+
+    f32, f64, i32 = (f"{d}, 4 elements, 1-d" for d in ("float32", "float64", "int32"))
+    cases = [
+        ("all_reduce", 1, arrays(f32, f64)),
+        ("all_reduce", 2, arrays(f32, i32)),
+        ("all_reduce", 3, arrays(f32, "float32, 6 elements, 1-d")),
+        ("all_gather", 5, arrays(f64, "float64, 6 elements, 1-d")),
+        ("all_gather", 6, arrays(f32, i32)),
+        ("reduce_scatter", 7, arrays(f64, "float64, 6 elements, 1-d")),
+        ("reduce_scatter", 8, arrays(f32, f64)),
+        (
+            "all_reduce_coalesced",
+            9,
+            arrays(
+                "2 arrays, the first float64, 6 elements in all",
+                "2 arrays, the first float64, 8 elements in all",
+            ),
+        ),
+        ("all_gather_coalesced", 10, arrays(f32, i32)),
+        ("all_reduce", 11, arrays(f32, "float32, 6 elements, 1-d")),  # async_op=True
+    ]
+    for name, number, passed in cases:
+        message = (
+            f"CAUGHT ValueError: {name} on process group '{number}': ranks [2] differ from the "
+            f"rest in the array they passed ({passed}). Every rank must pass an array of the "
+            "same dtype and shape. The arrays' contents are undefined now"
+        )
+        assert out.count(message) == 3, (message, out)
+    message = (
+        "CAUGHT ValueError: all_reduce on process group '4': ranks [2] differ from the rest in "
+        "the reduction they passed (rank 0: ReduceOp.SUM; rank 1: ReduceOp.SUM; rank 2: "
+        "ReduceOp.MAX). Every rank must pass the same op."
+    )
+    assert out.count(message) == 3, out
+    # The mismatched operations may never finish: the job is aborted at exit, not left hanging.
+    assert result.returncode != 0
+    assert "aborting the MPI job" in result.stderr

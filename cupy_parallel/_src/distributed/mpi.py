@@ -28,9 +28,20 @@
   usable.
 * Buffers the backend allocates (packing, receiving) are zero-filled: a peer that sends less
   than expected never exposes another call's bytes.
-* Rooted operations and ``all_to_all`` compare their arguments, always (the root, dtype and
-  shape; the byte counts): see :mod:`~cupy_parallel._src.distributed.mpi_checks`. The other
-  collectives compare shapes and dtypes only in the debug mode (``DETAIL``).
+* Every collective (``barrier`` aside) has the ranks compare their arguments, always: the
+  thread that issued it, the operation, the root, the reduction, the arrays' number, dtype and
+  shape (for ``all_to_all`` the byte counts); ranks that disagree raise ``ValueError`` on every
+  rank, naming them. See :mod:`~cupy_parallel._src.distributed.mpi_checks`.
+* Threads: MPI pairs a group's collectives in the order each rank issues them, so two threads
+  issuing on one group at once would pair one thread's call with another thread's on another
+  rank (the results mixed, silently). There is no order to restore (each rank's threads race
+  on their own), so such a pairing is an error instead: the ranks compare the name of the
+  issuing thread and how many calls it has made on the group, and the first mixed pair raises
+  ``ValueError`` on every rank naming both threads (the group is unusable after). A thread's
+  collective and its comparison are issued under one lock, so each rank's ``k``-th collective
+  meets the ``k``-th comparison. Issue a group's collectives from one thread at a time (in the
+  same order on every rank), or give each thread a group of its own. Threads of one process
+  that issue on one group must have different names (Python's default names are).
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ import hashlib
 import importlib.util
 import itertools
 import os
+import threading
 import time
 import zlib
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -52,7 +64,7 @@ from cupy_parallel._src.distributed.backend import (
     ProcessGroupBackend,
     average_in_place,
 )
-from cupy_parallel._src.distributed.mpi_checks import compare_counts, compare_root_and_array
+from cupy_parallel._src.distributed.mpi_checks import caller_fields, compare_call, compare_counts
 from cupy_parallel._src.distributed.mpi_job import (
     DEPARTURE_GRACE_S,
     abort_at_exit,
@@ -213,8 +225,8 @@ class _MPIWork(Work):
         request = self._request
         if type(request) is list or self._status is not None:
             return super()._block(deadline)
-        try:
-            return self._poll(request.Test, deadline)
+        try:  # often done by the time the ranks' rows arrived: one Test, no poll set up
+            return bool(request.Test()) or self._poll(request.Test, deadline)
         except load_mpi().Exception as error:
             raise self._mpi_error(error) from None
 
@@ -233,9 +245,7 @@ class _MPIWork(Work):
         """
         backend = self._backend
         every = np.empty((backend.size, mine.size), np.int64)
-        request = backend._control.Iallgather(
-            [mine, load_mpi().INT64_T], [every, load_mpi().INT64_T]
-        )
+        request = backend._control.Iallgather([mine, backend._int64], [every, backend._int64])
         self._side = _SideCheck(request, mine, every, verify)
         return self
 
@@ -249,8 +259,11 @@ class _MPIWork(Work):
         except load_mpi().Exception as error:
             raise self._mpi_error(error) from None
         self._side = None
-        problem = side.verify(side.every)
-        if problem is None:
+        every = side.every
+        if every.tobytes() == side.mine.tobytes() * len(every):  # all alike: the common case
+            return True
+        problem = side.verify(every)
+        if problem is None:  # rows may differ yet agree (all_to_all's counts)
             return True
         message = (
             f"{self.description} on process group {self._backend.group_name!r}: {problem} "
@@ -259,12 +272,19 @@ class _MPIWork(Work):
         self._abandon(message)
         raise ValueError(message)
 
-    def _check_root_and_array(self, root: int, array: Any) -> _MPIWork:
-        """Have the ranks compare the root each named and the array each passed.
+    def _check_call(
+        self, arrays: Sequence[Any], *, root: int = -1, op: ReduceOp | None = None
+    ) -> _MPIWork:
+        """Have the ranks compare the call: its thread, operation, root, reduction and arrays.
 
-        See :func:`~cupy_parallel._src.distributed.mpi_checks.compare_root_and_array`.
+        See :func:`~cupy_parallel._src.distributed.mpi_checks.compare_call`.
         """
-        return self._check(*compare_root_and_array(root, array, self._backend.world_ranks))
+        backend = self._backend
+        return self._check(
+            *compare_call(
+                self.description, backend.caller(), arrays, backend.world_ranks, root=root, op=op
+            )
+        )
 
     def _check_counts(
         self, sends: Sequence[int], receives: Sequence[int], dtype: np.dtype[Any]
@@ -273,7 +293,10 @@ class _MPIWork(Work):
 
         See :func:`~cupy_parallel._src.distributed.mpi_checks.compare_counts`.
         """
-        return self._check(*compare_counts(sends, receives, dtype, self._backend.world_ranks))
+        backend = self._backend
+        return self._check(
+            *compare_counts(backend.caller(), sends, receives, dtype, backend.world_ranks)
+        )
 
     def _mpi_error(self, error: Any) -> Exception:
         """A clear error for what MPI reported; a failed collective poisons the group."""
@@ -362,6 +385,22 @@ class _MPIWork(Work):
 # The backend
 
 
+def _in_issue_order(primitive: Callable[..., Work]) -> Callable[..., Work]:
+    """Start the collective and its comparison with no other thread's between them.
+
+    Each rank's ``k``-th collective on the group's communicator then meets the ``k``-th
+    comparison on the control communicator, whichever threads issue them (see
+    :func:`~cupy_parallel._src.distributed.mpi_checks.caller_fields`).
+    """
+
+    @functools.wraps(primitive)
+    def issue(self: MPIBackend, /, *args: Any) -> Work:
+        with self._issuing:
+            return primitive(self, *args)
+
+    return issue
+
+
 class MPIBackend(ProcessGroupBackend):
     """A process group on an MPI communicator (mpi4py).
 
@@ -387,7 +426,10 @@ class MPIBackend(ProcessGroupBackend):
         mpi = load_mpi()
         self._in_place = mpi.IN_PLACE
         self._byte = mpi.BYTE
+        self._int64 = mpi.INT64_T
         self.max_tag = int(comm.Get_attr(mpi.TAG_UB)) - 1  # TAG_UB: monitored_barrier's
+        self._issuing = threading.Lock()  # see _in_issue_order
+        self._thread = threading.local()  # per thread: caller_fields and its number of calls
 
     # --------------------------------------------------------------------------- life cycle
 
@@ -517,6 +559,20 @@ class MPIBackend(ProcessGroupBackend):
         sub.world_ranks = tuple(ranks)
         return sub
 
+    def caller(self) -> tuple[int, ...]:
+        """The calling thread as the ranks compare it, counting this call (under ``_issuing``).
+
+        :func:`~cupy_parallel._src.distributed.mpi_checks.caller_fields` of its name, then how
+        many collectives it has issued on this group, this one included.
+        """
+        thread = self._thread
+        fields = getattr(thread, "fields", None)
+        if fields is None:
+            fields = thread.fields = caller_fields(threading.current_thread().name)
+            thread.calls = 0
+        thread.calls += 1
+        return (*fields, thread.calls)
+
     def shutdown(self) -> None:
         """Free the communicators (left alone when a timed-out operation may still use them)."""
         if self.failure is None:
@@ -539,18 +595,20 @@ class MPIBackend(ProcessGroupBackend):
     # --------------------------------------------------------------------------- primitives
 
     @staged(0)
+    @_in_issue_order
     def broadcast(self, arrays: Sequence[Any], root: int, root_index: int, /) -> Work:
         """Ibcast of one array, then local copies to the other local arrays."""
         arrays = [plain_buffer(x) for x in arrays]
         source = arrays[root_index] if self.rank == root else arrays[0]
         request = self._comm.Ibcast([source, self._byte], root)
-        work = _MPIWork("broadcast", self, request, keep=source)._check_root_and_array(root, source)
+        work = _MPIWork("broadcast", self, request, keep=source)._check_call(arrays, root=root)
         if len(arrays) > 1:
             others = [x for x in arrays if x is not source]
             work.add_finalizer(functools.partial(_copy_each, others, source))
         return work
 
     @staged(0)
+    @_in_issue_order
     def all_reduce(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
         """Iallreduce in place (one array) or of the local reduction (several)."""
         first = arrays[0]
@@ -558,7 +616,7 @@ class MPIBackend(ProcessGroupBackend):
         if len(arrays) == 1 and plan.work_dtype is None:
             buffer = plain_buffer(first)
             request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
-            work = _MPIWork("all_reduce", self, request, keep=buffer)
+            work = _MPIWork("all_reduce", self, request, keep=buffer)._check_call(arrays, op=op)
             if plan.average:
                 work.add_finalizer(functools.partial(average_in_place, buffer, self.size, np))
             return work
@@ -573,9 +631,11 @@ class MPIBackend(ProcessGroupBackend):
             for x in outputs:
                 _cast_into(x, acc)
 
-        return _MPIWork("all_reduce", self, request, keep=acc).add_finalizer(finish)
+        work = _MPIWork("all_reduce", self, request, keep=acc)._check_call(outputs, op=op)
+        return work.add_finalizer(finish)
 
     @staged(0)
+    @_in_issue_order
     def reduce(self, arrays: Sequence[Any], root: int, root_index: int, op: ReduceOp, /) -> Work:
         """Ireduce in place (one array) or of the local reduction (several)."""
         outputs = [plain_buffer(x) for x in arrays]
@@ -588,7 +648,7 @@ class MPIBackend(ProcessGroupBackend):
             request = self._comm.Ireduce(self._in_place, message, plan.mpi_op, root)
         else:
             request = self._comm.Ireduce(message, None, plan.mpi_op, root)
-        work = _MPIWork("reduce", self, request, keep=acc)._check_root_and_array(root, outputs[0])
+        work = _MPIWork("reduce", self, request, keep=acc)._check_call(outputs, root=root, op=op)
         if at_root:
             count = self.size * len(outputs)
             target = outputs[root_index]
@@ -603,6 +663,7 @@ class MPIBackend(ProcessGroupBackend):
         return work
 
     @staged(0)
+    @_in_issue_order
     def all_gather(self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], /) -> Work:
         """Iallgather of the packed local inputs into one buffer, unpacked on completion."""
         local = len(inputs)
@@ -616,34 +677,34 @@ class MPIBackend(ProcessGroupBackend):
                 _unpack(received, row)
 
         work = _MPIWork("all_gather", self, request, keep=(send, received))
-        return work.add_finalizer(finish)
+        return work._check_call(inputs).add_finalizer(finish)
 
     @staged(0)
+    @_in_issue_order
     def gather(self, outputs: Sequence[Any] | None, input: Any, root: int, /) -> Work:
         """Igather into one buffer at the root, unpacked on completion."""
         source = plain_buffer(input)
         if outputs is None:
             request = self._comm.Igather([source, self._byte], None, root)
-            return _MPIWork("gather", self, request, keep=source)._check_root_and_array(
-                root, source
-            )
+            return _MPIWork("gather", self, request, keep=source)._check_call([source], root=root)
         received = _temp((self.size * source.nbytes,), np.uint8, source)
         request = self._comm.Igather([source, self._byte], [received, self._byte], root)
         work = _MPIWork("gather", self, request, keep=(source, received))
-        work._check_root_and_array(root, source)
+        work._check_call([source], root=root)
         return work.add_finalizer(functools.partial(_unpack, received, outputs))
 
     @staged(0)
+    @_in_issue_order
     def scatter(self, output: Any, inputs: Sequence[Any] | None, root: int, /) -> Work:
         """Iscatter from the root's packed inputs straight into ``output``."""
         target = plain_buffer(output)
         send = None if inputs is None else [_pack(inputs), self._byte]
         request = self._comm.Iscatter(send, [target, self._byte], root)
-        return _MPIWork("scatter", self, request, keep=(send, target))._check_root_and_array(
-            root, target
-        )
+        work = _MPIWork("scatter", self, request, keep=(send, target))
+        return work._check_call([target], root=root)
 
     @staged(0)
+    @_in_issue_order
     def reduce_scatter(
         self, outputs: Sequence[Any], inputs: Sequence[Sequence[Any]], op: ReduceOp, /
     ) -> Work:
@@ -672,9 +733,10 @@ class MPIBackend(ProcessGroupBackend):
                     _cast_into(x, received[j])
 
         work = _MPIWork("reduce_scatter", self, request, keep=(acc, received))
-        return work.add_finalizer(finish)
+        return work._check_call(outputs, op=op).add_finalizer(finish)
 
     @staged(0)
+    @_in_issue_order
     def all_to_all(self, outputs: Sequence[Any], inputs: Sequence[Any], /) -> Work:
         """Ialltoallv of byte counts, packed and unpacked locally."""
         first = plain_buffer(inputs[0])
@@ -727,6 +789,7 @@ class MPIBackend(ProcessGroupBackend):
         return work
 
     @staged(0)
+    @_in_issue_order
     def all_reduce_coalesced(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
         """One Iallreduce per dtype over the arrays flattened into one buffer."""
         outputs = [plain_buffer(x) for x in arrays]
@@ -748,11 +811,13 @@ class MPIBackend(ProcessGroupBackend):
             buffers.append(flat)
             finishers.append(functools.partial(_unflatten, flat, group, plan, self.size))
         work = _MPIWork("all_reduce_coalesced", self, requests, keep=buffers)
+        work._check_call(outputs, op=op)
         for finish in finishers:
             work.add_finalizer(finish)
         return work
 
     @staged(0)
+    @_in_issue_order
     def all_gather_coalesced(
         self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], /
     ) -> Work:
@@ -767,7 +832,7 @@ class MPIBackend(ProcessGroupBackend):
                 _unpack(received[r * total : (r + 1) * total], row)
 
         work = _MPIWork("all_gather_coalesced", self, request, keep=(send, received))
-        return work.add_finalizer(finish)
+        return work._check_call(inputs).add_finalizer(finish)
 
 
 def _check_environment(rank: int, size: int) -> None:

@@ -1,23 +1,37 @@
 """The MPI backend's always-on argument comparisons, and their messages when the ranks disagree.
 
-Rooted operations and ``all_to_all`` compare their arguments, always: ``broadcast``,
-``reduce``, ``gather`` and ``scatter`` (and what is built on them) exchange the root each rank
-named and the dtype and shape of its array alongside the operation, ``all_to_all`` (and
-``all_to_all_single``) the byte counts each rank sends and expects; they finish only once
-these agree. Ranks that disagree get ``ValueError`` naming them, on every rank, and the group
-is unusable (MPI's result is undefined: one rank's array silently overwrites the root's; a
-receiver expecting more than is sent keeps zeros; a reduction reads one dtype's bytes as
-another's). The price is that rooted operations synchronise the group, as MPI allows any
-collective to: ``benchmarks/bench_collectives.py`` reports a 4 KiB ``broadcast`` at 16–24 µs
-against mpi4py's 2.3–3.1 (whose root returns at once) on 2 ranks, 75–95 µs against 7–9 on 4
-ranks sharing 2 cores; the comparison itself costs about 8 µs and 56 µs of that. The other
-collectives (``all_reduce``, ``all_gather``, ``reduce_scatter`` and their ``_tensor`` forms)
-compare shapes and dtypes only in the debug mode (``DETAIL``): an exchange beside each would
-double the 4-rank ``all_reduce`` latency.
+MPI pairs a communicator's collectives in the order each rank issues them and trusts the ranks
+to pass matching arguments; when they do not, its result is undefined, silently: one rank's
+array overwrites the root's, a reduction reads another dtype's bytes or a peer's stale buffer,
+a receiver expecting more than is sent keeps zeros. So every collective of the MPI backend
+(``barrier`` aside, which passes nothing) has the ranks compare what they passed, beside the
+operation, and finishes only once they agree:
 
-The backend's work runs the exchange (an ``Iallgather`` on the group's control communicator,
-overlapping the operation); this module says what each rank sends (a few ``int64``) and what the
-rows of every rank mean.
+* the thread that issued it (its name, and how many collectives that thread has issued on the
+  group): two threads issuing on one group at once issue in no set order across the ranks, so
+  one rank's call from thread A pairs with another's from thread B (see :func:`caller_fields`);
+* the operation (an ``all_reduce`` never pairs with a ``broadcast``);
+* the root of ``broadcast``/``reduce``/``gather``/``scatter``, and the reduction (``ReduceOp``);
+* the arrays: how many, the dtype, the number of elements, and their shapes (a checksum);
+* for ``all_to_all`` (and ``all_to_all_single``), the bytes each rank sends to and expects from
+  each other rank, and the dtype.
+
+Ranks that disagree get ``ValueError`` naming them, on every rank, and the group is unusable
+(MPI may have written the arrays already, or may never finish: the job is aborted at exit).
+torch's gloo refuses a size mismatch the same way ("Received data size doesn't match").
+
+The backend's work runs the exchange: an ``Iallgather`` of one row of ``int64`` per rank
+(:class:`Comparison`'s first item) on the group's control communicator, overlapping the
+operation; this module says what each rank sends and what the rows of every rank mean.
+
+Cost: a second collective beside every operation. A 4 KiB ``all_reduce`` on the 2-core
+development machine, best of 40 rounds of 300 calls, the comparison patched out and in within one
+run (load average under 2): 2 ranks, mpi4py + 4.3 us without it, + 9.0 to 9.6 us with it (the
+10 us target met, barely); 4 ranks sharing the 2 cores, + 26.7 us without it, + 54.3 us with it
+(the target missed, already without it). Measured alternatives, no better: an ``Iallreduce(MAX)``
+of ``[row, -row]`` (+ 10.6 to 10.8 on 2 ranks, + 61.2 on 4); the rows on the group's own
+communicator ahead of the operation, with a small ``all_reduce``'s data inside them so that
+it needs no second collective (+ 16.9 on 2 ranks, + 96.7 on 4).
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src.distributed.backend import disagreeing, per_rank
+from cupy_parallel._src.enums import ReduceOp
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -35,7 +50,60 @@ if TYPE_CHECKING:
     # What a rank sends, and what says how every rank's rows disagree (None: they agree).
     Comparison = tuple[np.ndarray, Callable[[np.ndarray], str | None]]
 
-__all__ = ["compare_counts", "compare_root_and_array", "dtype_row", "dtype_said"]
+__all__ = [
+    "OPERATIONS",
+    "caller_fields",
+    "compare_call",
+    "compare_counts",
+    "dtype_row",
+    "dtype_said",
+]
+
+# The collectives the ranks compare, by number (the first field of every row).
+OPERATIONS = (
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+)
+_OPERATION_NUMBERS = {name: number for number, name in enumerate(OPERATIONS)}
+_OP_NUMBERS = {op: number for number, op in enumerate(ReduceOp)}
+_OPS = list(ReduceOp)
+_NAME_BYTES = 32  # of a thread's name, for the message (its checksum compares all of it)
+
+
+def caller_fields(name: str, /) -> tuple[int, ...]:
+    """A thread's name as the ranks compare it: checksum, length and its first 32 bytes.
+
+    The ranks compare the name of the thread that issued each collective, and how many that
+    thread had issued on the group: in a program whose ranks issue a group's collectives in
+    one order, these agree (the main thread is ``MainThread`` everywhere, and threads made
+    without a name are numbered in the order they are made); when threads race, the first call
+    that pairs two threads' calls has different names. Threads of one process that issue on one
+    group must have different names.
+
+    Example:
+        >>> caller_fields("MainThread")[1]
+        10
+    """
+    encoded = name.encode()
+    head = np.zeros(_NAME_BYTES, np.uint8)
+    head[: min(len(encoded), _NAME_BYTES)] = np.frombuffer(encoded[:_NAME_BYTES], np.uint8)
+    return (zlib.crc32(encoded), len(encoded), *head.view(np.int64).tolist())
+
+
+def _caller_said(fields: Sequence[int]) -> str:
+    length = fields[1]
+    head = np.array(fields[2 : 2 + _NAME_BYTES // 8], np.int64).view(np.uint8).tobytes()
+    name = head[: min(length, _NAME_BYTES)].decode(errors="replace")
+    more = "..." if length > _NAME_BYTES else ""
+    return f"thread {name!r}{more}, its call {fields[-1]}"
 
 
 def dtype_row(dtype: np.dtype[Any]) -> list[int]:
@@ -61,33 +129,81 @@ _DTYPES_BY_NUMBER: dict[int, np.dtype[Any]] = {
 }
 
 
-def compare_root_and_array(root: int, array: Any, world: Sequence[int], /) -> Comparison:
-    """What the ranks exchange to compare the root (group rank) each named and their arrays.
+def _verify_call(every: np.ndarray, world: Sequence[int], start: int) -> str | None:
+    """What the ranks disagree on in the thread and the operation (fields up to ``start``)."""
+    callers = [tuple(row) for row in every[:, 1:start].tolist()]
+    if callers.count(callers[0]) != len(callers):
+        said = per_rank([_caller_said(c) for c in callers], world)
+        return (
+            f"{disagreeing(callers, world)} in the thread that issued it ({said}): MPI pairs "
+            "a group's collectives in the order each rank issues them, and threads issuing on "
+            "one group at once issue in no set order across the ranks, so one thread's call "
+            "met another's. Issue a group's collectives from one thread at a time, in the same "
+            "order on every rank, or give each thread a group of its own (new_group)."
+        )
+    operations = every[:, 0].tolist()
+    if operations.count(operations[0]) != len(operations):
+        said = per_rank([OPERATIONS[n] for n in operations], world)
+        return (
+            f"{disagreeing(operations, world)} in the collective they called ({said}). Every "
+            "rank must call a group's collectives in the same order."
+        )
+    return None
 
-    ``world`` holds the group's ranks as global ranks, for the messages. Both travel in the one
-    exchange, so comparing the arrays costs no more than comparing the roots: their dtypes,
-    shapes (and so sizes) must agree, as the debug mode requires of every collective. Otherwise
-    MPI gives the root a reduction over garbage, or leaves part of an array as it was, or reads
-    one dtype's bytes as another's.
+
+def compare_call(
+    operation: str,
+    caller: Sequence[int],
+    arrays: Sequence[Any],
+    world: Sequence[int],
+    /,
+    *,
+    root: int = -1,
+    op: ReduceOp | None = None,
+) -> Comparison:
+    """What the ranks exchange to compare a collective's call: thread, operation, root, arrays.
+
+    ``caller``: :func:`caller_fields` of the issuing thread and its number of calls on the
+    group. ``world`` holds the group's ranks as global ranks, for the messages. ``arrays``: the
+    call's local arrays (one, or one per local device, or a coalesced call's); their number,
+    dtype (the first's), total elements and shapes and dtypes (a checksum) must agree, as
+    must ``root`` (group rank; ``-1``: not rooted) and ``op``.
     """
-    shape = zlib.crc32(repr(array.shape).encode())
-    mine = np.array([root, *dtype_row(array.dtype), array.size, array.ndim, shape], np.int64)
+    first = arrays[0]
+    count = len(arrays)
+    key = (operation, root, op, first.dtype, first.shape) if count == 1 else None
+    fields = _ROWS.get(key)
+    if fields is None:
+        fields = _call_fields(operation, arrays, root, op)
+        if key is not None:
+            if len(_ROWS) >= _ROWS_KEPT:
+                _ROWS.clear()
+            _ROWS[key] = fields
+    mine = np.array((fields[0], *caller, *fields[1:]), np.int64)
+    start = 1 + len(caller)
 
     def verify(every: np.ndarray) -> str | None:
-        roots = every[:, 0].tolist()
+        problem = _verify_call(every, world, start)
+        if problem is not None:
+            return problem
+        roots = every[:, start].tolist()
         if roots.count(roots[0]) != len(roots):
             named = per_rank([world[r] for r in roots], world)
             return (
                 f"{disagreeing(roots, world)} in the root they named (src/dst, as global "
                 f"ranks: {named}). Every rank must pass the same root."
             )
-        arrays = [tuple(row) for row in every[:, 1:].tolist()]
-        if arrays.count(arrays[0]) == len(arrays):
+        ops = every[:, start + 1].tolist()
+        if ops.count(ops[0]) != len(ops):
+            named = per_rank([f"ReduceOp.{_OPS[n].name}" for n in ops], world)
+            return (
+                f"{disagreeing(ops, world)} in the reduction they passed ({named}). Every rank "
+                "must pass the same op."
+            )
+        rows = [tuple(row) for row in every[:, start + 2 :].tolist()]
+        if rows.count(rows[0]) == len(rows):
             return None
-        said = [
-            f"{dtype_said(number, itemsize)}, {size} elements, {ndim}-d"
-            for number, itemsize, _, size, ndim, _ in arrays
-        ]
+        said = [_arrays_said(*row) for row in rows]
         layout = (
             " (the same dtype and size: their shapes or byte orders differ; the debug mode "
             "CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL names the shapes)"
@@ -96,25 +212,75 @@ def compare_root_and_array(root: int, array: Any, world: Sequence[int], /) -> Co
         )
         passed = per_rank(said, world)
         return (
-            f"{disagreeing(arrays, world)} in the array they passed{layout} ({passed}). Every "
+            f"{disagreeing(rows, world)} in the array they passed{layout} ({passed}). Every "
             "rank must pass an array of the same dtype and shape."
         )
 
     return mine, verify
 
 
+# compare_call's fields (after the caller's) for one array, by operation, root, op, dtype, shape
+_ROWS: dict[Any, tuple[int, ...]] = {}
+_ROWS_KEPT = 1024
+
+
+def _call_fields(
+    operation: str, arrays: Sequence[Any], root: int, op: ReduceOp | None
+) -> tuple[int, ...]:
+    """The row of :func:`compare_call` but the caller's fields (which follow the first)."""
+    first = arrays[0]
+    if len(arrays) == 1:
+        elements = first.size
+        layout = zlib.crc32(repr(first.shape).encode())
+    else:
+        elements = sum(x.size for x in arrays)
+        layout = zlib.crc32(repr([(x.dtype.str, x.shape) for x in arrays]).encode())
+    return (
+        _OPERATION_NUMBERS[operation],
+        root,
+        -1 if op is None else _OP_NUMBERS[op],
+        len(arrays),
+        first.dtype.num,
+        first.dtype.itemsize,
+        zlib.crc32(first.dtype.str.encode()),
+        elements,
+        first.ndim,
+        layout,
+    )
+
+
+def _arrays_said(
+    count: int, number: int, itemsize: int, _: int, elements: int, ndim: int, __: int
+) -> str:
+    dtype = dtype_said(number, itemsize)
+    if count == 1:
+        return f"{dtype}, {elements} elements, {ndim}-d"
+    return f"{count} arrays, the first {dtype}, {elements} elements in all"
+
+
 def compare_counts(
-    sends: Sequence[int], receives: Sequence[int], dtype: np.dtype[Any], world: Sequence[int], /
+    caller: Sequence[int],
+    sends: Sequence[int],
+    receives: Sequence[int],
+    dtype: np.dtype[Any],
+    world: Sequence[int],
+    /,
 ) -> Comparison:
     """What the ranks exchange to compare the bytes each sends to and expects from each other.
 
-    And the dtype (each rank's inputs and outputs share one): bytes of another dtype, even
-    of the same size, would be read as garbage.
+    And the thread and operation (as :func:`compare_call`), and the dtype (each rank's inputs
+    and outputs share one): bytes of another dtype, even of the same size, would be read as
+    garbage.
     """
     size = len(sends)
+    start = 1 + len(caller)
 
     def verify(every: np.ndarray) -> str | None:
-        sent, expected = every[:, :size], every[:, size : 2 * size]  # [r, j]: r sends j
+        problem = _verify_call(every, world, start)
+        if problem is not None:
+            return problem
+        sent = every[:, start : start + size]  # [r, j]: r sends j
+        expected = every[:, start + size : start + 2 * size]
         pairs = [
             f"rank {world[r]} sends {sent[r, j]} bytes to rank {world[j]}, which expects "
             f"{expected[j, r]}"
@@ -128,7 +294,7 @@ def compare_counts(
                 f"{'; '.join(pairs)}. What rank r sends to rank j must be the size rank j "
                 "expects from rank r."
             )
-        dtypes = [tuple(row) for row in every[:, 2 * size :].tolist()]
+        dtypes = [tuple(row) for row in every[:, start + 2 * size :].tolist()]
         if dtypes.count(dtypes[0]) == len(dtypes):
             return None
         said = [dtype_said(number, itemsize) for number, itemsize, _ in dtypes]
@@ -139,5 +305,5 @@ def compare_counts(
             "Every rank must pass arrays of one dtype."
         )
 
-    mine = [*sends, *receives, *dtype_row(dtype)]
+    mine = [_OPERATION_NUMBERS["all_to_all"], *caller, *sends, *receives, *dtype_row(dtype)]
     return np.array(mine, np.int64), verify
