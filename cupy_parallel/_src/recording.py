@@ -46,7 +46,7 @@ import numpy as np
 
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.compute import compute, cuda_device
-from cupy_parallel._src.hostarray import HostArray, version
+from cupy_parallel._src.hostarray import HostArray, plain_buffer, version
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -64,6 +64,7 @@ __all__ = [
     "is_recording",
     "modified_error",
     "name_nodes",
+    "note_overwritten",
     "op_name",
     "pause_recording",
     "pullback",
@@ -103,6 +104,9 @@ class Records:
         self._leaves: set[int] = set()  # ids of watched arrays no recorded operation produced
         self._nodes = nodes
         self._versions: dict[int, tuple[Any, int | None]] = {}  # id -> (host array, 1st version)
+        # memory key -> (array, what wrote it): arrays the library's own code (a collective)
+        # wrote in place while the tape held them (note_overwritten)
+        self._overwritten: dict[Any, tuple[Any, str]] = {}
         self._lock = threading.Lock()
 
     def tracks(self, x: Any, /) -> bool:
@@ -197,6 +201,46 @@ def track_leaves(tape: Records, arrays: Sequence[Any], /) -> None:
 def release(tape: Records, /) -> None:
     """Drop everything ``tape`` recorded (a non-persistent tape, once it computed gradients)."""
     tape._nodes, tape._tracked, tape._leaves, tape._versions = [], {}, set(), {}
+    tape._overwritten = {}
+
+
+def note_overwritten(arrays: Sequence[Any], operation: str, /) -> None:
+    """Tell the active tapes that the library's own ``operation`` wrote ``arrays`` in place.
+
+    A collective (``dist.all_reduce(x)``, a ``recv`` into ``x``, ...) knows what it writes,
+    whatever the kind of array: a tape that tracks or saved one of ``arrays`` (or another view
+    of its memory) then refuses, in :meth:`Tape.gradient`, every node that needs it, with the
+    same ``RuntimeError`` as any other in-place write, for NumPy, host and CuPy arrays alike and
+    without ``check_writes``. Nothing to do (one context-variable read) when no tape records.
+    """
+    tapes = _ACTIVE.get()
+    if not tapes:
+        return
+    written = {_memory_key(a): a for a in arrays}
+    for tape in tapes:
+        with tape._lock:
+            held = {_memory_key(a) for a in tape._tracked.values()}
+            for node in tape._nodes:
+                held.update(_memory_key(a) for a in (*node[1], *node[3]) if _has_memory(a))
+            for key, array in written.items():
+                if key in held and key not in tape._overwritten:
+                    tape._overwritten[key] = (array, operation)
+
+
+def _has_memory(x: Any) -> bool:
+    return hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+def _memory_key(x: Any) -> Any:
+    """What identifies ``x``'s memory: the NumPy buffer owning it, or the CuPy allocation."""
+    data = plain_buffer(x)
+    if isinstance(data, np.ndarray):
+        base = data
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        return id(base)
+    memory = getattr(getattr(data, "data", None), "mem", None)  # a CuPy array's allocation
+    return ("cuda", id(memory)) if memory is not None else id(data)
 
 
 def _cuda_or_note_versions(tape: Records, inputs: tuple[Any, ...], outputs: tuple[Any, ...]) -> Any:
@@ -348,6 +392,8 @@ def pullback(
                 _keep(kept, keep, outputs, out_grads)
             if written:
                 _refuse_written(tape, node, written)
+            if tape._overwritten:
+                _refuse_overwritten(tape, node)
             if cuda is None:
                 in_grads = vjp(out_grads, inputs, needs, outputs, aux)
             else:
@@ -400,6 +446,26 @@ def _refuse_written(tape: Records, node: Node, written: set[int]) -> None:
         if id(a) in written:
             where = f"input {i}" if i < len(inputs) else f"output {i - len(inputs)}"
             raise modified_error(op_name(node[0], node[4]), where, a, tape._versions[id(a)][1])
+
+
+def _refuse_overwritten(tape: Records, node: Node) -> None:
+    """Raise if the node about to run needs an array a collective wrote since it was recorded."""
+    inputs = node[1]
+    for i, a in enumerate((*inputs, *node[3])):
+        if not _has_memory(a):
+            continue
+        found = tape._overwritten.get(_memory_key(a))
+        if found is not None:
+            where = f"input {i}" if i < len(inputs) else f"output {i - len(inputs)}"
+            op = op_name(node[0], node[4])
+            raise RuntimeError(
+                f"An array the gradient of {op} needs was modified in place after {op} was "
+                f"recorded: its {where} (shape {a.shape}, on {device_of(a)}) was written by "
+                f"{found[1]}, which puts its result into the arrays it is given. The gradient "
+                "would be computed from the new values (PyTorch raises here too). Pass the "
+                "collective a copy of the array (y = x.copy(); dist.all_reduce(y)), or record "
+                "the collective's result as a new array."
+            )
 
 
 _NODE_NAMES: list[tuple[Vjp, Callable[[Any], str]]] = []

@@ -52,12 +52,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cupy_parallel._src import tree
 from cupy_parallel._src.arguments import ArgumentError, read_bool, read_sequence
 from cupy_parallel._src.arrays import check_outs, device_of, is_array
 from cupy_parallel._src.distributed.backend import disagreeing, per_rank
 from cupy_parallel._src.distributed.groups import get_rank, is_initialized, resolve_group
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray
+from cupy_parallel._src.recording import active_tapes, note_overwritten
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -92,6 +94,9 @@ class Call:
     """What a collective starts: ``primitive(*args)``; every rank must pass ``agree`` alike.
 
     ``outputs``: the arrays it writes (``Work.get_future()``'s result); default ``args[0]``.
+    ``writes``: what this rank's call writes in place when that is not ``outputs`` (a
+    broadcast's root and a reduce's other ranks only read: ``()``); the active tapes are told
+    (:func:`~cupy_parallel._src.recording.note_overwritten`).
     (A slotted dataclass: made once per call, it costs a third of a ``NamedTuple``.)
     """
 
@@ -99,6 +104,7 @@ class Call:
     args: tuple[Any, ...]
     agree: tuple[Any, ...]
     outputs: Any = None
+    writes: Any = None
 
 
 def run(
@@ -117,8 +123,12 @@ def run(
     if backend.detail:
         _compare(pg, backend, name, call.agree)
     work = call.primitive(*call.args)
+    outputs = call.args[0] if call.outputs is None and call.args else call.outputs
+    if active_tapes():
+        note_overwritten(
+            tree.leaves(outputs if call.writes is None else call.writes), f"dist.{name}"
+        )
     if asynchronous:
-        outputs = call.args[0] if call.outputs is None and call.args else call.outputs
         work.outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
         return work
     work.wait()

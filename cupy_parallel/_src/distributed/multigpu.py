@@ -154,7 +154,11 @@ def broadcast_multigpu(
         backend.check_dtype(tensor_list[0].dtype, None)
         root = pg.group_rank(src, "src")
         index = _index(src_tensor, len(tensor_list), "src_tensor")
-        return Call(backend.broadcast, (tensor_list, root, index), (root, tensor_list))
+        source = tensor_list[index] if pg.rank() == root else None  # the root's source is read
+        writes = [x for x in tensor_list if x is not source]
+        return Call(
+            backend.broadcast, (tensor_list, root, index), (root, tensor_list), writes=writes
+        )
 
     return run("broadcast_multigpu", group, async_op, prepare)
 
@@ -281,7 +285,10 @@ def reduce_multigpu(  # noqa: PLR0917 - torch's signature
         check_reduction(backend, tensor_list[0].dtype, op)
         root = pg.group_rank(dst, "dst")
         index = _index(dst_tensor, len(tensor_list), "dst_tensor")
-        return Call(backend.reduce, (tensor_list, root, index, op), (root, op, tensor_list))
+        writes = [tensor_list[index]] if pg.rank() == root else []  # the destination only
+        return Call(
+            backend.reduce, (tensor_list, root, index, op), (root, op, tensor_list), writes=writes
+        )
 
     return run("reduce_multigpu", group, async_op, prepare)
 

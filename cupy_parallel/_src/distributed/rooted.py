@@ -123,7 +123,8 @@ def broadcast(
     def prepare(pg: ProcessGroup, backend: ProcessGroupBackend) -> Call:
         check_data(backend, tensor, "tensor")
         root = pg.group_rank(src, "src")
-        return Call(backend.broadcast, ([tensor], root, 0), (root, tensor))
+        writes = () if pg.rank() == root else None  # the root only sends
+        return Call(backend.broadcast, ([tensor], root, 0), (root, tensor), writes=writes)
 
     return run("broadcast", group, async_op, prepare)
 
@@ -183,7 +184,8 @@ def reduce(
         check_array(backend, tensor, "tensor")
         check_reduction(backend, tensor.dtype, op)
         root = pg.group_rank(dst, "dst")
-        return Call(backend.reduce, ([tensor], root, 0, op), (root, op, tensor))
+        writes = None if pg.rank() == root else ()  # only the destination receives
+        return Call(backend.reduce, ([tensor], root, 0, op), (root, op, tensor), writes=writes)
 
     return run("reduce", group, async_op, prepare)
 
