@@ -301,6 +301,15 @@ def test_local_synchronization_groups_need_only_their_members(ranks: int) -> Non
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+def test_receives_and_broadcasts_into_recorded_arrays_make_the_gradient_raise(ranks: int) -> None:
+    """Issue 21 item 1 across processes: recv/irecv and a broadcast's non-roots write into a
+    recorded array (gradient refused); the broadcast's root only reads (gradient 1 - tanh²)."""
+    result = launch_api(ranks, "tape")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("checks passed") == ranks, result.stdout
+
+
 def test_debug_mode_names_the_differing_rank() -> None:
     result = launch_api(3, "debug", CUPY_PARALLEL_DISTRIBUTED_DEBUG="DETAIL")
     assert result.returncode == 0, result.stderr[-4000:]

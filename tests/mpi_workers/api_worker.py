@@ -324,11 +324,42 @@ def local(rank: int, size: int) -> None:
         dist.destroy_process_group(group)
 
 
+def tape(rank: int, size: int) -> None:
+    """Writes by receives and by a broadcast's non-roots make a recorded array's gradient raise;
+    the root, which only sends, keeps its gradient (1 - tanh^2)."""
+    import cupy_parallel as cp
+    from cupy_parallel import ops
+
+    def gradient_after(write: Any) -> str:
+        w = np.array([0.3, -1.2])
+        with cp.Tape() as t:
+            t.watch(w)
+            h = ops.tanh(w)
+            write(h)
+            loss = ops.sum(h)
+        try:
+            g = t.gradient(loss, w)
+        except RuntimeError as error:
+            return "raised" if "written by dist." in str(error) else f"other error: {error}"
+        return "tanh's" if np.allclose(g, 1 - np.tanh(w) ** 2, rtol=1e-14) else f"wrong: {g}"
+
+    expected = "tanh's" if rank == 0 else "raised"
+    check("broadcast", gradient_after(lambda h: dist.broadcast(h, src=0)), expected)
+    if rank == 0:
+        for r in range(1, size):
+            dist.send(np.full(2, float(r)), dst=r)
+            dist.send(np.full(2, float(r)), dst=r)
+    else:
+        check("recv", gradient_after(lambda h: dist.recv(h, src=0)), "raised")
+        check("irecv", gradient_after(lambda h: dist.irecv(h, src=0).wait()), "raised")
+
+
 def main() -> int:
     mode = sys.argv[1]
     dist.init_process_group("mpi", timeout=30 if mode != "monitored" else 3)
     rank, size = dist.get_rank(), dist.get_world_size()
-    {"api": api, "debug": debug, "monitored": monitored, "local": local}[mode](rank, size)
+    modes = {"api": api, "debug": debug, "monitored": monitored, "local": local, "tape": tape}
+    modes[mode](rank, size)
     if mode == "monitored" and rank == size - 1:
         time.sleep(1)
     dist.barrier() if mode != "monitored" else None
