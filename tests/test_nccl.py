@@ -1518,3 +1518,31 @@ def test_sim_helper_threads_use_only_their_ranks_gpu(
     for name, devices in helpers.items():
         rank = int(re.search(r"rank (\d)", name).group(1))  # type: ignore[union-attr]
         assert devices == {rank}, f"{name} used the contexts of GPUs {sorted(devices)}"
+
+
+def test_sim_communicators_made_during_an_abort_are_aborted_too(
+    monkeypatch: pytest.MonkeyPatch, store: Any
+) -> None:
+    """An abort (a watchdog) takes the sets made by then; a thread still making one must not
+    leave its communicators alive and unaborted in the cache of a failed group."""
+    with _gpus(1, monkeypatch) as (cupy, torn):
+        (backend,) = _world(store, 1, name="g", timeout=30.0)
+        make = backend._make_communicators
+        made: list[Any] = []
+
+        def make_while_aborted(devices: tuple[int, ...]) -> list[Any]:
+            comms = make(devices)
+            made.extend(comms)
+            backend._abort("the watchdog aborted the group meanwhile")
+            return comms
+
+        monkeypatch.setattr(backend, "_make_communicators", make_while_aborted)
+        with pytest.raises(RuntimeError, match=r"'g' is unusable: the watchdog aborted"):
+            backend.all_reduce([cupy.ones(2)], ReduceOp.SUM)
+        assert made
+        assert all(c._aborted for c in made)  # not left behind, alive
+        assert len(backend._comms) == 0
+        with pytest.raises(RuntimeError, match=r"'g' is unusable"):
+            backend.all_reduce([cupy.ones(2)], ReduceOp.SUM)  # refused before anything is made
+        backend.shutdown()
+        assert torn == []

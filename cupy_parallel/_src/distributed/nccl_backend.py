@@ -492,6 +492,11 @@ class NCCLBackend(ProcessGroupBackend):
         for comm in self._comms.take_all():
             comm.destroy()
 
+    def _refuse_if_failed(self) -> None:
+        """Raise the group's failure (an abort) before anything is issued."""
+        if self.failure is not None:
+            raise RuntimeError(f"process group {self.group_name!r} is unusable: {self.failure}")
+
     def _abort(self, reason: str, *, culprit: _NCCLWork | None = None) -> None:
         """Mark the group unusable and abort its communicators (kernels stuck in them return).
 
@@ -664,7 +669,14 @@ class NCCLBackend(ProcessGroupBackend):
         """
         if self._closed:
             raise RuntimeError(f"process group {self.group_name!r} was shut down.")
+        self._refuse_if_failed()
         comms = self._comms.get_or_make(devices, self._make_communicators)
+        if self.failure is not None:
+            # Aborted while this thread made the set (an abort takes only the sets made by then):
+            # abort it too, or its communicators would outlive the group unaborted.
+            for comm in self._comms.take_all():
+                comm.abort()
+            self._refuse_if_failed()
         cupy, nccl = self._cupy, self._nccl
         streams = [self._stream(device) for device in devices]
         for device, stream in zip(devices, streams, strict=True):
