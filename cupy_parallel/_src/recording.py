@@ -107,6 +107,9 @@ class Records:
         # memory key -> (array, what wrote it): arrays the library's own code (a collective)
         # wrote in place while the tape held them (note_overwritten)
         self._overwritten: dict[Any, tuple[Any, str]] = {}
+        # the memory keys of the nodes' arrays, gathered by note_overwritten up to node _scanned
+        self._held: set[Any] = set()
+        self._scanned = 0
         self._lock = threading.Lock()
 
     def tracks(self, x: Any, /) -> bool:
@@ -201,7 +204,7 @@ def track_leaves(tape: Records, arrays: Sequence[Any], /) -> None:
 def release(tape: Records, /) -> None:
     """Drop everything ``tape`` recorded (a non-persistent tape, once it computed gradients)."""
     tape._nodes, tape._tracked, tape._leaves, tape._versions = [], {}, set(), {}
-    tape._overwritten = {}
+    tape._overwritten, tape._held, tape._scanned = {}, set(), 0
 
 
 def note_overwritten(arrays: Sequence[Any], operation: str, /) -> None:
@@ -219,11 +222,13 @@ def note_overwritten(arrays: Sequence[Any], operation: str, /) -> None:
     written = {_memory_key(a): a for a in arrays}
     for tape in tapes:
         with tape._lock:
-            held = {_memory_key(a) for a in tape._tracked.values()}
-            for node in tape._nodes:
+            held = tape._held  # the nodes' arrays, scanned once each (amortised over the calls)
+            for node in tape._nodes[tape._scanned :]:
                 held.update(_memory_key(a) for a in (*node[1], *node[3]) if _has_memory(a))
+            tape._scanned = len(tape._nodes)
+            leaves = {_memory_key(tape._tracked[k]) for k in tape._leaves if k in tape._tracked}
             for key, array in written.items():
-                if key in held and key not in tape._overwritten:
+                if (key in held or key in leaves) and key not in tape._overwritten:
                     tape._overwritten[key] = (array, operation)
 
 
