@@ -276,3 +276,13 @@ def test_power_exponent_gradient_draws_no_numpy_warning() -> None:
     """log(0) and log(-2) are computed on purpose: no RuntimeWarning (PyTorch gives none)."""
     grad = cp.grad(lambda b: ops.sum(ops.power(np.array([0.0, -2.0, 2.0]), b)))
     np.testing.assert_allclose(grad(np.array([1.0, 2.0, 3.0])), [0.0, NAN, 8 * np.log(2.0)])
+
+
+def test_split_takes_a_numpy_array_of_indices_as_numpy_does() -> None:
+    x = np.arange(10.0)
+    indices = np.array([3, 7])
+    pieces = ops.split(x, indices)
+    for got, want in zip(pieces, np.split(x, indices), strict=True):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match=r"indices_or_sections\[0\] must be an int"):
+        ops.split(x, np.array([1.5]))

@@ -370,7 +370,9 @@ def split(x: Array, indices_or_sections: int | Sequence[int], /, axis: int = 0) 
     require_array(x, "split")
     axis = read_axis(axis, x.ndim)
     sections: int | list[int]
-    if isinstance(indices_or_sections, list | tuple):
+    if isinstance(indices_or_sections, list | tuple) or (
+        isinstance(indices_or_sections, np.ndarray) and indices_or_sections.ndim == 1
+    ):  # a 1-d NumPy array of indices, as numpy.split takes
         sections = [
             read_int(i, f"indices_or_sections[{k}]") for k, i in enumerate(indices_or_sections)
         ]
