@@ -47,6 +47,7 @@ import numpy as np
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.compute import compute, cuda_device
 from cupy_parallel._src.hostarray import HostArray, plain_buffer, version
+from cupy_parallel._src.versions import root_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -240,10 +241,7 @@ def _memory_key(x: Any) -> Any:
     """What identifies ``x``'s memory: the NumPy buffer owning it, or the CuPy allocation."""
     data = plain_buffer(x)
     if isinstance(data, np.ndarray):
-        base = data
-        while isinstance(base.base, np.ndarray):
-            base = base.base
-        return id(base)
+        return id(root_buffer(data))
     memory = getattr(getattr(data, "data", None), "mem", None)  # a CuPy array's allocation
     return ("cuda", id(memory)) if memory is not None else id(data)
 

@@ -17,14 +17,21 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["count_write", "own_counter", "writes"]
+__all__ = ["count_write", "own_counter", "root_buffer", "writes"]
 
 _versions: dict[int, list[Any]] = {}
 """``id(root buffer) -> [writes, weakref to root]``: a buffer's counter, made at its first write."""
 
 
-def _root(data: np.ndarray) -> np.ndarray:
-    """The ndarray owning ``data``'s memory (NumPy collapses base chains to it)."""
+def root_buffer(data: np.ndarray, /) -> np.ndarray:
+    """The ndarray owning ``data``'s memory (NumPy collapses base chains to it).
+
+    Example:
+        >>> import numpy as np
+        >>> data = np.zeros(4)
+        >>> root_buffer(data[1:][::2]) is data
+        True
+    """
     base = data.base
     while isinstance(base, np.ndarray):
         data, base = base, base.base
@@ -41,7 +48,7 @@ def count_write(data: np.ndarray, /) -> None:
         >>> writes(data)
         1
     """
-    root = _root(data)
+    root = root_buffer(data)
     key = id(root)
     entry = _versions.get(key)
     if entry is not None and entry[1]() is root:
@@ -62,7 +69,7 @@ def writes(data: np.ndarray, /) -> int:
         >>> writes(np.zeros(1))
         0
     """
-    root = _root(data)
+    root = root_buffer(data)
     entry = _versions.get(id(root))
     return entry[0] if entry is not None and entry[1]() is root else 0
 
