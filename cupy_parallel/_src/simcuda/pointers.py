@@ -383,17 +383,20 @@ class PendingHostCopies:
         for entry in list(self._sources):
             self._check_source(entry)
         for op, dst, data in self._downloads:
-            if ctypes.string_at(dst, len(data)) != bytes([self.POISON]) * len(data):
-                self._host_wrote("into", dst, len(data), op)
+            self._check_poison(op, dst, len(data))
 
     def _land(self, entry: tuple[Op, int, bytes]) -> None:
         if entry not in self._downloads:
             return  # landed already
         self._downloads.remove(entry)
         op, dst, data = entry
-        if ctypes.string_at(dst, len(data)) != bytes([self.POISON]) * len(data):
-            self._host_wrote("into", dst, len(data), op)
+        self._check_poison(op, dst, len(data))
         ctypes.memmove(dst, data, len(data))
+
+    def _check_poison(self, op: Op, dst: int, size: int) -> None:
+        """Report a host write into a pending download's target (its poison changed)."""
+        if ctypes.string_at(dst, size) != bytes([self.POISON]) * size:
+            self._host_wrote("into", dst, size, op)
 
     def _check_source(self, entry: tuple[Op, int, bytes]) -> None:
         if entry not in self._sources:
