@@ -46,6 +46,8 @@ __all__ = [
     "Region",
     "access",
     "check_pinned_free",
+    "handed_to_host",
+    "new_pinned_block",
     "resolve",
     "round_pinned_size",
     "round_size",
@@ -320,6 +322,19 @@ class DevicePool:
                 chunks[:] = [c for c in chunks if c not in whole]
 
 
+def new_pinned_block(simulation: Simulation, size: int) -> Block:
+    """A new pinned block of ``size`` bytes (``cudaHostAlloc``), known to the simulation."""
+    block = Block("pinned", -1, size)
+    registry_of(simulation).add(block)
+    return block
+
+
+def handed_to_host(simulation: Simulation, block: Block) -> None:
+    """Stamp the host writing a pinned block it is handed (reuse in flight is then a race)."""
+    op = simulation.host_op("the host writing pinned memory from alloc_pinned_memory")
+    access(simulation, block, Region(0, block.size), op, write=True)
+
+
 def check_pinned_free(simulation: Simulation, block: Block) -> None:
     """Report freeing pinned memory that device work may still access (deferred: a finaliser)."""
     busy = [a for a in block.history if not simulation.known_done(a.op)]
@@ -352,13 +367,8 @@ class PinnedPool:
         """
         rounded = round_pinned_size(size)
         free = self._free[rounded]
-        if free:
-            block = free.pop()
-        else:
-            block = Block("pinned", -1, rounded)
-            registry_of(self._simulation).add(block)
-        op = self._simulation.host_op("the host writing pinned memory from alloc_pinned_memory")
-        access(self._simulation, block, Region(0, block.size), op, write=True)
+        block = free.pop() if free else new_pinned_block(self._simulation, rounded)
+        handed_to_host(self._simulation, block)
         return block
 
     def free(self, block: Block) -> None:

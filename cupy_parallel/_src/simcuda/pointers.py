@@ -37,7 +37,8 @@ from cupy_parallel._src.simcuda.memory import (
     Region,
     access,
     check_pinned_free,
-    registry_of,
+    handed_to_host,
+    new_pinned_block,
     resolve,
 )
 from cupy_parallel._src.simcuda.streams import (
@@ -480,10 +481,8 @@ _POOLED: Any = object()  # the default pinned allocator: the simulation's pool
 
 def _host_alloc(simulation: Simulation, size: int) -> Block:
     """``cudaHostAlloc``: a new pinned block (the pool disabled), which the host then writes."""
-    block = Block("pinned", -1, max(size, 1))
-    registry_of(simulation).add(block)
-    op = simulation.host_op("the host writing pinned memory from alloc_pinned_memory")
-    access(simulation, block, Region(0, block.size), op, write=True)
+    block = new_pinned_block(simulation, max(size, 1))
+    handed_to_host(simulation, block)
     return block
 
 
