@@ -225,16 +225,12 @@ def note_overwritten(arrays: Sequence[Any], operation: str, /) -> None:
         with tape._lock:
             held = tape._held  # the nodes' arrays, scanned once each (amortised over the calls)
             for node in tape._nodes[tape._scanned :]:
-                held.update(_memory_key(a) for a in (*node[1], *node[3]) if _has_memory(a))
+                held.update(_memory_key(a) for a in (*node[1], *node[3]) if is_array(a))
             tape._scanned = len(tape._nodes)
             leaves = {_memory_key(tape._tracked[k]) for k in tape._leaves if k in tape._tracked}
             for key, array in written.items():
                 if (key in held or key in leaves) and key not in tape._overwritten:
                     tape._overwritten[key] = (array, operation)
-
-
-def _has_memory(x: Any) -> bool:
-    return hasattr(x, "dtype") and hasattr(x, "shape")
 
 
 def _memory_key(x: Any) -> Any:
@@ -455,7 +451,7 @@ def _refuse_overwritten(tape: Records, node: Node) -> None:
     """Raise if the node about to run needs an array a collective wrote since it was recorded."""
     inputs = node[1]
     for i, a in enumerate((*inputs, *node[3])):
-        if not _has_memory(a):
+        if not is_array(a):
             continue
         found = tape._overwritten.get(_memory_key(a))
         if found is not None:
