@@ -86,6 +86,15 @@ CONTRACT: dict[str, list[tuple[str, Any]]] = {
         ("dim", 0),
     ],
     "cupy_parallel.to_device": [("array", _), ("device", _), ("stream", None)],
+    "cupy_parallel.distributed.shard_indices": [
+        ("n", _),
+        ("rank", None),
+        ("world_size", None),
+        ("shuffle", True),
+        ("seed", 0),
+        ("epoch", 0),
+        ("drop_last", False),
+    ],
     # The contract's three, then torch's keyword-only use_local_synchronization (issue 23).
     "cupy_parallel.distributed.new_group": [
         ("ranks", None),

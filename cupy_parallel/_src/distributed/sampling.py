@@ -21,7 +21,6 @@ __all__ = ["shard_indices"]
 
 def shard_indices(
     n: int,
-    /,
     *,
     rank: int | None = None,
     world_size: int | None = None,
