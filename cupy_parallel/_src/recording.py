@@ -24,9 +24,16 @@ Python's cyclic collector.
 
 Nodes are appended in the order they run; an operation can only consume arrays that already
 exist, so that order is a topological order of the graph, and :func:`pullback` is one reversed
-loop over it (micrograd's ``Value.backward``). The active tapes live in a
-:class:`contextvars.ContextVar`, so ``contextvars.copy_context().run(...)`` carries them into
-worker threads; recording takes a lock, so threads may record on one tape concurrently.
+loop over it (micrograd's ``Value.backward``). Two things break the rule "a node no gradient
+reaches is skipped": the vjp of a *collective* (:func:`mark_collective`) is itself a
+collective, so it runs on every pass, with zero cotangents where no gradient arrived (its peers
+would otherwise wait for this rank forever); and a watched leaf with gradient-ready hooks
+(:func:`add_ready_hook`) has them called as soon as its gradient is final, in the middle of the
+pass, which is what lets a data-parallel reduction start during the backward pass.
+
+The active tapes live in a :class:`contextvars.ContextVar`, so
+``contextvars.copy_context().run(...)`` carries them into worker threads; recording takes a
+lock, so threads may record on one tape concurrently.
 
 What a tape records is :class:`Records`, the base of :class:`~cupy_parallel.Tape`: this module
 reads and writes it, under its lock. It knows no op: the ops and
@@ -45,7 +52,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 
 from cupy_parallel._src.arrays import device_of, is_array
-from cupy_parallel._src.compute import compute, cuda_device
+from cupy_parallel._src.compute import compute, cuda_device, zeros_like
 from cupy_parallel._src.hostarray import HostArray, plain_buffer, version
 from cupy_parallel._src.versions import root_buffer
 
@@ -54,15 +61,18 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Node",
+    "ReadyHook",
     "Records",
     "Vjp",
     "activate",
     "active_tapes",
+    "add_ready_hook",
     "append_node",
     "cast",
     "deactivate",
     "in_backward",
     "is_recording",
+    "mark_collective",
     "modified_error",
     "name_nodes",
     "note_overwritten",
@@ -91,6 +101,8 @@ Vjp: TypeAlias = (
     "Callable[[list[Any], tuple[Any, ...], tuple[bool, ...], tuple[Any, ...], Any], Sequence[Any]]"
 )
 Node: TypeAlias = "tuple[Vjp, tuple[Any, ...], tuple[bool, ...], tuple[Any, ...], Any, Any]"
+ReadyHook: TypeAlias = "Callable[[Any], Any]"
+"""``hook(gradient) -> replacement or None``: see :func:`add_ready_hook`."""
 
 
 class Records:
@@ -111,6 +123,8 @@ class Records:
         # the memory keys of the nodes' arrays, gathered by note_overwritten up to node _scanned
         self._held: set[Any] = set()
         self._scanned = 0
+        # id(watched leaf) -> its gradient-ready hooks, in registration order (add_ready_hook)
+        self._ready_hooks: dict[int, list[ReadyHook]] = {}
         self._lock = threading.Lock()
 
     def tracks(self, x: Any, /) -> bool:
@@ -206,6 +220,43 @@ def release(tape: Records, /) -> None:
     """Drop everything ``tape`` recorded (a non-persistent tape, once it computed gradients)."""
     tape._nodes, tape._tracked, tape._leaves, tape._versions = [], {}, set(), {}
     tape._overwritten, tape._held, tape._scanned = {}, set(), 0
+    tape._ready_hooks = {}
+
+
+def add_ready_hook(tape: Records, leaf: Any, hook: ReadyHook, /) -> Callable[[], None]:
+    """Call ``hook(gradient)`` in every :func:`pullback` on ``tape`` once ``leaf``'s is final.
+
+    ``leaf`` must be a watched leaf of ``tape`` (unchecked: ``Tape`` checks). Its gradient is
+    final when the pass has run the earliest recorded node that consumed it; the hook is called
+    right then, before the pass goes on, with that gradient, or with ``None`` at the end of the
+    pass when no gradient reached ``leaf``. What it returns, unless ``None``, replaces the
+    gradient (``pullback`` returns it for ``leaf``). Returns a function removing the hook.
+    """
+    with tape._lock:
+        hooks = tape._ready_hooks.setdefault(id(leaf), [])
+        hooks.append(hook)
+
+    def remove() -> None:
+        with tape._lock:
+            if hook in hooks:
+                hooks.remove(hook)
+
+    return remove
+
+
+_COLLECTIVE_VJPS: set[Vjp] = set()
+"""The vjps that are collectives: their nodes run on every pass (:func:`mark_collective`)."""
+
+
+def mark_collective(vjp: Vjp, /) -> None:
+    """Declare ``vjp`` a collective: :func:`pullback` runs its nodes even when no gradient arrived.
+
+    A differentiable collective's vjp communicates with the other ranks, which run it too: a
+    rank whose loss does not depend on the collective's output must still take part, or its
+    peers wait for it forever. Such a node's vjp therefore runs on every pass, given zeros for
+    each output no gradient reached.
+    """
+    _COLLECTIVE_VJPS.add(vjp)
 
 
 def note_overwritten(arrays: Sequence[Any], operation: str, /) -> None:
@@ -366,6 +417,8 @@ def pullback(
     Unchecked: ``targets`` and ``sources`` must be arrays ``tape`` tracks and ``seeds`` the
     targets' cotangents (:meth:`Tape.gradient` is the checked entry). ``tape`` records nothing
     meanwhile; the other active tapes record the vjps' recorded operations (higher order).
+    Collective nodes run even when no gradient reached them (:func:`mark_collective`), and the
+    gradient-ready hooks are called as the leaves' gradients become final (:func:`add_ready_hook`).
     """
     grads: dict[int, Any] = {}  # id(array) -> gradient accumulated so far
     for t, s in zip(targets, seeds, strict=True):
@@ -375,39 +428,85 @@ def pullback(
     kept: dict[int, Any] = {}
     written = _written(tape)  # ids of host arrays written in place since they were recorded
     pop = grads.pop
+    collectives = _COLLECTIVE_VJPS
+    ready = _ready_at(tape)  # node index -> ids of the hooked leaves final once it ran
+    nodes = tape._nodes
     with pause_recording(tape), _backward():
-        for node in reversed(tape._nodes):
+        for index in range(len(nodes) - 1, -1, -1):
+            node = nodes[index]
             vjp, inputs, needs, outputs, aux, cuda = node
             if len(outputs) == 1:  # most nodes: no list comprehension (a frame each, in 3.11)
-                if (g := pop(id(outputs[0]), None)) is None:
-                    continue  # no gradient reaches this node
-                out_grads = [g]  # complete: consumers came later
+                g = pop(id(outputs[0]), None)
+                if g is None and vjp in collectives:
+                    g = zeros_like(outputs[0])
+                out_grads = None if g is None else [g]  # complete: consumers came later
             else:
                 size = len(grads)
                 out_grads = [pop(id(y), None) for y in outputs]
-                if len(grads) == size:
-                    continue
-            if keep:
-                _keep(kept, keep, outputs, out_grads)
-            if written:
-                _refuse_written(tape, node, written)
-            if tape._overwritten:
-                _refuse_overwritten(tape, node)
-            if cuda is None:
-                in_grads = vjp(out_grads, inputs, needs, outputs, aux)
-            else:
-                with cuda:
+                if vjp in collectives:
+                    out_grads = [
+                        zeros_like(y) if g is None else g
+                        for y, g in zip(outputs, out_grads, strict=True)
+                    ]
+                elif len(grads) == size:
+                    out_grads = None  # no gradient reaches this node
+            if out_grads is not None:
+                if keep:
+                    _keep(kept, keep, outputs, out_grads)
+                if written:
+                    _refuse_written(tape, node, written)
+                if tape._overwritten:
+                    _refuse_overwritten(tape, node)
+                if cuda is None:
                     in_grads = vjp(out_grads, inputs, needs, outputs, aux)
-            if len(in_grads) != len(inputs):
-                raise _count_error(node, len(in_grads))
-            i = 0  # a counter: zip (~300 ns) or enumerate (~50 ns) cost more a node
-            for g in in_grads:
-                if g is not None and needs[i]:
-                    k = id(inputs[i])
-                    grads[k] = g if (total := grads.get(k)) is None else _sum_pair(total, g)
-                i += 1  # noqa: SIM113 - see above
+                else:
+                    with cuda:
+                        in_grads = vjp(out_grads, inputs, needs, outputs, aux)
+                if len(in_grads) != len(inputs):
+                    raise _count_error(node, len(in_grads))
+                i = 0  # a counter: zip (~300 ns) or enumerate (~50 ns) cost more a node
+                for g in in_grads:
+                    if g is not None and needs[i]:
+                        k = id(inputs[i])
+                        grads[k] = g if (total := grads.get(k)) is None else _sum_pair(total, g)
+                    i += 1  # noqa: SIM113 - see above
+            if ready and index in ready:
+                _call_ready_hooks(tape, grads, ready.pop(index))
+        for leaves in ready.values():  # hooked leaves no node consumed: final from the start
+            _call_ready_hooks(tape, grads, leaves)
     kept.update(grads)
     return [kept.get(id(x)) for x in sources]
+
+
+def _ready_at(tape: Records) -> dict[int, list[int]]:
+    """Where each hooked leaf's gradient becomes final: node index -> the leaves' ids.
+
+    The earliest recorded node consuming a leaf is the last the reverse pass runs that adds to
+    its gradient; a hooked leaf no node consumes is filed under index ``-1`` (final at once,
+    its hooks called at the end of the pass).
+    """
+    hooked = {k for k, hooks in tape._ready_hooks.items() if hooks}
+    if not hooked:
+        return {}
+    first: dict[int, int] = {}
+    for index, node in enumerate(tape._nodes):
+        for x in node[1]:
+            k = id(x)
+            if k in hooked and k not in first:
+                first[k] = index
+    ready: dict[int, list[int]] = {}
+    for k in sorted(hooked, key=lambda k: -first.get(k, -1)):  # in the order they become final
+        ready.setdefault(first.get(k, -1), []).append(k)
+    return ready
+
+
+def _call_ready_hooks(tape: Records, grads: dict[int, Any], leaves: list[int]) -> None:
+    """Call the hooks of ``leaves``, whose gradients are final; a returned array replaces one."""
+    for k in leaves:
+        for hook in list(tape._ready_hooks.get(k, ())):
+            replacement = hook(grads.get(k))
+            if replacement is not None:
+                grads[k] = replacement
 
 
 @contextlib.contextmanager

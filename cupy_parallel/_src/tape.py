@@ -18,7 +18,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from cupy_parallel._src import tree
-from cupy_parallel._src.arguments import read_bool
+from cupy_parallel._src.arguments import read_bool, read_callable
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.compute import compute, on_device_of, ones_like, zeros_like
 from cupy_parallel._src.fingerprints import FingerprintedNodes
@@ -27,6 +27,7 @@ from cupy_parallel._src.recording import (
     Records,
     activate,
     active_tapes,
+    add_ready_hook,
     append_node,
     cast,
     deactivate,
@@ -40,11 +41,11 @@ from cupy_parallel._src.tree import flatten_with_names
 
 if TYPE_CHECKING:
     import contextvars
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from cupy_parallel._src.arraytypes import Tree
 
-__all__ = ["Tape", "stop_gradient"]
+__all__ = ["HookHandle", "Tape", "stop_gradient"]
 
 _UNCONNECTED = {"zero": True, "none": False}  # unconnected_gradients -> fill with zeros
 
@@ -205,6 +206,69 @@ class Tape(Records):
                 )
         track_leaves(self, arrays)
 
+    def register_gradient_ready_hook(
+        self, source: Any, hook: Callable[[Any], Any], /
+    ) -> HookHandle:
+        """Call ``hook(gradient)`` in each :meth:`gradient` as soon as ``source``'s is final.
+
+        The model is torch's ``Tensor.register_post_accumulate_grad_hook``: the hook runs in
+        the middle of the backward pass, once every contribution to the gradient of the
+        watched array ``source`` has been summed (the pass has run the earliest recorded
+        operation that consumed it), before the pass goes on. That is what lets
+        :class:`~cupy_parallel.DistributedDataParallel` start reducing a bucket of gradients
+        while the rest of the backward pass still runs.
+
+        Where torch and this differ, decided for data parallelism:
+
+        - A source no gradient reaches in a pass (an unused parameter) has its hook called too,
+          at the end of the pass, with ``None`` (torch calls nothing): every rank's hooks then
+          run the same number of times, whatever each rank's step used.
+        - The hook may return an array: it replaces the gradient (what :meth:`gradient`
+          returns for ``source``, as if torch's hook wrote ``.grad``). It must have the
+          source's shape; it need not hold its final values yet, only by the time
+          :meth:`gradient` returns (a later hook may finish it, as a bucket's reduction does).
+          Returning ``None`` keeps the gradient. The hook must not write into the gradient it
+          is given: that array may be shared with another source's gradient.
+        - Hooks are called in the order the gradients become final, a source's hooks in the
+          order they were registered, with this tape's recording paused (other active tapes
+          record what they compute). A hook that raises ends :meth:`gradient` with its error.
+
+        Args:
+            source: an array watched on this tape (:meth:`watch`), not a recorded result.
+            hook: called as ``hook(gradient)``.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+
+        Raises:
+            ValueError: ``source`` is not a watched array of this tape.
+            TypeError: ``hook`` is not callable.
+
+        Example:
+            >>> import numpy as np
+            >>> import cupy_parallel
+            >>> from cupy_parallel import ops
+            >>> w, b = np.array([1.0, 2.0]), np.array(3.0)
+            >>> events = []
+            >>> with cupy_parallel.Tape() as tape:
+            ...     tape.watch((w, b))
+            ...     loss = ops.add(ops.sum(ops.square(w)), b)
+            >>> for name, x in {"w": w, "b": b}.items():
+            ...     _ = tape.register_gradient_ready_hook(x, lambda g, n=name: events.append(n))
+            >>> _ = tape.gradient(loss, (w, b))
+            >>> events  # b's gradient is final first: the add was recorded last
+            ['b', 'w']
+        """
+        self._check_unused("register a hook")
+        hook = read_callable(hook, "hook", call="hook(gradient)")
+        if not is_array(source) or id(source) not in self._leaves:
+            what = "a recorded result" if self.tracks(source) else "not watched on this tape"
+            raise ValueError(
+                "register_gradient_ready_hook needs an array watched on this tape "
+                f"(tape.watch(source)), got {type(source).__name__} that is {what}."
+            )
+        return HookHandle(add_ready_hook(self, source, hook))
+
     def gradient(
         self,
         target: object,
@@ -347,6 +411,30 @@ class Tape(Records):
                     f"{s.shape} on {device_of(s)}. Move it with cupy_parallel.to_device."
                 )
         return targets, seeds
+
+
+class HookHandle:
+    """What :meth:`Tape.register_gradient_ready_hook` returns: ``remove()`` unregisters the hook.
+
+    Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
+        >>> w = np.ones(2)
+        >>> tape = cupy_parallel.Tape()
+        >>> tape.watch(w)
+        >>> handle = tape.register_gradient_ready_hook(w, print)
+        >>> handle.remove()
+        >>> handle.remove()  # a second remove() does nothing, as torch's RemovableHandle
+    """
+
+    __slots__ = ("_remove",)
+
+    def __init__(self, remove: Callable[[], None], /) -> None:
+        self._remove = remove
+
+    def remove(self) -> None:
+        """Unregister the hook (nothing happens if it was removed already)."""
+        self._remove()
 
 
 def _returned(name: str, source: Any, grad: Any, fill: bool) -> Any:
