@@ -1064,3 +1064,180 @@ def test_a_vjp_returning_the_wrong_number_of_gradients_is_named() -> None:
         ValueError, match=r"The vjp of ops\.one_gradient returned 1 gradients for 2 inputs"
     ):
         tape.gradient(z, x, output_gradients=np.ones(3))
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient-ready hooks (Tape.register_gradient_ready_hook) and collective nodes
+
+
+def _three_layer_loss(tape: Tape, params: dict[str, np.ndarray], events: list[str]) -> Any:
+    """loss = sum(tanh(tanh(x w1) w2) w3), with a recorded probe after each layer's matmul."""
+    x = np.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    tape.watch(params)
+    h = ops.tanh(ops.matmul(x, params["w1"]))
+    h = _Probe.apply(h, "w1 consumed", events)
+    h = ops.tanh(ops.matmul(h, params["w2"]))
+    h = _Probe.apply(h, "w2 consumed", events)
+    return ops.sum(ops.matmul(h, params["w3"]))
+
+
+class _Probe(Function):
+    """The identity; its backward notes ``label`` in ``events`` (an event of the reverse pass)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, label: str, events: list[str]) -> Any:
+        ctx.label, ctx.events = label, events
+        return x.copy()
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        ctx.events.append(f"backward past {ctx.label}")
+        return g, None, None
+
+
+def _layer_params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "w1": rng.standard_normal((3, 4)),
+        "w2": rng.standard_normal((4, 5)),
+        "w3": rng.standard_normal((5, 1)),
+    }
+
+
+def test_ready_hooks_fire_mid_pass_as_each_gradient_becomes_final() -> None:
+    params, events = _layer_params(), []
+    with Tape(persistent=True) as tape:
+        loss = _three_layer_loss(tape, params, events)
+    expected = tape.gradient(loss, params)
+    events.clear()
+    seen: dict[str, np.ndarray] = {}
+    for name, w in params.items():
+        tape.register_gradient_ready_hook(
+            w, lambda g, n=name: (events.append(f"{n} ready"), seen.__setitem__(n, g.copy()))[1]
+        )
+    grads = tape.gradient(loss, params)
+    # w3 is final before the pass goes past layer 2's probe, w2 before layer 1's: mid-pass
+    assert events == [
+        "w3 ready",
+        "backward past w2 consumed",
+        "w2 ready",
+        "backward past w1 consumed",
+        "w1 ready",
+    ]
+    for name in params:  # the hook saw the final (complete) gradient, and it is returned as is
+        np.testing.assert_array_equal(seen[name], expected[name])
+        np.testing.assert_array_equal(grads[name], expected[name])
+
+
+def test_a_hook_sees_the_sum_of_every_use_of_its_leaf() -> None:
+    w, calls = np.array([0.5, -1.0]), []
+    with Tape() as tape:
+        tape.watch(w)
+        loss = ops.sum(ops.add(ops.square(w), ops.multiply(w, w)))  # w used three times
+    tape.register_gradient_ready_hook(w, lambda g: calls.append(g.copy()))
+    grad = tape.gradient(loss, w)
+    np.testing.assert_allclose(calls[0], 4 * w)  # d/dw (w^2 + w*w) = 4w, one call
+    assert len(calls) == 1
+    np.testing.assert_allclose(grad, 4 * w)
+
+
+def test_a_hook_may_replace_the_gradient() -> None:
+    w, b = np.array([1.0, 2.0]), np.array(3.0)
+    with Tape() as tape:
+        tape.watch((w, b))
+        loss = ops.add(ops.sum(ops.square(w)), b)
+    replacement = np.array([10.0, 20.0])
+    tape.register_gradient_ready_hook(w, lambda g: replacement)
+    grads = tape.gradient(loss, {"w": w, "b": b})
+    np.testing.assert_array_equal(grads["w"], replacement)
+    np.testing.assert_array_equal(grads["b"], 1.0)
+
+
+def test_an_unused_leaf_has_its_hook_called_with_none_at_the_end() -> None:
+    used, unused, events = np.array([1.0, 2.0]), np.array([5.0]), []
+    with Tape() as tape:
+        tape.watch((used, unused))
+        loss = _Probe.apply(ops.sum(used), "sum", events)
+    tape.register_gradient_ready_hook(unused, lambda g: events.append(("unused", g)))
+    tape.register_gradient_ready_hook(used, lambda g: events.append(("used", g is not None)))
+    grads = tape.gradient(loss, (used, unused))
+    assert events == ["backward past sum", ("used", True), ("unused", None)]
+    np.testing.assert_array_equal(grads[1], [0.0])  # the unconnected zero, as without a hook
+    calls = []
+    with Tape() as tape:
+        tape.watch((used, unused))
+        loss = ops.sum(used)
+    tape.register_gradient_ready_hook(unused, lambda g: np.array([7.0]))  # replaces None
+    tape.register_gradient_ready_hook(used, calls.append)
+    grads = tape.gradient(loss, (used, unused))
+    np.testing.assert_array_equal(grads[1], [7.0])
+    np.testing.assert_array_equal(calls[0], [1.0, 1.0])
+
+
+def test_removed_hooks_are_not_called_and_bad_hooks_are_refused() -> None:
+    w, calls = np.array([1.0]), []
+    with Tape(persistent=True) as tape:
+        tape.watch(w)
+        y = ops.square(w)
+        loss = ops.sum(y)
+    handle = tape.register_gradient_ready_hook(w, calls.append)
+    tape.gradient(loss, w)
+    handle.remove()
+    handle.remove()
+    tape.gradient(loss, w)
+    assert len(calls) == 1
+    with pytest.raises(TypeError, match=r"hook must be callable as hook\(gradient\), got int"):
+        tape.register_gradient_ready_hook(w, 3)
+    with pytest.raises(ValueError, match=r"watched on this tape.*a recorded result"):
+        tape.register_gradient_ready_hook(y, calls.append)
+    with pytest.raises(ValueError, match="not watched on this tape"):
+        tape.register_gradient_ready_hook(np.ones(1), calls.append)
+
+
+def test_a_raising_hook_ends_gradient_with_its_error() -> None:
+    w = np.array([1.0])
+    with Tape() as tape:
+        tape.watch(w)
+        loss = ops.sum(ops.square(w))
+
+    def refuse(g: Any) -> None:
+        raise KeyError("from the hook")
+
+    tape.register_gradient_ready_hook(w, refuse)
+    with pytest.raises(KeyError, match="from the hook"):
+        tape.gradient(loss, w)
+
+
+def _counting_vjp(gs: list[Any], xs: Any, needs: Any, zs: Any, aux: list[Any]) -> Any:
+    aux.append(gs[0].copy())
+    return (gs[0],)
+
+
+def test_a_collective_node_runs_with_a_zero_cotangent_when_no_gradient_reaches_it() -> None:
+    """A rank whose loss ignores a collective's output must still run the collective's vjp."""
+    from cupy_parallel._src import recording
+
+    recording.mark_collective(_counting_vjp)
+    w, cotangents = np.array([1.0, 2.0]), []
+    with Tape() as tape:
+        tape.watch(w)
+        ignored = w.copy()
+        recording.record(_counting_vjp, (w,), (ignored,), cotangents)
+        loss = ops.sum(ops.square(w))  # does not use `ignored`
+    grad = tape.gradient(loss, w)
+    np.testing.assert_array_equal(grad, 2 * w)
+    assert len(cotangents) == 1
+    np.testing.assert_array_equal(cotangents[0], np.zeros(2))  # ran, with zeros
+    # an unmarked vjp that no gradient reaches is skipped, as before
+    skipped: list[Any] = []
+    with Tape() as tape:
+        tape.watch(w)
+        recording.record(_probe_vjp, (w,), (w.copy(),), skipped)
+        loss = ops.sum(w)
+    tape.gradient(loss, w)
+    assert skipped == []
+
+
+def _probe_vjp(gs: list[Any], xs: Any, needs: Any, zs: Any, aux: list[Any]) -> Any:
+    aux.append(gs[0])
+    return (gs[0],)
