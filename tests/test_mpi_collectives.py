@@ -100,13 +100,13 @@ def test_cupy_arrays_through_mpi() -> None:
 
 @pytest.mark.parametrize("aware", ["", "1"], ids=["mpi-not-cuda-aware", "forced-cuda-aware"])
 @pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
-def test_simulated_cupy_arrays_are_staged_through_host_memory(ranks: int, aware: str) -> None:
-    """The staging path for CuPy arrays runs without a GPU.
+def test_simulated_cupy_arrays_through_both_branches(ranks: int, aware: str) -> None:
+    """Both paths for CuPy arrays run without a GPU: staged, and handed to a CUDA-aware MPI.
 
-    The simulated CUDA's arrays must be recognised as device arrays, staged, and copied back in
-    stream order (the simulation raises on any unordered access); each result against NumPy.
-    They are staged even where the MPI is said to be CUDA-aware: MPI cannot read a stand-in's
-    memory as device memory (before, both cases reached mpi4py raw and raised its TypeError).
+    The simulated CUDA's arrays must be recognised as device arrays; each result against NumPy.
+    Not CUDA-aware: staged, and copied back in stream order. Forced CUDA-aware: the simulator
+    plays a CUDA-aware MPI (simcuda/sim_mpi.py), which gets the arrays' memory itself and
+    raises on any device work on it not finished at posting or queued before completion.
     """
     result, _ = launch(ranks, "simulated-cupy", env={"CUPY_PARALLEL_MPI_CUDA_AWARE": aware})
     assert result.returncode == 0, result.stderr[-4000:]

@@ -46,6 +46,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -59,6 +60,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from cupy_parallel._src.cuda import copies
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import (
     ProcessGroupBackend,
@@ -101,12 +103,28 @@ def _temp(shape: tuple[int, ...], dtype: Any, like: Any) -> Any:
         return cupy.zeros(shape, dtype)
 
 
+def _on(x: Any) -> Any:
+    """The context that makes ``x``'s GPU current (none for a host array).
+
+    CuPy launches on the current device's current stream: the backend's own work on an array
+    runs on its GPU, on that GPU's current stream (which a CUDA-aware MPI call synchronizes).
+    """
+    return contextlib.nullcontext() if isinstance(x, np.ndarray) else x.device
+
+
 def _copy(dst: Any, src: Any) -> None:
     """Copy the bytes of ``src`` into ``dst`` (same number of bytes; any devices)."""
-    if isinstance(dst, np.ndarray) or dst.device == src.device:
+    if isinstance(dst, np.ndarray):
         _bytes(dst)[...] = _bytes(src)
-    else:
-        dst.data.copy_from_device(src.data, src.nbytes)
+    elif dst.device == src.device:
+        with dst.device:
+            _bytes(dst)[...] = _bytes(src)
+    else:  # on dst's current stream, after src's, which then waits for the copy
+        with src.device:
+            source = _bytes(src)
+        with dst.device:
+            target = _bytes(dst)
+        copies.peer(target, dst.device.id, source, src.device.id, None)
 
 
 def _copy_each(targets: Sequence[Any], src: Any) -> None:
@@ -119,7 +137,15 @@ def _cast_into(dst: Any, src: Any) -> None:
     if src.dtype == dst.dtype:
         _copy(dst, src)
     else:
-        _copy(dst, src.astype(dst.dtype))
+        with _on(src):
+            converted = src.astype(dst.dtype)
+        _copy(dst, converted)
+
+
+def _average(x: Any, count: int) -> None:
+    """``average_in_place`` on ``x``'s device."""
+    with _on(x):
+        average_in_place(x, count, np)
 
 
 def _accumulate(arrays: Sequence[Any], plan: Plan) -> Any:
@@ -133,7 +159,8 @@ def _accumulate(arrays: Sequence[Any], plan: Plan) -> Any:
         if not isinstance(x, np.ndarray) and x.device != acc.device:
             operand = _temp(x.shape, x.dtype, acc)
             _copy(operand, x)
-        plan.ufunc(acc, operand, out=acc, casting="unsafe")
+        with _on(acc):
+            plan.ufunc(acc, operand, out=acc, casting="unsafe")
     return acc
 
 
@@ -618,7 +645,7 @@ class MPIBackend(ProcessGroupBackend):
             request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
             work = _MPIWork("all_reduce", self, request, keep=buffer)._check_call(arrays, op=op)
             if plan.average:
-                work.add_finalizer(functools.partial(average_in_place, buffer, self.size, np))
+                work.add_finalizer(functools.partial(_average, buffer, self.size))
             return work
         outputs = [plain_buffer(x) for x in arrays]
         acc = _accumulate(outputs, plan)
@@ -627,7 +654,7 @@ class MPIBackend(ProcessGroupBackend):
 
         def finish() -> None:
             if plan.average:
-                average_in_place(acc, count, np)
+                _average(acc, count)
             for x in outputs:
                 _cast_into(x, acc)
 
@@ -655,7 +682,7 @@ class MPIBackend(ProcessGroupBackend):
 
             def finish() -> None:
                 if plan.average:
-                    average_in_place(acc, count, np)
+                    _average(acc, count)
                 if acc is not target:
                     _cast_into(target, acc)
 
@@ -717,7 +744,7 @@ class MPIBackend(ProcessGroupBackend):
         chunks = len(inputs[0])
         acc = _temp((chunks, *first.shape), dtype, first)
         for k in range(chunks):
-            acc[k] = _accumulate([plain_buffer(row[k]) for row in inputs], plan)
+            _copy(acc[k], _accumulate([plain_buffer(row[k]) for row in inputs], plan))
         direct = local == 1 and plan.work_dtype is None
         received = first if direct else _temp((local, *first.shape), dtype, first)
         request = self._comm.Ireduce_scatter_block(
@@ -727,7 +754,7 @@ class MPIBackend(ProcessGroupBackend):
 
         def finish() -> None:
             if plan.average:
-                average_in_place(received, count, np)
+                _average(received, count)
             if not direct:
                 for j, x in enumerate(outputs):
                     _cast_into(x, received[j])
@@ -881,7 +908,7 @@ def _unpack(packed: Any, arrays: Sequence[Any]) -> None:
 
 def _unflatten(flat: Any, arrays: Sequence[Any], plan: Plan, size: int) -> None:
     if plan.average:
-        average_in_place(flat, size, np)
+        _average(flat, size)
     offset = 0
     for x in arrays:
         _cast_into(x.reshape(-1), flat[offset : offset + x.size])

@@ -1,9 +1,23 @@
 """CuPy arrays for the MPI backend: handed to a CUDA-aware MPI, or staged through host memory.
 
-A primitive written for host arrays takes CuPy arrays through :func:`staged`: they are passed
-to MPI directly when MPI is CUDA-aware (``MPIX_Query_cuda_support()`` of the loaded MPI library,
-or ``CUPY_PARALLEL_MPI_CUDA_AWARE=1``), after synchronizing the current stream; otherwise staged
-through host memory (copied out before, back after), with a one-time ``RuntimeWarning``.
+A primitive written for host arrays takes CuPy arrays through :func:`staged`.
+
+* When MPI is CUDA-aware (``MPIX_Query_cuda_support()`` of the loaded MPI library, or
+  ``CUPY_PARALLEL_MPI_CUDA_AWARE=1``) the arrays are handed to MPI directly. Such an MPI accesses
+  device memory on its own, ordered with no stream of the caller's, so the group's communicator
+  is wrapped (:class:`_SynchronizingComm`): each nonblocking call first synchronizes the current
+  stream of every GPU holding a buffer it is handed, *after* the primitive queued its work on
+  those buffers (zero-filled receive buffers, local reductions, packing; every such operation
+  runs on the current stream of the array's GPU) and before MPI may read or write them. Work
+  after completion (unpacking, ``AVG``) is queued once MPI reported it done.
+* Otherwise they are staged through host memory (copied out before on the current stream of
+  each array's GPU, back after), with a one-time ``RuntimeWarning``.
+
+Under ``simulated_cuda`` both branches run: ``CUPY_PARALLEL_MPI_CUDA_AWARE=1`` makes the
+simulator play a CUDA-aware MPI (:class:`~cupy_parallel._src.simcuda.sim_mpi.CudaAwareComm`:
+the stand-in's arrays go to MPI as the host memory behind them, and every device access not
+ordered before MPI's own, or after its completion, is a ``RaceError``); otherwise (``0`` or
+unset: the installed MPI is probed, and a CPU-only MPI is not CUDA-aware) they are staged.
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cupy_parallel._src.cuda.streams import current_stream
 from cupy_parallel._src.devices import cupy_arrays_may_exist, cupy_module, is_cupy_array
 from cupy_parallel._src.distributed.mpi_job import load_mpi
 from cupy_parallel._src.enums import ReduceOp
@@ -88,9 +103,10 @@ def _has_device_array(args: Sequence[Any]) -> bool:
 def staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work]]:
     """Let a primitive written for host arrays take CuPy arrays.
 
-    The arrays at argument positions ``outputs`` receive data and are copied back on completion.
-    A CUDA-aware MPI gets the device arrays themselves, except under ``simulated_cuda``: the
-    stand-in's memory is not CUDA memory that MPI could read, so its arrays are always staged.
+    The arrays at argument positions ``outputs`` receive data and are copied back on completion
+    (when staged). A CUDA-aware MPI gets the device arrays themselves, through the backend's
+    communicator wrapped once in a :class:`_SynchronizingComm` (under ``simulated_cuda``, one
+    over the simulator's CUDA-aware MPI).
     """
 
     def decorate(primitive: Callable[..., Work]) -> Callable[..., Work]:
@@ -99,9 +115,10 @@ def staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work]
             if not (cupy_arrays_may_exist() and _has_device_array(args)):
                 return primitive(self, *args)
             cupy: Any = cupy_module()
-            cupy.cuda.get_current_stream().synchronize()
             simulated = cupy.__name__ != "cupy"
-            if mpi_is_cuda_aware() and not simulated:
+            if mpi_is_cuda_aware():
+                if type(self._comm) is not _SynchronizingComm:
+                    self._comm = _SynchronizingComm(self._comm, simulated=simulated)
                 return primitive(self, *args)
             _warn_staging(
                 "CUDA is simulated (simulated_cuda)" if simulated else "this MPI is not CUDA-aware"
@@ -133,12 +150,52 @@ def _warn_staging(reason: str) -> None:
         )
 
 
+class _SynchronizingComm:
+    """The group's communicator for a CUDA-aware MPI: device work on a buffer ends before MPI's.
+
+    Every attribute is the communicator's. A nonblocking call handed CuPy arrays first
+    synchronizes the current stream of each GPU they are on (where the user's earlier work on
+    them and the primitive's own work ran, the latter queued just before this call), as a
+    CUDA-aware MPI synchronizes no stream of the caller's. Calls with host buffers only pass
+    straight through. ``simulated``: the communicator is first wrapped in the simulator's
+    CUDA-aware MPI (:class:`~cupy_parallel._src.simcuda.sim_mpi.CudaAwareComm`).
+    """
+
+    def __init__(self, comm: Any, *, simulated: bool) -> None:
+        if simulated:
+            from cupy_parallel._src.simcuda.sim_mpi import CudaAwareComm
+
+            comm = CudaAwareComm(comm)
+        self.comm = comm
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.comm, name)
+        if not name.startswith("I") or not callable(method):
+            return method
+        return functools.partial(self._post, method)
+
+    @staticmethod
+    def _post(method: Any, *args: Any) -> Any:
+        devices = {
+            buffer.device.id
+            for arg in args
+            for buffer in (arg[:1] if type(arg) is list or type(arg) is tuple else (arg,))
+            if type(buffer) not in _NOT_DEVICE and is_cupy_array(buffer)
+        }
+        cupy: Any = cupy_module()
+        for device in sorted(devices):
+            with cupy.cuda.Device(device):  # a null or per-thread stream is the current GPU's
+                current_stream(device).synchronize()
+        return method(*args)
+
+
 def _to_host(arg: Any, pairs: list[tuple[Any, np.ndarray]] | None) -> Any:
     if type(arg) is list or type(arg) is tuple:
         return [_to_host(a, pairs) for a in arg]
     if not is_cupy_array(arg):
         return arg
-    host = arg.get()
+    with arg.device:  # on the current stream of the array's GPU (get's default stream)
+        host = arg.get()
     if pairs is not None:
         pairs.append((arg, host))
     return host

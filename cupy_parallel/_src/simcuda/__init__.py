@@ -15,6 +15,8 @@ them), :mod:`.clock` (timelines, vector clocks, host synchronisation),
 :mod:`.runtime`, :mod:`.cuda` and :mod:`.xp` (the ``cupy.cuda.runtime``, ``cupy.cuda`` and
 ``cupy`` namespaces), :mod:`.session` (``simulated_cuda``). An NCCL add-on lives in
 ``sim_nccl.py`` (``cupy.cuda.nccl``); it can keep per-simulation state in ``state().extensions``.
+A CUDA-aware MPI lives in ``sim_mpi.py`` (the MPI backend uses it when
+``CUPY_PARALLEL_MPI_CUDA_AWARE=1``).
 """
 
 from __future__ import annotations

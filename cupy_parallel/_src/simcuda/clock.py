@@ -154,11 +154,16 @@ class Simulation:
         self._end_checks: list[Callable[[], None]] = []
         self.extensions: dict[str, Any] = {}  # per-simulation state of add-ons (e.g. NCCL)
         self._device_barriers: dict[int, Clock] = {}  # cudaMemcpyPeer: future work after it
+        self._external: list[tuple[Op, Callable[[], bool]]] = []  # see external()
 
     def new_timeline(self, name: str, kind: str, device: int) -> Timeline:
-        """A new timeline (a new stream, or the host)."""
+        """A new timeline: a stream of GPU ``device``, or (``device`` -1) the host or an outsider.
+
+        Only streams are kept in :attr:`timelines` (the legacy null stream and device barriers
+        look through them).
+        """
         timeline = Timeline(next(self._ids), name, kind, device)
-        if kind != "host":
+        if device >= 0:
             self.timelines.append(timeline)
         return timeline
 
@@ -227,7 +232,27 @@ class Simulation:
             join(self._device_barriers.setdefault(device, {}), op.clock)
         return op
 
+    def external(self, op: Op, finished: Callable[[], bool]) -> None:
+        """Order the host after ``op`` (work outside CUDA) once ``finished()`` says it is done.
+
+        For a library that accesses device memory itself, such as a CUDA-aware MPI: the host
+        learns of its completion outside CUDA (an MPI request tested done), so ``finished`` is
+        asked before each new operation is stamped, and the first time it answers ``True`` the
+        host's clock joins ``op``'s (work queued after that is ordered after ``op``).
+        """
+        self._external.append((op, finished))
+
+    def _learn_external(self) -> None:
+        if not self._external:
+            return
+        done = [entry for entry in self._external if entry[1]()]
+        if done:
+            self._external = [entry for entry in self._external if entry not in done]
+            for op, _ in done:
+                join(self.host.clock, op.clock)
+
     def _prepare(self, timeline: Timeline) -> None:
+        self._learn_external()
         clock = timeline.clock
         join(clock, self.host.clock)
         barrier = self._device_barriers.get(timeline.device)
@@ -242,6 +267,7 @@ class Simulation:
 
     def host_op(self, name: str) -> Op:
         """Stamp an operation of the host (e.g. a host write of pinned memory)."""
+        self._learn_external()
         return Op(name, self.host, self.host.tick())
 
     def synchronize_host(self, clock: Clock) -> None:

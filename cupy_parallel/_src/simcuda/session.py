@@ -39,6 +39,11 @@ def simulated_cuda(
     until then), the most adversarial schedule. Races found where nothing can raise (memory
     freed while in use) are raised when the block ends. Everything is restored on exit.
 
+    The MPI backend stages the stand-in's arrays through host memory, as for an MPI that is not
+    CUDA-aware; with ``CUPY_PARALLEL_MPI_CUDA_AWARE=1`` it hands them to a simulated CUDA-aware
+    MPI instead, which reads and writes their memory itself and reports device work on it that
+    is not finished when MPI gets it, or is queued before MPI completes, as ``RaceError``.
+
     Args:
         n_devices: How many GPUs to simulate (at least 1).
         per_thread_default_stream: Whether the default stream is each thread's per-thread
