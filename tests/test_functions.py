@@ -320,3 +320,46 @@ def test_to_device_refuses_non_arrays_under_a_tape() -> None:
         tape.watch(rand((1,), 0))
         with pytest.raises(TypeError, match=r"array must be .*got list"):
             to_device([1.0], "host:1")
+
+
+# --------------------------------------------------------------------------------------------
+# On simulated GPUs, in every floating dtype
+
+SIM_TOLERANCE = {np.float64: 1e-12, np.float32: 1e-5, np.float16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", list(SIM_TOLERANCE), ids=lambda t: np.dtype(t).name)
+def test_data_parallel_pattern_on_simulated_gpus_in_each_float_dtype(dtype: Any) -> None:
+    """Scatter, Broadcast, Gather and ReduceAddCoalesced with their gradients, against NumPy.
+
+    Forward and backward stay in the inputs' dtype; the oracle computes in float64.
+    """
+    from cupy_parallel.testing import simulated_cuda
+
+    tolerance = SIM_TOLERANCE[dtype]
+    x_host, w_host = rand((7, 3), 0).astype(dtype), rand((3, 2), 1).astype(dtype)
+    gpus = ["cuda:0", "cuda:1", "cuda:2"]
+    with simulated_cuda(3):
+        w = to_device(w_host, "cuda:0")
+        with Tape() as tape:
+            tape.watch((x_host, w))
+            chunks = Scatter.apply(gpus, None, 0, x_host)
+            replicas = Broadcast.apply(gpus, w)
+            outs = [ops.tanh(ops.matmul(c, r)) for c, r in zip(chunks, replicas, strict=True)]
+            gathered = Gather.apply("cpu", 0, *outs)
+            summed = ReduceAddCoalesced.apply("cuda:0", 1, *replicas)[0]
+            loss = ops.add(ops.sum(ops.square(gathered)), ops.sum(to_device(summed, "cpu")))
+        gx, gw = tape.gradient(loss, (x_host, w))
+        assert gathered.dtype == dtype
+        assert summed.dtype == dtype
+        assert gx.dtype == dtype
+        assert gw.dtype == dtype
+        assert device_of(gw) == Device("cuda", 0)
+        gw_host, summed_host = to_numpy(gw), to_numpy(summed)
+    x64, w64 = x_host.astype(np.float64), w_host.astype(np.float64)
+    z = np.tanh(x64 @ w64)
+    dz = 2 * z * (1 - z**2)
+    np.testing.assert_allclose(gathered, z, rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(summed_host, 3 * w64, rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(gx, dz @ w64.T, rtol=tolerance, atol=tolerance * 10)
+    np.testing.assert_allclose(gw_host, x64.T @ dz + 3, rtol=tolerance, atol=tolerance * 10)
