@@ -509,9 +509,62 @@ def run_cupy(rank: int, n: int, cupy: ModuleType) -> None:
         dist.all_gather_coalesced(lists, [cupy.asarray(every[rank])])
         for r in range(n):
             same(f"cupy all_gather_coalesced [{r}]", lists[r][0], every[r])
+        if cupy.cuda.runtime.getDeviceCount() >= 2:
+            run_cupy_multigpu(rank, n, cupy, same)
     staged = not mpi_is_cuda_aware()  # a stand-in goes through the simulated CUDA-aware MPI
     notes = [w for w in caught if "copied through host memory" in str(w.message)]
     check("cupy staging note appears once", len(notes), 1 if staged else 0)
+
+
+def run_cupy_multigpu(rank: int, n: int, cupy: ModuleType, same) -> None:
+    """The ``*_multigpu`` forms with one CuPy array on each of two GPUs (current: GPU 0)."""
+
+    def on(host: np.ndarray, device: int):
+        with cupy.cuda.Device(device):
+            return cupy.asarray(host)
+
+    def same_on(name: str, got, expected: np.ndarray) -> None:
+        with got.device:  # read on its own GPU's current stream
+            same(name, got, expected)
+
+    for dtype in (np.float32, np.float16):
+        every = [[data(8, 2 * r + j, (2, 3), dtype) for j in range(2)] for r in range(n)]
+        flat = [a for row in every for a in row]
+        xs = [on(every[rank][j], j) for j in range(2)]
+        dist.all_reduce_multigpu(xs, op=ReduceOp.AVG)
+        for j in range(2):
+            same_on(
+                f"cupy all_reduce_multigpu {np.dtype(dtype)} [{j}]",
+                xs[j],
+                oracle(flat, ReduceOp.AVG),
+            )
+        xs = [on(every[rank][j], j) for j in range(2)]
+        dist.broadcast_multigpu(xs, src=n - 1, src_tensor=1)
+        for j in range(2):
+            same_on(f"cupy broadcast_multigpu {np.dtype(dtype)} [{j}]", xs[j], every[n - 1][1])
+        outs = [[on(np.zeros((2, 3), dtype), i) for _ in range(2 * n)] for i in range(2)]
+        dist.all_gather_multigpu(outs, [on(every[rank][j], j) for j in range(2)])
+        for i in range(2):
+            for k in range(2 * n):
+                same_on(
+                    f"cupy all_gather_multigpu {np.dtype(dtype)} [{i}][{k}]", outs[i][k], flat[k]
+                )
+        ins = [
+            [on(data(9, 100 * (2 * rank + i) + c, (2,), dtype), i) for c in range(2 * n)]
+            for i in range(2)
+        ]
+        outs1 = [on(np.zeros(2, dtype), i) for i in range(2)]
+        dist.reduce_scatter_multigpu(outs1, ins)
+        for j in range(2):
+            c = 2 * rank + j
+            parts = [
+                data(9, 100 * (2 * r + i) + c, (2,), dtype) for r in range(n) for i in range(2)
+            ]
+            same_on(
+                f"cupy reduce_scatter_multigpu {np.dtype(dtype)} [{j}]",
+                outs1[j],
+                oracle(parts, ReduceOp.SUM),
+            )
 
 
 def run_reinit(directory: str, port: int) -> None:
@@ -626,7 +679,7 @@ def main() -> int:
         else:
             from cupy_parallel.testing import simulated_cuda
 
-            with simulated_cuda(1) as stand_in:
+            with simulated_cuda(2) as stand_in:
                 run_cupy(rank, dist.get_world_size(), stand_in)
         dist.destroy_process_group()
         if failures:
