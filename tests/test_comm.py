@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import itertools
@@ -782,7 +783,7 @@ def test_dtypes_cupy_lacks_are_refused_by_every_function_at_every_size(
         with pytest.raises(
             TypeError,
             match=rf"^{argument}'s dtype is .*, a dtype device arrays cannot hold \(CuPy has "
-            r"bool, integer, float16/32/64 and complex64/128 arrays only",
+            r"bool, integer, float16/32/64, complex64/128 and ml_dtypes' bfloat16 arrays only",
         ):
             call()
         assert get_host_memory_pool().used_bytes() <= used, f"{name} allocated before refusing"
@@ -881,3 +882,49 @@ def test_every_function_on_simulated_gpus_in_each_float_dtype(dtype: Any) -> Non
             assert str(device_of(copies[0])) == gpus[k]
             assert_bits_equal(host_copy(copies[0]), source)
             assert_bits_equal(host_copy(copies[1]), source[1:3, ::2])
+
+
+# --------------------------------------------------------------------------------------------
+# bfloat16 (ml_dtypes, the optional extra cupy-parallel[bfloat16]; CuPy 14 and NCCL have it)
+
+
+@pytest.mark.parametrize("where", ["host", "simulated-cuda"])
+def test_bfloat16_through_every_function(where: str) -> None:
+    """Issue 24 defect 7: comm refused bfloat16; each function against NumPy (bits or sums).
+
+    reduce_add sums in bfloat16 (NCCL widens each step to float32 and rounds), so the sum of
+    three inputs is checked against float32 sums within bfloat16's precision.
+    """
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(3)
+    source = rng.uniform(-2, 2, (6, 4)).astype(bf16)
+    simulated = where == "simulated-cuda"
+    devices = ["cuda:0", "cuda:1", "cuda:2"] if simulated else ["host:0", "host:1", "host:2"]
+
+    def host_copy(x: Any) -> np.ndarray:
+        result = np.asarray(to_device(x, "cpu"))
+        assert result.dtype == bf16
+        return result
+
+    def bits(x: np.ndarray) -> np.ndarray:
+        return x.view(np.uint16)
+
+    with simulated_cuda(3) if simulated else contextlib.nullcontext():
+        parts = comm.scatter(source, devices)
+        np.testing.assert_array_equal(
+            bits(host_copy(comm.gather(parts, 0, devices[1]))), bits(source)
+        )
+        on_device = to_device(source, devices[0])
+        for copy in comm.broadcast(on_device, devices):
+            np.testing.assert_array_equal(bits(host_copy(copy)), bits(source))
+        for copies in comm.broadcast_coalesced([on_device, on_device[1]], devices, buffer_size=16):
+            np.testing.assert_array_equal(bits(host_copy(copies[1])), bits(source[1]))
+        pieces = [to_device(source[k : k + 3], device) for k, device in enumerate(devices)]
+        expected = source[0:3].astype(np.float32) + source[1:4] + source[2:5]
+        total = host_copy(comm.reduce_add(pieces, devices[2]))
+        np.testing.assert_allclose(total.astype(np.float32), expected, rtol=2e-2, atol=2e-2)
+        sums = comm.reduce_add_coalesced([[p] for p in pieces], devices[1], buffer_size=8)
+        np.testing.assert_allclose(
+            host_copy(sums[0]).astype(np.float32), expected, rtol=2e-2, atol=2e-2
+        )

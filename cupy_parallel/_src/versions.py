@@ -94,7 +94,8 @@ def own_counter(data: np.ndarray, /) -> np.ndarray:
     """
     if data.size == 0:
         return np.empty(data.shape, data.dtype)
-    # An array over a memoryview of ``data`` (``data.data``): NumPy stops collapsing a view's
-    # base chain at an array whose base is not an ndarray, so this array roots its views.
-    raw = np.frombuffer(data.data.cast("B"), dtype=data.dtype)
+    # An array over a memoryview of ``data``'s bytes: NumPy stops collapsing a view's base chain
+    # at an array whose base is not an ndarray, so this array roots its views. (The bytes, as a
+    # buffer cannot carry an extension dtype such as ml_dtypes' bfloat16.)
+    raw = np.frombuffer(data.reshape(-1).view(np.uint8).data, dtype=data.dtype)
     return raw.reshape(data.shape)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import optree
 
+from cupy_parallel._src.dtypes import is_bfloat16
 from cupy_parallel._src.simcuda.clock import Op, Simulation, state
 from cupy_parallel._src.simcuda.memory import Region, access
 from cupy_parallel._src.simcuda.pointers import Memory, MemoryPointer, alloc
@@ -53,11 +54,12 @@ WRITTEN_ARGUMENT = {
 }
 """NumPy functions (and the ufunc method ``at``) that write into a positional argument."""
 _REFUSED_KINDS = "OSUVMm"  # object, strings, void/structured, datetimes: CuPy lacks them
+# (ml_dtypes' bfloat16, of kind "V", is the exception: CuPy 14 holds it)
 
 
 def _check_dtype(dtype: Any) -> np.dtype[Any]:
     dtype = np.dtype(dtype)
-    if dtype.kind in _REFUSED_KINDS or not dtype.isnative:
+    if (dtype.kind in _REFUSED_KINDS and not is_bfloat16(dtype)) or not dtype.isnative:
         raise ValueError(f"Unsupported dtype {dtype}")  # CuPy's error
     return dtype
 
