@@ -24,7 +24,9 @@ TESTS = [
     "tests/test_simcuda.py",
     "tests/test_parallel.py",
     "tests/test_functions.py",
+    "tests/test_mpi_cuda_aware.py",
 ]
+MPI = "cupy_parallel/_src/distributed/"
 CUDA = "cupy_parallel/_src/cuda/"
 
 # (file, the exact line, what replaces it)
@@ -48,6 +50,25 @@ MUTATIONS = [
     ),
     ("cupy_parallel/_src/parallel.py", "            handoff.finish()", "            pass"),
     (CUDA + "pinned.py", "    stream.launch_host_func(_finish, token)", "    pass"),
+    # The MPI backend with CuPy arrays: the synchronisation before posting to a CUDA-aware MPI,
+    # staging on the array's GPU, the backend's own work on each array's GPU, peer copies.
+    (
+        MPI + "mpi_staging.py",
+        "                current_stream(device).synchronize()",
+        "                pass",
+    ),
+    (
+        MPI + "mpi_staging.py",
+        "    with arg.device:  # on the current stream of the array's GPU (get's default stream)",
+        "    if True:",
+    ),
+    (MPI + "mpi.py", "        with _on(acc):", "        if True:"),
+    (MPI + "mpi.py", "    with _on(x):", "    if True:"),
+    (
+        MPI + "mpi.py",
+        "        copies.peer(target, dst.device.id, source, src.device.id, None)",
+        "        dst.data.copy_from_device(src.data, src.nbytes)",
+    ),
 ] + [
     (CUDA + "copies.py", line, re.sub(r"\S.*", "pass", line))
     for line in (ROOT / CUDA / "copies.py").read_text().splitlines()
