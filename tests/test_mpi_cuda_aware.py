@@ -260,13 +260,15 @@ def test_only_the_current_gpus_stream_synchronised_is_a_race(
 ) -> None:
     """Defect 2 shown: synchronising the current GPU's stream only leaves GPU 1's work pending."""
 
-    def current_gpu_only(method: Any, *args: Any) -> Any:
-        from cupy_parallel._src.devices import cupy_module
+    class CurrentGpuOnly:
+        def synchronize(self) -> None:
+            from cupy_parallel._src.devices import cupy_module
 
-        cupy_module().cuda.get_current_stream().synchronize()
-        return method(*args)
+            cupy = cupy_module()
+            with cupy.cuda.Device(0):  # the GPU current at the call
+                cupy.cuda.get_current_stream().synchronize()
 
-    monkeypatch.setattr(mpi_staging._SynchronizingComm, "_post", staticmethod(current_gpu_only))
+    monkeypatch.setattr(mpi_staging, "current_stream", lambda device: CurrentGpuOnly())
     with simulated_cuda(2) as cp:
         with cp.cuda.Device(1):
             cp.cuda.Stream(non_blocking=True).use()

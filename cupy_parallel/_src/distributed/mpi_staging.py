@@ -105,8 +105,7 @@ def staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work]
 
     The arrays at argument positions ``outputs`` receive data and are copied back on completion
     (when staged). A CUDA-aware MPI gets the device arrays themselves, through the backend's
-    communicator wrapped once in a :class:`_SynchronizingComm` (under ``simulated_cuda``, one
-    over the simulator's CUDA-aware MPI).
+    communicator wrapped once in a :class:`_SynchronizingComm`.
     """
 
     def decorate(primitive: Callable[..., Work]) -> Callable[..., Work]:
@@ -118,7 +117,7 @@ def staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work]
             simulated = cupy.__name__ != "cupy"
             if mpi_is_cuda_aware():
                 if type(self._comm) is not _SynchronizingComm:
-                    self._comm = _SynchronizingComm(self._comm, simulated=simulated)
+                    self._comm = _SynchronizingComm(self._comm)
                 return primitive(self, *args)
             _warn_staging(
                 "CUDA is simulated (simulated_cuda)" if simulated else "this MPI is not CUDA-aware"
@@ -157,35 +156,40 @@ class _SynchronizingComm:
     synchronizes the current stream of each GPU they are on (where the user's earlier work on
     them and the primitive's own work ran, the latter queued just before this call), as a
     CUDA-aware MPI synchronizes no stream of the caller's. Calls with host buffers only pass
-    straight through. ``simulated``: the communicator is first wrapped in the simulator's
-    CUDA-aware MPI (:class:`~cupy_parallel._src.simcuda.sim_mpi.CudaAwareComm`).
+    straight through. The stand-in's arrays (``simulated_cuda``) go to the simulator's
+    CUDA-aware MPI over the same communicator
+    (:class:`~cupy_parallel._src.simcuda.sim_mpi.CudaAwareComm`).
     """
 
-    def __init__(self, comm: Any, *, simulated: bool) -> None:
-        if simulated:
-            from cupy_parallel._src.simcuda.sim_mpi import CudaAwareComm
-
-            comm = CudaAwareComm(comm)
+    def __init__(self, comm: Any) -> None:
         self.comm = comm
+        self._simulated: Any = None  # the simulator's CUDA-aware MPI over comm, once needed
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.comm, name)
         if not name.startswith("I") or not callable(method):
             return method
-        return functools.partial(self._post, method)
+        return functools.partial(self._post, name, method)
 
-    @staticmethod
-    def _post(method: Any, *args: Any) -> Any:
+    def _post(self, name: str, method: Any, *args: Any) -> Any:
         devices = {
             buffer.device.id
             for arg in args
             for buffer in (arg[:1] if type(arg) is list or type(arg) is tuple else (arg,))
             if type(buffer) not in _NOT_DEVICE and is_cupy_array(buffer)
         }
+        if not devices:
+            return method(*args)
         cupy: Any = cupy_module()
         for device in sorted(devices):
             with cupy.cuda.Device(device):  # a null or per-thread stream is the current GPU's
                 current_stream(device).synchronize()
+        if cupy.__name__ != "cupy":
+            if self._simulated is None:
+                from cupy_parallel._src.simcuda.sim_mpi import CudaAwareComm
+
+                self._simulated = CudaAwareComm(self.comm)
+            method = getattr(self._simulated, name)
         return method(*args)
 
 
