@@ -110,17 +110,25 @@ def check_oracle(
     local: Callable[[list[Any], Callable[[Any], Any]], Any],
     oracle: Callable[[list[list[Any]], Callable[[Any], Any]], list[Any]],
     kind: str,
+    members: Sequence[int] | None = None,
 ) -> None:
     """This rank's loss, gradient and Hessian-vector product against the one-process oracle.
 
     ``inputs_of(s)``: rank ``s``'s inputs (NumPy). ``local(xs, put)``: this rank's loss, with the
     differentiable collectives. ``oracle(xss, put)``: every rank's loss in one process, from
-    every rank's inputs ``xss[s]``, without communication.
+    every rank's inputs ``xss[s]``, without communication. ``members``: the world ranks of the
+    group the collectives run on, in group-rank order (default: the world); ``xss`` and the
+    losses are then in group-rank order, and the other ranks check nothing.
     """
-    rank, size = dist.get_rank(), dist.get_world_size()
-    everyone = [inputs_of(s) for s in range(size)]
+    world_rank = dist.get_rank()
+    members = list(range(dist.get_world_size())) if members is None else list(members)
+    if world_rank not in members:
+        return
+    rank, size = members.index(world_rank), len(members)
+    everyone = [inputs_of(s) for s in members]
     directions = [
-        [data(f"v{name}{i}", s, x.shape) for i, x in enumerate(xs)] for s, xs in enumerate(everyone)
+        [data(f"v{name}{i}", s, x.shape) for i, x in enumerate(xs)]
+        for s, xs in zip(members, everyone, strict=True)
     ]
     on = [put(x, kind) for x in everyone[rank]]
     loss, gs, hs = derivatives(
@@ -386,6 +394,140 @@ def check_scatter(kind: str = "cpu") -> None:
         check_oracle(f"scatter src={src}", inputs, local, oracle, kind)
 
 
+def check_subgroup(kind: str = "cpu") -> None:
+    """The collectives on a group that is not the world: roots are world ranks, as in torch.
+
+    The group is ranks 1.. of the world (the whole world at 2 ranks); its outsiders get
+    ``ValueError`` from every collective and take no part.
+    """
+    world = dist.get_world_size()
+    members = list(range(1, world)) if world > 2 else list(range(world))
+    group = dist.new_group(members)
+    if dist.get_rank() not in members:
+        try:
+            nnf.all_reduce(put(np.ones(2), kind), group=group)
+        except ValueError as error:
+            if "not a member of group" not in str(error):
+                raise
+        else:
+            raise AssertionError("a rank outside the group called all_reduce without error")
+        return
+    size = len(members)
+    me = members.index(dist.get_rank())
+    first, last = members[0], members[-1]
+
+    def one(s: int) -> list[np.ndarray]:
+        return [data("sx", s, (3,))]
+
+    def many(s: int) -> list[np.ndarray]:
+        return [data(f"sx{q}", s, (3,)) for q in range(size)]
+
+    def c(s: int, j: int = 0) -> np.ndarray:
+        return data(f"sc{j}", s, (3,))
+
+    cases: list[tuple[str, Any, Any, Any]] = [
+        (
+            "all_reduce MAX",
+            one,
+            lambda xs, to: weighted(
+                [to(c(members[me]))], [nnf.all_reduce(ops.tanh(xs[0]), ReduceOp.MAX, group)]
+            ),
+            lambda xss, to: [
+                weighted([to(c(s))], [combine([ops.tanh(xs[0]) for xs in xss], ReduceOp.MAX)])
+                for s in members
+            ],
+        ),
+        (
+            f"broadcast src={last}",
+            one,
+            lambda xs, to: weighted(
+                [to(c(members[me]))], [nnf.broadcast(ops.tanh(xs[0]), last, group)]
+            ),
+            lambda xss, to: [weighted([to(c(s))], [ops.tanh(xss[-1][0])]) for s in members],
+        ),
+        (
+            f"reduce dst={last} AVG",
+            one,
+            lambda xs, to: weighted(
+                [to(c(members[me]))], [nnf.reduce(ops.tanh(xs[0]), last, ReduceOp.AVG, group)]
+            ),
+            lambda xss, to: [
+                weighted(
+                    [to(c(s))],
+                    [
+                        combine([ops.tanh(xs[0]) for xs in xss], ReduceOp.AVG)
+                        if s == last
+                        else to(np.zeros(3))
+                    ],
+                )
+                for s in members
+            ],
+        ),
+        (
+            "all_gather",
+            one,
+            lambda xs, to: weighted(
+                [to(c(members[me], j)) for j in range(size)],
+                nnf.all_gather(ops.tanh(xs[0]), group),
+            ),
+            lambda xss, to: [
+                weighted([to(c(s, j)) for j in range(size)], [ops.tanh(xs[0]) for xs in xss])
+                for s in members
+            ],
+        ),
+        (
+            "reduce_scatter SUM",
+            many,
+            lambda xs, to: weighted(
+                [to(c(members[me]))], [nnf.reduce_scatter([ops.tanh(x) for x in xs], group=group)]
+            ),
+            lambda xss, to: [
+                weighted([to(c(s))], [add_all([ops.tanh(xs[q]) for xs in xss])])
+                for q, s in enumerate(members)
+            ],
+        ),
+        (
+            "all_to_all",
+            many,
+            lambda xs, to: weighted(
+                [to(c(members[me], j)) for j in range(size)],
+                nnf.all_to_all([ops.tanh(x) for x in xs], group),
+            ),
+            lambda xss, to: [
+                weighted([to(c(s, j)) for j in range(size)], [ops.tanh(xs[q]) for xs in xss])
+                for q, s in enumerate(members)
+            ],
+        ),
+        (
+            f"gather dst={first}",
+            one,
+            lambda xs, to: weighted(
+                [to(c(members[me], j)) for j in range(size)],
+                nnf.gather(ops.tanh(xs[0]), first, group),
+            ),
+            lambda xss, to: [
+                weighted(
+                    [to(c(s, j)) for j in range(size)],
+                    [ops.tanh(xs[0]) if s == first else to(np.zeros(3)) for xs in xss],
+                )
+                for s in members
+            ],
+        ),
+        (
+            f"scatter src={last}",
+            many,
+            lambda xs, to: weighted(
+                [to(c(members[me]))], [nnf.scatter([ops.tanh(x) for x in xs], last, group)]
+            ),
+            lambda xss, to: [
+                weighted([to(c(s))], [ops.tanh(xss[-1][q])]) for q, s in enumerate(members)
+            ],
+        ),
+    ]
+    for name, inputs, local, oracle in cases:
+        check_oracle(f"subgroup {name}", inputs, local, oracle, kind, members)
+
+
 # ---------------------------------------------------------------------------------------------
 # Dot-product (adjoint) tests of the linear collectives
 
@@ -581,6 +723,7 @@ CHECKS: list[Callable[..., None]] = [
     check_all_to_all_single,
     check_gather,
     check_scatter,
+    check_subgroup,
     check_extremum_ties,
     check_refusals,
     check_zero_cotangent,
