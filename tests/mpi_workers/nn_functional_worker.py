@@ -669,6 +669,45 @@ def check_refusals(kind: str = "cpu") -> None:
     close("the input after the collectives", x, xs[rank])
 
 
+def check_list_arguments(kind: str = "cpu") -> None:
+    """A list of one array per member, of one dtype (and shape): refused before communicating."""
+    size = dist.get_world_size()
+    if size < 2:
+        return
+    cases = [
+        (
+            lambda: nnf.scatter([put(np.ones(2 + q), kind) for q in range(size)], 0),
+            ValueError,
+            "inputs[1] has shape (3,) but inputs[0] has (2,)",
+        ),
+        (
+            lambda: nnf.reduce_scatter([put(np.ones(2 + q), kind) for q in range(size)]),
+            ValueError,
+            "inputs[1] has shape (3,) but inputs[0] has (2,)",
+        ),
+        (
+            lambda: nnf.all_to_all(
+                [put(np.ones(2, [float, int][q % 2]), kind) for q in range(size)]
+            ),
+            TypeError,
+            "inputs[1] has dtype int64 but inputs[0] has float64",
+        ),
+    ]
+    for call, error, message in cases:
+        expect_error(call, error, message)
+
+
+def expect_error(call: Callable[[], Any], error: type[Exception], message: str) -> None:
+    """``call()`` raises ``error`` with ``message`` in its text."""
+    try:
+        call()
+    except error as caught:
+        if message not in str(caught):
+            raise AssertionError(f"unexpected message {caught}") from caught
+    else:
+        raise AssertionError(f"no {error.__name__}: {message}")
+
+
 def check_zero_cotangent(kind: str = "cpu") -> None:
     """Rank 0's loss ignores the collectives' outputs; every rank still gets its gradient.
 
@@ -726,6 +765,7 @@ CHECKS: list[Callable[..., None]] = [
     check_subgroup,
     check_extremum_ties,
     check_refusals,
+    check_list_arguments,
     check_zero_cotangent,
 ]
 

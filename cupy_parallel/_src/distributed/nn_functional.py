@@ -50,7 +50,13 @@ from cupy_parallel._src.arguments import read_int, read_sequence
 from cupy_parallel._src.arrays import is_array
 from cupy_parallel._src.compute import compute, cuda_device, on_device_of, run_kernel, zeros_like
 from cupy_parallel._src.distributed import exchanges, reductions, rooted
-from cupy_parallel._src.distributed.dispatch import backend_of, check_data, check_reduction
+from cupy_parallel._src.distributed.dispatch import (
+    backend_of,
+    check_data,
+    check_like,
+    check_reduction,
+    check_same_device,
+)
 from cupy_parallel._src.distributed.groups import resolve_group
 from cupy_parallel._src.distributed.objects import all_gather_object
 from cupy_parallel._src.elementwise import multiply
@@ -125,14 +131,20 @@ def _input(backend: ProcessGroupBackend, x: Any, name: str) -> Any:
     return buffer
 
 
-def _inputs(backend: ProcessGroupBackend, xs: Any, name: str, count: int) -> list[Any]:
-    """``count`` arrays (one per group member), each checked and copied (:func:`_input`)."""
+def _inputs(
+    backend: ProcessGroupBackend, xs: Any, name: str, count: int, *, same_shape: bool = True
+) -> list[Any]:
+    """``count`` arrays (one per group member) of one dtype (and shape), copied (:func:`_input`)."""
     listed = read_sequence(xs, name, expected="a list of arrays (one per group member)")
     if len(listed) != count:
         raise ValueError(
             f"{name} must hold {count} arrays (one per group member), got {len(listed)}."
         )
-    return [_input(backend, x, f"{name}[{i}]") for i, x in enumerate(listed)]
+    copies = [_input(backend, x, f"{name}[{i}]") for i, x in enumerate(listed)]
+    for i, x in enumerate(copies):
+        check_like(x, copies[0], f"{name}[{i}]", f"{name}[0]", shape=same_shape)
+    check_same_device(copies, copies[0], name, f"{name}[0]")
+    return copies
 
 
 def _zeros_kernel(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -432,7 +444,7 @@ def _all_to_all(inputs: Any, group: Any, shapes: list[tuple[int, ...]] | None) -
     """``all_to_all``, the outputs shaped ``shapes`` (exchanged first when ``None``)."""
     pg, backend = _member(group, "all_to_all")
     size = pg.size()
-    sends = _inputs(backend, inputs, "inputs", size)
+    sends = _inputs(backend, inputs, "inputs", size, same_shape=False)
     if shapes is None:
         table: list[Any] = [None] * size
         on_device_of(sends[0], all_gather_object, table, [s.shape for s in sends], pg)
