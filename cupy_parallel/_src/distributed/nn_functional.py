@@ -119,13 +119,19 @@ def _copy(x: Any) -> Any:
     return compute(_contiguous_copy, x)
 
 
-def _input(backend: ProcessGroupBackend, x: Any, name: str) -> Any:
-    """``x`` checked (an array this backend communicates) and copied into a new buffer."""
+def _dtype(x: Any, name: str) -> Any:
+    """``x``'s dtype, ``TypeError`` naming ``name`` when ``x`` is no array."""
     if not is_array(x):
         raise TypeError(
             f"{name} must be an array (numpy.ndarray, HostArray or cupy.ndarray), "
             f"got {type(x).__name__}."
         )
+    return x.dtype
+
+
+def _input(backend: ProcessGroupBackend, x: Any, name: str) -> Any:
+    """``x`` checked (an array this backend communicates) and copied into a new buffer."""
+    _dtype(x, name)
     buffer = _copy(x)
     check_data(backend, buffer, name)
     return buffer
@@ -256,16 +262,6 @@ def _all_reduce_vjp(gs: list[Any], xs: Args, needs: Needs, ys: Args, aux: Any) -
         raise _refused("all_reduce", op)
     (weights,) = _extremum_weights(xs, ys, op, pg)
     return (multiply(all_reduce(gs[0], ReduceOp.SUM, pg), weights),)
-
-
-def _dtype(x: Any, name: str) -> Any:
-    """``x``'s dtype, ``TypeError`` naming ``name`` when ``x`` is no array."""
-    if not is_array(x):
-        raise TypeError(
-            f"{name} must be an array (numpy.ndarray, HostArray or cupy.ndarray), "
-            f"got {type(x).__name__}."
-        )
-    return x.dtype
 
 
 # --------------------------------------------------------------------------------------------
