@@ -3,7 +3,8 @@
 ``dist.all_reduce(h)`` on a recorded ``h`` used to give a silently wrong gradient (the tanh's
 gradient computed from the reduced values). The collective knows what it writes: each one that
 writes in place into an array an active tape tracks or saved makes ``Tape.gradient`` raise the
-in-place ``RuntimeError``, for NumPy and host arrays, sync and async, without ``check_writes``.
+in-place ``RuntimeError``, for NumPy and host arrays (MPI) and CuPy arrays (NCCL, under
+``simulated_cuda``), sync and async, without ``check_writes``.
 Reading a recorded array (the send side, a broadcast's root) stays allowed. A world of one rank
 (MPI outside mpiexec) runs every collective here.
 """
@@ -19,20 +20,34 @@ from helpers import to_numpy
 import cupy_parallel as cp
 from cupy_parallel import distributed as dist
 from cupy_parallel import ops
+from cupy_parallel.testing import simulated_cuda
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
 
 @pytest.fixture(autouse=True)
-def world() -> Iterator[None]:
+def world(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A world of one: MPI for NumPy and host arrays, NCCL under ``simulated_cuda(2)`` for CuPy."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("kind") == "cupy":
+        with simulated_cuda(2):
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+            yield
+            dist.destroy_process_group()
+        return
     cp.set_host_device_count(2)
     dist.init_process_group("mpi")
     yield
     dist.destroy_process_group()
 
 
+KINDS = ["numpy", "host", "cupy"]
+
+
 def on(kind: str, x: np.ndarray, device: str = "host:0") -> Any:
+    if kind == "cupy":
+        return cp.to_device(x, device.replace("host", "cuda"))
     return x if kind == "numpy" else cp.to_device(x, device)
 
 
@@ -72,7 +87,7 @@ def recorded(kind: str) -> tuple[cp.Tape, Any, Any]:
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("kind", ["numpy", "host"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", list(WRITERS))
 def test_a_collective_writing_a_recorded_array_makes_the_gradient_raise(
     name: str, kind: str, asynchronous: bool
@@ -91,7 +106,7 @@ def test_a_collective_writing_a_recorded_array_makes_the_gradient_raise(
         tape.gradient(loss, w)
 
 
-@pytest.mark.parametrize("kind", ["numpy", "host"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_reading_a_recorded_array_is_allowed(kind: str) -> None:
     """A broadcast's root and the send side only read: the gradient is the tanh's (1 - tanh²)."""
     tape, w, h = recorded(kind)
@@ -117,15 +132,21 @@ def test_a_view_written_by_a_collective_is_caught() -> None:
         tape.gradient(loss, w)
 
 
-def test_multigpu_forms_name_what_they_wrote() -> None:
-    w = cp.to_device(np.array([0.3, -1.2]), "host:0")
+@pytest.mark.parametrize("kind", ["host", "cupy"])
+@pytest.mark.parametrize("name", ["broadcast_multigpu", "all_reduce_multigpu"])
+def test_multigpu_forms_name_what_they_wrote(name: str, kind: str) -> None:
+    """One array per local device (two host devices under MPI, two simulated GPUs under NCCL)."""
+    w = on(kind, np.array([0.3, -1.2]), "host:0")
     with cp.Tape() as tape:
         tape.watch(w)
         h = ops.tanh(w)
-        copies = [h, cp.to_device(np.zeros(2), "host:1")]
-        dist.broadcast_multigpu(copies, src=0, src_tensor=1)  # writes h (index 0), not the source
+        copies = [h, on(kind, np.zeros(2), "host:1")]
+        if name == "broadcast_multigpu":
+            dist.broadcast_multigpu(copies, src=0, src_tensor=1)  # writes h (index 0)
+        else:
+            dist.all_reduce_multigpu(copies)
         loss = ops.sum(h)
-    with pytest.raises(RuntimeError, match=r"written by dist\.broadcast_multigpu"):
+    with pytest.raises(RuntimeError, match=rf"written by dist\.{name}"):
         tape.gradient(loss, w)
 
 

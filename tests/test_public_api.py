@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from cupy_parallel.distributed import ReduceOp
+
 PUBLIC_MODULES = [
     "cupy_parallel",
     "cupy_parallel.comm",
@@ -16,6 +18,7 @@ PUBLIC_MODULES = [
     "cupy_parallel.ops",
     "cupy_parallel.testing",
     "cupy_parallel.distributed",
+    "cupy_parallel.distributed.nn.functional",
 ]
 
 _ = inspect.Parameter.empty
@@ -95,6 +98,34 @@ CONTRACT: dict[str, list[tuple[str, Any]]] = {
         ("epoch", 0),
         ("drop_last", False),
     ],
+    # The differentiable collectives (section 5b): the data argument positional-only.
+    "cupy_parallel.distributed.nn.functional.all_reduce": [
+        ("x", _),
+        ("op", ReduceOp.SUM),
+        ("group", None),
+    ],
+    "cupy_parallel.distributed.nn.functional.broadcast": [("x", _), ("src", _), ("group", None)],
+    "cupy_parallel.distributed.nn.functional.reduce": [
+        ("x", _),
+        ("dst", _),
+        ("op", ReduceOp.SUM),
+        ("group", None),
+    ],
+    "cupy_parallel.distributed.nn.functional.all_gather": [("x", _), ("group", None)],
+    "cupy_parallel.distributed.nn.functional.reduce_scatter": [
+        ("inputs", _),
+        ("op", ReduceOp.SUM),
+        ("group", None),
+    ],
+    "cupy_parallel.distributed.nn.functional.all_to_all": [("inputs", _), ("group", None)],
+    "cupy_parallel.distributed.nn.functional.all_to_all_single": [
+        ("x", _),
+        ("output_split_sizes", None),
+        ("input_split_sizes", None),
+        ("group", None),
+    ],
+    "cupy_parallel.distributed.nn.functional.gather": [("x", _), ("dst", _), ("group", None)],
+    "cupy_parallel.distributed.nn.functional.scatter": [("inputs", _), ("src", _), ("group", None)],
     # The contract's three, then torch's keyword-only use_local_synchronization (issue 23).
     "cupy_parallel.distributed.new_group": [
         ("ranks", None),
@@ -185,6 +216,7 @@ def test_public_names_report_their_public_module(module_name: str) -> None:
 def test_api_md_names_exist() -> None:
     import cupy_parallel as cp
     from cupy_parallel import comm, distributed, functions, ops, testing
+    from cupy_parallel.distributed.nn import functional
 
     for module, names in [
         (
@@ -215,6 +247,13 @@ def test_api_md_names_exist() -> None:
                 "all_reduce_coalesced all_gather_coalesced broadcast_multigpu "
                 "all_reduce_multigpu reduce_multigpu all_gather_multigpu "
                 "reduce_scatter_multigpu Work TCPStore FileStore PrefixStore"
+            ),
+        ),
+        (
+            functional,
+            (
+                "all_reduce broadcast reduce all_gather reduce_scatter all_to_all "
+                "all_to_all_single gather scatter"
             ),
         ),
     ]:
