@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from cupy_parallel._src.arguments import read_callable, read_int, read_timeout
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed import groups
+from cupy_parallel._src.distributed.barriers import barrier
 from cupy_parallel._src.distributed.mpi_job import enter_thread_rank
 from cupy_parallel._src.distributed.thread_mpi import RankFailedError, ThreadRank, ThreadWorld
 
@@ -33,7 +34,7 @@ _DEFAULT_TIMEOUT = timedelta(seconds=60)
 _BACKENDS = ("threads", "nccl")
 # After a rank failed: how long the others get to end by themselves before an exception is
 # raised in them (their calls fail at once; this is for ranks busy in code of their own).
-_END_GRACE_S = 1.0
+_END_GRACE_S = 0.5
 _KILL_GRACE_S = 2.0
 
 
@@ -63,7 +64,11 @@ class _Run:
         self.world = ThreadWorld(size)
         self.results: list[Any] = [None] * size
         self.failure: tuple[int, BaseException, str] | None = None
-        self.ended = threading.Event()
+        self.ended = threading.Event()  # a rank failed (or the caller was interrupted)
+        # Each rank's end. Waited for instead of joining the threads: a KeyboardInterrupt inside
+        # Thread.join can leave a running thread marked as stopped (CPython's bpo-45274 fix
+        # releases the lock the running thread holds).
+        self.finished = [threading.Event() for _ in range(size)]
         self.threads: list[threading.Thread] = []
         self.states: list[groups.GroupState] = []
 
@@ -77,14 +82,20 @@ class _Run:
         self.ended.set()
 
     def _abort_device_groups(self, said: str, rank: int) -> None:
-        """NCCL ranks blocked in a collective wait for their communicator's abort."""
+        """NCCL ranks blocked in a collective wait for their communicators' abort.
+
+        Without ending the process (which a rank process does when an abort leaves streams
+        waiting on partial results): here the process is every rank's, the caller's too.
+        """
+        reason = f"rank {rank} of the spawn failed ({said})." if rank >= 0 else said
         for state in self.states:
             for pg in [state.world, *state.subgroups]:
                 backend = None if pg is None else pg._backend
                 abort = getattr(backend, "_abort", None)
                 if abort is not None:
+                    backend._tear_down = False  # type: ignore[union-attr]
                     with contextlib.suppress(Exception):
-                        abort(f"rank {rank} of the spawn failed ({said}).")
+                        abort(reason)
 
 
 def _said(error: BaseException) -> str:
@@ -118,6 +129,10 @@ def _rank_body(run: _Run, rank: int) -> None:
                     world_size=run.world.size,
                     timeout=run.timeout,
                 )
+                # Make the world's communicator now, while every rank is here: one that a
+                # failed rank never joins could not be aborted (its set-up waits for the
+                # timeout), a made one can.
+                barrier()
             run.results[rank] = run.fn(rank, *run.args)
         except BaseException as error:
             if not _exit_is_success(error):
@@ -128,15 +143,19 @@ def _rank_body(run: _Run, rank: int) -> None:
                 "ends (as an MPI job is aborted)."
             )
             run.fail(rank, stuck, f"RuntimeError: {stuck}")
-        elif groups.is_initialized() and run.failure is None:
-            groups.destroy_process_group()
     except _RankAborted:
         pass
     except BaseException as error:  # noqa: BLE001 - handed to spawn, which raises it
         if run.failure is None or not isinstance(error, RankFailedError):
             run.fail(rank, error, _said(error))
     finally:
-        run.world.leave(rank)
+        try:
+            with contextlib.suppress(Exception):  # releases the groups (NCCL: the watchdogs)
+                if groups.is_initialized():
+                    groups.destroy_process_group()
+            run.world.leave(rank)
+        finally:
+            run.finished[rank].set()
 
 
 def spawn(
@@ -259,24 +278,28 @@ def spawn(
 
 def _wait(run: _Run) -> None:
     """Until every rank ended, or one failed (short waits: Ctrl-C gets through)."""
-    for thread in run.threads:
-        while thread.is_alive():
-            if run.ended.wait(0.05):
+    for finished in run.finished:
+        while not finished.wait(0.05):
+            if run.ended.is_set():
                 return
-            thread.join(0.05)
 
 
 def _end(run: _Run) -> None:
-    """Join the ranks; those still running after a grace period get an exception raised in them."""
-    deadline = time.monotonic() + _END_GRACE_S
-    for thread in run.threads:
-        thread.join(max(deadline - time.monotonic(), 0))
-    alive = [t for t in run.threads if t.is_alive()]
-    for thread in alive:
-        _raise_in(thread)
-    deadline = time.monotonic() + _KILL_GRACE_S
-    for thread in alive:
-        thread.join(max(deadline - time.monotonic(), 0))
+    """Let the ranks end; those still running after a grace period get an exception raised."""
+    _wait_finished(run, _END_GRACE_S)
+    late = [r for r, finished in enumerate(run.finished) if not finished.is_set()]
+    for rank in late:
+        _raise_in(run.threads[rank])
+    _wait_finished(run, _KILL_GRACE_S)
+    for rank, thread in enumerate(run.threads):
+        if run.finished[rank].is_set():
+            thread.join(_KILL_GRACE_S)  # a moment: it has nothing left to run
+
+
+def _wait_finished(run: _Run, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for finished in run.finished:
+        finished.wait(max(deadline - time.monotonic(), 0))
 
 
 def _raise_in(thread: threading.Thread) -> None:

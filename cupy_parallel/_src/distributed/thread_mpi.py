@@ -251,7 +251,10 @@ class ThreadWorld:
         self.world_comm = _Shared(self, tuple(range(size)))
 
     def fail(self, rank: int, error: BaseException, said: str) -> None:
-        """Rank ``rank`` failed with ``error``: every pending and later call raises (first wins)."""
+        """Rank ``rank`` failed with ``error``: every pending and later call raises (first wins).
+
+        ``rank`` -1: the run was ended from outside (``said`` says how).
+        """
         with self.changed:
             if self.failure is None:
                 self.failure = (rank, error, said)
@@ -262,9 +265,8 @@ class ThreadWorld:
         failure = self.failure
         if failure is not None:
             rank, _, said = failure
-            raise RankFailedError(
-                f"rank {rank} failed ({said}), so this call cannot complete; the run is ending."
-            )
+            why = f"rank {rank} failed ({said})" if rank >= 0 else said
+            raise RankFailedError(f"{why}, so this call cannot complete; the run is ending.")
 
     def leave(self, rank: int) -> None:
         """Rank ``rank``'s function ended: peers waiting for it fail after a grace period."""
