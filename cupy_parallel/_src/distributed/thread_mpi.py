@@ -243,7 +243,7 @@ class ThreadWorld:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.changed = threading.Condition()
+        self.changed = threading.Condition(threading.Lock())
         self.failure: tuple[int, BaseException, str] | None = None
         self.departed: dict[int, float] = {}  # world rank -> when its function ended
         self.comm_ids = itertools.count()
@@ -666,10 +666,11 @@ def _reduce(sources: list[np.ndarray], op: Op) -> np.ndarray:
             ERR_TRUNCATE, f"Message truncated; the ranks' buffers differ in size ({sorted(sizes)})"
         )
     total = sources[0].copy()
-    for x in sources[1:]:
-        incoming = total.copy()
-        total[...] = x
-        op.combine(incoming, total)
+    with np.errstate(all="ignore"):  # MPI's C arithmetic wraps and overflows silently
+        for x in sources[1:]:
+            incoming = total.copy()
+            total[...] = x
+            op.combine(incoming, total)
     return total
 
 
