@@ -32,6 +32,9 @@
   thread that issued it, the operation, the root, the reduction, the arrays' number, dtype and
   shape (for ``all_to_all`` the byte counts); ranks that disagree raise ``ValueError`` on every
   rank, naming them. See :mod:`~cupy_parallel._src.distributed.mpi_checks`.
+* Thread ranks (:func:`~cupy_parallel.distributed.spawn`): this backend, unchanged, over an
+  in-process MPI (:mod:`~cupy_parallel._src.distributed.thread_mpi`); a backend keeps the MPI
+  module it was made with (``mpi``), so that any thread may call it.
 * Threads: MPI pairs a group's collectives in the order each rank issues them, so two threads
   issuing on one group at once would pair one thread's call with another thread's on another
   rank (the results mixed, silently). There is no order to restore (each rank's threads race
@@ -352,11 +355,11 @@ class _MPIWork(Work):
         backend = self._backend
         if backend.failure is None:
             backend.failure = message
-        abort_at_exit(message)
+        abort_at_exit(message, backend.mpi)
 
     def _idle(self) -> None:
         """While waiting long: fail if a member's program ended (after a grace period)."""
-        departed = departed_ranks()
+        departed = departed_ranks(self._backend.mpi)
         if not departed:
             return
         backend = self._backend

@@ -132,13 +132,14 @@ _stuck: list[str] = []
 _ABORT_GRACE_S = 0.5
 
 
-def abort_at_exit(message: str) -> None:
+def abort_at_exit(message: str, mpi: Any = None) -> None:
     """Abort the MPI job when this process exits: a collective that cannot be cancelled is stuck.
 
-    ``message`` says which (the first one is reported before aborting). On a thread rank: spawn
-    ends the run when the rank's function returns.
+    ``message`` says which (the first one is reported before aborting). On a thread rank (the
+    context's, or that of ``mpi``, the group's MPI module): spawn ends the run when the rank's
+    function returns.
     """
-    rank = _THREAD_RANK.get()
+    rank = _rank_of(mpi)
     if rank is not None:
         rank.stuck.append(message)
         return
@@ -235,13 +236,19 @@ def _say_goodbye() -> None:
     mpi.Request.Waitall(requests)  # small messages: they complete at once
 
 
-def departed_ranks() -> dict[int, float]:
+def _rank_of(mpi: Any) -> ThreadRank | None:
+    """The thread rank whose MPI ``mpi`` is (else the context's, if any)."""
+    found: ThreadRank | None = getattr(mpi, "thread_rank", None)
+    return found if found is not None else _THREAD_RANK.get()
+
+
+def departed_ranks(mpi: Any = None) -> dict[int, float]:
     """The world ranks whose program ended, each with when this rank learnt it (``monotonic``).
 
     Records the goodbyes that have arrived first; empty before :func:`guard_job`. On a thread
-    rank: the ranks whose function ended.
+    rank (see :func:`abort_at_exit`): the ranks whose function ended.
     """
-    rank = _THREAD_RANK.get()
+    rank = _rank_of(mpi)
     if rank is not None:
         return rank.world.departed
     _listen()

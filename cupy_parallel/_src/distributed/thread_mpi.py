@@ -723,8 +723,9 @@ class ThreadMPI:
     BYTE = Datatype(np.uint8)
     INT64_T = Datatype(np.int64)
 
-    def __init__(self, world: ThreadWorld, rank: int) -> None:
+    def __init__(self, world: ThreadWorld, rank: int, owner: ThreadRank) -> None:
         self.COMM_WORLD = Comm(world.world_comm, rank)
+        self.thread_rank = owner  # whose MPI this is (mpi_job asks)
 
     @staticmethod
     def Is_finalized() -> bool:  # noqa: N802 - mpi4py's name
@@ -746,7 +747,7 @@ class ThreadRank:
     def __init__(self, world: ThreadWorld, rank: int, thread: threading.Thread | None) -> None:
         self.world = world
         self.rank = rank
-        self.mpi = ThreadMPI(world, rank)
+        self.mpi = ThreadMPI(world, rank, self)
         self.thread = thread
         self.stuck: list[str] = []
         self.notes: set[str] = set()
