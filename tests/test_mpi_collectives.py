@@ -514,3 +514,54 @@ def test_non_rooted_collectives_with_other_sizes_or_dtypes_raise_on_every_rank(v
     # The mismatched operations may never finish: the job is aborted at exit, not left hanging.
     assert result.returncode != 0
     assert ENDED[via] in result.stderr
+
+
+def printed(out: str) -> list[str]:
+    """What the ranks printed, as a sorted list of pieces.
+
+    Ranks print at once (processes through mpiexec, threads into one stream), so one rank's
+    line can land inside another's: the text is cut before every start of a line the workers
+    print, wherever it is.
+    """
+    text = out.replace("\n", "")
+    pieces = re.split(r"(?=rank \d+: |CAUGHT |OK |BAD |NO ERROR )", text)
+    return sorted(p for p in pieces if p)
+
+
+SAME_OUTPUT = (
+    [("collectives_worker", "all", n, 120) for n in (2, 3, 4)]
+    + [("api_worker", "api", n, 30) for n in (2, 3, 4)]
+    + [("api_worker", "local", n, 30) for n in (2, 3, 4)]
+    + [
+        ("edges_worker", "edges", 2, 3),
+        ("edges_worker", "edges", 3, 3),
+        ("edges_worker", "disagree", 3, 3),
+        ("agreement_worker", "mismatch", 3, 20),
+    ]
+)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
+@pytest.mark.parametrize(
+    ("name", "mode", "ranks", "group_timeout"),
+    SAME_OUTPUT,
+    ids=[f"{name.split('_')[0]}-{mode}-{n}ranks" for name, mode, n, _ in SAME_OUTPUT],
+)
+def test_thread_ranks_print_what_mpi_processes_print(
+    name: str, mode: str, ranks: int, group_timeout: float
+) -> None:
+    """Every line the workers print (checks passed and their number, each error message) is the
+    same on thread ranks as on processes: the same calls, the same results, the same errors."""
+    worker = Path(__file__).parent / "mpi_workers" / f"{name}.py"
+    processes = subprocess.run(
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(worker), mode],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+        check=False,
+    )
+    threads = run_threads(name, ranks, mode, timeout=group_timeout)
+    assert printed(threads.stdout) == printed(processes.stdout)
+    assert (threads.returncode == 0) == (processes.returncode == 0)

@@ -63,13 +63,20 @@ class RankFailedError(RuntimeError):
     """A call of a thread rank that cannot complete because another rank failed."""
 
 
-class MPIException(builtins.Exception):
-    """``MPI.Exception``: an error class and its string."""
+# MPICH's strings of the error classes (its error strings start with them, then the stack).
+_CLASS_TEXT = {ERR_TRUNCATE: "Message truncated", ERR_OTHER: "Other MPI error"}
 
-    def __init__(self, error_class: int, text: str) -> None:
-        super().__init__(text)
+
+class MPIException(builtins.Exception):
+    """``MPI.Exception``: an error class and its string, as MPICH writes it.
+
+    ``Get_error_string()`` is the class's text, then ``", error stack:"`` and ``detail``.
+    """
+
+    def __init__(self, error_class: int, detail: str) -> None:
         self._class = error_class
-        self._text = text
+        self._text = f"{_CLASS_TEXT[error_class]}, error stack:\n{detail}"
+        super().__init__(self._text)
 
     def Get_error_class(self) -> int:  # noqa: N802 - mpi4py's name
         """The MPI error class (``ERR_TRUNCATE``, ...)."""
@@ -333,7 +340,7 @@ def _fit(target: np.ndarray, data: np.ndarray, what: str) -> None:
     if data.nbytes != target.nbytes:
         raise MPIException(
             ERR_TRUNCATE,
-            f"Message truncated; {what}: {data.nbytes} bytes sent, {target.nbytes} expected",
+            f"{what}: {data.nbytes} bytes sent, {target.nbytes} expected",
         )
     target[...] = data
 
@@ -649,7 +656,7 @@ def _deliver(request: Request, target: np.ndarray, sender: int, data: bytes) -> 
     if received.size > target.size:
         request.error = MPIException(
             ERR_TRUNCATE,
-            f"Message truncated; {received.size} bytes received but buffer size is {target.size}",
+            f"{received.size} bytes received but buffer size is {target.size}",
         )
     request.done = True
 
@@ -662,9 +669,7 @@ def _reduce(sources: list[np.ndarray], op: Op) -> np.ndarray:
     """``((x0 op x1) op x2) ...`` over the ranks' buffers, in rank order."""
     sizes = {x.nbytes for x in sources}
     if len(sizes) > 1:
-        raise MPIException(
-            ERR_TRUNCATE, f"Message truncated; the ranks' buffers differ in size ({sorted(sizes)})"
-        )
+        raise MPIException(ERR_TRUNCATE, f"the ranks' buffers differ in size ({sorted(sizes)})")
     total = sources[0].copy()
     with np.errstate(all="ignore"):  # MPI's C arithmetic wraps and overflows silently
         for x in sources[1:]:
@@ -687,7 +692,7 @@ def _run(slot: _Slot, complete: Callable[[list[Any], list[Request]], None]) -> N
     error: BaseException | None = None
     if len(kinds) > 1:
         error = MPIException(
-            ERR_OTHER, f"Collectives do not match: the ranks called {sorted(kinds)}"
+            ERR_OTHER, f"collectives do not match: the ranks called {sorted(kinds)}"
         )
     else:
         try:
@@ -695,7 +700,7 @@ def _run(slot: _Slot, complete: Callable[[list[Any], list[Request]], None]) -> N
         except MPIException as failed:
             error = failed
         except (ValueError, TypeError, IndexError) as failed:
-            error = MPIException(ERR_TRUNCATE, f"Message truncated; {failed}")
+            error = MPIException(ERR_TRUNCATE, str(failed))
     for request in requests:
         request.error = error
         request.done = True
