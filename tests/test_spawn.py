@@ -169,6 +169,12 @@ def test_arguments_are_checked_before_any_rank_starts(
     assert rank_threads() == []
 
 
+def test_nccl_ranks_need_a_gpu_each() -> None:
+    with simulated_cuda(2), pytest.raises(ValueError, match=r"at most the number of GPUs \(2\)"):
+        dist.spawn(print, 3, backend="nccl")
+    assert rank_threads() == []
+
+
 def test_nccl_outside_a_simulation_needs_gpus() -> None:
     if dist.is_nccl_available():
         pytest.skip("NCCL is available here")

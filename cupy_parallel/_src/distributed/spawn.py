@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from cupy_parallel._src.arguments import read_callable, read_int, read_timeout
-from cupy_parallel._src.devices import cupy_module
+from cupy_parallel._src.devices import cuda_device_count, cupy_module
 from cupy_parallel._src.distributed import groups
 from cupy_parallel._src.distributed.barriers import barrier
 from cupy_parallel._src.distributed.mpi_job import enter_thread_rank
@@ -246,6 +246,12 @@ def spawn(
             raise RuntimeError(
                 "spawn(backend='nccl') needs NCCL and a GPU per rank: run it inside "
                 "cupy_parallel.testing.simulated_cuda(nprocs), or use backend='threads'."
+            )
+        gpus = cuda_device_count()
+        if size > gpus:
+            raise ValueError(
+                f"spawn(backend='nccl') runs rank r on GPU r: nprocs must be at most the number "
+                f"of GPUs ({gpus}), got nprocs={size}."
             )
         store = HashStore()
     run = _Run(size, fn=function, args=tuple(args), backend=backend, timeout=limit, store=store)
