@@ -23,10 +23,13 @@ at once.
 Thread ranks (``cupy_parallel.distributed.spawn``, issue 22): one more row, 4 thread ranks of
 this process each doing 1,000 4 KiB ``all_reduce`` calls, the time per call next to the MPI
 backend's on 4 processes (the 4-rank latency row's fastest round). No target: thread ranks are
-for notebooks and tests; the row says what a call costs there. What dominates: each rank's
-Python (the MPI backend's code and the in-process MPI, about 27 us a call on one rank here),
-run one rank at a time under the GIL, plus the hand-offs between the rank threads; the row
-carries the one-rank figure (``one_rank_seconds``) to show it.
+for notebooks and tests; the row says what a call costs there. What dominates, on the 2-core
+development machine: the hand-offs between the rank threads. A call is two rendezvous of the 4
+threads (the operation and the ranks' comparison of the call beside it), and a bare
+``threading.Barrier`` round of 4 threads costs about 90 us there; then each rank's Python (the
+MPI backend's code and the in-process MPI: ``one_rank_seconds``, about 19 us a call on one
+rank), run one rank at a time under the GIL. Measured: 277 us a call on 4 thread ranks, 71 us
+for the MPI backend on 4 processes, 19 us for mpi4py's ``Allreduce``.
 
 Run ``python benchmarks/bench_collectives.py [--quick] [--json FILE.json]``: it starts
 ``mpiexec -n 2`` and ``-n 4`` itself (or, already under mpiexec, measures that world) and prints
