@@ -143,6 +143,45 @@ def test_objects_p2p_async_and_reductions_against_numpy() -> None:
         np.testing.assert_array_equal(np.isnan(m), np.isnan(expected))
 
 
+def test_float_sums_reduce_in_rank_order() -> None:
+    """Values that do not add exactly: the documented order, ((x0 + x1) + x2) + x3, to the bit;
+    float16 in float32 and rounded once, as the MPI backend reduces it."""
+    n = 4
+    rng = np.random.default_rng(5)
+    data = {
+        np.float32: [rng.standard_normal(257).astype(np.float32) * 10.0**r for r in range(n)],
+        np.float16: [rng.standard_normal(33).astype(np.float16) for _ in range(n)],
+    }
+
+    def body(rank: int) -> list[np.ndarray]:
+        out = []
+        for arrays in data.values():
+            x = arrays[rank].copy()
+            dist.all_reduce(x)
+            out.append(x)
+        return out
+
+    results = dist.spawn(body, n)
+    for k, (dtype, arrays) in enumerate(data.items()):
+        work = [a.astype(np.float32) for a in arrays]
+        expected = ((work[0] + work[1]) + work[2]) + work[3]
+        for rank in range(n):
+            np.testing.assert_array_equal(
+                results[rank][k].view(np.uint8), expected.astype(dtype).view(np.uint8)
+            )
+
+
+def test_no_process_hook_is_installed() -> None:
+    """A rank process ends the MPI job when it fails (sys.excepthook, sys.exit): thread ranks
+    share the caller's process, which must keep its own."""
+    import builtins
+    import sys
+
+    hooks = (sys.excepthook, sys.exit, builtins.exit)
+    assert dist.spawn(lambda rank: rank, 3) == [0, 1, 2]
+    assert (sys.excepthook, sys.exit, builtins.exit) == hooks
+
+
 def test_a_world_of_one() -> None:
     assert dist.spawn(lambda rank: (rank, dist.get_world_size()), 1) == [(0, 1)]
 
