@@ -180,7 +180,8 @@ def spawn(
     every collective, the debug mode and the timeouts. ``get_backend()`` says ``"mpi"``, since
     it is that backend (code that chooses by backend takes its MPI path). Integer, bitwise,
     MIN/MAX and exact sums are MPI's bits; a floating-point sum that does not add exactly is
-    reduced in rank order, which may differ in the last bits from a real MPI's own order.
+    reduced in rank order, which may differ in the last bits from a real MPI's own order. A
+    send completes at once (buffered), where MPI's may wait for a large message's receiver.
     ``backend="nccl"`` (inside ``simulated_cuda(n)``, or on a machine with ``nprocs`` GPUs)
     runs NCCL ranks, rank ``r`` on GPU ``r``, meeting through a shared ``HashStore``.
 
