@@ -20,6 +20,17 @@ per world reports a 4 KiB ``broadcast`` against mpi4py's ``Bcast``: ours compare
 roots and arrays (always on), which makes it wait for every rank, where MPI's root may return
 at once.
 
+Thread ranks (``cupy_parallel.distributed.spawn``, issue 22): one more row, 4 thread ranks of
+this process each doing 1,000 4 KiB ``all_reduce`` calls, the time per call next to the MPI
+backend's on 4 processes (the 4-rank latency row's fastest round). No target: thread ranks are
+for notebooks and tests; the row says what a call costs there. What dominates, on the 2-core
+development machine: the hand-offs between the rank threads. A call is two rendezvous of the 4
+threads (the operation and the ranks' comparison of the call beside it), and a bare
+``threading.Barrier`` round of 4 threads costs about 90 us there; then each rank's Python (the
+MPI backend's code and the in-process MPI: ``one_rank_seconds``, about 19 us a call on one
+rank), run one rank at a time under the GIL. Measured: 277 us a call on 4 thread ranks, 71 us
+for the MPI backend on 4 processes, 19 us for mpi4py's ``Allreduce``.
+
 Run ``python benchmarks/bench_collectives.py [--quick] [--json FILE.json]``: it starts
 ``mpiexec -n 2`` and ``-n 4`` itself (or, already under mpiexec, measures that world) and prints
 the suite's table (:func:`~cupy_parallel._tools.benchmarking.script_main`). ``run(quick)`` returns
@@ -236,7 +247,46 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             raise RuntimeError(f"mpiexec -n {ranks} failed:\n{done.stderr[-3000:]}")
         marker = next(line for line in done.stdout.splitlines() if line.startswith("ROWS "))
         rows.extend(json.loads(marker[5:]))
+    mpi = next(r for r in rows if r["name"] == "all_reduce latency 4 KiB, 4 ranks")
+    rows.append(_thread_ranks(quick, mpi))
     return rows
+
+
+THREAD_CALLS = 1000
+
+
+def _thread_ranks(quick: bool, mpi: dict[str, Any]) -> dict[str, Any]:
+    """4 thread ranks (spawn) doing 1,000 4 KiB all_reduce calls, next to MPI's 4 processes."""
+    from cupy_parallel import distributed as dist
+
+    def calls(rank: int, count: int) -> float:
+        del rank
+        buf = np.ones(1024, np.float32)
+        for _ in range(50):  # warm up
+            dist.all_reduce(buf)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(count):
+            dist.all_reduce(buf)
+        dist.barrier()
+        return (time.perf_counter() - start) / count
+
+    rounds = 1 if quick else 5
+    four = min(max(dist.spawn(calls, 4, (THREAD_CALLS,))) for _ in range(rounds))
+    one = min(max(dist.spawn(calls, 1, (THREAD_CALLS,))) for _ in range(rounds))
+    return result(
+        "all_reduce latency 4 KiB, 4 thread ranks (spawn), 1,000 calls",
+        four,
+        mpi["min_seconds"],
+        None,
+        goal="reported only: thread ranks' time per call (baseline: the MPI backend on 4 "
+        "processes, the row above)",
+        ranks=4,
+        bytes=4096,
+        calls=THREAD_CALLS,
+        mpi4py_seconds=mpi["baseline_min_seconds"],
+        one_rank_seconds=one,
+    )
 
 
 def main() -> None:

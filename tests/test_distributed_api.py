@@ -131,7 +131,7 @@ def test_failed_rendezvous_closes_the_store_it_opened(
             timeout=timedelta(seconds=0.3),
         )
     assert not dist.is_initialized()
-    assert groups._owned_store is None
+    assert groups.state().owned_store is None
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0  # the server is gone
 

@@ -2,6 +2,14 @@
 
 Each worker checks every collective (every root, dtype and reduction) against NumPy and exits
 non-zero on a mismatch; the fault modes check that no failure hangs the job.
+
+The same tests run the same workers on thread ranks too (``via="threads"``:
+``cupy_parallel.distributed.spawn`` in this process, see thread_ranks.py), with the same
+expectations: thread ranks are the MPI backend over an in-process MPI, so every result and every
+message must be MPI's. Where MPI aborts the job (a collective that timed out or whose ranks
+disagreed), spawn ends the run with an error instead (``ENDED``). Modes with no thread
+equivalent stay MPI-only: ``reinit`` (the store rendezvous path, which spawn does not take),
+``init-timeout`` (spawn makes every rank's world itself), ``cupy`` (a GPU per process).
 """
 
 from __future__ import annotations
@@ -12,24 +20,43 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
+from thread_ranks import run_threads
 
 from cupy_parallel._tools.launch import find_mpiexec
 
 WORKER = Path(__file__).parent / "mpi_workers" / "collectives_worker.py"
 MPIEXEC = find_mpiexec()
 
-pytestmark = [
+MPI_ONLY = [
     pytest.mark.mpi,
     pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)"),
 ]
+# Every test of both kinds: processes under mpiexec, and thread ranks of spawn.
+VIA = pytest.mark.parametrize("via", [pytest.param("mpiexec", marks=MPI_ONLY), "threads"])
+# What says that the job was ended because a collective cannot be taken back.
+ENDED = {
+    "mpiexec": "cupy_parallel: aborting the MPI job",
+    "threads": "A started collective cannot be cancelled, so the run ends (as an MPI job is "
+    "aborted).",
+}
 
 
 def launch(
-    ranks: int, mode: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+    ranks: int,
+    mode: str,
+    *args: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    via: str = "mpiexec",
+    group_timeout: float = 120,
 ) -> tuple[subprocess.CompletedProcess[str], float]:
+    if via == "threads":
+        ran = run_threads("collectives_worker", ranks, mode, *args, timeout=group_timeout, env=env)
+        return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr), ran.seconds
     env = {**os.environ, "PYTHONWARNINGS": "error", **(env or {})}
     start = time.monotonic()
     result = subprocess.run(
@@ -43,13 +70,16 @@ def launch(
     return result, time.monotonic() - start
 
 
+@VIA
 @pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
-def test_every_collective_matches_numpy(ranks: int) -> None:
-    result, _ = launch(ranks, "all")
+def test_every_collective_matches_numpy(ranks: int, via: str) -> None:
+    result, _ = launch(ranks, "all", via=via)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 def test_init_destroy_init_on_one_store(tmp_path: Path) -> None:
     """Three worlds on a user's store; stores opened from init_method close with their world."""
     with socket.socket() as probe:
@@ -61,8 +91,9 @@ def test_init_destroy_init_on_one_store(tmp_path: Path) -> None:
     assert not (tmp_path / "user").exists()  # the user closed their store at the end
 
 
-def test_timeout_raises_then_aborts_the_job() -> None:
-    result, seconds = launch(2, "timeout", timeout=60)
+@VIA
+def test_timeout_raises_then_aborts_the_job(via: str) -> None:
+    result, seconds = launch(2, "timeout", timeout=60, via=via, group_timeout=3)
     assert result.returncode != 0
     assert seconds < 30
     assert (
@@ -72,9 +103,11 @@ def test_timeout_raises_then_aborts_the_job() -> None:
     assert (
         "CAUGHT RuntimeError: process group '0' is unusable: all_reduce timed out" in result.stderr
     )
-    assert "cupy_parallel: aborting the MPI job" in result.stderr
+    assert ENDED[via] in result.stderr
 
 
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 def test_rank_missing_at_init_times_out() -> None:
     result, seconds = launch(2, "init-timeout", timeout=60)
     assert result.returncode != 0
@@ -85,30 +118,49 @@ def test_rank_missing_at_init_times_out() -> None:
     )
 
 
-def test_dead_peer_ends_the_job_non_zero() -> None:
-    result, seconds = launch(2, "die", timeout=60)
+@VIA
+def test_dead_peer_ends_the_job_non_zero(via: str) -> None:
+    """The peer dies: os._exit(3) in a process; sys.exit(3) on a thread rank (which ends its
+    rank: the others' calls fail at once)."""
+    result, seconds = launch(2, "die", timeout=60, via=via)
     assert result.returncode != 0
     assert seconds < 30
 
 
 @pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 def test_cupy_arrays_through_mpi() -> None:
     result, _ = launch(2, "cupy")
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("checks passed") == 2, result.stdout
 
 
+@VIA
 @pytest.mark.parametrize("aware", ["", "1"], ids=["mpi-not-cuda-aware", "forced-cuda-aware"])
 @pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
-def test_simulated_cupy_arrays_through_both_branches(ranks: int, aware: str) -> None:
+def test_simulated_cupy_arrays_through_both_branches(ranks: int, aware: str, via: str) -> None:
     """Both paths for CuPy arrays run without a GPU: staged, and handed to a CUDA-aware MPI.
 
     The simulated CUDA's arrays must be recognised as device arrays; each result against NumPy.
     Not CUDA-aware: staged, and copied back in stream order. Forced CUDA-aware: the simulator
     plays a CUDA-aware MPI (simcuda/sim_mpi.py), which gets the arrays' memory itself and
     raises on any device work on it not finished at posting or queued before completion.
+    On thread ranks the ranks share one simulation (entered here, two GPUs for the
+    ``*_multigpu`` forms) and the staging note is counted here: once per staging rank.
     """
-    result, _ = launch(ranks, "simulated-cupy", env={"CUPY_PARALLEL_MPI_CUDA_AWARE": aware})
+    if via == "threads":
+        from cupy_parallel.testing import simulated_cuda
+
+        with simulated_cuda(2), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result, _ = launch(
+                ranks, "simulated-cupy", env={"CUPY_PARALLEL_MPI_CUDA_AWARE": aware}, via=via
+            )
+        notes = [w for w in caught if "copied through host memory" in str(w.message)]
+        assert len(notes) == (0 if aware else ranks), [str(w.message) for w in caught]
+    else:
+        result, _ = launch(ranks, "simulated-cupy", env={"CUPY_PARALLEL_MPI_CUDA_AWARE": aware})
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
@@ -116,7 +168,12 @@ def test_simulated_cupy_arrays_through_both_branches(ranks: int, aware: str) -> 
 EDGES = Path(__file__).parent / "mpi_workers" / "edges_worker.py"
 
 
-def launch_edges(ranks: int, mode: str) -> tuple[subprocess.CompletedProcess[str], float]:
+def launch_edges(
+    ranks: int, mode: str, via: str = "mpiexec"
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    if via == "threads":
+        ran = run_threads("edges_worker", ranks, mode, timeout=3)
+        return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr), ran.seconds
     start = time.monotonic()
     result = subprocess.run(
         [str(MPIEXEC), "-n", str(ranks), sys.executable, str(EDGES), mode],
@@ -129,10 +186,11 @@ def launch_edges(ranks: int, mode: str) -> tuple[subprocess.CompletedProcess[str
     return result, time.monotonic() - start
 
 
+@VIA
 @pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
-def test_clear_errors_and_the_group_stays_usable(ranks: int) -> None:
+def test_clear_errors_and_the_group_stays_usable(ranks: int, via: str) -> None:
     """wait(timeout=1), TAG_UB, truncation, a cancelled recv; MIN/MAX bits equal everywhere."""
-    result, _ = launch_edges(ranks, "edges")
+    result, _ = launch_edges(ranks, "edges", via)
     out = result.stdout
     assert result.returncode == 0, result.stderr[-3000:] + out[-3000:]
     assert (
@@ -162,8 +220,9 @@ def test_clear_errors_and_the_group_stays_usable(ranks: int) -> None:
             assert out.count(f"OK {op} {dtype}") == ranks, out
 
 
-def test_broadcast_size_mismatch_is_a_value_error() -> None:
-    result, _ = launch_edges(2, "bcast-mismatch")
+@VIA
+def test_broadcast_size_mismatch_is_a_value_error(via: str) -> None:
+    result, _ = launch_edges(2, "bcast-mismatch", via)
     assert (
         "CAUGHT ValueError: broadcast on process group '0': ranks [0, 1] disagree (no majority) "
         "in the array they passed (rank 0: float64, 8 elements, 1-d; rank 1: float64, 4 "
@@ -171,11 +230,12 @@ def test_broadcast_size_mismatch_is_a_value_error() -> None:
     ), result.stdout + result.stderr[-2000:]
 
 
-def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank() -> None:
+@VIA
+def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank(via: str) -> None:
     """Without the debug mode. MPI would let one rank's array overwrite the root's, silently, and
     leave zeros where a receiver expects more than is sent; a rooted collective over arrays of
     another size, dtype or shape reduces garbage or leaves part of an array as it was."""
-    result, seconds = launch_edges(3, "disagree")
+    result, seconds = launch_edges(3, "disagree", via)
     assert seconds < 30
     out = result.stdout
     assert "NO ERROR" not in out, out
@@ -220,11 +280,12 @@ def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank() -> None:
         assert out.count(message) == 3, out
     # The mismatched operations may never finish: the job is aborted at exit, not left hanging.
     assert result.returncode != 0
-    assert "aborting the MPI job" in result.stderr
+    assert ENDED[via] in result.stderr
 
 
-def test_new_group_is_bounded_by_the_timeout() -> None:
-    result, seconds = launch_edges(2, "new-group-timeout")
+@VIA
+def test_new_group_is_bounded_by_the_timeout(via: str) -> None:
+    result, seconds = launch_edges(2, "new-group-timeout", via)
     assert seconds < 20
     assert (
         "CAUGHT TimeoutError: new_group([0, 1]) waiting for every world rank on process group '0' "
@@ -232,6 +293,8 @@ def test_new_group_is_bounded_by_the_timeout() -> None:
     ), result.stdout + result.stderr[-2000:]
 
 
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 def test_environment_disagreeing_with_mpi_is_an_error(tmp_path: Path) -> None:
     """`launch --backend nccl` (ranks started directly) with init_process_group('mpi'): each
     rank is a world of one; init refuses, names both."""
@@ -272,7 +335,13 @@ def test_environment_disagreeing_with_mpi_is_an_error(tmp_path: Path) -> None:
 API = Path(__file__).parent / "mpi_workers" / "api_worker.py"
 
 
-def launch_api(ranks: int, mode: str, **env: str) -> subprocess.CompletedProcess[str]:
+def launch_api(
+    ranks: int, mode: str, via: str = "mpiexec", **env: str
+) -> subprocess.CompletedProcess[str]:
+    if via == "threads":
+        timeout = 3 if mode == "monitored" else 30
+        ran = run_threads("api_worker", ranks, mode, timeout=timeout, env=env)
+        return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr)
     return subprocess.run(
         [str(MPIEXEC), "-n", str(ranks), sys.executable, str(API), mode],
         capture_output=True,
@@ -283,35 +352,41 @@ def launch_api(ranks: int, mode: str, **env: str) -> subprocess.CompletedProcess
     )
 
 
+@VIA
 @pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
-def test_pytorch2_api_matches_numpy(ranks: int) -> None:
+def test_pytorch2_api_matches_numpy(ranks: int, via: str) -> None:
     """into_tensor, all_to_all_single, objects, batch p2p, group queries, BAND/BOR/BXOR, futures."""
-    result = launch_api(ranks, "api")
+    result = launch_api(ranks, "api", via)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
+@VIA
 @pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
-def test_local_synchronization_groups_need_only_their_members(ranks: int) -> None:
+def test_local_synchronization_groups_need_only_their_members(ranks: int, via: str) -> None:
     """new_group(..., use_local_synchronization=True): each pair makes its own groups (two in a
     row), without the other ranks calling; sums equal NumPy's; a non-member caller gets
     NON_GROUP_MEMBER at once."""
-    result = launch_api(ranks, "local")
+    result = launch_api(ranks, "local", via)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
+@VIA
 @pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
-def test_receives_and_broadcasts_into_recorded_arrays_make_the_gradient_raise(ranks: int) -> None:
+def test_receives_and_broadcasts_into_recorded_arrays_make_the_gradient_raise(
+    ranks: int, via: str
+) -> None:
     """Issue 21 item 1 across processes: recv/irecv and a broadcast's non-roots write into a
     recorded array (gradient refused); the broadcast's root only reads (gradient 1 - tanh²)."""
-    result = launch_api(ranks, "tape")
+    result = launch_api(ranks, "tape", via)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
-def test_debug_mode_names_the_differing_rank() -> None:
-    result = launch_api(3, "debug", CUPY_PARALLEL_DISTRIBUTED_DEBUG="DETAIL")
+@VIA
+def test_debug_mode_names_the_differing_rank(via: str) -> None:
+    result = launch_api(3, "debug", via, CUPY_PARALLEL_DISTRIBUTED_DEBUG="DETAIL")
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("checks passed") == 3, result.stdout
     for what in ("shape", "dtype", "op", "root", "operation"):
@@ -325,8 +400,9 @@ def test_debug_mode_names_the_differing_rank() -> None:
     )
 
 
-def test_monitored_barrier_names_the_missing_rank() -> None:
-    result = launch_api(3, "monitored")
+@VIA
+def test_monitored_barrier_names_the_missing_rank(via: str) -> None:
+    result = launch_api(3, "monitored", via)
     assert result.returncode == 0, result.stderr[-4000:]
     assert (
         "CAUGHT rank 0: monitored_barrier on process group '0': rank 2 did not arrive within "
@@ -340,7 +416,12 @@ def test_monitored_barrier_names_the_missing_rank() -> None:
 AGREEMENT = Path(__file__).parent / "mpi_workers" / "agreement_worker.py"
 
 
-def launch_agreement(ranks: int, mode: str) -> subprocess.CompletedProcess[str]:
+def launch_agreement(
+    ranks: int, mode: str, via: str = "mpiexec"
+) -> subprocess.CompletedProcess[str]:
+    if via == "threads":
+        ran = run_threads("agreement_worker", ranks, mode, timeout=20)
+        return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr)
     return subprocess.run(
         [str(MPIEXEC), "-n", str(ranks), sys.executable, str(AGREEMENT), mode],
         capture_output=True,
@@ -351,14 +432,15 @@ def launch_agreement(ranks: int, mode: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@VIA
 @pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
-def test_threads_racing_on_one_group_raise_on_every_rank(ranks: int) -> None:
+def test_threads_racing_on_one_group_raise_on_every_rank(ranks: int, via: str) -> None:
     """Two threads per rank, 2,000 all_reduce calls each, on one group: MPI pairs the k-th call
     of every rank, so rank 0's call from one thread summed with rank 1's from the other (before:
     3,998 of 4,000 results mixed on 2 ranks, no error). Now no result is wrong: the ranks compare
     the thread that issued each call, and the first mixed pair raises on every rank, naming the
     threads."""
-    result = launch_agreement(ranks, "threads")
+    result = launch_agreement(ranks, "threads", via)
     out = result.stdout
     for rank in range(ranks):
         counts = re.search(rf"rank {rank}: RESULTS right=(\d+) wrong=(\d+)", out)
@@ -380,12 +462,13 @@ def test_threads_racing_on_one_group_raise_on_every_rank(ranks: int) -> None:
     )
 
 
-def test_non_rooted_collectives_with_other_sizes_or_dtypes_raise_on_every_rank() -> None:
+@VIA
+def test_non_rooted_collectives_with_other_sizes_or_dtypes_raise_on_every_rank(via: str) -> None:
     """all_reduce of float32[4] with float64[4] on one rank (or int32[4], or float32[6]) gave
     garbage, stale pool bytes included, and exit code 0; as every non-rooted collective. Now
     every rank raises ValueError naming the rank that differs, as gloo refuses ("Received data
     size doesn't match"); the world group stays usable."""
-    result = launch_agreement(3, "mismatch")
+    result = launch_agreement(3, "mismatch", via)
     out = result.stdout
     assert "NO ERROR" not in out, out
     assert out.count("OK world after: [3.0, 3.0]") == 3, out + result.stderr[-3000:]
@@ -428,4 +511,55 @@ def test_non_rooted_collectives_with_other_sizes_or_dtypes_raise_on_every_rank()
     assert out.count(message) == 3, out
     # The mismatched operations may never finish: the job is aborted at exit, not left hanging.
     assert result.returncode != 0
-    assert "aborting the MPI job" in result.stderr
+    assert ENDED[via] in result.stderr
+
+
+def printed(out: str) -> list[str]:
+    """What the ranks printed, as a sorted list of pieces.
+
+    Ranks print at once (processes through mpiexec, threads into one stream), so one rank's
+    line can land inside another's: the text is cut before every start of a line the workers
+    print, wherever it is.
+    """
+    text = out.replace("\n", "")
+    pieces = re.split(r"(?=rank \d+: |CAUGHT |OK |BAD |NO ERROR )", text)
+    return sorted(p for p in pieces if p)
+
+
+SAME_OUTPUT = (
+    [("collectives_worker", "all", n, 120) for n in (2, 3, 4)]
+    + [("api_worker", "api", n, 30) for n in (2, 3, 4)]
+    + [("api_worker", "local", n, 30) for n in (2, 3, 4)]
+    + [
+        ("edges_worker", "edges", 2, 3),
+        ("edges_worker", "edges", 3, 3),
+        ("edges_worker", "disagree", 3, 3),
+        ("agreement_worker", "mismatch", 3, 20),
+    ]
+)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
+@pytest.mark.parametrize(
+    ("name", "mode", "ranks", "group_timeout"),
+    SAME_OUTPUT,
+    ids=[f"{name.split('_')[0]}-{mode}-{n}ranks" for name, mode, n, _ in SAME_OUTPUT],
+)
+def test_thread_ranks_print_what_mpi_processes_print(
+    name: str, mode: str, ranks: int, group_timeout: float
+) -> None:
+    """Every line the workers print (checks passed and their number, each error message) is the
+    same on thread ranks as on processes: the same calls, the same results, the same errors."""
+    worker = Path(__file__).parent / "mpi_workers" / f"{name}.py"
+    processes = subprocess.run(
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(worker), mode],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+        check=False,
+    )
+    threads = run_threads(name, ranks, mode, timeout=group_timeout)
+    assert printed(threads.stdout) == printed(processes.stdout)
+    assert (threads.returncode == 0) == (processes.returncode == 0)

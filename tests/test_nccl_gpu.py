@@ -82,8 +82,8 @@ def _on(device: int, host: np.ndarray) -> Any:
 
 
 def _backend() -> Any:
-    assert groups._world is not None
-    return groups._world._backend
+    assert groups.state().world is not None
+    return groups.state().world._backend
 
 
 def _need(gpus: int) -> None:
@@ -352,7 +352,7 @@ _HUNG_SCRIPT = textwrap.dedent(
     else:
         work = dist.all_reduce(x, async_op=True)
         assert work.wait() is True and time.monotonic() - start < 1.0  # no host blocking
-        backend = groups._world._backend
+        backend = groups.state().world._backend
         while backend.failure is None:
             time.sleep(0.01)
         print("ABORTED", 2 <= time.monotonic() - start < 4, flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -133,6 +134,15 @@ CONTRACT: dict[str, list[tuple[str, Any]]] = {
         ("backend", None),
         ("use_local_synchronization", False),
     ],
+    # Issue 22: torch.multiprocessing.spawn's (fn, nprocs, args) with our keyword-only
+    # backend and timeout (60 s: a stuck notebook cell should end).
+    "cupy_parallel.distributed.spawn": [
+        ("fn", _),
+        ("nprocs", _),
+        ("args", ()),
+        ("backend", "threads"),
+        ("timeout", timedelta(seconds=60)),
+    ],
 }
 
 
@@ -246,7 +256,7 @@ def test_api_md_names_exist() -> None:
                 "gather scatter reduce_scatter all_to_all barrier send recv isend irecv "
                 "all_reduce_coalesced all_gather_coalesced broadcast_multigpu "
                 "all_reduce_multigpu reduce_multigpu all_gather_multigpu "
-                "reduce_scatter_multigpu Work TCPStore FileStore PrefixStore"
+                "reduce_scatter_multigpu Work TCPStore FileStore PrefixStore spawn"
             ),
         ),
         (

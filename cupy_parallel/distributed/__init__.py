@@ -7,7 +7,8 @@ torch 1.5's API plus PyTorch 2's additions (``all_gather_into_tensor``, ``reduce
 ``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL`` makes the ranks compare every collective's arguments.
 Collectives work in place on their arguments, as in torch; ``async_op=True`` returns a
 :class:`Work`. Stores (:class:`TCPStore`, :class:`FileStore`, :class:`PrefixStore`) let NCCL ranks
-meet (``init_method`` ``env://``, ``tcp://host:port``, ``file:///path``).
+meet (``init_method`` ``env://``, ``tcp://host:port``, ``file:///path``). :func:`spawn` runs a
+distributed function on ranks that are threads of this process (notebooks, tests).
 
 Example:
     >>> import numpy as np
@@ -67,6 +68,7 @@ from cupy_parallel._src.distributed.reductions import (
 )
 from cupy_parallel._src.distributed.rooted import broadcast, gather, reduce, scatter
 from cupy_parallel._src.distributed.sampling import shard_indices
+from cupy_parallel._src.distributed.spawn import spawn
 from cupy_parallel._src.distributed.store import (
     DistError,
     DistNetworkError,
@@ -141,6 +143,7 @@ __all__ = [
     "scatter_object_list",
     "send",
     "shard_indices",
+    "spawn",
 ]
 
 set_module(__name__, globals(), __all__)

@@ -16,6 +16,7 @@ Modes:
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import threading
 from datetime import timedelta
@@ -55,7 +56,11 @@ def threads(rank: int, size: int) -> None:
             else:
                 wrong[t] += 1
 
-    workers = [threading.Thread(target=work, args=(t,), name=f"summer-{t}") for t in (0, 1)]
+    # Each in this rank's context (a thread rank's own, under spawn).
+    workers = [
+        threading.Thread(target=contextvars.copy_context().run, args=(work, t), name=f"summer-{t}")
+        for t in (0, 1)
+    ]
     for worker in workers:
         worker.start()
     for worker in workers:
@@ -114,8 +119,14 @@ def mismatch(rank: int, size: int) -> None:
 
 
 def main() -> int:
-    mode = sys.argv[1]
-    dist.init_process_group("mpi", timeout=timedelta(seconds=20))
+    return rank_main(0, sys.argv[1:])
+
+
+def rank_main(_: int, argv: list[str]) -> int:
+    """One rank's program (``spawn`` runs it on thread ranks, the world made already)."""
+    mode = argv[0]
+    if not dist.is_initialized():
+        dist.init_process_group("mpi", timeout=timedelta(seconds=20))
     rank, size = dist.get_rank(), dist.get_world_size()
     if mode == "threads":
         threads(rank, size)

@@ -6,11 +6,15 @@ result with NumPy alone; mismatches are printed as ``BAD ...`` and the exit stat
 Modes: ``api`` (every PyTorch 2 function, NumPy integers for ranks/tags/dims), ``debug`` (run
 with ``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL``: matching calls pass, each kind of mismatch
 raises on every rank naming the differing rank), ``monitored`` (the last rank never arrives).
+
+``rank_main(rank, argv)`` is one rank's program: ``main`` under ``mpiexec``, and the function
+that ``cupy_parallel.distributed.spawn`` runs on thread ranks (each keeps its own tally).
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -20,23 +24,36 @@ import numpy as np
 from cupy_parallel import distributed as dist
 from cupy_parallel.distributed import ReduceOp
 
-bad: list[str] = []
-checks = 0
+
+class Tally:
+    """One rank's checks and failures (thread ranks of one process each have their own)."""
+
+    def __init__(self) -> None:
+        self.bad: list[str] = []
+        self.checks = 0
+
+
+_tallies = threading.local()
+
+
+def tally() -> Tally:
+    found = getattr(_tallies, "tally", None)
+    if found is None:
+        found = _tallies.tally = Tally()
+    return found
 
 
 def check(name: str, actual: Any, expected: Any) -> None:
-    global checks
-    checks += 1
+    tally().checks += 1
     a, e = np.asarray(actual), np.asarray(expected)
     if a.dtype != e.dtype or a.shape != e.shape or not np.array_equal(a, e):
-        bad.append(f"{name}: got {a!r}, expected {e!r}")
+        tally().bad.append(f"{name}: got {a!r}, expected {e!r}")
 
 
 def same(name: str, actual: Any, expected: Any) -> None:
-    global checks
-    checks += 1
+    tally().checks += 1
     if actual != expected:
-        bad.append(f"{name}: got {actual!r}, expected {expected!r}")
+        tally().bad.append(f"{name}: got {actual!r}, expected {expected!r}")
 
 
 def row(r: int, n: int = 3, dtype: Any = np.float64) -> np.ndarray:
@@ -78,7 +95,7 @@ def api(rank: int, size: int) -> None:
             )
     try:
         dist.all_reduce(np.zeros(2), op=ReduceOp.BAND)
-        bad.append("BAND on float64 was accepted")
+        tally().bad.append("BAND on float64 was accepted")
     except TypeError as error:
         same("BAND on float refused", "bitwise reduction" in str(error), True)
     # all_to_all_single with split sizes: rank r sends q + 1 rows to rank q
@@ -165,15 +182,14 @@ def api(rank: int, size: int) -> None:
 
 def refused(name: str, call: Any, message: str) -> None:
     """``call()`` must raise ``ValueError`` whose message holds ``message``."""
-    global checks
-    checks += 1
+    tally().checks += 1
     try:
         call()
     except ValueError as error:
         if message not in str(error):
-            bad.append(f"{name}: ValueError without {message!r}: {error}")
+            tally().bad.append(f"{name}: ValueError without {message!r}: {error}")
     else:
-        bad.append(f"{name}: accepted")
+        tally().bad.append(f"{name}: accepted")
 
 
 def overlapping_outputs(rank: int, size: int) -> None:
@@ -280,11 +296,11 @@ def debug(rank: int, size: int) -> None:
     for what, call in cases.items():
         try:
             call()
-            bad.append(f"debug: {what} mismatch not detected")
+            tally().bad.append(f"debug: {what} mismatch not detected")
         except ValueError as error:  # noqa: PERF203 - one try per case is the point
             message = str(error)
             if f"ranks [{last}] differ from the rest of process group" not in message:
-                bad.append(f"debug: {what}: {message}")
+                tally().bad.append(f"debug: {what}: {message}")
             print(f"CAUGHT {what}: {message}", flush=True)
     y = np.ones(2)
     dist.all_reduce(y)
@@ -297,7 +313,7 @@ def monitored(rank: int, size: int) -> None:
         return
     try:
         dist.monitored_barrier(timeout=1.5, wait_all_ranks=True)
-        bad.append("monitored_barrier passed without the last rank")
+        tally().bad.append("monitored_barrier passed without the last rank")
     except RuntimeError as error:
         print(f"CAUGHT rank {rank}: {error}", flush=True)
 
@@ -355,8 +371,13 @@ def tape(rank: int, size: int) -> None:
 
 
 def main() -> int:
-    mode = sys.argv[1]
-    dist.init_process_group("mpi", timeout=30 if mode != "monitored" else 3)
+    return rank_main(0, sys.argv[1:])
+
+
+def rank_main(_: int, argv: list[str]) -> int:
+    mode = argv[0]
+    if not dist.is_initialized():  # spawn made the world already
+        dist.init_process_group("mpi", timeout=30 if mode != "monitored" else 3)
     rank, size = dist.get_rank(), dist.get_world_size()
     modes = {"api": api, "debug": debug, "monitored": monitored, "local": local, "tape": tape}
     modes[mode](rank, size)
@@ -364,6 +385,7 @@ def main() -> int:
         time.sleep(1)
     dist.barrier() if mode != "monitored" else None
     dist.destroy_process_group()
+    bad, checks = tally().bad, tally().checks
     if bad:
         print(f"rank {rank}: {len(bad)} of {checks} checks failed:", file=sys.stderr)
         for line in bad:

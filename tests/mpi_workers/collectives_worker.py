@@ -7,14 +7,20 @@ Modes: ``all`` (the full matrix), ``timeout`` (rank 1 never joins a collective),
 exits abruptly before a collective), ``init-timeout`` (rank 1 never calls init_process_group),
 ``reinit DIRECTORY PORT`` (init -> destroy -> init through the store-based rendezvous),
 ``cupy`` (CuPy arrays; needs a GPU), ``simulated-cupy`` (the same under ``simulated_cuda``).
+
+``rank_main(rank, argv)`` is the program of one rank: ``main`` under ``mpiexec``, and
+``cupy_parallel.distributed.spawn(rank_main, n, (argv,))`` on thread ranks (tests/test_spawn.py),
+where the world is already initialised and each rank keeps its own tally of checks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -49,8 +55,28 @@ DTYPES = [
 ]
 OPS = list(ReduceOp)
 SHAPES = [(), (0,), (5,), (3, 4)]
-failures: list[str] = []
-checks = 0
+
+
+class Tally:
+    """One rank's checks and failures (thread ranks of one process each have their own)."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+        self.checks = 0
+
+
+_tallies = threading.local()
+
+
+def tally() -> Tally:
+    found = getattr(_tallies, "tally", None)
+    if found is None:
+        found = _tallies.tally = Tally()
+    return found
+
+
+# Around warnings.catch_warnings, which swaps process-wide state: thread ranks take turns.
+WARNINGS_LOCK = threading.Lock()
 
 
 def data(seed: int, rank: int, shape: tuple[int, ...], dtype: type) -> np.ndarray:
@@ -116,11 +142,10 @@ def host(x: object) -> np.ndarray:
 
 
 def check(name: str, actual: object, expected: object) -> None:
-    global checks
-    checks += 1
+    tally().checks += 1
     a, e = host(actual), host(expected)
     if a.dtype != e.dtype or a.shape != e.shape or not np.array_equal(a, e):
-        failures.append(f"{name}: got {a!r}, expected {e!r}")
+        tally().failures.append(f"{name}: got {a!r}, expected {e!r}")
 
 
 def run_all() -> None:
@@ -407,13 +432,13 @@ def run_groups(rank: int, n: int) -> None:
                 True,
             )
         else:
-            failures.append("broadcast with a non-member src did not raise")
+            tally().failures.append("broadcast with a non-member src did not raise")
     else:
         check("non-member gets NON_GROUP_MEMBER", sub is dist.GroupMember.NON_GROUP_MEMBER, True)
         check("non-member rank", dist.get_rank(sub), -1)
         check("non-member size", dist.get_world_size(sub), -1)
         x = np.array([5.0])
-        with warnings.catch_warnings(record=True) as caught:
+        with WARNINGS_LOCK, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             check("non-member all_reduce returns None", dist.all_reduce(x, group=sub), None)
             check("non-member all_reduce leaves data", x, np.array([5.0]))
@@ -450,8 +475,12 @@ def run_cupy(rank: int, n: int, cupy: ModuleType) -> None:
     def same(name: str, got: object, expected: np.ndarray) -> None:
         check(name, cupy.asnumpy(got), expected)
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    # Thread ranks share the process's warnings: the test counts the notes for them all.
+    threads = on_thread_rank()
+    recording = contextlib.nullcontext([]) if threads else warnings.catch_warnings(record=True)
+    with recording as caught:
+        if not threads:
+            warnings.simplefilter("always")
         every = [data(1, r, (5,), np.float32) for r in range(n)]
         x = cupy.asarray(every[rank])
         dist.all_reduce(x)
@@ -513,7 +542,8 @@ def run_cupy(rank: int, n: int, cupy: ModuleType) -> None:
             run_cupy_multigpu(rank, n, cupy, same)
     staged = not mpi_is_cuda_aware()  # a stand-in goes through the simulated CUDA-aware MPI
     notes = [w for w in caught if "copied through host memory" in str(w.message)]
-    check("cupy staging note appears once", len(notes), 1 if staged else 0)
+    if not threads:
+        check("cupy staging note appears once", len(notes), 1 if staged else 0)
 
 
 def run_cupy_multigpu(rank: int, n: int, cupy: ModuleType, same) -> None:
@@ -593,7 +623,7 @@ def run_reinit(directory: str, port: int) -> None:
     ) -> None:
         dist.init_process_group("nccl", rank=rank, world_size=n, timeout=limit, **how)
         # held here, so that only destroy_process_group (not garbage collection) can close it
-        opened = groups._owned_store
+        opened = groups.state().owned_store
         check(f"{what}: world {generation} owns a store", opened is not None, gone is not None)
         x = np.array([rank + 10 * generation])
         dist.all_reduce(x)
@@ -608,7 +638,9 @@ def run_reinit(directory: str, port: int) -> None:
             except ValueError as error:
                 check(f"{what} world {generation}: closed", "is closed" in str(error), True)
             else:
-                failures.append(f"{what} world {generation}: the store it opened is still open")
+                tally().failures.append(
+                    f"{what} world {generation}: the store it opened is still open"
+                )
         MPI.COMM_WORLD.Barrier()  # every rank looked before the next world opens a store
 
     # a store the user passed in: three worlds on it, and it stays open
@@ -635,15 +667,33 @@ def run_reinit(directory: str, port: int) -> None:
     user.close()
 
 
+def on_thread_rank() -> bool:
+    """Whether this rank is a thread of ``spawn`` (not a process of ``mpiexec``)."""
+    from cupy_parallel._src.distributed.mpi_job import thread_rank
+
+    return thread_rank() is not None
+
+
+def never_join(seconds: float) -> None:
+    """Stay away from the collectives for ``seconds`` (in steps a thread rank can be ended in)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main() -> int:
-    mode = sys.argv[1]
+    return rank_main(int(os.environ.get("PMI_RANK", "0")), sys.argv[1:])
+
+
+def rank_main(rank_env: int, argv: list[str]) -> int:
+    """One rank's program; ``rank_env`` is its rank before the world exists."""
+    mode = argv[0]
     if mode == "reinit":
         try:
-            run_reinit(sys.argv[2], int(sys.argv[3]))
+            run_reinit(argv[1], int(argv[2]))
         except Exception:  # noqa: BLE001 - report any error, then fail the job
-            failures.append(traceback.format_exc())
-        return report(int(os.environ.get("PMI_RANK", "0")))
-    rank_env = int(os.environ.get("PMI_RANK", "0"))
+            tally().failures.append(traceback.format_exc())
+        return report(rank_env)
     if mode == "init-timeout":
         if rank_env == 1:
             from mpi4py import MPI  # MPI starts, but this rank never joins the process group
@@ -656,11 +706,12 @@ def main() -> int:
         except TimeoutError as error:
             print(f"CAUGHT TimeoutError: {error}", file=sys.stderr, flush=True)
         return 0
-    dist.init_process_group("mpi", timeout=timedelta(seconds=3 if mode == "timeout" else 120))
+    if not dist.is_initialized():  # spawn made the world already
+        dist.init_process_group("mpi", timeout=timedelta(seconds=3 if mode == "timeout" else 120))
     rank = dist.get_rank()
     if mode == "timeout":
         if rank == 1:
-            time.sleep(60)
+            never_join(60)
             return 0
         try:
             dist.all_reduce(np.ones(4))
@@ -676,32 +727,35 @@ def main() -> int:
             import cupy
 
             run_cupy(rank, dist.get_world_size(), cupy)
+        elif on_thread_rank():  # the test entered simulated_cuda for all the ranks
+            from cupy_parallel._src.devices import cupy_module
+
+            run_cupy(rank, dist.get_world_size(), cupy_module())
         else:
             from cupy_parallel.testing import simulated_cuda
 
             with simulated_cuda(2) as stand_in:
                 run_cupy(rank, dist.get_world_size(), stand_in)
         dist.destroy_process_group()
-        if failures:
-            print("\n".join(failures), file=sys.stderr)
-            return 1
-        print(f"rank {rank}: {checks} checks passed")
-        return 0
+        return report(rank)
     if mode == "die":
         if rank == 1:
+            if on_thread_rank():
+                sys.exit(3)  # a thread cannot end its process: it ends its rank
             os._exit(3)
         dist.all_reduce(np.ones(4))
         return 0
     try:
         run_all()
     except Exception:  # noqa: BLE001 - report any error, then fail the job
-        failures.append(traceback.format_exc())
+        tally().failures.append(traceback.format_exc())
     dist.destroy_process_group()
     return report(rank)
 
 
 def report(rank: int) -> int:
     """Print the failures (exit status 1) or how many checks passed (0)."""
+    failures, checks = tally().failures, tally().checks
     if failures:
         print(f"rank {rank}: {len(failures)} of {checks} checks failed:", file=sys.stderr)
         for failure in failures[:30]:

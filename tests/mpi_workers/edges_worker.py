@@ -51,9 +51,10 @@ def edges(rank: int, size: int) -> None:
     assert y.tolist() == [size, size]
     print("OK usable after wait(timeout=1)", flush=True)
 
-    from mpi4py import MPI
+    from cupy_parallel._src.distributed.mpi_job import load_mpi
 
-    tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    mpi = load_mpi()  # mpi4py's MPI; a thread rank's in-process MPI under spawn
+    tag_ub = mpi.COMM_WORLD.Get_attr(mpi.TAG_UB)
     try:
         dist.send(np.zeros(1), dst=(rank + 1) % size, tag=tag_ub + 1)
     except ValueError as error:
@@ -184,8 +185,14 @@ def disagree(rank: int, size: int) -> None:
 
 
 def main() -> int:
-    mode = sys.argv[1]
-    dist.init_process_group("mpi", timeout=3)
+    return rank_main(0, sys.argv[1:])
+
+
+def rank_main(_: int, argv: list[str]) -> int:
+    """One rank's program (``spawn`` runs it on thread ranks, the world made already)."""
+    mode = argv[0]
+    if not dist.is_initialized():
+        dist.init_process_group("mpi", timeout=3)
     rank, size = dist.get_rank(), dist.get_world_size()
     if mode == "edges":
         edges(rank, size)

@@ -13,6 +13,11 @@ with a 3 s timeout and does one ``all_reduce`` and a ``barrier``; then the last 
   it left and fail: exit code 1).
 
 ``python fault_worker.py MODE PIDDIR SECONDS`` sets the group timeout (default 3).
+
+``rank_main(rank, argv)`` is one rank's program; ``cupy_parallel.distributed.spawn`` runs it on
+thread ranks (tests/test_spawn.py), where ``sys.exit``/``quit`` end the rank, ``SIGINT`` is
+Ctrl-C in the caller of spawn, and a rank that sleeps does so in short steps so that spawn can
+end it once the run failed.
 """
 
 from __future__ import annotations
@@ -27,9 +32,21 @@ import numpy as np
 from cupy_parallel import distributed as dist
 
 
+def nap(seconds: float) -> None:
+    """Sleep ``seconds`` in short steps (a thread rank can be ended between two)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main() -> None:
-    mode, piddir = sys.argv[1], sys.argv[2]
-    dist.init_process_group("mpi", timeout=float(sys.argv[3]) if len(sys.argv) > 3 else 3)
+    rank_main(0, sys.argv[1:])
+
+
+def rank_main(_: int, argv: list[str]) -> None:
+    mode, piddir = argv[0], argv[1]
+    if not dist.is_initialized():  # spawn made the world already
+        dist.init_process_group("mpi", timeout=float(argv[2]) if len(argv) > 2 else 3)
     rank, size = dist.get_rank(), dist.get_world_size()
     with open(os.path.join(piddir, f"{rank}.tmp"), "w") as f:
         f.write(str(os.getpid()))
@@ -49,13 +66,13 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "sigint":
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(60)
+            nap(60)
         if mode == "skip":
             return
         if mode == "raise-systemexit":
             raise SystemExit(3)  # not through sys.exit: only the goodbye tells the others
         if mode == "stall":
-            time.sleep(600)
+            nap(600)
     dist.all_reduce(x)
     dist.destroy_process_group()
 

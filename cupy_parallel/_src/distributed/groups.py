@@ -1,12 +1,16 @@
 """Process groups: ``init_process_group``, ``new_group``, ``destroy_process_group`` and queries.
 
-The state is a module-level *world* :class:`ProcessGroup` plus the subgroups made from it. A
+The state is a :class:`GroupState`: the *world* :class:`ProcessGroup` plus the subgroups made
+from it. It is the process's own, except on a thread rank of
+:func:`~cupy_parallel.distributed.spawn`, which runs in a context of its own with a fresh state
+(:func:`state` reads it from a ``ContextVar`` whose default is the process's state). A
 :class:`ProcessGroup` caches what every collective needs (its backend object, the world ranks of its
 members and their group ranks), so a call resolves its group with a few attribute loads.
 """
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import importlib.util
 import os
@@ -25,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GroupMember",
+    "GroupState",
     "ProcessGroup",
     "debug_detail",
     "destroy_process_group",
@@ -42,6 +47,8 @@ __all__ = [
     "new_group",
     "register_method",
     "resolve_group",
+    "state",
+    "use_state",
 ]
 
 # Backend -> (module, class) implementing it, imported on first use.
@@ -192,13 +199,45 @@ def _method(name: str) -> Callable[..., Any]:
     return found
 
 
-_world: ProcessGroup | None = None
-# The store init_process_group opened from init_method (not one the user passed): closed with
-# the world.
-_owned_store: Store | None = None
-_subgroups: list[ProcessGroup] = []
-_group_count = 0
-_local_groups: dict[tuple[int, ...], int] = {}  # use_local_synchronization groups made, by ranks
+class GroupState:
+    """What ``init_process_group`` and ``new_group`` made: the world and its subgroups.
+
+    One per process (the default), and one per thread rank of ``spawn`` (:func:`use_state`).
+    """
+
+    __slots__ = ("group_count", "local_groups", "owned_store", "subgroups", "world")
+
+    def __init__(self) -> None:
+        self.world: ProcessGroup | None = None
+        # The store init_process_group opened from init_method (not one the user passed):
+        # closed with the world.
+        self.owned_store: Store | None = None
+        self.subgroups: list[ProcessGroup] = []
+        self.group_count = 0
+        # use_local_synchronization groups made, by ranks
+        self.local_groups: dict[tuple[int, ...], int] = {}
+
+
+# The default is the process's state, shared by every context that did not set its own.
+_STATE: contextvars.ContextVar[GroupState] = contextvars.ContextVar(
+    "cupy_parallel_groups",
+    default=GroupState(),  # noqa: B039 - one mutable state per process, on purpose
+)
+
+
+def state() -> GroupState:
+    """The group state of the calling context: the process's, or a thread rank's.
+
+    Example:
+        >>> state().world is None
+        True
+    """
+    return _STATE.get()
+
+
+def use_state(fresh: GroupState, /) -> None:
+    """Make ``fresh`` the group state of the current context (a thread rank's, set by spawn)."""
+    _STATE.set(fresh)
 
 
 def _not_initialized() -> RuntimeError:
@@ -228,9 +267,10 @@ _NON_MEMBER = GroupMember.NON_GROUP_MEMBER
 
 
 def _world_group() -> ProcessGroup:
-    if _world is None:
+    world = _STATE.get().world
+    if world is None:
         raise _not_initialized()
-    return _world
+    return world
 
 
 def _loaded_class(backend: Backend) -> type[ProcessGroupBackend]:
@@ -281,7 +321,7 @@ def is_initialized() -> bool:
         >>> is_initialized()
         False
     """
-    return _world is not None
+    return _STATE.get().world is not None
 
 
 def is_mpi_available() -> bool:
@@ -364,7 +404,7 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
         ...
         ValueError: backend must be 'nccl' or 'mpi', got 'gloo'. Use Backend.MPI ('mpi') ...
     """
-    global _world, _group_count, _owned_store
+    current = _STATE.get()
     backend = _default_backend() if backend is None else Backend(backend)
     detail = debug_detail()
     limit = read_timeout(timeout)
@@ -377,7 +417,7 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
             "init_method must be a URL string ('env://', 'tcp://host:port', 'file:///path'), "
             f"got {type(init_method).__name__}."
         )
-    if _world is not None:
+    if current.world is not None:
         raise RuntimeError(
             "init_process_group was called twice; the default process group already exists "
             "(call destroy_process_group() first to start a new one)."
@@ -417,10 +457,10 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
             if owned is not None:
                 owned.close()
             raise
-        _owned_store = owned
+        current.owned_store = owned
     world.detail = detail
-    _world = ProcessGroup(world, tuple(range(world.size)), name)
-    _group_count = 1
+    current.world = ProcessGroup(world, tuple(range(world.size)), name)
+    current.group_count = 1
 
 
 def new_group(
@@ -452,7 +492,7 @@ def new_group(
         ...
         RuntimeError: The default process group is not initialized; call ...
     """
-    global _group_count
+    current = _STATE.get()
     world = _world_group()
     world_backend = world.live_backend()
     size = world.size()
@@ -482,18 +522,18 @@ def new_group(
     if local:
         if world.rank() not in members:
             return _NON_MEMBER
-        made_before = _local_groups.get(members, 0)
-        _local_groups[members] = made_before + 1
+        made_before = current.local_groups.get(members, 0)
+        current.local_groups[members] = made_before + 1
         name = f"local {list(members)} #{made_before}"
     else:
-        name = str(_group_count)
-        _group_count += 1
+        name = str(current.group_count)
+        current.group_count += 1
     sub = world_backend.new_subgroup(members, timeout=limit, group_name=name, local=local)
     if sub is None:
         return _NON_MEMBER
     sub.detail = debug_detail()
     made = ProcessGroup(sub, members, name)
-    _subgroups.append(made)
+    current.subgroups.append(made)
     return made
 
 
@@ -507,24 +547,24 @@ def destroy_process_group(group: Any = None) -> None:
     Example:
         >>> destroy_process_group(GroupMember.NON_GROUP_MEMBER)  # a non-member has nothing to free
     """
-    global _world, _group_count, _owned_store
     if group is _NON_MEMBER:
         return
+    current = _STATE.get()
     pg = _world_group() if group is None or group is _WORLD else resolve_group(group)
     if pg is None:
         return
-    if pg is not _world:
-        _subgroups.remove(pg)
+    if pg is not current.world:
+        current.subgroups.remove(pg)
         _release(pg)
         return
-    for sub in _subgroups:
+    for sub in current.subgroups:
         _release(sub)
-    _subgroups.clear()
+    current.subgroups.clear()
     _release(pg)
-    _world = None
-    _group_count = 0
-    _local_groups.clear()
-    store, _owned_store = _owned_store, None
+    current.world = None
+    current.group_count = 0
+    current.local_groups.clear()
+    store, current.owned_store = current.owned_store, None
     if store is not None:
         store.close()
 

@@ -32,6 +32,9 @@
   thread that issued it, the operation, the root, the reduction, the arrays' number, dtype and
   shape (for ``all_to_all`` the byte counts); ranks that disagree raise ``ValueError`` on every
   rank, naming them. See :mod:`~cupy_parallel._src.distributed.mpi_checks`.
+* Thread ranks (:func:`~cupy_parallel.distributed.spawn`): this backend, unchanged, over an
+  in-process MPI (:mod:`~cupy_parallel._src.distributed.thread_mpi`); a backend keeps the MPI
+  module it was made with (``mpi``), so that any thread may call it.
 * Threads: MPI pairs a group's collectives in the order each rank issues them, so two threads
   issuing on one group at once would pair one thread's call with another thread's on another
   rank (the results mixed, silently). There is no order to restore (each rank's threads race
@@ -73,6 +76,8 @@ from cupy_parallel._src.distributed.mpi_job import (
     departed_ranks,
     guard_job,
     load_mpi,
+    thread_name,
+    thread_rank,
 )
 from cupy_parallel._src.distributed.mpi_reductions import Plan, make_plan
 from cupy_parallel._src.distributed.mpi_staging import staged
@@ -219,13 +224,13 @@ class _MPIWork(Work):
         request = self._request
         try:
             if type(request) is list:
-                return bool(load_mpi().Request.Testall(request))
+                return bool(self._backend.mpi.Request.Testall(request))
             if self._status is None:
                 return bool(request.Test())
             if request.Test(self._status):
                 self._received(self._status)
                 return True
-        except load_mpi().Exception as error:
+        except self._backend.mpi.Exception as error:
             raise self._mpi_error(error) from None
         return False
 
@@ -254,7 +259,7 @@ class _MPIWork(Work):
             return super()._block(deadline)
         try:  # often done by the time the ranks' rows arrived: one Test, no poll set up
             return bool(request.Test()) or self._poll(request.Test, deadline)
-        except load_mpi().Exception as error:
+        except self._backend.mpi.Exception as error:
             raise self._mpi_error(error) from None
 
     def _check(self, mine: np.ndarray, verify: Callable[[np.ndarray], str | None]) -> _MPIWork:
@@ -283,7 +288,7 @@ class _MPIWork(Work):
         try:
             if not side.request.Test():
                 return False
-        except load_mpi().Exception as error:
+        except self._backend.mpi.Exception as error:
             raise self._mpi_error(error) from None
         self._side = None
         every = side.every
@@ -330,7 +335,7 @@ class _MPIWork(Work):
         backend = self._backend
         said = error.Get_error_string().split(", error stack")[0].strip()
         if self._receives:
-            if error.Get_error_class() == load_mpi().ERR_TRUNCATE:
+            if error.Get_error_class() == self._backend.mpi.ERR_TRUNCATE:
                 return ValueError(
                     f"{self.description}: the message is larger than tensor "
                     f"({self._keep.nbytes} bytes); pass a tensor as large as the array sent "
@@ -350,7 +355,7 @@ class _MPIWork(Work):
     def _cancel(self) -> bool:
         if not self._receives or type(self._request) is list:
             return False
-        mpi = load_mpi()
+        mpi = self._backend.mpi
         status = mpi.Status()
         self._request.Cancel()
         self._request.Wait(status)
@@ -377,11 +382,11 @@ class _MPIWork(Work):
         backend = self._backend
         if backend.failure is None:
             backend.failure = message
-        abort_at_exit(message)
+        abort_at_exit(message, backend.mpi)
 
     def _idle(self) -> None:
         """While waiting long: fail if a member's program ended (after a grace period)."""
-        departed = departed_ranks()
+        departed = departed_ranks(self._backend.mpi)
         if not departed:
             return
         backend = self._backend
@@ -450,7 +455,9 @@ class MPIBackend(ProcessGroupBackend):
         self._splits = 0
         self.world_ranks: tuple[int, ...] = tuple(range(self.size))  # subgroups: set by the split
         self._plans: dict[tuple[np.dtype[Any], ReduceOp | None], Plan | None] = {}
-        mpi = load_mpi()
+        # The MPI this group runs on (mpi4py's, or a thread rank's: see thread_mpi), kept so
+        # that any thread may call it, a thread rank's own threads included.
+        self.mpi = mpi = load_mpi()
         self._in_place = mpi.IN_PLACE
         self._byte = mpi.BYTE
         self._int64 = mpi.INT64_T
@@ -502,9 +509,11 @@ class MPIBackend(ProcessGroupBackend):
         # More ranks on this node than cores: yield the core every few tests while polling, so the
         # peers that share it can progress. Measured on 4 ranks over 2 cores (4 KiB all_reduce):
         # 1 test per yield +13 us over a blocking Allreduce, 4 tests +3..8 us, 16 tests +24 us.
-        node = comm.Split_type(load_mpi().COMM_TYPE_SHARED)
-        _MPIWork._polls_per_yield = 4 if node.Get_size() > (os.cpu_count() or 1) else 64
-        node.Free()
+        # (Thread ranks' requests wait for news in Test instead: see thread_mpi.)
+        if thread_rank() is None:
+            node = comm.Split_type(backend.mpi.COMM_TYPE_SHARED)
+            _MPIWork._polls_per_yield = 4 if node.Get_size() > (os.cpu_count() or 1) else 64
+            node.Free()
         if backend.size > 1:
             guard_job(world)
         return backend
@@ -524,7 +533,7 @@ class MPIBackend(ProcessGroupBackend):
         self._splits += 1
         mine = np.array([self._splits, zlib.crc32(np.asarray(ranks, np.int64).tobytes())])
         every = np.zeros((self.size, 2), np.int64)
-        request = self._control.Iallgather([mine, load_mpi().INT64_T], [every, load_mpi().INT64_T])
+        request = self._control.Iallgather([mine, self.mpi.INT64_T], [every, self.mpi.INT64_T])
         description = f"new_group({list(ranks)}) waiting for every world rank"
         _MPIWork(description, self, request, keep=(mine, every), timeout=timeout).wait()
         differ = [r for r in range(self.size) if not np.array_equal(every[r], mine)]
@@ -535,7 +544,7 @@ class MPIBackend(ProcessGroupBackend):
                 "new_group with the same ranks, in the same order."
             )
         member = self.rank in ranks
-        mpi = load_mpi()
+        mpi = self.mpi
         color = 0 if member else mpi.UNDEFINED
         key = list(ranks).index(self.rank) if member else 0
         comm = self._comm.Split(color, key)
@@ -558,7 +567,7 @@ class MPIBackend(ProcessGroupBackend):
         """
         if self.rank not in ranks:
             return None
-        mpi = load_mpi()
+        mpi = self.mpi
         tag = zlib.crc32(group_name.encode()) % max(self.max_tag, 1)
         mine = np.array([zlib.crc32(np.asarray(ranks, np.int64).tobytes())], np.int64)
         peers = [r for r in ranks if r != self.rank]
@@ -595,7 +604,7 @@ class MPIBackend(ProcessGroupBackend):
         thread = self._thread
         fields = getattr(thread, "fields", None)
         if fields is None:
-            fields = thread.fields = caller_fields(threading.current_thread().name)
+            fields = thread.fields = caller_fields(thread_name())
             thread.calls = 0
         thread.calls += 1
         return (*fields, thread.calls)
@@ -609,12 +618,12 @@ class MPIBackend(ProcessGroupBackend):
     def check_dtype(self, dtype: np.dtype[Any], op: ReduceOp | None, /) -> None:
         """Refuse object arrays; for reductions, dtypes and ops MPI cannot combine."""
         if (dtype, op) not in self._plans:
-            self._plans[dtype, op] = make_plan(dtype, op)
+            self._plans[dtype, op] = make_plan(dtype, op, self.mpi)
 
     def _plan(self, dtype: np.dtype[Any], op: ReduceOp) -> Plan:
         plan = self._plans.get((dtype, op))
         if plan is None:
-            plan = make_plan(dtype, op)
+            plan = make_plan(dtype, op, self.mpi)
             self._plans[dtype, op] = plan
         assert plan is not None  # only data movement (op None) has no plan
         return plan
@@ -781,7 +790,7 @@ class MPIBackend(ProcessGroupBackend):
 
     def agree(self, record: bytes, /) -> list[bytes]:
         """Digests on the control communicator; the records themselves only if they differ."""
-        mpi = load_mpi()
+        mpi = self.mpi
         digest = np.frombuffer(hashlib.blake2b(record, digest_size=16).digest(), np.uint8)
         every = np.zeros((self.size, 16), np.uint8)
         request = self._control.Iallgather([digest, mpi.BYTE], [every, mpi.BYTE])
@@ -805,7 +814,7 @@ class MPIBackend(ProcessGroupBackend):
     @staged(0)
     def recv(self, array: Any, src: int | None, tag: int, /) -> Work:
         """Irecv of the array's bytes (``ANY_SOURCE`` when ``src`` is ``None``)."""
-        mpi = load_mpi()
+        mpi = self.mpi
         target = plain_buffer(array)
         status = mpi.Status()  # how many bytes came (and, from ANY_SOURCE, from whom)
         peer = mpi.ANY_SOURCE if src is None else src

@@ -20,6 +20,13 @@ backend marks the group unusable and :func:`abort_at_exit` aborts the job with
 ``MPI_Abort(COMM_WORLD, 1)`` when this process exits, which also ends the peers stuck in it.
 
 mpi4py is loaded on first use (:func:`load_mpi`): the package imports without it.
+
+On a thread rank of :func:`~cupy_parallel.distributed.spawn` (:func:`enter_thread_rank` made
+the calling context one), :func:`load_mpi` returns the rank's in-process MPI
+(:mod:`~cupy_parallel._src.distributed.thread_mpi`) and the job is the spawn's: no hook is
+installed (the process is not the job), a timed-out collective is recorded on the rank (spawn
+ends the run when the rank's function returns, as MPI aborts the job at exit), and the ranks
+whose function ended are the departed ones.
 """
 
 from __future__ import annotations
@@ -27,22 +34,95 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import contextvars
 import sys
+import threading
 import time
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from cupy_parallel._src.distributed.env import report_failure
 
-__all__ = ["DEPARTURE_GRACE_S", "abort_at_exit", "departed_ranks", "guard_job", "load_mpi"]
+if TYPE_CHECKING:
+    from cupy_parallel._src.distributed.thread_mpi import ThreadRank
+
+__all__ = [
+    "DEPARTURE_GRACE_S",
+    "abort_at_exit",
+    "departed_ranks",
+    "enter_thread_rank",
+    "first_time",
+    "guard_job",
+    "load_mpi",
+    "thread_name",
+    "thread_rank",
+]
+
+_THREAD_RANK: contextvars.ContextVar[ThreadRank | None] = contextvars.ContextVar(
+    "cupy_parallel_thread_rank", default=None
+)
 
 
 def load_mpi() -> Any:
-    """mpi4py's ``MPI`` module (imported here, on first use, since mpi4py is optional)."""
+    """mpi4py's ``MPI`` module (imported here, on first use, since mpi4py is optional).
+
+    On a thread rank, the rank's in-process MPI instead.
+    """
+    rank = _THREAD_RANK.get()
+    if rank is not None:
+        return rank.mpi
     from mpi4py import MPI
 
     return MPI
+
+
+def enter_thread_rank(rank: ThreadRank, /) -> None:
+    """Make the current context thread rank ``rank`` (spawn does, in each rank's context)."""
+    _THREAD_RANK.set(rank)
+
+
+def thread_rank() -> ThreadRank | None:
+    """The thread rank of the current context, or ``None`` in a process of its own.
+
+    Example:
+        >>> thread_rank() is None
+        True
+    """
+    return _THREAD_RANK.get()
+
+
+def thread_name() -> str:
+    """The calling thread's name as the ranks compare it (see ``mpi_checks.caller_fields``).
+
+    A thread rank's own thread is ``"MainThread"``, as a process's main thread is: the ranks'
+    threads have names of their own (``"rank 0"``, ...) that would differ.
+
+    Example:
+        >>> thread_name()
+        'MainThread'
+    """
+    current = threading.current_thread()
+    rank = _THREAD_RANK.get()
+    if rank is not None and current is rank.thread:
+        return "MainThread"
+    return current.name
+
+
+def first_time(note: str, /) -> bool:
+    """Whether ``note`` is new to this process, or on a thread rank to this rank (then noted).
+
+    For one-time notices (a warning given once per process is given once per thread rank).
+    """
+    rank = _THREAD_RANK.get()
+    notes = _notes if rank is None else rank.notes
+    if note in notes:
+        return False
+    notes.add(note)
+    return True
+
+
+_notes: set[str] = set()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,11 +132,17 @@ _stuck: list[str] = []
 _ABORT_GRACE_S = 0.5
 
 
-def abort_at_exit(message: str) -> None:
+def abort_at_exit(message: str, mpi: Any = None) -> None:
     """Abort the MPI job when this process exits: a collective that cannot be cancelled is stuck.
 
-    ``message`` says which (the first one is reported before aborting).
+    ``message`` says which (the first one is reported before aborting). On a thread rank (the
+    context's, or that of ``mpi``, the group's MPI module): spawn ends the run when the rank's
+    function returns.
     """
+    rank = _rank_of(mpi)
+    if rank is not None:
+        rank.stuck.append(message)
+        return
     if not _stuck:
         atexit.register(_abort_if_stuck)
     _stuck.append(message)
@@ -150,11 +236,21 @@ def _say_goodbye() -> None:
     mpi.Request.Waitall(requests)  # small messages: they complete at once
 
 
-def departed_ranks() -> dict[int, float]:
+def _rank_of(mpi: Any) -> ThreadRank | None:
+    """The thread rank whose MPI ``mpi`` is (else the context's, if any)."""
+    found: ThreadRank | None = getattr(mpi, "thread_rank", None)
+    return found if found is not None else _THREAD_RANK.get()
+
+
+def departed_ranks(mpi: Any = None) -> dict[int, float]:
     """The world ranks whose program ended, each with when this rank learnt it (``monotonic``).
 
-    Records the goodbyes that have arrived first; empty before :func:`guard_job`.
+    Records the goodbyes that have arrived first; empty before :func:`guard_job`. On a thread
+    rank (see :func:`abort_at_exit`): the ranks whose function ended.
     """
+    rank = _rank_of(mpi)
+    if rank is not None:
+        return rank.world.departed
     _listen()
     return _departed
 
@@ -175,10 +271,11 @@ def guard_job(world: Any) -> None:
     """Install the hooks that end the job when this rank fails (once per process).
 
     ``world`` is the ``MPI.COMM_WORLD`` of a job of more than one process, as every rank has
-    just made it: the code that starts the job calls this on every rank.
+    just made it: the code that starts the job calls this on every rank. Nothing on a thread
+    rank: spawn ends the run when a rank fails.
     """
     global _guarded, _departures
-    if _guarded:
+    if _guarded or _THREAD_RANK.get() is not None:
         return
     _guarded = True
     _departures = world.Dup()  # every rank is here: its world was just made

@@ -72,12 +72,13 @@ def _total_extremum(
     out[...] = result
 
 
-_USER_OPS: dict[tuple[np.dtype[Any], bool], Any] = {}
+# By the MPI's Op class (mpi4py's, or thread ranks': see thread_mpi), dtype and which extremum.
+_USER_OPS: dict[tuple[Any, np.dtype[Any], bool], Any] = {}
 
 
-def _total_extremum_op(dtype: np.dtype[Any], largest: bool) -> Any:
+def _total_extremum_op(mpi: Any, dtype: np.dtype[Any], largest: bool) -> Any:
     """An MPI user operation computing :func:`_total_extremum` on buffers of ``dtype``."""
-    op = _USER_OPS.get((dtype, largest))
+    op = _USER_OPS.get((mpi.Op, dtype, largest))
     if op is None:
 
         def combine(incoming: Any, inout: Any, _datatype: Any) -> None:
@@ -85,13 +86,15 @@ def _total_extremum_op(dtype: np.dtype[Any], largest: bool) -> Any:
             b = np.frombuffer(inout, dtype)
             _total_extremum(a, b, b, largest=largest)
 
-        op = load_mpi().Op.Create(combine, commute=True)
-        _USER_OPS[dtype, largest] = op
+        op = mpi.Op.Create(combine, commute=True)
+        _USER_OPS[mpi.Op, dtype, largest] = op
     return op
 
 
-def make_plan(dtype: np.dtype[Any], op: ReduceOp | None, /) -> Plan | None:
+def make_plan(dtype: np.dtype[Any], op: ReduceOp | None, mpi: Any = None, /) -> Plan | None:
     """How to reduce ``dtype`` with ``op`` (``None``: data movement only, no plan).
+
+    ``mpi``: the MPI module to take the datatypes and ops from (default: :func:`load_mpi`'s).
 
     Raises:
         TypeError: the dtype cannot be communicated, or not reduced with ``op``.
@@ -137,19 +140,21 @@ def make_plan(dtype: np.dtype[Any], op: ReduceOp | None, /) -> Plan | None:
             "array.astype(array.dtype.newbyteorder('='))."
         )
     work_dtype = np.dtype(np.float32) if dtype == np.float16 else None
-    mpi_type = load_mpi().Datatype.fromcode((work_dtype or dtype).char)
+    if mpi is None:
+        mpi = load_mpi()
+    mpi_type = mpi.Datatype.fromcode((work_dtype or dtype).char)
     if dtype.kind == "f" and op in (ReduceOp.MIN, ReduceOp.MAX):
         largest = op is ReduceOp.MAX
         return Plan(
             mpi_type,
-            _total_extremum_op(work_dtype or dtype, largest),
+            _total_extremum_op(mpi, work_dtype or dtype, largest),
             functools.partial(_total_extremum, largest=largest),
             work_dtype,
             average=False,
         )
     return Plan(
         mpi_type,
-        getattr(load_mpi(), number_op),
+        getattr(mpi, number_op),
         getattr(np, number_ufunc),
         work_dtype,
         op is ReduceOp.AVG,

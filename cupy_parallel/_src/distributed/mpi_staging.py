@@ -32,7 +32,7 @@ import numpy as np
 
 from cupy_parallel._src.cuda.streams import current_stream
 from cupy_parallel._src.devices import cupy_arrays_may_exist, cupy_module, is_cupy_array
-from cupy_parallel._src.distributed.mpi_job import load_mpi
+from cupy_parallel._src.distributed.mpi_job import first_time, load_mpi, thread_rank
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray
 
@@ -44,16 +44,26 @@ if TYPE_CHECKING:
 __all__ = ["mpi_is_cuda_aware", "staged"]
 
 
-@functools.cache
 def mpi_is_cuda_aware() -> bool:
     """Whether the loaded MPI library reads CUDA device memory (``MPIX_Query_cuda_support``).
 
-    ``CUPY_PARALLEL_MPI_CUDA_AWARE=0|1`` overrides the probe.
+    ``CUPY_PARALLEL_MPI_CUDA_AWARE=0|1`` overrides the probe. Thread ranks' in-process MPI
+    reads host memory only: ``False``, except for the stand-in arrays of ``simulated_cuda``
+    (host memory behind them) with ``CUPY_PARALLEL_MPI_CUDA_AWARE=1``, where the simulator
+    plays a CUDA-aware MPI over it as over a real one.
 
     Example:
         >>> isinstance(mpi_is_cuda_aware(), bool)
         True
     """
+    if thread_rank() is not None:
+        forced = os.environ.get("CUPY_PARALLEL_MPI_CUDA_AWARE", "").strip() == "1"
+        return forced and getattr(cupy_module(), "__name__", "cupy") != "cupy"
+    return _process_mpi_is_cuda_aware()
+
+
+@functools.cache
+def _process_mpi_is_cuda_aware() -> bool:
     forced = os.environ.get("CUPY_PARALLEL_MPI_CUDA_AWARE", "").strip()
     if forced in ("0", "1"):
         return forced == "1"
@@ -75,9 +85,6 @@ def _loaded_mpi_libraries() -> list[str]:
     except OSError:
         return []
     return sorted(p for p in paths if os.path.basename(p).startswith("libmpi"))
-
-
-_staging_warned = False
 
 
 # Argument types that are never CuPy arrays: skipped without asking for their module.
@@ -137,9 +144,7 @@ def staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work]
 
 
 def _warn_staging(reason: str) -> None:
-    global _staging_warned
-    if not _staging_warned:
-        _staging_warned = True
+    if first_time("mpi staging"):
         warnings.warn(
             f"cupy_parallel MPI backend: {reason}, so CuPy arrays are copied through host memory "
             "for each call (set CUPY_PARALLEL_MPI_CUDA_AWARE=1 if this MPI is CUDA-aware, or "

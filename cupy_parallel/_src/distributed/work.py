@@ -9,6 +9,7 @@ errors raised by the backend, finalizers that unpack or copy back results) lives
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import os
 import threading
 import time
@@ -423,7 +424,12 @@ class Work:
                 else:
                     future.set_result(self.outputs if self.outputs is not None else [])
 
-            threading.Thread(target=settle, name=f"{self.description} future", daemon=True).start()
+            threading.Thread(  # in the caller's context: a thread rank's, under spawn
+                target=contextvars.copy_context().run,
+                args=(settle,),
+                name=f"{self.description} future",
+                daemon=True,
+            ).start()
         return self._future
 
     def source_rank(self) -> int:

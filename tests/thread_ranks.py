@@ -1,0 +1,85 @@
+"""The MPI workers (``tests/mpi_workers``) on thread ranks: ``spawn`` in this process.
+
+``run_threads(worker, ranks, *argv, timeout=...)`` runs ``worker.rank_main(rank, argv)`` on
+``ranks`` thread ranks and returns what ``subprocess.run`` of ``mpiexec -n ranks python
+worker.py *argv`` returns (``returncode``, ``stdout``, ``stderr``), so that one test reads both:
+the ranks' prints are captured (all ranks into one stream, as ``mpiexec`` merges them); the
+return code is 0 when every rank returned 0 (or ``None``), the rank's code when spawn failed
+because a rank exited with one (``sys.exit(n)``), else 1; spawn's error, its cause and the
+cause's traceback are appended to ``stderr``. ``timeout`` is the group timeout the worker would
+have passed to ``init_process_group`` (spawn makes the world).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from cupy_parallel.distributed import spawn
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+WORKERS = Path(__file__).parent / "mpi_workers"
+_loaded: dict[str, ModuleType] = {}
+
+
+class Outcome(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    error: BaseException | None
+
+
+def worker(name: str) -> ModuleType:
+    """``tests/mpi_workers/<name>.py`` as a module (loaded once)."""
+    module = _loaded.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(f"thread_{name}", WORKERS / f"{name}.py")
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        _loaded[name] = module
+    return module
+
+
+def run_threads(
+    name: str, ranks: int, *argv: str, timeout: float, env: dict[str, str] | None = None
+) -> Outcome:
+    """Run worker ``name`` with ``argv`` on ``ranks`` thread ranks (see the module)."""
+    module = worker(name)
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    out, err = io.StringIO(), io.StringIO()
+    error: BaseException | None = None
+    start = time.monotonic()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            codes = spawn(module.rank_main, ranks, (list(argv),), timeout=timeout)
+        returncode = max(int(code or 0) for code in codes)
+    except RuntimeError as failed:
+        error = failed
+        cause = failed.__cause__
+        returncode = 1
+        if isinstance(cause, SystemExit) and isinstance(cause.code, int):
+            returncode = cause.code
+        err.write(f"spawn raised RuntimeError: {failed}\n")
+        if cause is not None:
+            err.write("".join(traceback.format_exception(cause)))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return Outcome(returncode, out.getvalue(), err.getvalue(), time.monotonic() - start, error)
