@@ -9,9 +9,10 @@ the whole batch's loss on one process.
 
 How (torch's ``Reducer``): the parameters are cut into *buckets* at construction, in reverse
 parameter order (the order gradients become final in a backward pass), one dtype and device
-per bucket, the first bucket at most 1 MiB (torch's ``_DEFAULT_FIRST_BUCKET_BYTES``, so that
-the first all-reduce starts early) and the others at most ``bucket_cap_mb`` (a bucket closes
-once it reaches its cap, so one parameter larger than the cap is a bucket of its own). Each
+per bucket, at most ``bucket_cap_mb`` each (a bucket closes once it reaches its cap, so one
+parameter larger than the cap is a bucket of its own). With the default cap (25 MiB) the first
+bucket closes at 1 MiB (torch's ``_DEFAULT_FIRST_BUCKET_BYTES``, which torch applies when
+``bucket_cap_mb`` is not given), so that the first all-reduce starts early. Each
 forward call watches the parameters on the active tapes and registers, once per tape, a
 gradient-ready hook on each parameter (:meth:`Tape.register_gradient_ready_hook`). In a backward
 pass the hook copies the final gradient into its bucket's flat buffer; when a bucket is
@@ -52,7 +53,7 @@ from cupy_parallel._src.distributed.rooted import broadcast
 from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, plain_buffer
 from cupy_parallel._src.recording import active_tapes, pause_recording
 from cupy_parallel._src.tape import Tape
-from cupy_parallel._src.tree import flatten_with_names
+from cupy_parallel._src.tree import flatten, flatten_with_names
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -67,6 +68,7 @@ __all__ = ["DistributedDataParallel"]
 _MIB = 1024 * 1024
 FIRST_BUCKET_BYTES = 1 * _MIB
 """The cap of the first bucket reduced (torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
+_DEFAULT_CAP_MB = 25.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,8 +93,12 @@ class _Bucket:
         self.device = device_of(arrays[members[0]])
 
 
-def _assign_buckets(arrays: list[Any], cap_bytes: int) -> list[_Bucket]:
-    """Cut the parameters into buckets, in reverse parameter order (see the module)."""
+def _assign_buckets(arrays: list[Any], first_bytes: int, cap_bytes: int) -> list[_Bucket]:
+    """Cut the parameters into buckets, in reverse parameter order (see the module).
+
+    Per dtype and device, the first bucket closes at ``first_bytes``, the others at
+    ``cap_bytes``.
+    """
     open_: dict[Any, tuple[list[int], int, int]] = {}  # key -> (members, bytes, buckets closed)
     done: list[list[int]] = []
     for i in reversed(range(len(arrays))):
@@ -101,7 +107,7 @@ def _assign_buckets(arrays: list[Any], cap_bytes: int) -> list[_Bucket]:
         members, size, closed = open_.get(key, ([], 0, 0))
         members.append(i)
         size += a.nbytes
-        if size >= (FIRST_BUCKET_BYTES if closed == 0 else cap_bytes):
+        if size >= (first_bytes if closed == 0 else cap_bytes):
             done.append(members)
             members, size, closed = [], 0, closed + 1
         open_[key] = (members, size, closed)
@@ -365,7 +371,8 @@ class DistributedDataParallel(Generic[Params, Output]):
         params: Its parameter pytree; array leaves must be floating-point (other leaves are
             passed through).
         process_group: The group to average over (``None``: the default group).
-        bucket_cap_mb: The size cap of a bucket in MiB (the first bucket's is 1 MiB).
+        bucket_cap_mb: The size cap of a bucket in MiB (with the default, 25, the first
+            bucket's is 1 MiB, as torch's without ``bucket_cap_mb``).
         broadcast_params: Broadcast the parameters from the group's first rank.
 
     Raises:
@@ -398,7 +405,7 @@ class DistributedDataParallel(Generic[Params, Output]):
         params: Params,
         *,
         process_group: Any = None,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = _DEFAULT_CAP_MB,
         broadcast_params: bool = True,
     ) -> None:
         read_callable(fn, "fn", call="fn(params, *inputs)")
@@ -423,7 +430,9 @@ class DistributedDataParallel(Generic[Params, Output]):
         self._slots = [k for k, leaf in enumerate(leaves) if is_array(leaf)]
         self._names = [names[k] for k in self._slots]
         self._arrays = [leaves[k] for k in self._slots]
-        self._buckets = _assign_buckets(self._arrays, max(1, int(cap * _MIB)))
+        cap_bytes = max(1, int(cap * _MIB))
+        first = FIRST_BUCKET_BYTES if cap == _DEFAULT_CAP_MB else cap_bytes  # torch's rule
+        self._buckets = _assign_buckets(self._arrays, first, cap_bytes)
         self._where: list[tuple[_Bucket, int]] = [None] * len(self._arrays)  # type: ignore[list-item]
         for bucket in self._buckets:
             for slot, i in enumerate(bucket.members):
@@ -565,25 +574,32 @@ class DistributedDataParallel(Generic[Params, Output]):
             {'w': array([1., 3.])}
             >>> dist.destroy_process_group()
         """
-        names, leaves, spec = flatten_with_names(grads, "grads")
-        problems = [] if spec == self._spec else [(
-            "ValueError",
-            f"grads must have the structure of params {self._spec}, got {spec}.",
-        )]
-        for k, param in zip(self._slots if not problems else (), self._arrays, strict=False):
+        problems: list[tuple[str, str]] = []
+        try:  # the structure of params, where a non-array leaf may be anything (gradient's None)
+            leaves = self._spec.flatten_up_to(grads)
+        except (TypeError, ValueError):
+            leaves = []
+            problems.append((
+                "ValueError",
+                f"grads must have the structure of params {self._spec} (None where a "
+                f"parameter is no array), got {flatten(grads)[2]}.",
+            ))
+        pairs = zip(self._slots, self._arrays, self._names, strict=True) if leaves else ()
+        for k, param, name in pairs:
             leaf = leaves[k]
             if leaf is not None and not (
                 is_array(leaf) and leaf.shape == param.shape and leaf.dtype == param.dtype
             ):
                 what = f"shape {leaf.shape} {leaf.dtype}" if is_array(leaf) else repr(leaf)
+                where = name.replace("params", "grads", 1)
                 problems.append((
                     "ValueError",
-                    f"{names[k]} must be None or an array of its parameter's shape "
-                    f"{param.shape} and dtype {param.dtype}, got {what}.",
+                    f"{where} must be None or an array of its parameter's shape {param.shape} "
+                    f"and dtype {param.dtype}, got {what}.",
                 ))
                 break
         # every rank learns of any rank's problem, so all raise (none waits in a collective)
-        _agree("The gradient trees given to reduce_gradients", str(spec), problems, self.process_group)
+        _agree("The gradient trees given to reduce_gradients", "", problems, self.process_group)
         self._backward_ran = True
         reduction = _Reduction(self)
         for i, k in enumerate(self._slots):
@@ -594,7 +610,7 @@ class DistributedDataParallel(Generic[Params, Output]):
             bucket, slot = self._where[i]
             start, stop = bucket.slices[slot]
             result[k] = _view(buffers[bucket.index], start, stop, self._arrays[i].shape)
-        return spec.unflatten(result)  # type: ignore[return-value]  # the structure of grads
+        return self._spec.unflatten(result)  # type: ignore[return-value]  # params' structure
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Any]) -> None:
         """Reduce each bucket with ``hook(state, bucket)`` (torch's contract).
