@@ -69,6 +69,8 @@ _MIB = 1024 * 1024
 FIRST_BUCKET_BYTES = 1 * _MIB
 """The cap of the first bucket reduced (torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
 _DEFAULT_CAP_MB = 25.0
+POLLS = range(8)
+"""How many more times a gradient-ready hook asks the oldest bucket in flight (measured)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,8 +174,13 @@ class _Reduction:
         while self.next < len(buckets) and self.pending[self.next] == 0:
             self._start(self.next)
             self.next += 1
-        for future, _ in self.futures:  # MPI moves a nonblocking collective on while asked
-            future.done()
+        # MPI moves nonblocking collectives on only while asked; one test moves them all
+        for future, _ in self.futures:
+            if not future.done():
+                for _ in POLLS:
+                    if future.done():
+                        break
+                break
 
     def _start(self, k: int) -> None:
         ddp = self._ddp
