@@ -25,6 +25,7 @@ environment, run it with that environment's Python.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -56,7 +57,7 @@ def _weights() -> list[tuple[np.ndarray, np.ndarray]]:
             (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32),
             (0.1 * rng.standard_normal(b)).astype(np.float32),
         )
-        for a, b in zip(SIZES[:-1], SIZES[1:], strict=True)
+        for a, b in itertools.pairwise(SIZES)
     ]
 
 
@@ -213,30 +214,48 @@ def _rows(times: dict[str, list[float]], ranks: int) -> list[dict[str, Any]]:
     rows = []
     if "torch" in median:
         timing = Timing.of(times["ddp"], times["torch"])
-        rows.append({
-            **result(f"DDP step vs torch DDP (gloo), {ranks} ranks", median["ddp"],
-                     median["torch"], 1.0),
-            "goal": "<= 1.0x torch DDP over gloo",
-            "spread": timing.spread,
-            "paired_median_ratio": timing.ratio,
+        rows.append(
+            {
+                **result(
+                    f"DDP step vs torch DDP (gloo), {ranks} ranks",
+                    median["ddp"],
+                    median["torch"],
+                    1.0,
+                ),
+                "goal": "<= 1.0x torch DDP over gloo",
+                "spread": timing.spread,
+                "paired_median_ratio": timing.ratio,
+                **common,
+            }
+        )
+    rows.append(
+        {
+            **result(
+                f"DDP step vs backward + one all_reduce, {ranks} ranks",
+                median["ddp"],
+                median["serial"],
+                None,
+            ),
+            "goal": "reported: overlap against none",
+            "hidden_fraction": hidden,
+            "communication_seconds": communication,
+            "exposed_seconds": exposed,
             **common,
-        })
-    rows.append({
-        **result(f"DDP step vs backward + one all_reduce, {ranks} ranks", median["ddp"],
-                 median["serial"], None),
-        "goal": "reported: overlap against none",
-        "hidden_fraction": hidden,
-        "communication_seconds": communication,
-        "exposed_seconds": exposed,
-        **common,
-    })
-    rows.append({
-        **result(f"DDP step vs local step (no communication), {ranks} ranks", median["ddp"],
-                 median["local"], None),
-        "goal": f"reported: {hidden:.0%} of the communication hidden behind the backward pass",
-        "hidden_fraction": hidden,
-        **common,
-    })
+        }
+    )
+    rows.append(
+        {
+            **result(
+                f"DDP step vs local step (no communication), {ranks} ranks",
+                median["ddp"],
+                median["local"],
+                None,
+            ),
+            "goal": f"reported: {hidden:.0%} of the communication hidden behind the backward pass",
+            "hidden_fraction": hidden,
+            **common,
+        }
+    )
     return rows
 
 

@@ -4,8 +4,9 @@ The whole public API is re-exported here and in the public submodules ``comm``, 
 ``ops``, ``distributed`` and ``testing``; the code lives in ``cupy_parallel._src``, in layers
 that import one way (its docstring lists them).
 ``distributed`` and ``testing`` are imported on first access, and so is
-``DistributedDataParallel`` (it imports ``distributed``, never ``mpi4py``); ``testing`` is not in ``__all__``
-(its strategies need hypothesis, an extra), so ``from cupy_parallel import *`` never imports it.
+``DistributedDataParallel`` (it imports ``distributed``, never ``mpi4py``); ``testing`` is not in
+``__all__`` (its strategies need hypothesis, an extra), so ``from cupy_parallel import *`` never
+imports it.
 
 Example:
     >>> import cupy_parallel as cp

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -1064,3 +1064,74 @@ def test_a_vjp_returning_the_wrong_number_of_gradients_is_named() -> None:
         ValueError, match=r"The vjp of ops\.one_gradient returned 1 gradients for 2 inputs"
     ):
         tape.gradient(z, x, output_gradients=np.ones(3))
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient-ready hooks (what DistributedDataParallel builds on)
+
+
+class _Probe(Function):
+    """The identity, logging when its backward runs."""
+
+    events: ClassVar[list[str]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: Any) -> Any:
+        return x.copy()
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        _Probe.events.append("probe backward")
+        return g
+
+
+def test_ready_hooks_run_mid_pass_in_the_order_gradients_become_final() -> None:
+    w1, w2, unused, side = rand(3, 3), rand(3, 1, seed=1), rand(2, seed=2), rand(3, seed=3)
+    events = _Probe.events = []
+    with Tape() as tape:
+        tape.watch((w1, w2, unused, side))
+        h = _Probe.apply(ops.tanh(ops.matmul(rand(2, 3, seed=4), w1)))
+        _ = ops.sum(side)  # consumed, but not on the target's path
+        loss = ops.sum(ops.matmul(h, w2))
+    for name, leaf in {"w1": w1, "w2": w2, "unused": unused, "side": side}.items():
+        tape.register_gradient_ready_hook(
+            leaf, lambda g, n=name: events.append(f"{n} {'None' if g is None else g.shape}")
+        )
+    grads = tape.gradient(loss, (w1, w2, unused, side))
+    # unused: final from the start; w2 before the probe's backward, w1 after it; side (its
+    # consumer recorded between them, no gradient reaches it) gets None once that node is passed
+    assert events == ["unused None", "w2 (3, 1)", "side None", "probe backward", "w1 (3, 3)"]
+    np.testing.assert_array_equal(grads[2], np.zeros(2))
+
+
+def test_a_ready_hook_may_replace_the_gradient_and_be_removed() -> None:
+    w = rand(3)
+    with Tape(persistent=True) as tape:
+        tape.watch(w)
+        loss = ops.sum(ops.square(w))
+    received: list[Any] = []
+
+    def hook(g: Any) -> Any:
+        received.append(g.copy())
+        return np.full(3, 7.0)
+
+    handle = tape.register_gradient_ready_hook(w, hook)
+    np.testing.assert_array_equal(tape.gradient(loss, w), np.full(3, 7.0))
+    np.testing.assert_array_equal(received[0], 2 * w)
+    handle.remove()
+    handle.remove()
+    np.testing.assert_array_equal(tape.gradient(loss, w), 2 * w)
+    assert len(received) == 1
+
+
+def test_ready_hooks_need_a_watched_leaf_and_a_callable() -> None:
+    w = rand(2)
+    with Tape() as tape:
+        tape.watch(w)
+        y = ops.square(w)
+    with pytest.raises(ValueError, match="is a recorded result"):
+        tape.register_gradient_ready_hook(y, print)
+    with pytest.raises(ValueError, match="not watched on this tape"):
+        tape.register_gradient_ready_hook(rand(2), print)
+    with pytest.raises(TypeError, match="hook must be callable"):
+        tape.register_gradient_ready_hook(w, 3)

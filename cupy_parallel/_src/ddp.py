@@ -28,8 +28,8 @@ whatever order each rank's gradients become final in: collectives must pair up a
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-import zlib
 from typing import TYPE_CHECKING, Any, Concatenate, Generic
 
 from cupy_parallel._src.arguments import read_bool, read_callable, read_real
@@ -282,12 +282,16 @@ def _describe(
         kind = device_of(leaf).kind
         entries.append((name, tuple(leaf.shape), str(leaf.dtype), f"{type(leaf).__name__}/{kind}"))
         if leaf.dtype.kind != "f":
-            problems.append((
-                "TypeError",
-                f"DistributedDataParallel trains floating-point arrays, but {name} has dtype "
-                f"{leaf.dtype}. Cast it first (array.astype(numpy.float32)) or keep it out of "
-                "params.",
-            ))
+            problems.append(
+                (
+                    "TypeError",
+                    (
+                        f"DistributedDataParallel trains floating-point arrays, but {name} has "
+                        f"dtype {leaf.dtype}. Cast it first (array.astype(numpy.float32)) or keep "
+                        "it out of params."
+                    ),
+                )
+            )
     return str(spec), entries, problems
 
 
@@ -450,9 +454,7 @@ class DistributedDataParallel(Generic[Params, Output]):
         self._comm_state: Any = process_group
         self._hook_registered = False
         self._backward_ran = False
-        self._tapes: weakref.WeakKeyDictionary[Tape, _TapeReduction] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._tapes: weakref.WeakKeyDictionary[Tape, _TapeReduction] = weakref.WeakKeyDictionary()
         if broadcast_params:
             self._broadcast()
 
@@ -518,7 +520,7 @@ class DistributedDataParallel(Generic[Params, Output]):
             )
         state = _TapeReduction(self, self._arrays)
         for i, a in enumerate(self._arrays):
-            tape.register_gradient_ready_hook(a, lambda g, i=i: self._ready(state, i, g))
+            tape.register_gradient_ready_hook(a, functools.partial(self._ready, state, i))
         self._tapes[tape] = state
 
     def _ready(self, state: _TapeReduction, i: int, grad: Any) -> Any:
@@ -583,14 +585,18 @@ class DistributedDataParallel(Generic[Params, Output]):
         """
         problems: list[tuple[str, str]] = []
         try:  # the structure of params, where a non-array leaf may be anything (gradient's None)
-            leaves = self._spec.flatten_up_to(grads)
+            leaves: list[Any] = self._spec.flatten_up_to(grads)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             leaves = []
-            problems.append((
-                "ValueError",
-                f"grads must have the structure of params {self._spec} (None where a "
-                f"parameter is no array), got {flatten(grads)[2]}.",
-            ))
+            problems.append(
+                (
+                    "ValueError",
+                    (
+                        f"grads must have the structure of params {self._spec} (None where a "
+                        f"parameter is no array), got {flatten(grads)[2]}."
+                    ),
+                )
+            )
         pairs = zip(self._slots, self._arrays, self._names, strict=True) if leaves else ()
         for k, param, name in pairs:
             leaf = leaves[k]
@@ -599,11 +605,15 @@ class DistributedDataParallel(Generic[Params, Output]):
             ):
                 what = f"shape {leaf.shape} {leaf.dtype}" if is_array(leaf) else repr(leaf)
                 where = name.replace("params", "grads", 1)
-                problems.append((
-                    "ValueError",
-                    f"{where} must be None or an array of its parameter's shape {param.shape} "
-                    f"and dtype {param.dtype}, got {what}.",
-                ))
+                problems.append(
+                    (
+                        "ValueError",
+                        (
+                            f"{where} must be None or an array of its parameter's shape "
+                            f"{param.shape} and dtype {param.dtype}, got {what}."
+                        ),
+                    )
+                )
                 break
         # every rank learns of any rank's problem, so all raise (none waits in a collective)
         _agree("The gradient trees given to reduce_gradients", "", problems, self.process_group)

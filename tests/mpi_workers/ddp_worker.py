@@ -9,6 +9,7 @@ whole batch, and the DDP gradient from its shard; a failure raises ``AssertionEr
 
 from __future__ import annotations
 
+import itertools
 import sys
 import traceback
 from typing import Any
@@ -29,7 +30,7 @@ def make_params(seed: int = 0, to_host: bool = False) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     layers = [
         {"w": rng.normal(size=(a, b)) / np.sqrt(a), "b": rng.normal(size=b)}
-        for a, b in zip(SIZES[:-1], SIZES[1:], strict=True)
+        for a, b in itertools.pairwise(SIZES)
     ]
     params: dict[str, Any] = {
         "layers": layers,
@@ -98,10 +99,10 @@ def close(actual: Any, expected: Any, what: str, tol: float = 1e-12) -> None:
         if not cp.is_array(e):
             assert a == e, f"{what}: leaf {k} is {a!r}, expected {e!r}"
             continue
-        a, e = numpy_of(a), numpy_of(e)
-        assert a.shape == e.shape, f"{what}: leaf {k} shape {a.shape} vs {e.shape}"
-        error = np.max(np.abs(a - e), initial=0.0)
-        assert error <= tol * max(1.0, np.max(np.abs(e), initial=0.0)), (
+        got, want = numpy_of(a), numpy_of(e)
+        assert got.shape == want.shape, f"{what}: leaf {k} shape {got.shape} vs {want.shape}"
+        error = np.max(np.abs(got - want), initial=0.0)
+        assert error <= tol * max(1.0, np.max(np.abs(want), initial=0.0)), (
             f"{what}: leaf {k} differs by {error:g}"
         )
 
@@ -119,9 +120,11 @@ def raises_everywhere(error: type[Exception], match: str, call: Any) -> str:
     try:
         call()
     except error as caught:
-        assert match in str(caught), f"{caught!r} lacks {match!r}"
-        return str(caught)
-    raise AssertionError(f"no {error.__name__} ({match!r})")
+        message = str(caught)
+    else:
+        raise AssertionError(f"no {error.__name__} ({match!r})")
+    assert match in message, f"{message!r} lacks {match!r}"
+    return message
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,7 +136,8 @@ def check_broadcast_at_construction() -> None:
     params = make_params(seed=rank)  # every rank starts different
     leaf = params["layers"][0]["w"]
     ddp = cp.DistributedDataParallel(mlp, params)
-    assert ddp.params is params and params["layers"][0]["w"] is leaf  # in place
+    assert ddp.params is params  # in place
+    assert params["layers"][0]["w"] is leaf
     close(params, make_params(seed=0), "params after construction", tol=0.0)
     mine = make_params(seed=rank)
     cp.DistributedDataParallel(mlp, mine, broadcast_params=False)
@@ -159,9 +163,9 @@ def check_gradient_equals_one_process(to_host: bool = False) -> None:
     close(grads, expected, f"DDP gradient ({'host' if to_host else 'numpy'} arrays)")
     assert not np.any(numpy_of(grads["unused"])), "an unused parameter gets zeros"
     if to_host:
-        assert all(
-            type(g) is cp.HostArray for g in cp._src.tree.leaves(grads) if g is not None
-        ), "host gradients for host parameters"
+        assert all(type(g) is cp.HostArray for g in cp._src.tree.leaves(grads) if g is not None), (
+            "host gradients for host parameters"
+        )
     equal_on_every_rank(grads, "DDP gradient")
 
 
@@ -341,7 +345,8 @@ def check_mismatched_params_raise_on_every_rank() -> None:
     message = raises_everywhere(
         ValueError, "differ across the ranks", lambda: cp.DistributedDataParallel(mlp, params)
     )
-    assert f"rank {odd}" in message and "['w']" in message, message
+    assert f"rank {odd}" in message, message
+    assert "['w']" in message, message
     params = make_params()
     if rank == odd:
         params["extra"] = np.arange(7)
@@ -402,7 +407,7 @@ def main() -> int:
     for check in CHECKS:
         try:
             check()
-        except Exception:  # noqa: BLE001 - reported, then the exit status says so
+        except Exception:  # noqa: BLE001, PERF203 - each check reported, the exit status says so
             failed += 1
             print(f"rank {rank}: FAILED {check.__name__}\n{traceback.format_exc()}", flush=True)
     dist.barrier()

@@ -138,9 +138,9 @@ class PolledFuture(Future[Any]):
                     return
             elif not work.is_completed():
                 return
-            error = work.exception()
-            if error is not None:
-                future.set_exception(error)
+            failure = work.exception()
+            if failure is not None:
+                future.set_exception(failure)
             else:
                 future.set_result(list(work.outputs) if work.outputs is not None else [])
 
@@ -154,13 +154,13 @@ class PolledFuture(Future[Any]):
     def done(self) -> bool:
         """Whether the future is settled; asks the operation once, without blocking."""
         if not super().done():
-            self._poll(False)
+            self._poll(False)  # noqa: FBT003 - the poll's one argument: block or not
         return super().done()
 
     def result(self, timeout: float | None = None) -> Any:
         """Complete the operation in this thread, then return the value (or raise)."""
         if not super().done():
-            self._poll(True)
+            self._poll(True)  # noqa: FBT003 - the poll's one argument: block or not
         return super().result(timeout)
 
     def then(self, callback: Callable[[Future[Any]], Any], /) -> Future[Any]:
@@ -253,7 +253,7 @@ def bfloat16() -> Any:
         bf...
     """
     try:
-        import ml_dtypes
+        import ml_dtypes  # type: ignore[import-not-found, unused-ignore]  # optional
     except ImportError:
         raise RuntimeError(
             "bf16_compress_hook needs a bfloat16 dtype, which NumPy lacks: install ml_dtypes "
