@@ -32,13 +32,15 @@ import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Concatenate, Generic
 
+import numpy as np
+
 from cupy_parallel._src.arguments import read_bool, read_callable, read_real
-from cupy_parallel._src.arrays import device_of, empty, is_array
+from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array
 from cupy_parallel._src.arraytypes import Output, Params
 from cupy_parallel._src.compute import on_device_of
 from cupy_parallel._src.distributed.comm_hooks import (
     GradBucket,
-    allreduce_hook,
+    PolledFuture,
     bf16_compress_hook,
     bfloat16,
 )
@@ -49,6 +51,7 @@ from cupy_parallel._src.distributed.groups import (
     resolve_group,
 )
 from cupy_parallel._src.distributed.objects import all_gather_object
+from cupy_parallel._src.distributed.reductions import all_reduce
 from cupy_parallel._src.distributed.rooted import broadcast
 from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, plain_buffer
 from cupy_parallel._src.recording import active_tapes, pause_recording
@@ -118,11 +121,19 @@ def _assign_buckets(arrays: list[Any], first_bytes: int, cap_bytes: int) -> list
     return [_Bucket(k, members, arrays) for k, members in enumerate(done)]
 
 
-def _write(buffer: Any, start: int, stop: int, grad: Any) -> None:
-    """``buffer[start:stop] = grad.ravel()`` (zeros for ``None``), on the buffer's device."""
+def _write(buffer: Any, start: int, stop: int, grad: Any, scale: float | None = None) -> None:
+    """``buffer[start:stop] = grad.ravel() * scale`` (zeros for ``None``), on its device."""
     raw = plain_buffer(buffer)
-    value = 0 if grad is None else plain_buffer(grad).reshape(-1)
-    on_device_of(raw, raw.__setitem__, slice(start, stop), value)
+    if grad is None or scale is None:
+        value = 0 if grad is None else plain_buffer(grad).reshape(-1)
+        on_device_of(raw, raw.__setitem__, slice(start, stop), value)
+    else:  # one pass: scaled while copied
+        xp = np if isinstance(raw, np.ndarray) else array_namespace(raw)
+        on_device_of(raw, _multiply, xp, plain_buffer(grad).reshape(-1), scale, raw[start:stop])
+
+
+def _multiply(xp: Any, x: Any, scale: float, out: Any) -> None:
+    xp.multiply(x, scale, out=out)
 
 
 def _view(buffer: Any, start: int, stop: int, shape: tuple[int, ...]) -> Any:
@@ -140,7 +151,7 @@ class _Reduction:
     is left and waits for everything.
     """
 
-    __slots__ = ("_ddp", "buffers", "futures", "next", "pending")
+    __slots__ = ("_ddp", "buffers", "futures", "next", "pending", "scale")
 
     def __init__(self, ddp: DistributedDataParallel[Any, Any]) -> None:
         self._ddp = ddp
@@ -149,6 +160,8 @@ class _Reduction:
         self.pending = [len(b.members) for b in buckets]
         self.futures: list[tuple[Future[Any], Any]] = []
         self.next = 0
+        # the default hook, fused: each gradient divided by the group's size as it is copied
+        self.scale = 1.0 / ddp._world if ddp._comm_hook is None and ddp._world > 1 else None
 
     def put(self, i: int, grad: Any) -> Any:
         """Copy parameter ``i``'s gradient into its bucket; return its view there."""
@@ -164,7 +177,7 @@ class _Reduction:
         if buffer is None:
             buffer = self.buffers[bucket.index] = empty(bucket.size, bucket.dtype, bucket.device)
         start, stop = bucket.slices[slot]
-        _write(buffer, start, stop, grad)
+        _write(buffer, start, stop, grad, self.scale)
         self.pending[bucket.index] -= 1
         self._start_ready()
         return _view(buffer, start, stop, param.shape)
@@ -184,6 +197,10 @@ class _Reduction:
 
     def _start(self, k: int) -> None:
         ddp = self._ddp
+        if ddp._comm_hook is None:  # allreduce_hook, its division done by put
+            work = all_reduce(self.buffers[k], group=ddp.process_group, async_op=True)
+            self.futures.append((PolledFuture.of_work(work), None))
+            return
         bucket = ddp._buckets[k]
         params = [ddp._arrays[i] for i in bucket.members]
         grad_bucket = GradBucket(
@@ -210,7 +227,7 @@ class _Reduction:
         for k, (future, buffer) in enumerate(self.futures):
             with pause_recording():
                 result = future.wait()
-            if result is not buffer:
+            if buffer is not None and result is not buffer:
                 if not is_array(result) or tuple(result.shape) != (buffer.size,):
                     shape = getattr(result, "shape", None)
                     raise ValueError(
@@ -450,9 +467,10 @@ class DistributedDataParallel(Generic[Params, Output]):
                 self._where[i] = (bucket, slot)
         self._params = params
         self._sync = True
-        self._comm_hook: Callable[[Any, GradBucket], Future[Any]] = allreduce_hook
+        self._world = get_world_size(process_group)
+        # None: allreduce_hook's reduction, fused with the copy into the buckets
+        self._comm_hook: Callable[[Any, GradBucket], Future[Any]] | None = None
         self._comm_state: Any = process_group
-        self._hook_registered = False
         self._backward_ran = False
         self._tapes: weakref.WeakKeyDictionary[Tape, _TapeReduction] = weakref.WeakKeyDictionary()
         if broadcast_params:
@@ -658,7 +676,7 @@ class DistributedDataParallel(Generic[Params, Output]):
             >>> dist.destroy_process_group()
         """
         hook = read_callable(hook, "hook", call="hook(state, bucket)")
-        if self._hook_registered:
+        if self._comm_hook is not None:
             raise RuntimeError(
                 "register_comm_hook can only be called once (as in torch): a communication "
                 "hook is registered already."
@@ -671,7 +689,6 @@ class DistributedDataParallel(Generic[Params, Output]):
         if hook is bf16_compress_hook:
             bfloat16()  # raises now, not in the middle of a backward pass
         self._comm_hook, self._comm_state = hook, state
-        self._hook_registered = True
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
