@@ -335,3 +335,49 @@ def test_import_cupy_parallel_does_not_import_distributed() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+# -- CuPy arrays and NCCL (simulated CUDA, a world of one; several ranks need thread ranks) ----
+
+
+def test_cupy_parameters_over_nccl_in_a_world_of_one() -> None:
+    from cupy_parallel.testing import simulated_cuda
+
+    with simulated_cuda(1) as cupy:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            params = {k: cupy.asarray(v) for k, v in _params().items() if k != "name"}
+            x = cupy.asarray(X)
+            for cap, hook in [(25.0, None), (1e-5, default_hooks.fp16_compress_hook)]:
+                ddp = cp.DistributedDataParallel(_model, params, bucket_cap_mb=cap)
+                if hook is not None:
+                    ddp.register_comm_hook(None, hook)
+                with cp.Tape() as tape:
+                    loss = ddp(x)
+                grads = tape.gradient(loss, ddp.params)
+                expected = _plain_gradient({k: cupy.asnumpy(v) for k, v in params.items()})
+                for k in ("w1", "w2"):
+                    assert type(grads[k]) is type(params[k])
+                    want = expected[k]
+                    if hook is not None:
+                        want = want.astype(np.float16).astype(np.float64)
+                    np.testing.assert_allclose(cupy.asnumpy(grads[k]), want, rtol=1e-14, atol=0)
+                reduced = ddp.reduce_gradients(grads)
+                np.testing.assert_array_equal(
+                    cupy.asnumpy(reduced["w1"]), cupy.asnumpy(grads["w1"])
+                )
+        finally:
+            dist.destroy_process_group()
+
+
+def test_the_fused_division_scales_cupy_gradients_while_copying() -> None:
+    from cupy_parallel._src.ddp import _write
+    from cupy_parallel.testing import simulated_cuda
+
+    with simulated_cuda(1) as cupy:
+        buffer = cupy.zeros(6)
+        _write(buffer, 1, 5, cupy.asarray([[3.0, 6.0], [9.0, 12.0]]), 1.0 / 3.0)
+        np.testing.assert_allclose(cupy.asnumpy(buffer), [0, 1, 2, 3, 4, 0], rtol=1e-15)
+    host = np.zeros(4)
+    _write(host, 0, 4, np.arange(4.0), 0.5)
+    np.testing.assert_array_equal(host, [0, 0.5, 1, 1.5])
