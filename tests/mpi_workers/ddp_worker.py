@@ -384,6 +384,36 @@ def check_second_derivative_refused() -> None:
     close(_ddp_gradient(ddp), oracle(make_params()), "a step after the refused pass")
 
 
+def check_mixed_dtypes_one_bucket_each() -> None:
+    rng = np.random.default_rng(5)
+
+    def make() -> dict[str, Any]:
+        return {
+            "a": rng.normal(size=(SIZES[0], 3)).astype(np.float32),
+            "b": np.random.default_rng(6).normal(size=(3, 1)),
+        }
+
+    def fn(p: dict[str, Any], x: Any) -> Any:
+        return ops.matmul(ops.tanh(ops.matmul(x.astype(np.float32), p["a"])), p["b"])
+
+    rng = np.random.default_rng(5)
+    ddp = cp.DistributedDataParallel(fn, make())
+    assert sorted(str(b.dtype) for b in ddp._buckets) == ["float32", "float64"]
+    x, y = data()
+    with cp.Tape() as tape:
+        loss = ops.mean(ops.square(ops.subtract(ddp(shard(x)), shard(y))))
+    grads = tape.gradient(loss, ddp.params)
+    rng = np.random.default_rng(5)
+    reference = make()
+    with cp.Tape() as tape:
+        tape.watch(reference)
+        loss = ops.mean(ops.square(ops.subtract(fn(reference, x), y)))
+    expected = tape.gradient(loss, reference)
+    assert grads["a"].dtype == np.float32
+    assert grads["b"].dtype == np.float64
+    close(grads, expected, "mixed float32/float64 parameters", tol=1e-5)
+
+
 CHECKS = [
     check_broadcast_at_construction,
     check_gradient_equals_one_process,
@@ -397,6 +427,7 @@ CHECKS = [
     check_comm_hooks,
     check_mismatched_params_raise_on_every_rank,
     check_second_derivative_refused,
+    check_mixed_dtypes_one_bucket_each,
 ]
 
 
