@@ -207,6 +207,24 @@ def test_a_tape_hooks_once_and_non_persistent_tapes_drop_their_hooks() -> None:
 
 
 @pytest.mark.usefixtures("world")
+def test_one_array_at_two_leaves_gets_its_total_gradient() -> None:
+    w = np.array([[1.0, 2.0], [3.0, -1.0]])
+    ddp = cp.DistributedDataParallel(
+        lambda p, x: ops.sum(ops.matmul(ops.matmul(x, p["a"]), p["b"])), {"a": w, "b": w}
+    )
+    x = np.array([[0.5, -2.0]])
+    with cp.Tape() as tape:
+        loss = ddp(x)
+    grads = tape.gradient(loss, ddp.params)
+    with cp.Tape() as tape:
+        tape.watch(w)
+        loss = ops.sum(ops.matmul(ops.matmul(x, w), w))
+    expected = tape.gradient(loss, w)  # by identity: the total derivative, as Tape gives
+    np.testing.assert_allclose(grads["a"], expected, rtol=1e-15)
+    np.testing.assert_allclose(grads["b"], expected, rtol=1e-15)
+
+
+@pytest.mark.usefixtures("world")
 def test_value_and_grad_differentiates_its_own_arguments_not_ddp_params() -> None:
     ddp = cp.DistributedDataParallel(_model, _params())
     with pytest.raises(ValueError, match="does not depend on any of the sources"):

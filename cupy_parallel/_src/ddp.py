@@ -244,25 +244,31 @@ class _TapeReduction:
 
     Every hooked parameter's hook runs once per pass (with ``None`` when no gradient reached
     it), so a pass is over when all have run; a hook that sees a parameter twice knows the
-    previous pass ended early (an error) and starts afresh.
+    previous pass ended early (an error) and starts afresh. One array at two leaves of params
+    is hooked twice: its second hook gets the replacement the first returned, so the gradient
+    the first received is kept for it.
     """
 
-    __slots__ = ("_ddp", "_reduction", "_seen", "index_of")
+    __slots__ = ("_ddp", "_received", "_reduction", "_seen", "_shared", "ids")
 
     def __init__(self, ddp: DistributedDataParallel[Any, Any], arrays: list[Any]) -> None:
         self._ddp = ddp
-        self.index_of = {id(a): i for i, a in enumerate(arrays)}
+        self.ids = [id(a) for a in arrays]  # one array at two leaves: hooked twice
         self._seen: set[int] = set()
+        self._received: dict[int, Any] = {}  # id(array) -> the gradient its first hook got
         self._reduction: _Reduction | None = None
+        self._shared = len(set(self.ids)) < len(self.ids)
 
     def ready(self, i: int, grad: Any) -> Any:
         reduction = self._reduction
         if reduction is None or i in self._seen:
             reduction = self._begin()
         self._seen.add(i)
+        if self._shared:
+            grad = self._received.setdefault(self.ids[i], grad)
         view = reduction.put(i, grad)
-        if len(self._seen) == len(self.index_of):
-            self._reduction, self._seen = None, set()
+        if len(self._seen) == len(self.ids):
+            self._reduction, self._seen, self._received = None, set(), {}
             reduction.finish()
         return view
 
@@ -277,7 +283,7 @@ class _TapeReduction:
                     "higher derivatives run the forward under ddp.no_sync() and average with "
                     "cupy_parallel.distributed.nn.functional.all_reduce."
                 )
-        self._reduction, self._seen = _Reduction(self._ddp), set()
+        self._reduction, self._seen, self._received = _Reduction(self._ddp), set(), {}
         return self._reduction
 
 
@@ -540,7 +546,7 @@ class DistributedDataParallel(Generic[Params, Output]):
         """Register the gradient-ready hooks on ``tape``, once."""
         found = self._tapes.get(tape)
         if found is not None:
-            if all(found.index_of.get(id(a)) == i for i, a in enumerate(self._arrays)):
+            if found.ids == [id(a) for a in self._arrays]:
                 return
             raise ValueError(
                 "ddp.params was replaced between two forward calls recorded on one tape: "

@@ -414,6 +414,25 @@ def check_mixed_dtypes_one_bucket_each() -> None:
     close(grads, expected, "mixed float32/float64 parameters", tol=1e-5)
 
 
+def check_one_array_at_two_leaves() -> None:
+    """Tied weights: the same array twice in params gets its total gradient, averaged once."""
+    w = np.random.default_rng(7).normal(size=(SIZES[0], SIZES[0])) / 3
+
+    def fn(p: dict[str, Any], x: Any) -> Any:
+        return ops.matmul(ops.tanh(ops.matmul(x, p["a"])), p["b"])
+
+    ddp = cp.DistributedDataParallel(fn, {"a": w, "b": w}, bucket_cap_mb=TINY_CAP)
+    x, y = data()
+    with cp.Tape() as tape:
+        loss = ops.mean(ops.sum(ops.square(ops.subtract(ddp(shard(x)), shard(x))), axis=1))
+    grads = tape.gradient(loss, ddp.params)
+    with cp.Tape() as tape:
+        tape.watch(w)
+        loss = ops.mean(ops.sum(ops.square(ops.subtract(fn({"a": w, "b": w}, x), x)), axis=1))
+    expected = tape.gradient(loss, w)
+    close(grads, {"a": expected, "b": expected}, "one array at two leaves")
+
+
 CHECKS = [
     check_broadcast_at_construction,
     check_gradient_equals_one_process,
@@ -428,6 +447,7 @@ CHECKS = [
     check_mismatched_params_raise_on_every_rank,
     check_second_derivative_refused,
     check_mixed_dtypes_one_bucket_each,
+    check_one_array_at_two_leaves,
 ]
 
 
