@@ -422,7 +422,7 @@ def check_one_array_at_two_leaves() -> None:
         return ops.matmul(ops.tanh(ops.matmul(x, p["a"])), p["b"])
 
     ddp = cp.DistributedDataParallel(fn, {"a": w, "b": w}, bucket_cap_mb=TINY_CAP)
-    x, y = data()
+    x, _ = data()
     with cp.Tape() as tape:
         loss = ops.mean(ops.sum(ops.square(ops.subtract(ddp(shard(x)), shard(x))), axis=1))
     grads = tape.gradient(loss, ddp.params)
