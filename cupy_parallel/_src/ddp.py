@@ -391,7 +391,13 @@ class DistributedDataParallel(Generic[Params, Output]):
       every forward ran inside ``no_sync`` keeps its gradients rank-local.
     - Every parameter gets a gradient, even one that no rank's step used (zeros then), and the
       ranks reduce every bucket in every pass, whatever each used (so none waits for another).
-      ``unconnected_gradients="none"`` does not apply to the parameters.
+      ``unconnected_gradients="none"`` does not apply to the parameters. A parameter no
+      recorded operation consumed is final at the start of the pass (torch's
+      ``find_unused_parameters`` marks it ready at once); one consumed only off the loss's
+      path holds its bucket back until the pass reaches that operation. Every rank must run
+      the same backward passes (a rank whose tape does not reduce makes its peers wait, as in
+      torch). One array at two leaves of ``params`` (tied weights) gets its total gradient at
+      both.
     - The gradients returned are views of fresh flat buffers, one per bucket and pass (never a
       buffer reused across steps, so a gradient kept from one step does not change later).
     - Progress: the MPI backend moves a nonblocking all-reduce on only while its rank calls
