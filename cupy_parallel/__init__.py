@@ -3,8 +3,10 @@
 The whole public API is re-exported here and in the public submodules ``comm``, ``functions``,
 ``ops``, ``distributed`` and ``testing``; the code lives in ``cupy_parallel._src``, in layers
 that import one way (its docstring lists them).
-``distributed`` and ``testing`` are imported on first access; ``testing`` is not in ``__all__``
-(its strategies need hypothesis, an extra), so ``from cupy_parallel import *`` never imports it.
+``distributed`` and ``testing`` are imported on first access, and so is
+``DistributedDataParallel`` (it imports ``distributed``, never ``mpi4py``); ``testing`` is not in
+``__all__`` (its strategies need hypothesis, an extra), so ``from cupy_parallel import *`` never
+imports it.
 
 Example:
     >>> import cupy_parallel as cp
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 
     from cupy_parallel import distributed
     from cupy_parallel import testing as testing
+    from cupy_parallel._src.ddp import DistributedDataParallel as DistributedDataParallel
 
 __version__ = "0.1.0"
 
@@ -48,6 +51,7 @@ __all__ = [
     "Array",
     "DataParallel",
     "Device",
+    "DistributedDataParallel",
     "Function",
     "FunctionContext",
     "GradcheckError",
@@ -86,7 +90,13 @@ set_module(__name__, globals(), __all__)
 _LAZY_SUBMODULES = ("distributed", "testing")
 
 
-def __getattr__(name: str) -> ModuleType:
+def __getattr__(name: str) -> ModuleType | type:
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"cupy_parallel.{name}")
+    if name == "DistributedDataParallel":  # imports distributed: on first use
+        from cupy_parallel._src.ddp import DistributedDataParallel
+
+        set_module(__name__, {name: DistributedDataParallel}, [name])
+        globals()[name] = DistributedDataParallel
+        return DistributedDataParallel
     raise AttributeError(f"module 'cupy_parallel' has no attribute {name!r}")

@@ -20,6 +20,8 @@ PUBLIC_MODULES = [
     "cupy_parallel.testing",
     "cupy_parallel.distributed",
     "cupy_parallel.distributed.nn.functional",
+    "cupy_parallel.distributed.algorithms.ddp_comm_hooks",
+    "cupy_parallel.distributed.algorithms.ddp_comm_hooks.default_hooks",
 ]
 
 _ = inspect.Parameter.empty
@@ -88,6 +90,33 @@ CONTRACT: dict[str, list[tuple[str, Any]]] = {
         ("device_ids", None),
         ("output_device", None),
         ("dim", 0),
+    ],
+    "cupy_parallel.DistributedDataParallel": [
+        ("fn", _),
+        ("params", _),
+        ("process_group", None),
+        ("bucket_cap_mb", 25.0),
+        ("broadcast_params", True),
+    ],
+    "cupy_parallel.DistributedDataParallel.no_sync": [("self", _)],
+    "cupy_parallel.DistributedDataParallel.reduce_gradients": [("self", _), ("grads", _)],
+    "cupy_parallel.DistributedDataParallel.register_comm_hook": [
+        ("self", _),
+        ("state", _),
+        ("hook", _),
+    ],
+    # torch's hook signature: (process_group, bucket)
+    "cupy_parallel.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook": [
+        ("process_group", _),
+        ("bucket", _),
+    ],
+    "cupy_parallel.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook": [
+        ("process_group", _),
+        ("bucket", _),
+    ],
+    "cupy_parallel.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook": [
+        ("process_group", _),
+        ("bucket", _),
     ],
     "cupy_parallel.to_device": [("array", _), ("device", _), ("stream", None)],
     "cupy_parallel.distributed.shard_indices": [
@@ -234,7 +263,7 @@ def test_api_md_names_exist() -> None:
             (
                 "Device HostArray as_device device_of to_device devices set_host_device_count "
                 "scatter scatter_kwargs gather Tape Function gradcheck replicate parallel_apply "
-                "data_parallel DataParallel"
+                "data_parallel DataParallel DistributedDataParallel"
             ),
         ),
         (comm, "broadcast broadcast_coalesced reduce_add reduce_add_coalesced scatter gather"),

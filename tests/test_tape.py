@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -1153,7 +1153,7 @@ def test_a_hook_may_replace_the_gradient() -> None:
     np.testing.assert_array_equal(grads["b"], 1.0)
 
 
-def test_an_unused_leaf_has_its_hook_called_with_none_at_the_end() -> None:
+def test_an_unused_leaf_has_its_hook_called_with_none_at_the_start() -> None:
     used, unused, events = np.array([1.0, 2.0]), np.array([5.0]), []
     with Tape() as tape:
         tape.watch((used, unused))
@@ -1161,7 +1161,8 @@ def test_an_unused_leaf_has_its_hook_called_with_none_at_the_end() -> None:
     tape.register_gradient_ready_hook(unused, lambda g: events.append(("unused", g)))
     tape.register_gradient_ready_hook(used, lambda g: events.append(("used", g is not None)))
     grads = tape.gradient(loss, (used, unused))
-    assert events == ["backward past sum", ("used", True), ("unused", None)]
+    # the unused leaf's gradient is final from the start: its hook is called first
+    assert events == [("unused", None), "backward past sum", ("used", True)]
     np.testing.assert_array_equal(grads[1], [0.0])  # the unconnected zero, as without a hook
     calls = []
     with Tape() as tape:
@@ -1241,3 +1242,37 @@ def test_a_collective_node_runs_with_a_zero_cotangent_when_no_gradient_reaches_i
 def _probe_vjp(gs: list[Any], xs: Any, needs: Any, zs: Any, aux: list[Any]) -> Any:
     aux.append(gs[0])
     return (gs[0],)
+
+
+class _LoggedProbe(Function):
+    """The identity, logging when its backward runs."""
+
+    events: ClassVar[list[str]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: Any) -> Any:
+        return x.copy()
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        _LoggedProbe.events.append("probe backward")
+        return g
+
+
+def test_ready_hooks_run_mid_pass_in_the_order_gradients_become_final() -> None:
+    w1, w2, unused, side = rand(3, 3), rand(3, 1, seed=1), rand(2, seed=2), rand(3, seed=3)
+    events = _LoggedProbe.events = []
+    with Tape() as tape:
+        tape.watch((w1, w2, unused, side))
+        h = _LoggedProbe.apply(ops.tanh(ops.matmul(rand(2, 3, seed=4), w1)))
+        _ = ops.sum(side)  # consumed, but not on the target's path
+        loss = ops.sum(ops.matmul(h, w2))
+    for name, leaf in {"w1": w1, "w2": w2, "unused": unused, "side": side}.items():
+        tape.register_gradient_ready_hook(
+            leaf, lambda g, n=name: events.append(f"{n} {'None' if g is None else g.shape}")
+        )
+    grads = tape.gradient(loss, (w1, w2, unused, side))
+    # unused: final from the start; w2 before the probe's backward, w1 after it; side (its
+    # consumer recorded between them, no gradient reaches it) gets None once that node is passed
+    assert events == ["unused None", "w2 (3, 1)", "side None", "probe backward", "w1 (3, 3)"]
+    np.testing.assert_array_equal(grads[2], np.zeros(2))

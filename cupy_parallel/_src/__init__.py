@@ -4,10 +4,12 @@ Each layer imports only from the layers below it; ``pyproject.toml``'s import-li
 hold this in the test suite (``tests/test_layers.py``), counting every import, those under
 ``TYPE_CHECKING`` and inside functions too, and forbid import cycles at any depth. Top to bottom:
 
+- ``ddp`` (``DistributedDataParallel``: the tape's gradient-ready hooks driving the
+  collectives).
 - ``distributed`` (process groups, collectives, backends, stores, rendezvous, and ``spawn``'s
   thread ranks over ``thread_mpi``, an in-process MPI; its ``env`` module, below
-  ``groups``/``mpi``/``rendezvous``, reads the launch environment) and
-  ``testing`` (hypothesis strategies).
+  ``groups``/``mpi``/``rendezvous``, reads the launch environment; its ``comm_hooks``, DDP's
+  communication hooks) and ``testing`` (hypothesis strategies).
 - parallel: ``parallel`` (``replicate``, ``parallel_apply``, ``data_parallel``) over ``nested``
   (scatter/gather of pytrees) over ``moves`` (the recorded Scatter/Gather/Broadcast/ReduceAdd).
 - autodiff: ``functional``/``gradcheck`` over ``tape``, ``ops`` and ``function``; the ops are

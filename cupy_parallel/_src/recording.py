@@ -228,8 +228,9 @@ def add_ready_hook(tape: Records, leaf: Any, hook: ReadyHook, /) -> Callable[[],
 
     ``leaf`` must be a watched leaf of ``tape`` (unchecked: ``Tape`` checks). Its gradient is
     final when the pass has run the earliest recorded node that consumed it; the hook is called
-    right then, before the pass goes on, with that gradient, or with ``None`` at the end of the
-    pass when no gradient reached ``leaf``. What it returns, unless ``None``, replaces the
+    right then, before the pass goes on, with that gradient (``None`` when no gradient reached
+    ``leaf``). A leaf no recorded node consumed is final from the start: its hooks are called
+    before the first node runs. What it returns, unless ``None``, replaces the
     gradient (``pullback`` returns it for ``leaf``). Returns a function removing the hook.
     """
     with tape._lock:
@@ -432,6 +433,8 @@ def pullback(
     ready = _ready_at(tape)  # node index -> ids of the hooked leaves final once it ran
     nodes = tape._nodes
     with pause_recording(tape), _backward():
+        if -1 in ready:  # hooked leaves no node consumed: final from the start
+            _call_ready_hooks(tape, grads, ready.pop(-1))
         for index in range(len(nodes) - 1, -1, -1):
             node = nodes[index]
             vjp, inputs, needs, outputs, aux, cuda = node
@@ -472,8 +475,7 @@ def pullback(
                     i += 1  # noqa: SIM113 - see above
             if ready and index in ready:
                 _call_ready_hooks(tape, grads, ready.pop(index))
-        for leaves in ready.values():  # hooked leaves no node consumed: final from the start
-            _call_ready_hooks(tape, grads, leaves)
+
     kept.update(grads)
     return [kept.get(id(x)) for x in sources]
 
@@ -482,8 +484,8 @@ def _ready_at(tape: Records) -> dict[int, list[int]]:
     """Where each hooked leaf's gradient becomes final: node index -> the leaves' ids.
 
     The earliest recorded node consuming a leaf is the last the reverse pass runs that adds to
-    its gradient; a hooked leaf no node consumes is filed under index ``-1`` (final at once,
-    its hooks called at the end of the pass).
+    its gradient; a hooked leaf no node consumes is filed under index ``-1`` (final at once:
+    its hooks are called before the first node runs).
     """
     hooked = {k for k, hooks in tape._ready_hooks.items() if hooks}
     if not hooked:

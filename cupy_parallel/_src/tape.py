@@ -221,8 +221,11 @@ class Tape(Records):
         Where torch and this differ, decided for data parallelism:
 
         - A source no gradient reaches in a pass (an unused parameter) has its hook called too,
-          at the end of the pass, with ``None`` (torch calls nothing): every rank's hooks then
-          run the same number of times, whatever each rank's step used.
+          with ``None`` (torch calls nothing): every rank's hooks then run the same number of
+          times, whatever each rank's step used. When no recorded operation consumed the
+          source at all, it is called at the start of the pass (its gradient is final from the
+          start, as torch's ``find_unused_parameters`` marks such parameters ready at once),
+          else once the earliest operation that consumed it has run.
         - The hook may return an array: it replaces the gradient (what :meth:`gradient`
           returns for ``source``, as if torch's hook wrote ``.grad``). It must have the
           source's shape; it need not hold its final values yet, only by the time

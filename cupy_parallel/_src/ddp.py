@@ -1,0 +1,720 @@
+"""``DistributedDataParallel``: one replica per rank, gradients averaged over the group.
+
+The counterpart of ``torch.nn.parallel.DistributedDataParallel`` for a module that is a pure
+function ``fn(params, *inputs, **kwargs)`` (as for :class:`~cupy_parallel.DataParallel`). Each
+rank of a process group holds the same parameters and its own shard of the batch; a gradient
+computed on a :class:`~cupy_parallel.Tape` that recorded ``ddp(inputs)`` is the average over
+the group of the ranks' gradients, which for a mean loss over equal shards is the gradient of
+the whole batch's loss on one process.
+
+How (torch's ``Reducer``): the parameters are cut into *buckets* at construction, in reverse
+parameter order (the order gradients become final in a backward pass), one dtype and device
+per bucket, at most ``bucket_cap_mb`` each (a bucket closes once it reaches its cap, so one
+parameter larger than the cap is a bucket of its own). With the default cap (25 MiB) the first
+bucket closes at 1 MiB (torch's ``_DEFAULT_FIRST_BUCKET_BYTES``, which torch applies when
+``bucket_cap_mb`` is not given), so that the first all-reduce starts early. Each
+forward call watches the parameters on the active tapes and registers, once per tape, a
+gradient-ready hook on each parameter (:meth:`Tape.register_gradient_ready_hook`). In a backward
+pass the hook copies the final gradient into its bucket's flat buffer; when a bucket is
+complete, and every bucket before it has started, its communication hook starts an
+asynchronous all-reduce, while the rest of the backward pass runs. The hook of the last
+parameter to become final waits for every bucket, and the gradients the tape returns are views
+of the reduced buffers.
+
+The buckets start in the same order on every rank (bucket ``k`` only after bucket ``k - 1``),
+whatever order each rank's gradients become final in: collectives must pair up across ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from typing import TYPE_CHECKING, Any, Concatenate, Generic
+
+import numpy as np
+
+from cupy_parallel._src.arguments import read_bool, read_callable, read_real
+from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array
+from cupy_parallel._src.arraytypes import Output, Params
+from cupy_parallel._src.compute import on_device_of
+from cupy_parallel._src.distributed.comm_hooks import (
+    GradBucket,
+    PolledFuture,
+    bf16_compress_hook,
+    bfloat16,
+)
+from cupy_parallel._src.distributed.groups import (
+    get_global_rank,
+    get_rank,
+    get_world_size,
+    resolve_group,
+)
+from cupy_parallel._src.distributed.objects import all_gather_object
+from cupy_parallel._src.distributed.reductions import all_reduce
+from cupy_parallel._src.distributed.rooted import broadcast
+from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, plain_buffer
+from cupy_parallel._src.recording import active_tapes, pause_recording
+from cupy_parallel._src.tape import Tape
+from cupy_parallel._src.tree import flatten, flatten_with_names
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from optree import PyTreeSpec
+
+    from cupy_parallel._src.arraytypes import Tree
+    from cupy_parallel._src.distributed.work import Future
+
+__all__ = ["DistributedDataParallel"]
+
+_MIB = 1024 * 1024
+FIRST_BUCKET_BYTES = 1 * _MIB
+"""The cap of the first bucket reduced (torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
+_DEFAULT_CAP_MB = 25.0
+POLLS = range(8)
+"""How many more times a gradient-ready hook asks the oldest bucket in flight (see the class)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Buckets
+
+
+class _Bucket:
+    """Where bucket ``index`` lives: its parameters (indices), their slices of a flat buffer."""
+
+    __slots__ = ("device", "dtype", "index", "members", "size", "slices")
+
+    def __init__(self, index: int, members: list[int], arrays: list[Any]) -> None:
+        self.index = index
+        self.members = members
+        self.slices: list[tuple[int, int]] = []
+        start = 0
+        for i in members:
+            self.slices.append((start, start + arrays[i].size))
+            start += arrays[i].size
+        self.size = start
+        self.dtype = arrays[members[0]].dtype
+        self.device = device_of(arrays[members[0]])
+
+
+def _assign_buckets(arrays: list[Any], first_bytes: int, cap_bytes: int) -> list[_Bucket]:
+    """Cut the parameters into buckets, in reverse parameter order (see the module).
+
+    Per dtype and device, the first bucket closes at ``first_bytes``, the others at
+    ``cap_bytes``.
+    """
+    open_: dict[Any, tuple[list[int], int, int]] = {}  # key -> (members, bytes, buckets closed)
+    done: list[list[int]] = []
+    for i in reversed(range(len(arrays))):
+        a = arrays[i]
+        key = (a.dtype, device_of(a))
+        members, size, closed = open_.get(key, ([], 0, 0))
+        members.append(i)
+        size += a.nbytes
+        if size >= (first_bytes if closed == 0 else cap_bytes):
+            done.append(members)
+            members, size, closed = [], 0, closed + 1
+        open_[key] = (members, size, closed)
+    done.extend(members for members, _, _ in open_.values() if members)
+    done.sort(key=lambda members: -members[0])  # the bucket of the last parameter first
+    return [_Bucket(k, members, arrays) for k, members in enumerate(done)]
+
+
+def _write(buffer: Any, start: int, stop: int, grad: Any, scale: float | None = None) -> None:
+    """``buffer[start:stop] = grad.ravel() * scale`` (zeros for ``None``), on its device."""
+    raw = plain_buffer(buffer)
+    if grad is None or scale is None:
+        value = 0 if grad is None else plain_buffer(grad).reshape(-1)
+        on_device_of(raw, raw.__setitem__, slice(start, stop), value)
+    else:  # one pass: scaled while copied
+        xp = np if isinstance(raw, np.ndarray) else array_namespace(raw)
+        on_device_of(raw, _multiply, xp, plain_buffer(grad).reshape(-1), scale, raw[start:stop])
+
+
+def _multiply(xp: Any, x: Any, scale: float, out: Any) -> None:
+    xp.multiply(x, scale, out=out)
+
+
+def _view(buffer: Any, start: int, stop: int, shape: tuple[int, ...]) -> Any:
+    """``buffer[start:stop]`` shaped ``shape``, of the buffer's own array type (a view)."""
+    if type(buffer) is HostArray:
+        return host_array(host_buffer(buffer)[start:stop].reshape(shape), buffer.device)
+    return buffer[start:stop].reshape(shape)
+
+
+class _Reduction:
+    """One reduction of every bucket: buffers filled, communication started in order, waited.
+
+    Filled by :meth:`put` (one parameter's gradient at a time, in any order); bucket ``k``
+    starts once it is complete and buckets ``0..k-1`` have started. :meth:`finish` starts what
+    is left and waits for everything.
+    """
+
+    __slots__ = ("_ddp", "buffers", "futures", "next", "pending", "scale")
+
+    def __init__(self, ddp: DistributedDataParallel[Any, Any]) -> None:
+        self._ddp = ddp
+        buckets = ddp._buckets
+        self.buffers: list[Any] = [None] * len(buckets)
+        self.pending = [len(b.members) for b in buckets]
+        self.futures: list[tuple[Future[Any], Any]] = []
+        self.next = 0
+        # the default hook, fused: each gradient divided by the group's size as it is copied
+        self.scale = 1.0 / ddp._world if ddp._comm_hook is None and ddp._world > 1 else None
+
+    def put(self, i: int, grad: Any) -> Any:
+        """Copy parameter ``i``'s gradient into its bucket; return its view there."""
+        ddp = self._ddp
+        bucket, slot = ddp._where[i]
+        param = ddp._arrays[i]
+        if grad is not None and tuple(grad.shape) != tuple(param.shape):
+            raise ValueError(
+                f"The gradient of {ddp._names[i]} has shape {tuple(grad.shape)}, the parameter "
+                f"{tuple(param.shape)}."
+            )
+        buffer = self.buffers[bucket.index]
+        if buffer is None:
+            buffer = self.buffers[bucket.index] = empty(bucket.size, bucket.dtype, bucket.device)
+        start, stop = bucket.slices[slot]
+        _write(buffer, start, stop, grad, self.scale)
+        self.pending[bucket.index] -= 1
+        self._start_ready()
+        return _view(buffer, start, stop, param.shape)
+
+    def _start_ready(self) -> None:
+        buckets = self._ddp._buckets
+        while self.next < len(buckets) and self.pending[self.next] == 0:
+            self._start(self.next)
+            self.next += 1
+        # MPI moves nonblocking collectives on only while asked; one test moves them all
+        for future, _ in self.futures:
+            if not future.done():
+                for _ in POLLS:
+                    if future.done():
+                        break
+                break
+
+    def _start(self, k: int) -> None:
+        ddp = self._ddp
+        if ddp._comm_hook is None:  # allreduce_hook, its division done by put
+            work = all_reduce(self.buffers[k], group=ddp.process_group, async_op=True)
+            self.futures.append((PolledFuture.of_work(work), None))
+            return
+        bucket = ddp._buckets[k]
+        params = [ddp._arrays[i] for i in bucket.members]
+        grad_bucket = GradBucket(
+            k, self.buffers[k], params, bucket.slices, last=k == len(ddp._buckets) - 1
+        )
+        with pause_recording():
+            future = ddp._comm_hook(ddp._comm_state, grad_bucket)
+        if not callable(getattr(future, "wait", None)):
+            raise TypeError(
+                "A DDP communication hook must return a future of the reduced bucket (with a "
+                f"wait() method, e.g. work.get_future()), got {type(future).__name__}."
+            )
+        self.futures.append((future, self.buffers[k]))
+
+    def finish(self) -> list[Any]:
+        """Start the buckets left (all complete by now), wait for all; the reduced buffers."""
+        for k in range(self.next, len(self.buffers)):
+            if self.buffers[k] is None:  # a bucket no gradient reached (reduce_gradients)
+                b = self._ddp._buckets[k]
+                self.buffers[k] = empty(b.size, b.dtype, b.device)
+                _write(self.buffers[k], 0, b.size, None)
+            self._start(k)
+        self.next = len(self.buffers)
+        for k, (future, buffer) in enumerate(self.futures):
+            with pause_recording():
+                result = future.wait()
+            if buffer is not None and result is not buffer:
+                if not is_array(result) or tuple(result.shape) != (buffer.size,):
+                    shape = getattr(result, "shape", None)
+                    raise ValueError(
+                        f"The communication hook's future for bucket {k} must hold the reduced "
+                        f"flat buffer, an array of shape ({buffer.size},), got "
+                        f"{type(result).__name__} of shape {shape}."
+                    )
+                _write(buffer, 0, buffer.size, result)
+        return self.buffers
+
+
+class _TapeReduction:
+    """A tape's gradient-ready hooks for the parameters: one reduction per backward pass.
+
+    Every hooked parameter's hook runs once per pass (with ``None`` when no gradient reached
+    it), so a pass is over when all have run; a hook that sees a parameter twice knows the
+    previous pass ended early (an error) and starts afresh. One array at two leaves of params
+    is hooked twice: its second hook gets the replacement the first returned, so the gradient
+    the first received is kept for it.
+    """
+
+    __slots__ = ("_ddp", "_received", "_reduction", "_seen", "_shared", "ids")
+
+    def __init__(self, ddp: DistributedDataParallel[Any, Any], arrays: list[Any]) -> None:
+        self._ddp = ddp
+        self.ids = [id(a) for a in arrays]  # one array at two leaves: hooked twice
+        self._seen: set[int] = set()
+        self._received: dict[int, Any] = {}  # id(array) -> the gradient its first hook got
+        self._reduction: _Reduction | None = None
+        self._shared = len(set(self.ids)) < len(self.ids)
+
+    def ready(self, i: int, grad: Any) -> Any:
+        reduction = self._reduction
+        if reduction is None or i in self._seen:
+            reduction = self._begin()
+        self._seen.add(i)
+        if self._shared:
+            grad = self._received.setdefault(self.ids[i], grad)
+        view = reduction.put(i, grad)
+        if len(self._seen) == len(self.ids):
+            self._reduction, self._seen, self._received = None, set(), {}
+            reduction.finish()
+        return view
+
+    def _begin(self) -> _Reduction:
+        arrays = self._ddp._arrays
+        for tape in active_tapes():  # the tapes recording this pass (the computing one paused)
+            if any(tape.tracks(a) for a in arrays):
+                raise NotImplementedError(
+                    "DistributedDataParallel's averaged gradients cannot be differentiated "
+                    "again: a gradient() is computed while an outer tape tracks the "
+                    "parameters (torch's DDP does not support double backward either). For "
+                    "higher derivatives run the forward under ddp.no_sync() and average with "
+                    "cupy_parallel.distributed.nn.functional.all_reduce."
+                )
+        self._reduction, self._seen, self._received = _Reduction(self._ddp), set(), {}
+        return self._reduction
+
+
+# --------------------------------------------------------------------------------------------
+# Agreement of the ranks
+
+
+def _describe(
+    names: list[str], leaves: list[Any], spec: PyTreeSpec
+) -> tuple[str, list[tuple[str, tuple[int, ...], str, str]], list[tuple[str, str]]]:
+    """What must agree across ranks: the structure, and each array leaf's shape/dtype/kind.
+
+    Also the local problems (``(error type, message)``): array leaves that are not floating.
+    """
+    entries, problems = [], []
+    for name, leaf in zip(names, leaves, strict=True):
+        if not is_array(leaf):
+            continue
+        kind = device_of(leaf).kind
+        entries.append((name, tuple(leaf.shape), str(leaf.dtype), f"{type(leaf).__name__}/{kind}"))
+        if leaf.dtype.kind != "f":
+            problems.append(
+                (
+                    "TypeError",
+                    (
+                        f"DistributedDataParallel trains floating-point arrays, but {name} has "
+                        f"dtype {leaf.dtype}. Cast it first (array.astype(numpy.float32)) or keep "
+                        "it out of params."
+                    ),
+                )
+            )
+    return str(spec), entries, problems
+
+
+_ERRORS: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError}
+
+
+def _agree(what: str, description: Any, problems: list[tuple[str, str]], group: Any) -> None:
+    """Have every rank compare ``description`` and raise alike if any rank differs or failed.
+
+    One object all-gather: every rank sees every rank's description and local problems, so
+    every rank raises (the same error), none waits for a collective its peers skip.
+    """
+    gathered: list[Any] = [None] * get_world_size(group)
+    all_gather_object(gathered, (description, problems), group=group)
+    for rank, (_, found) in enumerate(gathered):
+        if found:
+            kind, message = found[0]
+            raise _ERRORS.get(kind, ValueError)(f"On rank {rank}: {message}")
+    first = gathered[0][0]
+    for rank, (other, _) in enumerate(gathered):
+        if other != first:
+            raise ValueError(
+                f"{what} differ across the ranks: rank {rank}'s differ from rank 0's "
+                f"({_first_difference(first, other)}). Every rank must pass the same structure, "
+                "shapes and dtypes."
+            )
+
+
+def _first_difference(a: Any, b: Any) -> str:
+    if not isinstance(a, tuple) or not isinstance(b, tuple):
+        return f"{a} vs {b}"
+    spec_a, entries_a, *extra_a = a
+    spec_b, entries_b, *extra_b = b
+    if spec_a != spec_b:
+        return f"structure {spec_a} vs {spec_b}"
+    for x, y in zip(entries_a, entries_b, strict=False):
+        if x != y:
+            return f"{x[0]}: shape {x[1]} {x[2]} {x[3]} vs {y[0]}: shape {y[1]} {y[2]} {y[3]}"
+    if len(entries_a) != len(entries_b):
+        return f"{len(entries_a)} arrays vs {len(entries_b)}"
+    return f"options {extra_a} vs {extra_b}"
+
+
+# --------------------------------------------------------------------------------------------
+# DistributedDataParallel
+
+
+class DistributedDataParallel(Generic[Params, Output]):
+    """A module function whose gradients are averaged over a process group, as torch's DDP.
+
+    Every rank of the group builds one, with parameters of the same structure, shapes and
+    dtypes, and calls it on its own shard of the batch (see
+    :func:`cupy_parallel.distributed.shard_indices`). ``ddp(*inputs, **kwargs)`` is
+    ``fn(ddp.params, *inputs, **kwargs)``, recorded so that ``tape.gradient(loss, ddp.params)``
+    returns the gradients averaged over the group: for a mean loss over equal shards, the
+    gradient of the whole batch's mean loss. The reduction runs in buckets during the backward
+    pass (see the module :mod:`cupy_parallel._src.ddp`).
+
+    Decisions:
+
+    - Construction broadcasts the parameters from the group's first rank **in place** (as torch
+      overwrites a module's parameters): ``ddp.params`` is the pytree passed, its arrays now
+      holding rank 0's values. First the ranks compare the structure, shapes, dtypes and array
+      types of their parameters (and the options): a difference, or a non-floating parameter
+      on any rank, raises the same error on every rank.
+    - A forward call watches the parameters on **every active tape** and hooks them once per
+      tape: any tape that recorded a forward outside :meth:`no_sync` averages the parameters'
+      gradients in each of its ``gradient()`` passes (a persistent tape in each), whatever
+      else the pass asks for. Several forward calls on one tape make one reduction per pass.
+      The reduced gradients cannot be differentiated again: a pass computed while another
+      active tape tracks the parameters raises ``NotImplementedError`` (torch's DDP has no
+      double backward either).
+    - Like torch, the flag of :meth:`no_sync` is read at the forward call: a tape on which
+      every forward ran inside ``no_sync`` keeps its gradients rank-local.
+    - Every parameter gets a gradient, even one that no rank's step used (zeros then), and the
+      ranks reduce every bucket in every pass, whatever each used (so none waits for another).
+      ``unconnected_gradients="none"`` does not apply to the parameters. A parameter no
+      recorded operation consumed is final at the start of the pass (torch's
+      ``find_unused_parameters`` marks it ready at once); one consumed only off the loss's
+      path holds its bucket back until the pass reaches that operation. Every rank must run
+      the same backward passes (a rank whose tape does not reduce makes its peers wait, as in
+      torch). One array at two leaves of ``params`` (tied weights) gets its total gradient at
+      both.
+    - The gradients returned are views of fresh flat buffers, one per bucket and pass (never a
+      buffer reused across steps, so a gradient kept from one step does not change later).
+    - Progress: the MPI backend moves a nonblocking all-reduce on only while its rank calls
+      into MPI, so each gradient-ready hook tests the oldest bucket in flight up to 9 times
+      (one test moves every pending collective on; a test costs microseconds); between two
+      hooks the communication waits. Measured on the benchmark's MLP (2 ranks on 2 shared
+      cores): one test per hook left 6-18 ms of waiting at the end of the pass, nine left
+      0.1-7.5 ms (32: no better). A helper thread testing every 0.1 ms was starved by the
+      backward pass (5 tests in 40 ms on a busy core) and MPICH's own progress thread
+      (``MPICH_ASYNC_PROGRESS=1``) slowed the computation it should hide behind.
+    - The default reduction is torch's ``allreduce_hook`` fused with the copy into the
+      buckets: each gradient is divided by the group's size as it is copied (one pass over
+      the gradients less); a registered hook gets the undivided bucket, as in torch.
+    - ``cupy_parallel.grad``/``value_and_grad`` differentiate the arguments they pass (views),
+      not ``ddp.params``: take gradients with respect to ``ddp.params`` on a :class:`Tape`.
+    - The parameters may be replaced between steps (``ddp.params = new``, a functional update)
+      by a pytree of the same structure, shapes and dtypes; nothing is broadcast then.
+
+    Args:
+        fn: The module function, called as ``fn(params, *inputs, **kwargs)``.
+        params: Its parameter pytree; array leaves must be floating-point (other leaves are
+            passed through).
+        process_group: The group to average over (``None``: the default group).
+        bucket_cap_mb: The size cap of a bucket in MiB (with the default, 25, the first
+            bucket's is 1 MiB, as torch's without ``bucket_cap_mb``).
+        broadcast_params: Broadcast the parameters from the group's first rank.
+
+    Raises:
+        TypeError: ``fn`` or ``process_group`` has a wrong type, ``bucket_cap_mb`` is not a
+            number, ``broadcast_params`` not a bool, or a parameter is not floating-point (on
+            every rank).
+        ValueError: ``bucket_cap_mb`` is not positive, or the ranks' parameters differ (on
+            every rank).
+        RuntimeError: No process group is initialised.
+
+    Example:
+        >>> import numpy as np
+        >>> import cupy_parallel
+        >>> from cupy_parallel import distributed as dist, ops
+        >>> dist.init_process_group("mpi")  # under `mpiexec -n N` every rank runs this
+        >>> ddp = cupy_parallel.DistributedDataParallel(
+        ...     lambda p, x: ops.matmul(x, p["w"]), {"w": np.ones((2, 1))}
+        ... )
+        >>> x = np.full((3, 2), dist.get_rank() + 1.0)  # this rank's shard of the batch
+        >>> with cupy_parallel.Tape() as tape:
+        ...     loss = ops.mean(ddp(x))
+        >>> tape.gradient(loss, ddp.params)  # averaged over the ranks
+        {'w': array([[1.], [1.]])}
+        >>> dist.destroy_process_group()
+    """
+
+    def __init__(
+        self,
+        fn: Callable[Concatenate[Params, ...], Output],
+        params: Params,
+        *,
+        process_group: Any = None,
+        bucket_cap_mb: float = _DEFAULT_CAP_MB,
+        broadcast_params: bool = True,
+    ) -> None:
+        read_callable(fn, "fn", call="fn(params, *inputs)")
+        cap = read_real(bucket_cap_mb, "bucket_cap_mb")
+        if not cap > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}.")
+        broadcast_params = read_bool(broadcast_params, "broadcast_params")
+        if resolve_group(process_group) is None:
+            raise ValueError(
+                "process_group must be a group this rank is a member of, got "
+                "GroupMember.NON_GROUP_MEMBER (a rank outside the group builds no DDP)."
+            )
+        names, leaves, spec = flatten_with_names(params, "params")
+        spec_text, entries, problems = _describe(names, leaves, spec)
+        description = (spec_text, entries, cap, broadcast_params)
+        _agree("The parameters of DistributedDataParallel", description, problems, process_group)
+        self.fn = fn
+        self.process_group = process_group
+        self.bucket_cap_mb = cap
+        self._spec = spec
+        self._entries = entries
+        self._slots = [k for k, leaf in enumerate(leaves) if is_array(leaf)]
+        self._names = [names[k] for k in self._slots]
+        self._arrays = [leaves[k] for k in self._slots]
+        cap_bytes = max(1, int(cap * _MIB))
+        first = FIRST_BUCKET_BYTES if cap == _DEFAULT_CAP_MB else cap_bytes  # torch's rule
+        self._buckets = _assign_buckets(self._arrays, first, cap_bytes)
+        self._where: list[tuple[_Bucket, int]] = [None] * len(self._arrays)  # type: ignore[list-item]
+        for bucket in self._buckets:
+            for slot, i in enumerate(bucket.members):
+                self._where[i] = (bucket, slot)
+        self._params = params
+        self._sync = True
+        self._world = get_world_size(process_group)
+        # None: allreduce_hook's reduction, fused with the copy into the buckets
+        self._comm_hook: Callable[[Any, GradBucket], Future[Any]] | None = None
+        self._comm_state: Any = process_group
+        self._backward_ran = False
+        self._tapes: weakref.WeakKeyDictionary[Tape, _TapeReduction] = weakref.WeakKeyDictionary()
+        if broadcast_params:
+            self._broadcast()
+
+    # -- parameters ----------------------------------------------------------------------
+
+    @property
+    def params(self) -> Params:
+        """The parameter pytree (the same on every rank once constructed)."""
+        return self._params
+
+    @params.setter
+    def params(self, params: Params) -> None:
+        names, leaves, spec = flatten_with_names(params, "params")
+        spec_text, entries, problems = _describe(names, leaves, spec)
+        if problems:
+            raise TypeError(problems[0][1])
+        if (spec_text, entries) != (str(self._spec), self._entries):
+            raise ValueError(
+                "New DistributedDataParallel params must have the structure, shapes and dtypes "
+                "of the old ones (the buckets are cut for them): "
+                f"{_first_difference((str(self._spec), self._entries), (spec_text, entries))}."
+            )
+        self._params = params
+        self._arrays = [leaves[k] for k in self._slots]
+
+    def _broadcast(self) -> None:
+        """Overwrite the parameters with the group's first rank's, one broadcast per bucket."""
+        group = self.process_group
+        src = 0 if group is None else get_global_rank(group, 0)
+        first = get_rank(group) == 0
+        for bucket in self._buckets:
+            buffer = empty(bucket.size, bucket.dtype, bucket.device)
+            members = [self._arrays[i] for i in bucket.members]
+            if first:
+                for p, (start, stop) in zip(members, bucket.slices, strict=True):
+                    _write(buffer, start, stop, p)
+            broadcast(buffer, src, group=group)
+            if not first:
+                for p, (start, stop) in zip(members, bucket.slices, strict=True):
+                    view = _view(buffer, start, stop, p.shape)
+                    on_device_of(p, p.__setitem__, Ellipsis, view)
+
+    # -- forward -------------------------------------------------------------------------
+
+    def __call__(self, /, *inputs: Any, **kwargs: Any) -> Output:
+        """``fn(params, *inputs, **kwargs)``, its gradients averaged over the group."""
+        for tape in active_tapes():
+            if isinstance(tape, Tape):
+                tape.watch(self._arrays)
+                if self._sync:
+                    self._hook(tape)
+        return self.fn(self._params, *inputs, **kwargs)
+
+    def _hook(self, tape: Tape) -> None:
+        """Register the gradient-ready hooks on ``tape``, once."""
+        found = self._tapes.get(tape)
+        if found is not None:
+            if found.ids == [id(a) for a in self._arrays]:
+                return
+            raise ValueError(
+                "ddp.params was replaced between two forward calls recorded on one tape: "
+                "replace the parameters between steps, not within one."
+            )
+        state = _TapeReduction(self, self._arrays)
+        for i, a in enumerate(self._arrays):
+            tape.register_gradient_ready_hook(a, functools.partial(self._ready, state, i))
+        self._tapes[tape] = state
+
+    def _ready(self, state: _TapeReduction, i: int, grad: Any) -> Any:
+        self._backward_ran = True
+        return state.ready(i, grad)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """A block whose forward calls record no reduction: their gradients stay rank-local.
+
+        For gradient accumulation (torch's ``no_sync``): sum the gradients of ``k``
+        micro-batches computed inside, then average the sum once with
+        :meth:`reduce_gradients`. As in torch, the flag is read by the forward call.
+
+        Example:
+            >>> import numpy as np
+            >>> import cupy_parallel
+            >>> from cupy_parallel import distributed as dist, ops
+            >>> dist.init_process_group("mpi")
+            >>> ddp = cupy_parallel.DistributedDataParallel(
+            ...     lambda p, x: ops.sum(ops.multiply(p, x)), np.ones(2)
+            ... )
+            >>> total = np.zeros(2)
+            >>> with ddp.no_sync():
+            ...     for x in [np.array([1.0, 2.0]), np.array([3.0, 4.0])]:
+            ...         with cupy_parallel.Tape() as tape:
+            ...             loss = ddp(x)
+            ...         total = total + tape.gradient(loss, ddp.params)
+            >>> ddp.reduce_gradients(total)
+            array([4., 6.])
+            >>> dist.destroy_process_group()
+        """
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # -- reductions outside a backward pass ----------------------------------------------
+
+    def reduce_gradients(self, grads: Tree, /) -> Tree:
+        """Average a gradient pytree shaped as ``params`` over the group, in buckets.
+
+        Every rank of the group must call it. Leaves at the parameters' array positions are
+        arrays of the parameters' shapes and dtypes (``None`` counts as zeros); the ranks
+        first compare their trees, and a difference raises ``ValueError`` on every rank.
+        The communication hook (:meth:`register_comm_hook`) reduces each bucket.
+
+        Returns:
+            The averaged gradients (new arrays) in ``params``' structure; ``None`` where a
+            parameter leaf is not an array.
+
+        Example:
+            >>> import numpy as np
+            >>> import cupy_parallel
+            >>> from cupy_parallel import distributed as dist
+            >>> dist.init_process_group("mpi")  # outside mpiexec: a world of one
+            >>> ddp = cupy_parallel.DistributedDataParallel(lambda p, x: x, {"w": np.ones(2)})
+            >>> ddp.reduce_gradients({"w": np.array([1.0, 3.0])})
+            {'w': array([1., 3.])}
+            >>> dist.destroy_process_group()
+        """
+        problems: list[tuple[str, str]] = []
+        try:  # the structure of params, where a non-array leaf may be anything (gradient's None)
+            leaves: list[Any] = self._spec.flatten_up_to(grads)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            leaves = []
+            problems.append(
+                (
+                    "ValueError",
+                    (
+                        f"grads must have the structure of params {self._spec} (None where a "
+                        f"parameter is no array), got {flatten(grads)[2]}."
+                    ),
+                )
+            )
+        pairs = zip(self._slots, self._arrays, self._names, strict=True) if leaves else ()
+        for k, param, name in pairs:
+            leaf = leaves[k]
+            if leaf is not None and not (
+                is_array(leaf) and leaf.shape == param.shape and leaf.dtype == param.dtype
+            ):
+                what = f"shape {leaf.shape} {leaf.dtype}" if is_array(leaf) else repr(leaf)
+                where = name.replace("params", "grads", 1)
+                problems.append(
+                    (
+                        "ValueError",
+                        (
+                            f"{where} must be None or an array of its parameter's shape "
+                            f"{param.shape} and dtype {param.dtype}, got {what}."
+                        ),
+                    )
+                )
+                break
+        # every rank learns of any rank's problem, so all raise (none waits in a collective)
+        _agree("The gradient trees given to reduce_gradients", "", problems, self.process_group)
+        self._backward_ran = True
+        reduction = _Reduction(self)
+        for i, k in enumerate(self._slots):
+            reduction.put(i, leaves[k])
+        buffers = reduction.finish()
+        result: list[Any] = [None] * len(leaves)
+        for i, k in enumerate(self._slots):
+            bucket, slot = self._where[i]
+            start, stop = bucket.slices[slot]
+            result[k] = _view(buffers[bucket.index], start, stop, self._arrays[i].shape)
+        return self._spec.unflatten(result)  # type: ignore[return-value]  # params' structure
+
+    def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Any]) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` (torch's contract).
+
+        ``bucket`` is a :class:`~cupy_parallel.distributed.algorithms.ddp_comm_hooks.GradBucket`
+        (``buffer()``, ``index()``, ``is_last()``, ``gradients()``, ``parameters()``); the hook
+        starts reducing ``bucket.buffer()`` and returns a future (``wait()``) of the reduced
+        flat buffer. ``default_hooks`` ships ``allreduce_hook`` (the default),
+        ``fp16_compress_hook`` and ``bf16_compress_hook``; their ``state`` is the process
+        group (``None``: the default group). As in torch a hook is registered at most once,
+        before the first backward pass.
+
+        Raises:
+            TypeError: ``hook`` is not callable.
+            RuntimeError: A hook is registered already, a backward pass ran already, or
+                ``bf16_compress_hook`` without a ``bfloat16`` dtype (``ml_dtypes``).
+
+        Example:
+            >>> import numpy as np
+            >>> import cupy_parallel
+            >>> from cupy_parallel import distributed as dist
+            >>> from cupy_parallel.distributed.algorithms.ddp_comm_hooks import default_hooks
+            >>> dist.init_process_group("mpi")
+            >>> ddp = cupy_parallel.DistributedDataParallel(lambda p, x: x, np.ones(2))
+            >>> ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            >>> ddp.reduce_gradients(np.array([1.0, 1.0 / 3.0]))
+            array([1.        , 0.33325195])
+            >>> dist.destroy_process_group()
+        """
+        hook = read_callable(hook, "hook", call="hook(state, bucket)")
+        if self._comm_hook is not None:
+            raise RuntimeError(
+                "register_comm_hook can only be called once (as in torch): a communication "
+                "hook is registered already."
+            )
+        if self._backward_ran:
+            raise RuntimeError(
+                "register_comm_hook must be called before the first backward pass (as in "
+                "torch), but gradients were reduced already."
+            )
+        if hook is bf16_compress_hook:
+            bfloat16()  # raises now, not in the middle of a backward pass
+        self._comm_hook, self._comm_state = hook, state
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        return (
+            f"DistributedDataParallel({name}, parameters={len(self._arrays)}, "
+            f"buckets={len(self._buckets)}, bucket_cap_mb={self.bucket_cap_mb:g})"
+        )

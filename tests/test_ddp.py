@@ -1,0 +1,401 @@
+"""DistributedDataParallel: against one process under mpiexec, and its edges in a world of one.
+
+``mpi_workers/ddp_worker.py`` holds the multi-rank checks (the one-process oracle of the whole
+batch's gradient to 1e-12 in float64 with uneven layers, several buckets, unused parameters,
+``no_sync`` accumulation, the order of events, comm hooks, errors raised on every rank); one
+``mpiexec`` launch per world size runs them all. The tests below need no mpiexec: a world of
+one (``init_process_group("mpi")`` outside mpiexec), where the average is the rank's own
+gradient, so the oracle is a plain tape.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cupy_parallel as cp
+from cupy_parallel import distributed as dist
+from cupy_parallel import ops
+from cupy_parallel._src.ddp import FIRST_BUCKET_BYTES, _assign_buckets
+from cupy_parallel._tools.launch import find_mpiexec
+from cupy_parallel.distributed.algorithms.ddp_comm_hooks import GradBucket, default_hooks
+
+WORKER = Path(__file__).parent / "mpi_workers" / "ddp_worker.py"
+MPIEXEC = find_mpiexec()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+def test_ddp_equals_one_process_under_mpiexec(ranks: int) -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "error", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(WORKER)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert done.stdout.count("checks passed") == ranks, done.stdout
+
+
+@pytest.fixture
+def world() -> Any:
+    dist.init_process_group("mpi")
+    yield
+    dist.destroy_process_group()
+
+
+def _model(params: dict[str, Any], x: Any) -> Any:
+    h = ops.tanh(ops.matmul(x, params["w1"]))
+    return ops.sum(ops.matmul(h, params["w2"]))
+
+
+def _params() -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    return {"w1": rng.normal(size=(3, 4)), "w2": rng.normal(size=(4, 2)), "name": "mlp"}
+
+
+X = np.linspace(-1.0, 1.0, 6).reshape(2, 3)
+
+
+def _plain_gradient(params: dict[str, Any]) -> Any:
+    with cp.Tape() as tape:
+        tape.watch(params)
+        loss = _model(params, X)
+    return tape.gradient(loss, params)
+
+
+# -- arguments ---------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("world")
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"fn": 3}, TypeError, "fn must be callable"),
+        ({"bucket_cap_mb": "25"}, TypeError, "bucket_cap_mb must be a real number, got str"),
+        ({"bucket_cap_mb": 0.0}, ValueError, "bucket_cap_mb must be > 0, got 0.0"),
+        ({"bucket_cap_mb": True}, TypeError, "bucket_cap_mb"),
+        ({"broadcast_params": 1}, TypeError, "broadcast_params must be a bool, got int 1"),
+        ({"process_group": "world"}, TypeError, "group must be None"),
+        (
+            {"process_group": dist.GroupMember.NON_GROUP_MEMBER},
+            ValueError,
+            "process_group must be a group this rank is a member of",
+        ),
+        ({"params": {"w": np.arange(3)}}, TypeError, r"params\['w'\] has dtype int64"),
+    ],
+    ids=["fn", "cap-type", "cap-zero", "cap-bool", "broadcast", "group", "non-member", "int"],
+)
+def test_bad_arguments_raise_before_anything_changes(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    params = _params()
+    before = {k: v.copy() for k, v in params.items() if isinstance(v, np.ndarray)}
+    arguments = {"fn": _model, "params": params, **kwargs}
+    fn, p = arguments.pop("fn"), arguments.pop("params")
+    with pytest.raises(error, match=match):
+        cp.DistributedDataParallel(fn, p, **arguments)
+    for k, v in before.items():
+        np.testing.assert_array_equal(params[k], v)
+
+
+def test_without_a_process_group_it_says_so() -> None:
+    with pytest.raises(RuntimeError, match="not initialized"):
+        cp.DistributedDataParallel(_model, _params())
+
+
+# -- buckets -----------------------------------------------------------------------------------
+
+
+def test_buckets_in_reverse_order_per_dtype_with_caps() -> None:
+    arrays = [
+        np.zeros(100, np.float64),  # 800 B
+        np.zeros(100, np.float32),  # 400 B
+        np.zeros(50, np.float64),  # 400 B
+        np.zeros(200, np.float64),  # 1600 B
+        np.zeros(10, np.float32),  # 40 B
+    ]
+    buckets = _assign_buckets(arrays, 500, 1000)
+    # float64: [3] reaches the first cap (500 B), [2, 0] the cap; float32: [4, 1] stays open;
+    # the bucket holding the last parameter is reduced first
+    assert [b.members for b in buckets] == [[4, 1], [3], [2, 0]]
+    assert [str(b.dtype) for b in buckets] == ["float32", "float64", "float64"]
+    assert [b.size for b in buckets] == [110, 200, 150]
+    assert buckets[0].slices == [(0, 10), (10, 110)]
+    one = _assign_buckets(arrays, 10**9, 10**9)  # everything fits: one bucket per dtype
+    assert [b.members for b in one] == [[4, 1], [3, 2, 0]]
+
+
+@pytest.mark.usefixtures("world")
+def test_default_cap_has_a_small_first_bucket() -> None:
+    count = FIRST_BUCKET_BYTES // 8
+    params = [np.zeros(count // 2), np.zeros(count // 2), np.zeros(count), np.zeros(count)]
+    ddp = cp.DistributedDataParallel(lambda p, x: x, params)
+    assert [b.members for b in ddp._buckets] == [[3], [2, 1, 0]]
+    ddp = cp.DistributedDataParallel(lambda p, x: x, params, bucket_cap_mb=50.0)
+    assert [b.members for b in ddp._buckets] == [[3, 2, 1, 0]]
+
+
+# -- gradients in a world of one ---------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("world")
+@pytest.mark.parametrize("cap", [25.0, 1e-5], ids=["one-bucket", "bucket-per-array"])
+def test_gradient_is_the_plain_tapes_in_a_world_of_one(cap: float) -> None:
+    params = _params()
+    ddp = cp.DistributedDataParallel(_model, params, bucket_cap_mb=cap)
+    assert ddp.params is params
+    with cp.Tape() as tape:
+        loss = ddp(X)
+    grads = tape.gradient(loss, ddp.params)
+    expected = _plain_gradient(_params())
+    assert grads["name"] is None
+    for k in ("w1", "w2"):
+        np.testing.assert_allclose(grads[k], expected[k], rtol=1e-14, atol=0)
+
+
+@pytest.mark.usefixtures("world")
+def test_no_sync_forward_runs_no_hook_and_reduce_gradients_does() -> None:
+    calls: list[int] = []
+
+    def counting(state: Any, bucket: Any) -> Any:
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp = cp.DistributedDataParallel(_model, _params(), bucket_cap_mb=1e-5)
+    ddp.register_comm_hook(None, counting)
+    with ddp.no_sync():
+        with cp.Tape() as tape:
+            loss = ddp(X)
+        grads = tape.gradient(loss, ddp.params)
+    assert calls == []
+    reduced = ddp.reduce_gradients(grads)
+    assert calls == [0, 1]
+    np.testing.assert_array_equal(reduced["w1"], grads["w1"])
+    assert reduced["w1"] is not grads["w1"]
+    assert reduced["name"] is None
+
+
+@pytest.mark.usefixtures("world")
+def test_a_tape_hooks_once_and_non_persistent_tapes_drop_their_hooks() -> None:
+    calls: list[int] = []
+
+    def counting(state: Any, bucket: Any) -> Any:
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp = cp.DistributedDataParallel(_model, _params())
+    ddp.register_comm_hook(None, counting)
+    with cp.Tape(persistent=True) as tape:
+        loss = ops.add(ddp(X), ddp(2.0 * X))
+    first = tape.gradient(loss, ddp.params)
+    second = tape.gradient(loss, ddp.params)
+    assert calls == [0, 0]  # one reduction per pass, however many forward calls
+    np.testing.assert_array_equal(first["w1"], second["w1"])
+    assert not np.shares_memory(first["w1"], second["w1"])  # fresh buffers each pass
+
+
+@pytest.mark.usefixtures("world")
+def test_one_array_at_two_leaves_gets_its_total_gradient() -> None:
+    w = np.array([[1.0, 2.0], [3.0, -1.0]])
+    ddp = cp.DistributedDataParallel(
+        lambda p, x: ops.sum(ops.matmul(ops.matmul(x, p["a"]), p["b"])), {"a": w, "b": w}
+    )
+    x = np.array([[0.5, -2.0]])
+    with cp.Tape() as tape:
+        loss = ddp(x)
+    grads = tape.gradient(loss, ddp.params)
+    with cp.Tape() as tape:
+        tape.watch(w)
+        loss = ops.sum(ops.matmul(ops.matmul(x, w), w))
+    expected = tape.gradient(loss, w)  # by identity: the total derivative, as Tape gives
+    np.testing.assert_allclose(grads["a"], expected, rtol=1e-15)
+    np.testing.assert_allclose(grads["b"], expected, rtol=1e-15)
+
+
+@pytest.mark.usefixtures("world")
+def test_value_and_grad_differentiates_its_own_arguments_not_ddp_params() -> None:
+    ddp = cp.DistributedDataParallel(_model, _params())
+    with pytest.raises(ValueError, match="does not depend on any of the sources"):
+        cp.value_and_grad(lambda p: ddp(X))(ddp.params)
+
+
+@pytest.mark.usefixtures("world")
+def test_replacing_params_checks_their_structure() -> None:
+    ddp = cp.DistributedDataParallel(_model, _params())
+    new = _params()
+    ddp.params = new
+    assert ddp.params is new
+    with pytest.raises(ValueError, match=r"params\['w2'\]: shape \(4, 2\) .* shape \(4, 3\)"):
+        ddp.params = {**_params(), "w2": np.zeros((4, 3))}
+    with pytest.raises(TypeError, match="floating-point"):
+        ddp.params = {**_params(), "w2": np.zeros((4, 2), np.int32)}
+    assert ddp.params is new
+
+
+@pytest.mark.usefixtures("world")
+def test_reduce_gradients_refuses_a_tree_unlike_params() -> None:
+    ddp = cp.DistributedDataParallel(_model, _params())
+    with pytest.raises(ValueError, match="On rank 0: grads must have the structure"):
+        ddp.reduce_gradients({"w1": np.zeros((3, 4))})
+    with pytest.raises(ValueError, match=r"grads\['w2'\] must be None or an array of .* \(4, 2\)"):
+        ddp.reduce_gradients({"w1": np.zeros((3, 4)), "w2": np.zeros(8), "name": None})
+    reduced = ddp.reduce_gradients({"w1": None, "w2": np.ones((4, 2)), "name": "x"})
+    np.testing.assert_array_equal(reduced["w1"], np.zeros((3, 4)))  # None counts as zeros
+
+
+# -- comm hooks --------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("world")
+def test_comm_hook_contract() -> None:
+    seen: list[Any] = []
+
+    def hook(state: Any, bucket: GradBucket) -> Any:
+        seen.append((state, bucket.index(), bucket.is_last(), len(bucket.parameters())))
+        assert [g.shape for g in bucket.gradients()] == [p.shape for p in bucket.parameters()]
+        return default_hooks.allreduce_hook(None, bucket)
+
+    params = _params()
+    ddp = cp.DistributedDataParallel(_model, params, bucket_cap_mb=1e-5)
+    ddp.register_comm_hook("state", hook)
+    with pytest.raises(RuntimeError, match="only be called once"):
+        ddp.register_comm_hook("state", hook)
+    with pytest.raises(TypeError, match="hook must be callable"):
+        cp.DistributedDataParallel(_model, _params()).register_comm_hook(None, 3)
+    with cp.Tape() as tape:
+        loss = ddp(X)
+    tape.gradient(loss, ddp.params)
+    assert seen == [("state", 0, False, 1), ("state", 1, True, 1)]
+
+
+@pytest.mark.usefixtures("world")
+@pytest.mark.parametrize(
+    ("result", "match"),
+    [
+        (lambda bucket: "nope", "must return a future"),
+        (lambda bucket: _done(np.zeros(3)), r"must hold the reduced flat buffer.*shape \(3,\)"),
+    ],
+    ids=["no-future", "wrong-shape"],
+)
+def test_a_bad_comm_hook_is_named(result: Any, match: str) -> None:
+    ddp = cp.DistributedDataParallel(_model, _params())
+    ddp.register_comm_hook(None, lambda state, bucket: result(bucket))
+    with cp.Tape() as tape:
+        loss = ddp(X)
+    with pytest.raises((TypeError, ValueError), match=match):
+        tape.gradient(loss, ddp.params)
+
+
+def _done(value: Any) -> Any:
+    from cupy_parallel._src.distributed.work import Future
+
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
+@pytest.mark.usefixtures("world")
+def test_fp16_hook_rounds_to_half_precision() -> None:
+    ddp = cp.DistributedDataParallel(_model, _params())
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    with cp.Tape() as tape:
+        loss = ddp(X)
+    grads = tape.gradient(loss, ddp.params)
+    expected = _plain_gradient(_params())
+    for k in ("w1", "w2"):
+        np.testing.assert_array_equal(grads[k], expected[k].astype(np.float16).astype(np.float64))
+
+
+@pytest.mark.usefixtures("world")
+def test_bf16_hook_needs_ml_dtypes() -> None:
+    ddp = cp.DistributedDataParallel(_model, _params())
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="install ml_dtypes"):
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    else:  # pragma: no cover - ml_dtypes is not a dependency
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+
+
+@pytest.mark.usefixtures("world")
+def test_second_derivatives_through_the_average_are_refused() -> None:
+    ddp = cp.DistributedDataParallel(_model, _params())
+    with cp.Tape() as outer:
+        with cp.Tape() as inner:
+            loss = ddp(X)
+        with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
+            inner.gradient(loss, ddp.params)
+    del outer
+
+
+def test_import_cupy_parallel_does_not_import_distributed() -> None:
+    code = (
+        "import sys, cupy_parallel\n"
+        "assert 'cupy_parallel._src.distributed' not in sys.modules\n"
+        "cupy_parallel.DistributedDataParallel\n"
+        "assert 'mpi4py' not in sys.modules\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+# -- CuPy arrays and NCCL (simulated CUDA, a world of one; several ranks need thread ranks) ----
+
+
+def test_cupy_parameters_over_nccl_in_a_world_of_one() -> None:
+    from cupy_parallel.testing import simulated_cuda
+
+    with simulated_cuda(1) as cupy:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            params = {k: cupy.asarray(v) for k, v in _params().items() if k != "name"}
+            x = cupy.asarray(X)
+            for cap, hook in [(25.0, None), (1e-5, default_hooks.fp16_compress_hook)]:
+                ddp = cp.DistributedDataParallel(_model, params, bucket_cap_mb=cap)
+                if hook is not None:
+                    ddp.register_comm_hook(None, hook)
+                with cp.Tape() as tape:
+                    loss = ddp(x)
+                grads = tape.gradient(loss, ddp.params)
+                expected = _plain_gradient({k: cupy.asnumpy(v) for k, v in params.items()})
+                for k in ("w1", "w2"):
+                    assert type(grads[k]) is type(params[k])
+                    want = expected[k]
+                    if hook is not None:
+                        want = want.astype(np.float16).astype(np.float64)
+                    np.testing.assert_allclose(cupy.asnumpy(grads[k]), want, rtol=1e-14, atol=0)
+                reduced = ddp.reduce_gradients(grads)
+                np.testing.assert_array_equal(
+                    cupy.asnumpy(reduced["w1"]), cupy.asnumpy(grads["w1"])
+                )
+        finally:
+            dist.destroy_process_group()
+
+
+def test_the_fused_division_scales_cupy_gradients_while_copying() -> None:
+    from cupy_parallel._src.ddp import _write
+    from cupy_parallel.testing import simulated_cuda
+
+    with simulated_cuda(1) as cupy:
+        buffer = cupy.zeros(6)
+        _write(buffer, 1, 5, cupy.asarray([[3.0, 6.0], [9.0, 12.0]]), 1.0 / 3.0)
+        np.testing.assert_allclose(cupy.asnumpy(buffer), [0, 1, 2, 3, 4, 0], rtol=1e-15)
+    host = np.zeros(4)
+    _write(host, 0, 4, np.arange(4.0), 0.5)
+    np.testing.assert_array_equal(host, [0, 0.5, 1, 1.5])
