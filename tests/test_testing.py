@@ -16,7 +16,14 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 import cupy_parallel
-from cupy_parallel.testing import arrays, assert_tree_equal, devices, nested_structures
+from cupy_parallel.testing import (
+    arrays,
+    assert_distributed_matches,
+    assert_tree_equal,
+    devices,
+    nested_structures,
+    rank_arrays,
+)
 
 ALL_DTYPES = {
     np.dtype(t)
@@ -339,3 +346,64 @@ def test_cupy_arrays_are_drawn_and_compared(data):
         flipped[(0,) * x.ndim] = -flipped[(0,) * x.ndim]  # flips the sign bit, even of 0 or NaN
         with pytest.raises(AssertionError, match=r"elements differ in their bits"):
             assert_tree_equal(x, flipped)
+
+
+# --------------------------------------------------------------------------------------------
+# rank_arrays and assert_distributed_matches
+
+
+@settings(max_examples=30, database=None)
+@given(rank_arrays(np.float32, (2, 3), min_size=2, max_size=3, finite=True))
+def test_rank_arrays_share_dtype_and_shape(xs):
+    assert 2 <= len(xs) <= 3
+    assert {(x.dtype, x.shape) for x in xs} == {(np.dtype(np.float32), (2, 3))}
+    assert all(np.isfinite(x).all() for x in xs)
+
+
+def test_rank_arrays_draw_one_dtype_per_world_and_fixed_sizes():
+    worlds = []
+
+    @settings(max_examples=60, database=None)
+    @given(rank_arrays(world_size=3, max_dims=1))
+    def collect(xs):
+        worlds.append(xs)
+
+    collect()
+    assert {len(xs) for xs in worlds} == {3}
+    assert all(len({(x.dtype, x.shape) for x in xs}) == 1 for xs in worlds)
+    assert len({xs[0].dtype for xs in worlds}) > 3  # the dtype varies between worlds
+
+
+def _all_reduced(x):
+    import cupy_parallel.distributed as dist
+
+    y = x.copy()
+    dist.all_reduce(y)
+    return y
+
+
+def test_assert_distributed_matches_compares_every_rank_with_the_oracle():
+    xs = [np.array([1.0, 2.0]), np.array([3.0, 5.0]), np.array([0.5, 0.25])]
+    results = assert_distributed_matches(_all_reduced, xs, lambda xs: [sum(xs)] * len(xs))
+    np.testing.assert_array_equal(results[2], [4.5, 7.25])
+    wrong = [sum(xs), sum(xs), sum(xs) + 1]  # rank 2's oracle is off by one
+    with pytest.raises(AssertionError, match=r"rank 2 of 3 differs from the oracle"):
+        assert_distributed_matches(_all_reduced, xs, lambda _: wrong)
+    near = [sum(xs) * (1 + 1e-9)] * 3
+    with pytest.raises(AssertionError, match="differ in their bits"):  # bit-exact by default
+        assert_distributed_matches(_all_reduced, xs, lambda _: near)
+    assert_distributed_matches(_all_reduced, xs, lambda _: near, rtol=1e-8)
+    with pytest.raises(AssertionError, match=r"(?s)rank 0 of 3.*Not equal to tolerance"):
+        assert_distributed_matches(_all_reduced, xs, lambda _: near, rtol=1e-12)
+
+
+def test_assert_distributed_matches_refuses_bad_arguments():
+    xs = [np.zeros(1)]
+    with pytest.raises(TypeError, match=r"fn must be callable as fn\(my_input\), got int"):
+        assert_distributed_matches(3, xs, list)
+    with pytest.raises(ValueError, match="inputs must hold one input per rank"):
+        assert_distributed_matches(_all_reduced, [], list)
+    with pytest.raises(ValueError, match="rtol and atol must be >= 0"):
+        assert_distributed_matches(_all_reduced, xs, list, atol=-1)
+    with pytest.raises(ValueError, match=r"oracle must return one result per rank \(1\), got 2"):
+        assert_distributed_matches(_all_reduced, xs, lambda xs: [xs[0], xs[0]])

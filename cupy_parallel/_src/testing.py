@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from cupy_parallel._src.devices import Device
 
-__all__ = ["arrays", "assert_tree_equal", "devices", "nested_structures"]
+__all__ = ["arrays", "assert_tree_equal", "devices", "host_values", "nested_structures"]
 
 #: Every dtype that NumPy and CuPy both support, the set ``arrays`` draws from by default.
 DTYPES: tuple[np.dtype[Any], ...] = tuple(
@@ -337,10 +337,22 @@ def _same(x: Any) -> Any:
 # assert_tree_equal
 
 
+def host_values(leaf: Any) -> Any:
+    """An array leaf as a NumPy array on the host (a copy for device arrays); others as they are.
+
+    Example:
+        >>> host_values(np.arange(2)), host_values(1.5)
+        (array([0, 1]), 1.5)
+    """
+    if not is_array(leaf):
+        return leaf
+    plain = leaf.get() if hasattr(leaf, "get") and not isinstance(leaf, np.ndarray) else leaf
+    return np.asarray(plain)
+
+
 def _host_bits(array: Any) -> np.ndarray:
     """The array's elements as rows of raw bytes, in C order, on the host."""
-    plain = array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else array
-    flat = np.ascontiguousarray(np.asarray(plain)).reshape(-1)
+    flat = np.ascontiguousarray(host_values(array)).reshape(-1)
     return flat.view(np.uint8).reshape(flat.size, array.dtype.itemsize)
 
 
