@@ -43,6 +43,8 @@ def worker(name: str) -> ModuleType:
     """``tests/mpi_workers/<name>.py`` as a module (loaded once)."""
     module = _loaded.get(name)
     if module is None:
+        if str(WORKERS) not in sys.path:  # the workers' own imports (tally), as for a script
+            sys.path.insert(0, str(WORKERS))
         spec = importlib.util.spec_from_file_location(f"thread_{name}", WORKERS / f"{name}.py")
         assert spec is not None
         assert spec.loader is not None

@@ -14,46 +14,28 @@ that ``cupy_parallel.distributed.spawn`` runs on thread ranks (each keeps its ow
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
+from tally import tally  # this directory: the worker runs as a script
 
 from cupy_parallel import distributed as dist
 from cupy_parallel.distributed import ReduceOp
-
-
-class Tally:
-    """One rank's checks and failures (thread ranks of one process each have their own)."""
-
-    def __init__(self) -> None:
-        self.bad: list[str] = []
-        self.checks = 0
-
-
-_tallies = threading.local()
-
-
-def tally() -> Tally:
-    found = getattr(_tallies, "tally", None)
-    if found is None:
-        found = _tallies.tally = Tally()
-    return found
 
 
 def check(name: str, actual: Any, expected: Any) -> None:
     tally().checks += 1
     a, e = np.asarray(actual), np.asarray(expected)
     if a.dtype != e.dtype or a.shape != e.shape or not np.array_equal(a, e):
-        tally().bad.append(f"{name}: got {a!r}, expected {e!r}")
+        tally().failures.append(f"{name}: got {a!r}, expected {e!r}")
 
 
 def same(name: str, actual: Any, expected: Any) -> None:
     tally().checks += 1
     if actual != expected:
-        tally().bad.append(f"{name}: got {actual!r}, expected {expected!r}")
+        tally().failures.append(f"{name}: got {actual!r}, expected {expected!r}")
 
 
 def row(r: int, n: int = 3, dtype: Any = np.float64) -> np.ndarray:
@@ -95,7 +77,7 @@ def api(rank: int, size: int) -> None:
             )
     try:
         dist.all_reduce(np.zeros(2), op=ReduceOp.BAND)
-        tally().bad.append("BAND on float64 was accepted")
+        tally().failures.append("BAND on float64 was accepted")
     except TypeError as error:
         same("BAND on float refused", "bitwise reduction" in str(error), True)
     # all_to_all_single with split sizes: rank r sends q + 1 rows to rank q
@@ -187,9 +169,9 @@ def refused(name: str, call: Any, message: str) -> None:
         call()
     except ValueError as error:
         if message not in str(error):
-            tally().bad.append(f"{name}: ValueError without {message!r}: {error}")
+            tally().failures.append(f"{name}: ValueError without {message!r}: {error}")
     else:
-        tally().bad.append(f"{name}: accepted")
+        tally().failures.append(f"{name}: accepted")
 
 
 def overlapping_outputs(rank: int, size: int) -> None:
@@ -296,11 +278,11 @@ def debug(rank: int, size: int) -> None:
     for what, call in cases.items():
         try:
             call()
-            tally().bad.append(f"debug: {what} mismatch not detected")
+            tally().failures.append(f"debug: {what} mismatch not detected")
         except ValueError as error:  # noqa: PERF203 - one try per case is the point
             message = str(error)
             if f"ranks [{last}] differ from the rest of process group" not in message:
-                tally().bad.append(f"debug: {what}: {message}")
+                tally().failures.append(f"debug: {what}: {message}")
             print(f"CAUGHT {what}: {message}", flush=True)
     y = np.ones(2)
     dist.all_reduce(y)
@@ -313,7 +295,7 @@ def monitored(rank: int, size: int) -> None:
         return
     try:
         dist.monitored_barrier(timeout=1.5, wait_all_ranks=True)
-        tally().bad.append("monitored_barrier passed without the last rank")
+        tally().failures.append("monitored_barrier passed without the last rank")
     except RuntimeError as error:
         print(f"CAUGHT rank {rank}: {error}", flush=True)
 
@@ -385,7 +367,7 @@ def rank_main(_: int, argv: list[str]) -> int:
         time.sleep(1)
     dist.barrier() if mode != "monitored" else None
     dist.destroy_process_group()
-    bad, checks = tally().bad, tally().checks
+    bad, checks = tally().failures, tally().checks
     if bad:
         print(f"rank {rank}: {len(bad)} of {checks} checks failed:", file=sys.stderr)
         for line in bad:

@@ -28,6 +28,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import numpy as np
+from tally import tally  # this directory: the worker runs as a script
 
 import cupy_parallel
 from cupy_parallel import distributed as dist
@@ -55,25 +56,6 @@ DTYPES = [
 ]
 OPS = list(ReduceOp)
 SHAPES = [(), (0,), (5,), (3, 4)]
-
-
-class Tally:
-    """One rank's checks and failures (thread ranks of one process each have their own)."""
-
-    def __init__(self) -> None:
-        self.failures: list[str] = []
-        self.checks = 0
-
-
-_tallies = threading.local()
-
-
-def tally() -> Tally:
-    found = getattr(_tallies, "tally", None)
-    if found is None:
-        found = _tallies.tally = Tally()
-    return found
-
 
 # Around warnings.catch_warnings, which swaps process-wide state: thread ranks take turns.
 WARNINGS_LOCK = threading.Lock()

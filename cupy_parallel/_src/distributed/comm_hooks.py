@@ -163,18 +163,9 @@ class PolledFuture(Future[Any]):
             self._poll(True)  # noqa: FBT003 - the poll's one argument: block or not
         return super().result(timeout)
 
-    def then(self, callback: Callable[[Future[Any]], Any], /) -> Future[Any]:
-        """A future of ``callback(self)``, which polls this one (see the class)."""
-        child = PolledFuture(lambda block: self._poll(block) if not self.done_unpolled() else None)
-
-        def run(_: object) -> None:
-            try:
-                child.set_result(callback(self))
-            except BaseException as error:  # noqa: BLE001 - handed to the future
-                child.set_exception(error)
-
-        self.add_done_callback(run)
-        return child
+    def _dependent(self) -> Future[Any]:
+        """:meth:`then`'s future polls this one (see the class)."""
+        return PolledFuture(lambda block: self._poll(block) if not self.done_unpolled() else None)
 
 
 def _world_size(process_group: Any) -> int:

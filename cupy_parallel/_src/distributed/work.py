@@ -73,7 +73,7 @@ class Future(concurrent.futures.Future[_T]):
         The callback runs in the thread that completes this future; if it raises, the new
         future holds that error, as in torch.
         """
-        child: Future[Any] = Future()
+        child = self._dependent()
 
         def run(_: object) -> None:
             try:
@@ -83,6 +83,10 @@ class Future(concurrent.futures.Future[_T]):
 
         self.add_done_callback(run)
         return child
+
+    def _dependent(self) -> Future[Any]:
+        """The new future :meth:`then` returns (a subclass may make it complete otherwise)."""
+        return Future()
 
 
 class Work:
