@@ -38,7 +38,7 @@ RTOL = {np.float64: 1e-12, np.float32: 1e-6, np.float16: 1e-3}
 def aware(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A world of one whose MPI is (simulated) CUDA-aware."""
     monkeypatch.setenv("CUPY_PARALLEL_MPI_CUDA_AWARE", "1")
-    mpi_staging.mpi_is_cuda_aware.cache_clear()
+    mpi_staging._process_mpi_is_cuda_aware.cache_clear()  # the probe, cached per process
     dist.init_process_group("mpi", timeout=timedelta(seconds=20))
     try:
         with warnings.catch_warnings():
@@ -46,21 +46,22 @@ def aware(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             yield
     finally:
         dist.destroy_process_group()
-        mpi_staging.mpi_is_cuda_aware.cache_clear()
+        mpi_staging._process_mpi_is_cuda_aware.cache_clear()  # the probe, cached per process
 
 
 @pytest.fixture
 def staging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A world of one whose MPI is not CUDA-aware (CuPy arrays are staged through the host)."""
     monkeypatch.setenv("CUPY_PARALLEL_MPI_CUDA_AWARE", "0")
-    monkeypatch.setattr(mpi_staging, "_staging_warned", True)  # the one-time note, said already
-    mpi_staging.mpi_is_cuda_aware.cache_clear()
+    mpi_staging._process_mpi_is_cuda_aware.cache_clear()  # the probe, cached per process
     dist.init_process_group("mpi", timeout=timedelta(seconds=20))
     try:
-        yield
+        with warnings.catch_warnings():  # the one-time staging note (said by the first test)
+            warnings.filterwarnings("ignore", "cupy_parallel MPI backend: .* copied through host")
+            yield
     finally:
         dist.destroy_process_group()
-        mpi_staging.mpi_is_cuda_aware.cache_clear()
+        mpi_staging._process_mpi_is_cuda_aware.cache_clear()  # the probe, cached per process
 
 
 def values(seed: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
