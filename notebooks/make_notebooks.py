@@ -386,10 +386,225 @@ raise `max_examples` (or use a hypothesis profile) for a thorough nightly run.
 """),
 ]
 
+DISTRIBUTED = [
+    md("""
+# Distributed training on thread ranks
+
+`torch.distributed` code runs as one process per rank, started by a launcher. To try such code
+here, `cupy_parallel.distributed.spawn(fn, nprocs)` runs `fn(rank)` on `nprocs` *thread ranks*:
+threads of this notebook's process, each with its own initialised default process group, as if
+each had called `init_process_group` in a process of its own. They run the MPI backend itself
+over an in-process MPI, so every collective gives the same results and the same errors as under
+`mpiexec`. It is a backend for experiments and tests; production runs on MPI and NCCL.
+
+We all-reduce by hand, train a classifier with `DistributedDataParallel` on 4 ranks, check its
+gradients against one process, differentiate through a collective, and finally run the same
+training function, unchanged, under `cupy-parallel launch`.
+"""),
+    code("""
+import numpy as np
+
+import cupy_parallel
+from cupy_parallel import distributed as dist
+from cupy_parallel import ops"""),
+    md("""
+## All-reduce by hand
+
+Each rank holds its own array; `dist.all_reduce` replaces it, in place, by the sum over the ranks.
+`spawn` returns what each rank's function returned, in rank order.
+"""),
+    code("""
+def all_reduce_by_hand(rank):
+    x = np.arange(4.0) * (rank + 1)  # this rank's array
+    mine = x.copy()
+    dist.all_reduce(x)  # on every rank: the sum of the ranks' arrays
+    return dist.get_rank(), dist.get_world_size(), mine, x
+
+results = dist.spawn(all_reduce_by_hand, 4)
+for rank, world_size, mine, total in results:
+    print(f"rank {rank} of {world_size}: {mine} -> {total}")
+expected = np.sum([mine for _, _, mine, _ in results], axis=0)
+print("every rank holds the NumPy sum:", all(np.array_equal(t, expected) for *_, t in results))"""),
+    md("""
+## Training with `DistributedDataParallel`
+
+The training code goes into a module file, so that the same function runs under a launcher at
+the end. Every rank builds the same data set and takes its shard of each batch with
+`dist.shard_indices` (torch's `DistributedSampler`); `DistributedDataParallel` broadcasts rank 0's
+parameters to all ranks at construction, and `tape.gradient` returns the gradients averaged over
+the ranks, all-reduced in buckets while the backward pass runs. Shards are equal, so the average
+of the ranks' mean losses is the mean loss of the whole batch.
+"""),
+    code('''
+%%writefile ddp_train.py
+"""Train a small classifier with DistributedDataParallel, on thread ranks or under a launcher."""
+
+import numpy as np
+
+import cupy_parallel
+from cupy_parallel import distributed as dist
+from cupy_parallel import ops
+
+
+def make_data(n=1024):
+    """Three classes picked by a random teacher network (the same data set on every rank)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, 8))
+    teacher = np.tanh(x @ rng.standard_normal((8, 8))) @ rng.standard_normal((8, 3))
+    return x, np.argmax(teacher, axis=1)
+
+
+def init_params(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "w1": rng.standard_normal((8, 32)) / np.sqrt(8), "b1": np.zeros(32),
+        "w2": rng.standard_normal((32, 3)) / np.sqrt(32), "b2": np.zeros(3),
+    }
+
+
+def mlp(p, x):
+    hidden = ops.tanh(ops.add(ops.matmul(x, p["w1"]), p["b1"]))
+    return ops.add(ops.matmul(hidden, p["w2"]), p["b2"])
+
+
+def train(steps=160, batch=64, lr=0.5):
+    """SGD, each rank on its shard of every batch: the parameters and the batch loss per step."""
+    x, labels = make_data()
+    world = dist.get_world_size()
+    # each rank starts from parameters of its own: DDP broadcasts rank 0's to all
+    ddp = cupy_parallel.DistributedDataParallel(mlp, init_params(seed=dist.get_rank()))
+    per_rank = batch // world
+    steps_per_epoch = len(x) // batch
+    losses = []
+    for step in range(steps):
+        epoch, i = divmod(step, steps_per_epoch)
+        mine = dist.shard_indices(len(x), epoch=epoch)  # this rank's shuffled shard
+        rows = mine[i * per_rank : (i + 1) * per_rank]
+        with cupy_parallel.Tape() as tape:
+            loss = ops.softmax_cross_entropy(ddp(x[rows]), labels[rows])
+        grads = tape.gradient(loss, ddp.params)  # averaged over the ranks
+        ddp.params = {k: ddp.params[k] - lr * grads[k] for k in grads}
+        total = np.array([float(loss)])
+        dist.all_reduce(total)
+        losses.append(float(total[0]) / world)  # the whole batch's mean loss
+    return ddp.params, losses
+
+
+def summary(losses):
+    return f"{dist.get_world_size()} ranks: final loss {losses[-1]!r}"
+
+
+if __name__ == "__main__":
+    dist.init_process_group()  # backend, rank and world size from the launcher
+    _, losses = train()
+    if dist.get_rank() == 0:
+        print(summary(losses))
+    dist.destroy_process_group()'''),
+    code("""
+import importlib
+
+importlib.invalidate_caches()  # ddp_train.py was just written: let the import system see it
+import ddp_train
+
+runs = dist.spawn(lambda rank: ddp_train.train(), 4)
+params, losses = runs[0]
+same = all(np.array_equal(p[k], params[k]) for p, _ in runs for k in params)
+print("every rank ends with rank 0's parameters:", same)
+print(f"loss: first {losses[0]:.4f}, last {losses[-1]:.4f}")"""),
+    code("""
+import matplotlib.pyplot as plt
+
+plt.figure(figsize=(6, 3.5))
+plt.semilogy(losses)
+plt.xlabel("SGD step")
+plt.ylabel("cross-entropy")
+plt.title("DistributedDataParallel on 4 thread ranks")
+plt.show()"""),
+    md("""
+## Gradients checked against one process
+
+One step from the trained parameters: each of the 4 ranks takes 16 rows of its shard, and DDP
+averages the ranks' gradients. On one process, without any distribution, the gradient of the mean
+loss over the union of the ranks' rows is the same, up to rounding. (Each rank gets its own copy
+of the parameters, as a process would: DDP's broadcast writes into them.)
+"""),
+    code("""
+x, labels = ddp_train.make_data()
+
+def ddp_gradient(rank):
+    ddp = cupy_parallel.DistributedDataParallel(
+        ddp_train.mlp, {k: v.copy() for k, v in params.items()}
+    )
+    rows = dist.shard_indices(len(x))[:16]
+    with cupy_parallel.Tape() as tape:
+        loss = ops.softmax_cross_entropy(ddp(x[rows]), labels[rows])
+    return rows, tape.gradient(loss, ddp.params)
+
+shards = dist.spawn(ddp_gradient, 4)
+union = np.concatenate([rows for rows, _ in shards])
+
+def mean_loss(p):  # over all the ranks' rows, on one process
+    return ops.softmax_cross_entropy(ddp_train.mlp(p, x[union]), labels[union])
+
+one_process = cupy_parallel.grad(mean_loss)(params)
+difference = max(float(np.max(np.abs(g[k] - one_process[k]))) for _, g in shards for k in params)
+print(f"{len(union)} rows on 4 ranks: max |DDP - one process| = {difference:.1e}")"""),
+    md("""
+## Differentiating through a collective
+
+`cupy_parallel.distributed.nn.functional` (torch's module path) has collectives that are recorded
+on the tape. A rank's gradient is the gradient, with respect to its own inputs, of the **sum over
+the ranks of the ranks' losses**. Here rank `r` all-gathers every rank's vector `x_s` and its loss
+is `(r + 1) * sum_s |x_s|^2`; the sum of the losses is `(1 + 2 + ... + W) * sum_s |x_s|^2`, so each
+rank's gradient is `W (W + 1) x_r`: `20 x_r` on 4 ranks, not the `2 (r + 1) x_r` of its own loss.
+"""),
+    code("""
+from cupy_parallel.distributed.nn import functional as dnn
+
+def through_all_gather(rank):
+    x = np.arange(3.0) + 10 * rank  # this rank's vector
+    with cupy_parallel.Tape() as tape:
+        tape.watch(x)
+        everyone = ops.stack(dnn.all_gather(x))  # (world size, 3), recorded
+        loss = ops.multiply(rank + 1.0, ops.sum(ops.square(everyone)))
+    return x, tape.gradient(loss, x)
+
+world = 4
+results = dist.spawn(through_all_gather, world)
+for rank, (x_r, g) in enumerate(results):
+    print(f"rank {rank}: x {x_r}, gradient {g}")
+equal = all(np.array_equal(g, world * (world + 1) * x_r) for x_r, g in results)
+print("closed form equal:", equal)"""),
+    md("""
+## The same function under a launcher
+
+`ddp_train.py` ends with an `if __name__ == "__main__":` block: each process initialises its
+process group from the launcher's environment (`dist.init_process_group()` with no arguments),
+trains and prints. In a terminal, in this notebook's directory:
+
+```bash
+cupy-parallel launch --backend mpi --nproc-per-node 2 ddp_train.py
+```
+
+starts 2 processes under `mpiexec` (without `--backend`, the launcher picks `nccl` on a machine
+with GPUs). Thread ranks have MPI's semantics, so the same function on 2 thread ranks prints the
+same final loss, to the last digit (the launcher's run is left to a terminal: this notebook does
+not need MPI installed):
+"""),
+    code("""
+print(dist.spawn(lambda rank: ddp_train.summary(ddp_train.train()[1]), 2)[0])
+print(f"(4 ranks above: final loss {losses[-1]!r})")"""),
+    md("""
+Every global batch is the same whatever the number of ranks (rank `r` takes every `W`-th row of
+the epoch's permutation), so this run on 2 ranks follows the 4-rank run above up to rounding.
+"""),
+]
+
 NOTEBOOKS = {
     "01_tour.ipynb": TOUR,
     "02_data_parallel_training.ipynb": TRAINING,
     "03_property_testing.ipynb": PROPERTIES,
+    "04_distributed_training.ipynb": DISTRIBUTED,
 }
 
 

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from cupy_parallel._tools.launch import find_mpiexec
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
 CELL_TIMEOUT = 120
+
+
+def checkout_env() -> dict[str, str]:
+    """This environment, with this checkout first on the path (the kernel imports it, not an
+    installed copy)."""
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *([path] if path else [])]))
 
 
 def execute(name: str, workdir: Path) -> tuple[str, list[dict]]:
@@ -23,7 +37,7 @@ def execute(name: str, workdir: Path) -> tuple[str, list[dict]]:
         kernel_name="python3",
         resources={"metadata": {"path": str(workdir)}},
     )
-    client.execute()
+    client.execute(env=checkout_env())
     outputs = [output for cell in notebook.cells for output in cell.get("outputs", [])]
     text = "".join(o.get("text", "") for o in outputs if o["output_type"] == "stream")
     return text, outputs
@@ -62,6 +76,55 @@ def test_property_testing(tmp_path: Path) -> None:
     assert all(meaning != "another failure: read the example" for _, meaning in failures)
     assert "move_batch: the round-trip property holds on 30 examples" in text
     assert "scatter/gather: the round-trip property holds on 30 examples" in text
+
+
+@pytest.fixture(scope="module")
+def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict], Path]:
+    """04_distributed_training executed once: its text, outputs and working directory."""
+    workdir = tmp_path_factory.mktemp("distributed")
+    text, outputs = execute("04_distributed_training.ipynb", workdir)
+    return text, outputs, workdir
+
+
+def test_distributed_training(distributed_run: tuple[str, list[dict], Path]) -> None:
+    text, outputs, workdir = distributed_run
+    assert re.search(r"^rank 3 of 4: .* -> \[ 0\. 10\. 20\. 30\.\]$", text, flags=re.MULTILINE)
+    assert "every rank holds the NumPy sum: True" in text
+    assert "every rank ends with rank 0's parameters: True" in text
+    first, last = map(float, re.search(r"loss: first (\S+), last (\S+)", text).groups())
+    assert last < 0.5 * first
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the loss plot
+    difference = float(re.search(r"max \|DDP - one process\| = (\S+)", text).group(1))
+    assert difference < 1e-12
+    assert "closed form equal: True" in text
+    assert re.search(r"^2 ranks: final loss \S+$", text, flags=re.MULTILINE)
+    assert (workdir / "ddp_train.py").is_file()  # written by the notebook
+
+
+@pytest.mark.mpi
+def test_distributed_training_under_the_launcher(
+    distributed_run: tuple[str, list[dict], Path],
+) -> None:
+    """The command the notebook shows, run in its directory: the same bits as its thread ranks."""
+    if find_mpiexec() is None:
+        pytest.skip("needs mpiexec")
+    text, _, workdir = distributed_run
+    notebook = nbformat.read(NOTEBOOKS / "04_distributed_training.ipynb", as_version=4)
+    shown = "".join(c.source for c in notebook.cells if c.cell_type == "markdown")
+    command = shlex.split(re.search(r"^cupy-parallel launch .*$", shown, re.MULTILINE).group(0))
+    assert command[2:] == ["--backend", "mpi", "--nproc-per-node", "2", "ddp_train.py"]
+    done = subprocess.run(
+        [sys.executable, "-m", "cupy_parallel", *command[1:]],
+        cwd=workdir,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    on_threads = re.search(r"^2 ranks: final loss \S+$", text, flags=re.MULTILINE).group(0)
+    assert done.stdout.strip() == on_threads  # rank 0 prints it, bit for bit the same
 
 
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
