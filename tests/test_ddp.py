@@ -394,8 +394,15 @@ def test_the_fused_division_scales_cupy_gradients_while_copying() -> None:
 
     with simulated_cuda(1) as cupy:
         buffer = cupy.zeros(6)
-        _write(buffer, 1, 5, cupy.asarray([[3.0, 6.0], [9.0, 12.0]]), 1.0 / 3.0)
-        np.testing.assert_allclose(cupy.asnumpy(buffer), [0, 1, 2, 3, 4, 0], rtol=1e-15)
+        _write(buffer, 1, 5, cupy.asarray([[3.0, 6.0], [9.0, 12.0]]), 3)
+        np.testing.assert_array_equal(cupy.asnumpy(buffer), [0, 1, 2, 3, 4, 0])
     host = np.zeros(4)
-    _write(host, 0, 4, np.arange(4.0), 0.5)
+    _write(host, 0, 4, np.arange(4.0), 2)
     np.testing.assert_array_equal(host, [0, 0.5, 1, 1.5])
+    # a division, rounded once: not a product with 1/3 rounded to the dtype first
+    for dtype in (np.float16, np.float32):
+        grad = np.linspace(0.5, 900.0, 2001).astype(dtype)
+        out = np.zeros(grad.size, dtype)
+        _write(out, 0, grad.size, grad, 3)
+        exact = (grad.astype(np.float64) / 3).astype(dtype)
+        np.testing.assert_array_equal(out, exact)
