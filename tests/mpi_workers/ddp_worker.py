@@ -68,11 +68,11 @@ class Setting(NamedTuple):
     def tol(self) -> float:
         """The relative tolerance of a gradient against the float64 oracle.
 
-        float64: the issue's 1e-12. float32 and float16: a few hundred units in the last place
-        of the dtype (eps 1.2e-7 and 9.8e-4): the MLP's forward and backward passes round at
-        every step, over 12-36 samples and 4 layers (measured: at most ~25 ulp).
+        float64: the issue's 1e-12. float32 and float16: 8 units of the dtype's epsilon (1.2e-7
+        and 9.8e-4): the MLP's passes round at every step; measured at 2 and 3 thread ranks,
+        relative to the largest gradient: 1.3e-7 (float32) and 7.9e-4 (float16), ~1 eps.
         """
-        return {"float64": 1e-12, "float32": 3e-5, "float16": 3e-2}[self.dtype]
+        return {"float64": 1e-12, "float32": 1e-6, "float16": 8e-3}[self.dtype]
 
     def __str__(self) -> str:
         return f"{self.kind}/{self.dtype}"

@@ -9,7 +9,9 @@ checks take ``kind``: ``"cpu"`` (NumPy arrays), ``"host"`` (``host:0`` arrays) o
 ``init_process_group``; other launchers (thread ranks) may call them the same way.
 
 Modes: ``all`` (every check), ``zero-cotangent`` (that check alone, with a short timeout: code
-whose collective vjps do not run on every pass hangs, then times out), ``simulated-cupy``.
+whose collective vjps do not run on every pass hangs, then times out), ``simulated-cupy``, and
+``cupy`` (CuPy arrays in the running world: NCCL thread ranks). ``rank_main(rank, [mode])``
+runs a mode on a thread rank of ``spawn`` (tests/thread_ranks.py).
 """
 
 from __future__ import annotations
@@ -791,7 +793,7 @@ def attempt(name: str, check: Callable[..., None], *args: Any) -> list[str]:
 
 
 def run(kinds: Sequence[str]) -> list[str]:
-    """Every check for each kind of array, then the adjoint tests; the failures' tracebacks."""
+    """Every check for each kind of array; the failures' tracebacks."""
     failures = []
     for kind in kinds:
         for check in CHECKS:
@@ -800,9 +802,19 @@ def run(kinds: Sequence[str]) -> list[str]:
 
 
 def main() -> int:
-    mode = sys.argv[1] if len(sys.argv) > 1 else "all"
+    return rank_main(0, sys.argv[1:])
+
+
+def rank_main(rank: int, argv: list[str]) -> int:
+    """One rank's program (``rank`` is unused: the world says which); see the module.
+
+    Under ``spawn`` the world exists already: ``backend="threads"`` (MPI) for ``all`` and
+    ``zero-cotangent``, ``backend="nccl"`` under ``simulated_cuda`` for ``cupy``.
+    """
+    mode = argv[0] if argv else "all"
     seconds = 8 if mode == "zero-cotangent" else 120
-    dist.init_process_group("mpi", timeout=timedelta(seconds=seconds))
+    if not dist.is_initialized():  # spawn made the world already
+        dist.init_process_group("mpi", timeout=timedelta(seconds=seconds))
     rank = dist.get_rank()
     if mode == "zero-cotangent":
         check_zero_cotangent()
@@ -813,6 +825,8 @@ def main() -> int:
         warnings.filterwarnings("ignore", "cupy_parallel MPI backend: CUDA is simulated")
         with simulated_cuda(1):
             failures = run(["cupy"])
+    elif mode == "cupy":  # CuPy arrays on the running world's GPUs (NCCL thread ranks)
+        failures = run(["cupy"])
     else:
         failures = run(["cpu", "host"])
     dist.destroy_process_group()
