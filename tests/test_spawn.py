@@ -475,3 +475,30 @@ def test_a_work_futures_callbacks_run_on_the_works_gpu(monkeypatch: pytest.Monke
         results = dist.spawn(body, 2, backend="nccl")
     for rank, seen in enumerate(results):
         assert seen == [(rank, [6.0, 6.0, 6.0])] * 5
+
+
+def test_an_nccl_abort_ends_the_run_not_the_caller_process() -> None:
+    """A group aborted while a stream waits on a cut-short collective: a rank process ends
+    itself (torch's TORCH_NCCL_ASYNC_ERROR_HANDLING=1), but a thread rank's process is the
+    caller's (a notebook's, pytest's): spawn ends the run and raises, even where the ranks
+    catch their errors and return."""
+
+    def body(rank: int) -> str:
+        from cupy_parallel._src.devices import cupy_module
+
+        cupy = cupy_module()
+        x = cupy.asarray(np.ones(4))
+        dist.broadcast(x, src=0, async_op=True).wait()  # the current stream waits on it
+        try:
+            if rank == 0:
+                dist.all_reduce(cupy.ones(3))
+            else:  # a mismatched call: the simulated NCCL reports it, the group aborts
+                dist.all_gather([cupy.ones(3), cupy.ones(3)], cupy.ones(3))
+        except RuntimeError:
+            pass
+        return "returned"
+
+    with simulated_cuda(2), pytest.raises(RuntimeError, match=r"spawn: rank \d failed") as info:
+        dist.spawn(body, 2, backend="nccl", timeout=5)
+    assert "whose results are partial; spawn ends the run." in str(info.value)
+    assert rank_threads() == []
