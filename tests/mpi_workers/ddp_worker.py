@@ -402,29 +402,27 @@ def check_comm_hooks(s: Setting = F64) -> None:
 
 
 def check_mismatched_params_raise_on_every_rank(s: Setting = F64) -> None:
-    """NumPy arrays only (the odd rank's leaves are NumPy)."""
-    del s
     rank, world = dist.get_rank(), dist.get_world_size()
     odd = world - 1  # the last rank differs
-    params = make_params()
+    params = make_params(s=s)
     if rank == odd:
-        params["layers"][1]["w"] = np.zeros((13, 6))
+        params["layers"][1]["w"] = s.put(np.zeros((13, 6)))
     message = raises_everywhere(
         ValueError, "differ across the ranks", lambda: cp.DistributedDataParallel(mlp, params)
     )
     assert f"rank {odd}" in message, message
     assert "['w']" in message, message
-    params = make_params()
+    params = make_params(s=s)
     if rank == odd:
-        params["extra"] = np.arange(7)
+        params["extra"] = s.put(np.arange(7.0)).astype(np.int64)
     message = raises_everywhere(
         TypeError, "floating-point", lambda: cp.DistributedDataParallel(mlp, params)
     )
     assert f"On rank {odd}" in message, message
-    ddp = cp.DistributedDataParallel(mlp, make_params())
-    grads = oracle(make_params())
+    ddp = cp.DistributedDataParallel(mlp, make_params(s=s))
+    grads = s.put(oracle(make_params()))
     if rank == odd:
-        grads["layers"][2]["b"] = np.zeros(3)
+        grads["layers"][2]["b"] = s.put(np.zeros(3))
     message = raises_everywhere(
         ValueError, "grads['layers'][2]['b']", lambda: ddp.reduce_gradients(grads)
     )
@@ -433,7 +431,7 @@ def check_mismatched_params_raise_on_every_rank(s: Setting = F64) -> None:
     raises_everywhere(
         ValueError,
         "differ across the ranks",
-        lambda: cp.DistributedDataParallel(mlp, make_params(), bucket_cap_mb=cap),
+        lambda: cp.DistributedDataParallel(mlp, make_params(s=s), bucket_cap_mb=cap),
     )
 
 
@@ -601,9 +599,9 @@ CHECKS: list[tuple[Any, Setting]] = [
 
 
 def cupy_checks() -> list[tuple[Any, Setting]]:
-    """Mode "cupy": every check but those building NumPy arrays, with CuPy arrays."""
+    """Mode "cupy": every check with CuPy arrays (float32/float16: those of every dtype)."""
     settings = [Setting("cupy", dtype) for dtype in ("float64", "float32", "float16")]
-    return [(check, settings[0]) for check in [*LOW_PRECISION, *FLOAT64_ONLY[1:]]] + [
+    return [(check, settings[0]) for check in [*LOW_PRECISION, *FLOAT64_ONLY]] + [
         (check, setting) for setting in settings[1:] for check in LOW_PRECISION
     ]
 
