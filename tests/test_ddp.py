@@ -2,10 +2,14 @@
 
 ``mpi_workers/ddp_worker.py`` holds the multi-rank checks (the one-process oracle of the whole
 batch's gradient to 1e-12 in float64 with uneven layers, several buckets, unused parameters,
-``no_sync`` accumulation, the order of events, comm hooks, errors raised on every rank); one
-``mpiexec`` launch per world size runs them all. The tests below need no mpiexec: a world of
-one (``init_process_group("mpi")`` outside mpiexec), where the average is the rank's own
-gradient, so the oracle is a plain tape.
+``no_sync`` accumulation, the order of events, comm hooks, errors raised on every rank), in
+float64, float32 and float16 against a float64 oracle, and the average to the bit against a
+model of its reduction; one ``mpiexec`` launch per world size runs them all. The same checks
+run on thread ranks (``spawn``: one run per world size): the MPI backend with NumPy and host
+arrays, printing what the processes print, and NCCL ranks under ``simulated_cuda`` (race
+checker on) with CuPy arrays. The other tests need no mpiexec: a world of one
+(``init_process_group("mpi")`` outside mpiexec), where the average is the rank's own gradient,
+so the oracle is a plain tape.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_mpi_collectives import printed
+from thread_ranks import run_threads, worker
 
 import cupy_parallel as cp
 from cupy_parallel import distributed as dist
@@ -46,6 +52,31 @@ def test_ddp_equals_one_process_under_mpiexec(ranks: int) -> None:
     )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert done.stdout.count("checks passed") == ranks, done.stdout
+    threads = run_threads("ddp_worker", ranks, "all", timeout=60)
+    assert printed(threads.stdout) == printed(done.stdout)
+
+
+def passed(ranks: int, count: int) -> list[str]:
+    return [f"rank {r}: {count} checks passed" for r in range(ranks)]
+
+
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+def test_ddp_on_thread_ranks(ranks: int) -> None:
+    """NumPy and host arrays, float64/32/16: the MPI backend on thread ranks."""
+    ran = run_threads("ddp_worker", ranks, "all", timeout=60)
+    assert ran.returncode == 0, ran.stdout[-6000:] + ran.stderr[-3000:]
+    assert printed(ran.stdout) == passed(ranks, len(worker("ddp_worker").CHECKS))
+
+
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+def test_ddp_on_nccl_thread_ranks_with_cupy_arrays(ranks: int) -> None:
+    """CuPy arrays over NCCL, rank r on simulated GPU r (race checker on), float64/32/16."""
+    from cupy_parallel.testing import simulated_cuda
+
+    with simulated_cuda(ranks):
+        ran = run_threads("ddp_worker", ranks, "cupy", timeout=60, backend="nccl")
+    assert ran.returncode == 0, ran.stdout[-6000:] + ran.stderr[-3000:]
+    assert printed(ran.stdout) == passed(ranks, len(worker("ddp_worker").cupy_checks()))
 
 
 @pytest.fixture
@@ -394,8 +425,15 @@ def test_the_fused_division_scales_cupy_gradients_while_copying() -> None:
 
     with simulated_cuda(1) as cupy:
         buffer = cupy.zeros(6)
-        _write(buffer, 1, 5, cupy.asarray([[3.0, 6.0], [9.0, 12.0]]), 1.0 / 3.0)
-        np.testing.assert_allclose(cupy.asnumpy(buffer), [0, 1, 2, 3, 4, 0], rtol=1e-15)
+        _write(buffer, 1, 5, cupy.asarray([[3.0, 6.0], [9.0, 12.0]]), 3)
+        np.testing.assert_array_equal(cupy.asnumpy(buffer), [0, 1, 2, 3, 4, 0])
     host = np.zeros(4)
-    _write(host, 0, 4, np.arange(4.0), 0.5)
+    _write(host, 0, 4, np.arange(4.0), 2)
     np.testing.assert_array_equal(host, [0, 0.5, 1, 1.5])
+    # a division, rounded once: not a product with 1/3 rounded to the dtype first
+    for dtype in (np.float16, np.float32):
+        grad = np.linspace(0.5, 900.0, 2001).astype(dtype)
+        out = np.zeros(grad.size, dtype)
+        _write(out, 0, grad.size, grad, 3)
+        exact = (grad.astype(np.float64) / 3).astype(dtype)
+        np.testing.assert_array_equal(out, exact)

@@ -4,8 +4,10 @@ Under ``mpiexec`` (2, 3 and 4 ranks) ``mpi_workers/nn_functional_worker.py`` che
 collective's loss, gradient and second derivative against a one-process oracle of the summed
 loss, the dot-product (adjoint) identity of every linear one, MIN/MAX ties, the refusal of
 PRODUCT's gradient, and the zero cotangent (one rank's loss ignores the outputs: no rank waits).
-The same check functions also run here in a world of one (MPI singleton; NCCL under
-``simulated_cuda``), next to the argument checks.
+The same check functions also run on thread ranks of ``spawn`` (2-4 MPI ranks with NumPy
+and host arrays, printing what the processes print; 2-3 NCCL ranks under ``simulated_cuda``
+with CuPy arrays) and here in a world of one (MPI singleton; NCCL under ``simulated_cuda``),
+next to the argument checks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+from test_mpi_collectives import printed
+from thread_ranks import run_threads
 
 import cupy_parallel as cp
 from cupy_parallel import distributed as dist
@@ -79,6 +83,41 @@ def test_gradients_match_the_one_process_oracle(ranks: int) -> None:
     result, _ = launch(ranks, "all")
     assert result.returncode == 0, result.stderr[-6000:]
     assert result.stdout.count("all checks passed") == ranks, result.stdout
+    threads = run_threads("nn_functional_worker", ranks, "all", timeout=120)
+    assert printed(threads.stdout) == printed(result.stdout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several ranks as threads of this process (spawn): MPI, and NCCL on simulated GPUs
+
+
+def all_passed(ranks: int) -> list[str]:
+    return [f"rank {r}: all checks passed" for r in range(ranks)]
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+def test_gradients_match_the_oracle_on_thread_ranks(ranks: int) -> None:
+    ran = run_threads("nn_functional_worker", ranks, "all", timeout=120)
+    assert ran.returncode == 0, ran.stderr[-6000:]
+    assert printed(ran.stdout) == all_passed(ranks)
+
+
+def test_a_thread_rank_ignoring_the_outputs_still_takes_part_in_the_backward_pass() -> None:
+    ran = run_threads("nn_functional_worker", 3, "zero-cotangent", timeout=8)
+    assert ran.returncode == 0, ran.stderr[-6000:]
+    assert printed(ran.stdout) == all_passed(3)
+
+
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+def test_cupy_arrays_on_nccl_thread_ranks(ranks: int) -> None:
+    """First and second derivatives with CuPy arrays, rank r on simulated GPU r (race checker
+    on), against the one-process NumPy oracle."""
+    from cupy_parallel.testing import simulated_cuda
+
+    with simulated_cuda(ranks):
+        ran = run_threads("nn_functional_worker", ranks, "cupy", timeout=60, backend="nccl")
+    assert ran.returncode == 0, ran.stderr[-6000:]
+    assert printed(ran.stdout) == all_passed(ranks)
 
 
 @needs_mpiexec
@@ -118,11 +157,6 @@ def world() -> Iterator[None]:
 @pytest.mark.parametrize("check", worker.CHECKS, ids=lambda c: c.__name__)
 def test_checks_in_a_world_of_one(check: Callable[[str], None], kind: str) -> None:
     check(kind)
-
-
-@pytest.mark.usefixtures("world")
-def test_adjoints_in_a_world_of_one() -> None:
-    worker.check_adjoints()
 
 
 @pytest.mark.parametrize("check", worker.CHECKS, ids=lambda c: c.__name__)

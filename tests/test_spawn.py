@@ -440,3 +440,65 @@ def test_a_failing_nccl_rank_ends_the_run() -> None:
         dist.spawn(body, 3, backend="nccl")
     assert time.monotonic() - start < HANG_S
     assert [t.name for t in threading.enumerate() if "NCCL" in t.name or "rank " in t.name] == []
+
+
+def test_a_work_futures_callbacks_run_on_the_works_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``then`` callbacks of ``Work.get_future()`` run in its helper thread (when the work is
+    not done yet): on the rank's GPU there, as torch runs them on the future's devices, not on
+    GPU 0 (rank 1's array cannot be computed on from GPU 0: the simulator raises)."""
+
+    def body(rank: int) -> Any:
+        from cupy_parallel._src.devices import cupy_module
+
+        cupy = cupy_module()
+        seen = []
+        for _ in range(5):
+            x = cupy.asarray(np.full(3, rank + 1.0))
+            future = dist.all_reduce(x, async_op=True).get_future()
+            chained = future.then(
+                lambda f: (cupy.cuda.Device().id, (f.value()[0] * 2).get().tolist())
+            )
+            seen.append(chained.wait())
+        return seen
+
+    from cupy_parallel._src.distributed.nccl_backend import _NCCLWork
+
+    wait = _NCCLWork.wait
+
+    def late(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name.endswith(" future"):
+            time.sleep(0.02)  # the helper thread: the callback is chained before it settles
+        return wait(self, *args, **kwargs)
+
+    monkeypatch.setattr(_NCCLWork, "wait", late)
+    with simulated_cuda(2):
+        results = dist.spawn(body, 2, backend="nccl")
+    for rank, seen in enumerate(results):
+        assert seen == [(rank, [6.0, 6.0, 6.0])] * 5
+
+
+def test_an_nccl_abort_ends_the_run_not_the_caller_process() -> None:
+    """A group aborted while a stream waits on a cut-short collective: a rank process ends
+    itself (torch's TORCH_NCCL_ASYNC_ERROR_HANDLING=1), but a thread rank's process is the
+    caller's (a notebook's, pytest's): spawn ends the run and raises, even where the ranks
+    catch their errors and return."""
+
+    def body(rank: int) -> str:
+        from cupy_parallel._src.devices import cupy_module
+
+        cupy = cupy_module()
+        x = cupy.asarray(np.ones(4))
+        dist.broadcast(x, src=0, async_op=True).wait()  # the current stream waits on it
+        try:
+            if rank == 0:
+                dist.all_reduce(cupy.ones(3))
+            else:  # a mismatched call: the simulated NCCL reports it, the group aborts
+                dist.all_gather([cupy.ones(3), cupy.ones(3)], cupy.ones(3))
+        except RuntimeError:
+            pass
+        return "returned"
+
+    with simulated_cuda(2), pytest.raises(RuntimeError, match=r"spawn: rank \d failed") as info:
+        dist.spawn(body, 2, backend="nccl", timeout=5)
+    assert "whose results are partial; spawn ends the run." in str(info.value)
+    assert rank_threads() == []

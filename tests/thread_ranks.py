@@ -56,9 +56,17 @@ def worker(name: str) -> ModuleType:
 
 
 def run_threads(
-    name: str, ranks: int, *argv: str, timeout: float, env: dict[str, str] | None = None
+    name: str,
+    ranks: int,
+    *argv: str,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    backend: str = "threads",
 ) -> Outcome:
-    """Run worker ``name`` with ``argv`` on ``ranks`` thread ranks (see the module)."""
+    """Run worker ``name`` with ``argv`` on ``ranks`` thread ranks (see the module).
+
+    ``backend="nccl"``: NCCL ranks, inside the caller's ``simulated_cuda``.
+    """
     module = worker(name)
     saved = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})
@@ -67,7 +75,7 @@ def run_threads(
     start = time.monotonic()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            codes = spawn(module.rank_main, ranks, (list(argv),), timeout=timeout)
+            codes = spawn(module.rank_main, ranks, (list(argv),), timeout=timeout, backend=backend)
         returncode = max(int(code or 0) for code in codes)
     except RuntimeError as failed:
         error = failed

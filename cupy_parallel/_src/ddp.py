@@ -121,19 +121,24 @@ def _assign_buckets(arrays: list[Any], first_bytes: int, cap_bytes: int) -> list
     return [_Bucket(k, members, arrays) for k, members in enumerate(done)]
 
 
-def _write(buffer: Any, start: int, stop: int, grad: Any, scale: float | None = None) -> None:
-    """``buffer[start:stop] = grad.ravel() * scale`` (zeros for ``None``), on its device."""
+def _write(buffer: Any, start: int, stop: int, grad: Any, divisor: int | None = None) -> None:
+    """``buffer[start:stop] = grad.ravel() / divisor`` (zeros for ``None``), on its device.
+
+    A division in the buffer's dtype, rounded once, as ``allreduce_hook``'s (torch's
+    ``div_``): not a multiplication by ``1 / divisor``, which the dtype rounds first (float16's
+    ``1 / 3`` is 0.33325: every averaged gradient would be 2.4e-4 too small).
+    """
     raw = plain_buffer(buffer)
-    if grad is None or scale is None:
+    if grad is None or divisor is None:
         value = 0 if grad is None else plain_buffer(grad).reshape(-1)
         on_device_of(raw, raw.__setitem__, slice(start, stop), value)
-    else:  # one pass: scaled while copied
+    else:  # one pass: divided while copied
         xp = np if isinstance(raw, np.ndarray) else array_namespace(raw)
-        on_device_of(raw, _multiply, xp, plain_buffer(grad).reshape(-1), scale, raw[start:stop])
+        on_device_of(raw, _divide, xp, plain_buffer(grad).reshape(-1), divisor, raw[start:stop])
 
 
-def _multiply(xp: Any, x: Any, scale: float, out: Any) -> None:
-    xp.multiply(x, scale, out=out)
+def _divide(xp: Any, x: Any, divisor: int, out: Any) -> None:
+    xp.divide(x, divisor, out=out)
 
 
 def _view(buffer: Any, start: int, stop: int, shape: tuple[int, ...]) -> Any:
@@ -151,7 +156,7 @@ class _Reduction:
     is left and waits for everything.
     """
 
-    __slots__ = ("_ddp", "buffers", "futures", "next", "pending", "scale")
+    __slots__ = ("_ddp", "buffers", "divisor", "futures", "next", "pending")
 
     def __init__(self, ddp: DistributedDataParallel[Any, Any]) -> None:
         self._ddp = ddp
@@ -161,7 +166,7 @@ class _Reduction:
         self.futures: list[tuple[Future[Any], Any]] = []
         self.next = 0
         # the default hook, fused: each gradient divided by the group's size as it is copied
-        self.scale = 1.0 / ddp._world if ddp._comm_hook is None and ddp._world > 1 else None
+        self.divisor = ddp._world if ddp._comm_hook is None and ddp._world > 1 else None
 
     def put(self, i: int, grad: Any) -> Any:
         """Copy parameter ``i``'s gradient into its bucket; return its view there."""
@@ -177,7 +182,7 @@ class _Reduction:
         if buffer is None:
             buffer = self.buffers[bucket.index] = empty(bucket.size, bucket.dtype, bucket.device)
         start, stop = bucket.slices[slot]
-        _write(buffer, start, stop, grad, self.scale)
+        _write(buffer, start, stop, grad, self.divisor)
         self.pending[bucket.index] -= 1
         self._start_ready()
         return _view(buffer, start, stop, param.shape)
@@ -411,6 +416,15 @@ class DistributedDataParallel(Generic[Params, Output]):
     - The default reduction is torch's ``allreduce_hook`` fused with the copy into the
       buckets: each gradient is divided by the group's size as it is copied (one pass over
       the gradients less); a registered hook gets the undivided bucket, as in torch.
+    - Low precision: a bucket has its parameters' dtype, so float16 (and float32) gradients
+      are averaged in that dtype on the wire, as torch does: each rank's gradient is divided
+      by the group's size (one rounding), then summed by the backend. The ``"mpi"`` backend
+      sums float16 in float32 and rounds once (the average is then within one float16
+      rounding of the exact mean of the divided gradients, whatever the number of ranks);
+      NCCL sums in float16 rank after rank, as torch's float16 buckets over NCCL. Dividing
+      first (torch's order) keeps the sum from overflowing float16's 65504; tiny gradients
+      may round to float16's subnormals. For a float32 reduction of float16 gradients, keep
+      float32 parameters (master weights) or reduce under :meth:`no_sync` yourself.
     - ``cupy_parallel.grad``/``value_and_grad`` differentiate the arguments they pass (views),
       not ``ddp.params``: take gradients with respect to ``ddp.params`` on a :class:`Tape`.
     - The parameters may be replaced between steps (``ddp.params = new``, a functional update)

@@ -9,7 +9,9 @@ checks take ``kind``: ``"cpu"`` (NumPy arrays), ``"host"`` (``host:0`` arrays) o
 ``init_process_group``; other launchers (thread ranks) may call them the same way.
 
 Modes: ``all`` (every check), ``zero-cotangent`` (that check alone, with a short timeout: code
-whose collective vjps do not run on every pass hangs, then times out), ``simulated-cupy``.
+whose collective vjps do not run on every pass hangs, then times out), ``simulated-cupy``, and
+``cupy`` (CuPy arrays in the running world: NCCL thread ranks). ``rank_main(rank, [mode])``
+runs a mode on a thread rank of ``spawn`` (tests/thread_ranks.py).
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ def put(x: Any, kind: str) -> Any:
         return np.array(x)
     if kind == "host":
         return cupy_parallel.to_device(np.array(x), "host:0")
-    return cupy_parallel.to_device(np.array(x), "cuda:0")
+    from cupy_parallel._src.devices import cupy_module
+
+    # the current GPU: GPU 0 of an MPI rank's own process, GPU r of NCCL thread rank r
+    return cupy_parallel.to_device(np.array(x), f"cuda:{cupy_module().cuda.Device().id}")
 
 
 def host(x: Any) -> np.ndarray:
@@ -156,7 +161,10 @@ def check_oracle(
 
 
 def check_adjoint(
-    name: str, inputs_of: Callable[[int], list[np.ndarray]], apply: Callable[[list[Any]], Any]
+    name: str,
+    inputs_of: Callable[[int], list[np.ndarray]],
+    apply: Callable[[list[Any]], Any],
+    kind: str = "cpu",
 ) -> None:
     """The dot-product test: sum over ranks of <A x, y> equals that of <x, A^T y>.
 
@@ -164,20 +172,23 @@ def check_adjoint(
     gradients ``y`` (random, this rank's); the sums over ranks are taken with a raw all_reduce.
     """
     rank = dist.get_rank()
-    xs = inputs_of(rank)
+    xs_np = inputs_of(rank)
+    xs = [put(x, kind) for x in xs_np]
     with Tape() as tape:
         tape.watch(xs)
         out = apply(xs)
     outs = out if isinstance(out, tuple) else (out,)
     ys = tuple(data(f"y{name}{i}", rank, o.shape) for i, o in enumerate(outs))
-    grads = tape.gradient(outs, xs, output_gradients=ys)
-    local = np.array(
+    grads = tape.gradient(outs, xs, output_gradients=tuple(put(y, kind) for y in ys))
+    sums = put(
         [
             sum(float(np.vdot(host(o), y)) for o, y in zip(outs, ys, strict=True)),
-            sum(float(np.vdot(x, host(g))) for x, g in zip(xs, grads, strict=True)),
-        ]
+            sum(float(np.vdot(x, host(g))) for x, g in zip(xs_np, grads, strict=True)),
+        ],
+        kind,
     )
-    dist.all_reduce(local)
+    dist.all_reduce(sums)
+    local = host(sums)
     if not np.isclose(local[0], local[1], rtol=1e-12, atol=1e-12):
         raise AssertionError(
             f"{name}: sum <Ax, y> = {local[0]!r} but sum <x, A^T y> = {local[1]!r}"
@@ -532,9 +543,12 @@ def check_subgroup(kind: str = "cpu") -> None:
 # Dot-product (adjoint) tests of the linear collectives
 
 
-def check_adjoints() -> None:
+def check_adjoints(kind: str = "cpu") -> None:
     size = dist.get_world_size()
     last = size - 1
+
+    def adjoint(name: str, inputs: Callable[[int], list[np.ndarray]], apply: Any) -> None:
+        check_adjoint(name, inputs, apply, kind)
 
     def one(tag: str) -> Callable[[int], list[np.ndarray]]:
         return lambda s: [data(tag, s, (3, 2))]
@@ -543,24 +557,22 @@ def check_adjoints() -> None:
         return lambda s: [data(f"{tag}{q}", s, (3, 2)) for q in range(size)]
 
     for op in (ReduceOp.SUM, ReduceOp.AVG):
-        check_adjoint(
-            f"all_reduce {op.name}", one("a"), lambda xs, op=op: nnf.all_reduce(xs[0], op)
-        )
-        check_adjoint(f"reduce {op.name}", one("b"), lambda xs, op=op: nnf.reduce(xs[0], last, op))
-        check_adjoint(
+        adjoint(f"all_reduce {op.name}", one("a"), lambda xs, op=op: nnf.all_reduce(xs[0], op))
+        adjoint(f"reduce {op.name}", one("b"), lambda xs, op=op: nnf.reduce(xs[0], last, op))
+        adjoint(
             f"reduce_scatter {op.name}", listed("c"), lambda xs, op=op: nnf.reduce_scatter(xs, op)
         )
-    check_adjoint("broadcast", one("d"), lambda xs: nnf.broadcast(xs[0], last))
-    check_adjoint("all_gather", one("e"), lambda xs: nnf.all_gather(xs[0]))
-    check_adjoint("gather", one("f"), lambda xs: nnf.gather(xs[0], last))
-    check_adjoint("scatter", listed("g"), lambda xs: nnf.scatter(xs, last))
-    check_adjoint(
+    adjoint("broadcast", one("d"), lambda xs: nnf.broadcast(xs[0], last))
+    adjoint("all_gather", one("e"), lambda xs: nnf.all_gather(xs[0]))
+    adjoint("gather", one("f"), lambda xs: nnf.gather(xs[0], last))
+    adjoint("scatter", listed("g"), lambda xs: nnf.scatter(xs, last))
+    adjoint(
         "all_to_all",
         lambda s: [data(f"h{q}", s, _a2a_shape(s, q)) for q in range(size)],
         nnf.all_to_all,
     )
     rank = dist.get_rank()
-    check_adjoint(
+    adjoint(
         "all_to_all_single",
         lambda s: [data("i", s, (sum(_split(s, q) for q in range(size)), 2))],
         lambda xs: nnf.all_to_all_single(
@@ -767,6 +779,7 @@ CHECKS: list[Callable[..., None]] = [
     check_refusals,
     check_list_arguments,
     check_zero_cotangent,
+    check_adjoints,
 ]
 
 
@@ -780,18 +793,28 @@ def attempt(name: str, check: Callable[..., None], *args: Any) -> list[str]:
 
 
 def run(kinds: Sequence[str]) -> list[str]:
-    """Every check for each kind of array, then the adjoint tests; the failures' tracebacks."""
+    """Every check for each kind of array; the failures' tracebacks."""
     failures = []
     for kind in kinds:
         for check in CHECKS:
             failures += attempt(f"{check.__name__}({kind!r})", check, kind)
-    return failures + attempt("check_adjoints", check_adjoints)
+    return failures
 
 
 def main() -> int:
-    mode = sys.argv[1] if len(sys.argv) > 1 else "all"
+    return rank_main(0, sys.argv[1:])
+
+
+def rank_main(rank: int, argv: list[str]) -> int:
+    """One rank's program (``rank`` is unused: the world says which); see the module.
+
+    Under ``spawn`` the world exists already: ``backend="threads"`` (MPI) for ``all`` and
+    ``zero-cotangent``, ``backend="nccl"`` under ``simulated_cuda`` for ``cupy``.
+    """
+    mode = argv[0] if argv else "all"
     seconds = 8 if mode == "zero-cotangent" else 120
-    dist.init_process_group("mpi", timeout=timedelta(seconds=seconds))
+    if not dist.is_initialized():  # spawn made the world already
+        dist.init_process_group("mpi", timeout=timedelta(seconds=seconds))
     rank = dist.get_rank()
     if mode == "zero-cotangent":
         check_zero_cotangent()
@@ -802,6 +825,8 @@ def main() -> int:
         warnings.filterwarnings("ignore", "cupy_parallel MPI backend: CUDA is simulated")
         with simulated_cuda(1):
             failures = run(["cupy"])
+    elif mode == "cupy":  # CuPy arrays on the running world's GPUs (NCCL thread ranks)
+        failures = run(["cupy"])
     else:
         failures = run(["cpu", "host"])
     dist.destroy_process_group()

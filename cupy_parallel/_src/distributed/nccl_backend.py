@@ -32,7 +32,9 @@
   orders one) runs on once the aborted kernels exit, reading partial results, and no host call
   can stop it. So such an abort ends the process with the reason on stderr, as torch's default
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` does; ``CUPY_PARALLEL_NCCL_ASYNC_ERROR_HANDLING=2`` keeps
-  the process running with the group unusable instead (:func:`tears_down_on_abort`). An abort
+  the process running with the group unusable instead (:func:`tears_down_on_abort`). On a
+  thread rank of ``spawn`` the process is the caller's: the abort is recorded on the rank and
+  spawn ends the run instead (it raises, whatever the rank's function returns). An abort
   no stream waits on (async work not yet waited, a blocking ``wait(timeout=...)``) only fails
   the group and its works.
 * Threads: the calls of one group are issued under a lock from ``groupStart`` to ``groupEnd``, so
@@ -92,6 +94,7 @@ from cupy_parallel._src.cuda.nccl_tables import (
 from cupy_parallel._src.cuda.streams import current_stream, record_event, wait_stream
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend, average_in_place
+from cupy_parallel._src.distributed.mpi_job import thread_rank
 from cupy_parallel._src.distributed.work import Work
 from cupy_parallel._src.enums import Backend, ReduceOp
 
@@ -525,13 +528,20 @@ class NCCLBackend(ProcessGroupBackend):
             waited = [w.description for w in in_flight if w._ordered and not w._events_done()]
         for comm in comms:
             comm.abort()
-        if waited and self._tear_down:
+        if not waited:
+            return
+        said = (
+            f"cupy_parallel: process group {self.group_name!r} (rank {self.rank} of "
+            f"{self.size}) was aborted: {reason} CUDA streams already wait on "
+            f"{', '.join(waited)}, whose results are partial;"
+        )
+        on_thread = thread_rank()
+        if on_thread is not None:  # spawn's process is every rank's and the caller's: the run
+            on_thread.stuck.append(f"{said} spawn ends the run.")  # ends, not the process
+        elif self._tear_down:
             _tear_down(
-                f"cupy_parallel: process group {self.group_name!r} (rank {self.rank} of "
-                f"{self.size}) was aborted: {reason} CUDA streams already wait on "
-                f"{', '.join(waited)}, whose results are partial; the process is ended so that "
-                f"they are not used silently (set {ERROR_HANDLING_VARIABLE}=2 to keep running "
-                "with the group unusable instead)."
+                f"{said} the process is ended so that they are not used silently (set "
+                f"{ERROR_HANDLING_VARIABLE}=2 to keep running with the group unusable instead)."
             )
 
     def _watch(self) -> None:

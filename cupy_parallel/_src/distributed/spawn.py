@@ -116,8 +116,10 @@ def _rank_body(run: _Run, rank: int) -> None:
     thread_rank = ThreadRank(run.world, rank, threading.current_thread())
     try:
         try:
+            # NCCL ranks too: what the rank's groups cannot take back is recorded on it (and
+            # ends the run, never the process, which is the caller's)
+            enter_thread_rank(thread_rank)
             if run.backend == "threads":
-                enter_thread_rank(thread_rank)
                 groups.init_process_group("mpi", timeout=run.timeout)
             else:
                 cupy: Any = cupy_module()
@@ -190,7 +192,9 @@ def spawn(
     raises ``RuntimeError`` naming that rank, chained to its exception (``from``). A collective
     a rank never joins times out after ``timeout`` (``TimeoutError`` in the ranks that wait);
     a timed-out collective cannot be taken back, so the run ends when that rank's function
-    returns (as MPI aborts the job). A rank whose function returned is gone: a peer that waits
+    returns (as MPI aborts the job); so does an NCCL group aborted while a stream waits on a
+    cut-short collective (a rank process would end itself; here the process is the caller's).
+    A rank whose function returned is gone: a peer that waits
     for it fails after 2 s, as under ``mpiexec``. Ctrl-C while spawn waits ends the run: the
     ranks' calls fail, their threads are joined, and ``KeyboardInterrupt`` propagates.
 

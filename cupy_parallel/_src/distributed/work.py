@@ -9,6 +9,7 @@ errors raised by the backend, finalizers that unpack or copy back results) lives
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import os
 import threading
@@ -16,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from cupy_parallel._src.arguments import read_timeout
+from cupy_parallel._src.devices import cupy_arrays_may_exist, cupy_module, is_cupy_array
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -419,14 +421,19 @@ class Work:
         if self._future is None:
             future: Future[Any] = Future()
             self._future = future
+            # The outputs' GPU, current in the helper thread: the callbacks of then() run there
+            # (torch runs them on the future's devices); a new thread's is GPU 0, where another
+            # GPU's arrays cannot be computed on.
+            gpu = _gpu_of(self.outputs)
 
             def settle() -> None:
-                try:
-                    self.wait()
-                except BaseException as error:  # noqa: BLE001 - handed to the future
-                    future.set_exception(error)
-                else:
-                    future.set_result(self.outputs if self.outputs is not None else [])
+                with contextlib.nullcontext() if gpu is None else gpu:
+                    try:
+                        self.wait()
+                    except BaseException as error:  # noqa: BLE001 - handed to the future
+                        future.set_exception(error)
+                    else:
+                        future.set_result(self.outputs if self.outputs is not None else [])
 
             threading.Thread(  # in the caller's context: a thread rank's, under spawn
                 target=contextvars.copy_context().run,
@@ -477,3 +484,13 @@ class CompletedWork(Work):
 
     def _test(self) -> bool:
         return True
+
+
+def _gpu_of(arrays: Any) -> Any:
+    """The GPU (a ``cupy.cuda.Device``) of the first CuPy array of ``arrays``, else ``None``."""
+    if arrays is None or not cupy_arrays_may_exist():
+        return None
+    for x in arrays:
+        if is_cupy_array(x):
+            return cupy_module().cuda.Device(x.device.id)  # type: ignore[union-attr]
+    return None
