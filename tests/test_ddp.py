@@ -17,39 +17,24 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from test_mpi_collectives import printed
-from thread_ranks import run_threads, worker
+from thread_ranks import MPIEXEC, ROOT, printed, run_mpiexec, run_threads, worker
 
 import cupy_parallel as cp
 from cupy_parallel import distributed as dist
 from cupy_parallel import ops
 from cupy_parallel._src.ddp import FIRST_BUCKET_BYTES, _assign_buckets
-from cupy_parallel._tools.launch import find_mpiexec
 from cupy_parallel.distributed.algorithms.ddp_comm_hooks import GradBucket, default_hooks
-
-WORKER = Path(__file__).parent / "mpi_workers" / "ddp_worker.py"
-MPIEXEC = find_mpiexec()
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 @pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
 def test_ddp_equals_one_process_under_mpiexec(ranks: int) -> None:
-    env = {**os.environ, "PYTHONWARNINGS": "error", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(WORKER)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        check=False,
-    )
+    done = run_mpiexec("ddp_worker", ranks, timeout=240)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert done.stdout.count("checks passed") == ranks, done.stdout
     threads = run_threads("ddp_worker", ranks, "all", timeout=60)

@@ -14,22 +14,18 @@ equivalent stay MPI-only: ``reinit`` (the store rendezvous path, which spawn doe
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
 import sys
-import time
 import warnings
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from thread_ranks import run_threads
+from thread_ranks import MPIEXEC, printed, run_mpiexec, run_threads
 
-from cupy_parallel._tools.launch import find_mpiexec
-
-WORKER = Path(__file__).parent / "mpi_workers" / "collectives_worker.py"
-MPIEXEC = find_mpiexec()
+if TYPE_CHECKING:
+    from pathlib import Path
 
 MPI_ONLY = [
     pytest.mark.mpi,
@@ -56,18 +52,9 @@ def launch(
 ) -> tuple[subprocess.CompletedProcess[str], float]:
     if via == "threads":
         ran = run_threads("collectives_worker", ranks, mode, *args, timeout=group_timeout, env=env)
-        return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr), ran.seconds
-    env = {**os.environ, "PYTHONWARNINGS": "error", **(env or {})}
-    start = time.monotonic()
-    result = subprocess.run(
-        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(WORKER), mode, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
-    return result, time.monotonic() - start
+    else:
+        ran = run_mpiexec("collectives_worker", ranks, mode, *args, timeout=timeout, env=env)
+    return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr), ran.seconds
 
 
 @VIA
@@ -165,25 +152,14 @@ def test_simulated_cupy_arrays_through_both_branches(ranks: int, aware: str, via
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
-EDGES = Path(__file__).parent / "mpi_workers" / "edges_worker.py"
-
-
 def launch_edges(
     ranks: int, mode: str, via: str = "mpiexec"
 ) -> tuple[subprocess.CompletedProcess[str], float]:
     if via == "threads":
         ran = run_threads("edges_worker", ranks, mode, timeout=3)
         return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr), ran.seconds
-    start = time.monotonic()
-    result = subprocess.run(
-        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(EDGES), mode],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONWARNINGS": "error"},
-        check=False,
-    )
-    return result, time.monotonic() - start
+    ran = run_mpiexec("edges_worker", ranks, mode, timeout=60)
+    return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr), ran.seconds
 
 
 @VIA
@@ -332,9 +308,6 @@ def test_environment_disagreeing_with_mpi_is_an_error(tmp_path: Path) -> None:
     assert re.search(r"rank [01] exited with code 1; stopped the other ranks\.", result.stderr)
 
 
-API = Path(__file__).parent / "mpi_workers" / "api_worker.py"
-
-
 def launch_api(
     ranks: int, mode: str, via: str = "mpiexec", **env: str
 ) -> subprocess.CompletedProcess[str]:
@@ -342,14 +315,8 @@ def launch_api(
         timeout = 3 if mode == "monitored" else 30
         ran = run_threads("api_worker", ranks, mode, timeout=timeout, env=env)
         return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr)
-    return subprocess.run(
-        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(API), mode],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONWARNINGS": "error", **env},
-        check=False,
-    )
+    ran = run_mpiexec("api_worker", ranks, mode, timeout=120, env=env)
+    return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr)
 
 
 @VIA
@@ -413,23 +380,14 @@ def test_monitored_barrier_names_the_missing_rank(via: str) -> None:
     )
 
 
-AGREEMENT = Path(__file__).parent / "mpi_workers" / "agreement_worker.py"
-
-
 def launch_agreement(
     ranks: int, mode: str, via: str = "mpiexec"
 ) -> subprocess.CompletedProcess[str]:
     if via == "threads":
         ran = run_threads("agreement_worker", ranks, mode, timeout=20)
         return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr)
-    return subprocess.run(
-        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(AGREEMENT), mode],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONWARNINGS": "error"},
-        check=False,
-    )
+    ran = run_mpiexec("agreement_worker", ranks, mode, timeout=120)
+    return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr)
 
 
 @VIA
@@ -514,18 +472,6 @@ def test_non_rooted_collectives_with_other_sizes_or_dtypes_raise_on_every_rank(v
     assert ENDED[via] in result.stderr
 
 
-def printed(out: str) -> list[str]:
-    """What the ranks printed, as a sorted list of pieces.
-
-    Ranks print at once (processes through mpiexec, threads into one stream), so one rank's
-    line can land inside another's: the text is cut before every start of a line the workers
-    print, wherever it is.
-    """
-    text = out.replace("\n", "")
-    pieces = re.split(r"(?=rank \d+: |CAUGHT |OK |BAD |NO ERROR )", text)
-    return sorted(p for p in pieces if p)
-
-
 SAME_OUTPUT = (
     [("collectives_worker", "all", n, 120) for n in (2, 3, 4)]
     + [("api_worker", "api", n, 30) for n in (2, 3, 4)]
@@ -551,15 +497,7 @@ def test_thread_ranks_print_what_mpi_processes_print(
 ) -> None:
     """Every line the workers print (checks passed and their number, each error message) is the
     same on thread ranks as on processes: the same calls, the same results, the same errors."""
-    worker = Path(__file__).parent / "mpi_workers" / f"{name}.py"
-    processes = subprocess.run(
-        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(worker), mode],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONWARNINGS": "error"},
-        check=False,
-    )
+    processes = run_mpiexec(name, ranks, mode, timeout=300)
     threads = run_threads(name, ranks, mode, timeout=group_timeout)
     assert printed(threads.stdout) == printed(processes.stdout)
     assert (threads.returncode == 0) == (processes.returncode == 0)

@@ -12,65 +12,33 @@ next to the argument checks.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from test_mpi_collectives import printed
-from thread_ranks import run_threads
+from thread_ranks import MPIEXEC, Outcome, printed, run_mpiexec, run_threads
+from thread_ranks import worker as load_worker
 
 import cupy_parallel as cp
 from cupy_parallel import distributed as dist
 from cupy_parallel import ops
-from cupy_parallel._tools.launch import find_mpiexec
 from cupy_parallel.distributed import ReduceOp
 from cupy_parallel.distributed.nn import functional as nnf
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-WORKER = Path(__file__).parent / "mpi_workers" / "nn_functional_worker.py"
-MPIEXEC = find_mpiexec()
 
 pytestmark = pytest.mark.mpi  # MPI throughout: mpiexec, or the MPI singleton (a world of one)
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 
 
-def _load_worker() -> Any:
-    spec = importlib.util.spec_from_file_location("nn_functional_worker", WORKER)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+worker = load_worker("nn_functional_worker")
 
 
-worker = _load_worker()
-
-
-def launch(
-    ranks: int, mode: str, timeout: float = 120
-) -> tuple[subprocess.CompletedProcess[str], float]:
-    env = {**os.environ, "PYTHONWARNINGS": "error"}
-    # the workers import this checkout's package, whatever is installed
-    paths = [str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    start = time.monotonic()
-    result = subprocess.run(
-        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(WORKER), mode],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
-    return result, time.monotonic() - start
+def launch(ranks: int, mode: str, timeout: float = 120) -> tuple[Outcome, float]:
+    ran = run_mpiexec("nn_functional_worker", ranks, mode, timeout=timeout)
+    return ran, ran.seconds
 
 
 # ---------------------------------------------------------------------------------------------
