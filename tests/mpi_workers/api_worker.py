@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
-from tally import tally  # this directory: the worker runs as a script
+from common import tally  # this directory: the worker runs as a script
 
 from cupy_parallel import distributed as dist
 from cupy_parallel.distributed import ReduceOp

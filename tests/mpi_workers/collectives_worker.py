@@ -28,7 +28,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import numpy as np
-from tally import tally  # this directory: the worker runs as a script
+from common import tally  # this directory: the worker runs as a script
 
 import cupy_parallel
 from cupy_parallel import distributed as dist

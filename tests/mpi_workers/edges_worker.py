@@ -22,13 +22,10 @@ import sys
 import time
 
 import numpy as np
+from common import caught, each_on_its_group  # this directory: the worker runs as a script
 
 from cupy_parallel import distributed as dist
 from cupy_parallel.distributed import ReduceOp
-
-
-def caught(error: BaseException) -> None:
-    print(f"CAUGHT {type(error).__name__}: {error}", flush=True)
 
 
 def edges(rank: int, size: int) -> None:
@@ -172,16 +169,7 @@ def disagree(rank: int, size: int) -> None:
     calls["all_to_all, dtype"] = lambda g: dist.all_to_all(
         [np.zeros(2, kind) for _ in others], [np.ones(2, kind) for _ in others], group=g
     )
-    for name, call in calls.items():
-        group = dist.new_group(others)
-        try:
-            call(group)
-            print(f"NO ERROR {name}", flush=True)
-        except ValueError as error:
-            caught(error)
-    x = np.ones(2)
-    dist.all_reduce(x)
-    print(f"OK world after: {x.tolist()}", flush=True)
+    each_on_its_group(calls, others)
 
 
 def main() -> int:
