@@ -258,20 +258,7 @@ def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signals_are_forwarded_to_every_rank(tmp_path: Path, signum: signal.Signals) -> None:
     script, out = _script(tmp_path, SIGNAL_SCRIPT), _outdir(tmp_path)
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            LAUNCHER,
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "0",
-            *DIRECT,
-            script,
-            out,
-        ]
-    )
+    launcher = _launch(tmp_path, script, out)
     try:
         _wait_for([Path(out, "ready0"), Path(out, "ready1")])
         launcher.send_signal(signum)
