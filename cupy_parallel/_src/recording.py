@@ -497,7 +497,7 @@ def _ready_at(tape: Records) -> dict[int, list[int]]:
             if k in hooked and k not in first:
                 first[k] = index
     ready: dict[int, list[int]] = {}
-    for k in sorted(hooked, key=lambda k: -first.get(k, -1)):  # in the order they become final
+    for k in hooked:
         ready.setdefault(first.get(k, -1), []).append(k)
     return ready
 
