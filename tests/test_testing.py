@@ -407,3 +407,27 @@ def test_assert_distributed_matches_refuses_bad_arguments():
         assert_distributed_matches(_all_reduced, xs, list, atol=-1)
     with pytest.raises(ValueError, match=r"oracle must return one result per rank \(1\), got 2"):
         assert_distributed_matches(_all_reduced, xs, lambda xs: [xs[0], xs[0]])
+
+
+def _sum_and_rank(x):
+    import cupy_parallel.distributed as dist
+
+    return {"sum": _all_reduced(x), "rank": dist.get_rank(), "note": None}
+
+
+def test_assert_distributed_matches_with_a_tolerance_compares_other_leaves_exactly():
+    xs = [np.array([1.0]), np.array([2.0])]
+
+    def oracle(xs, *, rank_of=lambda r: r, dtype=np.float64, scale=1 + 1e-12):
+        total = (sum(xs) * scale).astype(dtype)
+        return [{"sum": total, "rank": rank_of(r), "note": None} for r in range(len(xs))]
+
+    assert_distributed_matches(_sum_and_rank, xs, oracle, rtol=1e-9)
+    with pytest.raises(AssertionError, match=r"rank 1 of 2 differs.*\['rank'\]: 1 != 0"):
+        assert_distributed_matches(
+            _sum_and_rank, xs, lambda xs: oracle(xs, rank_of=lambda r: 0), rtol=1e-9
+        )
+    with pytest.raises(AssertionError, match="rank 0 of 2 differs"):  # dtypes must agree
+        assert_distributed_matches(
+            _sum_and_rank, xs, lambda xs: oracle(xs, dtype=np.float32), rtol=1e-3
+        )

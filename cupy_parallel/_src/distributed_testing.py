@@ -15,9 +15,10 @@ import numpy as np
 from hypothesis import strategies as st
 
 from cupy_parallel._src.arguments import read_callable, read_int, read_real, read_sequence
+from cupy_parallel._src.arrays import is_array
 from cupy_parallel._src.distributed.spawn import spawn
 from cupy_parallel._src.testing import arrays, assert_tree_equal, host_values
-from cupy_parallel._src.tree import flatten, key_path, structure_difference
+from cupy_parallel._src.tree import flatten, key_path, leaves_equal, structure_difference
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -156,25 +157,23 @@ def assert_distributed_matches(
 def _difference(actual: Any, expected: Any, rtol: float, atol: float) -> str | None:
     """How ``actual`` differs from ``expected`` (bit-exactly, or within the tolerance), if it does.
 
-    Within a tolerance: the same structure, and array leaves equal within
-    ``numpy.testing.assert_allclose``'s ``rtol``/``atol``; other leaves equal.
+    Within a tolerance: the same structure, array leaves of one shape and dtype whose values
+    agree within ``numpy.testing.assert_allclose``'s ``rtol``/``atol``, other leaves equal.
     """
+    accessors, leaves_a, spec_a = flatten(actual)
+    _, leaves_e, spec_e = flatten(expected)
     try:
-        if (rtol == 0 and atol == 0) or structure_difference(
-            flatten(actual)[2], flatten(expected)[2]
-        ) is not None:
+        if (rtol == 0 and atol == 0) or structure_difference(spec_a, spec_e) is not None:
             assert_tree_equal(actual, expected, check_device=False)
-        else:
-            accessors, leaves_a, _ = flatten(actual)
-            leaves_e = flatten(expected)[1]
-            for accessor, a, e in zip(accessors, leaves_a, leaves_e, strict=True):
+            return None
+        for accessor, a, e in zip(accessors, leaves_a, leaves_e, strict=True):
+            where = f"at {key_path(accessor)}"
+            if is_array(a) and is_array(e):
                 np.testing.assert_allclose(
-                    host_values(a),
-                    host_values(e),
-                    rtol=rtol,
-                    atol=atol,
-                    err_msg=f"at {key_path(accessor)}",
+                    host_values(a), host_values(e), rtol=rtol, atol=atol, err_msg=where, strict=True
                 )
+            elif is_array(a) or is_array(e) or not leaves_equal(a, e):
+                raise AssertionError(f"{where}: {a!r} != {e!r}")
     except AssertionError as error:
         return str(error)
     return None
