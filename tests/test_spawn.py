@@ -171,6 +171,34 @@ def test_float_sums_reduce_in_rank_order() -> None:
             )
 
 
+def test_the_in_process_mpi_takes_bare_arrays_as_mpi4py_does() -> None:
+    """mpi4py takes a buffer as ``[array, datatype]`` or as the array itself (typed by its
+    dtype); the MPI backend passes its call comparison's rows bare. Oracle: NumPy."""
+    from cupy_parallel._src.distributed.mpi_job import load_mpi
+
+    n = 3
+
+    def body(rank: int) -> list[np.ndarray]:
+        mpi = load_mpi()
+        comm = mpi.COMM_WORLD
+        row = np.arange(4, dtype=np.int64) + 10 * rank
+        bare, spec = np.zeros((n, 4), np.int64), np.zeros((n, 4), np.int64)
+        comm.Iallgather(row, bare).Wait()
+        comm.Iallgather([row, mpi.INT64_T], [spec, mpi.INT64_T]).Wait()
+        total = np.linspace(0.5, 2.0, 5) * (rank + 1)
+        comm.Iallreduce(mpi.IN_PLACE, total, mpi.SUM).Wait()
+        biggest = np.empty(4, np.int64)
+        comm.Iallreduce(row, biggest, mpi.MAX).Wait()
+        return [bare, spec, total, biggest]
+
+    rows = np.arange(4) + 10 * np.arange(n)[:, None]
+    for bare, spec, total, biggest in dist.spawn(body, n):
+        np.testing.assert_array_equal(bare, rows)
+        np.testing.assert_array_equal(spec, rows)
+        np.testing.assert_array_equal(total, np.linspace(0.5, 2.0, 5) * 6)
+        np.testing.assert_array_equal(biggest, rows.max(axis=0))
+
+
 def test_no_process_hook_is_installed() -> None:
     """A rank process ends the MPI job when it fails (sys.excepthook, sys.exit): thread ranks
     share the caller's process, which must keep its own."""

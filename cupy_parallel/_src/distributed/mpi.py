@@ -69,7 +69,7 @@ from cupy_parallel._src.distributed.backend import (
     ProcessGroupBackend,
     average_in_place,
 )
-from cupy_parallel._src.distributed.mpi_checks import caller_fields, compare_call, compare_counts
+from cupy_parallel._src.distributed.mpi_checks import Caller, compare_call, compare_counts
 from cupy_parallel._src.distributed.mpi_job import (
     DEPARTURE_GRACE_S,
     abort_at_exit,
@@ -219,8 +219,14 @@ class _MPIWork(Work):
         self._side: _SideCheck | None = None
 
     def _test(self) -> bool:
-        if self._side is not None and not self._side_agrees():
-            return False
+        side = self._side
+        if side is not None:
+            try:
+                if not side.request.Test():
+                    return False
+            except self._backend.mpi.Exception as error:
+                raise self._mpi_error(error) from None
+            self._settle(side)
         request = self._request
         try:
             if type(request) is list:
@@ -252,12 +258,16 @@ class _MPIWork(Work):
 
     def _block(self, deadline: float) -> bool:
         """Poll the request's own ``Test`` (one request, no status: every collective's case)."""
-        if self._side is not None and not self._poll(self._side_agrees, deadline):
-            return False
+        side = self._side
         request = self._request
-        if type(request) is list or self._status is not None:
-            return super()._block(deadline)
-        try:  # often done by the time the ranks' rows arrived: one Test, no poll set up
+        try:  # the requests' own Test polled (see Work._poll): the rows first, then the operation
+            if side is not None:
+                if not (side.request.Test() or self._poll(side.request.Test, deadline)):
+                    return False
+                self._settle(side)
+            if type(request) is list or self._status is not None:
+                return super()._block(deadline)
+            # often done by the time the ranks' rows arrived: one Test, no poll set up
             return bool(request.Test()) or self._poll(request.Test, deadline)
         except self._backend.mpi.Exception as error:
             raise self._mpi_error(error) from None
@@ -275,28 +285,20 @@ class _MPIWork(Work):
         group is unusable (the operation may have written the arrays already, and the job is
         aborted at exit in case it never finishes).
         """
-        backend = self._backend
-        every = np.empty((backend.size, mine.size), np.int64)
-        request = backend._control.Iallgather([mine, backend._int64], [every, backend._int64])
-        self._side = _SideCheck(request, mine, every, verify)
+        every = np.empty((self._backend.size, mine.size), np.int64)
+        # typed by their dtype (int64 on every rank): mpi4py parses a bare array faster
+        self._side = _SideCheck(self._backend._control.Iallgather(mine, every), mine, every, verify)
         return self
 
-    def _side_agrees(self) -> bool:
-        """Whether the side check finished (``True``); raise if the ranks disagreed."""
-        side = self._side
-        assert side is not None
-        try:
-            if not side.request.Test():
-                return False
-        except self._backend.mpi.Exception as error:
-            raise self._mpi_error(error) from None
+    def _settle(self, side: _SideCheck) -> None:
+        """The side check finished: go on if the ranks agree, else fail every rank's call."""
         self._side = None
         every = side.every
         if every.tobytes() == side.mine.tobytes() * len(every):  # all alike: the common case
-            return True
+            return
         problem = side.verify(every)
         if problem is None:  # rows may differ yet agree (all_to_all's counts)
-            return True
+            return
         message = (
             f"{self.description} on process group {self._backend.group_name!r}: {problem} "
             "The arrays' contents are undefined now, and this process group is unusable."
@@ -463,7 +465,7 @@ class MPIBackend(ProcessGroupBackend):
         self._int64 = mpi.INT64_T
         self.max_tag = int(comm.Get_attr(mpi.TAG_UB)) - 1  # TAG_UB: monitored_barrier's
         self._issuing = threading.Lock()  # see _in_issue_order
-        self._thread = threading.local()  # per thread: caller_fields and its number of calls
+        self._thread = threading.local()  # per thread: its Caller
 
     # --------------------------------------------------------------------------- life cycle
 
@@ -595,19 +597,17 @@ class MPIBackend(ProcessGroupBackend):
         sub.world_ranks = tuple(ranks)
         return sub
 
-    def caller(self) -> tuple[int, ...]:
+    def caller(self) -> Caller:
         """The calling thread as the ranks compare it, counting this call (under ``_issuing``).
 
-        :func:`~cupy_parallel._src.distributed.mpi_checks.caller_fields` of its name, then how
-        many collectives it has issued on this group, this one included.
+        See :class:`~cupy_parallel._src.distributed.mpi_checks.Caller`.
         """
         thread = self._thread
-        fields = getattr(thread, "fields", None)
-        if fields is None:
-            fields = thread.fields = caller_fields(thread_name())
-            thread.calls = 0
-        thread.calls += 1
-        return (*fields, thread.calls)
+        caller = getattr(thread, "caller", None)
+        if caller is None:
+            caller = thread.caller = Caller(thread_name())
+        caller.calls += 1
+        return caller
 
     def shutdown(self) -> None:
         """Free the communicators (left alone when a timed-out operation may still use them)."""

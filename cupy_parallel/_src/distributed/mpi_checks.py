@@ -24,18 +24,23 @@ The backend's work runs the exchange: an ``Iallgather`` of one row of ``int64`` 
 (:class:`Comparison`'s first item) on the group's control communicator, overlapping the
 operation; this module says what each rank sends and what the rows of every rank mean.
 
-Cost: a second collective beside every operation. A 4 KiB ``all_reduce`` on the 2-core
-development machine, best of 40 rounds of 300 calls, the comparison patched out and in within one
-run (load average under 2): 2 ranks, mpi4py + 4.3 us without it, + 9.0 to 9.6 us with it (the
-10 us target met, barely); 4 ranks sharing the 2 cores, + 26.7 us without it, + 54.3 us with it
-(the target missed, already without it). Measured alternatives, no better: an ``Iallreduce(MAX)``
-of ``[row, -row]`` (+ 10.6 to 10.8 on 2 ranks, + 61.2 on 4); the rows on the group's own
-communicator ahead of the operation, with a small ``all_reduce``'s data inside them so that
-it needs no second collective (+ 16.9 on 2 ranks, + 96.7 on 4).
+Cost: a second collective beside every operation, and the Python that makes and reads its rows.
+A 4 KiB ``all_reduce`` on the 2-core development machine, ``python -m
+benchmarks.bench_collectives`` (fastest of many rounds), before and after the rows were made
+once per call signature (:class:`Caller`), the exchange passed as bare arrays and its request's
+own ``Test`` polled, two alternated runs each: 2 ranks, mpi4py + 10.3 and + 11.7 us before,
++ 8.5 and + 9.2 us after (the 10 us target met); 4 ranks sharing the 2 cores, + 59 and + 60 us
+before, + 48 and + 48 us after (missed: the second collective alone, in C, costs 4 such ranks
++ 18 us, ``Iallreduce`` with and without an ``Iallgather`` beside it; a persistent
+``Allgather_init`` request + 12 us). Earlier alternatives, no better: an ``Iallreduce(MAX)`` of
+``[row, -row]``; the rows on the group's own communicator ahead of the operation, with a small
+``all_reduce``'s data inside them so that it needs no second collective (+ 16.9 us on 2 ranks,
++ 96.7 on 4).
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OPERATIONS",
+    "Caller",
     "caller_fields",
     "compare_call",
     "compare_counts",
@@ -76,6 +82,7 @@ _OPERATION_NUMBERS = {name: number for number, name in enumerate(OPERATIONS)}
 _OP_NUMBERS = {op: number for number, op in enumerate(ReduceOp)}
 _OPS = list(ReduceOp)
 _NAME_BYTES = 32  # of a thread's name, for the message (its checksum compares all of it)
+_CALLER_SIZE = 2 + _NAME_BYTES // 8 + 1  # a row's caller: caller_fields, then its calls
 
 
 def caller_fields(name: str, /) -> tuple[int, ...]:
@@ -151,9 +158,30 @@ def _verify_call(every: np.ndarray, world: Sequence[int], start: int) -> str | N
     return None
 
 
+class Caller:
+    """A thread issuing collectives on one group, as the ranks compare it (one per thread).
+
+    ``fields``: :func:`caller_fields` of its name; ``calls``: how many collectives it has issued
+    on the group, the current one included; ``rows``: :func:`compare_call`'s rows made for it,
+    by call (the group's world and this thread fixed, a row differs between two calls alike
+    only in ``calls``).
+    """
+
+    __slots__ = ("calls", "fields", "rows")
+
+    def __init__(self, name: str, /) -> None:
+        self.fields = caller_fields(name)
+        self.calls = 0
+        self.rows: dict[Any, Comparison] = {}
+
+    def numbered(self) -> tuple[int, ...]:
+        """``fields`` and ``calls``: the caller as a row holds it."""
+        return (*self.fields, self.calls)
+
+
 def compare_call(
     operation: str,
-    caller: Sequence[int],
+    caller: Caller,
     arrays: Sequence[Any],
     world: Sequence[int],
     /,
@@ -163,65 +191,75 @@ def compare_call(
 ) -> Comparison:
     """What the ranks exchange to compare a collective's call: thread, operation, root, arrays.
 
-    ``caller``: :func:`caller_fields` of the issuing thread and its number of calls on the
-    group. ``world`` holds the group's ranks as global ranks, for the messages. ``arrays``: the
-    call's local arrays (one, or one per local device, or a coalesced call's); their number,
-    dtype (the first's), total elements and shapes and dtypes (a checksum) must agree, as
-    must ``root`` (group rank; ``-1``: not rooted) and ``op``.
+    ``caller``: the issuing thread, counting this call. ``world`` holds the group's ranks as
+    global ranks, for the messages. ``arrays``: the call's local arrays (one, or one per local
+    device, or a coalesced call's); their number, dtype (the first's), total elements and
+    shapes and dtypes (a checksum) must agree, as must ``root`` (group rank; ``-1``: not rooted)
+    and ``op``. A call of one array is made into a row once per thread, operation, root, op,
+    dtype and shape, then copied with the call's number: a loop's calls cost a copy each.
     """
     first = arrays[0]
-    count = len(arrays)
-    key = (operation, root, op, first.dtype, first.shape) if count == 1 else None
-    fields = _ROWS.get(key)
-    if fields is None:
-        fields = _call_fields(operation, arrays, root, op)
+    key = (operation, root, op, first.dtype, first.shape) if len(arrays) == 1 else None
+    made = caller.rows.get(key)
+    if made is None:
+        made = _call_row(_call_fields(operation, arrays, root, op), caller.fields, world)
         if key is not None:
-            if len(_ROWS) >= _ROWS_KEPT:
-                _ROWS.clear()
-            _ROWS[key] = fields
-    mine = np.array((fields[0], *caller, *fields[1:]), np.int64)
-    start = 1 + len(caller)
-
-    def verify(every: np.ndarray) -> str | None:
-        problem = _verify_call(every, world, start)
-        if problem is not None:
-            return problem
-        roots = every[:, start].tolist()
-        if roots.count(roots[0]) != len(roots):
-            named = per_rank([world[r] for r in roots], world)
-            return (
-                f"{disagreeing(roots, world)} in the root they named (src/dst, as global "
-                f"ranks: {named}). Every rank must pass the same root."
-            )
-        ops = every[:, start + 1].tolist()
-        if ops.count(ops[0]) != len(ops):
-            named = per_rank([f"ReduceOp.{_OPS[n].name}" for n in ops], world)
-            return (
-                f"{disagreeing(ops, world)} in the reduction they passed ({named}). Every rank "
-                "must pass the same op."
-            )
-        rows = [tuple(row) for row in every[:, start + 2 :].tolist()]
-        if rows.count(rows[0]) == len(rows):
-            return None
-        said = [_arrays_said(*row) for row in rows]
-        layout = (
-            " (the same dtype and size: their shapes or byte orders differ; the debug mode "
-            "CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL names the shapes)"
-            if len(set(said)) == 1
-            else ""
-        )
-        passed = per_rank(said, world)
-        return (
-            f"{disagreeing(rows, world)} in the array they passed{layout} ({passed}). Every "
-            "rank must pass an array of the same dtype and shape."
-        )
-
+            if len(caller.rows) >= _ROWS_KEPT:
+                caller.rows.clear()
+            caller.rows[key] = made
+    template, verify = made
+    mine = template.copy()
+    mine[_CALLS] = caller.calls
     return mine, verify
 
 
-# compare_call's fields (after the caller's) for one array, by operation, root, op, dtype, shape
-_ROWS: dict[Any, tuple[int, ...]] = {}
-_ROWS_KEPT = 1024
+_ROWS_KEPT = 1024  # rows a caller keeps (one per call signature; cleared when full)
+_CALLS = _CALLER_SIZE  # a row's index of the caller's calls (after the operation, caller_fields)
+
+
+def _call_row(call: Sequence[int], fields: Sequence[int], world: Sequence[int]) -> Comparison:
+    """:func:`compare_call`'s row with ``calls`` at 0, and what says how every rank's differ.
+
+    ``call``: :func:`_call_fields`; ``fields``: the caller's :func:`caller_fields`.
+    """
+    row = np.array((call[0], *fields, 0, *call[1:]), np.int64)
+    return row, functools.partial(_verify_arrays, world, 1 + _CALLER_SIZE)
+
+
+def _verify_arrays(world: Sequence[int], start: int, every: np.ndarray) -> str | None:
+    """What the ranks' :func:`compare_call` rows disagree on, or ``None``."""
+    problem = _verify_call(every, world, start)
+    if problem is not None:
+        return problem
+    roots = every[:, start].tolist()
+    if roots.count(roots[0]) != len(roots):
+        named = per_rank([world[r] for r in roots], world)
+        return (
+            f"{disagreeing(roots, world)} in the root they named (src/dst, as global "
+            f"ranks: {named}). Every rank must pass the same root."
+        )
+    ops = every[:, start + 1].tolist()
+    if ops.count(ops[0]) != len(ops):
+        named = per_rank([f"ReduceOp.{_OPS[n].name}" for n in ops], world)
+        return (
+            f"{disagreeing(ops, world)} in the reduction they passed ({named}). Every rank "
+            "must pass the same op."
+        )
+    rows = [tuple(row) for row in every[:, start + 2 :].tolist()]
+    if rows.count(rows[0]) == len(rows):
+        return None
+    said = [_arrays_said(*row) for row in rows]
+    layout = (
+        " (the same dtype and size: their shapes or byte orders differ; the debug mode "
+        "CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL names the shapes)"
+        if len(set(said)) == 1
+        else ""
+    )
+    passed = per_rank(said, world)
+    return (
+        f"{disagreeing(rows, world)} in the array they passed{layout} ({passed}). Every "
+        "rank must pass an array of the same dtype and shape."
+    )
 
 
 def _call_fields(
@@ -259,7 +297,7 @@ def _arrays_said(
 
 
 def compare_counts(
-    caller: Sequence[int],
+    caller: Caller,
     sends: Sequence[int],
     receives: Sequence[int],
     dtype: np.dtype[Any],
@@ -273,7 +311,7 @@ def compare_counts(
     garbage.
     """
     size = len(sends)
-    start = 1 + len(caller)
+    start = 1 + _CALLER_SIZE
 
     def verify(every: np.ndarray) -> str | None:
         problem = _verify_call(every, world, start)
@@ -305,5 +343,6 @@ def compare_counts(
             "Every rank must pass arrays of one dtype."
         )
 
-    mine = [_OPERATION_NUMBERS["all_to_all"], *caller, *sends, *receives, *dtype_row(dtype)]
+    operation = _OPERATION_NUMBERS["all_to_all"]
+    mine = [operation, *caller.numbered(), *sends, *receives, *dtype_row(dtype)]
     return np.array(mine, np.int64), verify

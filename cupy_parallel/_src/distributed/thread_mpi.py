@@ -335,10 +335,16 @@ def _bytes(buffer: Any) -> np.ndarray:
     return np.asarray(buffer).reshape(-1).view(np.uint8)
 
 
+def _array(spec: Any) -> Any:
+    """The array of a buffer spec: ``[array, datatype]``, or the array itself (as mpi4py)."""
+    return spec[0] if type(spec) is list or type(spec) is tuple else spec
+
+
 def _typed(spec: Any) -> np.ndarray:
-    """The array of a buffer spec ``[array, datatype]`` viewed as the datatype's items."""
-    array, datatype = spec[0], spec[-1]
-    return np.asarray(array).reshape(-1).view(datatype.dtype)
+    """The items of a buffer spec: ``[array, datatype]`` viewed as the datatype's, or an array's."""
+    if type(spec) is list or type(spec) is tuple:
+        return np.asarray(spec[0]).reshape(-1).view(spec[-1].dtype)
+    return np.asarray(spec).reshape(-1)
 
 
 def _fit(target: np.ndarray, data: np.ndarray, what: str) -> None:
@@ -430,10 +436,10 @@ class Comm:
         """The root's bytes into every rank's buffer."""
 
         def complete(parts: list[Any], _: list[Request]) -> None:
-            source = _bytes(parts[root][0])
+            source = _bytes(_array(parts[root]))
             for r, part in enumerate(parts):
                 if r != root:
-                    _fit(_bytes(part[0]), source, "broadcast")
+                    _fit(_bytes(_array(part)), source, "broadcast")
 
         return self._join(f"bcast {root}", buffer, complete)
 
@@ -443,7 +449,7 @@ class Comm:
         def complete(parts: list[Any], _: list[Request]) -> None:
             total = _reduce([_typed(r if s is IN_PLACE else s) for s, r in parts], op)
             for _, r in parts:
-                _fit(_bytes(r[0]), _bytes(total), "allreduce")
+                _fit(_bytes(_array(r)), _bytes(total), "allreduce")
 
         return self._join("allreduce", (send, recv), complete)
 
@@ -453,7 +459,7 @@ class Comm:
         def complete(parts: list[Any], _: list[Request]) -> None:
             sources = [_typed(recv if s is IN_PLACE else s) for s, recv in parts]
             total = _reduce(sources, op)
-            _fit(_bytes(parts[root][1][0]), _bytes(total), "reduce")
+            _fit(_bytes(_array(parts[root][1])), _bytes(total), "reduce")
 
         return self._join(f"reduce {root}", (send, recv), complete)
 
@@ -461,9 +467,9 @@ class Comm:
         """Every rank's bytes, in rank order, into every rank's buffer."""
 
         def complete(parts: list[Any], _: list[Request]) -> None:
-            every = np.concatenate([_bytes(s[0]) for s, _ in parts])
+            every = np.concatenate([_bytes(_array(s)) for s, _ in parts])
             for _, r in parts:
-                _fit(_bytes(r[0]), every, "allgather")
+                _fit(_bytes(_array(r)), every, "allgather")
 
         return self._join("allgather", (send, recv), complete)
 
@@ -471,8 +477,8 @@ class Comm:
         """Every rank's bytes, in rank order, into the root's buffer."""
 
         def complete(parts: list[Any], _: list[Request]) -> None:
-            every = np.concatenate([_bytes(s[0]) for s, _ in parts])
-            _fit(_bytes(parts[root][1][0]), every, "gather")
+            every = np.concatenate([_bytes(_array(s)) for s, _ in parts])
+            _fit(_bytes(_array(parts[root][1])), every, "gather")
 
         return self._join(f"gather {root}", (send, recv), complete)
 
@@ -480,8 +486,8 @@ class Comm:
         """Equal blocks of the root's bytes, one per rank."""
 
         def complete(parts: list[Any], _: list[Request]) -> None:
-            source = _bytes(parts[root][0][0])
-            targets = [_bytes(r[0]) for _, r in parts]
+            source = _bytes(_array(parts[root][0]))
+            targets = [_bytes(_array(r)) for _, r in parts]
             block = targets[0].nbytes
             _fit(np.empty(block * len(targets), np.uint8), source, "scatter")
             for k, target in enumerate(targets):
@@ -496,7 +502,7 @@ class Comm:
             total = _reduce([_typed(s) for s, _ in parts], op)
             blocks = np.split(_bytes(total), len(parts))
             for k, (_, r) in enumerate(parts):
-                _fit(_bytes(r[0]), blocks[k], "reduce_scatter_block")
+                _fit(_bytes(_array(r)), blocks[k], "reduce_scatter_block")
 
         return self._join("reduce_scatter_block", (send, recv), complete)
 
@@ -600,7 +606,7 @@ class Comm:
         """Send the buffer's bytes (copied: the send completes at once)."""
         shared = self.shared
         world = shared.world
-        data = _bytes(buffer[0]).tobytes()
+        data = _bytes(_array(buffer)).tobytes()
         request = Request(world)
         with world.changed:
             world.raise_failure()
@@ -620,7 +626,7 @@ class Comm:
         """Receive into the buffer the first message that matches ``source`` and ``tag``."""
         shared = self.shared
         world = shared.world
-        target = _bytes(buffer[0])
+        target = _bytes(_array(buffer))
         request = Request(world)
         with world.changed:
             world.raise_failure()
