@@ -15,6 +15,7 @@ each shown to be caught by the simulator.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -34,34 +35,35 @@ DTYPES = [np.float64, np.float32, np.float16]
 RTOL = {np.float64: 1e-12, np.float32: 1e-6, np.float16: 1e-3}
 
 
+@contextlib.contextmanager
+def _world_of_one(cuda_aware: str) -> Iterator[None]:
+    """A world of one with ``CUPY_PARALLEL_MPI_CUDA_AWARE=cuda_aware`` (the probe re-read)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUPY_PARALLEL_MPI_CUDA_AWARE", cuda_aware)
+        mpi_staging._process_mpi_is_cuda_aware.cache_clear()  # the probe, cached per process
+        dist.init_process_group("mpi", timeout=timedelta(seconds=20))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+            mpi_staging._process_mpi_is_cuda_aware.cache_clear()
+
+
 @pytest.fixture
-def aware(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def aware() -> Iterator[None]:
     """A world of one whose MPI is (simulated) CUDA-aware."""
-    monkeypatch.setenv("CUPY_PARALLEL_MPI_CUDA_AWARE", "1")
-    mpi_staging._process_mpi_is_cuda_aware.cache_clear()  # the probe, cached per process
-    dist.init_process_group("mpi", timeout=timedelta(seconds=20))
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # the staging note would be an error: never staged
-            yield
-    finally:
-        dist.destroy_process_group()
-        mpi_staging._process_mpi_is_cuda_aware.cache_clear()  # the probe, cached per process
+    with _world_of_one("1"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # the staging note would be an error: never staged
+        yield
 
 
 @pytest.fixture
-def staging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def staging() -> Iterator[None]:
     """A world of one whose MPI is not CUDA-aware (CuPy arrays are staged through the host)."""
-    monkeypatch.setenv("CUPY_PARALLEL_MPI_CUDA_AWARE", "0")
-    mpi_staging._process_mpi_is_cuda_aware.cache_clear()  # the probe, cached per process
-    dist.init_process_group("mpi", timeout=timedelta(seconds=20))
-    try:
-        with warnings.catch_warnings():  # the one-time staging note (said by the first test)
-            warnings.filterwarnings("ignore", "cupy_parallel MPI backend: .* copied through host")
-            yield
-    finally:
-        dist.destroy_process_group()
-        mpi_staging._process_mpi_is_cuda_aware.cache_clear()  # the probe, cached per process
+    with _world_of_one("0"), warnings.catch_warnings():
+        # the one-time staging note, said by the first test that stages
+        warnings.filterwarnings("ignore", "cupy_parallel MPI backend: .* copied through host")
+        yield
 
 
 def values(seed: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
