@@ -181,14 +181,20 @@ def test_gradient_is_the_plain_tapes_in_a_world_of_one(cap: float) -> None:
         np.testing.assert_allclose(grads[k], expected[k], rtol=1e-14, atol=0)
 
 
-@pytest.mark.usefixtures("world")
-def test_no_sync_forward_runs_no_hook_and_reduce_gradients_does() -> None:
-    calls: list[int] = []
+def _counting_hook(calls: list[int]) -> Any:
+    """The allreduce hook, appending each bucket's index to ``calls``."""
 
     def counting(state: Any, bucket: Any) -> Any:
         calls.append(bucket.index())
         return default_hooks.allreduce_hook(state, bucket)
 
+    return counting
+
+
+@pytest.mark.usefixtures("world")
+def test_no_sync_forward_runs_no_hook_and_reduce_gradients_does() -> None:
+    calls: list[int] = []
+    counting = _counting_hook(calls)
     ddp = cp.DistributedDataParallel(_model, _params(), bucket_cap_mb=1e-5)
     ddp.register_comm_hook(None, counting)
     with ddp.no_sync():
@@ -206,11 +212,7 @@ def test_no_sync_forward_runs_no_hook_and_reduce_gradients_does() -> None:
 @pytest.mark.usefixtures("world")
 def test_a_tape_hooks_once_and_non_persistent_tapes_drop_their_hooks() -> None:
     calls: list[int] = []
-
-    def counting(state: Any, bucket: Any) -> Any:
-        calls.append(bucket.index())
-        return default_hooks.allreduce_hook(state, bucket)
-
+    counting = _counting_hook(calls)
     ddp = cp.DistributedDataParallel(_model, _params())
     ddp.register_comm_hook(None, counting)
     with cp.Tape(persistent=True) as tape:
