@@ -39,6 +39,19 @@ def code(text: str) -> nbformat.NotebookNode:
     return new_code_cell(text.strip())
 
 
+def loss_plot(title: str) -> nbformat.NotebookNode:
+    """The cell plotting ``losses`` per step; ``title``: the title's Python expression."""
+    return code(f"""
+import matplotlib.pyplot as plt
+
+plt.figure(figsize=(6, 3.5))
+plt.semilogy(losses)
+plt.xlabel("SGD step")
+plt.ylabel("cross-entropy")
+plt.title({title})
+plt.show()""")
+
+
 TOUR = [
     md("""
 # A tour of cupy_parallel
@@ -231,15 +244,7 @@ for i in range(150):
     model.params = {k: model.params[k] - 0.5 * grads[k] for k in model.params}
     losses.append(float(on_host(loss)))
 print(f"loss: first {losses[0]:.4f}, last {losses[-1]:.4f}")"""),
-    code("""
-import matplotlib.pyplot as plt
-
-plt.figure(figsize=(6, 3.5))
-plt.semilogy(losses)
-plt.xlabel("SGD step")
-plt.ylabel("cross-entropy")
-plt.title(f"DataParallel on {len(devices)} device(s)")
-plt.show()"""),
+    loss_plot('f"DataParallel on {len(devices)} device(s)"'),
     md("""
 ## Gradient check against one device
 
@@ -511,15 +516,7 @@ params, losses = runs[0]
 same = all(np.array_equal(p[k], params[k]) for p, _ in runs for k in params)
 print("every rank ends with rank 0's parameters:", same)
 print(f"loss: first {losses[0]:.4f}, last {losses[-1]:.4f}")"""),
-    code("""
-import matplotlib.pyplot as plt
-
-plt.figure(figsize=(6, 3.5))
-plt.semilogy(losses)
-plt.xlabel("SGD step")
-plt.ylabel("cross-entropy")
-plt.title("DistributedDataParallel on 4 thread ranks")
-plt.show()"""),
+    loss_plot('"DistributedDataParallel on 4 thread ranks"'),
     md("""
 ## Gradients checked against one process
 
