@@ -173,7 +173,7 @@ def test_float_sums_reduce_in_rank_order() -> None:
 
 def test_the_in_process_mpi_takes_bare_arrays_as_mpi4py_does() -> None:
     """mpi4py takes a buffer as ``[array, datatype]`` or as the array itself (typed by its
-    dtype); the MPI backend passes its call comparison's rows bare. Oracle: NumPy."""
+    dtype); so does the stand-in, for code written against mpi4py. Oracle: NumPy."""
     from cupy_parallel._src.distributed.mpi_job import load_mpi
 
     n = 3

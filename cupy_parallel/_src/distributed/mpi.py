@@ -285,9 +285,10 @@ class _MPIWork(Work):
         group is unusable (the operation may have written the arrays already, and the job is
         aborted at exit in case it never finishes).
         """
-        every = np.empty((self._backend.size, mine.size), np.int64)
-        # typed by their dtype (int64 on every rank): mpi4py parses a bare array faster
-        self._side = _SideCheck(self._backend._control.Iallgather(mine, every), mine, every, verify)
+        backend = self._backend
+        every = np.empty((backend.size, mine.size), np.int64)
+        request = backend._control.Iallgather([mine, backend._int64], [every, backend._int64])
+        self._side = _SideCheck(request, mine, every, verify)
         return self
 
     def _settle(self, side: _SideCheck) -> None:

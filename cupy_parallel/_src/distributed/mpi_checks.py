@@ -27,8 +27,8 @@ operation; this module says what each rank sends and what the rows of every rank
 Cost: a second collective beside every operation, and the Python that makes and reads its rows.
 A 4 KiB ``all_reduce`` on the 2-core development machine, ``python -m
 benchmarks.bench_collectives`` (fastest of many rounds), before and after the rows were made
-once per call signature (:class:`Caller`), the exchange passed as bare arrays and its request's
-own ``Test`` polled, two alternated runs each: 2 ranks, mpi4py + 10.3 and + 11.7 us before,
+once per call signature (:class:`Caller`) and the exchange's own request ``Test`` polled, two
+alternated runs each: 2 ranks, mpi4py + 10.3 and + 11.7 us before,
 + 8.5 and + 9.2 us after (the 10 us target met); 4 ranks sharing the 2 cores, + 59 and + 60 us
 before, + 48 and + 48 us after (missed: the second collective alone, in C, costs 4 such ranks
 + 18 us, ``Iallreduce`` with and without an ``Iallgather`` beside it; a persistent
