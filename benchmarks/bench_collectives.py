@@ -18,7 +18,9 @@ in one more row per world: the 4 KiB ``all_reduce`` on a group made with it on, 
 call with it off (no target: it is a diagnostic mode; the row says what it costs). One more row
 per world reports a 4 KiB ``broadcast`` against mpi4py's ``Bcast``: ours compares the ranks'
 roots and arrays (always on), which makes it wait for every rank, where MPI's root may return
-at once.
+at once. And one more, mpi4py alone: its ``Iallreduce`` of the 4 KiB with a 16-byte second
+collective beside it, against its ``Allreduce``: the floor under any design in which the ranks
+compare their calls by a second collective, which ours do (see ``_second_collective_floor``).
 
 Thread ranks (``cupy_parallel.distributed.spawn``, issue 22): one more row, 4 thread ranks of
 this process each doing 1,000 4 KiB ``all_reduce`` calls, the time per call next to the MPI
@@ -128,6 +130,7 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
         )
     rows.append(_debug_cost(comm, ranks, quick))
     rows.append(_broadcast_cost(comm, ranks, quick))
+    rows.append(_second_collective_floor(comm, ranks, quick))
     comm.Free()
     dist.destroy_process_group()
     return rows if dist_rank_zero() else []
@@ -214,6 +217,51 @@ def _broadcast_cost(comm: Any, ranks: int, quick: bool) -> dict[str, Any]:
         min(raw_times),
         None,
         goal="reported only: broadcast exchanges roots and arrays (it synchronises the group)",
+        ranks=ranks,
+        bytes=4096,
+    )
+
+
+def _second_collective_floor(comm: Any, ranks: int, quick: bool) -> dict[str, Any]:
+    """What a second collective beside the 4 KiB all_reduce costs in MPI alone (mpi4py only).
+
+    The ranks' comparison of their calls (``mpi_checks``) is a second collective beside the
+    operation. Its cheapest form is a 16-byte ``Iallreduce`` with ``MIN`` of a fingerprint and
+    its negation (every rank learns whether all fingerprints agree); this row times that pair,
+    ``Iallreduce`` of the data plus the fingerprint's, waited together, against mpi4py's
+    ``Allreduce``: the floor under the latency of any design that compares the calls with a
+    second collective, before a line of Python. Measured on the 2-core machine (best of 40
+    rounds of 300): 2 ranks +2.6 us, 4 ranks +14 us, and the same with the 17-integer rows our
+    comparison gathers instead of the fingerprint (+2.7 / +14.6 us): the second collective
+    costs its round of messages, not its bytes.
+    """
+    from mpi4py import MPI
+
+    buf = np.ones(1024, np.float32)
+    mine = np.array([7, -7], np.int64)
+    agreed = np.empty(2, np.int64)
+    check = comm.Dup()
+
+    def paired() -> None:
+        data = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        fingerprint = check.Iallreduce([mine, MPI.INT64_T], [agreed, MPI.INT64_T], op=MPI.MIN)
+        MPI.Request.Waitall([data, fingerprint])
+
+    iters, rounds = _latency_schedule(quick)
+    raw_times, paired_times = _rounds(
+        comm,
+        [functools.partial(comm.Allreduce, MPI.IN_PLACE, buf, op=MPI.SUM), paired],
+        iters,
+        rounds,
+    )
+    check.Free()
+    return result(
+        f"all_reduce latency 4 KiB, mpi4py with a second collective beside it, {ranks} ranks",
+        min(paired_times),
+        min(raw_times),
+        None,
+        goal="reported only: the floor under any comparison of the calls by a second "
+        "collective (baseline: mpi4py's Allreduce alone)",
         ranks=ranks,
         bytes=4096,
     )

@@ -28,11 +28,15 @@ Cost: a second collective beside every operation, and the Python that makes and 
 A 4 KiB ``all_reduce`` on the 2-core development machine, ``python -m
 benchmarks.bench_collectives`` (fastest of many rounds), before and after the rows were made
 once per call signature (:class:`Caller`) and the exchange's own request ``Test`` polled, two
-alternated runs each: 2 ranks, mpi4py + 10.3 and + 11.7 us before,
-+ 8.5 and + 9.2 us after (the 10 us target met); 4 ranks sharing the 2 cores, + 59 and + 60 us
-before, + 48 and + 48 us after (missed: the second collective alone, in C, costs 4 such ranks
-+ 18 us, ``Iallreduce`` with and without an ``Iallgather`` beside it; a persistent
-``Allgather_init`` request + 12 us). Earlier alternatives, no better: an ``Iallreduce(MAX)`` of
+alternated runs each: 2 ranks, mpi4py + 10.3 and + 11.7 us before, + 8.5 and + 9.2 us after
+(the 10 us target met); 4 ranks sharing the 2 cores, + 59 and + 60 us before, + 48 and + 48 us
+after (missed). On those 4 ranks the second collective alone, in C, already costs more than
+the target: mpi4py's ``Iallreduce`` with an ``Iallgather`` of the rows beside it, + 18 us over
+the ``Iallreduce`` alone; with a persistent ``Allgather_init`` request, + 12 us; and the pair
+against mpi4py's ``Allreduce``, + 14.6 us with the rows and + 14.0 us with the smallest
+comparison there is (a 16-byte ``Iallreduce(MIN)`` of a fingerprint and its negation): a
+second collective costs its round of messages, not its bytes. ``bench_collectives`` reports
+that floor in each run. Earlier alternatives, no better: an ``Iallreduce(MAX)`` of
 ``[row, -row]``; the rows on the group's own communicator ahead of the operation, with a small
 ``all_reduce``'s data inside them so that it needs no second collective (+ 16.9 us on 2 ranks,
 + 96.7 on 4).
