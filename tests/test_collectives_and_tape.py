@@ -7,10 +7,13 @@ in-place ``RuntimeError``, for NumPy and host arrays (MPI) and CuPy arrays (NCCL
 ``simulated_cuda``), sync and async, without ``check_writes``.
 Reading a recorded array (the send side, a broadcast's root) stays allowed. A world of one rank
 (MPI outside mpiexec) runs every collective here.
+Every tape hears of the write, not only those recording where it happens: after the tape's
+block, under ``stop_recording``, an inner tape under an outer one, another thread.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -159,3 +162,71 @@ def test_writing_an_array_no_tape_holds_changes_nothing() -> None:
         dist.all_reduce(other)
         loss = ops.sum(h)
     np.testing.assert_allclose(tape.gradient(loss, w), 1.0 - np.tanh(w) ** 2, rtol=1e-14)
+
+
+def _after_the_block(tape: cp.Tape, h: Any) -> None:
+    tape.__exit__(None, None, None)
+    dist.all_reduce(h)
+
+
+def _in_stop_recording(tape: cp.Tape, h: Any) -> None:
+    with tape.stop_recording():
+        dist.all_reduce(h)
+    tape.__exit__(None, None, None)
+
+
+def _under_an_outer_tape(tape: cp.Tape, h: Any) -> None:
+    tape.__exit__(None, None, None)
+    with cp.Tape() as outer:
+        outer.watch(h)  # the outer tape records; the inner one has ended
+        dist.all_reduce(h)
+
+
+def _in_another_thread(tape: cp.Tape, h: Any) -> None:
+    tape.__exit__(None, None, None)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a thread where no tape records
+        pool.submit(dist.all_reduce, h).result()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "where",
+    [_after_the_block, _in_stop_recording, _under_an_outer_tape, _in_another_thread],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_a_tape_that_is_not_recording_hears_of_the_write(
+    where: Callable[[cp.Tape, Any], None], kind: str
+) -> None:
+    """A write where the tape is not active still reaches it (torch's c10d would be silent).
+
+    The audit's case: before, the gradient here came out of the written values, without error.
+    """
+    tape, w, h = recorded(kind)
+    loss = ops.sum(ops.multiply(h, h))  # its gradient reads h
+    where(tape, h)
+    with pytest.raises(RuntimeError, match=r"written by dist\.all_reduce"):
+        tape.gradient(loss, w)
+
+
+def test_a_recv_after_the_block_is_caught_too() -> None:
+    """Point-to-point: a receive into a recorded array, after the tape's block (2 thread ranks)."""
+
+    def rank_main(rank: int) -> str:
+        w = np.array([0.3, -1.2])
+        with cp.Tape() as tape:
+            tape.watch(w)
+            h = ops.tanh(w)
+            loss = ops.sum(ops.multiply(h, h))
+        if rank == 0:
+            dist.send(np.ones(2), dst=1)
+            return "sent"
+        dist.recv(h, src=0)
+        try:
+            tape.gradient(loss, w)
+        except RuntimeError as error:
+            return str(error)
+        return "no error"
+
+    sent, received = dist.spawn(rank_main, 2)
+    assert sent == "sent"
+    assert "written by dist.recv" in received

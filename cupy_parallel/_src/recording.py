@@ -47,6 +47,7 @@ import contextlib
 import contextvars
 import operator
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
@@ -83,6 +84,7 @@ __all__ = [
     "record_binary",
     "record_unary",
     "release",
+    "tapes_exist",
     "tapes_tracking",
     "track_leaves",
 ]
@@ -91,6 +93,17 @@ __all__ = [
 _ACTIVE: contextvars.ContextVar[tuple[Records, ...]] = contextvars.ContextVar(
     "cupy_parallel_active_tapes", default=()
 )
+
+_LIVE: weakref.WeakSet[Records] = weakref.WeakSet()
+"""Every tape that exists, in any thread, recording or not: :func:`note_overwritten` tells them.
+
+An in-place write matters to a tape whose ``with`` block has ended (its ``gradient()`` is still
+to come), to one paused by ``stop_recording``, and to an inner tape under an outer one, none of
+which is active where the write happens. Added when a tape is made, gone when it is collected
+(a released tape holds nothing, so telling it costs nothing); the lock guards additions against
+a snapshot being taken in another thread.
+"""
+_LIVE_LOCK = threading.Lock()
 
 _IN_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "cupy_parallel_in_backward", default=False
@@ -126,6 +139,8 @@ class Records:
         # id(watched leaf) -> its gradient-ready hooks, in registration order (add_ready_hook)
         self._ready_hooks: dict[int, list[ReadyHook]] = {}
         self._lock = threading.Lock()
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     def tracks(self, x: Any, /) -> bool:
         """Whether ``x`` is watched or was produced by an operation recorded on this tape.
@@ -260,20 +275,31 @@ def mark_collective(vjp: Vjp, /) -> None:
     _COLLECTIVE_VJPS.add(vjp)
 
 
+def tapes_exist() -> bool:
+    """Whether any tape exists, in any thread (else :func:`note_overwritten` has nothing to do)."""
+    return bool(_LIVE)
+
+
 def note_overwritten(arrays: Sequence[Any], operation: str, /) -> None:
-    """Tell the active tapes that the library's own ``operation`` wrote ``arrays`` in place.
+    """Tell every tape that the library's own ``operation`` wrote ``arrays`` in place.
 
     A collective (``dist.all_reduce(x)``, a ``recv`` into ``x``, ...) knows what it writes,
     whatever the kind of array: a tape that tracks or saved one of ``arrays`` (or another view
     of its memory) then refuses, in :meth:`Tape.gradient`, every node that needs it, with the
     same ``RuntimeError`` as any other in-place write, for NumPy, host and CuPy arrays alike and
-    without ``check_writes``. Nothing to do (one context-variable read) when no tape records.
+    without ``check_writes``. Every tape that exists hears of it, not only those recording here:
+    one whose ``with`` block has ended, one paused by ``stop_recording``, an inner tape under
+    an outer one (torch's version counters do not see a c10d collective at all, and give the
+    wrong gradient there). Nothing to do when no tape exists.
     """
-    tapes = _ACTIVE.get()
-    if not tapes:
+    if not _LIVE:
         return
+    with _LIVE_LOCK:
+        tapes = list(_LIVE)
     written = {_memory_key(a): a for a in arrays}
     for tape in tapes:
+        if not tape._nodes and not tape._leaves:
+            continue
         with tape._lock:
             held = tape._held  # the nodes' arrays, scanned once each (amortised over the calls)
             for node in tape._nodes[tape._scanned :]:

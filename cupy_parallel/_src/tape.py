@@ -98,6 +98,11 @@ class Tape(Records):
       recorded operation touched and verifies them in :meth:`gradient`. Decision: the check is
       opt-in, because it reads every recorded array twice (a CuPy array through a copy to the
       host), far more than the recording itself costs.
+    - **The library's own in-place writes** (a collective such as ``dist.all_reduce(x)``, a
+      ``recv`` into ``x``), always, for every kind of array: every tape that holds ``x`` hears
+      of it, recording or not (after its ``with`` block, under :meth:`stop_recording`, an inner
+      tape under an outer one, in another thread), and its :meth:`gradient` then refuses the
+      nodes that need ``x``. torch does not: a c10d collective leaves the version counter alone.
 
     Args:
         persistent: allow :meth:`gradient` to be called more than once.

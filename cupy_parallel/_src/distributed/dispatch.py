@@ -59,7 +59,7 @@ from cupy_parallel._src.distributed.backend import disagreeing, per_rank
 from cupy_parallel._src.distributed.groups import get_rank, is_initialized, resolve_group
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray
-from cupy_parallel._src.recording import active_tapes, note_overwritten
+from cupy_parallel._src.recording import note_overwritten, tapes_exist
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -95,7 +95,7 @@ class Call:
 
     ``outputs``: the arrays it writes (``Work.get_future()``'s result); default ``args[0]``.
     ``writes``: what this rank's call writes in place when that is not ``outputs`` (a
-    broadcast's root and a reduce's other ranks only read: ``()``); the active tapes are told
+    broadcast's root and a reduce's other ranks only read: ``()``); every tape is told
     (:func:`~cupy_parallel._src.recording.note_overwritten`).
     (A slotted dataclass: made once per call, it costs a third of a ``NamedTuple``.)
     """
@@ -124,7 +124,7 @@ def run(
         _compare(pg, backend, name, call.agree)
     work = call.primitive(*call.args)
     outputs = call.args[0] if call.outputs is None and call.args else call.outputs
-    if active_tapes():
+    if tapes_exist():
         note_overwritten(
             tree.leaves(outputs if call.writes is None else call.writes), f"dist.{name}"
         )

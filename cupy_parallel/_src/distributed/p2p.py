@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from cupy_parallel._src.arguments import ArgumentError, read_int
 from cupy_parallel._src.distributed.dispatch import backend_of, check_data
-from cupy_parallel._src.recording import active_tapes, note_overwritten
+from cupy_parallel._src.recording import note_overwritten, tapes_exist
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -116,7 +116,7 @@ def _recv(tensor: Any, src: Any, group: Any, tag: Any, operation: str) -> Work |
     work: Work = backend.recv(tensor, local, tag)
     work.world_ranks = pg.ranks
     work.outputs = [tensor]
-    if active_tapes():
+    if tapes_exist():
         note_overwritten([tensor], f"dist.{operation}")
     return work
 
@@ -247,7 +247,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         if item.op is irecv:
             work = backend.recv(item.tensor, local, tag)
             work.world_ranks = pg.ranks
-            if active_tapes():
+            if tapes_exist():
                 note_overwritten([item.tensor], "dist.batch_isend_irecv")
         else:
             assert local is not None
