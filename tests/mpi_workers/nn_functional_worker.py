@@ -579,6 +579,20 @@ def check_adjoints(kind: str = "cpu") -> None:
             xs[0], [_split(j, rank) for j in range(size)], [_split(rank, q) for q in range(size)]
         ),
     )
+    # equal input splits (None) of a rank-dependent number of rows, uneven output splits: the
+    # gradient has x's rows, not y's (it came out with y's and the exchange failed)
+    adjoint(
+        "all_to_all_single, output splits only",
+        lambda s: [data("j", s, (size * (1 + s), 2))],
+        lambda xs: nnf.all_to_all_single(xs[0], [1 + j for j in range(size)]),
+    )
+    # 0-d arrays (all_gather's gradient is a reduce_scatter of 0-d arrays: it raised)
+    adjoint("all_gather 0-d", lambda s: [data("k", s, ())], lambda xs: nnf.all_gather(xs[0]))
+    adjoint(
+        "reduce_scatter 0-d",
+        lambda s: [data(f"l{q}", s, ()) for q in range(size)],
+        nnf.reduce_scatter,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

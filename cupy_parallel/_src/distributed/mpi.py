@@ -754,7 +754,7 @@ class MPIBackend(ProcessGroupBackend):
         chunks = len(inputs[0])
         acc = _temp((chunks, *first.shape), dtype, first)
         for k in range(chunks):
-            _copy(acc[k], _accumulate([plain_buffer(row[k]) for row in inputs], plan))
+            _copy(acc[k, ...], _accumulate([plain_buffer(row[k]) for row in inputs], plan))
         direct = local == 1 and plan.work_dtype is None
         received = first if direct else _temp((local, *first.shape), dtype, first)
         request = self._comm.Ireduce_scatter_block(
@@ -767,7 +767,7 @@ class MPIBackend(ProcessGroupBackend):
                 _average(received, count)
             if not direct:
                 for j, x in enumerate(outputs):
-                    _cast_into(x, received[j])
+                    _cast_into(x, received[j, ...])
 
         work = _MPIWork("reduce_scatter", self, request, keep=(acc, received))
         return work._check_call(outputs, op=op).add_finalizer(finish)

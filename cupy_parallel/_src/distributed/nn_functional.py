@@ -501,6 +501,8 @@ def _split_sizes(sizes: Any, name: str) -> list[int] | None:
 
 def _all_to_all_single_vjp(gs: list[Any], xs: Args, needs: Needs, ys: Args, aux: Any) -> Args:
     outs, ins, pg = aux
+    if ins is None:  # x's rows went out in equal splits: as many come back, not y's rows
+        ins = [xs[0].shape[0] // pg.size()] * pg.size()
     return (all_to_all_single(gs[0], ins, outs, pg),)
 
 
