@@ -380,6 +380,16 @@ def test_monitored_barrier_names_the_missing_rank(via: str) -> None:
     )
 
 
+@VIA
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+def test_a_late_rank_does_not_let_the_next_monitored_barrier_pass_early(
+    ranks: int, via: str
+) -> None:
+    result = launch_api(ranks, "late", via)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("checks passed") == ranks, result.stdout
+
+
 def launch_agreement(
     ranks: int, mode: str, via: str = "mpiexec"
 ) -> subprocess.CompletedProcess[str]:

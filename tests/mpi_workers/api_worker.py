@@ -5,7 +5,8 @@ result with NumPy alone; mismatches are printed as ``BAD ...`` and the exit stat
 
 Modes: ``api`` (every PyTorch 2 function, NumPy integers for ranks/tags/dims), ``debug`` (run
 with ``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL``: matching calls pass, each kind of mismatch
-raises on every rank naming the differing rank), ``monitored`` (the last rank never arrives).
+raises on every rank naming the differing rank), ``monitored`` (the last rank never arrives),
+``late`` (the last rank comes late to one ``monitored_barrier``, then the next one).
 
 ``rank_main(rank, argv)`` is one rank's program: ``main`` under ``mpiexec``, and the function
 that ``cupy_parallel.distributed.spawn`` runs on thread ranks (each keeps its own tally).
@@ -300,6 +301,35 @@ def monitored(rank: int, size: int) -> None:
         print(f"CAUGHT rank {rank}: {error}", flush=True)
 
 
+def late(rank: int, size: int) -> None:
+    """The last rank comes late to one monitored_barrier; the next one must wait for everybody.
+
+    Before, the late rank's arrival at the first call stayed queued, rank 0's second call took
+    it for its own and returned before the late rank had entered it, and the late rank's first
+    call returned (released by that second call) although rank 0's had raised.
+    """
+    last = size - 1
+    if rank == last:
+        time.sleep(1.0)
+    try:
+        dist.monitored_barrier(timeout=0.4)
+        tally().failures.append(f"rank {rank}: the first monitored_barrier passed")
+    except RuntimeError as error:
+        expected = "did not arrive" if rank == 0 else "did not release"
+        same(f"rank {rank}'s first monitored_barrier raised", expected in str(error), True)
+    if rank == last:
+        time.sleep(1.0)
+    entered = time.time()
+    dist.monitored_barrier(timeout=20)
+    times = [None] * size
+    dist.all_gather_object(times, (entered, time.time()))
+    same(
+        "nobody left the second monitored_barrier before everybody entered it",
+        max(e for e, _ in times) <= min(left for _, left in times),
+        True,
+    )
+
+
 def local(rank: int, size: int) -> None:
     """use_local_synchronization: pairs make their own groups; nobody else calls new_group."""
     pair = [rank - rank % 2, rank - rank % 2 + 1] if rank - rank % 2 + 1 < size else [rank]
@@ -361,7 +391,14 @@ def rank_main(_: int, argv: list[str]) -> int:
     if not dist.is_initialized():  # spawn made the world already
         dist.init_process_group("mpi", timeout=30 if mode != "monitored" else 3)
     rank, size = dist.get_rank(), dist.get_world_size()
-    modes = {"api": api, "debug": debug, "monitored": monitored, "local": local, "tape": tape}
+    modes = {
+        "api": api,
+        "debug": debug,
+        "monitored": monitored,
+        "late": late,
+        "local": local,
+        "tape": tape,
+    }
     modes[mode](rank, size)
     if mode == "monitored" and rank == size - 1:
         time.sleep(1)

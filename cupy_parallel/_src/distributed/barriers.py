@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
@@ -97,7 +98,10 @@ def monitored_barrier(
     Group rank 0 waits for a message from every other rank, then releases them. If some rank
     does not arrive in time, rank 0 raises ``RuntimeError`` naming the first such rank (every
     such rank with ``wait_all_ranks=True``), and the other ranks raise ``RuntimeError`` when
-    rank 0 does not release them. Pending receives are cancelled, so the group stays usable.
+    rank 0 does not release them. Pending receives are cancelled, and the messages carry the
+    call's number, so the group stays usable: a late rank's arrival, or a release that came
+    after its rank gave up, is dropped by the next call (torch's gloo closes the pair instead,
+    and the later calls fail).
     Host backends only (it uses point-to-point messages on host arrays), as torch's is gloo's.
 
     Args:
@@ -124,20 +128,19 @@ def monitored_barrier(
         )
     tag = backend.max_tag + 1
     deadline = time.monotonic() + limit
+    call = _CALLS[backend] = _CALLS.get(backend, 0) + 1
     if backend.rank != 0:
-        backend.send(np.zeros(1, np.uint8), 0, tag).wait()
-        release = backend.recv(np.zeros(1, np.uint8), 0, tag)
-        if not release.wait_or_cancel(deadline):
+        backend.send(np.array([call], np.int64), 0, tag).wait()
+        if not _receive(backend, 0, tag, call, deadline):
             raise RuntimeError(
                 f"monitored_barrier on process group {pg.name!r}: rank {pg.ranks[0]} did not "
                 f"release this rank ({pg.ranks[backend.rank]}) within {limit:g} s (some rank "
                 "did not arrive; rank 0 names it)."
             )
         return
-    arrivals = [(r, backend.recv(np.zeros(1, np.uint8), r, tag)) for r in range(1, backend.size)]
     missing = []
-    for r, work in arrivals:
-        if not work.wait_or_cancel(deadline):
+    for r in range(1, backend.size):
+        if not _receive(backend, r, tag, call, deadline):
             missing.append(pg.ranks[r])
             if not every:
                 deadline = 0.0  # cancel the rest at once
@@ -148,7 +151,29 @@ def monitored_barrier(
             f"within {limit:g} s."
         )
     for r in range(1, backend.size):
-        backend.send(np.zeros(1, np.uint8), r, tag).wait()
+        backend.send(np.array([call], np.int64), r, tag).wait()
+
+
+_CALLS: weakref.WeakKeyDictionary[ProcessGroupBackend, int] = weakref.WeakKeyDictionary()
+"""How many ``monitored_barrier`` calls this rank made on each group (its messages' number)."""
+
+
+def _receive(
+    backend: ProcessGroupBackend, source: int, tag: int, call: int, deadline: float
+) -> bool:
+    """Receive ``source``'s message of call number ``call`` by ``deadline``; ``False``: none came.
+
+    Messages of earlier calls are dropped: a rank that arrives after rank 0 gave up on a call
+    still sends its arrival, and rank 0's release of a call may reach a rank that gave up on
+    it; both stay queued, and the next call must not take them for its own (it did: rank 0's
+    next barrier returned before the late rank had entered it). Between two ranks, messages on
+    one tag arrive in the order sent, so no later call's message comes before this one's.
+    """
+    message = np.zeros(1, np.int64)
+    while backend.recv(message, source, tag).wait_or_cancel(deadline):
+        if message[0] == call:
+            return True
+    return False
 
 
 def _barrier_method(pg: ProcessGroup) -> Work:
