@@ -5,6 +5,13 @@ A rule is the NumPy ufunc, its vjp and the op's docstring (HIPS autograd's ``def
 :data:`_BINARY_RULES` from its rule (why generated ops are as fast as hand-written ones:
 :mod:`cupy_parallel._src.ops`). Binary ops broadcast as NumPy does; their vjps ``fit`` each
 gradient back to its input's shape.
+
+Complex numbers follow PyTorch: the gradient of a real loss ``L`` with respect to a complex
+``z`` is ``dL/dRe(z) + i dL/dIm(z)``, so the vjp of a holomorphic ``f`` is ``g * conj(f'(z))``
+(:func:`conj_if_complex` in every product rule), ``abs``'s is ``g * z / |z|``, and ``real``,
+``imag`` and ``conj`` pass ``g``, ``i g`` and ``conj(g)``. The ops whose gradient holds for
+reals only (an order: ``maximum``, ``minimum``, ``relu``, ``clip``; ``power``) refuse complex
+values when a tape records them (:data:`_REAL_ONLY`).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from cupy_parallel._src.arrays import is_array
 from cupy_parallel._src.compute import SCALARS, host_operand, named_kernel, run_kernel
 from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer
 from cupy_parallel._src.recording import active_tapes, record, record_binary, record_unary
-from cupy_parallel._src.shape_ops import fit, require_array
+from cupy_parallel._src.shape_ops import fit, refuse_complex, require_array
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -30,14 +37,18 @@ __all__ = [
     "abs",
     "add",
     "clip",
+    "conj",
+    "conj_if_complex",
     "divide",
     "exp",
+    "imag",
     "log",
     "maximum",
     "minimum",
     "multiply",
     "negative",
     "power",
+    "real",
     "relu",
     "sqrt",
     "square",
@@ -58,28 +69,38 @@ call, inside vjps too, and one global lookup is cheaper than ``np.ndarray``'s tw
 # ``gs``, the inputs, which of them need a gradient, the outputs and the op's auxiliary data.
 
 
+def conj_if_complex(x: Any) -> Any:
+    """``conj(x)``, recorded, for a complex ``x``; ``x`` itself when it is real (no copy).
+
+    The factor of every product rule: the vjp of a holomorphic op is ``g * conj(f'(z))``.
+    """
+    if isinstance(x, SCALARS):
+        return x.conjugate()
+    return conj(x) if x.dtype.kind == "c" else x
+
+
 def _negative_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
     return (fit(negative(gs[0]), xs[0]),)
 
 
 def _square_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
-    return (fit(multiply(gs[0], multiply(xs[0], 2.0)), xs[0]),)
+    return (fit(multiply(gs[0], multiply(conj_if_complex(xs[0]), 2.0)), xs[0]),)
 
 
 def _exp_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
-    return (fit(multiply(gs[0], zs[0]), xs[0]),)
+    return (fit(multiply(gs[0], conj_if_complex(zs[0])), xs[0]),)
 
 
 def _log_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
-    return (fit(divide(gs[0], xs[0]), xs[0]),)
+    return (fit(divide(gs[0], conj_if_complex(xs[0])), xs[0]),)
 
 
 def _tanh_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
-    return (fit(multiply(gs[0], subtract(1.0, square(zs[0]))), xs[0]),)
+    return (fit(multiply(gs[0], conj_if_complex(subtract(1.0, square(zs[0])))), xs[0]),)
 
 
 def _sqrt_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
-    return (fit(divide(gs[0], multiply(zs[0], 2.0)), xs[0]),)
+    return (fit(divide(gs[0], conj_if_complex(multiply(zs[0], 2.0))), xs[0]),)
 
 
 def _positive_kernel(xp: Any, x: Any) -> Any:
@@ -93,8 +114,21 @@ def _relu_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Gra
 _sign = named_kernel("sign")
 
 
+def _nonzero_kernel(xp: Any, x: Any) -> Any:
+    return x != 0
+
+
 def _abs_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
-    return (fit(multiply(gs[0], run_kernel(_sign, xs[0], xs[0])), xs[0]),)
+    (g,), (x,), (z,) = gs, xs, zs
+    if x.dtype.kind != "c":
+        return (fit(multiply(g, run_kernel(_sign, x, x)), x),)
+    # x / |x|, 0 at 0 (as torch's sgn): recorded, since the phase of x is no constant
+    nonzero = run_kernel(_nonzero_kernel, z, z)
+    return (fit(multiply(g, divide(x, where(nonzero, z, 1.0))), x),)
+
+
+def _conj_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
+    return (fit(conj_if_complex(gs[0]), xs[0]),)
 
 
 def _add_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
@@ -110,16 +144,18 @@ def _subtract_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) ->
 def _multiply_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
     (g,), (a, b) = gs, xs
     return (
-        fit(multiply(g, b), a) if needs[0] else None,
-        fit(multiply(g, a), b) if needs[1] else None,
+        fit(multiply(g, conj_if_complex(b)), a) if needs[0] else None,
+        fit(multiply(g, conj_if_complex(a)), b) if needs[1] else None,
     )
 
 
 def _divide_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
     (g,), (a, b), (z,) = gs, xs, zs
     return (
-        fit(divide(g, b), a) if needs[0] else None,
-        fit(negative(divide(multiply(g, z), b)), b) if needs[1] else None,
+        fit(divide(g, conj_if_complex(b)), a) if needs[0] else None,
+        fit(negative(divide(multiply(g, conj_if_complex(z)), conj_if_complex(b))), b)
+        if needs[1]
+        else None,
     )
 
 
@@ -196,6 +232,10 @@ def _minimum_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> 
     return _extremum_vjp(gs[0], xs[0], xs[1], needs, larger_first=False)
 
 
+_REAL_ONLY = frozenset({"power", "maximum", "minimum"})
+"""The table's ops whose gradient holds for real numbers only: refused on complex values."""
+
+
 def _unary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Operand], Array]:
     slow = named_kernel(name)
 
@@ -238,6 +278,7 @@ def _host_binary(ufunc: Any, name: str, a: Any, b: Any) -> Any:
 
 def _binary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Operand, Operand], Array]:
     slow = named_kernel(name)
+    real_only = name in _REAL_ONLY
 
     def op(a: Any, b: Any, /) -> Any:
         if type(a) is _ndarray:  # the hot path: NumPy refuses a host array as b itself
@@ -254,6 +295,8 @@ def _binary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Operand, 
             else:
                 z = run_kernel(slow, x, a, b)
         if active_tapes():
+            if real_only and z.dtype.kind == "c":
+                refuse_complex(name, z, (a, b))
             record_binary(vjp, a, b, z, None)
         return z
 
@@ -308,9 +351,18 @@ _UNARY_RULES: dict[str, tuple[Any, Any, str]] = {
         np.absolute,
         _abs_vjp,
         _doc(
-            "``|x|``; the gradient at 0 is 0, as in PyTorch",
+            "``|x|`` (real for a complex ``x``); the gradient at 0 is 0, as in PyTorch",
             "ops.abs(np.array([-1.5, 2.0]))",
             "array([1.5, 2. ])",
+        ),
+    ),
+    "conj": (
+        np.conjugate,
+        _conj_vjp,
+        _doc(
+            "Complex conjugate (a copy of a real ``x``)",
+            "ops.conj(np.array([1 + 2j, 3.0]))",
+            "array([1.-2.j, 3.-0.j])",
         ),
     ),
 }
@@ -386,6 +438,7 @@ log: Callable[[Operand], Array] = _UNARY_OPS["log"]
 tanh: Callable[[Operand], Array] = _UNARY_OPS["tanh"]
 sqrt: Callable[[Operand], Array] = _UNARY_OPS["sqrt"]
 abs: Callable[[Operand], Array] = _UNARY_OPS["abs"]
+conj: Callable[[Operand], Array] = _UNARY_OPS["conj"]
 add: Callable[[Operand, Operand], Array] = _BINARY_OPS["add"]
 subtract: Callable[[Operand, Operand], Array] = _BINARY_OPS["subtract"]
 multiply: Callable[[Operand, Operand], Array] = _BINARY_OPS["multiply"]
@@ -412,8 +465,63 @@ def relu(x: Operand, /) -> Array:
     else:
         z = run_kernel(_maximum_kernel, x, x, 0)
     if active_tapes():
+        if z.dtype.kind == "c":
+            refuse_complex("relu", z, (x,))
         record_unary(_relu_vjp, x, z, None)
     return z
+
+
+def _real_kernel(xp: Any, x: Any) -> Any:
+    return xp.array(xp.real(x))  # a new array: NumPy's and CuPy's real is a view
+
+
+def _imag_kernel(xp: Any, x: Any) -> Any:
+    return xp.array(xp.imag(x))
+
+
+def real(x: Array, /) -> Array:
+    """The real part of ``x`` (a copy of a real ``x``), differentiable.
+
+    Its gradient passes the (real) output gradient to the real part: the way from complex
+    intermediate results to a real loss, as ``torch.real``.
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel import ops
+        >>> ops.real(np.array([1 + 2j, 3 - 1j]))
+        array([1., 3.])
+    """
+    require_array(x, "real")
+    z = run_kernel(_real_kernel, x, x)
+    if active_tapes():
+        record_unary(_real_vjp, x, z, None)
+    return z
+
+
+def _real_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
+    return (fit(gs[0], xs[0]),)
+
+
+def imag(x: Array, /) -> Array:
+    """The imaginary part of ``x`` (zeros for a real ``x``), differentiable.
+
+    Its gradient is ``i g`` for a complex ``x``, 0 for a real one.
+
+    Example:
+        >>> import numpy as np
+        >>> from cupy_parallel import ops
+        >>> ops.imag(np.array([1 + 2j, 3 - 1j]))
+        array([ 2., -1.])
+    """
+    require_array(x, "imag")
+    z = run_kernel(_imag_kernel, x, x)
+    if active_tapes():
+        record_unary(_imag_vjp, x, z, None)
+    return z
+
+
+def _imag_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
+    return (fit(multiply(gs[0], 1j), xs[0]),)
 
 
 def _where_kernel(xp: Any, cond: Any, x: Any, y: Any) -> Any:
@@ -488,6 +596,7 @@ def clip(x: Operand, lo: Operand | None = None, hi: Operand | None = None, /) ->
         raise ValueError("ops.clip needs lo or hi (or both), got neither.")
     z = run_kernel(_clip_kernel, x, x, lo, hi)
     if active_tapes():
+        refuse_complex("clip", z, (x, lo, hi))
         record(_clip_vjp, (x, lo, hi), (z,), None)
     return z
 

@@ -25,6 +25,14 @@ Decisions:
   gradient is 0 where the exponent is 0 and, for the exponent, ``a ** b * log(a)`` written out
   as PyTorch does: 0 where the base is 0 and the exponent non-negative, -inf where the base is
   0 and the exponent negative, NaN for a negative base (and NaN second derivatives there).
+- Complex numbers follow PyTorch: the gradient of a real loss ``L`` with respect to a complex
+  ``z`` is ``dL/dRe(z) + i dL/dIm(z)`` (a vjp multiplies by the *conjugate* derivative, and
+  ``abs``'s is ``g * z / |z|``), and a real input of complex arithmetic gets the real part of
+  its gradient, ``dL/dx``. ``real``, ``imag``, ``abs`` (or ``var``) take complex values to a
+  real loss. The ops whose gradient holds for real numbers only (``maximum``, ``minimum``,
+  ``relu``, ``clip``, ``power``, ``logsumexp``, ``softmax``, ``log_softmax``) raise
+  ``TypeError`` when a tape records them on complex values (unrecorded, they compute as NumPy
+  does).
 - ``softmax``, ``log_softmax`` and ``softmax_cross_entropy`` take the class axis last
   (``axis=-1``), as jax/optax do (PyTorch's ``cross_entropy`` takes classes on axis 1).
 - Host arrays compute on their buffers (``host_buffer``) and wrap the result on their device
@@ -50,14 +58,17 @@ from cupy_parallel._src.elementwise import (
     abs,
     add,
     clip,
+    conj,
     divide,
     exp,
+    imag,
     log,
     maximum,
     minimum,
     multiply,
     negative,
     power,
+    real,
     relu,
     sqrt,
     square,
@@ -90,9 +101,11 @@ __all__ = [
     "add",
     "clip",
     "concatenate",
+    "conj",
     "divide",
     "exp",
     "getitem",
+    "imag",
     "log",
     "log_softmax",
     "logsumexp",
@@ -103,6 +116,7 @@ __all__ = [
     "multiply",
     "negative",
     "power",
+    "real",
     "relu",
     "reshape",
     "softmax",

@@ -415,13 +415,18 @@ def _sum_pair_vjp(gs: list[Any], xs: tuple[Any, ...], needs: Any, zs: Any, aux: 
 
 
 def _astype(x: Any, dtype: Any) -> Any:
+    if x.dtype.kind == "c" and np.dtype(dtype).kind != "c":
+        return x.real.astype(dtype)  # the real part, said so (astype would warn, then do it)
     return x.astype(dtype)
 
 
 def cast(x: Any, dtype: Any, /) -> Any:
     """``x`` as ``dtype`` (a new array), recorded; its gradient is cast back.
 
-    The one recorded cast: the tape's gradients and every vjp's ``fit`` use it.
+    The one recorded cast: the tape's gradients and every vjp's ``fit`` use it. A complex
+    ``x`` cast to a real dtype is its real part, whose gradient is the real gradient cast to
+    complex; a real ``x`` cast to complex gets the real part of its complex gradient back
+    (PyTorch's rule for a real input of complex arithmetic: ``dL/dx`` is real).
     """
     z = compute(_astype, x, dtype)
     record_unary(_cast_vjp, x, z, None)

@@ -17,10 +17,12 @@ from cupy_parallel._src.arguments import read_axis, read_int
 from cupy_parallel._src.arrays import is_array
 from cupy_parallel._src.compute import named_kernel, run_kernel
 from cupy_parallel._src.elementwise import (
+    conj_if_complex,
     divide,
     exp,
     multiply,
     negative,
+    real,
     square,
     subtract,
     where,
@@ -29,6 +31,7 @@ from cupy_parallel._src.recording import active_tapes, record_binary, record_una
 from cupy_parallel._src.shape_ops import (
     fit,
     read_axes,
+    refuse_complex,
     require_array,
     reshape,
     spread,
@@ -96,12 +99,12 @@ def _matmul_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> G
             g2 = reshape(g2, (*g2.shape[:-1], 1, g2.shape[-1]))
     ga = gb = None
     if needs[0]:
-        ga = matmul(g2, _swap_last(b2))
+        ga = matmul(g2, _swap_last(conj_if_complex(b2)))  # g b^H: conj for complex (torch)
         if a.ndim == 1:
             ga = reshape(ga, (*ga.shape[:-2], ga.shape[-1]))
         ga = fit(ga, a)
     if needs[1]:
-        gb = matmul(_swap_last(a2), g2)
+        gb = matmul(_swap_last(conj_if_complex(a2)), g2)
         if b.ndim == 1:
             gb = reshape(gb, gb.shape[:-1])
         gb = fit(gb, b)
@@ -152,7 +155,8 @@ def var(
     """Variance over ``axis`` with ``ddof`` delta degrees of freedom (NumPy's default 0).
 
     PyTorch's ``var`` defaults to the unbiased estimate (``correction=1``); pass ``ddof=1`` for
-    it. Built from differentiable ops, so differentiable to any order.
+    it. A complex ``x`` has a real variance, the mean of ``|x - mean(x)| ** 2`` (NumPy's and
+    PyTorch's). Built from differentiable ops, so differentiable to any order.
 
     Raises:
         ValueError: ``ddof`` leaves no degrees of freedom (``count - ddof <= 0``).
@@ -173,7 +177,11 @@ def var(
             f"which leaves no degrees of freedom with ddof={ddof}."
         )
     deviation = subtract(x, mean(x, axes, keepdims=True))
-    return divide(sum(square(deviation), axes, keepdims=keepdims), count - ddof)
+    if deviation.dtype.kind == "c":
+        squared = real(multiply(deviation, conj_if_complex(deviation)))
+    else:
+        squared = square(deviation)
+    return divide(sum(squared, axes, keepdims=keepdims), count - ddof)
 
 
 def _max_kernel(xp: Any, x: Any, axes: tuple[int, ...]) -> Any:
@@ -204,6 +212,7 @@ def logsumexp(
         raise ValueError(f"ops.logsumexp over axis {axis} of shape {x.shape} has no elements.")
     z = run_kernel(_logsumexp_kernel, x, x, axes, keepdims)
     if active_tapes():
+        refuse_complex("logsumexp", z, (x,))
         record_unary(_logsumexp_vjp, x, z, (axes, keepdims))
     return z
 
@@ -246,6 +255,7 @@ def softmax(x: Array, /, axis: int = -1) -> Array:
     axis = _class_axis(x, axis, "softmax")
     z = run_kernel(_softmax_kernel, x, x, axis)
     if active_tapes():
+        refuse_complex("softmax", z, (x,))
         record_unary(_softmax_vjp, x, z, axis)
     return z
 
@@ -267,6 +277,7 @@ def log_softmax(x: Array, /, axis: int = -1) -> Array:
     axis = _class_axis(x, axis, "log_softmax")
     z = run_kernel(_log_softmax_kernel, x, x, axis)
     if active_tapes():
+        refuse_complex("log_softmax", z, (x,))
         record_unary(_log_softmax_vjp, x, z, axis)
     return z
 

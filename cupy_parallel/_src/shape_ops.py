@@ -34,6 +34,7 @@ __all__ = [
     "fit",
     "getitem",
     "read_axes",
+    "refuse_complex",
     "require_array",
     "reshape",
     "split",
@@ -55,6 +56,20 @@ def require_array(x: Any, op: str) -> None:
         raise TypeError(f"ops.{op} takes an array, got {type(x).__name__}.")
 
 
+def refuse_complex(op: str, z: Any, inputs: Args) -> None:
+    """Refuse to record ``z = ops.<op>(*inputs)`` when ``z`` is complex: a real-only gradient.
+
+    Called by the ops whose vjp holds for real numbers only (an order, a real formula), when a
+    tape records them; an op no tape records computes as NumPy does.
+    """
+    if z.dtype.kind == "c" and any(t.tracks(x) for t in active_tapes() for x in inputs):
+        raise TypeError(
+            f"ops.{op} has no gradient for complex arrays (its result is {z.dtype}): its "
+            "gradient is defined for real numbers only. Record it on real arrays (ops.real, "
+            "ops.imag, ops.abs), or compute it outside the tape (cupy_parallel.stop_gradient)."
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Gradient plumbing, written with ops so that it is recorded under an outer tape
 
@@ -62,9 +77,11 @@ def require_array(x: Any, op: str) -> None:
 def fit(g: Any, x: Any) -> Any:
     """Reduce a broadcast gradient ``g`` to the shape and dtype of the input ``x``.
 
-    Every vjp calls it once per input gradient, mostly with ``g`` already fitting: the
-    reduction lives in :func:`_unbroadcast` so that this common case creates no closure cells
-    (its generator expression would, on every call).
+    A complex ``g`` for a real ``x`` becomes its real part (the recorded cast): a real input of
+    complex arithmetic gets ``dL/dx``, as PyTorch's derivative formulas give it. Every vjp
+    calls this once per input gradient, mostly with ``g`` already fitting: the reduction lives
+    in :func:`_unbroadcast` so that this common case creates no closure cells (its generator
+    expression would, on every call).
     """
     if g.shape != x.shape:
         g = _unbroadcast(g, x)

@@ -70,14 +70,23 @@ class Tape(Records):
     - A target with more than one element needs ``output_gradients`` (as PyTorch's
       ``backward``); TensorFlow's implicit sum would hide shape bugs.
     - A non-persistent tape computes gradients once, then releases its records.
-    - Only floating-point arrays can be watched (integer arrays have no gradient); leaves of a
-      params pytree that are not arrays (strings, numbers, ``None``) are skipped, as
-      :func:`~cupy_parallel.replicate` skips them.
+    - Only floating-point and complex arrays can be watched (integer arrays have no
+      gradient); leaves of a params pytree that are not arrays (strings, numbers, ``None``)
+      are skipped, as :func:`~cupy_parallel.replicate` skips them.
     - Gradients with respect to intermediate results are allowed (as TensorFlow).
     - Worker threads record when they run in a copy of the recording context
       (``contextvars.copy_context().run``, which ``parallel_apply`` does).
-    - Gradients have their source's dtype: another floating dtype is cast (as PyTorch does), a
-      complex gradient for a real source is refused.
+    - Gradients have their source's dtype: another floating dtype is cast (as PyTorch does).
+    - Complex numbers follow PyTorch: for a real target ``L``, a complex source ``z`` gets
+      ``dL/dRe(z) + i dL/dIm(z)`` (the conjugate Wirtinger derivative times 2), and a real
+      source of complex arithmetic (``ops.multiply(x, c)`` with a complex ``c``) gets the real
+      gradient ``dL/dx``: each op's vjp takes the real part for its real inputs, as PyTorch's
+      derivative formulas do. A complex gradient that still reaches a real source (from a
+      hand-written vjp or ``Function.backward``) is refused, as PyTorch's engine refuses it;
+      so is a complex ``output_gradients`` for a real target, and the implicit one of a
+      complex target (take ``ops.real`` or ``ops.abs`` first). The ops whose gradient holds
+      for real numbers only (``maximum``, ``relu``, ``softmax``, ...) refuse complex values
+      when recorded.
 
     What is caught, so that no gradient is silently wrong:
 
@@ -192,7 +201,7 @@ class Tape(Records):
         """Track every array leaf of the pytree ``params`` (namespace ``"cupy_parallel"``).
 
         Leaves that are not arrays are skipped (as :func:`~cupy_parallel.replicate` does);
-        array leaves must be floating-point.
+        array leaves must be floating-point or complex.
 
         Example:
             >>> import numpy as np
@@ -204,10 +213,10 @@ class Tape(Records):
         names, leaves, _ = flatten_with_names(params, "params")
         arrays = [leaf for leaf in leaves if is_array(leaf)]
         for name, leaf in zip(names, leaves, strict=True):
-            if is_array(leaf) and leaf.dtype.kind != "f":
+            if is_array(leaf) and leaf.dtype.kind not in "fc":
                 raise TypeError(
-                    f"watch() tracks floating-point arrays, but {name} has dtype {leaf.dtype}. "
-                    "Cast it first, e.g. array.astype(numpy.float32)."
+                    f"watch() tracks floating-point and complex arrays, but {name} has dtype "
+                    f"{leaf.dtype}. Cast it first, e.g. array.astype(numpy.float32)."
                 )
         track_leaves(self, arrays)
 
@@ -305,8 +314,9 @@ class Tape(Records):
                 ``unconnected_gradients="zero"``) depends on no source, a source was never
                 tracked, ``output_gradients`` does not match, or ``unconnected_gradients`` is
                 neither ``"zero"`` nor ``"none"``.
-            TypeError: a leaf of ``target`` or ``output_gradients`` is not an array, or a
-                real source would get a complex gradient.
+            TypeError: a leaf of ``target`` or ``output_gradients`` is not an array, a real
+                target has a complex output gradient, a complex target has none, or a real
+                source would get a complex gradient.
             RuntimeError: a non-persistent tape is asked a second time.
 
         Example:
@@ -398,6 +408,12 @@ class Tape(Records):
                 )
         if output_gradients is None:
             for name, t in zip(names, targets, strict=True):
+                if t.dtype.kind == "c":
+                    raise TypeError(
+                        f"{name} is complex ({t.dtype}): an implicit output gradient exists "
+                        "only for a real target (as in PyTorch). Take ops.real(target) or "
+                        "ops.abs(target) first, or pass output_gradients."
+                    )
                 if t.size != 1:
                     raise ValueError(
                         f"{name} has shape {t.shape}: an implicit output gradient exists only "
@@ -413,6 +429,11 @@ class Tape(Records):
         for name, t, s in zip(seed_names, targets, seeds, strict=True):
             if not is_array(s):
                 raise TypeError(f"{name} must be an array, got {type(s).__name__}.")
+            if s.dtype.kind == "c" and t.dtype.kind != "c":
+                raise TypeError(
+                    f"{name} is complex ({s.dtype}) but its target is real ({t.dtype}): a real "
+                    "target's output gradient is real (as in PyTorch)."
+                )
             if s.shape != t.shape or device_of(s) != device_of(t):
                 raise ValueError(
                     f"{name} must match its target: shape {t.shape} on {device_of(t)}, got shape "
