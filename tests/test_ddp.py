@@ -14,10 +14,13 @@ so the oracle is a plain tape.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import subprocess
 import sys
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -28,6 +31,9 @@ from cupy_parallel import distributed as dist
 from cupy_parallel import ops
 from cupy_parallel._src.ddp import FIRST_BUCKET_BYTES, _assign_buckets
 from cupy_parallel.distributed.algorithms.ddp_comm_hooks import GradBucket, default_hooks
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 
 @pytest.mark.mpi
@@ -424,3 +430,106 @@ def test_the_fused_division_scales_cupy_gradients_while_copying() -> None:
         _write(out, 0, grad.size, grad, 3)
         exact = (grad.astype(np.float64) / 3).astype(dtype)
         np.testing.assert_array_equal(out, exact)
+
+
+# -- threads -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _switching_often() -> Iterator[None]:
+    """Threads switch every microsecond: a check-then-act race shows in a few trials."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _stacked(params: list[Any], x: Any) -> Any:
+    return ops.sum(ops.multiply(ops.stack(params), x))  # d/dp_i = x
+
+
+def _one_ddp_in_two_threads(rank: int) -> list[float]:
+    """Each rank: one DDP called from two threads (parallel_apply) under one tape."""
+    ddp = cp.DistributedDataParallel(_stacked, [np.array(1.0) for _ in range(200)])
+    x = np.array(rank + 1.0)
+    with cp.Tape() as tape:
+        first, second = cp.parallel_apply([ddp, ddp], [(x,), (x,)])
+        loss = ops.add(first, second)
+    return [float(g) for g in tape.gradient(loss, ddp.params)]
+
+
+def test_one_ddp_called_from_two_threads_under_one_tape_reduces_once() -> None:
+    # the oracle: on one process, d(sum over ranks of loss_r)/dp_i / 2 = (2 * 1 + 2 * 2) / 2
+    expected = [3.0] * 200
+    with _switching_often():
+        for trial in range(30):
+            for rank, grads in enumerate(dist.spawn(_one_ddp_in_two_threads, 2, timeout=20)):
+                assert grads == expected, f"trial {trial}, rank {rank}"
+
+
+@pytest.mark.usefixtures("world")
+def test_no_sync_blocks_of_two_threads_interleaved_leave_it_synchronising() -> None:
+    calls: list[int] = []
+    ddp = cp.DistributedDataParallel(_model, _params())
+    ddp.register_comm_hook(None, _counting_hook(calls))
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with ddp.no_sync():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(5)
+        with ddp.no_sync():
+            second_in.set()
+            first_out.wait(5)
+            with cp.Tape() as tape:  # the first block closed, this one is open: no reduction
+                loss = ddp(X)
+            tape.gradient(loss, ddp.params)
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == []
+    with cp.Tape() as tape:  # both blocks closed (the first one first)
+        loss = ddp(X)
+    grads = tape.gradient(loss, ddp.params)
+    assert calls == [0]
+    np.testing.assert_allclose(grads["w1"], _plain_gradient(_params())["w1"], rtol=1e-14)
+
+
+@pytest.mark.usefixtures("world")
+def test_two_passes_of_one_tape_at_once_in_two_threads_are_refused() -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(state: Any, bucket: Any) -> Any:
+        entered.set()
+        release.wait(5)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp = cp.DistributedDataParallel(_model, _params())
+    ddp.register_comm_hook(None, slow)
+    with cp.Tape(persistent=True) as tape:
+        loss = ddp(X)
+    first: list[Any] = []
+    thread = threading.Thread(
+        target=contextvars.copy_context().run,
+        args=(lambda: first.append(tape.gradient(loss, ddp.params)),),
+    )
+    thread.start()
+    try:
+        assert entered.wait(5)  # the first pass is reducing
+        with pytest.raises(RuntimeError, match="Two backward passes of one tape ran at once"):
+            tape.gradient(loss, ddp.params)
+    finally:
+        release.set()
+        thread.join()
+    expected = _plain_gradient(_params())  # the first pass is untouched
+    for k in ("w1", "w2"):
+        np.testing.assert_allclose(first[0][k], expected[k], rtol=1e-14, atol=0)

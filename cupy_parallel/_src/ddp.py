@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Concatenate, Generic
 
@@ -156,7 +157,7 @@ class _Reduction:
     is left and waits for everything.
     """
 
-    __slots__ = ("_ddp", "buffers", "divisor", "futures", "next", "pending")
+    __slots__ = ("_ddp", "buffers", "divisor", "futures", "hook", "next", "pending", "state")
 
     def __init__(self, ddp: DistributedDataParallel[Any, Any]) -> None:
         self._ddp = ddp
@@ -165,8 +166,11 @@ class _Reduction:
         self.pending = [len(b.members) for b in buckets]
         self.futures: list[tuple[Future[Any], Any]] = []
         self.next = 0
+        with ddp._lock:  # one hook for the whole reduction, even if one is registered meanwhile
+            ddp._backward_ran = True
+            self.hook, self.state = ddp._comm_hook, ddp._comm_state
         # the default hook, fused: each gradient divided by the group's size as it is copied
-        self.divisor = ddp._world if ddp._comm_hook is None and ddp._world > 1 else None
+        self.divisor = ddp._world if self.hook is None and ddp._world > 1 else None
 
     def put(self, i: int, grad: Any) -> Any:
         """Copy parameter ``i``'s gradient into its bucket; return its view there."""
@@ -202,7 +206,7 @@ class _Reduction:
 
     def _start(self, k: int) -> None:
         ddp = self._ddp
-        if ddp._comm_hook is None:  # allreduce_hook, its division done by put
+        if self.hook is None:  # allreduce_hook, its division done by put
             work = all_reduce(self.buffers[k], group=ddp.process_group, async_op=True)
             self.futures.append((PolledFuture.of_work(work), None))
             return
@@ -212,7 +216,7 @@ class _Reduction:
             k, self.buffers[k], params, bucket.slices, last=k == len(ddp._buckets) - 1
         )
         with pause_recording():
-            future = ddp._comm_hook(ddp._comm_state, grad_bucket)
+            future = self.hook(self.state, grad_bucket)
         if not callable(getattr(future, "wait", None)):
             raise TypeError(
                 "A DDP communication hook must return a future of the reduced bucket (with a "
@@ -252,9 +256,14 @@ class _TapeReduction:
     previous pass ended early (an error) and starts afresh. One array at two leaves of params
     is hooked twice: its second hook gets the replacement the first returned, so the gradient
     the first received is kept for it.
+
+    A pass runs its hooks in the thread that called ``gradient()``; two passes of one tape at
+    once, in two threads, would mix their gradients in one reduction (and issue their
+    collectives in an order the ranks need not share), so a hook of a second thread's pass
+    while a live thread's pass is under way raises ``RuntimeError``.
     """
 
-    __slots__ = ("_ddp", "_received", "_reduction", "_seen", "_shared", "ids")
+    __slots__ = ("_ddp", "_lock", "_owner", "_received", "_reduction", "_seen", "_shared", "ids")
 
     def __init__(self, ddp: DistributedDataParallel[Any, Any], arrays: list[Any]) -> None:
         self._ddp = ddp
@@ -262,18 +271,35 @@ class _TapeReduction:
         self._seen: set[int] = set()
         self._received: dict[int, Any] = {}  # id(array) -> the gradient its first hook got
         self._reduction: _Reduction | None = None
+        self._owner: threading.Thread | None = None  # the thread whose pass is under way
+        self._lock = threading.Lock()
         self._shared = len(set(self.ids)) < len(self.ids)
 
     def ready(self, i: int, grad: Any) -> Any:
-        reduction = self._reduction
-        if reduction is None or i in self._seen:
-            reduction = self._begin()
-        self._seen.add(i)
+        me = threading.current_thread()
+        with self._lock:  # only the pass's own thread goes past this block
+            owner = self._owner
+            if self._reduction is not None and owner is not me:
+                if owner is not None and owner.is_alive():
+                    raise RuntimeError(
+                        "Two backward passes of one tape ran at once, in threads "
+                        f"{owner.name!r} and {me.name!r}: DistributedDataParallel reduces one "
+                        "pass of a tape at a time (the ranks must issue its collectives in one "
+                        "order). Compute the tape's gradients in one thread at a time. (A pass "
+                        "that failed in a live thread also leaves its reduction unfinished.)"
+                    )
+                self._reduction = None  # the pass of a thread that has ended: it failed
+            reduction = self._reduction
+            if reduction is None or i in self._seen:
+                reduction = self._begin()
+                self._owner = me
+            self._seen.add(i)
         if self._shared:
             grad = self._received.setdefault(self.ids[i], grad)
         view = reduction.put(i, grad)
         if len(self._seen) == len(self.ids):
-            self._reduction, self._seen, self._received = None, set(), {}
+            with self._lock:
+                self._reduction, self._seen, self._received = None, set(), {}
             reduction.finish()
         return view
 
@@ -394,6 +420,12 @@ class DistributedDataParallel(Generic[Params, Output]):
       double backward either).
     - Like torch, the flag of :meth:`no_sync` is read at the forward call: a tape on which
       every forward ran inside ``no_sync`` keeps its gradients rank-local.
+    - Threads may share one DDP (each rank calling ``cupy_parallel.parallel_apply([ddp, ddp],
+      ...)`` under one tape): its bookkeeping is locked, so a tape is hooked once whichever
+      thread's forward call comes first, and each pass reduces once. The :meth:`no_sync` flag
+      is the object's (as torch's), seen by every thread. One tape's ``gradient()`` passes
+      must run one at a time: a pass started in a second thread while another thread's runs
+      raises ``RuntimeError``.
     - Every parameter gets a gradient, even one that no rank's step used (zeros then), and the
       ranks reduce every bucket in every pass, whatever each used (so none waits for another).
       ``unconnected_gradients="none"`` does not apply to the parameters. A parameter no
@@ -502,8 +534,10 @@ class DistributedDataParallel(Generic[Params, Output]):
             for slot, i in enumerate(bucket.members):
                 self._where[i] = (bucket, slot)
         self._params = params
-        self._sync = True
         self._world = get_world_size(process_group)
+        # the bookkeeping below is read and written under this lock: threads may share a DDP
+        self._lock = threading.Lock()
+        self._unsynced = 0  # how many no_sync() blocks are open, in any thread
         # None: allreduce_hook's reduction, fused with the copy into the buckets
         self._comm_hook: Callable[[Any, GradBucket], Future[Any]] | None = None
         self._comm_state: Any = process_group
@@ -531,8 +565,9 @@ class DistributedDataParallel(Generic[Params, Output]):
                 "of the old ones (the buckets are cut for them): "
                 f"{_first_difference((str(self._spec), self._entries), (spec_text, entries))}."
             )
-        self._params = params
-        self._arrays = [leaves[k] for k in self._slots]
+        arrays = [leaves[k] for k in self._slots]
+        with self._lock:  # a forward in another thread sees the old pair or the new one
+            self._params, self._arrays = params, arrays
 
     def _broadcast(self) -> None:
         """Overwrite the parameters with the group's first rank's, one broadcast per bucket."""
@@ -555,31 +590,34 @@ class DistributedDataParallel(Generic[Params, Output]):
 
     def __call__(self, /, *inputs: Any, **kwargs: Any) -> Output:
         """``fn(params, *inputs, **kwargs)``, its gradients averaged over the group."""
+        with self._lock:
+            params, arrays, sync = self._params, self._arrays, self._unsynced == 0
         for tape in active_tapes():
             if isinstance(tape, Tape):
-                tape.watch(self._arrays)
-                if self._sync:
-                    self._hook(tape)
-        return self.fn(self._params, *inputs, **kwargs)
+                tape.watch(arrays)
+                if sync:
+                    self._hook(tape, arrays)
+        return self.fn(params, *inputs, **kwargs)
 
-    def _hook(self, tape: Tape) -> None:
-        """Register the gradient-ready hooks on ``tape``, once."""
-        found = self._tapes.get(tape)
-        if found is not None:
-            if found.ids == [id(a) for a in self._arrays]:
-                return
-            raise ValueError(
-                "ddp.params was replaced between two forward calls recorded on one tape: "
-                "replace the parameters between steps, not within one."
-            )
-        state = _TapeReduction(self, self._arrays)
-        for i, a in enumerate(self._arrays):
-            tape.register_gradient_ready_hook(a, functools.partial(self._ready, state, i))
-        self._tapes[tape] = state
+    def _hook(self, tape: Tape, arrays: list[Any]) -> None:
+        """Register the gradient-ready hooks of ``arrays`` on ``tape``, once.
 
-    def _ready(self, state: _TapeReduction, i: int, grad: Any) -> Any:
-        self._backward_ran = True
-        return state.ready(i, grad)
+        Under the lock: two threads calling this DDP under one tape (``parallel_apply``) must
+        not both find the tape unhooked, or every pass would reduce twice.
+        """
+        with self._lock:
+            found = self._tapes.get(tape)
+            if found is not None:
+                if found.ids == [id(a) for a in arrays]:
+                    return
+                raise ValueError(
+                    "ddp.params was replaced between two forward calls recorded on one tape: "
+                    "replace the parameters between steps, not within one."
+                )
+            state = _TapeReduction(self, arrays)
+            for i, a in enumerate(arrays):
+                tape.register_gradient_ready_hook(a, functools.partial(state.ready, i))
+            self._tapes[tape] = state
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -587,7 +625,10 @@ class DistributedDataParallel(Generic[Params, Output]):
 
         For gradient accumulation (torch's ``no_sync``): sum the gradients of ``k``
         micro-batches computed inside, then average the sum once with
-        :meth:`reduce_gradients`. As in torch, the flag is read by the forward call.
+        :meth:`reduce_gradients`. As in torch, the flag is read by the forward call, and it is
+        the object's, not the thread's: while a ``no_sync`` block is open in any thread, every
+        forward call of this DDP records no reduction (the blocks are counted, so blocks of
+        two threads that open and close interleaved leave it synchronising afterwards).
 
         Example:
             >>> import numpy as np
@@ -607,11 +648,13 @@ class DistributedDataParallel(Generic[Params, Output]):
             array([4., 6.])
             >>> dist.destroy_process_group()
         """
-        previous, self._sync = self._sync, False
+        with self._lock:
+            self._unsynced += 1
         try:
             yield
         finally:
-            self._sync = previous
+            with self._lock:
+                self._unsynced -= 1
 
     # -- reductions outside a backward pass ----------------------------------------------
 
@@ -671,7 +714,6 @@ class DistributedDataParallel(Generic[Params, Output]):
                 break
         # every rank learns of any rank's problem, so all raise (none waits in a collective)
         _agree("The gradient trees given to reduce_gradients", "", problems, self.process_group)
-        self._backward_ran = True
         reduction = _Reduction(self)
         for i, k in enumerate(self._slots):
             reduction.put(i, leaves[k])
@@ -712,19 +754,20 @@ class DistributedDataParallel(Generic[Params, Output]):
             >>> dist.destroy_process_group()
         """
         hook = read_callable(hook, "hook", call="hook(state, bucket)")
-        if self._comm_hook is not None:
-            raise RuntimeError(
-                "register_comm_hook can only be called once (as in torch): a communication "
-                "hook is registered already."
-            )
-        if self._backward_ran:
-            raise RuntimeError(
-                "register_comm_hook must be called before the first backward pass (as in "
-                "torch), but gradients were reduced already."
-            )
         if hook is bf16_compress_hook:
             bfloat16()  # raises now, not in the middle of a backward pass
-        self._comm_hook, self._comm_state = hook, state
+        with self._lock:  # a reduction starting in another thread takes the old hook or this
+            if self._comm_hook is not None:
+                raise RuntimeError(
+                    "register_comm_hook can only be called once (as in torch): a communication "
+                    "hook is registered already."
+                )
+            if self._backward_ran:
+                raise RuntimeError(
+                    "register_comm_hook must be called before the first backward pass (as in "
+                    "torch), but gradients were reduced already."
+                )
+            self._comm_hook, self._comm_state = hook, state
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
