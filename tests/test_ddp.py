@@ -351,7 +351,51 @@ def test_bf16_hook_needs_ml_dtypes() -> None:
         with pytest.raises(RuntimeError, match="install ml_dtypes"):
             ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     else:  # pragma: no cover - ml_dtypes is not a dependency
+        with pytest.raises(TypeError, match="bf16_compress_hook"):
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+
+
+def _refuses_bf16_hook(rank: int) -> str:
+    ddp = cp.DistributedDataParallel(_model, _params())
+    with pytest.raises(TypeError) as refused:
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)  # nothing was registered
+    with cp.Tape() as tape:
+        loss = ddp(X)
+    grads = tape.gradient(loss, ddp.params)
+    expected = _plain_gradient(_params())  # the same shard on both ranks: the mean is its own
+    np.testing.assert_array_equal(grads["w1"], expected["w1"].astype(np.float16).astype(float))
+    return str(refused.value)
+
+
+def test_bf16_hook_is_refused_at_registration_where_the_backend_has_no_bfloat16_sum() -> None:
+    pytest.importorskip("ml_dtypes")  # without it the hook is refused for that (above)
+    for message in dist.spawn(_refuses_bf16_hook, 2):  # thread ranks: the MPI backend
+        assert message.startswith(
+            "bf16_compress_hook reduces each bucket in bfloat16, which the 'mpi' backend of "
+            "process group '0' cannot reduce (cannot reduce arrays of dtype bfloat16"
+        ), message
+
+
+def test_bf16_hook_over_nccl_rounds_to_bfloat16() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from cupy_parallel.testing import simulated_cuda
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    grads = [np.array([1.0, 1 / 3, 1e-3, 300.0, -2.5, 7.0], np.float32) * (r + 1) for r in (0, 1)]
+    with simulated_cuda(2) as cupy:
+
+        def reduce(rank: int) -> Any:
+            ddp = cp.DistributedDataParallel(lambda p, x: x, cupy.zeros(6, np.float32))
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            return cupy.asnumpy(ddp.reduce_gradients(cupy.asarray(grads[rank])))
+
+        reduced = dist.spawn(reduce, 2, backend="nccl")
+    # torch's hook in NumPy: cast to bfloat16, divide by the world size there, sum, cast back
+    expected = sum(g.astype(bf16) / np.array(2, bf16) for g in grads).astype(np.float32)
+    assert not np.array_equal(expected, sum(grads) / 2)  # bfloat16's rounding shows
+    for got in reduced:
+        np.testing.assert_array_equal(got, expected)
 
 
 @pytest.mark.usefixtures("world")

@@ -44,6 +44,7 @@ from cupy_parallel._src.distributed.comm_hooks import (
     PolledFuture,
     bf16_compress_hook,
     bfloat16,
+    fp16_compress_hook,
 )
 from cupy_parallel._src.distributed.groups import (
     get_global_rank,
@@ -54,6 +55,7 @@ from cupy_parallel._src.distributed.groups import (
 from cupy_parallel._src.distributed.objects import all_gather_object
 from cupy_parallel._src.distributed.reductions import all_reduce
 from cupy_parallel._src.distributed.rooted import broadcast
+from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, plain_buffer
 from cupy_parallel._src.recording import active_tapes, pause_recording
 from cupy_parallel._src.tape import Tape
@@ -75,6 +77,11 @@ FIRST_BUCKET_BYTES = 1 * _MIB
 _DEFAULT_CAP_MB = 25.0
 POLLS = range(8)
 """How many more times a gradient-ready hook asks the oldest bucket in flight (see the class)."""
+_COMPRESSED: dict[Callable[..., Any], Callable[[], Any]] = {
+    fp16_compress_hook: lambda: np.dtype(np.float16),
+    bf16_compress_hook: bfloat16,  # raises RuntimeError without ml_dtypes
+}
+"""The shipped hooks that reduce in another dtype: that dtype (its backend must reduce it)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -734,10 +741,14 @@ class DistributedDataParallel(Generic[Params, Output]):
         flat buffer. ``default_hooks`` ships ``allreduce_hook`` (the default),
         ``fp16_compress_hook`` and ``bf16_compress_hook``; their ``state`` is the process
         group (``None``: the default group). As in torch a hook is registered at most once,
-        before the first backward pass.
+        before the first backward pass. A compression hook is refused at once when its
+        group's backend cannot reduce its dtype (the ``"mpi"`` backend has no ``bfloat16``
+        sum; NCCL >= 2.10 has one), as torch's gloo refuses ``bf16_compress_hook``.
 
         Raises:
-            TypeError: ``hook`` is not callable.
+            TypeError: ``hook`` is not callable, or the compression hook's process group
+                (``state``) has a backend that cannot reduce its dtype (the message names
+                the hook and the backend).
             RuntimeError: A hook is registered already, a backward pass ran already, or
                 ``bf16_compress_hook`` without a ``bfloat16`` dtype (``ml_dtypes``).
 
@@ -754,8 +765,8 @@ class DistributedDataParallel(Generic[Params, Output]):
             >>> dist.destroy_process_group()
         """
         hook = read_callable(hook, "hook", call="hook(state, bucket)")
-        if hook is bf16_compress_hook:
-            bfloat16()  # raises now, not in the middle of a backward pass
+        if hook in _COMPRESSED:  # raise now, not in the middle of a backward pass
+            _check_compression(hook, _COMPRESSED[hook](), state)
         with self._lock:  # a reduction starting in another thread takes the old hook or this
             if self._comm_hook is not None:
                 raise RuntimeError(
@@ -775,3 +786,25 @@ class DistributedDataParallel(Generic[Params, Output]):
             f"DistributedDataParallel({name}, parameters={len(self._arrays)}, "
             f"buckets={len(self._buckets)}, bucket_cap_mb={self.bucket_cap_mb:g})"
         )
+
+
+def _check_compression(hook: Callable[..., Any], dtype: Any, group: Any) -> None:
+    """Refuse a compression ``hook`` whose group's backend cannot sum arrays of ``dtype``.
+
+    The backend says what it reduces (``check_dtype``, which every collective asks first); a
+    refusal is raised again naming the hook and the backend (torch's gloo refuses
+    ``bf16_compress_hook`` at registration too).
+    """
+    pg = resolve_group(group)  # the hook's state: its process group
+    if pg is None:  # not a member: the hook's all_reduce does nothing
+        return
+    backend = pg.live_backend()
+    try:
+        backend.check_dtype(dtype, ReduceOp.SUM)
+    except (TypeError, NotImplementedError) as error:
+        raise type(error)(
+            f"{hook.__name__} reduces each bucket in {dtype}, which the "
+            f"{backend.backend.value!r} backend of process group {pg.name!r} cannot reduce "
+            f"({str(error).rstrip('.')}); use fp16_compress_hook, the default allreduce_hook, "
+            "or a backend that reduces it (NCCL >= 2.10 reduces bfloat16)."
+        ) from error
