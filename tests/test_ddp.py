@@ -577,3 +577,100 @@ def test_two_passes_of_one_tape_at_once_in_two_threads_are_refused() -> None:
     expected = _plain_gradient(_params())  # the first pass is untouched
     for k in ("w1", "w2"):
         np.testing.assert_allclose(first[0][k], expected[k], rtol=1e-14, atol=0)
+
+
+# -- where gradients live ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _two_device_world(kind: str) -> Iterator[Any]:
+    """A world of one whose arrays are ``kind`` (host or CuPy), with a second device of it."""
+    if kind == "cupy":
+        from cupy_parallel.testing import simulated_cuda
+
+        with simulated_cuda(2):
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+            try:
+                yield lambda x, index=0: cp.to_device(x, f"cuda:{index}")
+            finally:
+                dist.destroy_process_group()
+        return
+    cp.set_host_device_count(2)
+    dist.init_process_group("mpi")
+    try:
+        yield lambda x, index=0: cp.to_device(x, f"host:{index}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["host", "cupy"])
+@pytest.mark.parametrize(
+    ("gradient", "error", "match"),
+    [
+        (
+            lambda on, x: x,
+            TypeError,
+            (
+                r"On rank 0: grads\['b'\] is a numpy.ndarray on cpu, but its parameter "
+                r"params\['b'\] is a (HostArray on host|cupy.ndarray on cuda):0"
+            ),
+        ),
+        (
+            lambda on, x: on(x, 1),
+            ValueError,
+            (
+                r"On rank 0: grads\['b'\] is on (host|cuda):1, but its parameter "
+                r"params\['b'\] is on (host|cuda):0"
+            ),
+        ),
+    ],
+    ids=["numpy", "other-device"],
+)
+def test_reduce_gradients_refuses_a_gradient_of_another_type_or_device_first(
+    kind: str, gradient: Any, error: type[Exception], match: str
+) -> None:
+    calls: list[int] = []
+    with _two_device_world(kind) as on:
+        params = {"a": on(np.ones(3)), "b": on(np.ones(2))}
+        ddp = cp.DistributedDataParallel(lambda p, x: x, params, bucket_cap_mb=1e-6)
+        ddp.register_comm_hook(None, _counting_hook(calls))
+        with pytest.raises(error, match=match):
+            ddp.reduce_gradients({"a": on(np.arange(3.0)), "b": gradient(on, np.arange(2.0))})
+        assert calls == []  # refused before any bucket started
+        reduced = ddp.reduce_gradients({"a": on(np.arange(3.0)), "b": on(np.arange(2.0))})
+        assert calls == [0, 1]
+        for k, n in [("a", 3), ("b", 2)]:  # a world of one: the average is the rank's own
+            assert cp.device_of(reduced[k]) == cp.device_of(params[k])
+            np.testing.assert_array_equal(cp.to_device(reduced[k], "cpu"), np.arange(float(n)))
+
+
+@pytest.mark.parametrize(
+    ("replacement", "error", "match"),
+    [
+        (np.ones(2), TypeError, r"of params\['w'\] is a numpy.ndarray on cpu, but the param"),
+        (None, ValueError, r"of params\['w'\] is on host:1, but the parameter is on host:0"),
+    ],
+    ids=["numpy", "other-device"],
+)
+def test_the_backward_pass_refuses_a_gradient_of_another_type_or_device(
+    replacement: Any, error: type[Exception], match: str
+) -> None:
+    with _two_device_world("host") as on:
+        w = on(np.ones(2))
+        ddp = cp.DistributedDataParallel(lambda p, x: ops.sum(ops.multiply(p["w"], x)), {"w": w})
+        wrong = on(np.ones(2), 1) if replacement is None else replacement
+        with cp.Tape() as tape:
+            tape.watch(w)  # a hook of the user's, called first, gives DDP's the wrong array
+            tape.register_gradient_ready_hook(w, lambda g: wrong)
+            loss = ddp(on(np.ones(2)))
+        with pytest.raises(error, match=match):
+            tape.gradient(loss, ddp.params)
+
+
+def test_replaced_params_must_stay_on_their_devices() -> None:
+    with _two_device_world("host") as on:
+        ddp = cp.DistributedDataParallel(lambda p, x: x, {"w": on(np.ones(2))})
+        old = ddp.params
+        with pytest.raises(ValueError, match=r"params\['w'\] is on host:1, not host:0"):
+            ddp.params = {"w": on(np.ones(2), 1)}
+        assert ddp.params is old

@@ -39,6 +39,7 @@ from cupy_parallel._src.arguments import read_bool, read_callable, read_real
 from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array
 from cupy_parallel._src.arraytypes import Output, Params
 from cupy_parallel._src.compute import on_device_of
+from cupy_parallel._src.devices import CPU
 from cupy_parallel._src.distributed.comm_hooks import (
     GradBucket,
     PolledFuture,
@@ -149,6 +150,41 @@ def _divide(xp: Any, x: Any, divisor: int, out: Any) -> None:
     xp.divide(x, divisor, out=out)
 
 
+_ARRAY_TYPES = {"cpu": "numpy.ndarray", "host": "HostArray", "cuda": "cupy.ndarray"}
+"""The array type of each device kind (one type per kind)."""
+
+
+def _placement_problem(what: str, param: str, bucket: _Bucket, grad: Any) -> tuple[str, str] | None:
+    """What is wrong with where the gradient ``grad`` lives, for a parameter of ``bucket``.
+
+    ``(error type, message)``, or ``None``: the gradient must be an array of the parameter's
+    array type (``TypeError``), on its device (``ValueError``), which is its bucket's, as a
+    GPU's kernels insist (a host device must catch what a GPU would). A NumPy scalar counts
+    as a NumPy array (0-d gradients computed with NumPy).
+    """
+    device = CPU if isinstance(grad, np.generic) else device_of(grad)
+    want = bucket.device
+    whose = f"its parameter {param}" if param else "the parameter"
+    if device.kind != want.kind:
+        return (
+            "TypeError",
+            (
+                f"{what} is a {_ARRAY_TYPES[device.kind]} on {device}, but {whose} is a "
+                f"{_ARRAY_TYPES[want.kind]} on {want}: a gradient must be an array of its "
+                f"parameter's type, on its device (cupy_parallel.to_device(grad, '{want}'))."
+            ),
+        )
+    if device != want:
+        return (
+            "ValueError",
+            (
+                f"{what} is on {device}, but {whose} is on {want}: a gradient must be on its "
+                f"parameter's device (cupy_parallel.to_device(grad, '{want}'))."
+            ),
+        )
+    return None
+
+
 def _view(buffer: Any, start: int, stop: int, shape: tuple[int, ...]) -> Any:
     """``buffer[start:stop]`` shaped ``shape``, of the buffer's own array type (a view)."""
     if type(buffer) is HostArray:
@@ -184,11 +220,15 @@ class _Reduction:
         ddp = self._ddp
         bucket, slot = ddp._where[i]
         param = ddp._arrays[i]
-        if grad is not None and tuple(grad.shape) != tuple(param.shape):
-            raise ValueError(
-                f"The gradient of {ddp._names[i]} has shape {tuple(grad.shape)}, the parameter "
-                f"{tuple(param.shape)}."
-            )
+        if grad is not None:
+            if tuple(grad.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"The gradient of {ddp._names[i]} has shape {tuple(grad.shape)}, the "
+                    f"parameter {tuple(param.shape)}."
+                )
+            problem = _placement_problem(f"The gradient of {ddp._names[i]}", "", bucket, grad)
+            if problem is not None:
+                raise _ERRORS[problem[0]](problem[1])
         buffer = self.buffers[bucket.index]
         if buffer is None:
             buffer = self.buffers[bucket.index] = empty(bucket.size, bucket.dtype, bucket.device)
@@ -467,7 +507,12 @@ class DistributedDataParallel(Generic[Params, Output]):
     - ``cupy_parallel.grad``/``value_and_grad`` differentiate the arguments they pass (views),
       not ``ddp.params``: take gradients with respect to ``ddp.params`` on a :class:`Tape`.
     - The parameters may be replaced between steps (``ddp.params = new``, a functional update)
-      by a pytree of the same structure, shapes and dtypes; nothing is broadcast then.
+      by a pytree of the same structure, shapes, dtypes and devices; nothing is broadcast
+      then.
+    - A gradient must live where its parameter does, as a GPU's kernels insist: an array of
+      the parameter's type on its device (a NumPy gradient for a ``host:0`` parameter raises
+      ``TypeError``, a ``host:1`` one ``ValueError``), in a backward pass and in
+      :meth:`reduce_gradients`, which checks every gradient before any bucket starts.
 
     Args:
         fn: The module function, called as ``fn(params, *inputs, **kwargs)``.
@@ -573,6 +618,13 @@ class DistributedDataParallel(Generic[Params, Output]):
                 f"{_first_difference((str(self._spec), self._entries), (spec_text, entries))}."
             )
         arrays = [leaves[k] for k in self._slots]
+        for name, array, (bucket, _) in zip(self._names, arrays, self._where, strict=True):
+            if device_of(array) != bucket.device:
+                raise ValueError(
+                    f"New DistributedDataParallel params must stay on the devices of the old "
+                    f"ones (the buckets live there), but {name} is on {device_of(array)}, not "
+                    f"{bucket.device}; move it back with cupy_parallel.to_device."
+                )
         with self._lock:  # a forward in another thread sees the old pair or the new one
             self._params, self._arrays = params, arrays
 
@@ -669,8 +721,10 @@ class DistributedDataParallel(Generic[Params, Output]):
         """Average a gradient pytree shaped as ``params`` over the group, in buckets.
 
         Every rank of the group must call it. Leaves at the parameters' array positions are
-        arrays of the parameters' shapes and dtypes (``None`` counts as zeros); the ranks
-        first compare their trees, and a difference raises ``ValueError`` on every rank.
+        arrays of the parameters' shapes, dtypes and array types, on their devices (``None``
+        counts as zeros); the ranks first compare their trees, and a difference raises on
+        every rank (``ValueError``; ``TypeError`` for an array of another type), before any
+        bucket is reduced.
         The communication hook (:meth:`register_comm_hook`) reduces each bucket.
 
         Returns:
@@ -701,14 +755,14 @@ class DistributedDataParallel(Generic[Params, Output]):
                     ),
                 )
             )
-        pairs = zip(self._slots, self._arrays, self._names, strict=True) if leaves else ()
-        for k, param, name in pairs:
+        pairs = zip(self._slots, self._arrays, self._names, self._where, strict=True)
+        for k, param, name, (bucket, _) in pairs if leaves else ():
             leaf = leaves[k]
+            where = name.replace("params", "grads", 1)
             if leaf is not None and not (
                 is_array(leaf) and leaf.shape == param.shape and leaf.dtype == param.dtype
             ):
                 what = f"shape {leaf.shape} {leaf.dtype}" if is_array(leaf) else repr(leaf)
-                where = name.replace("params", "grads", 1)
                 problems.append(
                     (
                         "ValueError",
@@ -718,6 +772,11 @@ class DistributedDataParallel(Generic[Params, Output]):
                         ),
                     )
                 )
+                break
+            # all checked before any bucket is written or any collective started
+            placement = None if leaf is None else _placement_problem(where, name, bucket, leaf)
+            if placement is not None:
+                problems.append(placement)
                 break
         # every rank learns of any rank's problem, so all raise (none waits in a collective)
         _agree("The gradient trees given to reduce_gradients", "", problems, self.process_group)
