@@ -674,3 +674,72 @@ def test_replaced_params_must_stay_on_their_devices() -> None:
         with pytest.raises(ValueError, match=r"params\['w'\] is on host:1, not host:0"):
             ddp.params = {"w": on(np.ones(2), 1)}
         assert ddp.params is old
+
+
+# -- replacing the parameters ------------------------------------------------------------------
+
+
+def _scaled(params: dict[str, Any], x: Any) -> Any:
+    return ops.sum(ops.multiply(ops.multiply(x, params["s"]), params["w"]))
+
+
+@pytest.mark.usefixtures("world")
+def test_a_0d_parameter_updated_the_functional_way_stays_an_array() -> None:
+    ddp = cp.DistributedDataParallel(_scaled, {"s": np.array(2.0), "w": np.array([1.0, -3.0])})
+    x = np.array([0.5, 4.0])
+    oracle = {"s": np.array(2.0), "w": np.array([1.0, -3.0])}  # a plain tape, NumPy's update
+    for _ in range(3):
+        with cp.Tape() as tape:
+            loss = ddp(x)
+        grads = tape.gradient(loss, ddp.params)
+        new = {k: ddp.params[k] - 0.1 * grads[k] for k in grads}  # the README's update
+        assert type(new["s"]) is np.float64  # NumPy's arithmetic on 0-d arrays
+        ddp.params = new
+        with cp.Tape() as tape:
+            tape.watch(oracle)
+            loss = _scaled(oracle, x)
+        expected = tape.gradient(loss, oracle)
+        oracle = {k: np.asarray(oracle[k] - 0.1 * expected[k]) for k in oracle}
+        assert type(ddp.params["s"]) is np.ndarray
+        assert ddp.params["s"].shape == ()
+        assert ddp.params["w"] is new["w"]
+        for k in oracle:
+            np.testing.assert_allclose(ddp.params[k], oracle[k], rtol=1e-15)
+
+
+@pytest.mark.usefixtures("world")
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (
+            np.float32(2.0),
+            (
+                r"params\['s'\] is a NumPy float32 scalar np.float32\(2.0\) where the old "
+                r"params had an array of shape \(\) and dtype float64: NumPy .* wrap it with "
+                r"numpy.asarray \(of dtype float64\)"
+            ),
+        ),
+        (2.0, r"params\['s'\] is a float 2.0 where the old params had an array of shape \(\)"),
+    ],
+    ids=["scalar-of-another-dtype", "float"],
+)
+def test_a_non_array_where_a_parameter_was_is_named(value: Any, match: str) -> None:
+    if np.lib.NumpyVersion(np.__version__) < "2.0.0":
+        match = match.replace(r"np.float32\(2.0\)", "2.0")
+    ddp = cp.DistributedDataParallel(_scaled, {"s": np.array(2.0), "w": np.array([1.0, -3.0])})
+    old = ddp.params
+    with pytest.raises(ValueError, match=match):
+        ddp.params = {"s": value, "w": np.zeros(2)}
+    assert ddp.params is old
+
+
+def _with_a_float_on_rank_one(rank: int) -> str:
+    s = np.array(2.0) if rank == 0 else 2.0
+    with pytest.raises(ValueError) as refused:
+        cp.DistributedDataParallel(_scaled, {"s": s, "w": np.array([1.0, -3.0])})
+    return str(refused.value)
+
+
+def test_ranks_parameters_are_compared_by_name() -> None:
+    for message in dist.spawn(_with_a_float_on_rank_one, 2):
+        assert "(params['s']: shape () float64 ndarray/cpu vs no array)" in message, message

@@ -428,12 +428,17 @@ def _first_difference(a: Any, b: Any) -> str:
     spec_b, entries_b, *extra_b = b
     if spec_a != spec_b:
         return f"structure {spec_a} vs {spec_b}"
-    for x, y in zip(entries_a, entries_b, strict=False):
+    # entries by name: a leaf that is no array has none, so positions would not line up
+    named_a, named_b = {x[0]: x for x in entries_a}, {y[0]: y for y in entries_b}
+    for name in [*named_a, *(name for name in named_b if name not in named_a)]:
+        x, y = named_a.get(name), named_b.get(name)
         if x != y:
-            return f"{x[0]}: shape {x[1]} {x[2]} {x[3]} vs {y[0]}: shape {y[1]} {y[2]} {y[3]}"
-    if len(entries_a) != len(entries_b):
-        return f"{len(entries_a)} arrays vs {len(entries_b)}"
+            return f"{name}: {_entry(x)} vs {_entry(y)}"
     return f"options {extra_a} vs {extra_b}"
+
+
+def _entry(entry: tuple[str, tuple[int, ...], str, str] | None) -> str:
+    return "no array" if entry is None else f"shape {entry[1]} {entry[2]} {entry[3]}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -508,7 +513,8 @@ class DistributedDataParallel(Generic[Params, Output]):
       not ``ddp.params``: take gradients with respect to ``ddp.params`` on a :class:`Tape`.
     - The parameters may be replaced between steps (``ddp.params = new``, a functional update)
       by a pytree of the same structure, shapes, dtypes and devices; nothing is broadcast
-      then.
+      then. A NumPy scalar where a 0-d NumPy array of its dtype was (NumPy's arithmetic on
+      0-d arrays returns scalars) is taken as ``numpy.asarray`` of it (see :attr:`params`).
     - A gradient must live where its parameter does, as a GPU's kernels insist: an array of
       the parameter's type on its device (a NumPy gradient for a ``host:0`` parameter raises
       ``TypeError``, a ``host:1`` one ``ValueError``), in a backward pass and in
@@ -602,16 +608,28 @@ class DistributedDataParallel(Generic[Params, Output]):
 
     @property
     def params(self) -> Params:
-        """The parameter pytree (the same on every rank once constructed)."""
+        """The parameter pytree (the same on every rank once constructed).
+
+        Assigning replaces it (see the class): a pytree of the old one's structure, shapes,
+        dtypes and devices. Decision: a NumPy scalar where the old pytree had a 0-d NumPy array
+        of its dtype is taken, as ``numpy.asarray(scalar)`` (lossless), because NumPy returns
+        scalars from arithmetic on 0-d arrays, so the functional update ``{k: p[k] - lr * g[k]}``
+        makes one; ``ddp.params`` is then a copy of the pytree assigned holding that array.
+        """
         return self._params
 
     @params.setter
     def params(self, params: Params) -> None:
         names, leaves, spec = flatten_with_names(params, "params")
+        if str(spec) == str(self._spec):  # the leaves line up with the old ones
+            scalars = self._scalars_as_arrays(leaves)
+            if scalars:
+                params = spec.unflatten(leaves)  # type: ignore[assignment]  # params' structure
         spec_text, entries, problems = _describe(names, leaves, spec)
         if problems:
             raise TypeError(problems[0][1])
         if (spec_text, entries) != (str(self._spec), self._entries):
+            self._refuse_non_arrays(names, leaves, str(spec))
             raise ValueError(
                 "New DistributedDataParallel params must have the structure, shapes and dtypes "
                 "of the old ones (the buckets are cut for them): "
@@ -627,6 +645,46 @@ class DistributedDataParallel(Generic[Params, Output]):
                 )
         with self._lock:  # a forward in another thread sees the old pair or the new one
             self._params, self._arrays = params, arrays
+
+    def _scalars_as_arrays(self, leaves: list[Any]) -> bool:
+        """Turn NumPy scalars at the old 0-d NumPy arrays' places, of their dtype, into arrays.
+
+        ``leaves`` has the old params' structure; returns whether one was turned.
+        """
+        turned = False
+        for k, old in zip(self._slots, self._arrays, strict=True):
+            leaf = leaves[k]
+            if (
+                isinstance(leaf, np.generic)
+                and isinstance(old, np.ndarray)
+                and old.ndim == 0
+                and leaf.dtype == old.dtype
+            ):
+                leaves[k] = np.asarray(leaf)
+                turned = True
+        return turned
+
+    def _refuse_non_arrays(self, names: list[str], leaves: list[Any], spec: str) -> None:
+        """Refuse a leaf that is no array where the old params had one, naming it."""
+        if spec != str(self._spec):
+            return
+        for k, old in zip(self._slots, self._arrays, strict=True):
+            leaf = leaves[k]
+            if is_array(leaf):
+                continue
+            what = f"{type(leaf).__name__} {leaf!r}"
+            hint = "; pass an array there"
+            if isinstance(leaf, np.generic):
+                what = f"NumPy {leaf.dtype} scalar {leaf!r}"
+                hint = (
+                    ": NumPy returns scalars from arithmetic on 0-d arrays; wrap it with "
+                    f"numpy.asarray (of dtype {old.dtype}) or cupy_parallel.to_device"
+                )
+            raise ValueError(
+                f"New DistributedDataParallel params must have arrays where the old ones had, "
+                f"but {names[k]} is a {what} where the old params had an array of shape "
+                f"{tuple(old.shape)} and dtype {old.dtype}{hint}."
+            )
 
     def _broadcast(self) -> None:
         """Overwrite the parameters with the group's first rank's, one broadcast per bucket."""
