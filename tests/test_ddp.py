@@ -743,3 +743,69 @@ def _with_a_float_on_rank_one(rank: int) -> str:
 def test_ranks_parameters_are_compared_by_name() -> None:
     for message in dist.spawn(_with_a_float_on_rank_one, 2):
         assert "(params['s']: shape () float64 ndarray/cpu vs no array)" in message, message
+
+
+def _tied(params: dict[str, Any], x: Any) -> Any:
+    hidden = ops.tanh(ops.add(ops.matmul(x, params["a"]), params["b"]))
+    return ops.mean(ops.square(ops.matmul(hidden, params["c"])))
+
+
+_TIED_RNG = np.random.default_rng(7)
+_TIED_W, _TIED_B = _TIED_RNG.normal(size=(4, 4)), _TIED_RNG.normal(size=4)
+_TIED_SHARDS = [[_TIED_RNG.normal(size=(3, 4)) for _ in range(2)] for _ in range(3)]  # step, rank
+
+
+def _train_tied(rank: int) -> tuple[Any, str]:
+    """Three SGD steps with ``a`` and ``c`` tied, kept tied; then the untying update."""
+    w = _TIED_W.copy()
+    ddp = cp.DistributedDataParallel(_tied, {"a": w, "b": _TIED_B.copy(), "c": w})
+    for shards in _TIED_SHARDS:
+        with cp.Tape() as tape:
+            loss = ddp(shards[rank])
+        grads = tape.gradient(loss, ddp.params)
+        p = ddp.params
+        untied = {k: p[k] - 0.1 * grads[k] for k in grads}  # the README's update
+        with pytest.raises(ValueError) as refused:
+            ddp.params = untied
+        assert ddp.params is p
+        w = p["a"] - 0.1 * grads["a"]  # once, at both leaves
+        ddp.params = {"a": w, "b": untied["b"], "c": w}
+    return ddp.params, str(refused.value)
+
+
+def test_tied_weights_stay_tied_and_train_as_one_process() -> None:
+    # the oracle: one process, one array w at both places, the whole batch's mean loss
+    w, b = _TIED_W.copy(), _TIED_B.copy()
+    for shards in _TIED_SHARDS:
+        with cp.Tape() as tape:
+            tape.watch((w, b))
+            loss = _tied({"a": w, "b": b, "c": w}, np.concatenate(shards))
+        gw, gb = tape.gradient(loss, (w, b))
+        w, b = w - 0.1 * gw, b - 0.1 * gb
+    for params, message in dist.spawn(_train_tied, 2):
+        assert params["a"] is params["c"]
+        np.testing.assert_allclose(params["a"], w, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(params["b"], b, rtol=1e-12, atol=1e-14)
+        assert message.startswith(
+            "params['a'] and params['c'] were one array (tied weights), but the new params hold "
+            "two different arrays there"
+        ), message
+
+
+@pytest.mark.usefixtures("world")
+def test_a_tied_0d_parameter_updated_once_stays_tied() -> None:
+    s = np.array(2.0)
+    ddp = cp.DistributedDataParallel(
+        lambda p, x: ops.sum(ops.multiply(ops.multiply(x, p["u"]), p["v"])), {"u": s, "v": s}
+    )
+    x = np.array([1.0, 3.0])
+    with cp.Tape() as tape:
+        loss = ddp(x)
+    grads = tape.gradient(loss, ddp.params)
+    np.testing.assert_allclose(grads["u"], 2 * 2.0 * 4.0, rtol=1e-15)  # d(4 s^2)/ds at s = 2
+    new = ddp.params["u"] - 0.1 * grads["u"]  # a NumPy scalar, once
+    ddp.params = {"u": new, "v": new}
+    assert ddp.params["u"] is ddp.params["v"]
+    np.testing.assert_allclose(ddp.params["u"], 2.0 - 0.1 * 16.0, rtol=1e-15)
+    with pytest.raises(ValueError, match=r"params\['u'\] and params\['v'\] were one array"):
+        ddp.params = {"u": np.asarray(new), "v": np.asarray(new)}

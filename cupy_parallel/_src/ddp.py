@@ -487,6 +487,11 @@ class DistributedDataParallel(Generic[Params, Output]):
       the same backward passes (a rank whose tape does not reduce makes its peers wait, as in
       torch). One array at two leaves of ``params`` (tied weights) gets its total gradient at
       both.
+    - Tied weights stay tied: assigning :attr:`params` refuses (``ValueError`` naming both
+      leaves) new params holding two different arrays where the old ones held one, which the
+      functional update ``{k: p[k] - lr * g[k]}`` makes (from the next step on, each leaf
+      would get only its own part of the gradient and training would drift from the tied
+      model's). Update the tied array once and put the result at both leaves.
     - The gradients returned are views of fresh flat buffers, one per bucket and pass (never a
       buffer reused across steps, so a gradient kept from one step does not change later).
     - Progress: the MPI backend moves a nonblocking all-reduce on only while its rank calls
@@ -636,6 +641,7 @@ class DistributedDataParallel(Generic[Params, Output]):
                 f"{_first_difference((str(self._spec), self._entries), (spec_text, entries))}."
             )
         arrays = [leaves[k] for k in self._slots]
+        self._check_ties(arrays)
         for name, array, (bucket, _) in zip(self._names, arrays, self._where, strict=True):
             if device_of(array) != bucket.device:
                 raise ValueError(
@@ -651,7 +657,7 @@ class DistributedDataParallel(Generic[Params, Output]):
 
         ``leaves`` has the old params' structure; returns whether one was turned.
         """
-        turned = False
+        turned: dict[int, Any] = {}  # id(scalar) -> its array: one scalar at two leaves, one
         for k, old in zip(self._slots, self._arrays, strict=True):
             leaf = leaves[k]
             if (
@@ -660,9 +666,23 @@ class DistributedDataParallel(Generic[Params, Output]):
                 and old.ndim == 0
                 and leaf.dtype == old.dtype
             ):
-                leaves[k] = np.asarray(leaf)
-                turned = True
-        return turned
+                leaves[k] = turned.setdefault(id(leaf), np.asarray(leaf))
+        return bool(turned)
+
+    def _check_ties(self, arrays: list[Any]) -> None:
+        """Refuse new arrays that untie leaves the old params tied (one array at both)."""
+        first: dict[int, int] = {}  # id(old array) -> the first parameter holding it
+        for i, old in enumerate(self._arrays):
+            j = first.setdefault(id(old), i)
+            if j != i and arrays[i] is not arrays[j]:
+                a, b = self._names[j], self._names[i]
+                raise ValueError(
+                    f"{a} and {b} were one array (tied weights), but the new params hold two "
+                    "different arrays there: updating each leaf on its own unties them, and "
+                    "training drifts from the tied model's. Keep them tied: compute the "
+                    "updated array once and put that same array at both leaves, or build a new "
+                    "DistributedDataParallel to untie them."
+                )
 
     def _refuse_non_arrays(self, names: list[str], leaves: list[Any], spec: str) -> None:
         """Refuse a leaf that is no array where the old params had one, naming it."""
