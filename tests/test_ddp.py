@@ -14,10 +14,13 @@ so the oracle is a plain tape.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import subprocess
 import sys
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -28,6 +31,9 @@ from cupy_parallel import distributed as dist
 from cupy_parallel import ops
 from cupy_parallel._src.ddp import FIRST_BUCKET_BYTES, _assign_buckets
 from cupy_parallel.distributed.algorithms.ddp_comm_hooks import GradBucket, default_hooks
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 
 @pytest.mark.mpi
@@ -345,7 +351,51 @@ def test_bf16_hook_needs_ml_dtypes() -> None:
         with pytest.raises(RuntimeError, match="install ml_dtypes"):
             ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     else:  # pragma: no cover - ml_dtypes is not a dependency
+        with pytest.raises(TypeError, match="bf16_compress_hook"):
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+
+
+def _refuses_bf16_hook(rank: int) -> str:
+    ddp = cp.DistributedDataParallel(_model, _params())
+    with pytest.raises(TypeError) as refused:
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)  # nothing was registered
+    with cp.Tape() as tape:
+        loss = ddp(X)
+    grads = tape.gradient(loss, ddp.params)
+    expected = _plain_gradient(_params())  # the same shard on both ranks: the mean is its own
+    np.testing.assert_array_equal(grads["w1"], expected["w1"].astype(np.float16).astype(float))
+    return str(refused.value)
+
+
+def test_bf16_hook_is_refused_at_registration_where_the_backend_has_no_bfloat16_sum() -> None:
+    pytest.importorskip("ml_dtypes")  # without it the hook is refused for that (above)
+    for message in dist.spawn(_refuses_bf16_hook, 2):  # thread ranks: the MPI backend
+        assert message.startswith(
+            "bf16_compress_hook reduces each bucket in bfloat16, which the 'mpi' backend of "
+            "process group '0' cannot reduce (cannot reduce arrays of dtype bfloat16"
+        ), message
+
+
+def test_bf16_hook_over_nccl_rounds_to_bfloat16() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from cupy_parallel.testing import simulated_cuda
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    grads = [np.array([1.0, 1 / 3, 1e-3, 300.0, -2.5, 7.0], np.float32) * (r + 1) for r in (0, 1)]
+    with simulated_cuda(2) as cupy:
+
+        def reduce(rank: int) -> Any:
+            ddp = cp.DistributedDataParallel(lambda p, x: x, cupy.zeros(6, np.float32))
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            return cupy.asnumpy(ddp.reduce_gradients(cupy.asarray(grads[rank])))
+
+        reduced = dist.spawn(reduce, 2, backend="nccl")
+    # torch's hook in NumPy: cast to bfloat16, divide by the world size there, sum, cast back
+    expected = sum(g.astype(bf16) / np.array(2, bf16) for g in grads).astype(np.float32)
+    assert not np.array_equal(expected, sum(grads) / 2)  # bfloat16's rounding shows
+    for got in reduced:
+        np.testing.assert_array_equal(got, expected)
 
 
 @pytest.mark.usefixtures("world")
@@ -424,3 +474,338 @@ def test_the_fused_division_scales_cupy_gradients_while_copying() -> None:
         _write(out, 0, grad.size, grad, 3)
         exact = (grad.astype(np.float64) / 3).astype(dtype)
         np.testing.assert_array_equal(out, exact)
+
+
+# -- threads -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _switching_often() -> Iterator[None]:
+    """Threads switch every microsecond: a check-then-act race shows in a few trials."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _stacked(params: list[Any], x: Any) -> Any:
+    return ops.sum(ops.multiply(ops.stack(params), x))  # d/dp_i = x
+
+
+def _one_ddp_in_two_threads(rank: int) -> list[float]:
+    """Each rank: one DDP called from two threads (parallel_apply) under one tape."""
+    ddp = cp.DistributedDataParallel(_stacked, [np.array(1.0) for _ in range(200)])
+    x = np.array(rank + 1.0)
+    with cp.Tape() as tape:
+        first, second = cp.parallel_apply([ddp, ddp], [(x,), (x,)])
+        loss = ops.add(first, second)
+    return [float(g) for g in tape.gradient(loss, ddp.params)]
+
+
+def test_one_ddp_called_from_two_threads_under_one_tape_reduces_once() -> None:
+    # the oracle: on one process, d(sum over ranks of loss_r)/dp_i / 2 = (2 * 1 + 2 * 2) / 2
+    expected = [3.0] * 200
+    with _switching_often():
+        for trial in range(30):
+            for rank, grads in enumerate(dist.spawn(_one_ddp_in_two_threads, 2, timeout=20)):
+                assert grads == expected, f"trial {trial}, rank {rank}"
+
+
+@pytest.mark.usefixtures("world")
+def test_no_sync_blocks_of_two_threads_interleaved_leave_it_synchronising() -> None:
+    calls: list[int] = []
+    ddp = cp.DistributedDataParallel(_model, _params())
+    ddp.register_comm_hook(None, _counting_hook(calls))
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with ddp.no_sync():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(5)
+        with ddp.no_sync():
+            second_in.set()
+            first_out.wait(5)
+            with cp.Tape() as tape:  # the first block closed, this one is open: no reduction
+                loss = ddp(X)
+            tape.gradient(loss, ddp.params)
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == []
+    with cp.Tape() as tape:  # both blocks closed (the first one first)
+        loss = ddp(X)
+    grads = tape.gradient(loss, ddp.params)
+    assert calls == [0]
+    np.testing.assert_allclose(grads["w1"], _plain_gradient(_params())["w1"], rtol=1e-14)
+
+
+@pytest.mark.usefixtures("world")
+def test_two_passes_of_one_tape_at_once_in_two_threads_are_refused() -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(state: Any, bucket: Any) -> Any:
+        entered.set()
+        release.wait(5)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp = cp.DistributedDataParallel(_model, _params())
+    ddp.register_comm_hook(None, slow)
+    with cp.Tape(persistent=True) as tape:
+        loss = ddp(X)
+    first: list[Any] = []
+    thread = threading.Thread(
+        target=contextvars.copy_context().run,
+        args=(lambda: first.append(tape.gradient(loss, ddp.params)),),
+    )
+    thread.start()
+    try:
+        assert entered.wait(5)  # the first pass is reducing
+        with pytest.raises(RuntimeError, match="Two backward passes of one tape ran at once"):
+            tape.gradient(loss, ddp.params)
+    finally:
+        release.set()
+        thread.join()
+    expected = _plain_gradient(_params())  # the first pass is untouched
+    for k in ("w1", "w2"):
+        np.testing.assert_allclose(first[0][k], expected[k], rtol=1e-14, atol=0)
+
+
+# -- where gradients live ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _two_device_world(kind: str) -> Iterator[Any]:
+    """A world of one whose arrays are ``kind`` (host or CuPy), with a second device of it."""
+    if kind == "cupy":
+        from cupy_parallel.testing import simulated_cuda
+
+        with simulated_cuda(2):
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+            try:
+                yield lambda x, index=0: cp.to_device(x, f"cuda:{index}")
+            finally:
+                dist.destroy_process_group()
+        return
+    cp.set_host_device_count(2)
+    dist.init_process_group("mpi")
+    try:
+        yield lambda x, index=0: cp.to_device(x, f"host:{index}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["host", "cupy"])
+@pytest.mark.parametrize(
+    ("gradient", "error", "match"),
+    [
+        (
+            lambda on, x: x,
+            TypeError,
+            (
+                r"On rank 0: grads\['b'\] is a numpy.ndarray on cpu, but its parameter "
+                r"params\['b'\] is a (HostArray on host|cupy.ndarray on cuda):0"
+            ),
+        ),
+        (
+            lambda on, x: on(x, 1),
+            ValueError,
+            (
+                r"On rank 0: grads\['b'\] is on (host|cuda):1, but its parameter "
+                r"params\['b'\] is on (host|cuda):0"
+            ),
+        ),
+    ],
+    ids=["numpy", "other-device"],
+)
+def test_reduce_gradients_refuses_a_gradient_of_another_type_or_device_first(
+    kind: str, gradient: Any, error: type[Exception], match: str
+) -> None:
+    calls: list[int] = []
+    with _two_device_world(kind) as on:
+        params = {"a": on(np.ones(3)), "b": on(np.ones(2))}
+        ddp = cp.DistributedDataParallel(lambda p, x: x, params, bucket_cap_mb=1e-6)
+        ddp.register_comm_hook(None, _counting_hook(calls))
+        with pytest.raises(error, match=match):
+            ddp.reduce_gradients({"a": on(np.arange(3.0)), "b": gradient(on, np.arange(2.0))})
+        assert calls == []  # refused before any bucket started
+        reduced = ddp.reduce_gradients({"a": on(np.arange(3.0)), "b": on(np.arange(2.0))})
+        assert calls == [0, 1]
+        for k, n in [("a", 3), ("b", 2)]:  # a world of one: the average is the rank's own
+            assert cp.device_of(reduced[k]) == cp.device_of(params[k])
+            np.testing.assert_array_equal(cp.to_device(reduced[k], "cpu"), np.arange(float(n)))
+
+
+@pytest.mark.parametrize(
+    ("replacement", "error", "match"),
+    [
+        (np.ones(2), TypeError, r"of params\['w'\] is a numpy.ndarray on cpu, but the param"),
+        (None, ValueError, r"of params\['w'\] is on host:1, but the parameter is on host:0"),
+    ],
+    ids=["numpy", "other-device"],
+)
+def test_the_backward_pass_refuses_a_gradient_of_another_type_or_device(
+    replacement: Any, error: type[Exception], match: str
+) -> None:
+    with _two_device_world("host") as on:
+        w = on(np.ones(2))
+        ddp = cp.DistributedDataParallel(lambda p, x: ops.sum(ops.multiply(p["w"], x)), {"w": w})
+        wrong = on(np.ones(2), 1) if replacement is None else replacement
+        with cp.Tape() as tape:
+            tape.watch(w)  # a hook of the user's, called first, gives DDP's the wrong array
+            tape.register_gradient_ready_hook(w, lambda g: wrong)
+            loss = ddp(on(np.ones(2)))
+        with pytest.raises(error, match=match):
+            tape.gradient(loss, ddp.params)
+
+
+def test_replaced_params_must_stay_on_their_devices() -> None:
+    with _two_device_world("host") as on:
+        ddp = cp.DistributedDataParallel(lambda p, x: x, {"w": on(np.ones(2))})
+        old = ddp.params
+        with pytest.raises(ValueError, match=r"params\['w'\] is on host:1, not host:0"):
+            ddp.params = {"w": on(np.ones(2), 1)}
+        assert ddp.params is old
+
+
+# -- replacing the parameters ------------------------------------------------------------------
+
+
+def _scaled(params: dict[str, Any], x: Any) -> Any:
+    return ops.sum(ops.multiply(ops.multiply(x, params["s"]), params["w"]))
+
+
+@pytest.mark.usefixtures("world")
+def test_a_0d_parameter_updated_the_functional_way_stays_an_array() -> None:
+    ddp = cp.DistributedDataParallel(_scaled, {"s": np.array(2.0), "w": np.array([1.0, -3.0])})
+    x = np.array([0.5, 4.0])
+    oracle = {"s": np.array(2.0), "w": np.array([1.0, -3.0])}  # a plain tape, NumPy's update
+    for _ in range(3):
+        with cp.Tape() as tape:
+            loss = ddp(x)
+        grads = tape.gradient(loss, ddp.params)
+        new = {k: ddp.params[k] - 0.1 * grads[k] for k in grads}  # the README's update
+        assert type(new["s"]) is np.float64  # NumPy's arithmetic on 0-d arrays
+        ddp.params = new
+        with cp.Tape() as tape:
+            tape.watch(oracle)
+            loss = _scaled(oracle, x)
+        expected = tape.gradient(loss, oracle)
+        oracle = {k: np.asarray(oracle[k] - 0.1 * expected[k]) for k in oracle}
+        assert type(ddp.params["s"]) is np.ndarray
+        assert ddp.params["s"].shape == ()
+        assert ddp.params["w"] is new["w"]
+        for k in oracle:
+            np.testing.assert_allclose(ddp.params[k], oracle[k], rtol=1e-15)
+
+
+@pytest.mark.usefixtures("world")
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (
+            np.float32(2.0),
+            (
+                r"params\['s'\] is a NumPy float32 scalar np.float32\(2.0\) where the old "
+                r"params had an array of shape \(\) and dtype float64: NumPy .* wrap it with "
+                r"numpy.asarray \(of dtype float64\)"
+            ),
+        ),
+        (2.0, r"params\['s'\] is a float 2.0 where the old params had an array of shape \(\)"),
+    ],
+    ids=["scalar-of-another-dtype", "float"],
+)
+def test_a_non_array_where_a_parameter_was_is_named(value: Any, match: str) -> None:
+    if np.lib.NumpyVersion(np.__version__) < "2.0.0":
+        match = match.replace(r"np.float32\(2.0\)", "2.0")
+    ddp = cp.DistributedDataParallel(_scaled, {"s": np.array(2.0), "w": np.array([1.0, -3.0])})
+    old = ddp.params
+    with pytest.raises(ValueError, match=match):
+        ddp.params = {"s": value, "w": np.zeros(2)}
+    assert ddp.params is old
+
+
+def _with_a_float_on_rank_one(rank: int) -> str:
+    s = np.array(2.0) if rank == 0 else 2.0
+    with pytest.raises(ValueError) as refused:
+        cp.DistributedDataParallel(_scaled, {"s": s, "w": np.array([1.0, -3.0])})
+    return str(refused.value)
+
+
+def test_ranks_parameters_are_compared_by_name() -> None:
+    for message in dist.spawn(_with_a_float_on_rank_one, 2):
+        assert "(params['s']: shape () float64 ndarray/cpu vs no array)" in message, message
+
+
+def _tied(params: dict[str, Any], x: Any) -> Any:
+    hidden = ops.tanh(ops.add(ops.matmul(x, params["a"]), params["b"]))
+    return ops.mean(ops.square(ops.matmul(hidden, params["c"])))
+
+
+_TIED_RNG = np.random.default_rng(7)
+_TIED_W, _TIED_B = _TIED_RNG.normal(size=(4, 4)), _TIED_RNG.normal(size=4)
+_TIED_SHARDS = [[_TIED_RNG.normal(size=(3, 4)) for _ in range(2)] for _ in range(3)]  # step, rank
+
+
+def _train_tied(rank: int) -> tuple[Any, str]:
+    """Three SGD steps with ``a`` and ``c`` tied, kept tied; then the untying update."""
+    w = _TIED_W.copy()
+    ddp = cp.DistributedDataParallel(_tied, {"a": w, "b": _TIED_B.copy(), "c": w})
+    for shards in _TIED_SHARDS:
+        with cp.Tape() as tape:
+            loss = ddp(shards[rank])
+        grads = tape.gradient(loss, ddp.params)
+        p = ddp.params
+        untied = {k: p[k] - 0.1 * grads[k] for k in grads}  # the README's update
+        with pytest.raises(ValueError) as refused:
+            ddp.params = untied
+        assert ddp.params is p
+        w = p["a"] - 0.1 * grads["a"]  # once, at both leaves
+        ddp.params = {"a": w, "b": untied["b"], "c": w}
+    return ddp.params, str(refused.value)
+
+
+def test_tied_weights_stay_tied_and_train_as_one_process() -> None:
+    # the oracle: one process, one array w at both places, the whole batch's mean loss
+    w, b = _TIED_W.copy(), _TIED_B.copy()
+    for shards in _TIED_SHARDS:
+        with cp.Tape() as tape:
+            tape.watch((w, b))
+            loss = _tied({"a": w, "b": b, "c": w}, np.concatenate(shards))
+        gw, gb = tape.gradient(loss, (w, b))
+        w, b = w - 0.1 * gw, b - 0.1 * gb
+    for params, message in dist.spawn(_train_tied, 2):
+        assert params["a"] is params["c"]
+        np.testing.assert_allclose(params["a"], w, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(params["b"], b, rtol=1e-12, atol=1e-14)
+        assert message.startswith(
+            "params['a'] and params['c'] were one array (tied weights), but the new params hold "
+            "two different arrays there"
+        ), message
+
+
+@pytest.mark.usefixtures("world")
+def test_a_tied_0d_parameter_updated_once_stays_tied() -> None:
+    s = np.array(2.0)
+    ddp = cp.DistributedDataParallel(
+        lambda p, x: ops.sum(ops.multiply(ops.multiply(x, p["u"]), p["v"])), {"u": s, "v": s}
+    )
+    x = np.array([1.0, 3.0])
+    with cp.Tape() as tape:
+        loss = ddp(x)
+    grads = tape.gradient(loss, ddp.params)
+    np.testing.assert_allclose(grads["u"], 2 * 2.0 * 4.0, rtol=1e-15)  # d(4 s^2)/ds at s = 2
+    new = ddp.params["u"] - 0.1 * grads["u"]  # a NumPy scalar, once
+    ddp.params = {"u": new, "v": new}
+    assert ddp.params["u"] is ddp.params["v"]
+    np.testing.assert_allclose(ddp.params["u"], 2.0 - 0.1 * 16.0, rtol=1e-15)
+    with pytest.raises(ValueError, match=r"params\['u'\] and params\['v'\] were one array"):
+        ddp.params = {"u": np.asarray(new), "v": np.asarray(new)}

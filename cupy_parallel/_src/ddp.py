@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Concatenate, Generic
 
@@ -38,11 +39,13 @@ from cupy_parallel._src.arguments import read_bool, read_callable, read_real
 from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array
 from cupy_parallel._src.arraytypes import Output, Params
 from cupy_parallel._src.compute import on_device_of
+from cupy_parallel._src.devices import CPU
 from cupy_parallel._src.distributed.comm_hooks import (
     GradBucket,
     PolledFuture,
     bf16_compress_hook,
     bfloat16,
+    fp16_compress_hook,
 )
 from cupy_parallel._src.distributed.groups import (
     get_global_rank,
@@ -53,6 +56,7 @@ from cupy_parallel._src.distributed.groups import (
 from cupy_parallel._src.distributed.objects import all_gather_object
 from cupy_parallel._src.distributed.reductions import all_reduce
 from cupy_parallel._src.distributed.rooted import broadcast
+from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, plain_buffer
 from cupy_parallel._src.recording import active_tapes, pause_recording
 from cupy_parallel._src.tape import Tape
@@ -74,6 +78,11 @@ FIRST_BUCKET_BYTES = 1 * _MIB
 _DEFAULT_CAP_MB = 25.0
 POLLS = range(8)
 """How many more times a gradient-ready hook asks the oldest bucket in flight (see the class)."""
+_COMPRESSED: dict[Callable[..., Any], Callable[[], Any]] = {
+    fp16_compress_hook: lambda: np.dtype(np.float16),
+    bf16_compress_hook: bfloat16,  # raises RuntimeError without ml_dtypes
+}
+"""The shipped hooks that reduce in another dtype: that dtype (its backend must reduce it)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,6 +150,41 @@ def _divide(xp: Any, x: Any, divisor: int, out: Any) -> None:
     xp.divide(x, divisor, out=out)
 
 
+_ARRAY_TYPES = {"cpu": "numpy.ndarray", "host": "HostArray", "cuda": "cupy.ndarray"}
+"""The array type of each device kind (one type per kind)."""
+
+
+def _placement_problem(what: str, param: str, bucket: _Bucket, grad: Any) -> tuple[str, str] | None:
+    """What is wrong with where the gradient ``grad`` lives, for a parameter of ``bucket``.
+
+    ``(error type, message)``, or ``None``: the gradient must be an array of the parameter's
+    array type (``TypeError``), on its device (``ValueError``), which is its bucket's, as a
+    GPU's kernels insist (a host device must catch what a GPU would). A NumPy scalar counts
+    as a NumPy array (0-d gradients computed with NumPy).
+    """
+    device = CPU if isinstance(grad, np.generic) else device_of(grad)
+    want = bucket.device
+    whose = f"its parameter {param}" if param else "the parameter"
+    if device.kind != want.kind:
+        return (
+            "TypeError",
+            (
+                f"{what} is a {_ARRAY_TYPES[device.kind]} on {device}, but {whose} is a "
+                f"{_ARRAY_TYPES[want.kind]} on {want}: a gradient must be an array of its "
+                f"parameter's type, on its device (cupy_parallel.to_device(grad, '{want}'))."
+            ),
+        )
+    if device != want:
+        return (
+            "ValueError",
+            (
+                f"{what} is on {device}, but {whose} is on {want}: a gradient must be on its "
+                f"parameter's device (cupy_parallel.to_device(grad, '{want}'))."
+            ),
+        )
+    return None
+
+
 def _view(buffer: Any, start: int, stop: int, shape: tuple[int, ...]) -> Any:
     """``buffer[start:stop]`` shaped ``shape``, of the buffer's own array type (a view)."""
     if type(buffer) is HostArray:
@@ -156,7 +200,7 @@ class _Reduction:
     is left and waits for everything.
     """
 
-    __slots__ = ("_ddp", "buffers", "divisor", "futures", "next", "pending")
+    __slots__ = ("_ddp", "buffers", "divisor", "futures", "hook", "next", "pending", "state")
 
     def __init__(self, ddp: DistributedDataParallel[Any, Any]) -> None:
         self._ddp = ddp
@@ -165,19 +209,26 @@ class _Reduction:
         self.pending = [len(b.members) for b in buckets]
         self.futures: list[tuple[Future[Any], Any]] = []
         self.next = 0
+        with ddp._lock:  # one hook for the whole reduction, even if one is registered meanwhile
+            ddp._backward_ran = True
+            self.hook, self.state = ddp._comm_hook, ddp._comm_state
         # the default hook, fused: each gradient divided by the group's size as it is copied
-        self.divisor = ddp._world if ddp._comm_hook is None and ddp._world > 1 else None
+        self.divisor = ddp._world if self.hook is None and ddp._world > 1 else None
 
     def put(self, i: int, grad: Any) -> Any:
         """Copy parameter ``i``'s gradient into its bucket; return its view there."""
         ddp = self._ddp
         bucket, slot = ddp._where[i]
         param = ddp._arrays[i]
-        if grad is not None and tuple(grad.shape) != tuple(param.shape):
-            raise ValueError(
-                f"The gradient of {ddp._names[i]} has shape {tuple(grad.shape)}, the parameter "
-                f"{tuple(param.shape)}."
-            )
+        if grad is not None:
+            if tuple(grad.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"The gradient of {ddp._names[i]} has shape {tuple(grad.shape)}, the "
+                    f"parameter {tuple(param.shape)}."
+                )
+            problem = _placement_problem(f"The gradient of {ddp._names[i]}", "", bucket, grad)
+            if problem is not None:
+                raise _ERRORS[problem[0]](problem[1])
         buffer = self.buffers[bucket.index]
         if buffer is None:
             buffer = self.buffers[bucket.index] = empty(bucket.size, bucket.dtype, bucket.device)
@@ -202,7 +253,7 @@ class _Reduction:
 
     def _start(self, k: int) -> None:
         ddp = self._ddp
-        if ddp._comm_hook is None:  # allreduce_hook, its division done by put
+        if self.hook is None:  # allreduce_hook, its division done by put
             work = all_reduce(self.buffers[k], group=ddp.process_group, async_op=True)
             self.futures.append((PolledFuture.of_work(work), None))
             return
@@ -212,7 +263,7 @@ class _Reduction:
             k, self.buffers[k], params, bucket.slices, last=k == len(ddp._buckets) - 1
         )
         with pause_recording():
-            future = ddp._comm_hook(ddp._comm_state, grad_bucket)
+            future = self.hook(self.state, grad_bucket)
         if not callable(getattr(future, "wait", None)):
             raise TypeError(
                 "A DDP communication hook must return a future of the reduced bucket (with a "
@@ -252,9 +303,14 @@ class _TapeReduction:
     previous pass ended early (an error) and starts afresh. One array at two leaves of params
     is hooked twice: its second hook gets the replacement the first returned, so the gradient
     the first received is kept for it.
+
+    A pass runs its hooks in the thread that called ``gradient()``; two passes of one tape at
+    once, in two threads, would mix their gradients in one reduction (and issue their
+    collectives in an order the ranks need not share), so a hook of a second thread's pass
+    while a live thread's pass is under way raises ``RuntimeError``.
     """
 
-    __slots__ = ("_ddp", "_received", "_reduction", "_seen", "_shared", "ids")
+    __slots__ = ("_ddp", "_lock", "_owner", "_received", "_reduction", "_seen", "_shared", "ids")
 
     def __init__(self, ddp: DistributedDataParallel[Any, Any], arrays: list[Any]) -> None:
         self._ddp = ddp
@@ -262,18 +318,35 @@ class _TapeReduction:
         self._seen: set[int] = set()
         self._received: dict[int, Any] = {}  # id(array) -> the gradient its first hook got
         self._reduction: _Reduction | None = None
+        self._owner: threading.Thread | None = None  # the thread whose pass is under way
+        self._lock = threading.Lock()
         self._shared = len(set(self.ids)) < len(self.ids)
 
     def ready(self, i: int, grad: Any) -> Any:
-        reduction = self._reduction
-        if reduction is None or i in self._seen:
-            reduction = self._begin()
-        self._seen.add(i)
+        me = threading.current_thread()
+        with self._lock:  # only the pass's own thread goes past this block
+            owner = self._owner
+            if self._reduction is not None and owner is not me:
+                if owner is not None and owner.is_alive():
+                    raise RuntimeError(
+                        "Two backward passes of one tape ran at once, in threads "
+                        f"{owner.name!r} and {me.name!r}: DistributedDataParallel reduces one "
+                        "pass of a tape at a time (the ranks must issue its collectives in one "
+                        "order). Compute the tape's gradients in one thread at a time. (A pass "
+                        "that failed in a live thread also leaves its reduction unfinished.)"
+                    )
+                self._reduction = None  # the pass of a thread that has ended: it failed
+            reduction = self._reduction
+            if reduction is None or i in self._seen:
+                reduction = self._begin()
+                self._owner = me
+            self._seen.add(i)
         if self._shared:
             grad = self._received.setdefault(self.ids[i], grad)
         view = reduction.put(i, grad)
         if len(self._seen) == len(self.ids):
-            self._reduction, self._seen, self._received = None, set(), {}
+            with self._lock:
+                self._reduction, self._seen, self._received = None, set(), {}
             reduction.finish()
         return view
 
@@ -355,12 +428,17 @@ def _first_difference(a: Any, b: Any) -> str:
     spec_b, entries_b, *extra_b = b
     if spec_a != spec_b:
         return f"structure {spec_a} vs {spec_b}"
-    for x, y in zip(entries_a, entries_b, strict=False):
+    # entries by name: a leaf that is no array has none, so positions would not line up
+    named_a, named_b = {x[0]: x for x in entries_a}, {y[0]: y for y in entries_b}
+    for name in [*named_a, *(name for name in named_b if name not in named_a)]:
+        x, y = named_a.get(name), named_b.get(name)
         if x != y:
-            return f"{x[0]}: shape {x[1]} {x[2]} {x[3]} vs {y[0]}: shape {y[1]} {y[2]} {y[3]}"
-    if len(entries_a) != len(entries_b):
-        return f"{len(entries_a)} arrays vs {len(entries_b)}"
+            return f"{name}: {_entry(x)} vs {_entry(y)}"
     return f"options {extra_a} vs {extra_b}"
+
+
+def _entry(entry: tuple[str, tuple[int, ...], str, str] | None) -> str:
+    return "no array" if entry is None else f"shape {entry[1]} {entry[2]} {entry[3]}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,6 +472,12 @@ class DistributedDataParallel(Generic[Params, Output]):
       double backward either).
     - Like torch, the flag of :meth:`no_sync` is read at the forward call: a tape on which
       every forward ran inside ``no_sync`` keeps its gradients rank-local.
+    - Threads may share one DDP (each rank calling ``cupy_parallel.parallel_apply([ddp, ddp],
+      ...)`` under one tape): its bookkeeping is locked, so a tape is hooked once whichever
+      thread's forward call comes first, and each pass reduces once. The :meth:`no_sync` flag
+      is the object's (as torch's), seen by every thread. One tape's ``gradient()`` passes
+      must run one at a time: a pass started in a second thread while another thread's runs
+      raises ``RuntimeError``.
     - Every parameter gets a gradient, even one that no rank's step used (zeros then), and the
       ranks reduce every bucket in every pass, whatever each used (so none waits for another).
       ``unconnected_gradients="none"`` does not apply to the parameters. A parameter no
@@ -403,6 +487,11 @@ class DistributedDataParallel(Generic[Params, Output]):
       the same backward passes (a rank whose tape does not reduce makes its peers wait, as in
       torch). One array at two leaves of ``params`` (tied weights) gets its total gradient at
       both.
+    - Tied weights stay tied: assigning :attr:`params` refuses (``ValueError`` naming both
+      leaves) new params holding two different arrays where the old ones held one, which the
+      functional update ``{k: p[k] - lr * g[k]}`` makes (from the next step on, each leaf
+      would get only its own part of the gradient and training would drift from the tied
+      model's). Update the tied array once and put the result at both leaves.
     - The gradients returned are views of fresh flat buffers, one per bucket and pass (never a
       buffer reused across steps, so a gradient kept from one step does not change later).
     - Progress: the MPI backend moves a nonblocking all-reduce on only while its rank calls
@@ -428,7 +517,13 @@ class DistributedDataParallel(Generic[Params, Output]):
     - ``cupy_parallel.grad``/``value_and_grad`` differentiate the arguments they pass (views),
       not ``ddp.params``: take gradients with respect to ``ddp.params`` on a :class:`Tape`.
     - The parameters may be replaced between steps (``ddp.params = new``, a functional update)
-      by a pytree of the same structure, shapes and dtypes; nothing is broadcast then.
+      by a pytree of the same structure, shapes, dtypes and devices; nothing is broadcast
+      then. A NumPy scalar where a 0-d NumPy array of its dtype was (NumPy's arithmetic on
+      0-d arrays returns scalars) is taken as ``numpy.asarray`` of it (see :attr:`params`).
+    - A gradient must live where its parameter does, as a GPU's kernels insist: an array of
+      the parameter's type on its device (a NumPy gradient for a ``host:0`` parameter raises
+      ``TypeError``, a ``host:1`` one ``ValueError``), in a backward pass and in
+      :meth:`reduce_gradients`, which checks every gradient before any bucket starts.
 
     Args:
         fn: The module function, called as ``fn(params, *inputs, **kwargs)``.
@@ -502,8 +597,10 @@ class DistributedDataParallel(Generic[Params, Output]):
             for slot, i in enumerate(bucket.members):
                 self._where[i] = (bucket, slot)
         self._params = params
-        self._sync = True
         self._world = get_world_size(process_group)
+        # the bookkeeping below is read and written under this lock: threads may share a DDP
+        self._lock = threading.Lock()
+        self._unsynced = 0  # how many no_sync() blocks are open, in any thread
         # None: allreduce_hook's reduction, fused with the copy into the buckets
         self._comm_hook: Callable[[Any, GradBucket], Future[Any]] | None = None
         self._comm_state: Any = process_group
@@ -516,23 +613,98 @@ class DistributedDataParallel(Generic[Params, Output]):
 
     @property
     def params(self) -> Params:
-        """The parameter pytree (the same on every rank once constructed)."""
+        """The parameter pytree (the same on every rank once constructed).
+
+        Assigning replaces it (see the class): a pytree of the old one's structure, shapes,
+        dtypes and devices. Decision: a NumPy scalar where the old pytree had a 0-d NumPy array
+        of its dtype is taken, as ``numpy.asarray(scalar)`` (lossless), because NumPy returns
+        scalars from arithmetic on 0-d arrays, so the functional update ``{k: p[k] - lr * g[k]}``
+        makes one; ``ddp.params`` is then a copy of the pytree assigned holding that array.
+        """
         return self._params
 
     @params.setter
     def params(self, params: Params) -> None:
         names, leaves, spec = flatten_with_names(params, "params")
+        if str(spec) == str(self._spec):  # the leaves line up with the old ones
+            scalars = self._scalars_as_arrays(leaves)
+            if scalars:
+                params = spec.unflatten(leaves)  # type: ignore[assignment]  # params' structure
         spec_text, entries, problems = _describe(names, leaves, spec)
         if problems:
             raise TypeError(problems[0][1])
         if (spec_text, entries) != (str(self._spec), self._entries):
+            self._refuse_non_arrays(names, leaves, str(spec))
             raise ValueError(
                 "New DistributedDataParallel params must have the structure, shapes and dtypes "
                 "of the old ones (the buckets are cut for them): "
                 f"{_first_difference((str(self._spec), self._entries), (spec_text, entries))}."
             )
-        self._params = params
-        self._arrays = [leaves[k] for k in self._slots]
+        arrays = [leaves[k] for k in self._slots]
+        self._check_ties(arrays)
+        for name, array, (bucket, _) in zip(self._names, arrays, self._where, strict=True):
+            if device_of(array) != bucket.device:
+                raise ValueError(
+                    f"New DistributedDataParallel params must stay on the devices of the old "
+                    f"ones (the buckets live there), but {name} is on {device_of(array)}, not "
+                    f"{bucket.device}; move it back with cupy_parallel.to_device."
+                )
+        with self._lock:  # a forward in another thread sees the old pair or the new one
+            self._params, self._arrays = params, arrays
+
+    def _scalars_as_arrays(self, leaves: list[Any]) -> bool:
+        """Turn NumPy scalars at the old 0-d NumPy arrays' places, of their dtype, into arrays.
+
+        ``leaves`` has the old params' structure; returns whether one was turned.
+        """
+        turned: dict[int, Any] = {}  # id(scalar) -> its array: one scalar at two leaves, one
+        for k, old in zip(self._slots, self._arrays, strict=True):
+            leaf = leaves[k]
+            if (
+                isinstance(leaf, np.generic)
+                and isinstance(old, np.ndarray)
+                and old.ndim == 0
+                and leaf.dtype == old.dtype
+            ):
+                leaves[k] = turned.setdefault(id(leaf), np.asarray(leaf))
+        return bool(turned)
+
+    def _check_ties(self, arrays: list[Any]) -> None:
+        """Refuse new arrays that untie leaves the old params tied (one array at both)."""
+        first: dict[int, int] = {}  # id(old array) -> the first parameter holding it
+        for i, old in enumerate(self._arrays):
+            j = first.setdefault(id(old), i)
+            if j != i and arrays[i] is not arrays[j]:
+                a, b = self._names[j], self._names[i]
+                raise ValueError(
+                    f"{a} and {b} were one array (tied weights), but the new params hold two "
+                    "different arrays there: updating each leaf on its own unties them, and "
+                    "training drifts from the tied model's. Keep them tied: compute the "
+                    "updated array once and put that same array at both leaves, or build a new "
+                    "DistributedDataParallel to untie them."
+                )
+
+    def _refuse_non_arrays(self, names: list[str], leaves: list[Any], spec: str) -> None:
+        """Refuse a leaf that is no array where the old params had one, naming it."""
+        if spec != str(self._spec):
+            return
+        for k, old in zip(self._slots, self._arrays, strict=True):
+            leaf = leaves[k]
+            if is_array(leaf):
+                continue
+            what = f"{type(leaf).__name__} {leaf!r}"
+            hint = "; pass an array there"
+            if isinstance(leaf, np.generic):
+                what = f"NumPy {leaf.dtype} scalar {leaf!r}"
+                hint = (
+                    ": NumPy returns scalars from arithmetic on 0-d arrays; wrap it with "
+                    f"numpy.asarray (of dtype {old.dtype}) or cupy_parallel.to_device"
+                )
+            raise ValueError(
+                f"New DistributedDataParallel params must have arrays where the old ones had, "
+                f"but {names[k]} is a {what} where the old params had an array of shape "
+                f"{tuple(old.shape)} and dtype {old.dtype}{hint}."
+            )
 
     def _broadcast(self) -> None:
         """Overwrite the parameters with the group's first rank's, one broadcast per bucket."""
@@ -555,31 +727,34 @@ class DistributedDataParallel(Generic[Params, Output]):
 
     def __call__(self, /, *inputs: Any, **kwargs: Any) -> Output:
         """``fn(params, *inputs, **kwargs)``, its gradients averaged over the group."""
+        with self._lock:
+            params, arrays, sync = self._params, self._arrays, self._unsynced == 0
         for tape in active_tapes():
             if isinstance(tape, Tape):
-                tape.watch(self._arrays)
-                if self._sync:
-                    self._hook(tape)
-        return self.fn(self._params, *inputs, **kwargs)
+                tape.watch(arrays)
+                if sync:
+                    self._hook(tape, arrays)
+        return self.fn(params, *inputs, **kwargs)
 
-    def _hook(self, tape: Tape) -> None:
-        """Register the gradient-ready hooks on ``tape``, once."""
-        found = self._tapes.get(tape)
-        if found is not None:
-            if found.ids == [id(a) for a in self._arrays]:
-                return
-            raise ValueError(
-                "ddp.params was replaced between two forward calls recorded on one tape: "
-                "replace the parameters between steps, not within one."
-            )
-        state = _TapeReduction(self, self._arrays)
-        for i, a in enumerate(self._arrays):
-            tape.register_gradient_ready_hook(a, functools.partial(self._ready, state, i))
-        self._tapes[tape] = state
+    def _hook(self, tape: Tape, arrays: list[Any]) -> None:
+        """Register the gradient-ready hooks of ``arrays`` on ``tape``, once.
 
-    def _ready(self, state: _TapeReduction, i: int, grad: Any) -> Any:
-        self._backward_ran = True
-        return state.ready(i, grad)
+        Under the lock: two threads calling this DDP under one tape (``parallel_apply``) must
+        not both find the tape unhooked, or every pass would reduce twice.
+        """
+        with self._lock:
+            found = self._tapes.get(tape)
+            if found is not None:
+                if found.ids == [id(a) for a in arrays]:
+                    return
+                raise ValueError(
+                    "ddp.params was replaced between two forward calls recorded on one tape: "
+                    "replace the parameters between steps, not within one."
+                )
+            state = _TapeReduction(self, arrays)
+            for i, a in enumerate(arrays):
+                tape.register_gradient_ready_hook(a, functools.partial(state.ready, i))
+            self._tapes[tape] = state
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -587,7 +762,10 @@ class DistributedDataParallel(Generic[Params, Output]):
 
         For gradient accumulation (torch's ``no_sync``): sum the gradients of ``k``
         micro-batches computed inside, then average the sum once with
-        :meth:`reduce_gradients`. As in torch, the flag is read by the forward call.
+        :meth:`reduce_gradients`. As in torch, the flag is read by the forward call, and it is
+        the object's, not the thread's: while a ``no_sync`` block is open in any thread, every
+        forward call of this DDP records no reduction (the blocks are counted, so blocks of
+        two threads that open and close interleaved leave it synchronising afterwards).
 
         Example:
             >>> import numpy as np
@@ -607,11 +785,13 @@ class DistributedDataParallel(Generic[Params, Output]):
             array([4., 6.])
             >>> dist.destroy_process_group()
         """
-        previous, self._sync = self._sync, False
+        with self._lock:
+            self._unsynced += 1
         try:
             yield
         finally:
-            self._sync = previous
+            with self._lock:
+                self._unsynced -= 1
 
     # -- reductions outside a backward pass ----------------------------------------------
 
@@ -619,8 +799,10 @@ class DistributedDataParallel(Generic[Params, Output]):
         """Average a gradient pytree shaped as ``params`` over the group, in buckets.
 
         Every rank of the group must call it. Leaves at the parameters' array positions are
-        arrays of the parameters' shapes and dtypes (``None`` counts as zeros); the ranks
-        first compare their trees, and a difference raises ``ValueError`` on every rank.
+        arrays of the parameters' shapes, dtypes and array types, on their devices (``None``
+        counts as zeros); the ranks first compare their trees, and a difference raises on
+        every rank (``ValueError``; ``TypeError`` for an array of another type), before any
+        bucket is reduced.
         The communication hook (:meth:`register_comm_hook`) reduces each bucket.
 
         Returns:
@@ -651,14 +833,14 @@ class DistributedDataParallel(Generic[Params, Output]):
                     ),
                 )
             )
-        pairs = zip(self._slots, self._arrays, self._names, strict=True) if leaves else ()
-        for k, param, name in pairs:
+        pairs = zip(self._slots, self._arrays, self._names, self._where, strict=True)
+        for k, param, name, (bucket, _) in pairs if leaves else ():
             leaf = leaves[k]
+            where = name.replace("params", "grads", 1)
             if leaf is not None and not (
                 is_array(leaf) and leaf.shape == param.shape and leaf.dtype == param.dtype
             ):
                 what = f"shape {leaf.shape} {leaf.dtype}" if is_array(leaf) else repr(leaf)
-                where = name.replace("params", "grads", 1)
                 problems.append(
                     (
                         "ValueError",
@@ -669,9 +851,13 @@ class DistributedDataParallel(Generic[Params, Output]):
                     )
                 )
                 break
+            # all checked before any bucket is written or any collective started
+            placement = None if leaf is None else _placement_problem(where, name, bucket, leaf)
+            if placement is not None:
+                problems.append(placement)
+                break
         # every rank learns of any rank's problem, so all raise (none waits in a collective)
         _agree("The gradient trees given to reduce_gradients", "", problems, self.process_group)
-        self._backward_ran = True
         reduction = _Reduction(self)
         for i, k in enumerate(self._slots):
             reduction.put(i, leaves[k])
@@ -692,10 +878,14 @@ class DistributedDataParallel(Generic[Params, Output]):
         flat buffer. ``default_hooks`` ships ``allreduce_hook`` (the default),
         ``fp16_compress_hook`` and ``bf16_compress_hook``; their ``state`` is the process
         group (``None``: the default group). As in torch a hook is registered at most once,
-        before the first backward pass.
+        before the first backward pass. A compression hook is refused at once when its
+        group's backend cannot reduce its dtype (the ``"mpi"`` backend has no ``bfloat16``
+        sum; NCCL >= 2.10 has one), as torch's gloo refuses ``bf16_compress_hook``.
 
         Raises:
-            TypeError: ``hook`` is not callable.
+            TypeError: ``hook`` is not callable, or the compression hook's process group
+                (``state``) has a backend that cannot reduce its dtype (the message names
+                the hook and the backend).
             RuntimeError: A hook is registered already, a backward pass ran already, or
                 ``bf16_compress_hook`` without a ``bfloat16`` dtype (``ml_dtypes``).
 
@@ -712,19 +902,20 @@ class DistributedDataParallel(Generic[Params, Output]):
             >>> dist.destroy_process_group()
         """
         hook = read_callable(hook, "hook", call="hook(state, bucket)")
-        if self._comm_hook is not None:
-            raise RuntimeError(
-                "register_comm_hook can only be called once (as in torch): a communication "
-                "hook is registered already."
-            )
-        if self._backward_ran:
-            raise RuntimeError(
-                "register_comm_hook must be called before the first backward pass (as in "
-                "torch), but gradients were reduced already."
-            )
-        if hook is bf16_compress_hook:
-            bfloat16()  # raises now, not in the middle of a backward pass
-        self._comm_hook, self._comm_state = hook, state
+        if hook in _COMPRESSED:  # raise now, not in the middle of a backward pass
+            _check_compression(hook, _COMPRESSED[hook](), state)
+        with self._lock:  # a reduction starting in another thread takes the old hook or this
+            if self._comm_hook is not None:
+                raise RuntimeError(
+                    "register_comm_hook can only be called once (as in torch): a communication "
+                    "hook is registered already."
+                )
+            if self._backward_ran:
+                raise RuntimeError(
+                    "register_comm_hook must be called before the first backward pass (as in "
+                    "torch), but gradients were reduced already."
+                )
+            self._comm_hook, self._comm_state = hook, state
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
@@ -732,3 +923,25 @@ class DistributedDataParallel(Generic[Params, Output]):
             f"DistributedDataParallel({name}, parameters={len(self._arrays)}, "
             f"buckets={len(self._buckets)}, bucket_cap_mb={self.bucket_cap_mb:g})"
         )
+
+
+def _check_compression(hook: Callable[..., Any], dtype: Any, group: Any) -> None:
+    """Refuse a compression ``hook`` whose group's backend cannot sum arrays of ``dtype``.
+
+    The backend says what it reduces (``check_dtype``, which every collective asks first); a
+    refusal is raised again naming the hook and the backend (torch's gloo refuses
+    ``bf16_compress_hook`` at registration too).
+    """
+    pg = resolve_group(group)  # the hook's state: its process group
+    if pg is None:  # not a member: the hook's all_reduce does nothing
+        return
+    backend = pg.live_backend()
+    try:
+        backend.check_dtype(dtype, ReduceOp.SUM)
+    except (TypeError, NotImplementedError) as error:
+        raise type(error)(
+            f"{hook.__name__} reduces each bucket in {dtype}, which the "
+            f"{backend.backend.value!r} backend of process group {pg.name!r} cannot reduce "
+            f"({str(error).rstrip('.')}); use fp16_compress_hook, the default allreduce_hook, "
+            "or a backend that reduces it (NCCL >= 2.10 reduces bfloat16)."
+        ) from error

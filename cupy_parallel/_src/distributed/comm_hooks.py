@@ -260,7 +260,8 @@ def bf16_compress_hook(process_group: Any, bucket: GradBucket) -> Future[Any]:
     of mantissa). NumPy has no ``bfloat16``: it comes from the ``ml_dtypes`` package, and
     without it the hook raises ``RuntimeError`` (``DistributedDataParallel.register_comm_hook``
     raises it at registration, before any backward pass). The backend must also reduce the
-    dtype: one that cannot refuses it with its own error.
+    dtype: NCCL >= 2.10 does, the ``"mpi"`` backend does not, and ``register_comm_hook``
+    refuses the hook for a group whose backend cannot (``TypeError``, as torch's gloo).
 
     Example:
         >>> bf16_compress_hook.__name__
