@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -213,6 +214,43 @@ def test_no_sync_forward_runs_no_hook_and_reduce_gradients_does() -> None:
     np.testing.assert_array_equal(reduced["w1"], grads["w1"])
     assert reduced["w1"] is not grads["w1"]
     assert reduced["name"] is None
+
+
+def _recorded_step(ddp: Any) -> Any:
+    with cp.Tape() as tape:
+        loss = ddp(X)
+    return tape.gradient(loss, ddp.params)
+
+
+@pytest.mark.usefixtures("world")
+def test_torch_style_accumulation_warns_once() -> None:
+    """torch's pattern, ported word for word: the micro-batches inside no_sync, the last one
+    outside. torch's last backward averages the accumulated .grad; ours averages that pass's
+    gradients only, and the sum the user makes mixes local and averaged ones: a warning."""
+    ddp = cp.DistributedDataParallel(_model, _params())
+    with ddp.no_sync():
+        _recorded_step(ddp)
+        _recorded_step(ddp)
+    with pytest.warns(UserWarning, match=r"2 forward call\(s\) recorded inside no_sync\(\)"):
+        _recorded_step(ddp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _recorded_step(ddp)  # the local passes were warned of once
+
+
+@pytest.mark.usefixtures("world")
+def test_the_documented_accumulation_and_unrecorded_calls_do_not_warn() -> None:
+    ddp = cp.DistributedDataParallel(_model, _params())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ddp.no_sync():
+            total = _recorded_step(ddp)
+            ddp(X)  # no tape records it (an evaluation): no gradient, nothing left unreduced
+        ddp.reduce_gradients(total)
+        _recorded_step(ddp)
+        with ddp.no_sync():
+            ddp(X)
+        _recorded_step(ddp)
 
 
 @pytest.mark.usefixtures("world")
@@ -541,7 +579,9 @@ def test_no_sync_blocks_of_two_threads_interleaved_leave_it_synchronising() -> N
     for thread in threads:
         thread.join()
     assert calls == []
-    with cp.Tape() as tape:  # both blocks closed (the first one first)
+    # both blocks closed (the first one first); the local pass inside is not reduced: a warning
+    unreduced = r"1 forward call\(s\) recorded inside no_sync"
+    with pytest.warns(UserWarning, match=unreduced), cp.Tape() as tape:
         loss = ddp(X)
     grads = tape.gradient(loss, ddp.params)
     assert calls == [0]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Concatenate, Generic
 
@@ -441,6 +442,17 @@ def _entry(entry: tuple[str, tuple[int, ...], str, str] | None) -> str:
     return "no array" if entry is None else f"shape {entry[1]} {entry[2]} {entry[3]}"
 
 
+_UNREDUCED = (
+    "DistributedDataParallel: this forward call reduces the gradients of its own pass only, "
+    "but {} forward call(s) recorded inside no_sync() since the last reduce_gradients() left "
+    "rank-local gradients that nothing has averaged. torch's pattern (micro-batches inside "
+    "no_sync(), the last one outside) averages the accumulated .grad there; here a gradient "
+    "has no .grad to accumulate into, so adding this pass's averaged gradients to the earlier "
+    "local ones mixes averaged and local values. Sum every micro-batch's gradients inside "
+    "no_sync() and average the sum once with ddp.reduce_gradients(total) (see no_sync)."
+)
+
+
 # --------------------------------------------------------------------------------------------
 # DistributedDataParallel
 
@@ -471,7 +483,12 @@ class DistributedDataParallel(Generic[Params, Output]):
       active tape tracks the parameters raises ``NotImplementedError`` (torch's DDP has no
       double backward either).
     - Like torch, the flag of :meth:`no_sync` is read at the forward call: a tape on which
-      every forward ran inside ``no_sync`` keeps its gradients rank-local.
+      every forward ran inside ``no_sync`` keeps its gradients rank-local. torch's way of
+      accumulating (the last micro-batch outside ``no_sync``, whose backward averages the
+      accumulated ``.grad``) has no counterpart here, since a tape's gradients are new arrays:
+      a recorded forward call outside ``no_sync`` that follows recorded calls inside it, with
+      no :meth:`reduce_gradients` between, warns (``UserWarning``), because adding its averaged
+      gradients to the earlier local ones gives neither torch's answer nor the local one.
     - Threads may share one DDP (each rank calling ``cupy_parallel.parallel_apply([ddp, ddp],
       ...)`` under one tape): its bookkeeping is locked, so a tape is hooked once whichever
       thread's forward call comes first, and each pass reduces once. The :meth:`no_sync` flag
@@ -601,6 +618,8 @@ class DistributedDataParallel(Generic[Params, Output]):
         # the bookkeeping below is read and written under this lock: threads may share a DDP
         self._lock = threading.Lock()
         self._unsynced = 0  # how many no_sync() blocks are open, in any thread
+        # forward calls recorded inside no_sync() since the last reduce_gradients (see __call__)
+        self._local_forwards = 0
         # None: allreduce_hook's reduction, fused with the copy into the buckets
         self._comm_hook: Callable[[Any, GradBucket], Future[Any]] | None = None
         self._comm_state: Any = process_group
@@ -727,13 +746,18 @@ class DistributedDataParallel(Generic[Params, Output]):
 
     def __call__(self, /, *inputs: Any, **kwargs: Any) -> Output:
         """``fn(params, *inputs, **kwargs)``, its gradients averaged over the group."""
+        tapes = [tape for tape in active_tapes() if isinstance(tape, Tape)]
         with self._lock:
             params, arrays, sync = self._params, self._arrays, self._unsynced == 0
-        for tape in active_tapes():
-            if isinstance(tape, Tape):
-                tape.watch(arrays)
-                if sync:
-                    self._hook(tape, arrays)
+            unreduced = self._local_forwards if tapes else 0
+            if tapes:  # a recorded forward: inside no_sync one more local pass, else a reducing one
+                self._local_forwards = 0 if sync else unreduced + 1
+        if sync and unreduced:
+            warnings.warn(_UNREDUCED.format(unreduced), UserWarning, stacklevel=2)
+        for tape in tapes:
+            tape.watch(arrays)
+            if sync:
+                self._hook(tape, arrays)
         return self.fn(params, *inputs, **kwargs)
 
     def _hook(self, tape: Tape, arrays: list[Any]) -> None:
@@ -819,6 +843,8 @@ class DistributedDataParallel(Generic[Params, Output]):
             {'w': array([1., 3.])}
             >>> dist.destroy_process_group()
         """
+        with self._lock:
+            self._local_forwards = 0
         problems: list[tuple[str, str]] = []
         try:  # the structure of params, where a non-array leaf may be anything (gradient's None)
             leaves: list[Any] = self._spec.flatten_up_to(grads)  # type: ignore[arg-type]

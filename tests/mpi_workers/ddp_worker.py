@@ -529,6 +529,9 @@ def check_average_is_the_reduction_model(s: Setting = F64) -> None:
         for part in parts[1:]:
             total = (total + (part / dtype.type(world)).astype(work)).astype(work)
         expected.append(total.astype(dtype))
+    # a DDP of its own: after the local pass above, ddp would warn of local gradients that
+    # nothing averaged (right for an accumulation, which that pass is not)
+    ddp = cp.DistributedDataParallel(mlp, make_params(s=s), bucket_cap_mb=s.cap)
     with cp.Tape() as tape:
         loss = ops.mean(ops.square(ops.subtract(ddp(s.put(shard(x))), s.put(shard(y)))))
     fused = [
