@@ -348,6 +348,59 @@ def test_bf16_hook_needs_ml_dtypes() -> None:
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
 
 
+def _bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 bit patterns, to nearest even (NumPy only)."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _bf16_values(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+def test_bf16_hook_averages_in_bfloat16_on_thread_ranks(ranks: int) -> None:
+    """torch's bf16_compress_hook: cast to bfloat16, divide by the world size, sum, cast back.
+
+    Through the hook itself and through DDP's buckets (``reduce_gradients``), on the MPI
+    backend (thread ranks); the oracle rounds with NumPy bit arithmetic, to nearest even.
+    """
+    pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(5)
+    params = {k: v for k, v in _params().items() if k != "name"}
+    # float32 values (the first cast rounds), within 2**-3..2**3 so that the float32 sum of the
+    # ranks' bfloat16 parts is exact in any order
+    grads = [
+        {
+            k: (rng.choice([-1, 1], v.shape) * 2.0 ** rng.uniform(-3, 3, v.shape))
+            .astype(np.float32)
+            .astype(np.float64)
+            for k, v in params.items()
+        }
+        for _ in range(ranks)
+    ]
+
+    def oracle(values: list[np.ndarray]) -> np.ndarray:
+        parts = [_bf16_bits(_bf16_values(_bf16_bits(v)) / np.float32(ranks)) for v in values]
+        total = sum(_bf16_values(p) for p in parts)
+        return _bf16_values(_bf16_bits(total)).astype(np.float64)
+
+    def program(rank: int) -> tuple[Any, Any]:
+        flat = grads[rank]["w1"].reshape(-1)
+        bucket = GradBucket(0, flat.copy(), [np.zeros(flat.size)], [(0, flat.size)])
+        hooked = default_hooks.bf16_compress_hook(None, bucket).wait()
+        ddp = cp.DistributedDataParallel(_model, params)
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        return hooked, ddp.reduce_gradients(grads[rank])
+
+    results = dist.spawn(program, ranks)
+    for hooked, reduced in results:
+        w1 = oracle([g["w1"].reshape(-1) for g in grads])
+        np.testing.assert_array_equal(hooked, w1)
+        for k in params:
+            np.testing.assert_array_equal(reduced[k], oracle([g[k] for g in grads]), err_msg=k)
+
+
 @pytest.mark.usefixtures("world")
 def test_second_derivatives_through_the_average_are_refused() -> None:
     ddp = cp.DistributedDataParallel(_model, _params())

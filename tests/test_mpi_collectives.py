@@ -75,6 +75,16 @@ def test_integer_average_is_exact_where_the_sum_overflows(ranks: int, via: str) 
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
+@VIA
+@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+def test_bfloat16_reduces_in_float32_rounded_to_nearest_even(ranks: int, via: str) -> None:
+    # SUM, PRODUCT, MIN, MAX, AVG as torch/gloo has them; BAND/BOR/BXOR refused.
+    pytest.importorskip("ml_dtypes")
+    result, _ = launch(ranks, "bfloat16", via=via)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("checks passed") == ranks, result.stdout
+
+
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 def test_init_destroy_init_on_one_store(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ Modes: ``all`` (the full matrix), ``timeout`` (rank 1 never joins a collective),
 exits abruptly before a collective), ``init-timeout`` (rank 1 never calls init_process_group),
 ``reinit DIRECTORY PORT`` (init -> destroy -> init through the store-based rendezvous),
 ``cupy`` (CuPy arrays; needs a GPU), ``simulated-cupy`` (the same under ``simulated_cuda``),
-``exact-average`` (``ReduceOp.AVG`` of integers at their extremes, against Python integers).
+``exact-average`` (``ReduceOp.AVG`` of integers at their extremes, against Python integers),
+``bfloat16`` (``ml_dtypes.bfloat16`` reductions against float32 rounded to nearest even).
 
 ``rank_main(rank, argv)`` is the program of one rank: ``main`` under ``mpiexec``, and
 ``cupy_parallel.distributed.spawn(rank_main, n, (argv,))`` on thread ranks (tests/test_spawn.py),
@@ -479,6 +480,130 @@ def run_exact_average(rank: int, n: int) -> None:
             check(f"reduce_scatter_multigpu AVG {name} [{j}]", outs[j], want)
 
 
+def widen(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) as the float32 values they stand for (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def narrow(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 bit patterns, to nearest even (finite and inf)."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_inputs(contributor: int, count: int, op: ReduceOp) -> np.ndarray:
+    """A contributor's bfloat16 bit patterns for ``op`` whose float32 reduction is exact.
+
+    Sums: 8-bit mantissas within 2**-4..2**4 (any order of summation is exact in float32);
+    products: +-{0.5, 0.75, 1, 1.5, 2}. Column 0 for SUM/AVG is a tie between two bfloat16
+    values (1 + 2**-7 on contributor 0, 2**-8 on contributor 1): to nearest even rounds it
+    up, truncation would not; the last columns hold -0.0/+0.0 and inf (MIN/MAX: a NaN).
+    """
+    rng = np.random.default_rng([7, contributor, list(ReduceOp).index(op)])
+    if op is ReduceOp.PRODUCT:
+        values = rng.choice([0.5, 0.75, 1.0, 1.5, 2.0], 12) * rng.choice([-1.0, 1.0], 12)
+        bits = narrow(values.astype(np.float32))
+    else:
+        mantissa = rng.integers(128, 256, 12)
+        exponent = rng.integers(-4, 5, 12)
+        sign = rng.choice([-1.0, 1.0], 12)
+        bits = narrow((sign * mantissa * 2.0 ** (exponent - 7)).astype(np.float32))
+        tie = [1 + 2**-7, 2**-8][contributor] if contributor < 2 else 0.0
+        bits[0] = narrow(np.array([tie], np.float32))[0]
+    bits[10] = narrow(np.array([-0.0 if contributor % 2 else 0.0], np.float32))[0]
+    special = np.nan if op in (ReduceOp.MIN, ReduceOp.MAX) and contributor == count - 1 else 1.0
+    bits[11] = narrow(np.array([np.inf if contributor == 0 else special], np.float32))[0]
+    return bits.reshape(3, 4)
+
+
+def bf16_oracle(contributions: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    """The reduction of bfloat16 bit patterns in float32, rounded once to nearest even."""
+    values = [widen(c) for c in contributions]
+    ufunc = {
+        ReduceOp.SUM: np.add,
+        ReduceOp.AVG: np.add,
+        ReduceOp.PRODUCT: np.multiply,
+        ReduceOp.MIN: np.minimum,
+        ReduceOp.MAX: np.maximum,
+    }[op]
+    total = functools.reduce(ufunc, values)
+    if op is ReduceOp.AVG:
+        total = total / np.float32(len(values))
+    if op in (ReduceOp.MIN, ReduceOp.MAX):  # -0.0 < +0.0 (ReduceOp's documented order)
+        stack = np.stack(values)
+        positive = ((stack == 0) & ~np.signbit(stack)).any(axis=0)
+        negative = ((stack == 0) & np.signbit(stack)).any(axis=0)
+        plus = positive if op is ReduceOp.MAX else ~negative
+        total = np.where(total == 0, np.where(plus, np.float32(0.0), np.float32(-0.0)), total)
+    result = narrow(total)
+    result[np.isnan(total)] = 0x7FC0  # the canonical NaN
+    return result
+
+
+def run_bfloat16(rank: int, n: int) -> None:
+    """bfloat16 (ml_dtypes) reductions: float32 sums rounded to nearest even, every call."""
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+
+    def as_bf16(bits: np.ndarray) -> np.ndarray:
+        return bits.view(bf16).copy()
+
+    def same(name: str, got: object, bits: np.ndarray) -> None:
+        check(name, host(got).view(np.uint16), bits)
+
+    for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG):
+        every = [bf16_inputs(r, n, op) for r in range(n)]
+        expected = bf16_oracle(every, op)
+        x = as_bf16(every[rank])
+        dist.all_reduce(x, op=op)
+        same(f"all_reduce bfloat16 {op}", x, expected)
+        for root in range(n):
+            x = as_bf16(every[rank])
+            dist.reduce(x, dst=root, op=op)
+            same(f"reduce bfloat16 {op} root={root}", x, expected if rank == root else every[rank])
+        chunks = [[bf16_inputs(r * n + q, n * n, op) for q in range(n)] for r in range(n)]
+        want = bf16_oracle([chunks[r][rank] for r in range(n)], op)
+        out = np.zeros((3, 4), bf16)
+        dist.reduce_scatter(out, [as_bf16(c) for c in chunks[rank]], op=op)
+        same(f"reduce_scatter bfloat16 {op}", out, want)
+        out = np.zeros((3, 4), bf16)
+        dist.reduce_scatter_tensor(out, as_bf16(np.concatenate(chunks[rank])), op=op)
+        same(f"reduce_scatter_tensor bfloat16 {op}", out, want)
+        pair = [as_bf16(every[rank]), np.full(2, rank + 1.0, np.float32)]
+        dist.all_reduce_coalesced(pair, op=op)
+        same(f"all_reduce_coalesced bfloat16 {op}", pair[0], expected)
+        # three host devices per rank: n * 3 contributions
+        local = 3
+        cupy_parallel.set_host_device_count(local)
+        flat = [bf16_inputs(c, n * local, op) for c in range(n * local)]
+        xs = [
+            cupy_parallel.to_device(as_bf16(flat[rank * local + j]), f"host:{j}")
+            for j in range(local)
+        ]
+        dist.all_reduce_multigpu(xs, op=op)
+        for j in range(local):
+            same(f"all_reduce_multigpu bfloat16 {op} [{j}]", xs[j], bf16_oracle(flat, op))
+    for op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):  # refused, as for floats
+        x = as_bf16(bf16_inputs(rank, n, ReduceOp.SUM))
+        before = x.copy()
+        try:
+            dist.all_reduce(x, op=op)
+        except TypeError as error:
+            check(f"{op} bfloat16 refused", "bitwise reduction" in str(error), True)
+            check(f"{op} bfloat16 message names the dtype", "bfloat16" in str(error), True)
+        else:
+            check(f"{op} bfloat16 refused", "no error", "TypeError")
+        same(f"{op} bfloat16 left the array alone", x, before.view(np.uint16))
+    x = as_bf16(bf16_inputs(rank, n, ReduceOp.SUM))  # the group is still usable
+    dist.all_reduce(x)
+    same(
+        "all_reduce bfloat16 after the refusals",
+        x,
+        bf16_oracle([bf16_inputs(r, n, ReduceOp.SUM) for r in range(n)], ReduceOp.SUM),
+    )
+
+
 def run_groups(rank: int, n: int) -> None:
     if n < 3:
         everyone = dist.new_group()
@@ -849,9 +974,10 @@ def rank_main(rank_env: int, argv: list[str]) -> int:
                 run_cupy(rank, dist.get_world_size(), stand_in)
         dist.destroy_process_group()
         return report(rank)
-    if mode == "exact-average":
+    if mode in ("exact-average", "bfloat16"):
+        run = run_exact_average if mode == "exact-average" else run_bfloat16
         try:
-            run_exact_average(rank, dist.get_world_size())
+            run(rank, dist.get_world_size())
         except Exception:  # noqa: BLE001 - report any error, then fail the job
             tally().failures.append(traceback.format_exc())
         dist.destroy_process_group()
