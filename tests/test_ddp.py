@@ -384,35 +384,50 @@ def test_fp16_hook_rounds_to_half_precision() -> None:
 def test_bf16_hook_needs_ml_dtypes() -> None:
     ddp = cp.DistributedDataParallel(_model, _params())
     try:
-        import ml_dtypes  # noqa: F401
+        import ml_dtypes
     except ImportError:
         with pytest.raises(RuntimeError, match="install ml_dtypes"):
             ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     else:  # pragma: no cover - ml_dtypes is not a dependency
-        with pytest.raises(TypeError, match="bf16_compress_hook"):
-            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-
-
-def _refuses_bf16_hook(rank: int) -> str:
-    ddp = cp.DistributedDataParallel(_model, _params())
-    with pytest.raises(TypeError) as refused:
+        # the MPI backend sums bfloat16 (in float32): a world of one rounds to bfloat16 once
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)  # nothing was registered
-    with cp.Tape() as tape:
-        loss = ddp(X)
-    grads = tape.gradient(loss, ddp.params)
-    expected = _plain_gradient(_params())  # the same shard on both ranks: the mean is its own
-    np.testing.assert_array_equal(grads["w1"], expected["w1"].astype(np.float16).astype(float))
-    return str(refused.value)
+        grads = _plain_gradient(_params())
+        reduced = ddp.reduce_gradients(grads)
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(reduced["w1"], grads["w1"].astype(bf16).astype(float))
 
 
 def test_bf16_hook_is_refused_at_registration_where_the_backend_has_no_bfloat16_sum() -> None:
+    """NCCL before 2.10 has no bfloat16 (simulated NCCL 2.9 here): refused when registered.
+
+    (The MPI backend sums bfloat16 in float32: see test_bf16_hook_averages_in_bfloat16...)
+    """
     pytest.importorskip("ml_dtypes")  # without it the hook is refused for that (above)
-    for message in dist.spawn(_refuses_bf16_hook, 2):  # thread ranks: the MPI backend
+    from cupy_parallel._src.cuda.nccl_tables import version_code
+    from cupy_parallel._src.simcuda import sim_nccl
+    from cupy_parallel.testing import simulated_cuda
+
+    grads = [np.array([1.0, 2.0, 0.5, 3.0, -4.0, 8.0], np.float32) * (r + 1) for r in (0, 1)]
+    with simulated_cuda(2) as cupy:
+        sim_nccl.set_version(version_code(2, 9, 9))
+
+        def refuses(rank: int) -> tuple[str, np.ndarray]:
+            ddp = cp.DistributedDataParallel(lambda p, x: x, cupy.zeros(6, np.float32))
+            with pytest.raises(NotImplementedError) as refused:  # NCCL's own refusal's type
+                ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)  # nothing registered
+            reduced = ddp.reduce_gradients(cupy.asarray(grads[rank]))
+            return str(refused.value), cupy.asnumpy(reduced)
+
+        results = dist.spawn(refuses, 2, backend="nccl")
+    half = np.float16
+    expected = sum(g.astype(half) / half(2) for g in grads).astype(np.float32)  # torch's fp16 hook
+    for message, reduced in results:
         assert message.startswith(
-            "bf16_compress_hook reduces each bucket in bfloat16, which the 'mpi' backend of "
-            "process group '0' cannot reduce (cannot reduce arrays of dtype bfloat16"
+            "bf16_compress_hook reduces each bucket in bfloat16, which the 'nccl' backend of "
+            "process group '0' cannot reduce"
         ), message
+        np.testing.assert_array_equal(reduced, expected)
 
 
 def test_bf16_hook_over_nccl_rounds_to_bfloat16() -> None:
@@ -434,6 +449,59 @@ def test_bf16_hook_over_nccl_rounds_to_bfloat16() -> None:
     assert not np.array_equal(expected, sum(grads) / 2)  # bfloat16's rounding shows
     for got in reduced:
         np.testing.assert_array_equal(got, expected)
+
+
+def _bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 bit patterns, to nearest even (NumPy only)."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _bf16_values(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+def test_bf16_hook_averages_in_bfloat16_on_thread_ranks(ranks: int) -> None:
+    """torch's bf16_compress_hook: cast to bfloat16, divide by the world size, sum, cast back.
+
+    Through the hook itself and through DDP's buckets (``reduce_gradients``), on the MPI
+    backend (thread ranks); the oracle rounds with NumPy bit arithmetic, to nearest even.
+    """
+    pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(5)
+    params = {k: v for k, v in _params().items() if k != "name"}
+    # float32 values (the first cast rounds), within 2**-3..2**3 so that the float32 sum of the
+    # ranks' bfloat16 parts is exact in any order
+    grads = [
+        {
+            k: (rng.choice([-1, 1], v.shape) * 2.0 ** rng.uniform(-3, 3, v.shape))
+            .astype(np.float32)
+            .astype(np.float64)
+            for k, v in params.items()
+        }
+        for _ in range(ranks)
+    ]
+
+    def oracle(values: list[np.ndarray]) -> np.ndarray:
+        parts = [_bf16_bits(_bf16_values(_bf16_bits(v)) / np.float32(ranks)) for v in values]
+        total = sum(_bf16_values(p) for p in parts)
+        return _bf16_values(_bf16_bits(total)).astype(np.float64)
+
+    def program(rank: int) -> tuple[Any, Any]:
+        flat = grads[rank]["w1"].reshape(-1)
+        bucket = GradBucket(0, flat.copy(), [np.zeros(flat.size)], [(0, flat.size)])
+        hooked = default_hooks.bf16_compress_hook(None, bucket).wait()
+        ddp = cp.DistributedDataParallel(_model, params)
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        return hooked, ddp.reduce_gradients(grads[rank])
+
+    results = dist.spawn(program, ranks)
+    for hooked, reduced in results:
+        w1 = oracle([g["w1"].reshape(-1) for g in grads])
+        np.testing.assert_array_equal(hooked, w1)
+        for k in params:
+            np.testing.assert_array_equal(reduced[k], oracle([g[k] for g in grads]), err_msg=k)
 
 
 @pytest.mark.usefixtures("world")

@@ -65,6 +65,26 @@ def test_every_collective_matches_numpy(ranks: int, via: str) -> None:
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
+@VIA
+@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+def test_integer_average_is_exact_where_the_sum_overflows(ranks: int, via: str) -> None:
+    # INT64_MIN/MAX on every rank, mixed signs, uint64's maximum: the mean rounded toward zero
+    # of Python integers, from every reducing collective, with 1 and 3 local arrays per rank.
+    result, _ = launch(ranks, "exact-average", via=via)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("checks passed") == ranks, result.stdout
+
+
+@VIA
+@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+def test_bfloat16_reduces_in_float32_rounded_to_nearest_even(ranks: int, via: str) -> None:
+    # SUM, PRODUCT, MIN, MAX, AVG as torch/gloo has them; BAND/BOR/BXOR refused.
+    pytest.importorskip("ml_dtypes")
+    result, _ = launch(ranks, "bfloat16", via=via)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("checks passed") == ranks, result.stdout
+
+
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 def test_init_destroy_init_on_one_store(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from cupy_parallel._src.cuda.nccl_tables import (
 )
 from cupy_parallel._src.devices import cuda_device_count, cupy_module
 from cupy_parallel._src.distributed import groups, nccl_backend
+from cupy_parallel._src.distributed.backend import decode_average, encode_average
 from cupy_parallel._src.distributed.store import FileStore, TCPStore
 from cupy_parallel._src.enums import Backend, ReduceOp
 from cupy_parallel._src.simcuda import SimulationError, sim_nccl
@@ -232,6 +233,16 @@ def test_every_dtype_and_op_maps_or_is_refused(dtype: str, op: ReduceOp) -> None
             continue
         plan = reduction(np.dtype(dtype), op, version)
         wire = np.dtype(WIRE_NUMPY[plan.datatype])
+        if op is ReduceOp.AVG and np.dtype(dtype).kind in "iu":  # exact: summed in a buffer
+            assert plan.encoded
+            assert plan.op is NcclRedOp.SUM
+            assert not plan.divide
+            if np.dtype(dtype).itemsize < 8:
+                assert (wire, plan.lanes) == (np.dtype(np.int64), 1)
+            else:  # quotient and remainder
+                assert (wire, plan.lanes) == (np.dtype(dtype), 2)
+            continue
+        assert not plan.encoded
         assert plan.lanes * wire.itemsize == np.dtype(dtype).itemsize
         assert plan.divide == (op is ReduceOp.AVG and version < AVG_VERSION)
         if op is ReduceOp.AVG:
@@ -277,7 +288,18 @@ def test_unknown_reduce_op_is_not_implemented() -> None:
 
 
 def _emulate(plan: Reduction, arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
-    """What NCCL computes: the op over the wire values, viewed back as ``dtype``."""
+    """What NCCL computes: the op over the wire values, viewed back as ``dtype``.
+
+    Encoded plans (``AVG`` of integers): the backend's encoding summed, then decoded.
+    """
+    if plan.encoded:
+        n = len(arrays)
+        total = np.zeros((plan.lanes, *arrays[0].shape), WIRE_NUMPY[plan.datatype])
+        for a in arrays:
+            part = np.zeros_like(total)
+            encode_average(a, n, part, np)
+            total += part
+        return decode_average(total, n, np).astype(dtype)
     wire = [np.ascontiguousarray(a).view(WIRE_NUMPY[plan.datatype]) for a in arrays]
     stack = np.stack(wire)
     if plan.op is NcclRedOp.SUM:
@@ -383,8 +405,10 @@ def fake_backend(monkeypatch: pytest.MonkeyPatch) -> nccl_backend.NCCLBackend:
 
 def test_backend_checks_dtypes_through_the_tables(fake_backend: nccl_backend.NCCLBackend) -> None:
     fake_backend.check_dtype(np.dtype(np.int16), None)
+    fake_backend.check_dtype(np.dtype(np.float32), ReduceOp.AVG)
+    assert fake_backend._plan(np.dtype(np.float32), ReduceOp.AVG).divide  # 2.6 has no ncclAvg
     fake_backend.check_dtype(np.dtype(np.int32), ReduceOp.AVG)
-    assert fake_backend._plan(np.dtype(np.int32), ReduceOp.AVG).divide  # NCCL 2.6 has no ncclAvg
+    assert fake_backend._plan(np.dtype(np.int32), ReduceOp.AVG).encoded  # exact, any version
     with pytest.raises(TypeError, match=r"NCCL cannot reduce int16 arrays \(ReduceOp\.SUM\)"):
         fake_backend.check_dtype(np.dtype(np.int16), ReduceOp.SUM)
     with pytest.raises(TypeError, match=r"have no fixed-size bytes"):
@@ -699,7 +723,8 @@ def test_sim_average_without_ncclavg_divides_after_the_sum(
     with _gpus(gpus, monkeypatch, version=OLD) as (cupy, _):
 
         def body(r: int, b: Any) -> list:
-            assert b._plan(np.dtype(dtype), ReduceOp.AVG).divide
+            plan = b._plan(np.dtype(dtype), ReduceOp.AVG)
+            assert plan.encoded if np.dtype(dtype).kind == "i" else plan.divide
             xs = [_on(cupy, r * local + j, h) for j, h in enumerate(hosts[r])]
             b.all_reduce(xs, ReduceOp.AVG).wait()
             return [_host(x) for x in xs]
@@ -710,6 +735,83 @@ def test_sim_average_without_ncclavg_divides_after_the_sum(
     for row in results:
         for x in row:
             np.testing.assert_array_equal(x, expected)
+
+
+NCCL_INTEGERS = ["int8", "uint8", "int32", "uint32", "int64", "uint64"]
+
+
+def _extremes(dtype: str, contributor: int, count: int) -> np.ndarray:
+    """A contributor's values: the dtype's ends, mixed signs, then values over the whole range."""
+    info = np.iinfo(dtype)
+    lo, hi, c = int(info.min), int(info.max), contributor
+    cases = [lo, hi, lo if c % 2 else hi, hi - c % 64, lo + c % 64, hi if c == count - 1 else lo]
+    rng = np.random.default_rng([np.dtype(dtype).num, c])
+    rest = rng.integers(lo, hi, size=4, dtype=dtype, endpoint=True)
+    return np.array([*cases, *(int(v) for v in rest)], dtype=dtype).reshape(2, 5)
+
+
+def _exact_mean(arrays: list[np.ndarray]) -> np.ndarray:
+    """The mean rounded toward zero, in Python integers."""
+    columns = zip(*(a.reshape(-1).tolist() for a in arrays), strict=True)
+    means = [abs(sum(c)) // len(c) * (1 if sum(c) >= 0 else -1) for c in columns]
+    return np.array(means, dtype=arrays[0].dtype).reshape(arrays[0].shape)
+
+
+@pytest.mark.parametrize("version", [OLD, NEW], ids=["nccl2.9", "nccl2.18"])
+@pytest.mark.parametrize(("gpus", "size", "local"), LAYOUTS)
+def test_sim_integer_average_is_exact_where_the_sum_overflows(
+    monkeypatch: pytest.MonkeyPatch, store: Any, gpus: int, size: int, local: int, version: int
+) -> None:
+    # ncclAvg (and a sum then a division) wraps: int8 100 and 100 averaged to -28.
+    members = size * local
+    hosts = {d: [_extremes(d, c, members) for c in range(members)] for d in NCCL_INTEGERS}
+    chunks = {  # chunk k of member c
+        d: [[_extremes(d, 100 * c + k, members) for k in range(members)] for c in range(members)]
+        for d in NCCL_INTEGERS
+    }
+    with _gpus(gpus, monkeypatch, version=version) as (cupy, torn):
+
+        def body(r: int, b: Any) -> dict:
+            devices = [r * local + j for j in range(local)]
+            got: dict = {}
+            for d in NCCL_INTEGERS:
+                mine = hosts[d][r * local : (r + 1) * local]
+                xs = [_on(cupy, dev, h) for dev, h in zip(devices, mine, strict=True)]
+                b.all_reduce(xs, ReduceOp.AVG).wait()
+                ys = [_on(cupy, dev, h) for dev, h in zip(devices, mine, strict=True)]
+                b.reduce(ys, size - 1, local - 1, ReduceOp.AVG).wait()
+                outs = [_on(cupy, dev, np.zeros((2, 5), d)) for dev in devices]
+                ins = [
+                    [_on(cupy, dev, c) for c in chunks[d][r * local + j]]
+                    for j, dev in enumerate(devices)
+                ]
+                b.reduce_scatter(outs, ins, ReduceOp.AVG).wait()
+                got[d] = ([_host(x) for x in xs], _host(ys[-1]), [_host(o) for o in outs])
+            with cupy.cuda.Device(devices[0]):
+                coalesced = [cupy.asarray(hosts[d][r]) for d in NCCL_INTEGERS]
+            if local == 1:  # one array per member: every rank's own
+                b.all_reduce_coalesced(coalesced, ReduceOp.AVG).wait()
+                got["coalesced"] = [_host(x) for x in coalesced]
+            return got
+
+        backends = _world(store, size)
+        results = _on_ranks(backends, body)
+        _shutdown(cupy, backends)
+        assert torn == []
+    for r, got in enumerate(results):
+        for d in NCCL_INTEGERS:
+            xs, root, outs = got[d]
+            for x in xs:
+                np.testing.assert_array_equal(x, _exact_mean(hosts[d]), err_msg=d)
+            if r == size - 1:
+                np.testing.assert_array_equal(root, _exact_mean(hosts[d]), err_msg=d)
+            for j, out in enumerate(outs):
+                want = _exact_mean([chunks[d][c][r * local + j] for c in range(members)])
+                np.testing.assert_array_equal(out, want, err_msg=d)
+        if local == 1:
+            for d, x in zip(NCCL_INTEGERS, got["coalesced"], strict=True):
+                want = _exact_mean([hosts[d][q] for q in range(size)])
+                np.testing.assert_array_equal(x, want, err_msg=d)
 
 
 @pytest.mark.parametrize("dtype", ["bool", "int16", "float16", "complex64"])

@@ -59,8 +59,9 @@ class Backend(str, enum.Enum):
 class ReduceOp(enum.Enum):
     """The element-wise reduction of ``all_reduce``, ``reduce`` and ``reduce_scatter``.
 
-    ``AVG`` divides the sum by the number of contributions. On integer dtypes the quotient is
-    rounded toward zero (C's integer division, what NCCL's ``ncclAvg`` does); on ``bool`` it is
+    ``AVG`` divides the sum by the number of contributions. On integer dtypes the mean is exact,
+    rounded toward zero (C's integer division), even where the sum overflows the dtype (both
+    backends sum integers where they cannot wrap; torch's ``ncclAvg`` wraps); on ``bool`` it is
     refused. For ``bool`` arrays ``SUM`` and ``MAX`` are a logical or, ``PRODUCT`` and ``MIN`` a
     logical and (what summing and casting back to ``bool`` gives). ``MIN``/``MAX`` are refused on
     complex dtypes, which have no order; on floating-point dtypes they follow NumPy's

@@ -6,7 +6,9 @@ NumPy alone. Mismatches are collected and reported on stderr; the exit status is
 Modes: ``all`` (the full matrix), ``timeout`` (rank 1 never joins a collective), ``die`` (rank 1
 exits abruptly before a collective), ``init-timeout`` (rank 1 never calls init_process_group),
 ``reinit DIRECTORY PORT`` (init -> destroy -> init through the store-based rendezvous),
-``cupy`` (CuPy arrays; needs a GPU), ``simulated-cupy`` (the same under ``simulated_cuda``).
+``cupy`` (CuPy arrays; needs a GPU), ``simulated-cupy`` (the same under ``simulated_cuda``),
+``exact-average`` (``ReduceOp.AVG`` of integers at their extremes, against Python integers),
+``bfloat16`` (``ml_dtypes.bfloat16`` reductions against float32 rounded to nearest even).
 
 ``rank_main(rank, argv)`` is the program of one rank: ``main`` under ``mpiexec``, and
 ``cupy_parallel.distributed.spawn(rank_main, n, (argv,))`` on thread ranks (tests/test_spawn.py),
@@ -375,6 +377,233 @@ def run_multigpu(rank: int, n: int, next_seed) -> None:
                     )
 
 
+INTEGERS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+
+
+def extremes(dtype: type, contributor: int, count: int) -> np.ndarray:
+    """One contributor's values for ``AVG``: the dtype's ends, mixed signs, then random values.
+
+    Column ``k`` of every contributor is one case: all at the minimum, all at the maximum,
+    minimum and maximum alternating, just below the maximum, just above the minimum, ``-1``
+    beside the maximum, a lone maximum among minima; the rest uniform over the whole range.
+    """
+    info = np.iinfo(dtype)
+    lo, hi = int(info.min), int(info.max)
+    c = contributor
+    cases = [
+        lo,
+        hi,
+        lo if c % 2 else hi,
+        hi - c % 64,
+        lo + c % 64,
+        (-1 if lo else 1) if c % 2 else hi,
+        hi if c == count - 1 else lo,
+    ]
+    rng = np.random.default_rng([np.dtype(dtype).num, c])
+    rest = rng.integers(lo, hi, size=9, dtype=dtype, endpoint=True)
+    return np.array([*cases, *(int(v) for v in rest)], dtype=dtype).reshape(2, 8)
+
+
+def exact_mean(arrays: list[np.ndarray]) -> np.ndarray:
+    """The mean of the contributions rounded toward zero, in Python integers (no wrapping)."""
+    dtype = arrays[0].dtype
+    rows = [a.reshape(-1).tolist() for a in arrays]
+    means = []
+    for column in zip(*rows, strict=True):
+        total, count = sum(column), len(column)
+        means.append(abs(total) // count * (1 if total >= 0 else -1))
+    return np.array(means, dtype=dtype).reshape(arrays[0].shape)
+
+
+def run_exact_average(rank: int, n: int) -> None:
+    """``ReduceOp.AVG`` of integers whose sum overflows their dtype: the exact mean, every call."""
+    avg = ReduceOp.AVG
+    for dtype in INTEGERS:
+        name = np.dtype(dtype).name
+        every = [extremes(dtype, r, n) for r in range(n)]
+        expected = exact_mean(every)
+        x = every[rank].copy()
+        dist.all_reduce(x, op=avg)
+        check(f"all_reduce AVG {name}", x, expected)
+        for root in range(n):
+            x = every[rank].copy()
+            dist.reduce(x, dst=root, op=avg)
+            check(f"reduce AVG {name} root={root}", x, expected if rank == root else every[rank])
+        # reduce_scatter: chunk q of contributor r is extremes(r * n + q), for a case per chunk
+        chunks = [[extremes(dtype, r * n + q, n) for q in range(n)] for r in range(n)]
+        want = exact_mean([chunks[r][rank] for r in range(n)])
+        out = np.zeros((2, 8), dtype)
+        dist.reduce_scatter(out, [c.copy() for c in chunks[rank]], op=avg)
+        check(f"reduce_scatter AVG {name}", out, want)
+        out = np.zeros((2, 8), dtype)
+        dist.reduce_scatter_tensor(out, np.concatenate(chunks[rank]), op=avg)
+        check(f"reduce_scatter_tensor AVG {name}", out, want)
+    # all dtypes in one coalesced call (one collective per dtype)
+    mine = [extremes(dtype, rank, n) for dtype in INTEGERS]
+    dist.all_reduce_coalesced(mine, op=avg)
+    for dtype, got in zip(INTEGERS, mine, strict=True):
+        expected = exact_mean([extremes(dtype, r, n) for r in range(n)])
+        check(f"all_reduce_coalesced AVG {np.dtype(dtype).name}", got, expected)
+    # several local arrays: n * local contributions
+    local = 3
+    cupy_parallel.set_host_device_count(local)
+    devs = [f"host:{k}" for k in range(local)]
+    count = n * local
+    for dtype in INTEGERS:
+        name = np.dtype(dtype).name
+        every = [extremes(dtype, c, count) for c in range(count)]
+        expected = exact_mean(every)
+        mine = every[rank * local : (rank + 1) * local]
+        xs = [cupy_parallel.to_device(a, d) for a, d in zip(mine, devs, strict=True)]
+        dist.all_reduce_multigpu(xs, op=avg)
+        for j in range(local):
+            check(f"all_reduce_multigpu AVG {name} [{j}]", xs[j], expected)
+        for root in range(n):
+            xs = [cupy_parallel.to_device(a, d) for a, d in zip(mine, devs, strict=True)]
+            dist.reduce_multigpu(xs, dst=root, op=avg, dst_tensor=local - 1)
+            got = xs[local - 1]
+            want = expected if rank == root else mine[local - 1]
+            check(f"reduce_multigpu AVG {name} root={root}", got, want)
+        # input_tensor_lists[i][c] of rank r is contribution r * L + i to output c
+        ins = [
+            [
+                cupy_parallel.to_device(extremes(dtype, (rank * local + i) * 7 + c, count), devs[i])
+                for c in range(count)
+            ]
+            for i in range(local)
+        ]
+        outs = [cupy_parallel.to_device(np.zeros((2, 8), dtype), d) for d in devs]
+        dist.reduce_scatter_multigpu(outs, ins, op=avg)
+        for j in range(local):
+            c = rank * local + j
+            want = exact_mean([extremes(dtype, p * 7 + c, count) for p in range(count)])
+            check(f"reduce_scatter_multigpu AVG {name} [{j}]", outs[j], want)
+
+
+def widen(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) as the float32 values they stand for (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def narrow(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 bit patterns, to nearest even (finite and inf)."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_inputs(contributor: int, count: int, op: ReduceOp) -> np.ndarray:
+    """A contributor's bfloat16 bit patterns for ``op`` whose float32 reduction is exact.
+
+    Sums: 8-bit mantissas within 2**-4..2**4 (any order of summation is exact in float32);
+    products: +-{0.5, 0.75, 1, 1.5, 2}. Column 0 for SUM/AVG is a tie between two bfloat16
+    values (1 + 2**-7 on contributor 0, 2**-8 on contributor 1): to nearest even rounds it
+    up, truncation would not; the last columns hold -0.0/+0.0 and inf (MIN/MAX: a NaN).
+    """
+    rng = np.random.default_rng([7, contributor, list(ReduceOp).index(op)])
+    if op is ReduceOp.PRODUCT:
+        values = rng.choice([0.5, 0.75, 1.0, 1.5, 2.0], 12) * rng.choice([-1.0, 1.0], 12)
+        bits = narrow(values.astype(np.float32))
+    else:
+        mantissa = rng.integers(128, 256, 12)
+        exponent = rng.integers(-4, 5, 12)
+        sign = rng.choice([-1.0, 1.0], 12)
+        bits = narrow((sign * mantissa * 2.0 ** (exponent - 7)).astype(np.float32))
+        tie = [1 + 2**-7, 2**-8][contributor] if contributor < 2 else 0.0
+        bits[0] = narrow(np.array([tie], np.float32))[0]
+    bits[10] = narrow(np.array([-0.0 if contributor % 2 else 0.0], np.float32))[0]
+    special = np.nan if op in (ReduceOp.MIN, ReduceOp.MAX) and contributor == count - 1 else 1.0
+    bits[11] = narrow(np.array([np.inf if contributor == 0 else special], np.float32))[0]
+    return bits.reshape(3, 4)
+
+
+def bf16_oracle(contributions: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    """The reduction of bfloat16 bit patterns in float32, rounded once to nearest even."""
+    values = [widen(c) for c in contributions]
+    ufunc = {
+        ReduceOp.SUM: np.add,
+        ReduceOp.AVG: np.add,
+        ReduceOp.PRODUCT: np.multiply,
+        ReduceOp.MIN: np.minimum,
+        ReduceOp.MAX: np.maximum,
+    }[op]
+    total = functools.reduce(ufunc, values)
+    if op is ReduceOp.AVG:
+        total = total / np.float32(len(values))
+    if op in (ReduceOp.MIN, ReduceOp.MAX):  # -0.0 < +0.0 (ReduceOp's documented order)
+        stack = np.stack(values)
+        positive = ((stack == 0) & ~np.signbit(stack)).any(axis=0)
+        negative = ((stack == 0) & np.signbit(stack)).any(axis=0)
+        plus = positive if op is ReduceOp.MAX else ~negative
+        total = np.where(total == 0, np.where(plus, np.float32(0.0), np.float32(-0.0)), total)
+    result = narrow(total)
+    result[np.isnan(total)] = 0x7FC0  # the canonical NaN
+    return result
+
+
+def run_bfloat16(rank: int, n: int) -> None:
+    """bfloat16 (ml_dtypes) reductions: float32 sums rounded to nearest even, every call."""
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+
+    def as_bf16(bits: np.ndarray) -> np.ndarray:
+        return bits.view(bf16).copy()
+
+    def same(name: str, got: object, bits: np.ndarray) -> None:
+        check(name, host(got).view(np.uint16), bits)
+
+    for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG):
+        every = [bf16_inputs(r, n, op) for r in range(n)]
+        expected = bf16_oracle(every, op)
+        x = as_bf16(every[rank])
+        dist.all_reduce(x, op=op)
+        same(f"all_reduce bfloat16 {op}", x, expected)
+        for root in range(n):
+            x = as_bf16(every[rank])
+            dist.reduce(x, dst=root, op=op)
+            same(f"reduce bfloat16 {op} root={root}", x, expected if rank == root else every[rank])
+        chunks = [[bf16_inputs(r * n + q, n * n, op) for q in range(n)] for r in range(n)]
+        want = bf16_oracle([chunks[r][rank] for r in range(n)], op)
+        out = np.zeros((3, 4), bf16)
+        dist.reduce_scatter(out, [as_bf16(c) for c in chunks[rank]], op=op)
+        same(f"reduce_scatter bfloat16 {op}", out, want)
+        out = np.zeros((3, 4), bf16)
+        dist.reduce_scatter_tensor(out, as_bf16(np.concatenate(chunks[rank])), op=op)
+        same(f"reduce_scatter_tensor bfloat16 {op}", out, want)
+        pair = [as_bf16(every[rank]), np.full(2, rank + 1.0, np.float32)]
+        dist.all_reduce_coalesced(pair, op=op)
+        same(f"all_reduce_coalesced bfloat16 {op}", pair[0], expected)
+        # three host devices per rank: n * 3 contributions
+        local = 3
+        cupy_parallel.set_host_device_count(local)
+        flat = [bf16_inputs(c, n * local, op) for c in range(n * local)]
+        xs = [
+            cupy_parallel.to_device(as_bf16(flat[rank * local + j]), f"host:{j}")
+            for j in range(local)
+        ]
+        dist.all_reduce_multigpu(xs, op=op)
+        for j in range(local):
+            same(f"all_reduce_multigpu bfloat16 {op} [{j}]", xs[j], bf16_oracle(flat, op))
+    for op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):  # refused, as for floats
+        x = as_bf16(bf16_inputs(rank, n, ReduceOp.SUM))
+        before = x.copy()
+        try:
+            dist.all_reduce(x, op=op)
+        except TypeError as error:
+            check(f"{op} bfloat16 refused", "bitwise reduction" in str(error), True)
+            check(f"{op} bfloat16 message names the dtype", "bfloat16" in str(error), True)
+        else:
+            check(f"{op} bfloat16 refused", "no error", "TypeError")
+        same(f"{op} bfloat16 left the array alone", x, before.view(np.uint16))
+    x = as_bf16(bf16_inputs(rank, n, ReduceOp.SUM))  # the group is still usable
+    dist.all_reduce(x)
+    same(
+        "all_reduce bfloat16 after the refusals",
+        x,
+        bf16_oracle([bf16_inputs(r, n, ReduceOp.SUM) for r in range(n)], ReduceOp.SUM),
+    )
+
+
 def run_groups(rank: int, n: int) -> None:
     if n < 3:
         everyone = dist.new_group()
@@ -474,6 +703,21 @@ def run_cupy(rank: int, n: int, cupy: ModuleType) -> None:
         x = cupy.asarray(halves[rank])  # float16 reduces in float32: buffers the backend fills
         dist.all_reduce(x, op=ReduceOp.AVG)
         same("cupy all_reduce float16 AVG", x, oracle(halves, ReduceOp.AVG))
+        for dtype in (np.int8, np.int64, np.uint64):  # AVG of integers: exact, at the extremes
+            name = np.dtype(dtype).name
+            ints = [extremes(dtype, r, n) for r in range(n)]
+            x = cupy.asarray(ints[rank])
+            dist.all_reduce(x, op=ReduceOp.AVG)
+            same(f"cupy all_reduce AVG {name}", x, exact_mean(ints))
+            chunks = [cupy.asarray(extremes(dtype, rank * n + q, n)) for q in range(n)]
+            z = cupy.zeros((2, 8), dtype)
+            dist.reduce_scatter(z, chunks, op=ReduceOp.AVG)
+            want = exact_mean([extremes(dtype, r * n + rank, n) for r in range(n)])
+            same(f"cupy reduce_scatter AVG {name}", z, want)
+            pair = [cupy.asarray(ints[rank]), cupy.asarray(ints[rank][0])]
+            dist.all_reduce_coalesced(pair, op=ReduceOp.AVG)
+            same(f"cupy all_reduce_coalesced AVG {name} [0]", pair[0], exact_mean(ints))
+            same(f"cupy all_reduce_coalesced AVG {name} [1]", pair[1], exact_mean(ints)[0])
         y = cupy.asarray(data(2, rank, (3,), np.int64))
         dist.broadcast(y, src=n - 1)
         same("cupy broadcast", y, data(2, n - 1, (3,), np.int64))
@@ -576,6 +820,16 @@ def run_cupy_multigpu(rank: int, n: int, cupy: ModuleType, same) -> None:
                 f"cupy reduce_scatter_multigpu {np.dtype(dtype)} [{j}]",
                 outs1[j],
                 oracle(parts, ReduceOp.SUM),
+            )
+
+    for dtype in (np.int32, np.int64):  # AVG of integers over two GPUs per rank, exactly
+        count = 2 * n
+        flat = [extremes(dtype, c, count) for c in range(count)]
+        xs = [on(flat[2 * rank + j], j) for j in range(2)]
+        dist.all_reduce_multigpu(xs, op=ReduceOp.AVG)
+        for j in range(2):
+            same_on(
+                f"cupy all_reduce_multigpu AVG {np.dtype(dtype)} [{j}]", xs[j], exact_mean(flat)
             )
 
 
@@ -718,6 +972,14 @@ def rank_main(rank_env: int, argv: list[str]) -> int:
 
             with simulated_cuda(2) as stand_in:
                 run_cupy(rank, dist.get_world_size(), stand_in)
+        dist.destroy_process_group()
+        return report(rank)
+    if mode in ("exact-average", "bfloat16"):
+        run = run_exact_average if mode == "exact-average" else run_bfloat16
+        try:
+            run(rank, dist.get_world_size())
+        except Exception:  # noqa: BLE001 - report any error, then fail the job
+            tally().failures.append(traceback.format_exc())
         dist.destroy_process_group()
         return report(rank)
     if mode == "die":

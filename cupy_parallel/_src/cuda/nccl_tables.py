@@ -23,14 +23,21 @@ Decisions (where torch's ProcessGroupNCCL is the model):
   on the real and imaginary parts separately, which is exact; ``PRODUCT``, ``MIN`` and ``MAX``
   would not be (and complex numbers have no order), so they are refused.
 - ``AVG`` uses ``ncclAvg`` from NCCL 2.10 on; before, it is ``SUM`` followed by a division by the
-  number of participants. Integers are divided rounding toward zero, as ``ncclAvg`` does.
+  number of participants. ``AVG`` of integers is exact instead, rounded toward zero: ``ncclAvg``
+  sums integers in their own dtype, which wraps (two int8 100s average to -28), so each value
+  is first *encoded* in a buffer of its own (``int64`` for integers of up to 32 bits, a quotient
+  and a remainder of the dtype for 64-bit ones: ``distributed.backend.encode_average``), the
+  buffers are reduced with ``SUM`` (which cannot wrap) and the mean is decoded from the sum.
 
 Example:
     >>> import numpy as np
     >>> import cupy_parallel
     >>> from cupy_parallel._src.enums import ReduceOp
-    >>> reduction(np.dtype("complex64"), ReduceOp.SUM, version_code(2, 18, 5))
-    Reduction(datatype=<NcclDataType.FLOAT32: 7>, lanes=2, op=<NcclRedOp.SUM: 0>, divide=False)
+    >>> plan = reduction(np.dtype("complex64"), ReduceOp.SUM, version_code(2, 18, 5))
+    >>> plan.datatype, plan.lanes, plan.op
+    (<NcclDataType.FLOAT32: 7>, 2, <NcclRedOp.SUM: 0>)
+    >>> reduction(np.dtype("int64"), ReduceOp.AVG, version_code(2, 18, 5)).encoded
+    True
 """
 
 from __future__ import annotations
@@ -190,7 +197,9 @@ class Reduction:
     """How NCCL reduces one array: ``lanes * array.size`` values of ``datatype`` with ``op``.
 
     ``divide`` asks the caller to divide the result by the number of participants (``AVG`` on a
-    NCCL without ``ncclAvg``).
+    NCCL without ``ncclAvg``). ``encoded`` (``AVG`` of integers): NCCL reduces a buffer of
+    ``lanes`` values of ``datatype`` per element that the caller fills with
+    ``encode_average`` and decodes with ``decode_average`` (see the module).
 
     Example:
         >>> Reduction(NcclDataType.UINT8, 1, NcclRedOp.MAX, divide=False).lanes
@@ -201,6 +210,7 @@ class Reduction:
     lanes: int
     op: NcclRedOp
     divide: bool
+    encoded: bool = False
 
 
 def _reducible() -> str:
@@ -240,6 +250,10 @@ def reduction(dtype: np.dtype[Any], op: ReduceOp, version: int, /) -> Reduction:
     refused = _REFUSED.get((wire.family, op))
     if refused is not None:
         raise TypeError(f"NCCL cannot reduce {dtype} arrays with ReduceOp.{op.name}: {refused}.")
+    if wire.family is _Family.INTEGER and op is ReduceOp.AVG:
+        if dtype.itemsize < 8:
+            return Reduction(NcclDataType.INT64, 1, NcclRedOp.SUM, divide=False, encoded=True)
+        return Reduction(wire.datatype, 2, NcclRedOp.SUM, divide=False, encoded=True)
     if wire.family is _Family.LOGICAL:
         op = _LOGICAL.get(op, op)
     nccl_op = _NCCL_OPS.get(op)

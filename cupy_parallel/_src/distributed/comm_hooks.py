@@ -259,9 +259,10 @@ def bf16_compress_hook(process_group: Any, bucket: GradBucket) -> Future[Any]:
     As :func:`fp16_compress_hook` with ``bfloat16`` (8 exponent bits: float32's range, 8 bits
     of mantissa). NumPy has no ``bfloat16``: it comes from the ``ml_dtypes`` package, and
     without it the hook raises ``RuntimeError`` (``DistributedDataParallel.register_comm_hook``
-    raises it at registration, before any backward pass). The backend must also reduce the
-    dtype: NCCL >= 2.10 does, the ``"mpi"`` backend does not, and ``register_comm_hook``
-    refuses the hook for a group whose backend cannot (``TypeError``, as torch's gloo).
+    raises it at registration, before any backward pass). The ``"mpi"`` backend (thread ranks
+    too) sums ``bfloat16`` in ``float32`` and rounds once, to nearest even, as it does
+    ``float16``; ``"nccl"`` sums it in ``bfloat16`` (NCCL >= 2.10; older ones refuse it, and
+    ``register_comm_hook`` then refuses the hook for that group: ``TypeError``, as torch's gloo).
 
     Example:
         >>> bf16_compress_hook.__name__

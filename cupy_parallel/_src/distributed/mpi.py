@@ -68,6 +68,8 @@ from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import (
     ProcessGroupBackend,
     average_in_place,
+    decode_average,
+    encode_average,
 )
 from cupy_parallel._src.distributed.mpi_checks import Caller, compare_call, compare_counts
 from cupy_parallel._src.distributed.mpi_job import (
@@ -147,26 +149,57 @@ def _cast_into(dst: Any, src: Any) -> None:
         _copy(dst, converted)
 
 
-def _average(x: Any, count: int) -> None:
-    """``average_in_place`` on ``x``'s device."""
-    with _on(x):
-        average_in_place(x, count, np)
+def _mean(total: Any, plan: Plan, count: int) -> Any:
+    """``AVG``'s last step: the mean of ``count`` contributions from their reduced ``total``.
+
+    One part per value: ``total`` divided in place (integers were summed in ``int64``). Two
+    (64-bit integers): a new array from :func:`decode_average`. Either is then cast into the
+    outputs.
+    """
+    with _on(total):
+        if plan.parts > 1:
+            return decode_average(total, count, np)
+        average_in_place(total, count, np)
+    return total
 
 
-def _accumulate(arrays: Sequence[Any], plan: Plan) -> Any:
-    """A new buffer holding the local reduction of ``arrays`` in the plan's working dtype."""
+def _accumulate(arrays: Sequence[Any], plan: Plan, count: int) -> Any:
+    """A new buffer holding the local reduction of ``arrays`` in the plan's working form.
+
+    ``count``: the number of contributions in the whole group (``AVG`` of integers needs it).
+    """
     first = arrays[0]
     dtype = plan.work_dtype or first.dtype
-    acc = _temp(first.shape, dtype, first)
-    _cast_into(acc, first)
+    shape = first.shape if plan.parts == 1 else (plan.parts, *first.shape)
+    acc = _temp(shape, dtype, first)
+    _stage(acc, first, plan, count)
     for x in arrays[1:]:
-        operand = x
-        if not isinstance(x, np.ndarray) and x.device != acc.device:
-            operand = _temp(x.shape, x.dtype, acc)
-            _copy(operand, x)
+        operand = _beside(x, acc)
+        if plan.parts > 1:
+            encoded = _temp(shape, dtype, acc)
+            _stage(encoded, operand, plan, count)
+            operand = encoded
         with _on(acc):
             plan.ufunc(acc, operand, out=acc, casting="unsafe")
     return acc
+
+
+def _stage(out: Any, x: Any, plan: Plan, count: int) -> None:
+    """Write ``x`` into ``out`` in the plan's working form: cast, or (two parts) encoded."""
+    if plan.parts == 1:
+        _cast_into(out, x)
+    else:
+        with _on(out):
+            encode_average(x, count, out, np)
+
+
+def _beside(x: Any, acc: Any) -> Any:
+    """``x``, or a copy of it on ``acc``'s device."""
+    if isinstance(x, np.ndarray) or x.device == acc.device:
+        return x
+    operand = _temp(x.shape, x.dtype, acc)
+    _copy(operand, x)
+    return operand
 
 
 # ---------------------------------------------------------------------------------------------
@@ -655,18 +688,17 @@ class MPIBackend(ProcessGroupBackend):
             request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
             work = _MPIWork("all_reduce", self, request, keep=buffer)._check_call(arrays, op=op)
             if plan.average:
-                work.add_finalizer(functools.partial(_average, buffer, self.size))
+                work.add_finalizer(functools.partial(_mean, buffer, plan, self.size))
             return work
         outputs = [plain_buffer(x) for x in arrays]
-        acc = _accumulate(outputs, plan)
-        request = self._comm.Iallreduce(self._in_place, [acc, plan.mpi_type], plan.mpi_op)
         count = self.size * len(arrays)
+        acc = _accumulate(outputs, plan, count)
+        request = self._comm.Iallreduce(self._in_place, [acc, plan.mpi_type], plan.mpi_op)
 
         def finish() -> None:
-            if plan.average:
-                _average(acc, count)
+            result = _mean(acc, plan, count) if plan.average else acc
             for x in outputs:
-                _cast_into(x, acc)
+                _cast_into(x, result)
 
         work = _MPIWork("all_reduce", self, request, keep=acc)._check_call(outputs, op=op)
         return work.add_finalizer(finish)
@@ -678,8 +710,9 @@ class MPIBackend(ProcessGroupBackend):
         outputs = [plain_buffer(x) for x in arrays]
         plan = self._plan(outputs[0].dtype, op)
         at_root = self.rank == root
+        count = self.size * len(outputs)
         direct = len(outputs) == 1 and plan.work_dtype is None
-        acc = outputs[0] if direct else _accumulate(outputs, plan)
+        acc = outputs[0] if direct else _accumulate(outputs, plan, count)
         message = [acc, plan.mpi_type]
         if at_root:
             request = self._comm.Ireduce(self._in_place, message, plan.mpi_op, root)
@@ -687,14 +720,12 @@ class MPIBackend(ProcessGroupBackend):
             request = self._comm.Ireduce(message, None, plan.mpi_op, root)
         work = _MPIWork("reduce", self, request, keep=acc)._check_call(outputs, root=root, op=op)
         if at_root:
-            count = self.size * len(outputs)
             target = outputs[root_index]
 
             def finish() -> None:
-                if plan.average:
-                    _average(acc, count)
-                if acc is not target:
-                    _cast_into(target, acc)
+                result = _mean(acc, plan, count) if plan.average else acc
+                if result is not target:
+                    _cast_into(target, result)
 
             work.add_finalizer(finish)
         return work
@@ -752,22 +783,26 @@ class MPIBackend(ProcessGroupBackend):
         plan = self._plan(first.dtype, op)
         dtype = plan.work_dtype or first.dtype
         chunks = len(inputs[0])
-        acc = _temp((chunks, *first.shape), dtype, first)
+        count = self.size * local
+        shape = first.shape if plan.parts == 1 else (plan.parts, *first.shape)
+        acc = _temp((chunks, *shape), dtype, first)
         for k in range(chunks):
-            _copy(acc[k, ...], _accumulate([plain_buffer(row[k]) for row in inputs], plan))
+            column = [plain_buffer(row[k]) for row in inputs]
+            _copy(acc[k, ...], _accumulate(column, plan, count))
         direct = local == 1 and plan.work_dtype is None
-        received = first if direct else _temp((local, *first.shape), dtype, first)
+        received = first if direct else _temp((local, *shape), dtype, first)
         request = self._comm.Ireduce_scatter_block(
             [acc, plan.mpi_type], [received, plan.mpi_type], plan.mpi_op
         )
-        count = self.size * local
 
         def finish() -> None:
-            if plan.average:
-                _average(received, count)
-            if not direct:
-                for j, x in enumerate(outputs):
-                    _cast_into(x, received[j, ...])
+            if direct:
+                if plan.average:
+                    _mean(received, plan, count)
+                return
+            for j, x in enumerate(outputs):
+                result = received[j, ...]
+                _cast_into(x, _mean(result, plan, count) if plan.average else result)
 
         work = _MPIWork("reduce_scatter", self, request, keep=(acc, received))
         return work._check_call(outputs, op=op).add_finalizer(finish)
@@ -837,10 +872,12 @@ class MPIBackend(ProcessGroupBackend):
         for dtype, group in by_dtype.items():
             plan = self._plan(dtype, op)
             work_dtype = plan.work_dtype or dtype
-            flat = _temp((sum(x.size for x in group),), work_dtype, group[0])
+            total = sum(x.size for x in group)
+            shape = (total,) if plan.parts == 1 else (plan.parts, total)
+            flat = _temp(shape, work_dtype, group[0])
             offset = 0
             for x in group:
-                _cast_into(flat[offset : offset + x.size], x.reshape(-1))
+                _stage(flat[..., offset : offset + x.size], x.reshape(-1), plan, self.size)
                 offset += x.size
             requests.append(
                 self._comm.Iallreduce(self._in_place, [flat, plan.mpi_type], plan.mpi_op)
@@ -918,7 +955,7 @@ def _unpack(packed: Any, arrays: Sequence[Any]) -> None:
 
 def _unflatten(flat: Any, arrays: Sequence[Any], plan: Plan, size: int) -> None:
     if plan.average:
-        _average(flat, size)
+        flat = _mean(flat, plan, size)
     offset = 0
     for x in arrays:
         _cast_into(x.reshape(-1), flat[offset : offset + x.size])

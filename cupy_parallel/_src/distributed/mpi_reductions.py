@@ -1,8 +1,13 @@
 """How the MPI backend reduces: for each dtype and ``ReduceOp``, the MPI datatype and op.
 
 A :class:`Plan` names the MPI datatype and op, the NumPy ufunc that reduces the local arrays
-first, and the working dtype: ``float16`` is reduced in ``float32`` and rounded once (portable:
-not every MPI reduces ``MPIX_C_FLOAT16``, and more accurate than pairwise float16 sums).
+first, and the working dtype: ``float16`` and ``bfloat16`` (``ml_dtypes``) are reduced in
+``float32`` and rounded once, to nearest even (portable: not every MPI reduces
+``MPIX_C_FLOAT16``, none a bfloat16, and more accurate than pairwise 16-bit sums). ``bfloat16``
+takes the reductions of floats: bitwise ones are refused.
+``ReduceOp.AVG`` of integers is exact: integers of up to 32 bits are summed in ``int64``, 64-bit
+integers as a quotient and a remainder (two parts per value), so that the sum never wraps (see
+:func:`~cupy_parallel._src.distributed.backend.integer_average`).
 ``MIN``/``MAX`` of floating-point arrays order values totally so that every rank gets the same
 bits: a NaN anywhere gives NaN (NumPy's ``minimum``/``maximum`` propagate NaN; the result is the
 canonical NaN) and ``-0.0 < +0.0`` (IEEE 754-2019 ``minimum``/``maximum``). MPI's built-in
@@ -16,7 +21,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from cupy_parallel._src.distributed.backend import integer_average
 from cupy_parallel._src.distributed.mpi_job import load_mpi
+from cupy_parallel._src.dtypes import is_bfloat16
 from cupy_parallel._src.enums import ReduceOp
 
 if TYPE_CHECKING:
@@ -39,16 +46,25 @@ _OPS: dict[ReduceOp, tuple[str, str | None, str, str | None]] = {
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 _REDUCIBLE_KINDS = "biufc"
+_FLOAT32 = np.dtype(np.float32)
 
 
 class Plan(NamedTuple):
-    """How to reduce one dtype with one op: MPI datatype/op, local ufunc, working dtype."""
+    """How to reduce one dtype with one op: MPI datatype/op, local ufunc, working dtype.
+
+    ``parts`` is 2 for ``AVG`` of 64-bit integers: every value travels as a quotient and a
+    remainder (:func:`~cupy_parallel._src.distributed.backend.encode_average`), so buffers
+    have shape ``(2, *shape)``; else 1, and buffers have the arrays' shape.
+    """
 
     mpi_type: Any
     mpi_op: Any
     ufunc: Callable[..., Any]  # (acc, operand, out=acc, casting="unsafe")
-    work_dtype: np.dtype[Any] | None  # float16 -> float32; None: reduce in the array's dtype
+    # float16, bfloat16 -> float32; AVG of integers -> int64 (of 64-bit ones: their own, in
+    # 2 parts); None: the arrays' dtype
+    work_dtype: np.dtype[Any] | None
     average: bool
+    parts: int = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,10 +127,11 @@ def make_plan(dtype: np.dtype[Any], op: ReduceOp | None, mpi: Any = None, /) -> 
         )
     if op is None:
         return None
-    if dtype.kind not in _REDUCIBLE_KINDS:
+    bfloat16 = is_bfloat16(dtype)
+    if dtype.kind not in _REDUCIBLE_KINDS and not bfloat16:
         raise TypeError(
             f"cannot reduce arrays of dtype {dtype}; reductions take bool, integer, float "
-            "and complex arrays."
+            "(float16/32/64, ml_dtypes' bfloat16) and complex arrays."
         )
     number_op, bool_op, number_ufunc, bool_ufunc = _OPS[op]
     if dtype.kind == "b":
@@ -139,11 +156,15 @@ def make_plan(dtype: np.dtype[Any], op: ReduceOp | None, mpi: Any = None, /) -> 
             f"cannot reduce arrays of non-native byte order ({dtype.str}); convert them with "
             "array.astype(array.dtype.newbyteorder('='))."
         )
-    work_dtype = np.dtype(np.float32) if dtype == np.float16 else None
+    work_dtype = _FLOAT32 if dtype == np.float16 or bfloat16 else None
+    parts = 1
+    exact = integer_average(dtype) if op is ReduceOp.AVG else None
+    if exact is not None:
+        work_dtype, parts = exact
     if mpi is None:
         mpi = load_mpi()
     mpi_type = mpi.Datatype.fromcode((work_dtype or dtype).char)
-    if dtype.kind == "f" and op in (ReduceOp.MIN, ReduceOp.MAX):
+    if (dtype.kind == "f" or bfloat16) and op in (ReduceOp.MIN, ReduceOp.MAX):
         largest = op is ReduceOp.MAX
         return Plan(
             mpi_type,
@@ -158,4 +179,5 @@ def make_plan(dtype: np.dtype[Any], op: ReduceOp | None, mpi: Any = None, /) -> 
         getattr(np, number_ufunc),
         work_dtype,
         op is ReduceOp.AVG,
+        parts,
     )

@@ -74,6 +74,8 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 from cupy_parallel._src.cuda.nccl_runtime import (
     Communicators,
     device_ids,
@@ -93,7 +95,12 @@ from cupy_parallel._src.cuda.nccl_tables import (
 )
 from cupy_parallel._src.cuda.streams import current_stream, record_event, wait_stream
 from cupy_parallel._src.devices import cupy_module
-from cupy_parallel._src.distributed.backend import ProcessGroupBackend, average_in_place
+from cupy_parallel._src.distributed.backend import (
+    ProcessGroupBackend,
+    average_in_place,
+    decode_average,
+    encode_average,
+)
 from cupy_parallel._src.distributed.mpi_job import thread_rank
 from cupy_parallel._src.distributed.work import Work
 from cupy_parallel._src.enums import Backend, ReduceOp
@@ -101,12 +108,12 @@ from cupy_parallel._src.enums import Backend, ReduceOp
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    import numpy as np
-
 __all__ = ["ERROR_HANDLING_VARIABLE", "NCCLBackend", "tears_down_on_abort"]
 
 #: The watchdog polls this often (seconds), or ten times per group timeout when that is shorter.
 _WATCH_INTERVAL = 0.1
+# The dtypes of encoded buffers (AVG of integers, see cuda.nccl_tables).
+_ENCODED = {NcclDataType.INT64: np.dtype(np.int64), NcclDataType.UINT64: np.dtype(np.uint64)}
 _UINT8 = int(NcclDataType.UINT8)
 _SUM = int(NcclRedOp.SUM)
 
@@ -753,9 +760,42 @@ class NCCLBackend(ProcessGroupBackend):
             offset += x.nbytes
 
     def _divide(self, arrays: Sequence[Any], count: int) -> None:
-        """``AVG`` without ``ncclAvg``: divide in place; integers round toward zero, as there."""
+        """``AVG`` of floats without ``ncclAvg``: divide in place."""
         for x in arrays:
             average_in_place(x, count, self._cupy)
+
+    def _wide(self, like: Any, plan: Reduction) -> Any:
+        """A zeroed buffer for ``like``'s values as ``plan`` encodes them (its device, stream)."""
+        with like.device:
+            return self._cupy.zeros((plan.lanes, *like.shape), _ENCODED[plan.datatype])
+
+    def _encode(self, arrays: Sequence[Any], plan: Reduction, count: int) -> list[Any]:
+        """What NCCL reduces: ``arrays``, or (``plan.encoded``) their encodings for ``AVG``.
+
+        Encoded on each array's device and current stream (which the launch waits for).
+        """
+        if not plan.encoded:
+            return list(arrays)
+        buffers = [self._wide(x, plan) for x in arrays]
+        for x, buffer in zip(arrays, buffers, strict=True):
+            with x.device:
+                encode_average(x, count, buffer, self._cupy)
+        return buffers
+
+    def _finisher(
+        self, outputs: Sequence[Any], reduced: Sequence[Any], plan: Reduction, count: int
+    ) -> Callable[[int], object] | None:
+        """``after(j)`` for ``AVG``: decode ``reduced[j]`` into ``outputs[j]``, or divide them."""
+        if plan.encoded:
+            cupy = self._cupy
+
+            def decode(j: int) -> None:
+                outputs[j][...] = decode_average(reduced[j], count, cupy).astype(outputs[j].dtype)
+
+            return decode
+        if plan.divide:
+            return lambda j: self._divide([outputs[j]], count)
+        return None
 
     # --------------------------------------------------------------------------- collectives
 
@@ -776,14 +816,16 @@ class NCCLBackend(ProcessGroupBackend):
         plan = self._plan(arrays[0].dtype, op)
         count = arrays[0].size * plan.lanes
         participants = self.size * len(arrays)
+        buffers = self._encode(arrays, plan, participants)
 
         def issue(j: int, comm: Any, stream: int) -> None:
             if count:
-                ptr = arrays[j].data.ptr
+                ptr = buffers[j].data.ptr
                 comm.allReduce(ptr, ptr, count, plan.datatype, plan.op, stream)
 
-        after = (lambda j: self._divide([arrays[j]], participants)) if plan.divide else None
-        return self._launch("all_reduce", device_ids(arrays), issue, after=after, keep=arrays)
+        after = self._finisher(arrays, buffers, plan, participants)
+        keep = (arrays, buffers)
+        return self._launch("all_reduce", device_ids(arrays), issue, after=after, keep=keep)
 
     def reduce(self, arrays: Sequence[Any], root: int, root_index: int, op: ReduceOp, /) -> Work:
         """``ncclReduce`` in place; only the root member's array changes."""
@@ -792,19 +834,23 @@ class NCCLBackend(ProcessGroupBackend):
         local = len(arrays)
         target = root * local + root_index
         participants = self.size * local
+        buffers = self._encode(arrays, plan, participants)
 
         def issue(j: int, comm: Any, stream: int) -> None:
             if count:
-                ptr = arrays[j].data.ptr
+                ptr = buffers[j].data.ptr
                 comm.reduce(ptr, ptr, count, plan.datatype, plan.op, target, stream)
 
-        def after(j: int) -> None:
-            if j == root_index:
-                self._divide([arrays[j]], participants)
+        finish = self._finisher(arrays, buffers, plan, participants)
 
-        divide = plan.divide and self.rank == root
+        def after(j: int) -> None:
+            if j == root_index and finish is not None:
+                finish(j)
+
+        at_root = self.rank == root
+        keep = (arrays, buffers)
         return self._launch(
-            "reduce", device_ids(arrays), issue, after=after if divide else None, keep=arrays
+            "reduce", device_ids(arrays), issue, after=after if at_root else None, keep=keep
         )
 
     def all_gather(self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], /) -> Work:
@@ -868,15 +914,16 @@ class NCCLBackend(ProcessGroupBackend):
         plan = self._plan(outputs[0].dtype, op)
         count = outputs[0].size * plan.lanes
         participants = self.size * len(outputs)
-        packed = [self._pack(row) for row in inputs]
+        packed = [self._pack(self._encode(row, plan, participants)) for row in inputs]
+        received = [self._wide(x, plan) for x in outputs] if plan.encoded else outputs
 
         def issue(j: int, comm: Any, stream: int) -> None:
             if count:
-                send, recv = packed[j].data.ptr, outputs[j].data.ptr
+                send, recv = packed[j].data.ptr, received[j].data.ptr
                 comm.reduceScatter(send, recv, count, plan.datatype, plan.op, stream)
 
-        after = (lambda j: self._divide([outputs[j]], participants)) if plan.divide else None
-        keep = (outputs, packed)
+        after = self._finisher(outputs, received, plan, participants)
+        keep = (outputs, packed, received)
         return self._launch("reduce_scatter", device_ids(outputs), issue, after=after, keep=keep)
 
     def all_to_all(self, outputs: Sequence[Any], inputs: Sequence[Any], /) -> Work:
@@ -994,17 +1041,33 @@ class NCCLBackend(ProcessGroupBackend):
     def all_reduce_coalesced(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
         """One ``ncclAllReduce`` per array, in place, all in one NCCL group (one launch)."""
         plans = [self._plan(x.dtype, op) for x in arrays]
+        buffers = [
+            self._encode([x], plan, self.size)[0] for x, plan in zip(arrays, plans, strict=True)
+        ]
+        finishers = [
+            self._finisher([x], [b], plan, self.size)
+            for x, b, plan in zip(arrays, buffers, plans, strict=True)
+        ]
 
         def issue(_: int, comm: Any, stream: int) -> None:
-            for x, plan in zip(arrays, plans, strict=True):
+            for x, buffer, plan in zip(arrays, buffers, plans, strict=True):
                 if x.size:
-                    ptr = x.data.ptr
+                    ptr = buffer.data.ptr
                     comm.allReduce(ptr, ptr, x.size * plan.lanes, plan.datatype, plan.op, stream)
 
-        divided = [x for x, plan in zip(arrays, plans, strict=True) if plan.divide]
-        after = (lambda _: self._divide(divided, self.size)) if divided else None
+        def after(_: int) -> None:
+            for finish in finishers:
+                if finish is not None:
+                    finish(0)
+
+        averaged = any(finish is not None for finish in finishers)
+        keep = (arrays, buffers)
         return self._launch(
-            "all_reduce_coalesced", device_ids(arrays[:1]), issue, after=after, keep=arrays
+            "all_reduce_coalesced",
+            device_ids(arrays[:1]),
+            issue,
+            after=after if averaged else None,
+            keep=keep,
         )
 
     def all_gather_coalesced(

@@ -65,9 +65,10 @@ def all_reduce(
 ) -> Work | None:
     """Reduce ``tensor`` over the group; every rank gets the result in ``tensor`` (in place).
 
-    See :class:`ReduceOp` for what each reduction does per dtype (``AVG`` of integers rounds
-    toward zero). ``float16``: the ``"mpi"`` backend reduces in ``float32`` and rounds once;
-    ``"nccl"`` reduces in ``float16`` itself (NCCL's kernels), so error grows with the ranks.
+    See :class:`ReduceOp` for what each reduction does per dtype (``AVG`` of integers is the
+    exact mean rounded toward zero). ``float16`` and ``bfloat16`` (``ml_dtypes``): the ``"mpi"``
+    backend reduces in ``float32`` and rounds once, to nearest even; ``"nccl"`` reduces in the
+    16-bit dtype itself (NCCL's kernels), so error grows with the ranks.
 
     Example:
         >>> import numpy as np
