@@ -81,6 +81,13 @@ BITWISE = {
     ReduceOp.BOR: np.bitwise_or,
     ReduceOp.BXOR: np.bitwise_xor,
 }
+ARITHMETIC = {  # AVG: the sum, divided afterwards
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
 
 
 def valid(dtype: type, op: ReduceOp) -> bool:
@@ -101,13 +108,7 @@ def oracle(arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     elif dtype.kind == "b":
         ufunc = np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and
     else:
-        ufunc = {
-            ReduceOp.SUM: np.add,
-            ReduceOp.AVG: np.add,
-            ReduceOp.PRODUCT: np.multiply,
-            ReduceOp.MIN: np.minimum,
-            ReduceOp.MAX: np.maximum,
-        }[op]
+        ufunc = ARITHMETIC[op]
     result = functools.reduce(lambda a, b: ufunc(a, b, dtype=a.dtype), work)
     result = np.array(result, dtype=work[0].dtype)
     if op is ReduceOp.AVG:
@@ -519,13 +520,7 @@ def bf16_inputs(contributor: int, count: int, op: ReduceOp) -> np.ndarray:
 def bf16_oracle(contributions: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     """The reduction of bfloat16 bit patterns in float32, rounded once to nearest even."""
     values = [widen(c) for c in contributions]
-    ufunc = {
-        ReduceOp.SUM: np.add,
-        ReduceOp.AVG: np.add,
-        ReduceOp.PRODUCT: np.multiply,
-        ReduceOp.MIN: np.minimum,
-        ReduceOp.MAX: np.maximum,
-    }[op]
+    ufunc = ARITHMETIC[op]
     total = functools.reduce(ufunc, values)
     if op is ReduceOp.AVG:
         total = total / np.float32(len(values))
