@@ -144,6 +144,14 @@ def _subtract_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) ->
 def _multiply_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
     (g,), (a, b) = gs, xs
     return (
+        fit(multiply(g, b), a) if needs[0] else None,
+        fit(multiply(g, a), b) if needs[1] else None,
+    )
+
+
+def _multiply_complex_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
+    (g,), (a, b) = gs, xs
+    return (
         fit(multiply(g, conj_if_complex(b)), a) if needs[0] else None,
         fit(multiply(g, conj_if_complex(a)), b) if needs[1] else None,
     )
@@ -152,10 +160,17 @@ def _multiply_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) ->
 def _divide_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
     (g,), (a, b), (z,) = gs, xs, zs
     return (
-        fit(divide(g, conj_if_complex(b)), a) if needs[0] else None,
-        fit(negative(divide(multiply(g, conj_if_complex(z)), conj_if_complex(b))), b)
-        if needs[1]
-        else None,
+        fit(divide(g, b), a) if needs[0] else None,
+        fit(negative(divide(multiply(g, z), b)), b) if needs[1] else None,
+    )
+
+
+def _divide_complex_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
+    (g,), (a, b), (z,) = gs, xs, zs
+    cz, cb = conj_if_complex(z), conj_if_complex(b)
+    return (
+        fit(divide(g, cb), a) if needs[0] else None,
+        fit(negative(divide(multiply(g, cz), cb)), b) if needs[1] else None,
     )
 
 
@@ -235,6 +250,13 @@ def _minimum_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> 
 _REAL_ONLY = frozenset({"power", "maximum", "minimum"})
 """The table's ops whose gradient holds for real numbers only: refused on complex values."""
 
+_COMPLEX_VJPS = {"multiply": _multiply_complex_vjp, "divide": _divide_complex_vjp}
+"""The product rules with conjugated factors, recorded when the result is complex.
+
+Chosen when the op is recorded, so that a real product's vjp pays nothing for complex numbers
+(testing the dtype in the vjp made the tape chain's gradient pass 5 % slower).
+"""
+
 
 def _unary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Operand], Array]:
     slow = named_kernel(name)
@@ -279,6 +301,8 @@ def _host_binary(ufunc: Any, name: str, a: Any, b: Any) -> Any:
 def _binary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Operand, Operand], Array]:
     slow = named_kernel(name)
     real_only = name in _REAL_ONLY
+    complex_vjp = _COMPLEX_VJPS.get(name)
+    complex_matters = real_only or complex_vjp is not None
 
     def op(a: Any, b: Any, /) -> Any:
         if type(a) is _ndarray:  # the hot path: NumPy refuses a host array as b itself
@@ -295,9 +319,13 @@ def _binary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Operand, 
             else:
                 z = run_kernel(slow, x, a, b)
         if active_tapes():
-            if real_only and z.dtype.kind == "c":
-                refuse_complex(name, z, (a, b))
-            record_binary(vjp, a, b, z, None)
+            rule = vjp
+            if complex_matters and z.dtype.kind == "c":
+                if real_only:
+                    refuse_complex(name, z, (a, b))
+                else:
+                    rule = complex_vjp
+            record_binary(rule, a, b, z, None)
         return z
 
     op.__name__ = op.__qualname__ = name
