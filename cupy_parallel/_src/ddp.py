@@ -905,13 +905,15 @@ class DistributedDataParallel(Generic[Params, Output]):
         ``fp16_compress_hook`` and ``bf16_compress_hook``; their ``state`` is the process
         group (``None``: the default group). As in torch a hook is registered at most once,
         before the first backward pass. A compression hook is refused at once when its
-        group's backend cannot reduce its dtype (the ``"mpi"`` backend has no ``bfloat16``
-        sum; NCCL >= 2.10 has one), as torch's gloo refuses ``bf16_compress_hook``.
+        group's backend cannot reduce its dtype (an NCCL older than 2.10 has no ``bfloat16``
+        sum; the ``"mpi"`` backend sums it in ``float32``), with the backend's own error type.
 
         Raises:
             TypeError: ``hook`` is not callable, or the compression hook's process group
                 (``state``) has a backend that cannot reduce its dtype (the message names
                 the hook and the backend).
+            NotImplementedError: the same, where the backend says so with that type (NCCL
+                older than 2.10 for ``bfloat16``).
             RuntimeError: A hook is registered already, a backward pass ran already, or
                 ``bf16_compress_hook`` without a ``bfloat16`` dtype (``ml_dtypes``).
 
@@ -969,5 +971,5 @@ def _check_compression(hook: Callable[..., Any], dtype: Any, group: Any) -> None
             f"{hook.__name__} reduces each bucket in {dtype}, which the "
             f"{backend.backend.value!r} backend of process group {pg.name!r} cannot reduce "
             f"({str(error).rstrip('.')}); use fp16_compress_hook, the default allreduce_hook, "
-            "or a backend that reduces it (NCCL >= 2.10 reduces bfloat16)."
+            "or a backend that reduces it (the MPI backend and NCCL >= 2.10 reduce bfloat16)."
         ) from error
