@@ -22,7 +22,13 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from cupy_parallel._src.arguments import read_bool, read_int, read_sequence, read_timeout
+from cupy_parallel._src.arguments import (
+    ArgumentError,
+    read_bool,
+    read_int,
+    read_sequence,
+    read_timeout,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -184,10 +190,14 @@ def check_values(values: object, count: int) -> list[bytes]:
 
 
 def check_amount(amount: object) -> int:
-    """An ``add`` amount: an int (not bool) in the signed 64-bit range."""
+    """An ``add`` amount: an int (not bool) in the signed 64-bit range.
+
+    Out of range: :class:`ArgumentError`, a ``ValueError`` that ``except TypeError`` catches
+    too (torch's binding raises ``TypeError`` there: the int does not convert to ``int64``).
+    """
     value = read_int(amount, "amount")
     if not I64_MIN <= value <= I64_MAX:
-        raise ValueError(f"amount must fit in a signed 64-bit integer, got {value}.")
+        raise ArgumentError(f"amount must fit in a signed 64-bit integer, got {value}.")
     return value
 
 
