@@ -645,19 +645,20 @@ class DistributedDataParallel(Generic[Params, Output]):
     @params.setter
     def params(self, params: Params) -> None:
         names, leaves, spec = flatten_with_names(params, "params")
-        if str(spec) == str(self._spec):  # the leaves line up with the old ones
-            scalars = self._scalars_as_arrays(leaves)
-            if scalars:
-                params = spec.unflatten(leaves)  # type: ignore[assignment]  # params' structure
+        old_spec = str(self._spec)
+        same_structure = str(spec) == old_spec  # the leaves line up with the old ones
+        if same_structure and self._scalars_as_arrays(leaves):
+            params = spec.unflatten(leaves)  # type: ignore[assignment]  # params' structure
         spec_text, entries, problems = _describe(names, leaves, spec)
         if problems:
             raise TypeError(problems[0][1])
-        if (spec_text, entries) != (str(self._spec), self._entries):
-            self._refuse_non_arrays(names, leaves, str(spec))
+        if (spec_text, entries) != (old_spec, self._entries):
+            if same_structure:
+                self._refuse_non_arrays(names, leaves)
             raise ValueError(
                 "New DistributedDataParallel params must have the structure, shapes and dtypes "
                 "of the old ones (the buckets are cut for them): "
-                f"{_first_difference((str(self._spec), self._entries), (spec_text, entries))}."
+                f"{_first_difference((old_spec, self._entries), (spec_text, entries))}."
             )
         arrays = [leaves[k] for k in self._slots]
         self._check_ties(arrays)
@@ -703,10 +704,11 @@ class DistributedDataParallel(Generic[Params, Output]):
                     "DistributedDataParallel to untie them."
                 )
 
-    def _refuse_non_arrays(self, names: list[str], leaves: list[Any], spec: str) -> None:
-        """Refuse a leaf that is no array where the old params had one, naming it."""
-        if spec != str(self._spec):
-            return
+    def _refuse_non_arrays(self, names: list[str], leaves: list[Any]) -> None:
+        """Refuse a leaf that is no array where the old params had one, naming it.
+
+        ``leaves`` has the old params' structure.
+        """
         for k, old in zip(self._slots, self._arrays, strict=True):
             leaf = leaves[k]
             if is_array(leaf):
