@@ -262,7 +262,8 @@ def bf16_compress_hook(process_group: Any, bucket: GradBucket) -> Future[Any]:
     raises it at registration, before any backward pass). The ``"mpi"`` backend (thread ranks
     too) sums ``bfloat16`` in ``float32`` and rounds once, to nearest even, as it does
     ``float16``; ``"nccl"`` sums it in ``bfloat16`` (NCCL >= 2.10; older ones refuse it, and
-    ``register_comm_hook`` then refuses the hook for that group: ``TypeError``, as torch's gloo).
+    ``register_comm_hook`` then refuses the hook for that group, with NCCL's
+    ``NotImplementedError``).
 
     Example:
         >>> bf16_compress_hook.__name__
