@@ -240,7 +240,7 @@ def _other_operand(self: HostArray, other: Any, operation: str) -> Any:
     raise foreign(operation, self._device, other)
 
 
-def _binary(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
+def _binary(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], HostArray]:
     operation = f"operator {symbol}"
 
     def method(self: HostArray, other: Any) -> Any:
@@ -265,7 +265,7 @@ def _binary(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
     return method
 
 
-def _reflected(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
+def _reflected(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], HostArray]:
     operation = f"operator {symbol}"
 
     def method(self: HostArray, other: Any) -> Any:
@@ -282,7 +282,7 @@ def _reflected(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
     return method
 
 
-def _inplace(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
+def _inplace(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], HostArray]:
     operation = f"operator {symbol}="
 
     def method(self: HostArray, other: Any) -> Any:
@@ -303,7 +303,7 @@ def _inplace(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
     return method
 
 
-def _comparison(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], Any]:
+def _comparison(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray, Any], HostArray]:
     """CuPy's ``__richcmp__``: a 0-d NumPy array compares as its item.
 
     ``==`` with an object that has no ``__eq__`` of its own (``None``, ...) is all False, ``!=``
@@ -341,44 +341,8 @@ def _unary(ufunc: np.ufunc, symbol: str) -> Callable[[HostArray], HostArray]:
 
 
 # --------------------------------------------------------------------------------------------
-# Methods computing on the buffer: name -> position of ``out`` among the positional arguments
+# Methods computing on the buffer
 
-_COMPUTING_METHODS: dict[str, int | None] = {
-    "all": 1,
-    "any": 1,
-    "argmax": 1,
-    "argmin": 1,
-    "argpartition": None,
-    "argsort": None,
-    "choose": 1,
-    "clip": 2,
-    "compress": 2,
-    "conj": None,
-    "conjugate": None,
-    "cumprod": 2,
-    "cumsum": 2,
-    "diagonal": None,
-    "dot": 1,
-    "flatten": None,
-    "max": 1,
-    "mean": 2,
-    "min": 1,
-    "nonzero": None,
-    "prod": 2,
-    "ravel": None,
-    "repeat": None,
-    "reshape": None,
-    "round": 1,
-    "searchsorted": None,
-    "squeeze": None,
-    "std": 2,
-    "sum": 2,
-    "swapaxes": None,
-    "take": 2,
-    "trace": 4,
-    "transpose": None,
-    "var": 2,
-}
 _VIEW_METHODS = frozenset(
     {"diagonal", "flatten", "ravel", "reshape", "squeeze", "swapaxes", "transpose"}
 )
@@ -391,7 +355,7 @@ _METHOD_KEYWORDS_CUPY_LACKS = frozenset({"where", "initial", "correction", "mean
 """Reduction keywords NumPy's ndarray methods take and ``cupy.ndarray``'s do not."""
 
 
-def _computing_method(name: str, out_position: int | None) -> Callable[..., Any]:
+def _computing_method(name: str, out_position: int | None) -> Callable[..., HostArray]:
     operation = f"HostArray.{name}"
     guarded = name not in _VIEW_METHODS
     host_data = _HOST_DATA_ARGUMENTS.get(name)
@@ -525,6 +489,16 @@ def set_mover(move: Callable[..., Any], /) -> None:
     _mover = move
 
 
+def _divmod(self: HostArray, other: Any) -> Any:
+    return _apply_ufunc(self._device, np.divmod, "__call__", (self, other), {})
+
+
+def _rdivmod(self: HostArray, other: Any) -> Any:
+    if type(other) not in SCALAR_TYPES:
+        return _other_operand(self, other, "operator divmod")
+    return _apply_ufunc(self._device, np.divmod, "__call__", (other, self), {})
+
+
 # --------------------------------------------------------------------------------------------
 # The array
 
@@ -592,97 +566,6 @@ class HostArray:
             "HostArray cannot be constructed directly; use cupy_parallel.to_device(array, "
             "'host:k') or cupy_parallel.empty(shape, dtype, 'host:k')."
         )
-
-    if TYPE_CHECKING:  # the computing methods are made from _COMPUTING_METHODS below
-
-        def __getattr__(self, name: str) -> Any: ...
-
-        # the computing methods (from _COMPUTING_METHODS below) give arrays on this device
-        def all(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def any(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def argmax(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def argmin(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def argpartition(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def argsort(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def choose(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def clip(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def compress(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def conj(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def conjugate(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def cumprod(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def cumsum(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def diagonal(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def dot(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def flatten(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def max(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def mean(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def min(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def prod(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def ravel(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def repeat(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def reshape(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def round(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def searchsorted(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def squeeze(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def std(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def sum(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def swapaxes(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def take(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def trace(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def transpose(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def var(self, *args: Any, **kwargs: Any) -> HostArray: ...
-        def nonzero(self) -> tuple[HostArray, ...]: ...
-
-        # the operators are made from _OPERATORS below; declared here for type checkers
-        def __add__(self, other: Any, /) -> HostArray: ...
-        def __radd__(self, other: Any, /) -> HostArray: ...
-        def __iadd__(self, other: Any, /) -> HostArray: ...
-        def __sub__(self, other: Any, /) -> HostArray: ...
-        def __rsub__(self, other: Any, /) -> HostArray: ...
-        def __isub__(self, other: Any, /) -> HostArray: ...
-        def __mul__(self, other: Any, /) -> HostArray: ...
-        def __rmul__(self, other: Any, /) -> HostArray: ...
-        def __imul__(self, other: Any, /) -> HostArray: ...
-        def __truediv__(self, other: Any, /) -> HostArray: ...
-        def __rtruediv__(self, other: Any, /) -> HostArray: ...
-        def __itruediv__(self, other: Any, /) -> HostArray: ...
-        def __floordiv__(self, other: Any, /) -> HostArray: ...
-        def __rfloordiv__(self, other: Any, /) -> HostArray: ...
-        def __ifloordiv__(self, other: Any, /) -> HostArray: ...
-        def __mod__(self, other: Any, /) -> HostArray: ...
-        def __rmod__(self, other: Any, /) -> HostArray: ...
-        def __imod__(self, other: Any, /) -> HostArray: ...
-        def __pow__(self, other: Any, /) -> HostArray: ...
-        def __rpow__(self, other: Any, /) -> HostArray: ...
-        def __ipow__(self, other: Any, /) -> HostArray: ...
-        def __matmul__(self, other: Any, /) -> HostArray: ...
-        def __rmatmul__(self, other: Any, /) -> HostArray: ...
-        def __imatmul__(self, other: Any, /) -> HostArray: ...
-        def __and__(self, other: Any, /) -> HostArray: ...
-        def __rand__(self, other: Any, /) -> HostArray: ...
-        def __iand__(self, other: Any, /) -> HostArray: ...
-        def __or__(self, other: Any, /) -> HostArray: ...
-        def __ror__(self, other: Any, /) -> HostArray: ...
-        def __ior__(self, other: Any, /) -> HostArray: ...
-        def __xor__(self, other: Any, /) -> HostArray: ...
-        def __rxor__(self, other: Any, /) -> HostArray: ...
-        def __ixor__(self, other: Any, /) -> HostArray: ...
-        def __lshift__(self, other: Any, /) -> HostArray: ...
-        def __rlshift__(self, other: Any, /) -> HostArray: ...
-        def __ilshift__(self, other: Any, /) -> HostArray: ...
-        def __rshift__(self, other: Any, /) -> HostArray: ...
-        def __rrshift__(self, other: Any, /) -> HostArray: ...
-        def __irshift__(self, other: Any, /) -> HostArray: ...
-        def __eq__(self, other: object, /) -> HostArray: ...  # type: ignore[override]
-        def __ne__(self, other: object, /) -> HostArray: ...  # type: ignore[override]
-        def __lt__(self, other: Any, /) -> HostArray: ...
-        def __le__(self, other: Any, /) -> HostArray: ...
-        def __gt__(self, other: Any, /) -> HostArray: ...
-        def __ge__(self, other: Any, /) -> HostArray: ...
-        def __neg__(self) -> HostArray: ...
-        def __pos__(self) -> HostArray: ...
-        def __abs__(self) -> HostArray: ...
-        def __invert__(self) -> HostArray: ...
 
     # -- metadata ------------------------------------------------------------------------------
 
@@ -1130,59 +1013,96 @@ class HostArray:
                 return NotImplemented
         return _apply_function(self._device, func, args, kwargs)
 
+    # -- operators (CuPy's ``core.pyx``) -------------------------------------------------------
 
-for _name, _out_position in _COMPUTING_METHODS.items():
-    setattr(HostArray, _name, _computing_method(_name, _out_position))
+    __add__ = _binary(np.add, "+")
+    __radd__ = _reflected(np.add, "+")
+    __iadd__ = _inplace(np.add, "+")
+    __sub__ = _binary(np.subtract, "-")
+    __rsub__ = _reflected(np.subtract, "-")
+    __isub__ = _inplace(np.subtract, "-")
+    __mul__ = _binary(np.multiply, "*")
+    __rmul__ = _reflected(np.multiply, "*")
+    __imul__ = _inplace(np.multiply, "*")
+    __truediv__ = _binary(np.true_divide, "/")
+    __rtruediv__ = _reflected(np.true_divide, "/")
+    __itruediv__ = _inplace(np.true_divide, "/")
+    __floordiv__ = _binary(np.floor_divide, "//")
+    __rfloordiv__ = _reflected(np.floor_divide, "//")
+    __ifloordiv__ = _inplace(np.floor_divide, "//")
+    __mod__ = _binary(np.remainder, "%")
+    __rmod__ = _reflected(np.remainder, "%")
+    __imod__ = _inplace(np.remainder, "%")
+    __pow__ = _binary(np.power, "**")
+    __rpow__ = _reflected(np.power, "**")
+    __ipow__ = _inplace(np.power, "**")
+    __matmul__ = _binary(np.matmul, "@")
+    __rmatmul__ = _reflected(np.matmul, "@")
+    __imatmul__ = _inplace(np.matmul, "@")
+    __and__ = _binary(np.bitwise_and, "&")
+    __rand__ = _reflected(np.bitwise_and, "&")
+    __iand__ = _inplace(np.bitwise_and, "&")
+    __or__ = _binary(np.bitwise_or, "|")
+    __ror__ = _reflected(np.bitwise_or, "|")
+    __ior__ = _inplace(np.bitwise_or, "|")
+    __xor__ = _binary(np.bitwise_xor, "^")
+    __rxor__ = _reflected(np.bitwise_xor, "^")
+    __ixor__ = _inplace(np.bitwise_xor, "^")
+    __lshift__ = _binary(np.left_shift, "<<")
+    __rlshift__ = _reflected(np.left_shift, "<<")
+    __ilshift__ = _inplace(np.left_shift, "<<")
+    __rshift__ = _binary(np.right_shift, ">>")
+    __rrshift__ = _reflected(np.right_shift, ">>")
+    __irshift__ = _inplace(np.right_shift, ">>")
+    __divmod__ = _divmod
+    __rdivmod__ = _rdivmod
+    __eq__ = _comparison(np.equal, "==")  # type: ignore[assignment]  # an array, as NumPy's
+    __ne__ = _comparison(np.not_equal, "!=")  # type: ignore[assignment]
+    __lt__ = _comparison(np.less, "<")
+    __le__ = _comparison(np.less_equal, "<=")
+    __gt__ = _comparison(np.greater, ">")
+    __ge__ = _comparison(np.greater_equal, ">=")
+    __neg__ = _unary(np.negative, "-")
+    __pos__ = _unary(np.positive, "+")
+    __abs__ = _unary(np.absolute, "abs")
+    __invert__ = _unary(np.invert, "~")
 
-_OPERATORS: dict[str, tuple[np.ufunc, str]] = {
-    "add": (np.add, "+"),
-    "sub": (np.subtract, "-"),
-    "mul": (np.multiply, "*"),
-    "truediv": (np.true_divide, "/"),
-    "floordiv": (np.floor_divide, "//"),
-    "mod": (np.remainder, "%"),
-    "pow": (np.power, "**"),
-    "matmul": (np.matmul, "@"),
-    "and": (np.bitwise_and, "&"),
-    "or": (np.bitwise_or, "|"),
-    "xor": (np.bitwise_xor, "^"),
-    "lshift": (np.left_shift, "<<"),
-    "rshift": (np.right_shift, ">>"),
-}
-for _name, (_ufunc, _symbol) in _OPERATORS.items():
-    setattr(HostArray, f"__{_name}__", _binary(_ufunc, _symbol))
-    setattr(HostArray, f"__r{_name}__", _reflected(_ufunc, _symbol))
-    setattr(HostArray, f"__i{_name}__", _inplace(_ufunc, _symbol))
-for _name, (_ufunc, _symbol) in {
-    "eq": (np.equal, "=="),
-    "ne": (np.not_equal, "!="),
-    "lt": (np.less, "<"),
-    "le": (np.less_equal, "<="),
-    "gt": (np.greater, ">"),
-    "ge": (np.greater_equal, ">="),
-}.items():
-    setattr(HostArray, f"__{_name}__", _comparison(_ufunc, _symbol))
-for _name, (_ufunc, _symbol) in {
-    "neg": (np.negative, "-"),
-    "pos": (np.positive, "+"),
-    "abs": (np.absolute, "abs"),
-    "invert": (np.invert, "~"),
-}.items():
-    setattr(HostArray, f"__{_name}__", _unary(_ufunc, _symbol))
+    # -- methods computing on the buffer: name, position of ``out`` among positional arguments --
 
-
-def _divmod(self: HostArray, other: Any) -> Any:
-    return _apply_ufunc(self._device, np.divmod, "__call__", (self, other), {})
-
-
-def _rdivmod(self: HostArray, other: Any) -> Any:
-    if type(other) not in SCALAR_TYPES:
-        return _other_operand(self, other, "operator divmod")
-    return _apply_ufunc(self._device, np.divmod, "__call__", (other, self), {})
-
-
-setattr(HostArray, "__divmod__", _divmod)  # noqa: B010 - beside the other operators
-setattr(HostArray, "__rdivmod__", _rdivmod)  # noqa: B010
+    all = _computing_method("all", 1)
+    any = _computing_method("any", 1)
+    argmax = _computing_method("argmax", 1)
+    argmin = _computing_method("argmin", 1)
+    argpartition = _computing_method("argpartition", None)
+    argsort = _computing_method("argsort", None)
+    choose = _computing_method("choose", 1)
+    clip = _computing_method("clip", 2)
+    compress = _computing_method("compress", 2)
+    conj = _computing_method("conj", None)
+    conjugate = _computing_method("conjugate", None)
+    cumprod = _computing_method("cumprod", 2)
+    cumsum = _computing_method("cumsum", 2)
+    diagonal = _computing_method("diagonal", None)
+    dot = _computing_method("dot", 1)
+    flatten = _computing_method("flatten", None)
+    max = _computing_method("max", 1)
+    mean = _computing_method("mean", 2)
+    min = _computing_method("min", 1)
+    nonzero = cast("Callable[..., tuple[HostArray, ...]]", _computing_method("nonzero", None))
+    prod = _computing_method("prod", 2)
+    ravel = _computing_method("ravel", None)
+    repeat = _computing_method("repeat", None)
+    reshape = _computing_method("reshape", None)
+    round = _computing_method("round", 1)
+    searchsorted = _computing_method("searchsorted", None)
+    squeeze = _computing_method("squeeze", None)
+    std = _computing_method("std", 2)
+    sum = _computing_method("sum", 2)
+    swapaxes = _computing_method("swapaxes", None)
+    take = _computing_method("take", 2)
+    trace = _computing_method("trace", 4)
+    transpose = _computing_method("transpose", None)
+    var = _computing_method("var", 2)
 
 
 def _unpickle(data: np.ndarray, device: str) -> HostArray:
