@@ -17,8 +17,8 @@ import pytest
 
 import cupy_parallel
 from cupy_parallel import distributed as dist
+from cupy_parallel._src.averages import average_in_place
 from cupy_parallel._src.distributed import groups
-from cupy_parallel._src.distributed.backend import average_in_place
 from cupy_parallel._src.distributed.work import CompletedWork, Work
 from cupy_parallel.distributed import Backend, ReduceOp
 

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from cupy_parallel import Device
 from cupy_parallel import distributed as dist
+from cupy_parallel._src.averages import decode_average, encode_average
 from cupy_parallel._src.cuda import nccl_comm
 from cupy_parallel._src.cuda import nccl_runtime as cuda_nccl
 from cupy_parallel._src.cuda.nccl_tables import (
@@ -37,7 +38,6 @@ from cupy_parallel._src.cuda.nccl_tables import (
 )
 from cupy_parallel._src.devices import cuda_device_count, cupy_module
 from cupy_parallel._src.distributed import groups, nccl_backend
-from cupy_parallel._src.distributed.backend import decode_average, encode_average
 from cupy_parallel._src.distributed.store import FileStore, TCPStore
 from cupy_parallel._src.enums import Backend, ReduceOp
 from cupy_parallel._src.simcuda import SimulationError, sim_nccl

@@ -26,7 +26,7 @@ Decisions (where torch's ProcessGroupNCCL is the model):
   number of participants. ``AVG`` of integers is exact instead, rounded toward zero: ``ncclAvg``
   sums integers in their own dtype, which wraps (two int8 100s average to -28), so each value
   is first *encoded* in a buffer of its own (``int64`` for integers of up to 32 bits, a quotient
-  and a remainder of the dtype for 64-bit ones: ``distributed.backend.encode_average``), the
+  and a remainder of the dtype for 64-bit ones: ``averages.encode_average``), the
   buffers are reduced with ``SUM`` (which cannot wrap) and the mean is decoded from the sum.
 
 Example:
@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+
+from cupy_parallel._src.averages import integer_average
 
 # The one enum of reductions lives in the bottom layer (enums.py imports nothing).
 from cupy_parallel._src.enums import ReduceOp
@@ -251,9 +253,9 @@ def reduction(dtype: np.dtype[Any], op: ReduceOp, version: int, /) -> Reduction:
     if refused is not None:
         raise TypeError(f"NCCL cannot reduce {dtype} arrays with ReduceOp.{op.name}: {refused}.")
     if wire.family is _Family.INTEGER and op is ReduceOp.AVG:
-        if dtype.itemsize < 8:
-            return Reduction(NcclDataType.INT64, 1, NcclRedOp.SUM, divide=False, encoded=True)
-        return Reduction(wire.datatype, 2, NcclRedOp.SUM, divide=False, encoded=True)
+        summed, parts = cast("tuple[np.dtype[Any], int]", integer_average(dtype))
+        datatype = _WIRE[summed.name].datatype
+        return Reduction(datatype, parts, NcclRedOp.SUM, divide=False, encoded=True)
     if wire.family is _Family.LOGICAL:
         op = _LOGICAL.get(op, op)
     nccl_op = _NCCL_OPS.get(op)

@@ -63,14 +63,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from cupy_parallel._src.averages import average_in_place, decode_average, encode_average
 from cupy_parallel._src.cuda import copies
 from cupy_parallel._src.devices import cupy_module
-from cupy_parallel._src.distributed.backend import (
-    ProcessGroupBackend,
-    average_in_place,
-    decode_average,
-    encode_average,
-)
+from cupy_parallel._src.distributed.backend import ProcessGroupBackend
 from cupy_parallel._src.distributed.mpi_checks import Caller, compare_call, compare_counts
 from cupy_parallel._src.distributed.mpi_job import (
     DEPARTURE_GRACE_S,

@@ -7,7 +7,7 @@ first, and the working dtype: ``float16`` and ``bfloat16`` (``ml_dtypes``) are r
 takes the reductions of floats: bitwise ones are refused.
 ``ReduceOp.AVG`` of integers is exact: integers of up to 32 bits are summed in ``int64``, 64-bit
 integers as a quotient and a remainder (two parts per value), so that the sum never wraps (see
-:func:`~cupy_parallel._src.distributed.backend.integer_average`).
+:func:`~cupy_parallel._src.averages.integer_average`).
 ``MIN``/``MAX`` of floating-point arrays order values totally so that every rank gets the same
 bits: a NaN anywhere gives NaN (NumPy's ``minimum``/``maximum`` propagate NaN; the result is the
 canonical NaN) and ``-0.0 < +0.0`` (IEEE 754-2019 ``minimum``/``maximum``). MPI's built-in
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from cupy_parallel._src.distributed.backend import integer_average
+from cupy_parallel._src.averages import integer_average
 from cupy_parallel._src.distributed.mpi_job import load_mpi
 from cupy_parallel._src.dtypes import is_bfloat16
 from cupy_parallel._src.enums import ReduceOp
@@ -53,7 +53,7 @@ class Plan(NamedTuple):
     """How to reduce one dtype with one op: MPI datatype/op, local ufunc, working dtype.
 
     ``parts`` is 2 for ``AVG`` of 64-bit integers: every value travels as a quotient and a
-    remainder (:func:`~cupy_parallel._src.distributed.backend.encode_average`), so buffers
+    remainder (:func:`~cupy_parallel._src.averages.encode_average`), so buffers
     have shape ``(2, *shape)``; else 1, and buffers have the arrays' shape.
     """
 

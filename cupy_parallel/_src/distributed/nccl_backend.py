@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from cupy_parallel._src.averages import average_in_place, decode_average, encode_average
 from cupy_parallel._src.cuda.nccl_runtime import (
     Communicators,
     device_ids,
@@ -95,12 +96,7 @@ from cupy_parallel._src.cuda.nccl_tables import (
 )
 from cupy_parallel._src.cuda.streams import current_stream, record_event, wait_stream
 from cupy_parallel._src.devices import cupy_module
-from cupy_parallel._src.distributed.backend import (
-    ProcessGroupBackend,
-    average_in_place,
-    decode_average,
-    encode_average,
-)
+from cupy_parallel._src.distributed.backend import ProcessGroupBackend
 from cupy_parallel._src.distributed.mpi_job import thread_rank
 from cupy_parallel._src.distributed.work import Work
 from cupy_parallel._src.enums import Backend, ReduceOp
