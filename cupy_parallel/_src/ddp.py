@@ -196,9 +196,9 @@ def _view(buffer: Any, start: int, stop: int, shape: tuple[int, ...]) -> Any:
 class _Reduction:
     """One reduction of every bucket: buffers filled, communication started in order, waited.
 
-    Filled by :meth:`put` (one parameter's gradient at a time, in any order); bucket ``k``
-    starts once it is complete and buckets ``0..k-1`` have started. :meth:`finish` starts what
-    is left and waits for everything.
+    Filled by :meth:`check_and_put` or, for gradients checked already, :meth:`put` (one
+    parameter's gradient at a time, in any order); bucket ``k`` starts once it is complete and
+    buckets ``0..k-1`` have started. :meth:`finish` starts what is left and waits for everything.
     """
 
     __slots__ = ("_ddp", "buffers", "divisor", "futures", "hook", "next", "pending", "state")
@@ -216,20 +216,27 @@ class _Reduction:
         # the default hook, fused: each gradient divided by the group's size as it is copied
         self.divisor = ddp._world if self.hook is None and ddp._world > 1 else None
 
-    def put(self, i: int, grad: Any) -> Any:
-        """Copy parameter ``i``'s gradient into its bucket; return its view there."""
+    def check_and_put(self, i: int, grad: Any) -> Any:
+        """:meth:`put`, once the gradient is checked against its parameter (the tape's path)."""
         ddp = self._ddp
-        bucket, slot = ddp._where[i]
-        param = ddp._arrays[i]
         if grad is not None:
+            param = ddp._arrays[i]
             if tuple(grad.shape) != tuple(param.shape):
                 raise ValueError(
                     f"The gradient of {ddp._names[i]} has shape {tuple(grad.shape)}, the "
                     f"parameter {tuple(param.shape)}."
                 )
+            bucket, _ = ddp._where[i]
             problem = _placement_problem(f"The gradient of {ddp._names[i]}", "", bucket, grad)
             if problem is not None:
                 raise _ERRORS[problem[0]](problem[1])
+        return self.put(i, grad)
+
+    def put(self, i: int, grad: Any) -> Any:
+        """Copy parameter ``i``'s gradient (checked) into its bucket; return its view there."""
+        ddp = self._ddp
+        bucket, slot = ddp._where[i]
+        param = ddp._arrays[i]
         buffer = self.buffers[bucket.index]
         if buffer is None:
             buffer = self.buffers[bucket.index] = empty(bucket.size, bucket.dtype, bucket.device)
@@ -344,7 +351,7 @@ class _TapeReduction:
             self._seen.add(i)
         if self._shared:
             grad = self._received.setdefault(self.ids[i], grad)
-        view = reduction.put(i, grad)
+        view = reduction.check_and_put(i, grad)
         if len(self._seen) == len(self.ids):
             with self._lock:
                 self._reduction, self._seen, self._received = None, set(), {}
