@@ -1,4 +1,5 @@
-"""gradcheck: low-precision inputs warn (PyTorch's rule), tolerances are validated."""
+"""gradcheck: low-precision inputs warn (PyTorch's rule), tolerances are validated, complex
+numbers are checked as pairs of reals."""
 
 from __future__ import annotations
 
@@ -116,3 +117,111 @@ def test_gradcheck_uses_no_underscored_tape_names() -> None:
     assert not [name for name in imported if name.startswith("_")]
     attributes = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     assert "_pullback" not in attributes
+
+
+# --------------------------------------------------------------------------------------------
+# Complex numbers: each element is two reals, the real part and the imaginary part
+
+C = np.array([0.5 - 0.25j, 2.0j, -1.0 + 0.5j])
+Z = np.array([1.0 + 1.0j, -0.5 + 0.2j, 0.3 - 0.8j])
+X = np.array([0.3, -0.7, 1.1])
+
+
+class ForgetsTheConjugate(cupy_parallel.Function):
+    """``z * C`` whose backward multiplies by ``C``, not by ``conj(C)`` (PyTorch's rule).
+
+    Right wherever ``C`` is real; on complex ``C`` the gradient's imaginary part has the wrong sign.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, z: Any) -> Any:
+        return z * C
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        return g * C
+
+
+class DropsTheImaginaryPart(cupy_parallel.Function):
+    """``z * C`` whose backward keeps only the real part of the right gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, z: Any) -> Any:
+        return z * C
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        return (g * np.conj(C)).real.astype(g.dtype)
+
+
+COMPLEX_CASES = {
+    "multiply": (lambda z: ops.multiply(z, C), [Z]),
+    "real source, complex output": (lambda x: ops.multiply(x, C), [X]),
+    "divide, two sources": (lambda z, x: ops.divide(z, ops.add(x, 2.0)), [Z, X]),
+    "exp": (ops.exp, [Z]),
+    "square": (ops.square, [Z]),
+    "conj": (ops.conj, [Z]),
+    "real part": (ops.real, [Z]),
+    "imaginary part": (ops.imag, [Z]),
+    "abs": (ops.abs, [Z]),
+    "matmul": (lambda z: ops.matmul(ops.reshape(z, (1, 3)), ops.reshape(C, (3, 1))), [Z]),
+}
+
+
+@pytest.mark.parametrize("case", COMPLEX_CASES)
+def test_complex_gradients_pass(case: str) -> None:
+    fn, inputs = COMPLEX_CASES[case]
+    assert gradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("wrong", [ForgetsTheConjugate, DropsTheImaginaryPart])
+def test_a_wrong_complex_gradient_is_caught_and_its_part_named(wrong: Any) -> None:
+    with pytest.raises(GradcheckError, match=r"with respect to input 0 at \(\d,\) \((real|imag)"):
+        gradcheck(wrong.apply, [Z])
+
+
+def test_a_complex_input_beside_a_real_one_is_checked_too() -> None:
+    """The case that passed before: the complex input was passed through, the output's
+    imaginary part dropped with only NumPy's ComplexWarning, and gradcheck said True."""
+    with pytest.raises(GradcheckError, match=r"with respect to input 1 at \(\d,\) \((real|imag)"):
+        gradcheck(lambda x, z: ops.multiply(x, ForgetsTheConjugate.apply(z)), [X, Z])
+
+
+def test_complex64_warns_and_is_checked_in_complex128_on_its_device() -> None:
+    z = to_device(Z.astype(np.complex64), "host:1")
+    seen = []
+
+    def fn(z: Any) -> Any:
+        seen.append((cupy_parallel.device_of(z), z.dtype))
+        return ops.multiply(z, to_device(C, "host:1"))
+
+    with pytest.warns(UserWarning, match="complex64.*complex128 copy"):
+        assert gradcheck(fn, [z])
+    assert set(seen) == {(cupy_parallel.as_device("host:1"), np.dtype(np.complex128))}
+    with pytest.warns(UserWarning, match="complex64"), pytest.raises(GradcheckError):
+        gradcheck(ForgetsTheConjugate.apply, [Z.astype(np.complex64)])
+
+
+def test_torch_agrees_on_which_complex_gradients_are_right() -> None:
+    """A second oracle: PyTorch's own gradcheck on the same functions (skipped without it)."""
+    torch = pytest.importorskip("torch")
+
+    def torch_gradcheck(backward: Any) -> bool:
+        class Multiply(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, z: Any) -> Any:
+                return z * torch.from_numpy(C)
+
+            @staticmethod
+            def backward(ctx: Any, g: Any) -> Any:
+                return backward(g)
+
+        z = torch.tensor(Z, requires_grad=True)
+        return bool(torch.autograd.gradcheck(Multiply.apply, (z,), raise_exception=False))
+
+    c = torch.from_numpy(C)
+    assert torch_gradcheck(lambda g: g * c.conj())
+    assert gradcheck(lambda z: ops.multiply(z, C), [Z])
+    assert not torch_gradcheck(lambda g: g * c)
+    with pytest.raises(GradcheckError):
+        gradcheck(ForgetsTheConjugate.apply, [Z])

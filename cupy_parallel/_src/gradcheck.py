@@ -68,14 +68,22 @@ def gradcheck(
 ) -> bool:
     """Compare the Jacobian the tape computes for ``fn(*inputs)`` with central differences.
 
-    Floating-point array inputs are differentiated, in float64 on their own devices; other
-    inputs are passed through. Finite differences need float64: a float16/float32 input draws a
-    ``UserWarning`` (PyTorch's ``gradcheck`` warns on non-double inputs too) and is checked on a
-    float64 copy, so the check tests the math of ``fn``, not its rounding in low precision.
+    Floating-point and complex array inputs are differentiated, in float64 (complex128) on their
+    own devices; other inputs are passed through. Finite differences need double precision: a
+    float16/float32/complex64 input draws a ``UserWarning`` (PyTorch's ``gradcheck`` warns on
+    non-double inputs too) and is checked on a double copy, so the check tests the math of
+    ``fn``, not its rounding in low precision.
     ``fn`` returns an array or a pytree of arrays. Every Jacobian entry ``(output element, input
     element)`` must satisfy ``|analytic - numeric| <= atol + rtol * |numeric|``;
-    analytic columns come from one tape gradient per output element (outputs that do not depend
+    analytic rows come from one tape gradient per output element (outputs that do not depend
     on the inputs have a zero Jacobian).
+
+    Complex numbers count as pairs of reals, as in PyTorch's convention for complex gradients
+    (a real loss ``L`` gives a complex source ``z`` the gradient ``dL/dRe(z) + i dL/dIm(z)``):
+    the finite differences step the real and the imaginary part of each complex input element,
+    and each complex output element gives two rows, its real part (the tape's gradient for the
+    seed ``1``) and its imaginary part (for the seed ``1j``). So both parts of every complex
+    gradient are checked; a mismatch names the part.
 
     Args:
         fn: the function to check, built from differentiable operations.
@@ -91,11 +99,12 @@ def gradcheck(
         GradcheckError: naming the worst entry (output, input, indices, both values).
         TypeError: ``inputs`` is not a sequence, ``fn`` returns non-arrays, or ``eps``,
             ``atol`` or ``rtol`` is not a real number.
-        ValueError: no floating-point array input, ``eps`` not positive and finite, or
-            ``atol``/``rtol`` negative or not finite.
+        ValueError: no floating-point or complex array input, ``eps`` not positive and
+            finite, or ``atol``/``rtol`` negative or not finite.
 
     Warns:
-        UserWarning: a floating-point input is not float64 (it is checked in float64).
+        UserWarning: a floating-point input is not float64, or a complex one not complex128
+            (it is checked in double precision).
 
     Example:
         >>> import numpy as np
@@ -118,20 +127,23 @@ def gradcheck(
     )
     args = list(inputs)
     for i, x in enumerate(args):
-        if is_array(x) and x.dtype.kind == "f" and x.dtype != np.float64:
+        double = _DOUBLE.get(x.dtype.kind) if is_array(x) else None
+        if double is not None and x.dtype != double:
             warnings.warn(
-                f"gradcheck input {i} has dtype {x.dtype}; finite differences need float64, so "
-                "it is checked on a float64 copy. Pass x.astype(numpy.float64) to check in "
-                "float64 explicitly.",
+                f"gradcheck input {i} has dtype {x.dtype}; finite differences need double "
+                f"precision, so it is checked on a {double} copy. Pass x.astype(numpy.{double}) "
+                f"to check in {double} explicitly.",
                 UserWarning,
                 stacklevel=2,
             )
-            args[i] = on_device_of(x, x.astype, np.float64)
-    wrt = [i for i, x in enumerate(args) if is_array(x) and x.dtype.kind == "f"]
+            args[i] = on_device_of(x, x.astype, double)
+    wrt = [i for i, x in enumerate(args) if is_array(x) and x.dtype.kind in _DOUBLE]
     if not wrt:
-        raise ValueError("gradcheck needs at least one floating-point array among inputs.")
+        raise ValueError(
+            "gradcheck needs at least one floating-point or complex array among inputs."
+        )
 
-    shapes, numeric = _numeric_jacobian(fn, args, wrt, eps)  # [output][input]: (out, in)
+    outputs, numeric = _numeric_jacobian(fn, args, wrt, eps)  # [output][input]: (out, in)
     analytic = _analytic_jacobian(fn, args, wrt)
     worst: tuple[float, str] | None = None
     for o, per_input in enumerate(numeric):
@@ -141,11 +153,12 @@ def gradcheck(
             if not excess.size or excess.max() <= 0 or (worst and excess.max() <= worst[0]):
                 continue
             r, c = (int(i) for i in np.unravel_index(int(np.argmax(excess)), excess.shape))
+            source = args[wrt[k]]
             worst = (
                 float(excess.max()),
                 (
-                    f"output {o} at {_index(r, shapes[o])} with respect to input {wrt[k]} at "
-                    f"{_index(c, args[wrt[k]].shape)}: numerical {num[r, c]:.6g}, analytical "
+                    f"output {o} at {_where(r, outputs[o])} with respect to input {wrt[k]} at "
+                    f"{_where(c, source)}: numerical {num[r, c]:.6g}, analytical "
                     f"{ana[r, c]:.6g} (|difference| {abs(num[r, c] - ana[r, c]):.3g} exceeds "
                     f"atol + rtol * |numerical| with atol={atol}, rtol={rtol})"
                 ),
@@ -164,11 +177,28 @@ def _read_tolerance(value: Any, name: str, *, positive: bool) -> float:
     return value
 
 
+_DOUBLE = {"f": np.dtype(np.float64), "c": np.dtype(np.complex128)}
+"""The dtype finite differences use, by dtype kind: the kinds gradcheck differentiates."""
+
+
 def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(i) for i in np.unravel_index(flat, shape))
 
 
-def _perturbed(x: Any, j: int, step: float) -> Any:
+def _where(row: int, x: Any) -> str:
+    """Which element (and, for a complex ``x``, which part) row or column ``row`` stands for."""
+    if x.dtype.kind != "c":
+        return str(_index(row, x.shape))
+    part = "imaginary" if row % 2 else "real"
+    return f"{_index(row // 2, x.shape)} ({part} part)"
+
+
+def _steps(x: Any, eps: float) -> list[complex | float]:
+    """The finite-difference steps of each element of ``x``: the real, then the imaginary part."""
+    return [eps, eps * 1j] if x.dtype.kind == "c" else [eps]
+
+
+def _perturbed(x: Any, j: int, step: complex | float) -> Any:
     def perturb() -> Any:
         shifted = x.copy()
         index = _index(j, x.shape)
@@ -178,34 +208,49 @@ def _perturbed(x: Any, j: int, step: float) -> Any:
     return on_device_of(x, perturb)
 
 
-def _one_hot(y: Any, j: int) -> Any:
+def _one_hot(y: Any, j: int, value: complex | float) -> Any:
     seed = zeros_like(y)  # may keep y's memory layout: index it, never a reshaped copy
-    on_device_of(seed, seed.__setitem__, _index(j, y.shape), 1)
+    on_device_of(seed, seed.__setitem__, _index(j, y.shape), value)
     return seed
 
 
 def _numeric_jacobian(
     fn: Callable[..., Any], args: list[Any], wrt: list[int], eps: float
-) -> tuple[list[tuple[int, ...]], list[list[np.ndarray]]]:
+) -> tuple[list[Any], list[list[np.ndarray]]]:
     base = _outputs(fn, args)
     columns: list[list[list[np.ndarray]]] = [[[] for _ in wrt] for _ in base]
     for k, i in enumerate(wrt):
         for j in range(args[i].size):
-            plus, minus = (
-                [_flat(y) for y in _call(fn, args, i, _perturbed(args[i], j, step))]
-                for step in (eps, -eps)
-            )
-            for o, (p, m) in enumerate(zip(plus, minus, strict=True)):
-                columns[o][k].append((p - m) / (2 * eps))
+            for step in _steps(args[i], eps):
+                plus, minus = (
+                    [_flat(y) for y in _call(fn, args, i, _perturbed(args[i], j, sign * step))]
+                    for sign in (1, -1)
+                )
+                for o, (p, m) in enumerate(zip(plus, minus, strict=True)):
+                    columns[o][k].append((p - m) / (2 * eps))
     jacobians = [
-        [np.stack(c, axis=1) if c else np.zeros((y.size, 0)) for c in per_input]
+        [np.stack(c, axis=1) if c else np.zeros((_real_size(y), 0)) for c in per_input]
         for y, per_input in zip(base, columns, strict=True)
     ]
-    return [y.shape for y in base], jacobians
+    return base, jacobians
 
 
-def _flat(y: Any) -> np.ndarray:
-    return _host(y).astype(np.float64).ravel()
+def _real_size(x: Any) -> int:
+    """How many real numbers ``x`` holds: a complex element is two."""
+    return x.size * (2 if x.dtype.kind == "c" else 1)
+
+
+def _flat(y: Any, *, pairs: bool | None = None) -> np.ndarray:
+    """``y``'s values as float64, flat; with ``pairs`` each element as its real and imaginary part.
+
+    ``pairs`` defaults to whether ``y`` is complex; a gradient takes its source's (a complex
+    source's real gradient is complex with a zero imaginary part).
+    """
+    host = _host(y)
+    if host.dtype.kind == "c" if pairs is None else pairs:
+        host = host.astype(np.complex128)
+        return np.stack([host.real, host.imag], axis=-1).ravel()
+    return host.astype(np.float64).ravel()
 
 
 def _call(fn: Callable[..., Any], args: list[Any], i: int, value: Any) -> list[Any]:
@@ -225,11 +270,20 @@ def _analytic_jacobian(
     for y in outputs:
         rows: list[list[np.ndarray]] = [[] for _ in wrt]
         for j in range(y.size):
-            seed = _one_hot(y, j)
-            grads = pullback(tape, [y], [seed], sources) if tape.tracks(y) else [None] * len(wrt)
-            for k, g in enumerate(grads):
-                rows[k].append(np.zeros(sources[k].size) if g is None else _flat(g))
+            for value in _steps(y, 1.0):  # the real part's row, then the imaginary part's
+                seed = _one_hot(y, j, value)
+                tracked = tape.tracks(y)
+                grads = pullback(tape, [y], [seed], sources) if tracked else [None] * len(wrt)
+                for k, g in enumerate(grads):
+                    source = sources[k]
+                    pairs = source.dtype.kind == "c"
+                    rows[k].append(
+                        np.zeros(_real_size(source)) if g is None else _flat(g, pairs=pairs)
+                    )
         jacobians.append(
-            [np.stack(r) if r else np.zeros((0, sources[k].size)) for k, r in enumerate(rows)]
+            [
+                np.stack(r) if r else np.zeros((0, _real_size(sources[k])))
+                for k, r in enumerate(rows)
+            ]
         )
     return jacobians
