@@ -504,6 +504,34 @@ def test_bf16_hook_averages_in_bfloat16_on_thread_ranks(ranks: int) -> None:
             np.testing.assert_array_equal(reduced[k], oracle([g[k] for g in grads]), err_msg=k)
 
 
+@pytest.mark.parametrize("device", ["cpu", "host:1"])
+def test_fp16_compress_hook_sends_both_parts_of_a_complex_bucket(device: str) -> None:
+    """Each part in float16, averaged as a real bucket of twice the length would be: the
+    oracle is the MPI backend's float16 average (each part divided in float16, the ranks' parts
+    summed in float32, rounded once). Casting the complex bucket, as torch does, keeps the real
+    parts only."""
+    ranks = 2
+    rng = np.random.default_rng(8)
+    flats = [rng.normal(size=5) + 1j * rng.normal(size=5) for _ in range(ranks)]
+
+    def average(parts: list[np.ndarray]) -> np.ndarray:
+        divided = [(p.astype(np.float16) / np.float16(ranks)).astype(np.float32) for p in parts]
+        return sum(divided).astype(np.float16).astype(np.float64)  # type: ignore[no-any-return]
+
+    expected = average([f.view(np.float64) for f in flats]).view(np.complex128)
+
+    def program(rank: int) -> Any:
+        flat = cp.to_device(flats[rank], device)
+        bucket = GradBucket(0, flat, [cp.to_device(np.zeros(5, complex), device)], [(0, 5)])
+        reduced = default_hooks.fp16_compress_hook(None, bucket).wait()
+        assert reduced is flat  # written back into the bucket's buffer, as torch's hook
+        return cp.to_device(reduced, "cpu")
+
+    for reduced in dist.spawn(program, ranks):
+        np.testing.assert_array_equal(reduced, expected)
+    assert np.all(expected.imag != 0)
+
+
 @pytest.mark.usefixtures("world")
 def test_second_derivatives_through_the_average_are_refused() -> None:
     ddp = cp.DistributedDataParallel(_model, _params())

@@ -382,7 +382,8 @@ def _describe(
 ) -> tuple[str, list[tuple[str, tuple[int, ...], str, str]], list[tuple[str, str]]]:
     """What must agree across ranks: the structure, and each array leaf's shape/dtype/kind.
 
-    Also the local problems (``(error type, message)``): array leaves that are not floating.
+    Also the local problems (``(error type, message)``): array leaves neither floating-point nor
+    complex.
     """
     entries, problems = [], []
     for name, leaf in zip(names, leaves, strict=True):
@@ -390,14 +391,14 @@ def _describe(
             continue
         kind = device_of(leaf).kind
         entries.append((name, tuple(leaf.shape), str(leaf.dtype), f"{type(leaf).__name__}/{kind}"))
-        if leaf.dtype.kind != "f":
+        if leaf.dtype.kind not in "fc":
             problems.append(
                 (
                     "TypeError",
                     (
-                        f"DistributedDataParallel trains floating-point arrays, but {name} has "
-                        f"dtype {leaf.dtype}. Cast it first (array.astype(numpy.float32)) or keep "
-                        "it out of params."
+                        f"DistributedDataParallel trains floating-point and complex arrays, but "
+                        f"{name} has dtype {leaf.dtype}. Cast it first "
+                        "(array.astype(numpy.float32)) or keep it out of params."
                     ),
                 )
             )
@@ -480,8 +481,8 @@ class DistributedDataParallel(Generic[Params, Output]):
     - Construction broadcasts the parameters from the group's first rank **in place** (as torch
       overwrites a module's parameters): ``ddp.params`` is the pytree passed, its arrays now
       holding rank 0's values. First the ranks compare the structure, shapes, dtypes and array
-      types of their parameters (and the options): a difference, or a non-floating parameter
-      on any rank, raises the same error on every rank.
+      types of their parameters (and the options): a difference, or a parameter neither
+      floating-point nor complex on any rank, raises the same error on every rank.
     - A forward call watches the parameters on **every active tape** and hooks them once per
       tape: any tape that recorded a forward outside :meth:`no_sync` averages the parameters'
       gradients in each of its ``gradient()`` passes (a persistent tape in each), whatever
@@ -544,6 +545,12 @@ class DistributedDataParallel(Generic[Params, Output]):
       by a pytree of the same structure, shapes, dtypes and devices; nothing is broadcast
       then. A NumPy scalar where a 0-d NumPy array of its dtype was (NumPy's arithmetic on
       0-d arrays returns scalars) is taken as ``numpy.asarray`` of it (see :attr:`params`).
+    - Complex parameters (torch's DDP takes them too) get gradients in PyTorch's convention
+      (``dL/dRe + i dL/dIm``), averaged as they are: a complex bucket is summed element-wise
+      (the real and imaginary parts separately, exactly as pairs of reals; NCCL reduces it so).
+      The compression hooks send a complex bucket as its real and imaginary parts in
+      float16/bfloat16 (torch casts a complex bucket to ``float16``, dropping the imaginary
+      part with a warning).
     - A gradient must live where its parameter does, as a GPU's kernels insist: an array of
       the parameter's type on its device (a NumPy gradient for a ``host:0`` parameter raises
       ``TypeError``, a ``host:1`` one ``ValueError``), in a backward pass and in
@@ -551,8 +558,8 @@ class DistributedDataParallel(Generic[Params, Output]):
 
     Args:
         fn: The module function, called as ``fn(params, *inputs, **kwargs)``.
-        params: Its parameter pytree; array leaves must be floating-point (other leaves are
-            passed through).
+        params: Its parameter pytree; array leaves must be floating-point or complex (other
+            leaves are passed through).
         process_group: The group to average over (``None``: the default group).
         bucket_cap_mb: The size cap of a bucket in MiB (with the default, 25, the first
             bucket's is 1 MiB, as torch's without ``bucket_cap_mb``).
@@ -560,8 +567,8 @@ class DistributedDataParallel(Generic[Params, Output]):
 
     Raises:
         TypeError: ``fn`` or ``process_group`` has a wrong type, ``bucket_cap_mb`` is not a
-            number, ``broadcast_params`` not a bool, or a parameter is not floating-point (on
-            every rank).
+            number, ``broadcast_params`` not a bool, or a parameter is neither floating-point
+            nor complex (on every rank).
         ValueError: ``bucket_cap_mb`` is not positive, or the ranks' parameters differ (on
             every rank).
         RuntimeError: No process group is initialised.

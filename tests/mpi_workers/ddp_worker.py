@@ -562,6 +562,63 @@ def check_average_is_the_reduction_model(s: Setting = F64) -> None:
         )
 
 
+def check_complex_parameters(s: Setting = F64) -> None:
+    """Complex parameters (complex128 and complex64 beside a real one) against NumPy's gradient.
+
+    The model ``Re(Xc @ w + 1j * b) + X @ v`` with a complex batch ``Xc``; for the mean square
+    loss with residual ``r`` the gradients in PyTorch's convention (``dL/dRe + i dL/dIm``) are
+    ``conj(Xc).T @ g``, ``-1j * sum(g)`` and ``X.T @ g`` with ``g = 2 r / N``.
+    """
+    rng = np.random.default_rng(5)
+    k = SIZES[0]
+    xc = rng.normal(size=(N, k)) + 1j * rng.normal(size=(N, k))
+    x, y = data()
+
+    def put(a: Any, dtype: str) -> Any:
+        return Setting(s.kind, dtype)._put(a)
+
+    def make() -> dict[str, Any]:
+        r = np.random.default_rng(6)
+        return {
+            "w": put(r.normal(size=(k, 1)) + 1j * r.normal(size=(k, 1)), "complex128"),
+            "b": put(r.normal(size=1) + 1j * r.normal(size=1), "complex64"),
+            "v": put(r.normal(size=(k, 1)), "float64"),
+        }
+
+    def model(p: dict[str, Any], xc: Any, x: Any) -> Any:
+        shifted = ops.add(ops.matmul(xc, p["w"]), ops.multiply(p["b"], 1j))
+        return ops.add(ops.real(shifted), ops.matmul(x, p["v"]))
+
+    start = {name: numpy_of(a) for name, a in make().items()}
+    residual = (xc @ start["w"] + 1j * start["b"].astype(np.complex128)).real + x @ start["v"] - y
+    g = 2 * residual / N
+    expected = {"b": -1j * g.sum(axis=0), "v": x.T @ g, "w": xc.conj().T @ g}
+
+    def gradient(ddp: Any) -> Any:
+        with cp.Tape() as tape:
+            out = ddp(put(shard(xc), "complex128"), put(shard(x), "float64"))
+            loss = ops.mean(ops.square(ops.subtract(out, put(shard(y), "float64"))))
+        return tape.gradient(loss, ddp.params)
+
+    ddp = cp.DistributedDataParallel(model, make())
+    assert sorted(str(b.dtype) for b in ddp._buckets) == ["complex128", "complex64", "float64"]
+    grads = gradient(ddp)
+    for name, want in expected.items():
+        got = grads[name]
+        assert got.dtype == ddp.params[name].dtype, f"{got.dtype} gradient of {name}"
+        assert type(got) is type(ddp.params[name]), f"{type(got).__name__} gradient of {name}"
+        tol = 1e-6 if got.dtype == np.complex64 else 1e-12
+        close(got, want, f"{s} complex DDP gradient of {name}", tol=tol)
+    equal_on_every_rank(grads, "complex DDP gradient")
+
+    compressed = cp.DistributedDataParallel(model, make())
+    compressed.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    grads = gradient(compressed)
+    for name, want in expected.items():  # both parts arrive, each rounded to float16
+        close(grads[name], want, f"{s} fp16_compress_hook on complex {name}", tol=2e-3)
+        assert np.any(numpy_of(grads[name]).imag != 0) == np.any(want.imag != 0), name
+
+
 def _on_thread_rank() -> bool:
     from cupy_parallel._src.distributed.mpi_job import thread_rank
 
@@ -589,6 +646,7 @@ FLOAT64_ONLY = [
     check_second_derivative_refused,
     check_mixed_dtypes_one_bucket_each,
     check_one_array_at_two_leaves,
+    check_complex_parameters,
 ]
 CHECKS: list[tuple[Any, Setting]] = [
     *[(check, F64) for check in LOW_PRECISION],
@@ -597,6 +655,7 @@ CHECKS: list[tuple[Any, Setting]] = [
     (check_no_sync_accumulation, HOST),
     (check_first_bucket_starts_during_backward, HOST),
     (check_average_is_the_reduction_model, HOST),
+    (check_complex_parameters, HOST),
     *[(check, setting) for setting in (CPU32, CPU16) for check in LOW_PRECISION],
 ]
 

@@ -195,18 +195,28 @@ def allreduce_hook(process_group: Any, bucket: GradBucket) -> Future[Any]:
 
 
 def _compress_hook(process_group: Any, bucket: GradBucket, dtype: Any) -> Future[Any]:
-    """Reduce the bucket in ``dtype``, write the average back into its buffer."""
-    buffer = bucket.buffer()
-    compressed = buffer.astype(dtype)
+    """Reduce the bucket in ``dtype``, write the average back into its buffer.
+
+    A complex bucket travels as its real and imaginary parts (``dtype`` is real): casting it
+    would drop the imaginary parts.
+    """
+    compressed = _parts(bucket.buffer()).astype(dtype)
     compressed /= _world_size(process_group)
     work = all_reduce(compressed, group=process_group, async_op=True)
 
     def decompress(future: Future[Any]) -> Any:
         out = bucket.buffer()
-        out[...] = future.value()[0]
+        _parts(out)[...] = future.value()[0]
         return out
 
     return PolledFuture.of_work(work).then(decompress)
+
+
+def _parts(buffer: Any) -> Any:
+    """A flat complex buffer as a view of its real and imaginary parts; a real one as it is."""
+    if buffer.dtype.kind != "c":
+        return buffer
+    return buffer.view(np.dtype(f"f{buffer.dtype.itemsize // 2}"))
 
 
 def fp16_compress_hook(process_group: Any, bucket: GradBucket) -> Future[Any]:
@@ -215,7 +225,8 @@ def fp16_compress_hook(process_group: Any, bucket: GradBucket) -> Future[Any]:
     torch's ``default_hooks.fp16_compress_hook``: the buffer is cast to ``float16`` and divided
     by the group's size, all-reduced (sum), and the result is written back into the bucket's
     buffer, which the future holds. The ``"mpi"`` backend sums ``float16`` in ``float32`` and
-    rounds once.
+    rounds once. A complex buffer is sent as its real and imaginary parts, each in ``float16``
+    (torch casts it to ``float16``, which keeps the real parts only).
 
     Example:
         >>> import numpy as np
