@@ -71,6 +71,18 @@ def test_epochs_reshuffle_and_seeds_agree() -> None:
     np.testing.assert_array_equal(a, dist.shard_indices(100, rank=0, world_size=2, seed=3))
 
 
+@pytest.mark.parametrize(("seed", "epoch"), [(-1, 0), (-5, 2), (-(2**63), 0), (-3, 3)])
+def test_negative_seeds_are_taken_as_torch_takes_them(seed: int, epoch: int) -> None:
+    # torch's DistributedSampler seeds torch.Generator.manual_seed(seed + epoch), which takes
+    # a negative seed as its 64-bit two's complement (seed -1 is seed 2**64 - 1): so does
+    # shard_indices, where NumPy's default_rng refused it without naming the argument.
+    got = dist.shard_indices(10, rank=0, world_size=1, seed=seed, epoch=epoch)
+    expected = np.random.default_rng((seed + epoch) % 2**64).permutation(10)
+    np.testing.assert_array_equal(got, expected)
+    again = dist.shard_indices(10, rank=0, world_size=1, seed=(seed + epoch) % 2**64)
+    np.testing.assert_array_equal(got, again)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -92,3 +104,34 @@ def test_the_default_group_gives_rank_and_world_size() -> None:
         np.testing.assert_array_equal(dist.shard_indices(5, shuffle=False), np.arange(5))
     finally:
         dist.destroy_process_group()
+
+
+def test_unshuffled_shards_equal_live_torchs_on_a_grid() -> None:
+    """Every rank's shard of every data set of 0-40 samples over 1-5 ranks is torch's."""
+    torch_data = pytest.importorskip("torch.utils.data")
+    for n in range(41):
+        for world in range(1, 6):
+            for drop_last in (False, True):
+                for rank in range(world):
+                    sampler = torch_data.DistributedSampler(
+                        range(n), num_replicas=world, rank=rank, shuffle=False, drop_last=drop_last
+                    )
+                    sampler.set_epoch(3)  # no effect without shuffling, in both
+                    got = dist.shard_indices(
+                        n, rank=rank, world_size=world, shuffle=False, epoch=3, drop_last=drop_last
+                    )
+                    assert got.tolist() == list(sampler), (n, world, rank, drop_last)
+                    assert len(got) == len(sampler)
+
+
+def test_torch_takes_a_negative_seed_as_its_twos_complement() -> None:
+    """The oracle of the negative-seed convention above: torch's sampler, seed -1 and 2**64 - 1."""
+    torch_data = pytest.importorskip("torch.utils.data")
+
+    def torchs(seed: int, epoch: int) -> list[int]:
+        sampler = torch_data.DistributedSampler(range(10), num_replicas=1, rank=0, seed=seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    assert torchs(-1, 0) == torchs(2**64 - 1, 0)
+    assert torchs(-5, 2) == torchs(2**64 - 3, 0)

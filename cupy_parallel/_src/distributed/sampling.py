@@ -7,7 +7,9 @@ start up to a multiple of the world size (or cut down with ``drop_last``), then 
 ``world_size``-th element from ``rank``. :func:`shard_indices` applies the same rules to a NumPy
 permutation: without shuffling the shards are torch's, element for element; with shuffling the
 permutation is NumPy's (``numpy.random.default_rng(seed + epoch)``), not torch's, so the
-samples differ from torch's while every rank still agrees on them.
+samples differ from torch's while every rank still agrees on them. A negative ``seed + epoch``
+is taken as torch's ``Generator.manual_seed`` takes it, as its 64-bit two's complement
+(``-1`` is ``2**64 - 1``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import numpy as np
 from cupy_parallel._src.arguments import read_bool, read_int
 
 __all__ = ["shard_indices"]
+
+_SEED_MODULUS = 2**64
 
 
 def shard_indices(
@@ -37,7 +41,8 @@ def shard_indices(
         world_size: How many ranks share the data; default: the default group's size.
         shuffle: Permute the samples (the same permutation on every rank for ``seed`` and
             ``epoch``); otherwise take them in order.
-        seed: The permutation's seed; every rank must pass the same.
+        seed: The permutation's seed; every rank must pass the same. Negative seeds are
+            accepted, as torch's: ``seed + epoch`` below 0 counts from ``2**64``.
         epoch: Added to ``seed``: pass the epoch number for a new permutation each epoch (what
             ``DistributedSampler.set_epoch`` does).
         drop_last: Drop the tail that does not divide evenly; otherwise repeat the first samples
@@ -72,6 +77,8 @@ def shard_indices(
         raise ValueError(f"rank must be in [0, world_size) = [0, {size}), got {me}.")
     shuffled = read_bool(shuffle, "shuffle")
     start = read_int(seed, "seed") + read_int(epoch, "epoch", minimum=0)
+    if start < 0:  # torch's manual_seed: a negative seed is its 64-bit two's complement
+        start %= _SEED_MODULUS
     cut = read_bool(drop_last, "drop_last")
     per_rank = count // size if cut else -(-count // size)  # torch's num_samples
     total = per_rank * size
