@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,8 @@ RANK_VARS = [
     "WORLD_SIZE",
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",  # torchrun's: the node's rank and the number of nodes
+    "GROUP_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
     "CUPY_PARALLEL_BACKEND",
@@ -146,6 +149,8 @@ def test_each_rank_gets_its_variables_and_the_script_arguments(tmp_path: Path) -
                 "WORLD_SIZE": "3",
                 "LOCAL_RANK": str(r),
                 "LOCAL_WORLD_SIZE": "3",
+                "GROUP_RANK": "0",
+                "GROUP_WORLD_SIZE": "1",
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": port,
                 "CUPY_PARALLEL_BACKEND": "nccl",
@@ -193,12 +198,59 @@ def test_ranks_of_a_later_node_are_numbered_after_the_earlier_nodes(tmp_path: Pa
             "WORLD_SIZE": "6",
             "LOCAL_RANK": str(local),
             "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1",
+            "GROUP_WORLD_SIZE": "3",
             "MASTER_ADDR": "10.0.0.7",
             "MASTER_PORT": "29999",
             "CUPY_PARALLEL_BACKEND": "nccl",
         }
         for local in range(2)
     ]
+
+
+def test_two_nodes_see_the_variables_torchrun_gives(tmp_path: Path) -> None:
+    """Live oracle: torchrun's static rendezvous over two nodes (two agents on this machine)
+    gives every rank the same torch-contract variables as two launchers do."""
+    pytest.importorskip("torch.distributed.run")
+    contract = RANK_VARS[: RANK_VARS.index("MASTER_PORT")]  # the port is picked; ours own names
+
+    def two_nodes(command: list[str], port: int, out: str) -> None:
+        place = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+        nodes = [
+            subprocess.Popen(
+                [
+                    *command,
+                    *place,
+                    "--master-port",
+                    str(port),
+                    "--node-rank",
+                    str(node),
+                    script,
+                    out,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for node in (0, 1)
+        ]
+        assert [node.wait(timeout=120) for node in nodes] == [0, 0]
+
+    script = _script(tmp_path, ENV_SCRIPT)
+    theirs, ours = _outdir(tmp_path), str(tmp_path / "ours")
+    os.mkdir(ours)
+    two_nodes([sys.executable, "-m", "torch.distributed.run"], _free_port(), theirs)
+    two_nodes(
+        [sys.executable, "-m", "cupy_parallel", "launch", "--backend", "nccl"], _free_port(), ours
+    )
+    expected = [{k: r["env"][k] for k in contract} for r in _read_ranks(theirs, 4)]
+    assert [{k: r["env"][k] for k in contract} for r in _read_ranks(ours, 4)] == expected
+    assert expected[3]["GROUP_RANK"] == "1"  # the oracle did run two nodes
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,6 +539,8 @@ def test_mpi_backend_runs_the_ranks_under_mpiexec(tmp_path: Path) -> None:
                 "WORLD_SIZE": "2",
                 "LOCAL_RANK": str(r),
                 "LOCAL_WORLD_SIZE": "2",
+                "GROUP_RANK": "0",
+                "GROUP_WORLD_SIZE": "1",
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": port,
                 "CUPY_PARALLEL_BACKEND": "mpi",

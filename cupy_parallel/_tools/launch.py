@@ -3,7 +3,9 @@
 ``cupy-parallel launch --nproc-per-node N script.py args...`` starts ``N`` copies of
 ``python script.py args...`` on this node, each with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, so that
-``init_process_group(backend)`` (``env://``) finds the others. Several nodes: run it on each node
+``init_process_group(backend)`` (``env://``) finds the others, and torchrun's ``GROUP_RANK``
+(``--node-rank``) and ``GROUP_WORLD_SIZE`` (``--nnodes``); torchelastic's ``TORCHELASTIC_*``
+are not set (there is no elastic agent). Several nodes: run it on each node
 with the same ``--nnodes``, ``--master-addr`` and ``--master-port`` and that node's
 ``--node-rank``. With ``--backend mpi`` the ranks run under ``mpiexec -n N`` instead (one node);
 every rank still sees the same variables (a small wrapper per rank sets them from the MPI
@@ -390,6 +392,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     shared = dict(os.environ, MASTER_ADDR=args.master_addr, MASTER_PORT=str(port))
+    shared.update(GROUP_RANK=str(node_rank), GROUP_WORLD_SIZE=str(nnodes))  # torchrun's node vars
     shared["CUPY_PARALLEL_BACKEND"] = backend
     script = [args.script, *args.script_args]
     if backend != LaunchBackend.MPI.value:
