@@ -214,6 +214,11 @@ def test_bad_init_methods_are_named(init_method: str, rank: int, size: int, mess
         ({"MASTER_ADDR": HOST, "MASTER_PORT": "http"}, r"MASTER_PORT must be a port .*'http'"),
         ({"MASTER_ADDR": HOST, "MASTER_PORT": "0"}, r"MASTER_PORT must be a port .*'0'"),
         ({"RANK": "first"}, r"environment variable RANK must be an integer, got 'first'"),
+        # -1 is the arguments' "not given": set in the environment, it is a bad value, not a
+        # missing one (it was reported as "needs rank: pass rank=... or add ?rank=...").
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, r"environment variable RANK must be >= 0, got -1"),
+        ({"RANK": "0", "WORLD_SIZE": "-1"}, r"variable WORLD_SIZE must be >= 1, got -1"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, r"variable WORLD_SIZE must be >= 1, got 0"),
         ({"PMI_RANK": "0", "PMI_SIZE": "zero"}, r"PMI_SIZE must be an integer >= 1, got 'zero'"),
     ],
 )
@@ -223,8 +228,9 @@ def test_bad_environments_are_named(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     rank = -1 if "RANK" in env or "PMI_RANK" in env else 0
+    size = -1 if "PMI_SIZE" in env or "WORLD_SIZE" in env else 1
     with pytest.raises(ValueError, match=message):
-        rendezvous("env://", rank, -1 if "PMI_SIZE" in env else 1, timeout=FIVE)
+        rendezvous("env://", rank, size, timeout=FIVE)
 
 
 def test_argument_types_are_checked() -> None:

@@ -164,7 +164,8 @@ def _from_env(url: ParseResult, place: _Place, timeout: float) -> tuple[Store, _
     detected = detect_launch_env()
     fallback = {"rank": detected.get("rank"), "world_size": detected.get("world_size")}
     values = list(place)
-    for i, (name, variable) in enumerate(zip(_Place._fields, ("RANK", "WORLD_SIZE"), strict=True)):
+    variables = (("RANK", 0), ("WORLD_SIZE", 1))  # and the least value each may take
+    for i, (name, (variable, least)) in enumerate(zip(_Place._fields, variables, strict=True)):
         if values[i] != _MISSING:
             continue
         if variable in os.environ:
@@ -175,6 +176,10 @@ def _from_env(url: ParseResult, place: _Place, timeout: float) -> tuple[Store, _
                 raise ValueError(
                     f"environment variable {variable} must be an integer, got {text!r}."
                 ) from None
+            if values[i] < least:  # named here: -1 would read as "not given" below
+                raise ValueError(
+                    f"environment variable {variable} must be >= {least}, got {values[i]}."
+                )
         elif (found := fallback[name]) is not None:
             values[i] = found
         else:
