@@ -220,6 +220,7 @@ def test_a_world_of_one() -> None:
         ({"fn": 3, "nprocs": 2}, TypeError, "fn must be"),
         ({"fn": print, "nprocs": 0}, ValueError, "nprocs"),
         ({"fn": print, "nprocs": "2"}, TypeError, "nprocs"),
+        ({"fn": print, "nprocs": (7,)}, TypeError, r"order is spawn\(fn, nprocs, args\)"),
         ({"fn": print, "nprocs": 2, "args": 5}, TypeError, "args must be a tuple"),
         ({"fn": print, "nprocs": 2, "backend": "gloo"}, ValueError, "backend must be 'threads'"),
         ({"fn": print, "nprocs": 2, "backend": 1}, TypeError, "backend must be a str"),

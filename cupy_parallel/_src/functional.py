@@ -96,9 +96,13 @@ def value_and_grad(
     """``fn`` turned into a function returning ``(value, gradient)``, as ``jax.value_and_grad``.
 
     The returned function takes ``fn``'s arguments. Arguments named by ``argnums`` are pytrees
-    of floating-point arrays (leaves that are not arrays are skipped and get ``None``, as
-    :meth:`Tape.watch <cupy_parallel.Tape.watch>` skips them); ``fn`` must return an array with
-    one element built from recorded operations (or, with ``has_aux``, a pair ``(value, aux)``).
+    of floating-point or complex arrays (leaves that are not arrays are skipped and get ``None``,
+    as :meth:`Tape.watch <cupy_parallel.Tape.watch>` skips them); ``fn`` must return a real
+    array with one element built from recorded operations (or, with ``has_aux``, a pair
+    ``(value, aux)``). A complex argument ``z`` gets PyTorch's gradient (``torch.func.grad``'s),
+    ``dL/dRe(z) + i dL/dIm(z)``, the direction of steepest ascent; ``jax.grad`` returns its
+    conjugate, so code ported from JAX conjugates it (``ops.conj``) or flips the sign of the
+    imaginary part in its update.
 
     Each array leaf of a differentiated argument is its own variable, as in ``jax.grad``:
     ``grad(f, argnums=(0, 1))(x, x)`` returns the two partial derivatives, not the total

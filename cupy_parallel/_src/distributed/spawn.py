@@ -230,6 +230,11 @@ def spawn(
         [[6.0, 6.0], [6.0, 6.0], [6.0, 6.0]]
     """
     function = read_callable(fn, "fn", call="fn(rank, *args)")
+    if isinstance(nprocs, tuple | list):  # torch.multiprocessing.spawn(fn, args, nprocs)'s order
+        raise TypeError(
+            f"nprocs must be an int, got {type(nprocs).__name__} {nprocs!r}: the order is "
+            "spawn(fn, nprocs, args), where torch.multiprocessing.spawn's is (fn, args, nprocs)."
+        )
     size = read_int(nprocs, "nprocs", minimum=1)
     if isinstance(args, str | bytes) or not isinstance(args, tuple | list):
         raise TypeError(
