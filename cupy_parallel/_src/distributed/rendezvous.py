@@ -116,6 +116,12 @@ def _query_ints(url: ParseResult, init_method: str) -> dict[str, int]:
                 f"init_method {init_method!r}: query parameter {name} must be an integer, "
                 f"got {values[0]!r}."
             ) from None
+        least = 0 if name == "rank" else 1
+        if found[name] < least:  # named here: rank=-1 would read as "not given" below
+            raise ValueError(
+                f"init_method {init_method!r}: query parameter {name} must be >= {least}, got "
+                f"{found[name]}."
+            )
     return found
 
 
