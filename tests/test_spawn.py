@@ -531,3 +531,39 @@ def test_an_nccl_abort_ends_the_run_not_the_caller_process() -> None:
         dist.spawn(body, 2, backend="nccl", timeout=5)
     assert "whose results are partial; spawn ends the run." in str(info.value)
     assert rank_threads() == []
+
+
+def test_an_nccl_timeout_ends_the_run_not_the_caller_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watchdog's timeout abort, too: it runs on the watchdog's thread, outside the rank's
+    context. One rank catches its own argument error and skips the all_reduce the others
+    issue; their all_reduce times out while the current stream waits on it. That used to
+    take the watchdog for a rank process of its own and call os.abort() on the caller's
+    process; spawn must end the run and raise instead."""
+    from cupy_parallel._src.distributed import nccl_backend
+
+    ended: list[str] = []
+    monkeypatch.setattr(nccl_backend, "_tear_down", ended.append)
+
+    def body(rank: int) -> list[str]:
+        from cupy_parallel._src.devices import cupy_module
+
+        cupy = cupy_module()
+        errors = []
+        try:  # rank 0 alone passes a bad op, is told so, and goes on without this all_reduce
+            dist.all_reduce(cupy.ones(2), op="sum" if rank == 0 else ReduceOp.SUM)  # type: ignore[arg-type]
+        except TypeError as error:
+            errors.append(type(error).__name__)
+        try:  # rank 1's second all_reduce: no peer comes, the watchdog times it out
+            dist.all_reduce(cupy.ones(2))
+        except (RuntimeError, TimeoutError) as error:
+            errors.append(type(error).__name__)
+        return errors
+
+    with simulated_cuda(2), pytest.raises(RuntimeError, match=r"spawn: rank 1 failed") as info:
+        dist.spawn(body, 2, backend="nccl", timeout=2)
+    assert ended == []
+    assert "all_reduce timed out after 2 s" in str(info.value)
+    assert "whose results are partial; spawn ends the run." in str(info.value)
+    assert rank_threads() == []

@@ -438,6 +438,9 @@ class NCCLBackend(ProcessGroupBackend):
         self._plans: dict[tuple[np.dtype[Any], ReduceOp], Reduction] = {}
         self._lock = threading.RLock()  # guards _in_flight and the works' states
         self._tear_down = tears_down_on_abort()
+        # Read here, in the caller's context: the watchdog's thread, which aborts on a timeout,
+        # runs outside it, and must end a thread rank's run there, not the caller's process.
+        self._thread_rank = thread_rank()
         self._watchdog: _Watchdog | None = None
         self._closed = False
 
@@ -538,7 +541,7 @@ class NCCLBackend(ProcessGroupBackend):
             f"{self.size}) was aborted: {reason} CUDA streams already wait on "
             f"{', '.join(waited)}, whose results are partial;"
         )
-        on_thread = thread_rank()
+        on_thread = self._thread_rank
         if on_thread is not None:  # spawn's process is every rank's and the caller's: the run
             on_thread.stuck.append(f"{said} spawn ends the run.")  # ends, not the process
         elif self._tear_down:
