@@ -388,6 +388,55 @@ def test_p2p_checks(world: None) -> None:
         dist.isend(np.zeros(1), dst=None)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("entry", "message", "error"),
+    [
+        ({"tensor": [1.0]}, r"p2p_op_list\[1\]\.tensor must be an array .*got list", TypeError),
+        ({"tensor": "frozen"}, r"p2p_op_list\[1\]\.tensor receives data in place", ValueError),
+        ({"tensor": "strided"}, r"p2p_op_list\[1\]\.tensor must be C-contiguous", ValueError),
+        ({"peer": 0}, r"p2p_op_list\[1\]\.peer=0 is this process's own rank", ValueError),
+        ({"peer": 5}, r"p2p_op_list\[1\]\.peer=5 is not a member of process group", ValueError),
+        ({"peer": "1"}, r"p2p_op_list\[1\]\.peer must be an int, got str", TypeError),
+        ({"tag": -1}, r"p2p_op_list\[1\]\.tag must be >= 0, got -1", ValueError),
+        ({"tag": 1.0}, r"p2p_op_list\[1\]\.tag must be an int, got float", TypeError),
+    ],
+    ids=[
+        "not-an-array",
+        "read-only",
+        "strided",
+        "own-rank",
+        "not-a-member",
+        "peer-str",
+        "tag-negative",
+        "tag-float",
+    ],
+)
+def test_batch_isend_irecv_names_the_entry_it_refuses(
+    world: None, entry: dict[str, object], message: str, error: type[Exception]
+) -> None:
+    """A bad entry of a batch is named by its index and field (``p2p_op_list[1].tensor``);
+    the message used to say ``tensor`` (or ``src``/``tag``) alone, leaving the reader to find
+    which of the batch's operations was meant. Nothing is started: the first entry's buffer
+    keeps its contents."""
+    first = np.full(2, -1.0)
+    fields: dict[str, object] = {"tensor": np.zeros(2), "peer": None, "tag": 0}
+    fields.update(entry)
+    if isinstance(fields["tensor"], str):  # an array made here: "frozen" or "strided"
+        made = np.zeros((2, 2))[:, 0] if fields["tensor"] == "strided" else np.zeros(2)
+        made.flags.writeable = fields["tensor"] != "frozen"
+        fields["tensor"] = made
+    ops = [
+        dist.P2POp(dist.irecv, first, None),
+        dist.P2POp(dist.irecv, fields["tensor"], fields["peer"], tag=fields["tag"]),  # type: ignore[arg-type]
+    ]
+    with pytest.raises(error, match=message):
+        dist.batch_isend_irecv(ops)
+    assert first.tolist() == [-1.0, -1.0]
+    works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, first, None)])  # still usable
+    assert len(works) == 1
+    assert not works[0].is_completed()
+
+
 # ---------------------------------------------------------------------------------------------
 # A world of one against NumPy
 

@@ -23,29 +23,38 @@ if TYPE_CHECKING:
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 
-def _tag(backend: ProcessGroupBackend, tag: Any) -> int:
-    tag = read_int(tag, "tag", minimum=0)
+def _tag(backend: ProcessGroupBackend, tag: Any, name: str = "tag") -> int:
+    tag = read_int(tag, name, minimum=0)
     if tag > backend.max_tag:
         raise ValueError(
-            f"tag must be at most {backend.max_tag} (the largest tag the "
+            f"{name} must be at most {backend.max_tag} (the largest tag the "
             f"{backend.backend.value!r} backend carries), got {tag}."
         )
     return tag
 
 
 def _p2p(
-    tensor: Any, peer: Any, name: str, group: Any, tag: Any, *, receive: bool, operation: str
+    tensor: Any,
+    peer: Any,
+    name: str,
+    group: Any,
+    tag: Any,
+    *,
+    receive: bool,
+    operation: str,
+    where: str = "",
 ) -> tuple[ProcessGroup, ProcessGroupBackend, int | None, int] | None:
     """Check a send (``receive=False``) or receive; ``peer`` (named ``name``) may be None then.
 
-    ``operation``: the public function called, for the warning on a non-member.
+    ``operation``: the public function called, for the warning on a non-member. ``where``
+    prefixes the names of ``tensor`` and ``tag`` in messages (a batch's ``p2p_op_list[i].``).
     """
     resolved = backend_of(group, operation)
     if resolved is None:
         return None
     pg, backend = resolved
-    check_data(backend, tensor, "tensor", output=receive)
-    tag = _tag(backend, tag)
+    check_data(backend, tensor, f"{where}tensor", output=receive)
+    tag = _tag(backend, tag, f"{where}tag")
     if peer is None:
         if not receive:
             raise TypeError(f"{name} must be an int (a world rank), got None.")
@@ -229,16 +238,16 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     for index, item in enumerate(p2p_op_list):
         if not isinstance(item, P2POp):
             raise ArgumentError(f"p2p_op_list[{index}] must be a P2POp, got {type(item).__name__}.")
-        receive = item.op is irecv
-        name = "src" if receive else "dst"
+        where = f"p2p_op_list[{index}]."  # messages name the entry and its field
         found = _p2p(
             item.tensor,
             item.peer,
-            name,
+            f"{where}peer",
             item.group,
             item.tag,
-            receive=receive,
+            receive=item.op is irecv,
             operation="batch_isend_irecv",
+            where=where,
         )
         if found is not None:
             checked.append((item, found))
