@@ -317,6 +317,26 @@ def test_reduce_gradients_refuses_a_tree_unlike_params() -> None:
     np.testing.assert_array_equal(reduced["w1"], np.zeros((3, 4)))  # None counts as zeros
 
 
+@pytest.mark.usefixtures("world")
+def test_a_refused_reduce_gradients_still_leaves_the_local_passes_to_warn_of() -> None:
+    """reduce_gradients(bad tree) raises and averages nothing, so the no_sync passes before it
+    are still unreduced and the next synchronising forward must warn of them. The count was
+    reset before the tree was checked: the refused call silenced the warning."""
+    ddp = cp.DistributedDataParallel(_model, _params())
+    with ddp.no_sync():
+        total = _recorded_step(ddp)
+    with pytest.raises(ValueError, match=r"grads\['w2'\] must be None or an array"):
+        ddp.reduce_gradients({**total, "w2": np.zeros(8)})
+    with pytest.warns(UserWarning, match=r"1 forward call\(s\) recorded inside no_sync\(\)"):
+        _recorded_step(ddp)
+    with ddp.no_sync():
+        total = _recorded_step(ddp)
+    ddp.reduce_gradients(total)  # accepted: the local pass is averaged, nothing to warn of
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _recorded_step(ddp)
+
+
 # -- comm hooks --------------------------------------------------------------------------------
 
 

@@ -859,8 +859,6 @@ class DistributedDataParallel(Generic[Params, Output]):
             {'w': array([1., 3.])}
             >>> dist.destroy_process_group()
         """
-        with self._lock:
-            self._local_forwards = 0
         problems: list[tuple[str, str]] = []
         try:  # the structure of params, where a non-array leaf may be anything (gradient's None)
             leaves: list[Any] = self._spec.flatten_up_to(grads)  # type: ignore[arg-type]
@@ -900,6 +898,10 @@ class DistributedDataParallel(Generic[Params, Output]):
                 break
         # every rank learns of any rank's problem, so all raise (none waits in a collective)
         _agree("The gradient trees given to reduce_gradients", "", problems, self.process_group)
+        # Accepted: the local passes are averaged now. A refused call averaged nothing and
+        # leaves them counted, for the next synchronising forward to warn of.
+        with self._lock:
+            self._local_forwards = 0
         reduction = _Reduction(self)
         for i, k in enumerate(self._slots):
             reduction.put(i, leaves[k])
