@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextvars
+import re
 import threading
 from typing import Any, ClassVar
 
@@ -658,6 +659,22 @@ def test_unconnected_gradients() -> None:
         tape.gradient(y, unused)  # "zero" refuses a target that depends on no source
     with pytest.raises(ValueError, match=r'unconnected_gradients must be "zero" or "none", got 0'):
         tape.gradient(y, x, unconnected_gradients=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [["zero"], {"zero": True}, {"none"}], ids=["list", "dict", "set"])
+def test_an_unhashable_unconnected_gradients_is_named(value: object) -> None:
+    """A list (or dict, set) for unconnected_gradients was looked up in a dict and raised
+    Python's bare "unhashable type: 'list'", naming no argument; the tape stays usable."""
+    x = rand(3)
+    with Tape() as tape:
+        tape.watch(x)
+        y = ops.sum(ops.exp(x))
+    with pytest.raises(
+        ValueError,
+        match=r'unconnected_gradients must be "zero" or "none", got ' + re.escape(repr(value)),
+    ):
+        tape.gradient(y, x, unconnected_gradients=value)  # type: ignore[arg-type]
+    np.testing.assert_allclose(tape.gradient(y, x), np.exp(x))  # a non-persistent tape's one
 
 
 def test_ctx_argument_errors() -> None:

@@ -333,7 +333,7 @@ class Tape(Records):
         self._check_unused("compute gradients")
         if isinstance(self._nodes, FingerprintedNodes):
             self._nodes.verify()
-        if unconnected_gradients not in _UNCONNECTED:
+        if not isinstance(unconnected_gradients, str) or unconnected_gradients not in _UNCONNECTED:
             raise ValueError(
                 f'unconnected_gradients must be "zero" or "none", got {unconnected_gradients!r}.'
             )
