@@ -787,3 +787,32 @@ def test_init_without_backend_reads_the_environment(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("PMI_RANK", "0")
     monkeypatch.setenv("PMI_SIZE", "1")
     assert groups._default_backend() is Backend.MPI
+
+
+# What torch 2.13's gloo backend raises RuntimeError for (its C++ checks), recorded from a
+# two-process run: "invalid root rank: 2", "invalid output tensor list at index 0 (expected
+# length 2, got 1)", "invalid tensor size at index 0", "Check failed: outputShape[0] *
+# worldSize == inputShape[0]", "Split sizes doesn't match total dim 0 size", "Tag must be
+# nonnegative", "Tensors must be contiguous". Ours raise ValueError, and RuntimeError too.
+TORCH_RUNTIME_ERRORS = {
+    "broadcast root out of range": lambda: dist.broadcast(np.zeros(2), src=1),
+    "reduce root out of range": lambda: dist.reduce(np.zeros(2), dst=-1),
+    "broadcast_object_list root": lambda: dist.broadcast_object_list([1], src=3),
+    "all_gather list too long": lambda: dist.all_gather([np.zeros(2), np.zeros(2)], np.zeros(2)),
+    "all_gather entry shape": lambda: dist.all_gather([np.zeros(3)], np.zeros(2)),
+    "all_gather_into_tensor size": lambda: dist.all_gather_into_tensor(np.zeros(3), np.zeros(2)),
+    "reduce_scatter_tensor size": lambda: dist.reduce_scatter_tensor(np.zeros(2), np.zeros(3)),
+    "all_to_all_single splits": lambda: dist.all_to_all_single(np.zeros(2), np.zeros(2), None, [3]),
+    "negative tag": lambda: dist.isend(np.zeros(1), dst=0, tag=-1),
+    "non-contiguous receive": lambda: dist.irecv(np.zeros((4, 4))[:, 0], src=0),
+}
+
+
+@pytest.mark.parametrize("case", TORCH_RUNTIME_ERRORS)
+def test_errors_torch_raises_as_runtime_error_are_caught_by_both(world: None, case: str) -> None:
+    with pytest.raises(RuntimeError) as caught:
+        TORCH_RUNTIME_ERRORS[case]()
+    assert isinstance(caught.value, ValueError), type(caught.value).__mro__
+    x = np.ones(2)
+    dist.all_reduce(x)  # refused before any communication: the group goes on
+    assert x.tolist() == [1.0, 1.0]

@@ -194,7 +194,7 @@ def test_clear_errors_and_the_group_stays_usable(ranks: int, via: str) -> None:
         "timeout given to wait()). It is still running and the process group stays usable"
     ) in out
     assert out.count("OK usable after wait(timeout=1)") == ranks
-    assert out.count("CAUGHT ValueError: tag must be at most ") == ranks
+    assert out.count("CAUGHT CheckedValueError: tag must be at most ") == ranks
     assert (
         "CAUGHT ValueError: recv from group rank 0: the message is larger than tensor (32 bytes)"
     ) in out

@@ -41,6 +41,7 @@ from numpy.lib.array_utils import normalize_axis_index
 
 __all__ = [
     "ArgumentError",
+    "CheckedValueError",
     "read_axis",
     "read_bool",
     "read_callable",
@@ -71,6 +72,21 @@ class ArgumentError(TypeError, ValueError):
 
     Example:
         >>> issubclass(ArgumentError, TypeError), issubclass(ArgumentError, ValueError)
+        (True, True)
+    """
+
+
+class CheckedValueError(ValueError, RuntimeError):
+    """A wrong value that torch's process-group backends refuse in C++, with ``RuntimeError``.
+
+    torch checks a collective's root rank, list lengths, array sizes, split sizes, tags and
+    contiguity in its backends (``ProcessGroupGloo::allgather: invalid tensor size``, ``invalid
+    root rank``, ``Tag must be nonnegative``), whose checks raise ``RuntimeError``; ours are
+    ``ValueError``, as everywhere in this library. This error is both, so that ``except
+    RuntimeError`` in ported torch code and ``except ValueError`` catch it.
+
+    Example:
+        >>> issubclass(CheckedValueError, ValueError), issubclass(CheckedValueError, RuntimeError)
         (True, True)
     """
 

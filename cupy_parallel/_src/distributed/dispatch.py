@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src import tree
-from cupy_parallel._src.arguments import ArgumentError, read_bool, read_sequence
+from cupy_parallel._src.arguments import ArgumentError, CheckedValueError, read_bool, read_sequence
 from cupy_parallel._src.arrays import check_outs, device_of, is_array
 from cupy_parallel._src.distributed.backend import disagreeing, per_rank
 from cupy_parallel._src.distributed.groups import get_rank, is_initialized, resolve_group
@@ -234,7 +234,7 @@ def check_array(backend: ProcessGroupBackend, x: Any, name: str, *, output: bool
         )
     flags = x.flags
     if not flags.c_contiguous:
-        raise ValueError(
+        raise CheckedValueError(
             f"{name} must be C-contiguous to serve as a communication buffer, got strides "
             f"{x.strides} for shape {x.shape}; pass numpy/cupy.ascontiguousarray({name}) and "
             "copy the result back."
@@ -252,7 +252,7 @@ def check_like(x: Any, ref: Any, name: str, ref_name: str, *, shape: bool = True
             "must share one dtype."
         )
     if shape and x.shape != ref.shape:
-        raise ValueError(
+        raise CheckedValueError(
             f"{name} has shape {x.shape} but {ref_name} has {ref.shape}; every array of the "
             "call must have the same shape."
         )
@@ -272,7 +272,7 @@ def check_arrays(
     """Check a list of arrays: its type, length, each array, and dtype (shape) against ``like``."""
     read_sequence(xs, name, expected="a list of arrays", lists_only=True)
     if length is not None and len(xs) != length:
-        raise ValueError(f"{name} must hold {length} arrays, got {len(xs)}.")
+        raise CheckedValueError(f"{name} must hold {length} arrays, got {len(xs)}.")
     if not xs:
         raise ValueError(f"{name} must hold at least one array, got an empty list.")
     for index, x in enumerate(xs):
@@ -368,7 +368,7 @@ def check_lists(
     """
     read_sequence(lists, name, expected="a list of lists of arrays", lists_only=True)
     if len(lists) != length:
-        raise ValueError(f"{name} must hold {length} lists, got {len(lists)}.")
+        raise CheckedValueError(f"{name} must hold {length} lists, got {len(lists)}.")
     for i, xs in enumerate(lists):
         inner(i, xs, f"{name}[{i}]")
     if output:
@@ -390,7 +390,7 @@ def chunk_views(x: Any, count: int, name: str, like: Any, like_name: str) -> lis
     concatenated = (count * shape[0], *shape[1:]) if shape else None
     if x.shape not in (stacked, concatenated):
         expected = f"{stacked}" + (f" or {concatenated}" if concatenated else "")
-        raise ValueError(
+        raise CheckedValueError(
             f"{name} must have shape {expected} ({count} chunks shaped as {like_name}, "
             f"{shape}), got {x.shape}."
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from cupy_parallel._src.arguments import read_int
+from cupy_parallel._src.arguments import CheckedValueError, read_int
 from cupy_parallel._src.distributed.dispatch import (
     Call,
     check_array,
@@ -398,7 +398,7 @@ def _splits(sizes: Any, x: Any, count: int, name: str, x_name: str) -> list[int]
     rows = x.shape[0]
     if sizes is None or (isinstance(sizes, list | tuple) and len(sizes) == 0):
         if rows % count:
-            raise ValueError(
+            raise CheckedValueError(
                 f"{x_name} has {rows} rows, which {count} ranks cannot split equally; pass {name}."
             )
         return [rows // count] * count
@@ -406,7 +406,7 @@ def _splits(sizes: Any, x: Any, count: int, name: str, x_name: str) -> list[int]
         raise TypeError(f"{name} must be a list of ints, got {type(sizes).__name__}.")
     listed = [read_int(n, f"each of {name}", minimum=0) for n in sizes]
     if len(listed) != count or sum(listed) != rows:
-        raise ValueError(
+        raise CheckedValueError(
             f"{name} must hold {count} sizes (one per group member) adding up to {x_name}'s "
             f"{rows} rows, got {listed}."
         )

@@ -17,7 +17,7 @@ import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from cupy_parallel._src.arguments import read_bool, read_int, read_timeout
+from cupy_parallel._src.arguments import CheckedValueError, read_bool, read_int, read_timeout
 from cupy_parallel._src.cuda.nccl_runtime import is_available as nccl_is_available
 from cupy_parallel._src.enums import Backend, ReduceOp
 
@@ -151,7 +151,7 @@ class ProcessGroup:
         if local is None:
             local = self._group_rank.get(read_int(world_rank, name))
             if local is None:
-                raise ValueError(
+                raise CheckedValueError(  # torch's backends: RuntimeError "invalid root rank"
                     f"{name}={world_rank} is not a member of process group {self.name!r}, whose "
                     f"world ranks are {list(self.ranks)}."
                 )

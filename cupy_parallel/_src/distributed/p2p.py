@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from cupy_parallel._src.arguments import ArgumentError, read_int
+from cupy_parallel._src.arguments import ArgumentError, CheckedValueError, read_int
 from cupy_parallel._src.distributed.dispatch import backend_of, check_data
 from cupy_parallel._src.recording import note_overwritten, tapes_exist
 
@@ -24,9 +24,11 @@ __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 
 def _tag(backend: ProcessGroupBackend, tag: Any, name: str = "tag") -> int:
-    tag = read_int(tag, name, minimum=0)
+    tag = read_int(tag, name)
+    if tag < 0:  # torch: RuntimeError "Tag must be nonnegative"
+        raise CheckedValueError(f"{name} must be >= 0, got {tag}.")
     if tag > backend.max_tag:
-        raise ValueError(
+        raise CheckedValueError(
             f"{name} must be at most {backend.max_tag} (the largest tag the "
             f"{backend.backend.value!r} backend carries), got {tag}."
         )
