@@ -802,6 +802,9 @@ TORCH_RUNTIME_ERRORS = {
     "all_gather entry shape": lambda: dist.all_gather([np.zeros(3)], np.zeros(2)),
     "all_gather_into_tensor size": lambda: dist.all_gather_into_tensor(np.zeros(3), np.zeros(2)),
     "reduce_scatter_tensor size": lambda: dist.reduce_scatter_tensor(np.zeros(2), np.zeros(3)),
+    "all_gather_into_tensor dtype": lambda: dist.all_gather_into_tensor(
+        np.zeros(2, np.float32), np.zeros(2)
+    ),
     "all_to_all_single splits": lambda: dist.all_to_all_single(np.zeros(2), np.zeros(2), None, [3]),
     "negative tag": lambda: dist.isend(np.zeros(1), dst=0, tag=-1),
     "non-contiguous receive": lambda: dist.irecv(np.zeros((4, 4))[:, 0], src=0),

@@ -41,6 +41,7 @@ from numpy.lib.array_utils import normalize_axis_index
 
 __all__ = [
     "ArgumentError",
+    "CheckedArgumentError",
     "CheckedValueError",
     "read_axis",
     "read_bool",
@@ -88,6 +89,19 @@ class CheckedValueError(ValueError, RuntimeError):
     Example:
         >>> issubclass(CheckedValueError, ValueError), issubclass(CheckedValueError, RuntimeError)
         (True, True)
+    """
+
+
+class CheckedArgumentError(ArgumentError, RuntimeError):
+    """Different dtypes in one collective: a ``TypeError``, ``ValueError`` and ``RuntimeError``.
+
+    Ours is a ``TypeError``; torch raises ``ValueError`` from its Python checks (``all_gather``)
+    and ``RuntimeError`` from its backends (``all_gather_into_tensor``,
+    ``reduce_scatter_tensor``): each of the three catches it.
+
+    Example:
+        >>> [issubclass(CheckedArgumentError, t) for t in (TypeError, ValueError, RuntimeError)]
+        [True, True, True]
     """
 
 

@@ -53,7 +53,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src import tree
-from cupy_parallel._src.arguments import ArgumentError, CheckedValueError, read_bool, read_sequence
+from cupy_parallel._src.arguments import (
+    ArgumentError,
+    CheckedArgumentError,
+    CheckedValueError,
+    read_bool,
+    read_sequence,
+)
 from cupy_parallel._src.arrays import check_outs, device_of, is_array
 from cupy_parallel._src.distributed.backend import disagreeing, per_rank
 from cupy_parallel._src.distributed.groups import get_rank, is_initialized, resolve_group
@@ -247,7 +253,7 @@ def check_array(backend: ProcessGroupBackend, x: Any, name: str, *, output: bool
 def check_like(x: Any, ref: Any, name: str, ref_name: str, *, shape: bool = True) -> None:
     """Check that ``x`` has ``ref``'s dtype (and shape, unless ``shape=False``)."""
     if x.dtype != ref.dtype:
-        raise ArgumentError(  # a TypeError, and torch's ValueError
+        raise CheckedArgumentError(  # a TypeError, and torch's ValueError and RuntimeError
             f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}; every array of the call "
             "must share one dtype."
         )
