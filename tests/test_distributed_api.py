@@ -819,3 +819,23 @@ def test_errors_torch_raises_as_runtime_error_are_caught_by_both(world: None, ca
     x = np.ones(2)
     dist.all_reduce(x)  # refused before any communication: the group goes on
     assert x.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("elsewhere", ["none", "empty", "full"])
+def test_gather_object_takes_none_or_an_empty_list_off_the_destination(elsewhere: str) -> None:
+    """torch's rule (``_validate_output_list_for_rank``): ``None`` or ``[]`` on the other ranks;
+    a non-empty list there raises, on that rank, before anything is sent."""
+    given = {"none": None, "empty": [], "full": [None, None]}[elsewhere]
+
+    def program(rank: int) -> object:
+        out = [None, None] if rank == 0 else given
+        dist.gather_object({"rank": rank}, out, dst=0)
+        return out
+
+    if elsewhere == "full":
+        with pytest.raises(RuntimeError, match=r"rank 1 failed \(ValueError: object_gather_list "):
+            dist.spawn(program, 2, timeout=5)
+        return
+    root, other = dist.spawn(program, 2)
+    assert root == [{"rank": 0}, {"rank": 1}]
+    assert other == given

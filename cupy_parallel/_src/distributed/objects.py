@@ -18,7 +18,7 @@ import numpy as np
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.dispatch import backend_of
 from cupy_parallel._src.distributed.exchanges import all_gather
-from cupy_parallel._src.distributed.rooted import broadcast, gather, scatter
+from cupy_parallel._src.distributed.rooted import broadcast, gather, list_given, scatter
 
 if TYPE_CHECKING:
     from cupy_parallel._src.distributed.groups import ProcessGroup
@@ -140,7 +140,7 @@ def gather_object(
     """World rank ``dst`` receives every rank's ``obj``: ``object_gather_list[r]`` gets rank r's.
 
     ``object_gather_list`` is required on ``dst`` (one item per group member) and must be
-    ``None`` elsewhere. See the module's note on ``pickle``.
+    ``None`` or empty elsewhere (torch's rule). See the module's note on ``pickle``.
 
     Example:
         >>> from cupy_parallel import distributed as dist
@@ -158,9 +158,9 @@ def gather_object(
     is_root = root == pg.rank()
     if is_root:
         _list(object_gather_list, "object_gather_list", length=pg.size())
-    elif object_gather_list is not None:
+    elif list_given(object_gather_list):  # None or [] elsewhere, as in torch
         raise ValueError(
-            f"object_gather_list must be None on ranks other than the destination {dst}."
+            f"object_gather_list must be None (or empty) on ranks other than the destination {dst}."
         )
     mine = pickle.dumps(obj)
     sizes = _sizes(pg, len(mine), group)

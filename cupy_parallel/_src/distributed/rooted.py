@@ -26,10 +26,10 @@ if TYPE_CHECKING:
     from cupy_parallel._src.distributed.groups import ProcessGroup
     from cupy_parallel._src.distributed.work import Work
 
-__all__ = ["broadcast", "gather", "reduce", "scatter"]
+__all__ = ["broadcast", "gather", "list_given", "reduce", "scatter"]
 
 
-def _given(xs: Any) -> bool:
+def list_given(xs: Any) -> bool:
     """Whether an optional list argument was given (``None`` and ``[]`` mean not, as in torch)."""
     return xs is not None and not (isinstance(xs, list | tuple) and len(xs) == 0)
 
@@ -56,13 +56,13 @@ def _rooted(
     root = pg.group_rank(rank, rank_name)
     role, receives = _ROOT_ROLES[rank_name]
     if root != backend.rank:
-        if _given(xs):
+        if list_given(xs):
             raise ValueError(
                 f"{name} must be None on ranks other than the {role} {rank}; "
                 f"this is rank {pg.ranks[backend.rank]}."
             )
         return root, None
-    if not _given(xs):
+    if not list_given(xs):
         raise ValueError(
             f"{name} must be given on the {role} rank {rank}: a list of "
             f"{pg.size()} arrays shaped like tensor."
