@@ -356,6 +356,10 @@ def test_comm_hook_contract() -> None:
         ddp.register_comm_hook("state", hook)
     with pytest.raises(TypeError, match="hook must be callable"):
         cp.DistributedDataParallel(_model, _params()).register_comm_hook(None, 3)
+    fresh = cp.DistributedDataParallel(_model, _params())
+    with pytest.raises(TypeError, match=r"state is the process group fp16_compress_hook reduces"):
+        fresh.register_comm_hook("world", default_hooks.fp16_compress_hook)
+    fresh.register_comm_hook(None, default_hooks.fp16_compress_hook)  # nothing was registered
     with cp.Tape() as tape:
         loss = ddp(X)
     tape.gradient(loss, ddp.params)

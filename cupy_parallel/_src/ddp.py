@@ -978,7 +978,12 @@ def _check_compression(hook: Callable[..., Any], dtype: Any, group: Any) -> None
     refusal is raised again naming the hook and the backend (torch's gloo refuses
     ``bf16_compress_hook`` at registration too).
     """
-    pg = resolve_group(group)  # the hook's state: its process group
+    try:
+        pg = resolve_group(group)  # the hook's state: its process group
+    except TypeError as error:
+        raise TypeError(
+            f"state is the process group {hook.__name__} reduces over: {error}"
+        ) from None
     if pg is None:  # not a member: the hook's all_reduce does nothing
         return
     backend = pg.live_backend()
