@@ -121,10 +121,17 @@ def test_errors_when_called() -> None:
         cp.grad(lambda a, b: cube(a), argnums=2)(x, x)
     with pytest.raises(TypeError, match="has_aux=True needs fn to return a pair"):
         cp.grad(cube, has_aux=True)(x)
-    with pytest.raises(ValueError, match=r"target has shape \(3,\): an implicit output gradient"):
+    # named in grad's words (fn's value, its arguments), not the tape's (target, params[0])
+    with pytest.raises(ValueError, match=r"fn's value has shape \(3,\): an implicit output"):
         cp.grad(ops.exp)(x)
-    with pytest.raises(ValueError, match="target was not recorded on this tape"):
-        cp.grad(lambda a, b: cube(b))(x, x.copy())  # a value independent of argnums: refused
+    with pytest.raises(ValueError, match=r"value_and_grad\(\) needs fn's value to be computed"):
+        cp.value_and_grad(lambda a, b: cube(b))(x, x.copy())  # independent of argnums: refused
+    with pytest.raises(TypeError, match=r"grad\(\) needs fn's value to be an array .* float"):
+        cp.grad(lambda a: 1.0)(x)
+    with pytest.raises(TypeError, match=r"fn's value \(the first item of its pair\) is complex"):
+        cp.grad(lambda a: (ops.sum(ops.multiply(a, 1j)), None), has_aux=True)(x)
+    with pytest.raises(TypeError, match=r"grad\(\) differentiates .* argument 1\['w'\] has"):
+        cp.grad(mixed, argnums=(0, 1))(x, {"w": np.arange(3)})
 
 
 def _partial_by_differences(fn: Any, args: list[np.ndarray], i: int, eps: float = 1e-6) -> Any:

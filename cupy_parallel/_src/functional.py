@@ -17,7 +17,7 @@ from cupy_parallel._src.arguments import read_bool, read_callable
 from cupy_parallel._src.arrays import is_array
 from cupy_parallel._src.compute import compute
 from cupy_parallel._src.recording import active_tapes, name_nodes, record_unary
-from cupy_parallel._src.tape import Tape
+from cupy_parallel._src.tape import Tape, refuse_untrackable, scalar_problem
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -140,6 +140,13 @@ def value_and_grad(
         >>> value, grads
         (array(12.), {'w': array(12.)})
     """
+    return _value_and_grad(fn, argnums, has_aux, "value_and_grad")
+
+
+def _value_and_grad(
+    fn: Callable[..., Any], argnums: int | tuple[int, ...], has_aux: bool, caller: str
+) -> Callable[..., tuple[Any, Any]]:
+    """:func:`value_and_grad`, its messages naming ``caller`` (``grad`` or ``value_and_grad``)."""
     read_callable(fn, "fn")
     numbers = _read_argnums(argnums)
     aux_flag = read_bool(has_aux, "has_aux")
@@ -148,6 +155,9 @@ def value_and_grad(
     @functools.wraps(fn)
     def value_and_gradient(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         positions = _positions(numbers, len(args))
+        for i in positions:  # named as fn's arguments, before anything is recorded
+            names, leaves, _ = tree.flatten_with_names(args[i], f"argument {i}")
+            refuse_untrackable(names, leaves, f"{caller}() differentiates")
         sources = tuple(tree.tree_map(_own_variable, args[i]) for i in positions)
         args = tuple(
             sources[positions.index(i)] if i in positions else a for i, a in enumerate(args)
@@ -160,6 +170,24 @@ def value_and_grad(
                 f"has_aux=True needs fn to return a pair (value, aux), got {type(out).__name__}."
             )
         value = out[0] if aux_flag else out
+        what = "fn's value" + (" (the first item of its pair)" if aux_flag else "")
+        if not is_array(value):
+            raise TypeError(
+                f"{caller}() needs {what} to be an array computed with cupy_parallel.ops, got "
+                f"{type(value).__name__}."
+            )
+        if not tape.tracks(value):
+            raise ValueError(
+                f"{caller}() needs {what} to be computed from the arguments it differentiates "
+                "(argnums) with cupy_parallel.ops; it was not recorded (a raw NumPy/CuPy "
+                "expression such as `x @ w` instead of ops.matmul(x, w), or no argument in it)."
+            )
+        problem = scalar_problem(value, what)
+        if problem is not None:  # as jax.grad: only functions with one real value
+            raise type(problem)(
+                f"{problem} {caller}() differentiates a function returning one real number: "
+                "reduce the value first (ops.sum, ops.mean; ops.abs or ops.real of a complex one)."
+            )
         grads = tape.gradient(value, sources)
         return out, grads[0] if single else grads
 
@@ -207,7 +235,7 @@ def grad(
         >>> cupy_parallel.grad(dot, argnums=(0, 1))(x, x)  # the partials b and a, not 2 x
         (array([1., 2.]), array([1., 2.]))
     """
-    inner = value_and_grad(fn, argnums, has_aux=has_aux)
+    inner = _value_and_grad(fn, argnums, has_aux, "grad")
 
     @functools.wraps(fn)
     def gradient(*args: Any, **kwargs: Any) -> Any:

@@ -45,7 +45,41 @@ if TYPE_CHECKING:
 
     from cupy_parallel._src.arraytypes import Tree
 
-__all__ = ["HookHandle", "Tape", "stop_gradient"]
+__all__ = ["HookHandle", "Tape", "refuse_untrackable", "scalar_problem", "stop_gradient"]
+
+
+def refuse_untrackable(names: list[str], leaves: list[Any], who: str) -> None:
+    """``TypeError`` for the first array leaf a tape cannot track (neither floating nor complex).
+
+    ``names`` name the leaves in the caller's words; ``who`` says who refuses (``"watch()
+    tracks"``).
+    """
+    for name, leaf in zip(names, leaves, strict=True):
+        if is_array(leaf) and leaf.dtype.kind not in "fc":
+            raise TypeError(
+                f"{who} floating-point and complex arrays, but {name} has dtype "
+                f"{leaf.dtype}. Cast it first, e.g. array.astype(numpy.float32)."
+            )
+
+
+def scalar_problem(t: Any, name: str) -> TypeError | ValueError | None:
+    """Why the array ``t`` (named ``name``) has no implicit output gradient, or ``None``.
+
+    The implicit gradient is ``1`` for a real array of one element (as in PyTorch); the error
+    says which of the two ``t`` misses, for the caller to add what to do.
+    """
+    if t.dtype.kind == "c":
+        return TypeError(
+            f"{name} is complex ({t.dtype}): an implicit output gradient exists only for a real "
+            "target (as in PyTorch)."
+        )
+    if t.size != 1:
+        return ValueError(
+            f"{name} has shape {t.shape}: an implicit output gradient exists only for a target "
+            "with one element."
+        )
+    return None
+
 
 _UNCONNECTED = {"zero": True, "none": False}  # unconnected_gradients -> fill with zeros
 
@@ -211,14 +245,8 @@ class Tape(Records):
         """
         self._check_unused("watch")
         names, leaves, _ = flatten_with_names(params, "params")
-        arrays = [leaf for leaf in leaves if is_array(leaf)]
-        for name, leaf in zip(names, leaves, strict=True):
-            if is_array(leaf) and leaf.dtype.kind not in "fc":
-                raise TypeError(
-                    f"watch() tracks floating-point and complex arrays, but {name} has dtype "
-                    f"{leaf.dtype}. Cast it first, e.g. array.astype(numpy.float32)."
-                )
-        track_leaves(self, arrays)
+        refuse_untrackable(names, leaves, "watch() tracks")
+        track_leaves(self, [leaf for leaf in leaves if is_array(leaf)])
 
     def register_gradient_ready_hook(
         self, source: Any, hook: Callable[[Any], Any], /
@@ -408,18 +436,15 @@ class Tape(Records):
                 )
         if output_gradients is None:
             for name, t in zip(names, targets, strict=True):
-                if t.dtype.kind == "c":
-                    raise TypeError(
-                        f"{name} is complex ({t.dtype}): an implicit output gradient exists "
-                        "only for a real target (as in PyTorch). Take ops.real(target) or "
-                        "ops.abs(target) first, or pass output_gradients."
+                problem = scalar_problem(t, name)
+                if problem is not None:
+                    remedy = (
+                        "Take ops.real(target) or ops.abs(target) first, or pass output_gradients."
+                        if isinstance(problem, TypeError)
+                        else "Pass output_gradients with the target's shape, or reduce the target "
+                        "first (e.g. ops.sum)."
                     )
-                if t.size != 1:
-                    raise ValueError(
-                        f"{name} has shape {t.shape}: an implicit output gradient exists only "
-                        "for a target with one element. Pass output_gradients with the target's "
-                        "shape, or reduce the target first (e.g. ops.sum)."
-                    )
+                    raise type(problem)(f"{problem} {remedy}")
             return targets, [ones_like(t) for t in targets]
         seed_names, seeds, seed_def = flatten_with_names(output_gradients, "output_gradients")
         if seed_def != target_def:
