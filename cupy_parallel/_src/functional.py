@@ -155,10 +155,10 @@ def _value_and_grad(
     @functools.wraps(fn)
     def value_and_gradient(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         positions = _positions(numbers, len(args))
-        for i in positions:  # named as fn's arguments, before anything is recorded
-            names, leaves, _ = tree.flatten_with_names(args[i], f"argument {i}")
+        flat = [tree.flatten_with_names(args[i], f"argument {i}") for i in positions]
+        for names, leaves, _ in flat:  # named as fn's arguments, before anything is recorded
             refuse_untrackable(names, leaves, f"{caller}() differentiates")
-        sources = tuple(tree.tree_map(_own_variable, args[i]) for i in positions)
+        sources = tuple(spec.unflatten([_own_variable(x) for x in xs]) for _, xs, spec in flat)
         args = tuple(
             sources[positions.index(i)] if i in positions else a for i, a in enumerate(args)
         )
