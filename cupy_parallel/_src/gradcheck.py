@@ -269,10 +269,10 @@ def _analytic_jacobian(
     jacobians = []
     for y in outputs:
         rows: list[list[np.ndarray]] = [[] for _ in wrt]
+        tracked = tape.tracks(y)
         for j in range(y.size):
             for value in _steps(y, 1.0):  # the real part's row, then the imaginary part's
                 seed = _one_hot(y, j, value)
-                tracked = tape.tracks(y)
                 grads = pullback(tape, [y], [seed], sources) if tracked else [None] * len(wrt)
                 for k, g in enumerate(grads):
                     source = sources[k]
