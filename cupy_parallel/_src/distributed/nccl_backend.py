@@ -72,11 +72,14 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-import numpy as np
-
-from cupy_parallel._src.averages import average_in_place, decode_average, encode_average
+from cupy_parallel._src.averages import (
+    average_in_place,
+    decode_average,
+    encode_average,
+    integer_average,
+)
 from cupy_parallel._src.cuda.nccl_runtime import (
     Communicators,
     device_ids,
@@ -104,12 +107,12 @@ from cupy_parallel._src.enums import Backend, ReduceOp
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    import numpy as np
+
 __all__ = ["ERROR_HANDLING_VARIABLE", "NCCLBackend", "tears_down_on_abort"]
 
 #: The watchdog polls this often (seconds), or ten times per group timeout when that is shorter.
 _WATCH_INTERVAL = 0.1
-# The dtypes of encoded buffers (AVG of integers, see cuda.nccl_tables).
-_ENCODED = {NcclDataType.INT64: np.dtype(np.int64), NcclDataType.UINT64: np.dtype(np.uint64)}
 _UINT8 = int(NcclDataType.UINT8)
 _SUM = int(NcclRedOp.SUM)
 
@@ -763,10 +766,11 @@ class NCCLBackend(ProcessGroupBackend):
         for x in arrays:
             average_in_place(x, count, self._cupy)
 
-    def _wide(self, like: Any, plan: Reduction) -> Any:
-        """A zeroed buffer for ``like``'s values as ``plan`` encodes them (its device, stream)."""
+    def _wide(self, like: Any) -> Any:
+        """A zeroed buffer for ``like``'s integers encoded for ``AVG`` (its device, stream)."""
+        summed, parts = cast("tuple[np.dtype[Any], int]", integer_average(like.dtype))
         with like.device:
-            return self._cupy.zeros((plan.lanes, *like.shape), _ENCODED[plan.datatype])
+            return self._cupy.zeros((parts, *like.shape), summed)
 
     def _encode(self, arrays: Sequence[Any], plan: Reduction, count: int) -> list[Any]:
         """What NCCL reduces: ``arrays``, or (``plan.encoded``) their encodings for ``AVG``.
@@ -775,7 +779,7 @@ class NCCLBackend(ProcessGroupBackend):
         """
         if not plan.encoded:
             return list(arrays)
-        buffers = [self._wide(x, plan) for x in arrays]
+        buffers = [self._wide(x) for x in arrays]
         for x, buffer in zip(arrays, buffers, strict=True):
             with x.device:
                 encode_average(x, count, buffer, self._cupy)
@@ -914,7 +918,7 @@ class NCCLBackend(ProcessGroupBackend):
         count = outputs[0].size * plan.lanes
         participants = self.size * len(outputs)
         packed = [self._pack(self._encode(row, plan, participants)) for row in inputs]
-        received = [self._wide(x, plan) for x in outputs] if plan.encoded else outputs
+        received = [self._wide(x) for x in outputs] if plan.encoded else outputs
 
         def issue(j: int, comm: Any, stream: int) -> None:
             if count:
