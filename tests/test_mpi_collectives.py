@@ -21,8 +21,13 @@ import sys
 import warnings
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from thread_ranks import MPIEXEC, printed, run_mpiexec, run_threads
+
+from cupy_parallel._src.distributed.mpi_checks import Caller, compare_counts
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -227,15 +232,20 @@ def test_broadcast_size_mismatch_is_a_value_error(via: str) -> None:
 
 
 @VIA
-def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank(via: str) -> None:
+@pytest.mark.parametrize("n", [3, 4], ids=lambda n: f"{n}ranks")
+def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank(n: int, via: str) -> None:
     """Without the debug mode. MPI would let one rank's array overwrite the root's, silently, and
     leave zeros where a receiver expects more than is sent; a rooted collective over arrays of
-    another size, dtype or shape reduces garbage or leaves part of an array as it was."""
-    result, seconds = launch_edges(3, "disagree", via)
+    another size, dtype or shape reduces garbage or leaves part of an array as it was. On 4 ranks
+    an all_to_all's comparison used to be longer than another collective's, so that the ranks
+    read each other's rows as garbage (an error naming the wrong cause)."""
+    result, seconds = launch_edges(n, "disagree", via)
     assert seconds < 30
     out = result.stdout
+    last = n - 1
     assert "NO ERROR" not in out, out
-    assert out.count("OK world after: [3.0, 3.0]") == 3, out + result.stderr[-2000:]
+    assert out.count(f"OK world after: [{n}.0, {n}.0]") == n, out + result.stderr[-2000:]
+    roots = "; ".join(f"rank {r}: {int(r == last)}" for r in range(n))
     for name, number in (
         ("broadcast", 1),
         ("reduce", 2),
@@ -244,36 +254,42 @@ def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank(via: str) -> No
         ("broadcast", 5),
     ):
         message = (
-            f"CAUGHT ValueError: {name} on process group '{number}': ranks [2] differ from the "
-            "rest in the root they named (src/dst, as global ranks: rank 0: 0; rank 1: 0; "
-            "rank 2: 1). Every rank must pass the same root. The arrays' contents are undefined now"
+            f"CAUGHT ValueError: {name} on process group '{number}': ranks [{last}] differ from "
+            f"the rest in the root they named (src/dst, as global ranks: {roots}). Every rank "
+            "must pass the same root. The arrays' contents are undefined now"
         )
-        assert out.count(message) == 3, out
+        assert out.count(message) == n, out
     same = "the same dtype and size: their shapes or byte orders differ; the debug mode "
     for name, number, layout, arrays in (
-        ("broadcast", 8, "", ("float64, 4 elements, 1-d",) * 2 + ("float64, 2 elements, 1-d",)),
-        ("reduce", 9, "", ("float32, 4 elements, 1-d",) * 2 + ("int32, 4 elements, 1-d",)),
-        ("gather", 10, "", ("float64, 2 elements, 1-d",) * 2 + ("float64, 3 elements, 1-d",)),
-        ("scatter", 11, same, ("float64, 2 elements, 2-d",) * 3),
+        ("broadcast", 8, "", ("float64, 4 elements, 1-d",) * last + ("float64, 2 elements, 1-d",)),
+        ("reduce", 9, "", ("float32, 4 elements, 1-d",) * last + ("int32, 4 elements, 1-d",)),
+        ("gather", 10, "", ("float64, 2 elements, 1-d",) * last + ("float64, 3 elements, 1-d",)),
+        ("scatter", 11, same, ("float64, 2 elements, 2-d",) * n),
     ):
         passed = "; ".join(f"rank {r}: {a}" for r, a in enumerate(arrays))
-        head = f"CAUGHT ValueError: {name} on process group '{number}': ranks [2] differ from the "
-        message = f"{head}rest in the array they passed{' (' + layout if layout else ''}"
-        assert out.count(message) == 3, out
-        assert out.count(f"({passed}). Every rank must pass an array of the same dtype") == 3, out
-    dtypes = "rank 0: int32; rank 1: int32; rank 2: float32"
+        head = f"CAUGHT ValueError: {name} on process group '{number}': ranks [{last}] differ from "
+        message = f"{head}the rest in the array they passed{' (' + layout if layout else ''}"
+        assert out.count(message) == n, out
+        assert out.count(f"({passed}). Every rank must pass an array of the same dtype") == n, out
+    dtypes = "; ".join(f"rank {r}: {'float32' if r == last else 'int32'}" for r in range(n))
     message = (
-        "CAUGHT ValueError: all_to_all on process group '12': ranks [2] differ from the rest in "
-        f"the dtype they exchange ({dtypes}). Every rank must pass arrays of one dtype."
+        f"CAUGHT ValueError: all_to_all on process group '12': ranks [{last}] differ from the "
+        f"rest in the dtype they exchange ({dtypes}). Every rank must pass arrays of one dtype."
     )
-    assert out.count(message) == 3, out
+    assert out.count(message) == n, out
     for number, sent, expected in ((6, 16, 24), (7, 8, 16)):  # all_to_all, all_to_all_single
         message = (
-            f"CAUGHT ValueError: all_to_all on process group '{number}': the ranks disagree on the "
-            f"sizes they exchange (global ranks): rank 0 sends {sent} bytes to rank 2, which "
-            f"expects {expected}. What rank r sends"
+            f"on process group '{number}': the ranks disagree on the sizes they exchange (global "
+            f"ranks): rank 0 sends {sent} bytes to rank {last}, which expects {expected}. What "
+            "rank r sends"
         )
-        assert out.count(message) == 3, out
+        assert out.count(message) == n, out
+    called = "; ".join(f"rank {r}: {'all_to_all' if r == last else 'all_reduce'}" for r in range(n))
+    message = (
+        f"on process group '13': ranks [{last}] differ from the rest in the collective they "
+        f"called ({called}). Every rank must call a group's collectives in the same order."
+    )
+    assert out.count(message) == n, out
     # The mismatched operations may never finish: the job is aborted at exit, not left hanging.
     assert result.returncode != 0
     assert ENDED[via] in result.stderr
@@ -531,3 +547,45 @@ def test_thread_ranks_print_what_mpi_processes_print(
     threads = run_threads(name, ranks, mode, timeout=group_timeout)
     assert printed(threads.stdout) == printed(processes.stdout)
     assert (threads.returncode == 0) == (processes.returncode == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ranks' comparison of all_to_all sizes: fingerprints against the pairwise comparison
+
+
+@given(
+    sizes=st.integers(1, 6).flatmap(
+        lambda n: st.lists(
+            st.lists(st.integers(0, 2**40), min_size=n, max_size=n), min_size=n, max_size=n
+        )
+    ),
+    change=st.tuples(st.integers(0, 5), st.integers(0, 5), st.integers(1, 2**40)),
+)
+@settings(max_examples=200, deadline=None)
+def test_all_to_all_fingerprints_agree_exactly_when_every_pair_does(
+    sizes: list[list[int]], change: tuple[int, int, int]
+) -> None:
+    """``sizes[r][j]``: what rank r sends j. The oracle: rank j expects ``sizes[r][j]`` from r,
+    then one expectation changed (or left alone, when ``change`` falls outside the world)."""
+    n = len(sizes)
+    expects = [[sizes[r][j] for r in range(n)] for j in range(n)]  # [j][r]
+    j, r, delta = change
+    if j < n and r < n:
+        expects[j][r] += delta
+    agree = all(sizes[r][j] == expects[j][r] for r in range(n) for j in range(n))
+    caller, dtype = Caller("MainThread"), np.dtype(np.int8)
+    comparisons = [
+        compare_counts(caller, sizes[k], expects[k], dtype, range(n), rank=k) for k in range(n)
+    ]
+    every = np.frombuffer(b"".join(row for row, _ in comparisons), np.int64).reshape(n, -1)
+    asked: list[np.ndarray] = []
+
+    def exchange(mine: np.ndarray) -> np.ndarray:  # what every rank would send: the oracle's
+        asked.append(mine)
+        return np.array([[*sizes[k], *expects[k]] for k in range(n)], np.int64)
+
+    problem = comparisons[0][1](every, exchange)
+    assert (problem is None) == agree
+    assert (asked == []) == agree  # the sizes themselves travel only when a pair disagrees
+    if not agree:
+        assert f"rank {r} sends {sizes[r][j]} bytes to rank {j}, which expects " in str(problem)

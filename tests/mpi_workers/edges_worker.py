@@ -12,7 +12,8 @@ each result it checked; the test reads them. Modes:
   rooted collective, synchronous and with ``async_op=True``; then it expects more from rank 0
   than rank 0 sends in ``all_to_all`` and ``all_to_all_single``; then, all naming root 0, it
   passes another size, dtype or shape to each rooted collective, and another dtype of the same
-  size to ``all_to_all``. Each on a group of its own (a mismatch leaves its group unusable); a
+  size to ``all_to_all``; last, it calls ``all_to_all_single`` where the others call
+  ``all_reduce``. Each on a group of its own (a mismatch leaves its group unusable); a
   collective on the world group shows it unharmed.
 """
 
@@ -168,6 +169,12 @@ def disagree(rank: int, size: int) -> None:
     kind = np.float32 if last else np.int32  # the same size: only the dtype differs
     calls["all_to_all, dtype"] = lambda g: dist.all_to_all(
         [np.zeros(2, kind) for _ in others], [np.ones(2, kind) for _ in others], group=g
+    )
+    # another collective: the ranks' comparisons have one size whatever the collective
+    calls["operation"] = lambda g: (
+        dist.all_to_all_single(np.zeros(size), np.ones(size), group=g)
+        if last
+        else dist.all_reduce(np.ones(size), group=g)
     )
     each_on_its_group(calls, others)
 

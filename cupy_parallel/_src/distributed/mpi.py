@@ -50,7 +50,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -85,6 +84,13 @@ from cupy_parallel._src.hostarray import plain_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+
+    from cupy_parallel._src.distributed.mpi_checks import Verify
+
+    # An exchange of a few integers that runs beside an operation (see _MPIWork._check): its
+    # request, this rank's row (MPI reads it until the exchange completes), every rank's rows
+    # (in rank order), and what says what the ranks disagree on.
+    _SideCheck = tuple[Any, bytearray, bytearray, Verify]
 
 __all__ = ["MPIBackend"]
 
@@ -202,16 +208,6 @@ def _beside(x: Any, acc: Any) -> Any:
 # Work
 
 
-@dataclasses.dataclass(slots=True)
-class _SideCheck:
-    """An exchange of a few integers that runs beside an operation (see ``_MPIWork._check``)."""
-
-    request: Any
-    mine: np.ndarray  # MPI reads it until the exchange completes
-    every: np.ndarray  # one row per group rank
-    verify: Callable[[np.ndarray], str | None]  # what the ranks disagree on, or None
-
-
 class _MPIWork(Work):
     """Work tracking one MPI request (or several), polled with ``Test``/``Testall``.
 
@@ -251,7 +247,7 @@ class _MPIWork(Work):
         side = self._side
         if side is not None:
             try:
-                if not side.request.Test():
+                if not side[0].Test():
                     return False
             except self._backend.mpi.Exception as error:
                 raise self._mpi_error(error) from None
@@ -291,7 +287,8 @@ class _MPIWork(Work):
         request = self._request
         try:  # the requests' own Test polled (see Work._poll): the rows first, then the operation
             if side is not None:
-                if not (side.request.Test() or self._poll(side.request.Test, deadline)):
+                test = side[0].Test
+                if not (test() or self._poll(test, deadline)):
                     return False
                 self._settle(side)
             if type(request) is list or self._status is not None:
@@ -301,33 +298,35 @@ class _MPIWork(Work):
         except self._backend.mpi.Exception as error:
             raise self._mpi_error(error) from None
 
-    def _check(self, mine: np.ndarray, verify: Callable[[np.ndarray], str | None]) -> _MPIWork:
+    def _check(self, mine: bytearray, verify: Verify) -> _MPIWork:
         """Complete only once every rank's ``mine`` is known and ``verify`` of them passes.
 
         Some arguments make MPI's result undefined when the ranks disagree on them, silently:
         the root and the array of a rooted operation (one rank's array overwrites the root's, a
         reduction reads another dtype's bytes, or both wait forever), the byte counts and dtype
         of ``all_to_all`` (a receiver expecting more gets zeros).
-        The ranks exchange them (``mine``: a few ``int64``; ``Iallgather`` on the group's control
-        communicator, overlapping the operation). ``verify`` gets every rank's row and says
-        what they disagree on; then every rank raises ``ValueError`` with that message, and the
-        group is unusable (the operation may have written the arrays already, and the job is
-        aborted at exit in case it never finishes).
+        The ranks exchange them (``mine``: a row of ``int64``, of one size for every
+        comparison; ``Iallgather`` on the group's control communicator, overlapping the
+        operation). ``verify`` gets every rank's row and says what they disagree on; then every
+        rank raises ``ValueError`` with that message, and the group is unusable (the operation
+        may have written the arrays already, and the job is aborted at exit in case it never
+        finishes).
         """
         backend = self._backend
-        every = np.empty((backend.size, mine.size), np.int64)
+        every = bytearray(len(mine) * backend.size)
         request = backend._control.Iallgather([mine, backend._int64], [every, backend._int64])
-        self._side = _SideCheck(request, mine, every, verify)
+        self._side = (request, mine, every, verify)
         return self
 
     def _settle(self, side: _SideCheck) -> None:
         """The side check finished: go on if the ranks agree, else fail every rank's call."""
         self._side = None
-        every = side.every
-        if every.tobytes() == side.mine.tobytes() * len(every):  # all alike: the common case
+        _, mine, every, verify = side
+        if every == mine * self._backend.size:  # all alike: the common case
             return
-        problem = side.verify(every)
-        if problem is None:  # rows may differ yet agree (all_to_all's counts)
+        rows = np.frombuffer(every, np.int64).reshape(self._backend.size, -1)
+        problem = verify(rows, self._exchange)
+        if problem is None:  # rows may differ yet agree (all_to_all's sizes)
             return
         message = (
             f"{self.description} on process group {self._backend.group_name!r}: {problem} "
@@ -335,6 +334,26 @@ class _MPIWork(Work):
         )
         self._abandon(message)
         raise ValueError(message)
+
+    def _exchange(self, mine: np.ndarray) -> np.ndarray:
+        """Every rank's ``mine`` (``int64``, one length on every rank), by group rank.
+
+        For a verification that needs more than the rows: every rank settles the same rows,
+        so every rank asks, though not at the same point of its other traffic on the control
+        communicator; hence messages tagged ``max_tag``, which no collective and no other
+        message of the control communicator matches (``new_group``'s greetings are tagged
+        below it).
+        """
+        backend = self._backend
+        control, int64, tag = backend._control, backend._int64, backend.max_tag
+        every = np.zeros((backend.size, mine.size), np.int64)
+        every[backend.rank] = mine
+        peers = [r for r in range(backend.size) if r != backend.rank]
+        requests = [control.Isend([mine, int64], peer, tag) for peer in peers]
+        requests += [control.Irecv([every[peer], int64], peer, tag) for peer in peers]
+        description = f"{self.description}: the ranks comparing the sizes they exchange"
+        _MPIWork(description, backend, requests, keep=(mine, every)).wait()
+        return every
 
     def _check_call(
         self, arrays: Sequence[Any], *, root: int = -1, op: ReduceOp | None = None
@@ -359,7 +378,9 @@ class _MPIWork(Work):
         """
         backend = self._backend
         return self._check(
-            *compare_counts(backend.caller(), sends, receives, dtype, backend.world_ranks)
+            *compare_counts(
+                backend.caller(), sends, receives, dtype, backend.world_ranks, rank=backend.rank
+            )
         )
 
     def _mpi_error(self, error: Any) -> Exception:
@@ -600,7 +621,7 @@ class MPIBackend(ProcessGroupBackend):
         if self.rank not in ranks:
             return None
         mpi = self.mpi
-        tag = zlib.crc32(group_name.encode()) % max(self.max_tag, 1)
+        tag = zlib.crc32(group_name.encode()) % max(self.max_tag, 1)  # max_tag: _exchange's
         mine = np.array([zlib.crc32(np.asarray(ranks, np.int64).tobytes())], np.int64)
         peers = [r for r in ranks if r != self.rank]
         theirs = np.zeros(len(peers), np.int64)

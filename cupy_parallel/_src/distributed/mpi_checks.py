@@ -20,9 +20,16 @@ Ranks that disagree get ``ValueError`` naming them, on every rank, and the group
 (MPI may have written the arrays already, or may never finish: the job is aborted at exit).
 torch's gloo refuses a size mismatch the same way ("Received data size doesn't match").
 
-The backend's work runs the exchange: an ``Iallgather`` of one row of ``int64`` per rank
-(:class:`Comparison`'s first item) on the group's control communicator, overlapping the
-operation; this module says what each rank sends and what the rows of every rank mean.
+The backend's work runs the exchange: an ``Iallgather`` of one row per rank (:class:`Comparison`'s
+first item) on the group's control communicator, overlapping the operation; this module says
+what each rank sends and what the rows of every rank mean. Every row is 19 ``int64``, whatever
+the collective: ranks at different collectives still exchange rows of one size, which MPI pairs
+(rows of two sizes make the exchange itself undefined: on 4 ranks an ``all_to_all``'s longer row
+was read as garbage, and the error named a thread instead of the collective). ``all_to_all``'s
+sizes, one per rank, travel as two fingerprints (:func:`compare_counts`), and only when those
+differ do the ranks exchange the sizes themselves. A row is bytes, copied from a template made
+once per call signature and compared as bytes: rows that agree, the common case, never become
+an array.
 
 Cost: a second collective beside every operation, and the Python that makes and reads its rows.
 A 4 KiB ``all_reduce`` on the 2-core development machine, ``python -m
@@ -45,6 +52,7 @@ that floor in each run. Earlier alternatives, no better: an ``Iallreduce(MAX)`` 
 from __future__ import annotations
 
 import functools
+import struct
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -56,8 +64,13 @@ from cupy_parallel._src.enums import ReduceOp
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    # What a rank sends, and what says how every rank's rows disagree (None: they agree).
-    Comparison = tuple[np.ndarray, Callable[[np.ndarray], str | None]]
+    # Every rank's int64 array of one length (rank r's in row r): a verification's way of
+    # asking the ranks for more than their rows (every rank settles the same rows, so asks).
+    Exchange = Callable[[np.ndarray], np.ndarray]
+    # What says how every rank's rows (one per row of the array) disagree, or None.
+    Verify = Callable[[np.ndarray, Exchange], str | None]
+    # What a rank sends (a row: _ROW_BYTES of native int64), and its Verify.
+    Comparison = tuple[bytearray, Verify]
 
 __all__ = [
     "OPERATIONS",
@@ -140,9 +153,9 @@ _DTYPES_BY_NUMBER: dict[int, np.dtype[Any]] = {
 }
 
 
-def _verify_call(every: np.ndarray, world: Sequence[int], start: int) -> str | None:
-    """What the ranks disagree on in the thread and the operation (fields up to ``start``)."""
-    callers = [tuple(row) for row in every[:, 1:start].tolist()]
+def _verify_call(every: np.ndarray, world: Sequence[int]) -> str | None:
+    """What the ranks disagree on in the thread and the operation (a row's first fields)."""
+    callers = [tuple(row) for row in every[:, 1:_START].tolist()]
     if callers.count(callers[0]) != len(callers):
         said = per_rank([_caller_said(c) for c in callers], world)
         return (
@@ -176,11 +189,7 @@ class Caller:
     def __init__(self, name: str, /) -> None:
         self.fields = caller_fields(name)
         self.calls = 0
-        self.rows: dict[Any, Comparison] = {}
-
-    def numbered(self) -> tuple[int, ...]:
-        """``fields`` and ``calls``: the caller as a row holds it."""
-        return (*self.fields, self.calls)
+        self.rows: dict[Any, tuple[bytes, Verify]] = {}
 
 
 def compare_call(
@@ -206,50 +215,62 @@ def compare_call(
     key = (operation, root, op, first.dtype, first.shape) if len(arrays) == 1 else None
     made = caller.rows.get(key)
     if made is None:
-        made = _call_row(_call_fields(operation, arrays, root, op), caller.fields, world)
+        call = _call_fields(operation, arrays, root, op)
+        row = _row(call[0], caller.fields, (*call[1:], 0, 0))
+        made = row, functools.partial(_verify_arrays, world)
         if key is not None:
             if len(caller.rows) >= _ROWS_KEPT:
                 caller.rows.clear()
             caller.rows[key] = made
     template, verify = made
-    mine = template.copy()
-    mine[_CALLS] = caller.calls
+    mine = bytearray(template)
+    _INT64.pack_into(mine, _CALLS_OFFSET, caller.calls)
     return mine, verify
 
 
 _ROWS_KEPT = 1024  # rows a caller keeps (one per call signature; cleared when full)
-_CALLS = _CALLER_SIZE  # a row's index of the caller's calls (after the operation, caller_fields)
+_INT64 = struct.Struct("=q")  # a row's field, as MPI's INT64_T
+_START = 1 + _CALLER_SIZE  # a row's first field after the operation and the caller
+_CALLS_OFFSET = (_START - 1) * _INT64.size  # a row's bytes of the caller's calls
+# A row's fields after the caller: root, op, the arrays' seven (see _call_fields), then the
+# fingerprints of the bytes an all_to_all sends and expects (see compare_counts).
+_ROOT = _START
+_OP = _START + 1
+_ARRAYS = _START + 2
+_SENT = _ARRAYS + 7
+_EXPECTED = _SENT + 1
+_ROW_FIELDS = _EXPECTED + 1
+_ROW_BYTES = _ROW_FIELDS * _INT64.size
 
 
-def _call_row(call: Sequence[int], fields: Sequence[int], world: Sequence[int]) -> Comparison:
-    """:func:`compare_call`'s row with ``calls`` at 0, and what says how every rank's differ.
-
-    ``call``: :func:`_call_fields`; ``fields``: the caller's :func:`caller_fields`.
-    """
-    row = np.array((call[0], *fields, 0, *call[1:]), np.int64)
-    return row, functools.partial(_verify_arrays, world, 1 + _CALLER_SIZE)
+def _row(operation: int, caller: Sequence[int], rest: Sequence[int]) -> bytes:
+    """A row: the operation, the caller with ``calls`` at 0, then the call's fields."""
+    row = np.array((operation, *caller, 0, *rest), np.int64)
+    assert row.size == _ROW_FIELDS  # every row has one size: any two ranks' rows pair in MPI
+    return row.tobytes()
 
 
-def _verify_arrays(world: Sequence[int], start: int, every: np.ndarray) -> str | None:
+def _verify_arrays(world: Sequence[int], every: np.ndarray, exchange: Exchange) -> str | None:
     """What the ranks' :func:`compare_call` rows disagree on, or ``None``."""
-    problem = _verify_call(every, world, start)
+    del exchange  # the rows hold the whole call
+    problem = _verify_call(every, world)
     if problem is not None:
         return problem
-    roots = every[:, start].tolist()
+    roots = every[:, _ROOT].tolist()
     if roots.count(roots[0]) != len(roots):
         named = per_rank([world[r] for r in roots], world)
         return (
             f"{disagreeing(roots, world)} in the root they named (src/dst, as global "
             f"ranks: {named}). Every rank must pass the same root."
         )
-    ops = every[:, start + 1].tolist()
+    ops = every[:, _OP].tolist()
     if ops.count(ops[0]) != len(ops):
         named = per_rank([f"ReduceOp.{_OPS[n].name}" for n in ops], world)
         return (
             f"{disagreeing(ops, world)} in the reduction they passed ({named}). Every rank "
             "must pass the same op."
         )
-    rows = [tuple(row) for row in every[:, start + 2 :].tolist()]
+    rows = [tuple(row) for row in every[:, _ARRAYS:_SENT].tolist()]
     if rows.count(rows[0]) == len(rows):
         return None
     said = [_arrays_said(*row) for row in rows]
@@ -307,36 +328,40 @@ def compare_counts(
     dtype: np.dtype[Any],
     world: Sequence[int],
     /,
+    *,
+    rank: int,
 ) -> Comparison:
     """What the ranks exchange to compare the bytes each sends to and expects from each other.
 
     And the thread and operation (as :func:`compare_call`), and the dtype (each rank's inputs
     and outputs share one): bytes of another dtype, even of the same size, would be read as
-    garbage.
+    garbage. ``rank``: this rank's in the group.
+
+    The sizes differ from rank to rank, and a row has one size (any two ranks' rows must pair,
+    even at different collectives), so a row holds two fingerprints instead: of the triples
+    (this rank, ``j``, ``sends[j]``) and (``j``, this rank, ``receives[j]``), summed over ``j``.
+    Their sums over the ranks are equal exactly when every rank expects what is sent to it
+    (but with a probability of 2**-63); only when they differ do the ranks exchange the sizes
+    themselves, to say which.
     """
     size = len(sends)
-    start = 1 + _CALLER_SIZE
+    ranks = np.arange(size, dtype=np.uint64)
+    me = np.full(size, rank, np.uint64)
+    fingerprints = (_fingerprint(me, ranks, sends), _fingerprint(ranks, me, receives))
+    arrays = (0, *dtype_row(dtype), 0, 0, 0)  # the dtype; the sizes are in the fingerprints
+    operation = _OPERATION_NUMBERS["all_to_all"]
+    mine = bytearray(_row(operation, caller.fields, (-1, -1, *arrays, *fingerprints)))
+    _INT64.pack_into(mine, _CALLS_OFFSET, caller.calls)
 
-    def verify(every: np.ndarray) -> str | None:
-        problem = _verify_call(every, world, start)
+    def verify(every: np.ndarray, exchange: Exchange) -> str | None:
+        problem = _verify_call(every, world)
         if problem is not None:
             return problem
-        sent = every[:, start : start + size]  # [r, j]: r sends j
-        expected = every[:, start + size : start + 2 * size]
-        pairs = [
-            f"rank {world[r]} sends {sent[r, j]} bytes to rank {world[j]}, which expects "
-            f"{expected[j, r]}"
-            for r in range(size)
-            for j in range(size)
-            if sent[r, j] != expected[j, r]
-        ]
-        if pairs:
-            return (
-                f"the ranks disagree on the sizes they exchange (global ranks): "
-                f"{'; '.join(pairs)}. What rank r sends to rank j must be the size rank j "
-                "expects from rank r."
-            )
-        dtypes = [tuple(row) for row in every[:, start + 2 * size :].tolist()]
+        if (sum(every[:, _SENT].tolist()) - sum(every[:, _EXPECTED].tolist())) % _MODULUS:
+            problem = _sizes_problem(exchange(np.array([*sends, *receives], np.int64)), world)
+            if problem is not None:
+                return problem
+        dtypes = [tuple(row) for row in every[:, _ARRAYS + 1 : _ARRAYS + 4].tolist()]
         if dtypes.count(dtypes[0]) == len(dtypes):
             return None
         said = [dtype_said(number, itemsize) for number, itemsize, _ in dtypes]
@@ -347,6 +372,47 @@ def compare_counts(
             "Every rank must pass arrays of one dtype."
         )
 
-    operation = _OPERATION_NUMBERS["all_to_all"]
-    mine = [operation, *caller.numbered(), *sends, *receives, *dtype_row(dtype)]
-    return np.array(mine, np.int64), verify
+    return mine, verify
+
+
+_MODULUS = 1 << 63  # of a fingerprint, so that it is a nonnegative int64
+
+
+def _fingerprint(senders: np.ndarray, receivers: np.ndarray, sizes: Sequence[int]) -> int:
+    """The sum of a hash of each (sender, receiver, size) triple, modulo 2**63.
+
+    Two lists of triples with equal sums are the same triples but with a probability of about
+    2**-63 (each hash is splitmix64's finalizer of the three, chained).
+    """
+    hashed = _mix(_mix(_mix(senders) ^ receivers) ^ np.asarray(sizes, np.uint64))
+    return int(hashed.sum(dtype=np.uint64)) % _MODULUS
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, element-wise on ``uint64`` (whose products wrap)."""
+    x = (x ^ (x >> 30)) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> 27)) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> 31)
+
+
+def _sizes_problem(counts: np.ndarray, world: Sequence[int]) -> str | None:
+    """Which ranks disagree on the bytes they exchange, or ``None``.
+
+    ``counts[r]``: rank ``r``'s sends, then its receives (see :func:`compare_counts`).
+    """
+    size = len(counts)
+    sent = counts[:, :size]  # [r, j]: r sends j
+    expected = counts[:, size:]  # [j, r]: j expects from r
+    pairs = [
+        f"rank {world[r]} sends {sent[r, j]} bytes to rank {world[j]}, which expects "
+        f"{expected[j, r]}"
+        for r in range(size)
+        for j in range(size)
+        if sent[r, j] != expected[j, r]
+    ]
+    if not pairs:
+        return None
+    return (
+        f"the ranks disagree on the sizes they exchange (global ranks): {'; '.join(pairs)}. "
+        "What rank r sends to rank j must be the size rank j expects from rank r."
+    )
