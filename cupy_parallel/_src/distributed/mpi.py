@@ -351,7 +351,7 @@ class _MPIWork(Work):
         peers = [r for r in range(backend.size) if r != backend.rank]
         requests = [control.Isend([mine, int64], peer, tag) for peer in peers]
         requests += [control.Irecv([every[peer], int64], peer, tag) for peer in peers]
-        description = f"{self.description}: the ranks comparing the sizes they exchange"
+        description = f"{self.description}: the ranks telling each other what they disagree on"
         _MPIWork(description, backend, requests, keep=(mine, every)).wait()
         return every
 
