@@ -39,7 +39,7 @@
   issuing on one group at once would pair one thread's call with another thread's on another
   rank (the results mixed, silently). There is no order to restore (each rank's threads race
   on their own), so such a pairing is an error instead: the ranks compare the name of the
-  issuing thread and how many calls it has made on the group, and the first mixed pair raises
+  issuing thread, and the first mixed pair raises
   ``ValueError`` on every rank naming both threads (the group is unusable after). A thread's
   collective and its comparison are issued under one lock, so each rank's ``k``-th collective
   meets the ``k``-th comparison. Issue a group's collectives from one thread at a time (in the
@@ -90,7 +90,7 @@ if TYPE_CHECKING:
     # An exchange of a few integers that runs beside an operation (see _MPIWork._check): its
     # request, this rank's row (MPI reads it until the exchange completes), every rank's rows
     # (in rank order), and what says what the ranks disagree on.
-    _SideCheck = tuple[Any, bytearray, bytearray, Verify]
+    _SideCheck = tuple[Any, bytes, bytearray, Verify]
 
 __all__ = ["MPIBackend"]
 
@@ -298,7 +298,7 @@ class _MPIWork(Work):
         except self._backend.mpi.Exception as error:
             raise self._mpi_error(error) from None
 
-    def _check(self, mine: bytearray, verify: Verify) -> _MPIWork:
+    def _check(self, mine: bytes, verify: Verify) -> _MPIWork:
         """Complete only once every rank's ``mine`` is known and ``verify`` of them passes.
 
         Some arguments make MPI's result undefined when the ranks disagree on them, silently:
@@ -649,7 +649,7 @@ class MPIBackend(ProcessGroupBackend):
         return sub
 
     def caller(self) -> Caller:
-        """The calling thread as the ranks compare it, counting this call (under ``_issuing``).
+        """The calling thread as the ranks compare it.
 
         See :class:`~cupy_parallel._src.distributed.mpi_checks.Caller`.
         """
@@ -657,7 +657,6 @@ class MPIBackend(ProcessGroupBackend):
         caller = getattr(thread, "caller", None)
         if caller is None:
             caller = thread.caller = Caller(thread_name())
-        caller.calls += 1
         return caller
 
     def shutdown(self) -> None:

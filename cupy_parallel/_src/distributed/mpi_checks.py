@@ -7,9 +7,9 @@ a receiver expecting more than is sent keeps zeros. So every collective of the M
 (``barrier`` aside, which passes nothing) has the ranks compare what they passed, beside the
 operation, and finishes only once they agree:
 
-* the thread that issued it (its name, and how many collectives that thread has issued on the
-  group): two threads issuing on one group at once issue in no set order across the ranks, so
-  one rank's call from thread A pairs with another's from thread B (see :func:`caller_fields`);
+* the thread that issued it (its name): two threads issuing on one group at once issue in no
+  set order across the ranks, so one rank's call from thread A pairs with another's from
+  thread B (see :func:`caller_fields`);
 * the operation (an ``all_reduce`` never pairs with a ``broadcast``);
 * the root of ``broadcast``/``reduce``/``gather``/``scatter``, and the reduction (``ReduceOp``);
 * the arrays: how many, the dtype, the number of elements, and their shapes (a checksum);
@@ -22,14 +22,13 @@ torch's gloo refuses a size mismatch the same way ("Received data size doesn't m
 
 The backend's work runs the exchange: an ``Iallgather`` of one row per rank (:class:`Comparison`'s
 first item) on the group's control communicator, overlapping the operation; this module says
-what each rank sends and what the rows of every rank mean. Every row is 19 ``int64``, whatever
+what each rank sends and what the rows of every rank mean. Every row is 18 ``int64``, whatever
 the collective: ranks at different collectives still exchange rows of one size, which MPI pairs
 (rows of two sizes make the exchange itself undefined: on 4 ranks an ``all_to_all``'s longer row
 was read as garbage, and the error named a thread instead of the collective). ``all_to_all``'s
 sizes, one per rank, travel as two fingerprints (:func:`compare_counts`), and only when those
-differ do the ranks exchange the sizes themselves. A row is bytes, copied from a template made
-once per call signature and compared as bytes: rows that agree, the common case, never become
-an array.
+differ do the ranks exchange the sizes themselves. A row is bytes, made once per thread and
+call signature and compared as bytes: rows that agree, the common case, never become an array.
 
 Cost: a second collective beside every operation, and the Python that makes and reads its rows.
 A 4 KiB ``all_reduce`` on the 2-core development machine, ``python -m
@@ -58,7 +57,6 @@ cores (mpi4py alone, polling ``Test`` and yielding the core as the backend does)
 from __future__ import annotations
 
 import functools
-import struct
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -75,8 +73,8 @@ if TYPE_CHECKING:
     Exchange = Callable[[np.ndarray], np.ndarray]
     # What says how every rank's rows (one per row of the array) disagree, or None.
     Verify = Callable[[np.ndarray, Exchange], str | None]
-    # What a rank sends (a row: _ROW_BYTES of native int64), and its Verify.
-    Comparison = tuple[bytearray, Verify]
+    # What a rank sends (a row: _ROW_FIELDS native int64), and its Verify.
+    Comparison = tuple[bytes, Verify]
 
 __all__ = [
     "OPERATIONS",
@@ -105,18 +103,20 @@ _OPERATION_NUMBERS = {name: number for number, name in enumerate(OPERATIONS)}
 _OP_NUMBERS = {op: number for number, op in enumerate(ReduceOp)}
 _OPS = list(ReduceOp)
 _NAME_BYTES = 32  # of a thread's name, for the message (its checksum compares all of it)
-_CALLER_SIZE = 2 + _NAME_BYTES // 8 + 1  # a row's caller: caller_fields, then its calls
+_CALLER_SIZE = 2 + _NAME_BYTES // 8  # a row's caller: caller_fields
 
 
 def caller_fields(name: str, /) -> tuple[int, ...]:
     """A thread's name as the ranks compare it: checksum, length and its first 32 bytes.
 
-    The ranks compare the name of the thread that issued each collective, and how many that
-    thread had issued on the group: in a program whose ranks issue a group's collectives in
-    one order, these agree (the main thread is ``MainThread`` everywhere, and threads made
-    without a name are numbered in the order they are made); when threads race, the first call
-    that pairs two threads' calls has different names. Threads of one process that issue on one
-    group must have different names.
+    The ranks compare the name of the thread that issued each collective: in a program whose
+    ranks issue a group's collectives in one order, these agree (the main thread is
+    ``MainThread`` everywhere, and threads made without a name are numbered in the order they
+    are made); when threads race, the first call that pairs two threads' calls has different
+    names. Threads of one process that issue on one group must have different names. (The
+    ranks do not compare how many calls each thread made: where the names agree call by call,
+    so do those counts, and a thread that ended and a new one of its name, on one rank only,
+    made the counts differ in a program without fault.)
 
     Example:
         >>> caller_fields("MainThread")[1]
@@ -133,7 +133,7 @@ def _caller_said(fields: Sequence[int]) -> str:
     head = np.array(fields[2 : 2 + _NAME_BYTES // 8], np.int64).view(np.uint8).tobytes()
     name = head[: min(length, _NAME_BYTES)].decode(errors="replace")
     more = "..." if length > _NAME_BYTES else ""
-    return f"thread {name!r}{more}, its call {fields[-1]}"
+    return f"thread {name!r}{more}"
 
 
 def dtype_row(dtype: np.dtype[Any]) -> list[int]:
@@ -184,18 +184,16 @@ def _verify_call(every: np.ndarray, world: Sequence[int]) -> str | None:
 class Caller:
     """A thread issuing collectives on one group, as the ranks compare it (one per thread).
 
-    ``fields``: :func:`caller_fields` of its name; ``calls``: how many collectives it has issued
-    on the group, the current one included; ``rows``: :func:`compare_call`'s rows made for it,
-    by call (the group's world and this thread fixed, a row differs between two calls alike
-    only in ``calls``).
+    ``fields``: :func:`caller_fields` of its name; ``rows``: :func:`compare_call`'s rows made for
+    it, by call signature (the group's world and this thread fixed, two calls alike have one
+    row).
     """
 
-    __slots__ = ("calls", "fields", "rows")
+    __slots__ = ("fields", "rows")
 
     def __init__(self, name: str, /) -> None:
         self.fields = caller_fields(name)
-        self.calls = 0
-        self.rows: dict[Any, tuple[bytes, Verify]] = {}
+        self.rows: dict[Any, Comparison] = {}
 
 
 def compare_call(
@@ -210,34 +208,31 @@ def compare_call(
 ) -> Comparison:
     """What the ranks exchange to compare a collective's call: thread, operation, root, arrays.
 
-    ``caller``: the issuing thread, counting this call. ``world`` holds the group's ranks as
+    ``caller``: the issuing thread. ``world`` holds the group's ranks as
     global ranks, for the messages. ``arrays``: the call's local arrays (one, or one per local
     device, or a coalesced call's); their number, dtype (the first's), total elements and
     shapes and dtypes (a checksum) must agree, as must ``root`` (group rank; ``-1``: not rooted)
     and ``op``. A call of one array is made into a row once per thread, operation, root, op,
-    dtype and shape, then copied with the call's number: a loop's calls cost a copy each.
+    dtype and shape: a loop's calls cost a dictionary lookup each.
     """
     first = arrays[0]
     key = (operation, root, op, first.dtype, first.shape) if len(arrays) == 1 else None
     made = caller.rows.get(key)
     if made is None:
         call = _call_fields(operation, arrays, root, op)
-        row = _row(call[0], caller.fields, (*call[1:], 0, 0))
-        made = row, functools.partial(_verify_arrays, world)
+        made = (
+            _row(call[0], caller.fields, (*call[1:], 0, 0)),
+            functools.partial(_verify_arrays, world),
+        )
         if key is not None:
             if len(caller.rows) >= _ROWS_KEPT:
                 caller.rows.clear()
             caller.rows[key] = made
-    template, verify = made
-    mine = bytearray(template)
-    _INT64.pack_into(mine, _CALLS_OFFSET, caller.calls)
-    return mine, verify
+    return made
 
 
 _ROWS_KEPT = 1024  # rows a caller keeps (one per call signature; cleared when full)
-_INT64 = struct.Struct("=q")  # a row's field, as MPI's INT64_T
 _START = 1 + _CALLER_SIZE  # a row's first field after the operation and the caller
-_CALLS_OFFSET = (_START - 1) * _INT64.size  # a row's bytes of the caller's calls
 # A row's fields after the caller: root, op, the arrays' seven (see _call_fields), then the
 # fingerprints of the bytes an all_to_all sends and expects (see compare_counts).
 _ROOT = _START
@@ -246,12 +241,11 @@ _ARRAYS = _START + 2
 _SENT = _ARRAYS + 7
 _EXPECTED = _SENT + 1
 _ROW_FIELDS = _EXPECTED + 1
-_ROW_BYTES = _ROW_FIELDS * _INT64.size
 
 
 def _row(operation: int, caller: Sequence[int], rest: Sequence[int]) -> bytes:
-    """A row: the operation, the caller with ``calls`` at 0, then the call's fields."""
-    row = np.array((operation, *caller, 0, *rest), np.int64)
+    """A row: the operation, the caller, then the call's fields (as MPI's ``INT64_T``)."""
+    row = np.array((operation, *caller, *rest), np.int64)
     assert row.size == _ROW_FIELDS  # every row has one size: any two ranks' rows pair in MPI
     return row.tobytes()
 
@@ -356,8 +350,7 @@ def compare_counts(
     fingerprints = (_fingerprint(me, ranks, sends), _fingerprint(ranks, me, receives))
     arrays = (0, *dtype_row(dtype), 0, 0, 0)  # the dtype; the sizes are in the fingerprints
     operation = _OPERATION_NUMBERS["all_to_all"]
-    mine = bytearray(_row(operation, caller.fields, (-1, -1, *arrays, *fingerprints)))
-    _INT64.pack_into(mine, _CALLS_OFFSET, caller.calls)
+    mine = _row(operation, caller.fields, (-1, -1, *arrays, *fingerprints))
 
     def verify(every: np.ndarray, exchange: Exchange) -> str | None:
         problem = _verify_call(every, world)
