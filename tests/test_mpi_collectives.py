@@ -296,6 +296,32 @@ def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank(n: int, via: st
 
 
 @VIA
+def test_sizes_disagreeing_with_a_rank_that_waits_late_raise_on_every_rank(via: str) -> None:
+    """Rank 0 waits on its all_to_all_single (whose sizes the last rank disagrees on) only after
+    an all_reduce; the others, told by the rows that the sizes differ, wait for rank 0's sizes,
+    which come only then. They used to time out ("the ranks telling each other what they
+    disagree on ... did not complete"), naming nothing; now each says what it knows at the
+    group's timeout (the pair, if rank 0's sizes came in time), and rank 0, which gets every
+    other rank's sizes, names the pair."""
+    result, seconds = launch_edges(3, "late-wait", via)
+    out = result.stdout
+    assert seconds < 30
+    assert "NO ERROR" not in out, out
+    head = (
+        "CAUGHT ValueError: all_to_all on process group '1': the ranks disagree on the sizes they "
+        "exchange (global ranks): "
+    )
+    unknown = f"{head}the sizes of rank 0 are unknown: it did not tell them within the group's"
+    named = f"{head}rank 0 sends 8 bytes to rank 2, which expects 16. What rank r sends"
+    assert out.count(head) == 3, out + result.stderr[-2000:]
+    assert out.count(unknown) + out.count(named) == 3, out
+    assert out.count(named) >= 1, out  # rank 0's
+    assert out.count("CAUGHT TimeoutError: all_reduce on process group '1'") == 1, out
+    assert result.returncode != 0
+    assert ENDED[via] in result.stderr
+
+
+@VIA
 def test_new_group_is_bounded_by_the_timeout(via: str) -> None:
     result, seconds = launch_edges(2, "new-group-timeout", via)
     assert seconds < 20

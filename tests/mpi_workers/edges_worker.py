@@ -15,6 +15,10 @@ each result it checked; the test reads them. Modes:
   size to ``all_to_all``; last, it calls ``all_to_all_single`` where the others call
   ``all_reduce``. Each on a group of its own (a mismatch leaves its group unusable); a
   collective on the world group shows it unharmed.
+- ``late-wait``: the last rank expects more from rank 0 than rank 0 sends in an
+  ``all_to_all_single`` that rank 0 starts with ``async_op=True`` and waits on only after an
+  ``all_reduce`` of the same group, which the others, waiting on the ``all_to_all_single``,
+  never reach.
 """
 
 from __future__ import annotations
@@ -179,6 +183,33 @@ def disagree(rank: int, size: int) -> None:
     each_on_its_group(calls, others)
 
 
+def late_wait(rank: int, size: int) -> None:
+    # The last rank expects 2 elements from rank 0, which sends it 1: the ranks' rows say that
+    # the sizes differ, and every rank asks the others for theirs, rank 0 only once it waits.
+    # On a group of its own, so that the world's barrier keeps every rank until all reported.
+    group = dist.new_group(list(range(size)))
+    out_splits = [2] + [1] * (size - 1) if rank == size - 1 else [1] * size
+    out = np.zeros(sum(out_splits))
+    send = np.ones(size)
+    try:
+        if rank == 0:
+            work = dist.all_to_all_single(
+                out, send, out_splits, [1] * size, group=group, async_op=True
+            )
+            assert work is not None
+            try:
+                dist.all_reduce(np.ones(2), group=group)
+            except TimeoutError as error:  # the others never reach it
+                caught(error)
+            work.wait()
+        else:
+            dist.all_to_all_single(out, send, out_splits, [1] * size, group=group)
+        print("NO ERROR", flush=True)
+    except ValueError as error:
+        caught(error)
+    dist.barrier()
+
+
 def main() -> int:
     return rank_main(0, sys.argv[1:])
 
@@ -200,6 +231,9 @@ def rank_main(_: int, argv: list[str]) -> int:
         return 0
     elif mode == "disagree":
         disagree(rank, size)
+    elif mode == "late-wait":
+        late_wait(rank, size)
+        return 0
     elif mode == "new-group-timeout":
         try:
             if rank == size - 1:  # a barrier where the others make a group

@@ -342,17 +342,30 @@ class _MPIWork(Work):
         so every rank asks, though not at the same point of its other traffic on the control
         communicator; hence messages tagged ``max_tag``, which no collective and no other
         message of the control communicator matches (``new_group``'s greetings are tagged
-        below it).
+        below it). A rank may settle the rows much later than its peers, or never (an
+        ``async_op=True`` call it waits on only after issuing another collective of the group,
+        which the peers, waiting here, never join): after the group's timeout the receives
+        still pending are cancelled and the rows of those ranks are ``-1`` (unknown), so that
+        the ranks that asked still say what they disagree on.
         """
         backend = self._backend
         control, int64, tag = backend._control, backend._int64, backend.max_tag
         every = np.zeros((backend.size, mine.size), np.int64)
         every[backend.rank] = mine
         peers = [r for r in range(backend.size) if r != backend.rank]
-        requests = [control.Isend([mine, int64], peer, tag) for peer in peers]
-        requests += [control.Irecv([every[peer], int64], peer, tag) for peer in peers]
+        sends = [control.Isend([mine, int64], peer, tag) for peer in peers]
+        receives = [control.Irecv([every[peer], int64], peer, tag) for peer in peers]
         description = f"{self.description}: the ranks telling each other what they disagree on"
-        _MPIWork(description, backend, requests, keep=(mine, every)).wait()
+        work = _MPIWork(description, backend, sends + receives, keep=(mine, every))
+        try:
+            work.wait(timeout=backend.timeout)  # explicit: on expiry the receives are ours
+        except TimeoutError:
+            status = backend.mpi.Status()
+            for peer, receive in zip(peers, receives, strict=True):
+                receive.Cancel()
+                receive.Wait(status)
+                if status.Is_cancelled():
+                    every[peer] = -1
         return every
 
     def _check_call(

@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 
     # Every rank's int64 array of one length (rank r's in row r): a verification's way of
     # asking the ranks for more than their rows (every rank settles the same rows, so asks).
+    # The row of a rank that did not answer within the group's timeout is -1 throughout.
     Exchange = Callable[[np.ndarray], np.ndarray]
     # What says how every rank's rows (one per row of the array) disagree, or None.
     Verify = Callable[[np.ndarray, Exchange], str | None]
@@ -404,18 +405,29 @@ def _mix(x: np.ndarray) -> np.ndarray:
 def _sizes_problem(counts: np.ndarray, world: Sequence[int]) -> str | None:
     """Which ranks disagree on the bytes they exchange, or ``None``.
 
-    ``counts[r]``: rank ``r``'s sends, then its receives (see :func:`compare_counts`).
+    ``counts[r]``: rank ``r``'s sends, then its receives (see :func:`compare_counts`); ``-1``
+    throughout when rank ``r`` did not tell them (the fingerprints already said that the sizes
+    differ: the message says so, with the pairs known to differ).
     """
     size = len(counts)
     sent = counts[:, :size]  # [r, j]: r sends j
     expected = counts[:, size:]  # [j, r]: j expects from r
+    silent = [r for r in range(size) if (counts[r] < 0).all()]
     pairs = [
         f"rank {world[r]} sends {sent[r, j]} bytes to rank {world[j]}, which expects "
         f"{expected[j, r]}"
         for r in range(size)
         for j in range(size)
-        if sent[r, j] != expected[j, r]
+        if r not in silent and j not in silent and sent[r, j] != expected[j, r]
     ]
+    if silent:
+        ranks = [world[r] for r in silent]
+        pairs.append(
+            f"the sizes of rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+            "are unknown: it did not tell them within the group's timeout (as a rank does that "
+            "has not waited on this all_to_all: one started with async_op=True and waited on "
+            "only after another collective of the group, which the other ranks never reach)"
+        )
     if not pairs:
         return None
     return (
