@@ -7,13 +7,16 @@ each result it checked; the test reads them. Modes:
   ``TAG_UB``; a receive buffer smaller, then larger, than the message; a receive cancelled at
   the group's timeout; MIN/MAX of NaN and +-0 giving the same bits on every rank;
 - ``bcast-mismatch``: ranks broadcast arrays of different sizes;
-- ``new-group-timeout``: the last rank calls ``barrier`` where the others call ``new_group``;
+- ``new-group-timeout``: the last rank sleeps past the timeout where the others call
+  ``new_group``;
+- ``new-group-barrier``: the last rank calls ``barrier`` where the others call ``new_group``;
 - ``disagree``: the last rank names another root (``src``/``dst``) than the others, in each
   rooted collective, synchronous and with ``async_op=True``; then it expects more from rank 0
   than rank 0 sends in ``all_to_all`` and ``all_to_all_single``; then, all naming root 0, it
   passes another size, dtype or shape to each rooted collective, and another dtype of the same
   size to ``all_to_all``; last, it calls ``all_to_all_single`` where the others call
-  ``all_reduce``. Each on a group of its own (a mismatch leaves its group unusable); a
+  ``all_reduce``; last, it calls ``barrier`` where the others call ``all_reduce``, then every
+  rank an ``all_reduce``. Each on a group of its own (a mismatch leaves its group unusable); a
   collective on the world group shows it unharmed.
 - ``late-wait``: the last rank expects more from rank 0 than rank 0 sends in an
   ``all_to_all_single`` that rank 0 starts with ``async_op=True`` and waits on only after an
@@ -180,6 +183,13 @@ def disagree(rank: int, size: int) -> None:
         if last
         else dist.all_reduce(np.ones(size), group=g)
     )
+    # a barrier where the others call all_reduce, then an all_reduce everywhere: a barrier that
+    # compared nothing shifted the comparisons, so that the all_reduce of the others met the
+    # last rank's next one in the comparison (MPICH, 2 ranks: rank 0 returned its own array)
+    calls["barrier"] = lambda g: (
+        dist.barrier(group=g) if last else dist.all_reduce(np.ones(size), group=g),
+        dist.all_reduce(np.ones(size), group=g),
+    )
     each_on_its_group(calls, others)
 
 
@@ -236,11 +246,21 @@ def rank_main(_: int, argv: list[str]) -> int:
         return 0
     elif mode == "new-group-timeout":
         try:
+            if rank == size - 1:  # late: the others' new_group gives up first
+                time.sleep(3)
+            else:
+                dist.new_group(list(range(size)), timeout=2)
+        except TimeoutError as error:
+            caught(error)
+        return 0
+    elif mode == "new-group-barrier":
+        try:
             if rank == size - 1:  # a barrier where the others make a group
                 dist.barrier()
             else:
                 dist.new_group(list(range(size)), timeout=2)
-        except TimeoutError as error:
+            print("NO ERROR", flush=True)
+        except ValueError as error:
             caught(error)
         return 0
     dist.destroy_process_group()

@@ -28,7 +28,7 @@
   usable.
 * Buffers the backend allocates (packing, receiving) are zero-filled: a peer that sends less
   than expected never exposes another call's bytes.
-* Every collective (``barrier`` aside) has the ranks compare their arguments, always: the
+* Every collective (``barrier`` too) has the ranks compare their arguments, always: the
   thread that issued it, the operation, the root, the reduction, the arrays' number, dtype and
   shape (for ``all_to_all`` the byte counts); ranks that disagree raise ``ValueError`` on every
   rank, naming them. See :mod:`~cupy_parallel._src.distributed.mpi_checks`.
@@ -66,7 +66,13 @@ from cupy_parallel._src.averages import average_in_place, decode_average, encode
 from cupy_parallel._src.cuda import copies
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend
-from cupy_parallel._src.distributed.mpi_checks import Caller, compare_call, compare_counts
+from cupy_parallel._src.distributed.mpi_checks import (
+    Caller,
+    compare_barrier,
+    compare_call,
+    compare_counts,
+    compare_new_group,
+)
 from cupy_parallel._src.distributed.mpi_job import (
     DEPARTURE_GRACE_S,
     abort_at_exit,
@@ -597,18 +603,18 @@ class MPIBackend(ProcessGroupBackend):
         if local:
             return self._new_local_subgroup(ranks, timeout=timeout, group_name=group_name)
         self._splits += 1
-        mine = np.array([self._splits, zlib.crc32(np.asarray(ranks, np.int64).tobytes())])
-        every = np.zeros((self.size, 2), np.int64)
-        request = self._control.Iallgather([mine, self.mpi.INT64_T], [every, self.mpi.INT64_T])
+        crc = zlib.crc32(np.asarray(ranks, np.int64).tobytes())
+        with self._issuing:  # a row as a collective's: see compare_new_group
+            mine, verify = compare_new_group(self.caller(), self._splits, crc, self.world_ranks)
+            every = bytearray(len(mine) * self.size)
+            request = self._control.Iallgather([mine, self._int64], [every, self._int64])
         description = f"new_group({list(ranks)}) waiting for every world rank"
         _MPIWork(description, self, request, keep=(mine, every), timeout=timeout).wait()
-        differ = [r for r in range(self.size) if not np.array_equal(every[r], mine)]
-        if differ:
-            raise ValueError(
-                f"new_group: world ranks {differ} passed other ranks than this rank "
-                f"({list(ranks)}) or are at another new_group call; every rank must call "
-                "new_group with the same ranks, in the same order."
-            )
+        if every != mine * self.size:
+            rows = np.frombuffer(every, np.int64).reshape(self.size, -1)
+            problem = verify(rows, _no_exchange)
+            if problem is not None:
+                raise ValueError(f"new_group({list(ranks)}): {problem}")
         member = self.rank in ranks
         mpi = self.mpi
         color = 0 if member else mpi.UNDEFINED
@@ -866,9 +872,11 @@ class MPIBackend(ProcessGroupBackend):
         records: list[bytes] = self._control.allgather(record)  # every rank is here
         return records
 
+    @_in_issue_order
     def barrier(self) -> Work:
-        """Ibarrier."""
-        return _MPIWork("barrier", self, self._comm.Ibarrier())
+        """Ibarrier, compared as every collective is (a barrier must meet a barrier)."""
+        work = _MPIWork("barrier", self, self._comm.Ibarrier())
+        return work._check(*compare_barrier(self.caller(), self.world_ranks))
 
     @staged()
     def send(self, array: Any, dst: int, tag: int, /) -> Work:
@@ -937,6 +945,11 @@ class MPIBackend(ProcessGroupBackend):
 
         work = _MPIWork("all_gather_coalesced", self, request, keep=(send, received))
         return work._check_call(inputs).add_finalizer(finish)
+
+
+def _no_exchange(mine: np.ndarray) -> np.ndarray:
+    """The exchange of a verification that needs none (``new_group``'s)."""
+    raise AssertionError(mine)
 
 
 def _check_environment(rank: int, size: int) -> None:
