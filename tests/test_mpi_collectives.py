@@ -241,7 +241,9 @@ def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank(n: int, via: st
     leave zeros where a receiver expects more than is sent; a rooted collective over arrays of
     another size, dtype or shape reduces garbage or leaves part of an array as it was. On 4 ranks
     an all_to_all's comparison used to be longer than another collective's, so that the ranks
-    read each other's rows as garbage (an error naming the wrong cause)."""
+    read each other's rows as garbage (an error naming the wrong cause). A barrier used to
+    compare nothing, so that a barrier met by an all_reduce shifted the comparisons: on MPICH
+    the all_reduce returned the rank's own array, or every rank timed out."""
     result, seconds = launch_edges(n, "disagree", via)
     assert seconds < 30
     out = result.stdout
@@ -293,7 +295,39 @@ def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank(n: int, via: st
         f"called ({called}). Every rank must call a group's collectives in the same order."
     )
     assert out.count(message) == n, out
+    called = "; ".join(f"rank {r}: {'barrier' if r == last else 'all_reduce'}" for r in range(n))
+    message = (
+        f"on process group '14': ranks [{last}] differ from the rest in the collective they "
+        f"called ({called}). Every rank must call a group's collectives in the same order."
+    )
+    assert out.count(message) == n, out
     # The mismatched operations may never finish: the job is aborted at exit, not left hanging.
+    assert result.returncode != 0
+    assert ENDED[via] in result.stderr
+
+
+@VIA
+def test_sizes_disagreeing_with_a_rank_that_waits_late_raise_on_every_rank(via: str) -> None:
+    """Rank 0 waits on its all_to_all_single (whose sizes the last rank disagrees on) only after
+    an all_reduce; the others, told by the rows that the sizes differ, wait for rank 0's sizes,
+    which come only then. They used to time out ("the ranks telling each other what they
+    disagree on ... did not complete"), naming nothing; now each says what it knows at the
+    group's timeout (the pair, if rank 0's sizes came in time), and rank 0, which gets every
+    other rank's sizes, names the pair."""
+    result, seconds = launch_edges(3, "late-wait", via)
+    out = result.stdout
+    assert seconds < 30
+    assert "NO ERROR" not in out, out
+    head = (
+        "CAUGHT ValueError: all_to_all on process group '1': the ranks disagree on the sizes they "
+        "exchange (global ranks): "
+    )
+    unknown = f"{head}the sizes of rank 0 are unknown: it did not tell them within the group's"
+    named = f"{head}rank 0 sends 8 bytes to rank 2, which expects 16. What rank r sends"
+    assert out.count(head) == 3, out + result.stderr[-2000:]
+    assert out.count(unknown) + out.count(named) == 3, out
+    assert out.count(named) >= 1, out  # rank 0's
+    assert out.count("CAUGHT TimeoutError: all_reduce on process group '1'") == 1, out
     assert result.returncode != 0
     assert ENDED[via] in result.stderr
 
@@ -306,6 +340,21 @@ def test_new_group_is_bounded_by_the_timeout(via: str) -> None:
         "CAUGHT TimeoutError: new_group([0, 1]) waiting for every world rank on process group '0' "
         "did not complete within 2 s" in result.stdout
     ), result.stdout + result.stderr[-2000:]
+
+
+@VIA
+def test_a_barrier_where_the_others_make_a_group_is_a_value_error_on_every_rank(via: str) -> None:
+    """new_group's handshake and a barrier's comparison are rows of one size on the world's
+    control communicator: the ranks are told that they called different things."""
+    result, seconds = launch_edges(2, "new-group-barrier", via)
+    assert seconds < 20
+    out = result.stdout
+    said = (
+        "ranks [0, 1] disagree (no majority) in the collective they called (rank 0: new_group; "
+        "rank 1: barrier). Every rank must call a group's collectives in the same order."
+    )
+    assert out.count(f"CAUGHT ValueError: new_group([0, 1]): {said}") == 1, out + result.stderr
+    assert out.count(f"CAUGHT ValueError: barrier on process group '0': {said}") == 1, out
 
 
 @pytest.mark.mpi

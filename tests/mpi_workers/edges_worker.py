@@ -7,14 +7,21 @@ each result it checked; the test reads them. Modes:
   ``TAG_UB``; a receive buffer smaller, then larger, than the message; a receive cancelled at
   the group's timeout; MIN/MAX of NaN and +-0 giving the same bits on every rank;
 - ``bcast-mismatch``: ranks broadcast arrays of different sizes;
-- ``new-group-timeout``: the last rank calls ``barrier`` where the others call ``new_group``;
+- ``new-group-timeout``: the last rank sleeps past the timeout where the others call
+  ``new_group``;
+- ``new-group-barrier``: the last rank calls ``barrier`` where the others call ``new_group``;
 - ``disagree``: the last rank names another root (``src``/``dst``) than the others, in each
   rooted collective, synchronous and with ``async_op=True``; then it expects more from rank 0
   than rank 0 sends in ``all_to_all`` and ``all_to_all_single``; then, all naming root 0, it
   passes another size, dtype or shape to each rooted collective, and another dtype of the same
   size to ``all_to_all``; last, it calls ``all_to_all_single`` where the others call
-  ``all_reduce``. Each on a group of its own (a mismatch leaves its group unusable); a
+  ``all_reduce``; last, it calls ``barrier`` where the others call ``all_reduce``, then every
+  rank an ``all_reduce``. Each on a group of its own (a mismatch leaves its group unusable); a
   collective on the world group shows it unharmed.
+- ``late-wait``: the last rank expects more from rank 0 than rank 0 sends in an
+  ``all_to_all_single`` that rank 0 starts with ``async_op=True`` and waits on only after an
+  ``all_reduce`` of the same group, which the others, waiting on the ``all_to_all_single``,
+  never reach.
 """
 
 from __future__ import annotations
@@ -176,7 +183,41 @@ def disagree(rank: int, size: int) -> None:
         if last
         else dist.all_reduce(np.ones(size), group=g)
     )
+    # a barrier where the others call all_reduce, then an all_reduce everywhere: a barrier that
+    # compared nothing shifted the comparisons, so that the all_reduce of the others met the
+    # last rank's next one in the comparison (MPICH, 2 ranks: rank 0 returned its own array)
+    calls["barrier"] = lambda g: (
+        dist.barrier(group=g) if last else dist.all_reduce(np.ones(size), group=g),
+        dist.all_reduce(np.ones(size), group=g),
+    )
     each_on_its_group(calls, others)
+
+
+def late_wait(rank: int, size: int) -> None:
+    # The last rank expects 2 elements from rank 0, which sends it 1: the ranks' rows say that
+    # the sizes differ, and every rank asks the others for theirs, rank 0 only once it waits.
+    # On a group of its own, so that the world's barrier keeps every rank until all reported.
+    group = dist.new_group(list(range(size)))
+    out_splits = [2] + [1] * (size - 1) if rank == size - 1 else [1] * size
+    out = np.zeros(sum(out_splits))
+    send = np.ones(size)
+    try:
+        if rank == 0:
+            work = dist.all_to_all_single(
+                out, send, out_splits, [1] * size, group=group, async_op=True
+            )
+            assert work is not None
+            try:
+                dist.all_reduce(np.ones(2), group=group)
+            except TimeoutError as error:  # the others never reach it
+                caught(error)
+            work.wait()
+        else:
+            dist.all_to_all_single(out, send, out_splits, [1] * size, group=group)
+        print("NO ERROR", flush=True)
+    except ValueError as error:
+        caught(error)
+    dist.barrier()
 
 
 def main() -> int:
@@ -200,13 +241,26 @@ def rank_main(_: int, argv: list[str]) -> int:
         return 0
     elif mode == "disagree":
         disagree(rank, size)
+    elif mode == "late-wait":
+        late_wait(rank, size)
+        return 0
     elif mode == "new-group-timeout":
+        try:
+            if rank == size - 1:  # late: the others' new_group gives up first
+                time.sleep(3)
+            else:
+                dist.new_group(list(range(size)), timeout=2)
+        except TimeoutError as error:
+            caught(error)
+        return 0
+    elif mode == "new-group-barrier":
         try:
             if rank == size - 1:  # a barrier where the others make a group
                 dist.barrier()
             else:
                 dist.new_group(list(range(size)), timeout=2)
-        except TimeoutError as error:
+            print("NO ERROR", flush=True)
+        except ValueError as error:
             caught(error)
         return 0
     dist.destroy_process_group()

@@ -28,7 +28,7 @@
   usable.
 * Buffers the backend allocates (packing, receiving) are zero-filled: a peer that sends less
   than expected never exposes another call's bytes.
-* Every collective (``barrier`` aside) has the ranks compare their arguments, always: the
+* Every collective (``barrier`` too) has the ranks compare their arguments, always: the
   thread that issued it, the operation, the root, the reduction, the arrays' number, dtype and
   shape (for ``all_to_all`` the byte counts); ranks that disagree raise ``ValueError`` on every
   rank, naming them. See :mod:`~cupy_parallel._src.distributed.mpi_checks`.
@@ -66,7 +66,13 @@ from cupy_parallel._src.averages import average_in_place, decode_average, encode
 from cupy_parallel._src.cuda import copies
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend
-from cupy_parallel._src.distributed.mpi_checks import Caller, compare_call, compare_counts
+from cupy_parallel._src.distributed.mpi_checks import (
+    Caller,
+    compare_barrier,
+    compare_call,
+    compare_counts,
+    compare_new_group,
+)
 from cupy_parallel._src.distributed.mpi_job import (
     DEPARTURE_GRACE_S,
     abort_at_exit,
@@ -342,17 +348,30 @@ class _MPIWork(Work):
         so every rank asks, though not at the same point of its other traffic on the control
         communicator; hence messages tagged ``max_tag``, which no collective and no other
         message of the control communicator matches (``new_group``'s greetings are tagged
-        below it).
+        below it). A rank may settle the rows much later than its peers, or never (an
+        ``async_op=True`` call it waits on only after issuing another collective of the group,
+        which the peers, waiting here, never join): after the group's timeout the receives
+        still pending are cancelled and the rows of those ranks are ``-1`` (unknown), so that
+        the ranks that asked still say what they disagree on.
         """
         backend = self._backend
         control, int64, tag = backend._control, backend._int64, backend.max_tag
         every = np.zeros((backend.size, mine.size), np.int64)
         every[backend.rank] = mine
         peers = [r for r in range(backend.size) if r != backend.rank]
-        requests = [control.Isend([mine, int64], peer, tag) for peer in peers]
-        requests += [control.Irecv([every[peer], int64], peer, tag) for peer in peers]
+        sends = [control.Isend([mine, int64], peer, tag) for peer in peers]
+        receives = [control.Irecv([every[peer], int64], peer, tag) for peer in peers]
         description = f"{self.description}: the ranks telling each other what they disagree on"
-        _MPIWork(description, backend, requests, keep=(mine, every)).wait()
+        work = _MPIWork(description, backend, sends + receives, keep=(mine, every))
+        try:
+            work.wait(timeout=backend.timeout)  # explicit: on expiry the receives are ours
+        except TimeoutError:
+            status = backend.mpi.Status()
+            for peer, receive in zip(peers, receives, strict=True):
+                receive.Cancel()
+                receive.Wait(status)
+                if status.Is_cancelled():
+                    every[peer] = -1
         return every
 
     def _check_call(
@@ -584,18 +603,18 @@ class MPIBackend(ProcessGroupBackend):
         if local:
             return self._new_local_subgroup(ranks, timeout=timeout, group_name=group_name)
         self._splits += 1
-        mine = np.array([self._splits, zlib.crc32(np.asarray(ranks, np.int64).tobytes())])
-        every = np.zeros((self.size, 2), np.int64)
-        request = self._control.Iallgather([mine, self.mpi.INT64_T], [every, self.mpi.INT64_T])
+        crc = zlib.crc32(np.asarray(ranks, np.int64).tobytes())
+        with self._issuing:  # a row as a collective's: see compare_new_group
+            mine, verify = compare_new_group(self.caller(), self._splits, crc, self.world_ranks)
+            every = bytearray(len(mine) * self.size)
+            request = self._control.Iallgather([mine, self._int64], [every, self._int64])
         description = f"new_group({list(ranks)}) waiting for every world rank"
         _MPIWork(description, self, request, keep=(mine, every), timeout=timeout).wait()
-        differ = [r for r in range(self.size) if not np.array_equal(every[r], mine)]
-        if differ:
-            raise ValueError(
-                f"new_group: world ranks {differ} passed other ranks than this rank "
-                f"({list(ranks)}) or are at another new_group call; every rank must call "
-                "new_group with the same ranks, in the same order."
-            )
+        if every != mine * self.size:
+            rows = np.frombuffer(every, np.int64).reshape(self.size, -1)
+            problem = verify(rows, _no_exchange)
+            if problem is not None:
+                raise ValueError(f"new_group({list(ranks)}): {problem}")
         member = self.rank in ranks
         mpi = self.mpi
         color = 0 if member else mpi.UNDEFINED
@@ -852,9 +871,11 @@ class MPIBackend(ProcessGroupBackend):
         records: list[bytes] = self._control.allgather(record)  # every rank is here
         return records
 
+    @_in_issue_order
     def barrier(self) -> Work:
-        """Ibarrier."""
-        return _MPIWork("barrier", self, self._comm.Ibarrier())
+        """Ibarrier, compared as every collective is (a barrier must meet a barrier)."""
+        work = _MPIWork("barrier", self, self._comm.Ibarrier())
+        return work._check(*compare_barrier(self.caller(), self.world_ranks))
 
     @staged()
     def send(self, array: Any, dst: int, tag: int, /) -> Work:
@@ -923,6 +944,11 @@ class MPIBackend(ProcessGroupBackend):
 
         work = _MPIWork("all_gather_coalesced", self, request, keep=(send, received))
         return work._check_call(inputs).add_finalizer(finish)
+
+
+def _no_exchange(mine: np.ndarray) -> np.ndarray:
+    """The exchange of a verification that needs none (``new_group``'s)."""
+    raise AssertionError(mine)
 
 
 def _check_environment(rank: int, size: int) -> None:

@@ -4,13 +4,16 @@ MPI pairs a communicator's collectives in the order each rank issues them and tr
 to pass matching arguments; when they do not, its result is undefined, silently: one rank's
 array overwrites the root's, a reduction reads another dtype's bytes or a peer's stale buffer,
 a receiver expecting more than is sent keeps zeros. So every collective of the MPI backend
-(``barrier`` aside, which passes nothing) has the ranks compare what they passed, beside the
-operation, and finishes only once they agree:
+(``barrier`` too, which passes nothing but must meet a barrier) has the ranks compare what they
+passed, beside the operation, and finishes only once they agree:
 
 * the thread that issued it (its name): two threads issuing on one group at once issue in no
   set order across the ranks, so one rank's call from thread A pairs with another's from
   thread B (see :func:`caller_fields`);
-* the operation (an ``all_reduce`` never pairs with a ``broadcast``);
+* the operation (an ``all_reduce`` never pairs with a ``broadcast``, nor with a ``barrier``: a
+  barrier that compared nothing would shift the ranks' comparisons by one, so that one rank's
+  next collective met another's comparison of the collective the barrier met, and returned
+  what MPI made of the mismatch, on MPICH the rank's own array as an ``all_reduce``'s sum);
 * the root of ``broadcast``/``reduce``/``gather``/``scatter``, and the reduction (``ReduceOp``);
 * the arrays: how many, the dtype, the number of elements, and their shapes (a checksum);
 * for ``all_to_all`` (and ``all_to_all_single``), the bytes each rank sends to and expects from
@@ -70,6 +73,7 @@ if TYPE_CHECKING:
 
     # Every rank's int64 array of one length (rank r's in row r): a verification's way of
     # asking the ranks for more than their rows (every rank settles the same rows, so asks).
+    # The row of a rank that did not answer within the group's timeout is -1 throughout.
     Exchange = Callable[[np.ndarray], np.ndarray]
     # What says how every rank's rows (one per row of the array) disagree, or None.
     Verify = Callable[[np.ndarray, Exchange], str | None]
@@ -80,8 +84,10 @@ __all__ = [
     "OPERATIONS",
     "Caller",
     "caller_fields",
+    "compare_barrier",
     "compare_call",
     "compare_counts",
+    "compare_new_group",
     "dtype_row",
     "dtype_said",
 ]
@@ -98,6 +104,8 @@ OPERATIONS = (
     "all_to_all",
     "all_reduce_coalesced",
     "all_gather_coalesced",
+    "barrier",
+    "new_group",
 )
 _OPERATION_NUMBERS = {name: number for number, name in enumerate(OPERATIONS)}
 _OP_NUMBERS = {op: number for number, op in enumerate(ReduceOp)}
@@ -229,6 +237,48 @@ def compare_call(
                 caller.rows.clear()
             caller.rows[key] = made
     return made
+
+
+def compare_barrier(caller: Caller, world: Sequence[int], /) -> Comparison:
+    """What the ranks exchange beside a barrier: the thread and the operation (no arrays).
+
+    A barrier must meet a barrier: its row is :func:`compare_call`'s, with no root, no op and
+    no arrays.
+    """
+    made = caller.rows.get("barrier")
+    if made is None:
+        rest = (-1, -1, *(0,) * (_SENT - _ARRAYS), 0, 0)
+        row = _row(_OPERATION_NUMBERS["barrier"], caller.fields, rest)
+        made = caller.rows["barrier"] = row, functools.partial(_verify_arrays, world)
+    return made
+
+
+def compare_new_group(
+    caller: Caller, split: int, members: int, world: Sequence[int], /
+) -> Comparison:
+    """What the world's ranks exchange before ``new_group`` splits the world's communicator.
+
+    A row as a collective's (the thread and the operation first, so that a rank at a collective
+    where the others make a group is told so, as they are), then which ``new_group`` call of
+    this process this is (``split``) and a checksum of the member list (``members``).
+    """
+    rest = (-1, -1, split, members, *(0,) * (_SENT - _ARRAYS - 2), 0, 0)
+    mine = _row(_OPERATION_NUMBERS["new_group"], caller.fields, rest)
+
+    def verify(every: np.ndarray, exchange: Exchange) -> str | None:
+        del exchange
+        problem = _verify_call(every, world)
+        if problem is not None:
+            return problem
+        calls = [tuple(row) for row in every[:, _ARRAYS : _ARRAYS + 2].tolist()]
+        if calls.count(calls[0]) == len(calls):
+            return None
+        return (
+            f"{disagreeing(calls, world)} in the members they passed or in which new_group call "
+            "this is. Every rank must call new_group with the same ranks, in the same order."
+        )
+
+    return mine, verify
 
 
 _ROWS_KEPT = 1024  # rows a caller keeps (one per call signature; cleared when full)
@@ -397,18 +447,29 @@ def _mix(x: np.ndarray) -> np.ndarray:
 def _sizes_problem(counts: np.ndarray, world: Sequence[int]) -> str | None:
     """Which ranks disagree on the bytes they exchange, or ``None``.
 
-    ``counts[r]``: rank ``r``'s sends, then its receives (see :func:`compare_counts`).
+    ``counts[r]``: rank ``r``'s sends, then its receives (see :func:`compare_counts`); ``-1``
+    throughout when rank ``r`` did not tell them (the fingerprints already said that the sizes
+    differ: the message says so, with the pairs known to differ).
     """
     size = len(counts)
     sent = counts[:, :size]  # [r, j]: r sends j
     expected = counts[:, size:]  # [j, r]: j expects from r
+    silent = [r for r in range(size) if (counts[r] < 0).all()]
     pairs = [
         f"rank {world[r]} sends {sent[r, j]} bytes to rank {world[j]}, which expects "
         f"{expected[j, r]}"
         for r in range(size)
         for j in range(size)
-        if sent[r, j] != expected[j, r]
+        if r not in silent and j not in silent and sent[r, j] != expected[j, r]
     ]
+    if silent:
+        ranks = [world[r] for r in silent]
+        pairs.append(
+            f"the sizes of rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+            "are unknown: it did not tell them within the group's timeout (as a rank does that "
+            "has not waited on this all_to_all: one started with async_op=True and waited on "
+            "only after another collective of the group, which the other ranks never reach)"
+        )
     if not pairs:
         return None
     return (
