@@ -48,13 +48,13 @@ second collective costs its round of messages, not its bytes. ``bench_collective
 that floor in each run. Earlier alternatives, no better: an ``Iallreduce(MAX)`` of
 ``[row, -row]``; the rows on the group's own communicator ahead of the operation, with a small
 ``all_reduce``'s data inside them so that it needs no second collective (+ 16.9 us on 2 ranks,
-+ 96.7 on 4). Rows as bytes instead of arrays (2026-11-26, a busier machine than the figures
-above: mpi4py's ``Allreduce`` 4.0 us instead of 3.4), a script timing 15 rounds of 2,000 calls on
-2 ranks, the code before and after alternated: + 14.1, 14.3, 14.7, 14.8, 14.9 us before, + 12.2,
-12.6, 12.7, 13.0, 13.2 after. And what no Python over mpi4py can go below on 4 ranks sharing 2
-cores (mpi4py alone, polling ``Test`` and yielding the core as the backend does): an
-``Iallreduce`` + 4 to 10 us over ``Allreduce``, with an ``Iallgather`` of a row beside it + 20 to
-26 us, twice the target before any code of ours runs.
++ 96.7 on 4). Rows as bytes made once per call signature instead of arrays copied per call
+(2026-11-26), a script timing 15 rounds of 2,000 calls on 2 ranks, the code before and after
+alternated: + 12.7, 12.0, 13.6 us before, + 9.9, 9.2, 11.6 after (a world of one: 8.8 us a call
+before, 7.6 after). And what no Python over mpi4py can go below on 4 ranks sharing 2 cores
+(mpi4py alone, polling ``Test`` and yielding the core as the backend does): an ``Iallreduce`` + 4
+to 10 us over ``Allreduce``, with an ``Iallgather`` of a row beside it + 20 to 26 us, twice the
+target before any code of ours runs.
 """
 
 from __future__ import annotations
