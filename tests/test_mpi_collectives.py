@@ -549,6 +549,31 @@ def test_a_thread_ended_and_made_again_under_its_name_on_one_rank_is_no_error(ra
     assert results == [expected] * ranks
 
 
+def test_new_group_where_the_others_compare_in_the_debug_mode_names_both(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL a collective first exchanges a digest of its
+    call; it used to be 16 bytes against new_group's row, and MPI truncated: both ranks were
+    told that "the ranks' arrays differ in size", and to set the debug mode they had set."""
+    monkeypatch.setenv("CUPY_PARALLEL_DISTRIBUTED_DEBUG", "DETAIL")
+
+    def body(rank: int) -> str:
+        try:
+            if rank == 1:
+                dist.new_group([0, 1])
+            else:
+                dist.all_reduce(np.ones(2))
+        except ValueError as error:
+            return str(error)
+        return "no error"
+
+    said = dist.spawn(body, 2)
+    called = "(rank 0: a collective in the debug mode; rank 1: new_group)"
+    assert said[0].startswith("the debug mode's comparison: ranks [0, 1] disagree"), said
+    assert said[1].startswith("new_group([0, 1]): ranks [0, 1] disagree"), said
+    assert all(f"in the collective they called {called}" in message for message in said), said
+
+
 @VIA
 def test_non_rooted_collectives_with_other_sizes_or_dtypes_raise_on_every_rank(via: str) -> None:
     """all_reduce of float32[4] with float64[4] on one rank (or int32[4], or float32[6]) gave

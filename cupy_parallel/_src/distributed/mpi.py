@@ -71,6 +71,7 @@ from cupy_parallel._src.distributed.mpi_checks import (
     compare_barrier,
     compare_call,
     compare_counts,
+    compare_digest,
     compare_new_group,
 )
 from cupy_parallel._src.distributed.mpi_job import (
@@ -91,7 +92,7 @@ from cupy_parallel._src.hostarray import plain_buffer
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from cupy_parallel._src.distributed.mpi_checks import Verify
+    from cupy_parallel._src.distributed.mpi_checks import Comparison, Verify
 
     # An exchange of a few integers that runs beside an operation (see _MPIWork._check): its
     # request, this rank's row (MPI reads it until the exchange completes), every rank's rows
@@ -604,17 +605,12 @@ class MPIBackend(ProcessGroupBackend):
             return self._new_local_subgroup(ranks, timeout=timeout, group_name=group_name)
         self._splits += 1
         crc = zlib.crc32(np.asarray(ranks, np.int64).tobytes())
-        with self._issuing:  # a row as a collective's: see compare_new_group
-            mine, verify = compare_new_group(self.caller(), self._splits, crc, self.world_ranks)
-            every = bytearray(len(mine) * self.size)
-            request = self._control.Iallgather([mine, self._int64], [every, self._int64])
-        description = f"new_group({list(ranks)}) waiting for every world rank"
-        _MPIWork(description, self, request, keep=(mine, every), timeout=timeout).wait()
-        if every != mine * self.size:
-            rows = np.frombuffer(every, np.int64).reshape(self.size, -1)
-            problem = verify(rows, _no_exchange)
-            if problem is not None:
-                raise ValueError(f"new_group({list(ranks)}): {problem}")
+        self._compare_alone(
+            f"new_group({list(ranks)})",
+            "waiting for every world rank",
+            functools.partial(compare_new_group, split=self._splits, members=crc),
+            timeout,
+        )
         member = self.rank in ranks
         mpi = self.mpi
         color = 0 if member else mpi.UNDEFINED
@@ -860,16 +856,45 @@ class MPIBackend(ProcessGroupBackend):
         return work.add_finalizer(functools.partial(_unpack, received, outputs))
 
     def agree(self, record: bytes, /) -> list[bytes]:
-        """Digests on the control communicator; the records themselves only if they differ."""
-        mpi = self.mpi
-        digest = np.frombuffer(hashlib.blake2b(record, digest_size=16).digest(), np.uint8)
-        every = np.zeros((self.size, 16), np.uint8)
-        request = self._control.Iallgather([digest, mpi.BYTE], [every, mpi.BYTE])
-        _MPIWork("the debug mode's comparison", self, request, keep=(digest, every)).wait()
-        if (every == digest).all():
+        """Digests on the control communicator; the records themselves only if they differ.
+
+        A digest travels in a row as a collective's comparison does (see
+        :func:`~cupy_parallel._src.distributed.mpi_checks.compare_digest`), so that a rank here
+        where another makes a group (or compares without the debug mode) is told so.
+        """
+        digest = hashlib.blake2b(record, digest_size=16).digest()
+        make = functools.partial(compare_digest, digest=digest)
+        if self._compare_alone("the debug mode's comparison", "", make, self.timeout):
             return [record] * self.size
         records: list[bytes] = self._control.allgather(record)  # every rank is here
         return records
+
+    def _compare_alone(
+        self,
+        description: str,
+        waiting: str,
+        make: Callable[..., Comparison],
+        timeout: float,
+    ) -> bool:
+        """Exchange a comparison's rows on their own (beside no operation); ``True`` if alike.
+
+        ``make(caller, world)`` makes this rank's row and its verification; the rows travel as
+        a collective's (under ``_issuing``, on the control communicator). Rows that differ in
+        what the verification names raise ``ValueError`` on every rank; rows that differ only
+        in what it leaves to the caller return ``False``.
+        """
+        with self._issuing:
+            mine, verify = make(self.caller(), self.world_ranks)
+            every = bytearray(len(mine) * self.size)
+            request = self._control.Iallgather([mine, self._int64], [every, self._int64])
+        waited = f"{description} {waiting}" if waiting else description
+        _MPIWork(waited, self, request, keep=(mine, every), timeout=timeout).wait()
+        if every == mine * self.size:
+            return True
+        problem = verify(np.frombuffer(every, np.int64).reshape(self.size, -1), _no_exchange)
+        if problem is not None:
+            raise ValueError(f"{description}: {problem}")
+        return False
 
     @_in_issue_order
     def barrier(self) -> Work:

@@ -87,6 +87,7 @@ __all__ = [
     "compare_barrier",
     "compare_call",
     "compare_counts",
+    "compare_digest",
     "compare_new_group",
     "dtype_row",
     "dtype_said",
@@ -106,6 +107,7 @@ OPERATIONS = (
     "all_gather_coalesced",
     "barrier",
     "new_group",
+    "a collective in the debug mode",  # compare_digest's rows
 )
 _OPERATION_NUMBERS = {name: number for number, name in enumerate(OPERATIONS)}
 _OP_NUMBERS = {op: number for number, op in enumerate(ReduceOp)}
@@ -254,7 +256,7 @@ def compare_barrier(caller: Caller, world: Sequence[int], /) -> Comparison:
 
 
 def compare_new_group(
-    caller: Caller, split: int, members: int, world: Sequence[int], /
+    caller: Caller, world: Sequence[int], /, *, split: int, members: int
 ) -> Comparison:
     """What the world's ranks exchange before ``new_group`` splits the world's communicator.
 
@@ -279,6 +281,26 @@ def compare_new_group(
         )
 
     return mine, verify
+
+
+def compare_digest(caller: Caller, world: Sequence[int], /, *, digest: bytes) -> Comparison:
+    """What the ranks exchange in the debug mode before a collective: a digest of the call.
+
+    A row as a collective's (the thread and the operation first, so that a rank making a group
+    where the others compare a collective is told so, as they are), with the 16-byte digest of
+    the call's description in the arrays' first fields. The verification names the thread and
+    the operation; digests that differ are left to the caller (which exchanges the
+    descriptions themselves, to name what differs).
+    """
+    fields = np.frombuffer(digest, np.int64).tolist()
+    rest = (-1, -1, *fields, *(0,) * (_SENT - _ARRAYS - len(fields)), 0, 0)
+    row = _row(_OPERATION_NUMBERS["a collective in the debug mode"], caller.fields, rest)
+
+    def verify(every: np.ndarray, exchange: Exchange) -> str | None:
+        del exchange
+        return _verify_call(every, world)
+
+    return row, verify
 
 
 _ROWS_KEPT = 1024  # rows a caller keeps (one per call signature; cleared when full)
