@@ -452,9 +452,10 @@ def _entry(entry: tuple[str, tuple[int, ...], str, str] | None) -> str:
 
 _UNREDUCED = (
     "DistributedDataParallel: this forward call reduces the gradients of its own pass only, "
-    "but {} forward call(s) recorded inside no_sync() since the last reduce_gradients() left "
-    "rank-local gradients that nothing has averaged. torch's pattern (micro-batches inside "
-    "no_sync(), the last one outside) averages the accumulated .grad there; here a gradient "
+    "but {} forward call(s) recorded inside no_sync() since the last reduce_gradients(), on "
+    "other tapes, left rank-local gradients that nothing has averaged. torch's pattern "
+    "(micro-batches inside no_sync(), the last one outside) averages the accumulated .grad "
+    "there (as here when all are recorded on one tape); across tapes a gradient "
     "has no .grad to accumulate into, so adding this pass's averaged gradients to the earlier "
     "local ones mixes averaged and local values. Sum every micro-batch's gradients inside "
     "no_sync() and average the sum once with ddp.reduce_gradients(total) (see no_sync)."
@@ -497,6 +498,8 @@ class DistributedDataParallel(Generic[Params, Output]):
       a recorded forward call outside ``no_sync`` that follows recorded calls inside it, with
       no :meth:`reduce_gradients` between, warns (``UserWarning``), because adding its averaged
       gradients to the earlier local ones gives neither torch's answer nor the local one.
+      Calls inside and outside ``no_sync`` recorded on **one** tape are one backward pass,
+      which averages all of their gradients (torch's answer for the same pattern): no warning.
     - Threads may share one DDP (each rank calling ``cupy_parallel.parallel_apply([ddp, ddp],
       ...)`` under one tape): its bookkeeping is locked, so a tape is hooked once whichever
       thread's forward call comes first, and each pass reduces once. The :meth:`no_sync` flag
@@ -632,8 +635,9 @@ class DistributedDataParallel(Generic[Params, Output]):
         # the bookkeeping below is read and written under this lock: threads may share a DDP
         self._lock = threading.Lock()
         self._unsynced = 0  # how many no_sync() blocks are open, in any thread
-        # forward calls recorded inside no_sync() since the last reduce_gradients (see __call__)
-        self._local_forwards = 0
+        # forward calls recorded inside no_sync() since the last reduce_gradients (see
+        # __call__): for each, the tapes that recorded it (a tape that ends drops out)
+        self._local_forwards: list[weakref.WeakSet[Tape]] = []
         # None: allreduce_hook's reduction, fused with the copy into the buckets
         self._comm_hook: Callable[[Any, GradBucket], Future[Any]] | None = None
         self._comm_state: Any = process_group
@@ -763,11 +767,16 @@ class DistributedDataParallel(Generic[Params, Output]):
     def __call__(self, /, *inputs: Any, **kwargs: Any) -> Output:
         """``fn(params, *inputs, **kwargs)``, its gradients averaged over the group."""
         tapes = [tape for tape in active_tapes() if isinstance(tape, Tape)]
+        unreduced = 0
         with self._lock:
             params, arrays, sync = self._params, self._arrays, self._unsynced == 0
-            unreduced = self._local_forwards if tapes else 0
-            if tapes:  # a recorded forward: inside no_sync one more local pass, else a reducing one
-                self._local_forwards = 0 if sync else unreduced + 1
+            if tapes and not sync:  # one more local forward
+                self._local_forwards.append(weakref.WeakSet(tapes))
+            elif tapes:  # a reducing forward: the local ones on its tapes are reduced with it
+                unreduced = sum(
+                    not any(tape in local for tape in tapes) for local in self._local_forwards
+                )
+                self._local_forwards = []
         if sync and unreduced:
             warnings.warn(_UNREDUCED.format(unreduced), UserWarning, stacklevel=2)
         for tape in tapes:
@@ -901,7 +910,7 @@ class DistributedDataParallel(Generic[Params, Output]):
         # Accepted: the local passes are averaged now. A refused call averaged nothing and
         # leaves them counted, for the next synchronising forward to warn of.
         with self._lock:
-            self._local_forwards = 0
+            self._local_forwards = []
         reduction = _Reduction(self)
         for i, k in enumerate(self._slots):
             reduction.put(i, leaves[k])
