@@ -87,6 +87,7 @@ __all__ = [
     "check_reduction",
     "check_same_device",
     "chunk_views",
+    "list_given",
     "run",
 ]
 
@@ -298,6 +299,11 @@ def check_disjoint(outputs: Sequence[tuple[str, Any]]) -> None:
     (:func:`~cupy_parallel._src.arrays.check_outs`) says so instead.
     """
     check_outs(outputs, (), "this collective")
+
+
+def list_given(xs: Any) -> bool:
+    """Whether an optional list argument was given (``None`` and ``[]`` mean not, as in torch)."""
+    return xs is not None and not (isinstance(xs, list | tuple) and len(xs) == 0)
 
 
 def check_same_device(xs: Sequence[Any], ref: Any, name: str, ref_name: str) -> None:

@@ -19,6 +19,7 @@ from cupy_parallel._src.distributed.dispatch import (
     check_member_list,
     check_same_device,
     chunk_views,
+    list_given,
     run,
 )
 
@@ -396,7 +397,7 @@ def all_to_all_single(  # noqa: PLR0917 - torch's signature
 
 def _splits(sizes: Any, x: Any, count: int, name: str, x_name: str) -> list[int]:
     rows = x.shape[0]
-    if sizes is None or (isinstance(sizes, list | tuple) and len(sizes) == 0):
+    if not list_given(sizes):
         if rows % count:
             raise CheckedValueError(
                 f"{x_name} has {rows} rows, which {count} ranks cannot split equally; pass {name}."

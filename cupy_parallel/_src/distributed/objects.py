@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src.devices import cupy_module
-from cupy_parallel._src.distributed.dispatch import backend_of
+from cupy_parallel._src.distributed.dispatch import backend_of, list_given
 from cupy_parallel._src.distributed.exchanges import all_gather
-from cupy_parallel._src.distributed.rooted import broadcast, gather, list_given, scatter
+from cupy_parallel._src.distributed.rooted import broadcast, gather, scatter
 
 if TYPE_CHECKING:
     from cupy_parallel._src.distributed.groups import ProcessGroup

@@ -14,6 +14,7 @@ from cupy_parallel._src.distributed.dispatch import (
     check_data,
     check_member_list,
     check_reduction,
+    list_given,
     run,
 )
 from cupy_parallel._src.enums import ReduceOp
@@ -26,12 +27,7 @@ if TYPE_CHECKING:
     from cupy_parallel._src.distributed.groups import ProcessGroup
     from cupy_parallel._src.distributed.work import Work
 
-__all__ = ["broadcast", "gather", "list_given", "reduce", "scatter"]
-
-
-def list_given(xs: Any) -> bool:
-    """Whether an optional list argument was given (``None`` and ``[]`` mean not, as in torch)."""
-    return xs is not None and not (isinstance(xs, list | tuple) and len(xs) == 0)
+__all__ = ["broadcast", "gather", "reduce", "scatter"]
 
 
 # The argument naming a root rank -> how messages call that rank, and whether its list receives.
