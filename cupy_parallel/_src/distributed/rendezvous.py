@@ -109,20 +109,27 @@ def _query_ints(url: ParseResult, init_method: str) -> dict[str, int]:
             )
         if len(values) != 1:
             raise ValueError(f"init_method {init_method!r} gives {name} {len(values)} times.")
-        try:
-            found[name] = int(values[0])
-        except ValueError:
-            raise ValueError(
-                f"init_method {init_method!r}: query parameter {name} must be an integer, "
-                f"got {values[0]!r}."
-            ) from None
-        least = 0 if name == "rank" else 1
-        if found[name] < least:  # named here: rank=-1 would read as "not given" below
-            raise ValueError(
-                f"init_method {init_method!r}: query parameter {name} must be >= {least}, got "
-                f"{found[name]}."
-            )
+        found[name] = _place_int(
+            values[0], name, f"init_method {init_method!r}: query parameter {name}"
+        )
     return found
+
+
+_LEAST = {"rank": 0, "world_size": 1}  # the least value of each field of a _Place
+
+
+def _place_int(text: str, name: str, said: str) -> int:
+    """``text`` read as ``name`` (``rank``/``world_size``), which ``said`` names in errors.
+
+    Below its least value it is refused here: -1 would read as "not given" later.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{said} must be an integer, got {text!r}.") from None
+    if value < _LEAST[name]:
+        raise ValueError(f"{said} must be >= {_LEAST[name]}, got {value}.")
+    return value
 
 
 def _merge(init_method: str, url: ParseResult, rank: int, world_size: int) -> _Place:
@@ -170,22 +177,11 @@ def _from_env(url: ParseResult, place: _Place, timeout: float) -> tuple[Store, _
     detected = detect_launch_env()
     fallback = {"rank": detected.get("rank"), "world_size": detected.get("world_size")}
     values = list(place)
-    variables = (("RANK", 0), ("WORLD_SIZE", 1))  # and the least value each may take
-    for i, (name, (variable, least)) in enumerate(zip(_Place._fields, variables, strict=True)):
+    for i, (name, variable) in enumerate(zip(_Place._fields, ("RANK", "WORLD_SIZE"), strict=True)):
         if values[i] != _MISSING:
             continue
         if variable in os.environ:
-            text = os.environ[variable]
-            try:
-                values[i] = int(text)
-            except ValueError:
-                raise ValueError(
-                    f"environment variable {variable} must be an integer, got {text!r}."
-                ) from None
-            if values[i] < least:  # named here: -1 would read as "not given" below
-                raise ValueError(
-                    f"environment variable {variable} must be >= {least}, got {values[i]}."
-                )
+            values[i] = _place_int(os.environ[variable], name, f"environment variable {variable}")
         elif (found := fallback[name]) is not None:
             values[i] = found
         else:
