@@ -331,8 +331,7 @@ class _MPIWork(Work):
         _, mine, every, verify = side
         if every == mine * self._backend.size:  # all alike: the common case
             return
-        rows = np.frombuffer(every, np.int64).reshape(self._backend.size, -1)
-        problem = verify(rows, self._exchange)
+        problem = self._disagreement(every, verify)
         if problem is None:  # rows may differ yet agree (all_to_all's sizes)
             return
         message = (
@@ -341,6 +340,11 @@ class _MPIWork(Work):
         )
         self._abandon(message)
         raise ValueError(message)
+
+    def _disagreement(self, every: bytearray, verify: Verify) -> str | None:
+        """What ``verify`` says every rank's rows (``every``: their bytes, by rank) disagree on."""
+        rows = np.frombuffer(every, np.int64).reshape(self._backend.size, -1)
+        return verify(rows, self._exchange)
 
     def _exchange(self, mine: np.ndarray) -> np.ndarray:
         """Every rank's ``mine`` (``int64``, one length on every rank), by group rank.
@@ -892,7 +896,7 @@ class MPIBackend(ProcessGroupBackend):
         work.wait()
         if every == mine * self.size:
             return True
-        problem = verify(np.frombuffer(every, np.int64).reshape(self.size, -1), work._exchange)
+        problem = work._disagreement(every, verify)
         if problem is not None:
             raise ValueError(f"{description}: {problem}")
         return False

@@ -229,11 +229,9 @@ def compare_call(
     key = (operation, root, op, first.dtype, first.shape) if len(arrays) == 1 else None
     made = caller.rows.get(key)
     if made is None:
-        call = _call_fields(operation, arrays, root, op)
-        made = (
-            _row(call[0], caller.fields, (*call[1:], 0, 0)),
-            functools.partial(_verify_arrays, world),
-        )
+        number, root_field, op_field, *fields = _call_fields(operation, arrays, root, op)
+        row = _row(number, caller, root=root_field, op=op_field, arrays=fields)
+        made = row, functools.partial(_verify_arrays, world)
         if key is not None:
             if len(caller.rows) >= _ROWS_KEPT:
                 caller.rows.clear()
@@ -249,8 +247,7 @@ def compare_barrier(caller: Caller, world: Sequence[int], /) -> Comparison:
     """
     made = caller.rows.get("barrier")
     if made is None:
-        rest = (-1, -1, *(0,) * (_SENT - _ARRAYS), 0, 0)
-        row = _row(_OPERATION_NUMBERS["barrier"], caller.fields, rest)
+        row = _row(_OPERATION_NUMBERS["barrier"], caller)
         made = caller.rows["barrier"] = row, functools.partial(_verify_arrays, world)
     return made
 
@@ -264,8 +261,7 @@ def compare_new_group(
     where the others make a group is told so, as they are), then which ``new_group`` call of
     this process this is (``split``) and a checksum of the member list (``members``).
     """
-    rest = (-1, -1, split, members, *(0,) * (_SENT - _ARRAYS - 2), 0, 0)
-    mine = _row(_OPERATION_NUMBERS["new_group"], caller.fields, rest)
+    mine = _row(_OPERATION_NUMBERS["new_group"], caller, arrays=(split, members))
 
     def verify(every: np.ndarray, exchange: Exchange) -> str | None:
         del exchange
@@ -293,8 +289,7 @@ def compare_digest(caller: Caller, world: Sequence[int], /, *, digest: bytes) ->
     descriptions themselves, to name what differs).
     """
     fields = np.frombuffer(digest, np.int64).tolist()
-    rest = (-1, -1, *fields, *(0,) * (_SENT - _ARRAYS - len(fields)), 0, 0)
-    row = _row(_OPERATION_NUMBERS["a collective in the debug mode"], caller.fields, rest)
+    row = _row(_OPERATION_NUMBERS["a collective in the debug mode"], caller, arrays=fields)
 
     def verify(every: np.ndarray, exchange: Exchange) -> str | None:
         del exchange
@@ -315,9 +310,25 @@ _EXPECTED = _SENT + 1
 _ROW_FIELDS = _EXPECTED + 1
 
 
-def _row(operation: int, caller: Sequence[int], rest: Sequence[int]) -> bytes:
-    """A row: the operation, the caller, then the call's fields (as MPI's ``INT64_T``)."""
-    row = np.array((operation, *caller, *rest), np.int64)
+def _row(
+    operation: int,
+    caller: Caller,
+    *,
+    root: int = -1,
+    op: int = -1,
+    arrays: Sequence[int] = (),
+    sent: int = 0,
+    expected: int = 0,
+) -> bytes:
+    """A row (as MPI's ``INT64_T``): the operation, the caller, then the call's fields.
+
+    ``arrays``: up to the seven fields of :func:`_call_fields`' arrays, the rest zero; every
+    row has one size, so that any two ranks' rows pair in MPI.
+    """
+    padding = (0,) * (_SENT - _ARRAYS - len(arrays))
+    row = np.array(
+        (operation, *caller.fields, root, op, *arrays, *padding, sent, expected), np.int64
+    )
     assert row.size == _ROW_FIELDS  # every row has one size: any two ranks' rows pair in MPI
     return row.tobytes()
 
@@ -419,10 +430,14 @@ def compare_counts(
     size = len(sends)
     ranks = np.arange(size, dtype=np.uint64)
     me = np.full(size, rank, np.uint64)
-    fingerprints = (_fingerprint(me, ranks, sends), _fingerprint(ranks, me, receives))
-    arrays = (0, *dtype_row(dtype), 0, 0, 0)  # the dtype; the sizes are in the fingerprints
-    operation = _OPERATION_NUMBERS["all_to_all"]
-    mine = _row(operation, caller.fields, (-1, -1, *arrays, *fingerprints))
+    arrays = (0, *dtype_row(dtype))  # the dtype; the sizes are in the fingerprints
+    mine = _row(
+        _OPERATION_NUMBERS["all_to_all"],
+        caller,
+        arrays=arrays,
+        sent=_fingerprint(me, ranks, sends),
+        expected=_fingerprint(ranks, me, receives),
+    )
 
     def verify(every: np.ndarray, exchange: Exchange) -> str | None:
         problem = _verify_call(every, world)
