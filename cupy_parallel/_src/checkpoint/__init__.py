@@ -1,0 +1,1 @@
+"""Distributed checkpoints: each rank writes its own slices; a load reshards them (torch DCP)."""

@@ -1,0 +1,1 @@
+"""Sharded data parallelism on the tape: ZeRO-1 (ZeroRedundancyOptimizer) and FSDP (ZeRO-3)."""
