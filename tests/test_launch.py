@@ -640,3 +640,138 @@ def test_detect_launch_env_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> 
 def test_detect_launch_env_names_bad_variables(env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         detect_launch_env(env)
+
+
+# --------------------------------------------------------------------------------------------
+# What torchrun users bring: its variables, OMP_NUM_THREADS, --standalone, -m module
+
+TORCHRUN_VARS = ["ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"]
+
+TORCHRUN_SCRIPT = f"""
+import json, os, sys
+out = sys.argv[1]
+with open(os.path.join(out, os.environ["RANK"] + ".json"), "w") as f:
+    json.dump({{k: os.environ.get(k) for k in {TORCHRUN_VARS!r}}}, f)
+"""
+
+
+def test_ranks_get_torchruns_role_variables_and_omp_num_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the oracle: torchrun 2.13's elastic agent sets ROLE_RANK/ROLE_WORLD_SIZE/ROLE_NAME for one
+    # role ("default") and OMP_NUM_THREADS=1 with a notice when unset and nproc_per_node > 1
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    script, out = _script(tmp_path, TORCHRUN_SCRIPT), _outdir(tmp_path)
+    assert main(["--nproc-per-node", "2", "--master-port", "0", *DIRECT, script, out]) == 0
+    assert _read_ranks(out, 2) == [
+        {
+            "ROLE_RANK": str(r),
+            "ROLE_WORLD_SIZE": "2",
+            "ROLE_NAME": "default",
+            "LOCAL_WORLD_SIZE": "2",
+            "OMP_NUM_THREADS": "1",
+        }
+        for r in range(2)
+    ]
+    assert "setting OMP_NUM_THREADS=1 for each of the 2 ranks" in capsys.readouterr().err
+
+
+def test_a_set_omp_num_threads_and_a_role_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    script, out = _script(tmp_path, TORCHRUN_SCRIPT), _outdir(tmp_path)
+    argv = ["--nproc-per-node", "2", "--master-port", "0", "--role", "trainer", *DIRECT]
+    assert main([*argv, script, out]) == 0
+    assert [r["OMP_NUM_THREADS"] for r in _read_ranks(out, 2)] == ["3", "3"]
+    assert [r["ROLE_NAME"] for r in _read_ranks(out, 2)] == ["trainer", "trainer"]
+    assert "OMP_NUM_THREADS" not in capsys.readouterr().err
+
+
+def test_one_rank_gets_no_omp_notice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    script, out = _script(tmp_path, TORCHRUN_SCRIPT), _outdir(tmp_path)
+    assert main(["--master-port", "0", *DIRECT, script, out]) == 0
+    assert _read_ranks(out, 1)[0]["OMP_NUM_THREADS"] is None  # torchrun's rule: nproc > 1
+    assert "OMP_NUM_THREADS" not in capsys.readouterr().err
+
+
+def test_standalone_runs_one_node_on_a_free_port(tmp_path: Path) -> None:
+    script, out = _script(tmp_path, ENV_SCRIPT), _outdir(tmp_path)
+    assert main(["--standalone", "--nproc-per-node", "2", *DIRECT, script, out]) == 0
+    ranks = _read_ranks(out, 2)
+    assert [r["env"]["MASTER_ADDR"] for r in ranks] == ["127.0.0.1"] * 2
+    port = ranks[0]["env"]["MASTER_PORT"]
+    assert ranks[1]["env"]["MASTER_PORT"] == port
+    assert int(port) != 29500  # a free port, not the fixed default
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "2"], r"--standalone runs one node .*; leave out --nnodes\."),
+        (["--master-port", "1234"], r"leave out --master-port\."),
+        (["--master-addr", "10.0.0.1"], r"leave out --master-addr\."),
+    ],
+)
+def test_standalone_refuses_what_it_decides_itself(
+    tmp_path: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, "")
+    assert main(["--standalone", *argv, script]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_dash_m_runs_a_module_as_python_m_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(ENV_SCRIPT)
+    out = _outdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # python -m finds the package from the working directory
+    argv = ["--nproc-per-node", "2", "--master-port", "0", *DIRECT, "-m", "mypkg.train", out, "x"]
+    assert main(argv) == 0
+    assert [r["argv"] for r in _read_ranks(out, 2)] == [["x"], ["x"]]
+    assert [r["env"]["RANK"] for r in _read_ranks(out, 2)] == ["0", "1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-m", "no_such_module_here.train"], r"module 'no_such_module_here' \(of -m "),
+        (["-m", "train.py"], r"-m needs a module name \(such as pkg.train\), got 'train.py'"),
+        (["json.tool"], r"script 'json.tool' not found\. To run a module, .* pass -m\."),
+    ],
+)
+def test_modules_and_scripts_are_told_apart(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+EARLY_FAILURE = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    sys.exit("rank 1 fails before init_process_group")
+time.sleep(30)
+"""
+
+
+@pytest.mark.mpi
+def test_an_mpi_rank_failing_before_init_gets_no_mpich_banner(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, EARLY_FAILURE)
+    start = time.monotonic()
+    code = main(["--backend", "mpi", "--nproc-per-node", "2", "--master-port", "0", script])
+    assert code == 1
+    assert time.monotonic() - start < 20
+    out, err = capfd.readouterr()
+    assert "rank 1 fails before init_process_group" in err
+    assert "rank 1 exited with code 1; stopped the other ranks." in err
+    assert "BAD TERMINATION" not in out + err  # MPICH's, after our own message: kept out

@@ -4,8 +4,13 @@
 ``python script.py args...`` on this node, each with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, so that
 ``init_process_group(backend)`` (``env://``) finds the others, and torchrun's ``GROUP_RANK``
-(``--node-rank``) and ``GROUP_WORLD_SIZE`` (``--nnodes``); torchelastic's ``TORCHELASTIC_*``
-are not set (there is no elastic agent). Several nodes: run it on each node
+(``--node-rank``), ``GROUP_WORLD_SIZE`` (``--nnodes``), ``ROLE_RANK``, ``ROLE_WORLD_SIZE`` and
+``ROLE_NAME`` (``--role``; one role, so the role's rank and size are the global ones);
+torchelastic's ``TORCHELASTIC_*`` are not set (there is no elastic agent). As torchrun does,
+``OMP_NUM_THREADS=1`` is set for the ranks, with a notice on stderr, when more than one rank
+runs on the node and ``OMP_NUM_THREADS`` is not set already. ``-m module`` runs ``python -m
+module`` (torchrun's ``-m``), and ``--standalone`` is torchrun's single-node shortcut: one node,
+rank 0's store on a free port of this machine. Several nodes: run it on each node
 with the same ``--nnodes``, ``--master-addr`` and ``--master-port`` and that node's
 ``--node-rank``. With ``--backend mpi`` the ranks run under ``mpiexec -n N`` instead (one node);
 every rank still sees the same variables (a small wrapper per rank sets them from the MPI
@@ -37,6 +42,7 @@ import contextlib
 import ctypes
 import enum
 import functools
+import importlib.util
 import os
 import shutil
 import signal
@@ -96,10 +102,14 @@ def _rank_env(rank: int, world_size: int, local_rank: int, local_world_size: int
         "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(local_world_size),
+        # torchrun's role variables: every rank has the one role, so its place in it is global
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
     }
 
 
 _MPI_RANK_CODE = "from cupy_parallel._tools.launch import run_mpi_rank; run_mpi_rank()"
+_WRAPPER_PID = ".pid"  # in the failure directory: "<rank>.pid" holds that rank's wrapper's id
 _PR_SET_PDEATHSIG = 1
 
 
@@ -126,7 +136,10 @@ def run_mpi_rank() -> None:
     (``mpiexec`` passes its PMI connection as one); signals are forwarded to it, and it dies
     with this process. A failed exit is written to the launcher's failure directory, so that
     the launcher can stop the job (MPICH's ``mpiexec`` lets the other ranks run on when a rank
-    that never started MPI fails) and name the rank.
+    that never started MPI fails) and name the rank. This process then exits with 0, and it
+    records its process id there, so that the launcher stops the job through these wrappers,
+    not through ``mpiexec``: a non-zero exit, or ``mpiexec`` itself stopped, makes MPICH print
+    its "BAD TERMINATION" banner after the launcher's own message about the failure.
     """
     _die_with_parent()  # mpiexec's proxy gone: go too
     found = detect_launch_env()
@@ -142,18 +155,39 @@ def run_mpi_rank() -> None:
             found.get("local_world_size", world_size),
         ),
     )
+    received: list[int] = []  # signals that came before the child started
+    children: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        received.append(signum)
+        for child in children:
+            child.send_signal(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    failures = os.environ.get(FAILURES_VAR)
+    pid_file = Path(failures, f"{rank}{_WRAPPER_PID}") if failures else None
+    if pid_file is not None:
+        with contextlib.suppress(OSError):
+            pid_file.write_text(str(os.getpid()))
     child = subprocess.Popen(
         [sys.executable, *sys.argv[1:]],
         env=env,
         close_fds=False,
         preexec_fn=_die_with_parent,  # noqa: PLW1509 - one thread here; prctl loaded already
     )
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda signum, _frame: child.send_signal(signum))
+    children.append(child)
+    if received:
+        child.send_signal(received[0])
     code = _exit_code(child.wait())
+    for signum in (signal.SIGINT, signal.SIGTERM):  # a signal now must not end this process
+        signal.signal(signum, signal.SIG_IGN)  # by the signal (mpiexec would report it)
+    if pid_file is not None:
+        pid_file.unlink(missing_ok=True)
     if code != 0:
         report_failure(rank, code)
-    sys.exit(code)
+    # Under the launcher the report carries the code: exiting 0 keeps mpiexec quiet
+    sys.exit(0 if failures and code != 0 else code)
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,6 +296,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "CUPY_PARALLEL_BACKEND.",
     )
     parser.add_argument(
+        "--standalone",
+        action="store_true",
+        help="torchrun's single-node shortcut: one node, rank 0's store on a free port of this "
+        "machine (the same as --master-port 0; --nnodes, --master-addr and --master-port are "
+        "then refused)",
+    )
+    parser.add_argument(
+        "--role",
+        default="default",
+        type=_address,
+        metavar="NAME",
+        help="the ranks' ROLE_NAME (torchrun's --role; default 'default')",
+    )
+    parser.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run the script argument as a module, as 'python -m' does (torchrun's -m)",
+    )
+    parser.add_argument(
         "--grace-period",
         dest="grace_period",
         type=_seconds,
@@ -269,7 +323,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="after a failure, how long ranks get to exit after SIGTERM before SIGKILL (default 5)",
     )
-    parser.add_argument("script", help="the Python script each rank runs")
+    parser.add_argument(
+        "script", help="the Python script each rank runs (with -m: the module it runs)"
+    )
     parser.add_argument(
         "script_args", nargs=argparse.REMAINDER, help="arguments passed to the script"
     )
@@ -312,6 +368,21 @@ def pick_backend() -> tuple[str, str]:
 
 def _usage_problem(args: argparse.Namespace, backend: str) -> str | None:
     """A message for option combinations argparse cannot check one by one, or None."""
+    if args.standalone:
+        given = [
+            option
+            for option, value, default in (
+                ("--nnodes", args.nnodes, 1),
+                ("--master-addr", args.master_addr, "127.0.0.1"),
+                ("--master-port", args.master_port, _DEFAULT_PORT),
+            )
+            if value != default
+        ]
+        if given:
+            return (
+                f"--standalone runs one node with its store on a free local port; leave out "
+                f"{' and '.join(given)}."
+            )
     if args.node_rank >= args.nnodes:
         return f"--node-rank must be below --nnodes ({args.nnodes}), got {args.node_rank}."
     if args.master_port == 0 and args.nnodes > 1:
@@ -330,14 +401,51 @@ def _usage_problem(args: argparse.Namespace, backend: str) -> str | None:
                 "`pip install mpich`)"
                 + (" or leave out --backend mpi." if args.backend is not None else ".")
             )
-    if not os.path.isfile(args.script):
-        return f"script {args.script!r} not found."
+    if args.module:
+        problem = _module_problem(args.script)
+        if problem is not None:
+            return problem
+    elif not os.path.isfile(args.script):
+        return f"script {args.script!r} not found." + (
+            " To run a module, as torchrun -m does, pass -m." if _looks_like_module(args) else ""
+        )
     limit = _process_limit()
     if limit is not None and args.nproc_per_node > limit:
         return (
             f"--nproc-per-node {args.nproc_per_node} is more processes than this user may run "
             f"(RLIMIT_NPROC {limit}); start fewer ranks per node."
         )
+    return None
+
+
+def _looks_like_module(args: argparse.Namespace) -> bool:
+    """Whether a missing script names an importable module (``launch pkg.train``)."""
+    name = args.script
+    return not name.endswith(".py") and _module_problem(name) is None
+
+
+def _module_problem(name: str) -> str | None:
+    """Why ``python -m name`` cannot run from this directory, or None.
+
+    Only the top-level package is looked up (finding ``pkg.train`` would import ``pkg``, which
+    the ranks do themselves); a rank's ``python -m`` searches the working directory first.
+    """
+    top = name.partition(".")[0]
+    if name.endswith(".py") or not all(part.isidentifier() for part in name.split(".")):
+        return (
+            f"-m needs a module name (such as pkg.train), got {name!r}; a script file runs "
+            "without -m."
+        )
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        found = None
+    finally:
+        sys.path[:] = saved
+    if found is None:
+        return f"module {top!r} (of -m {name}) not found from {os.getcwd()}."
     return None
 
 
@@ -383,7 +491,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{_PROG}: no --backend given: using {backend!r} ({why}).", file=sys.stderr)
     nproc, nnodes, node_rank = args.nproc_per_node, args.nnodes, args.node_rank
     try:
-        port = args.master_port or _free_port(args.master_addr)
+        port = 0 if args.standalone else args.master_port
+        port = port or _free_port(args.master_addr)
     except OSError as exc:
         print(
             f"{_PROG}: error: cannot pick a free port on --master-addr {args.master_addr} "
@@ -394,7 +503,17 @@ def run(args: argparse.Namespace) -> int:
     shared = dict(os.environ, MASTER_ADDR=args.master_addr, MASTER_PORT=str(port))
     shared.update(GROUP_RANK=str(node_rank), GROUP_WORLD_SIZE=str(nnodes))  # torchrun's node vars
     shared["CUPY_PARALLEL_BACKEND"] = backend
-    script = [args.script, *args.script_args]
+    shared["ROLE_NAME"] = args.role
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:  # torchrun's rule, and its notice
+        shared["OMP_NUM_THREADS"] = "1"
+        print(
+            f"{_PROG}: setting OMP_NUM_THREADS=1 for each of the {nproc} ranks so that their "
+            "thread pools do not overload this machine (set OMP_NUM_THREADS to choose another "
+            "number).",
+            file=sys.stderr,
+        )
+    script = ["-m", args.script] if args.module else [args.script]
+    script += args.script_args
     if backend != LaunchBackend.MPI.value:
         ranks = [
             _Rank(
@@ -516,6 +635,7 @@ class _Supervisor:
                     failure = self._reported_failure() or (rank.name, _exit_code(code))
                     self._stop_all()
             if not running:
+                failure = failure or self._reported_failure()  # written before mpiexec ended
                 break
             if self._kill_at is not None and time.monotonic() >= self._kill_at:
                 self._kill_at = float("inf")  # once
@@ -548,6 +668,8 @@ class _Supervisor:
             return f"rank {rank}", int(report.read())
 
     def _stop_all(self) -> None:
+        if self._failures is not None:
+            self._stop_wrappers()
         alive = [proc for proc in self._procs if proc.poll() is None]
         for proc in alive:
             _signal_group(proc, signal.SIGTERM)
@@ -559,3 +681,23 @@ class _Supervisor:
             if proc.poll() is None:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
+
+    def _stop_wrappers(self) -> None:
+        """Stop an MPI job through its ranks' wrappers, so that ``mpiexec`` ends quietly.
+
+        Each wrapper forwards ``SIGTERM`` to its rank and exits 0 (its failure is reported);
+        ``mpiexec``, seeing every rank end well, exits without MPICH's "BAD TERMINATION"
+        banner, which a signal to ``mpiexec`` itself would print. What is still running after
+        the grace period is killed by :meth:`_stop_all`.
+        """
+        failures = str(self._failures)
+        signalled: set[str] = set()
+        deadline = time.monotonic() + self._grace
+        # a wrapper still starting writes its file later: look again until mpiexec ends
+        while any(proc.poll() is None for proc in self._procs) and time.monotonic() < deadline:
+            for name in os.listdir(failures):
+                if name.endswith(_WRAPPER_PID) and name not in signalled:
+                    signalled.add(name)
+                    with contextlib.suppress(OSError, ValueError):
+                        os.kill(int(Path(failures, name).read_text()), signal.SIGTERM)
+            time.sleep(_POLL_S)
