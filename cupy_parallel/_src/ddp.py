@@ -40,7 +40,7 @@ from cupy_parallel._src.arguments import read_bool, read_callable, read_real
 from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array
 from cupy_parallel._src.arraytypes import Output, Params
 from cupy_parallel._src.compute import on_device_of
-from cupy_parallel._src.devices import CPU
+from cupy_parallel._src.devices import CPU, as_device
 from cupy_parallel._src.distributed.comm_hooks import (
     GradBucket,
     PolledFuture,
@@ -64,7 +64,7 @@ from cupy_parallel._src.tape import Tape
 from cupy_parallel._src.tree import flatten, flatten_with_names
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterator, Sequence
 
     from optree import PyTreeSpec
 
@@ -106,6 +106,85 @@ class _Bucket:
         self.size = start
         self.dtype = arrays[members[0]].dtype
         self.device = device_of(arrays[members[0]])
+
+
+def _check_placement(device_ids: Any, output_device: Any, arrays: list[Any]) -> None:
+    """Check torch's ``device_ids``/``output_device``: only the parameters' device is taken."""
+    where = sorted({str(device_of(a)) for a in arrays})
+    if device_ids is not None:
+        if isinstance(device_ids, str) or not isinstance(device_ids, list | tuple):
+            raise TypeError(f"device_ids must be None or a list of one device, got {device_ids!r}.")
+        if len(device_ids) != 1:
+            raise ValueError(
+                "device_ids must name one device (each rank's DistributedDataParallel runs on "
+                f"one, as torch's with one device per process), got {list(device_ids)!r}."
+            )
+    for option, given in (("device_ids", device_ids), ("output_device", output_device)):
+        if given is None:
+            continue
+        spec = given[0] if option == "device_ids" else given
+        device = str(as_device(spec))
+        if where != [device]:
+            shown = f"[{spec!r}]" if option == "device_ids" else repr(spec)
+            raise ValueError(
+                f"{option}={shown} names {device}, but the parameters are on "
+                f"{', '.join(where) or 'no device (no arrays)'}: DistributedDataParallel runs fn "
+                "where its parameters are. Move them there (cupy_parallel.to_device) or leave "
+                f"{option} out."
+            )
+
+
+# torch's keywords whose default (or any value, for the flags) is what this class does anyway,
+# and why another value is refused
+_TORCH_FLAGS = {
+    "gradient_as_bucket_view": "the gradients are always views of the bucket buffers",
+    "static_graph": "every backward pass reduces every bucket, whatever the graph",
+    "check_reduction": "every backward pass reduces every bucket",
+    "broadcast_buffers": "there are no buffers: params is the whole state",
+}
+_TORCH_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "init_sync": (True, "init_sync=False is broadcast_params=False here"),
+    "dim": (0, "inputs are never split here: each rank passes its own shard"),
+    "skip_all_reduce_unused_params": (
+        False,
+        (
+            "every parameter's gradient is reduced in every pass (unused ones as zeros), so "
+            "that no rank waits for another"
+        ),
+    ),
+    "mixed_precision": (
+        None,
+        (
+            "the gradients are reduced in the parameters' dtype; for float16/bfloat16 on the "
+            "wire register fp16_compress_hook or bf16_compress_hook"
+        ),
+    ),
+    "device_mesh": (None, "pass the process group as process_group"),
+    "delay_all_reduce_named_params": (None, "every parameter's gradient is reduced in buckets"),
+    "param_to_hook_all_reduce": (None, "every parameter's gradient is reduced in buckets"),
+}
+
+
+def _read_torch_options(options: dict[str, Any]) -> None:
+    """Accept torch's keywords where the behaviour is ours anyway; refuse the rest, saying why."""
+    for name, value in options.items():
+        if name in _TORCH_FLAGS:
+            if value is not None:
+                read_bool(value, name)  # either way: it is what happens (see _TORCH_FLAGS)
+        elif name in _TORCH_DEFAULTS:
+            default, why = _TORCH_DEFAULTS[name]
+            if value is not default and not (
+                default is not None and isinstance(value, type(default)) and value == default
+            ):
+                raise ValueError(
+                    f"DistributedDataParallel({name}={value!r}) is not supported: {why}."
+                )
+        else:
+            raise TypeError(
+                f"DistributedDataParallel got an unexpected keyword argument {name!r} (torch's "
+                f"keywords it takes: device_ids, output_device, find_unused_parameters, "
+                f"{', '.join(sorted([*_TORCH_FLAGS, *_TORCH_DEFAULTS]))})."
+            )
 
 
 def _assign_buckets(arrays: list[Any], first_bytes: int, cap_bytes: int) -> list[_Bucket]:
@@ -566,7 +645,25 @@ class DistributedDataParallel(Generic[Params, Output]):
         process_group: The group to average over (``None``: the default group).
         bucket_cap_mb: The size cap of a bucket in MiB (with the default, 25, the first
             bucket's is 1 MiB, as torch's without ``bucket_cap_mb``).
-        broadcast_params: Broadcast the parameters from the group's first rank.
+        broadcast_params: Broadcast the parameters from the group's first rank (torch's
+            ``init_sync``).
+        device_ids: torch's ``device_ids``: ``None``, or one device (an int, a name, a
+            :class:`~cupy_parallel.Device`) naming where every parameter already is. ``fn``
+            runs where its parameters are, so this only checks (``ValueError`` otherwise, as
+            torch refuses a CPU module given device ids).
+        output_device: torch's ``output_device``: ``None`` or the parameters' device, checked
+            the same way (the output is wherever ``fn`` computes it).
+        find_unused_parameters: Accepted, either way: unused parameters are always handled
+            (they get zero gradients, reduced with the others, so no rank waits), at no cost.
+        **torch_options: torch's other keywords. Accepted where the behaviour here is theirs
+            anyway: ``gradient_as_bucket_view`` (the gradients are always views of the
+            buckets), ``static_graph`` and ``check_reduction`` (every pass reduces every
+            bucket), ``broadcast_buffers`` (there are no buffers: ``params`` is the whole
+            state), ``init_sync=True``, ``dim=0``, ``skip_all_reduce_unused_params=False`` and
+            ``None`` for ``mixed_precision``, ``device_mesh``,
+            ``delay_all_reduce_named_params`` and ``param_to_hook_all_reduce``. Any other
+            value of these is refused with a ``ValueError`` saying why and what to do; an
+            unknown keyword is a ``TypeError``.
 
     Raises:
         TypeError: ``fn`` or ``process_group`` has a wrong type, ``bucket_cap_mb`` is not a
@@ -600,8 +697,14 @@ class DistributedDataParallel(Generic[Params, Output]):
         process_group: Any = None,
         bucket_cap_mb: float = _DEFAULT_CAP_MB,
         broadcast_params: bool = True,
+        device_ids: Sequence[Any] | None = None,
+        output_device: Any = None,
+        find_unused_parameters: bool = False,
+        **torch_options: Any,
     ) -> None:
         read_callable(fn, "fn", call="fn(params, *inputs)")
+        read_bool(find_unused_parameters, "find_unused_parameters")  # always handled here
+        _read_torch_options(torch_options)
         cap = read_real(bucket_cap_mb, "bucket_cap_mb")
         if not cap > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}.")
@@ -612,6 +715,7 @@ class DistributedDataParallel(Generic[Params, Output]):
                 "GroupMember.NON_GROUP_MEMBER (a rank outside the group builds no DDP)."
             )
         names, leaves, spec = flatten_with_names(params, "params")
+        _check_placement(device_ids, output_device, [leaf for leaf in leaves if is_array(leaf)])
         spec_text, entries, problems = _describe(names, leaves, spec)
         description = (spec_text, entries, cap, broadcast_params)
         _agree("The parameters of DistributedDataParallel", description, problems, process_group)

@@ -17,7 +17,7 @@ from cupy_parallel._src.arguments import read_bool, read_callable
 from cupy_parallel._src.arrays import is_array
 from cupy_parallel._src.compute import compute
 from cupy_parallel._src.recording import active_tapes, name_nodes, record_unary
-from cupy_parallel._src.tape import Tape, refuse_untrackable, scalar_problem
+from cupy_parallel._src.tape import DisconnectedError, Tape, refuse_untrackable, scalar_problem
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -188,7 +188,21 @@ def _value_and_grad(
                 f"{problem} {caller}() differentiates a function returning one real number: "
                 "reduce the value first (ops.sum, ops.mean; ops.abs or ops.real of a complex one)."
             )
-        grads = tape.gradient(value, sources)
+        own = {id(x) for x in tree.flatten(sources)[0]}
+        foreign = any(leaf not in own for leaf in tape._leaves)  # watched by fn itself
+        try:
+            grads = tape.gradient(value, sources)
+        except DisconnectedError as error:
+            if not foreign:
+                raise
+            raise DisconnectedError(
+                f"{error} {caller}() differentiates with respect to the arguments it passes to "
+                "fn (copies of them), but fn's value was computed from other arrays watched "
+                "on its tape: parameters that an object holds and reads itself, as "
+                "DistributedDataParallel's forward reads ddp.params whatever fn is given. For "
+                "DDP gradients use a Tape: `with cupy_parallel.Tape() as tape: loss = ...ddp(x)"
+                "...` then `tape.gradient(loss, ddp.params)`."
+            ) from None
         return out, grads[0] if single else grads
 
     return value_and_gradient

@@ -45,7 +45,14 @@ if TYPE_CHECKING:
 
     from cupy_parallel._src.arraytypes import Tree
 
-__all__ = ["HookHandle", "Tape", "refuse_untrackable", "scalar_problem", "stop_gradient"]
+__all__ = [
+    "DisconnectedError",
+    "HookHandle",
+    "Tape",
+    "refuse_untrackable",
+    "scalar_problem",
+    "stop_gradient",
+]
 
 
 def refuse_untrackable(names: list[str], leaves: list[Any], who: str) -> None:
@@ -82,6 +89,13 @@ def scalar_problem(t: Any, name: str) -> TypeError | ValueError | None:
 
 
 _UNCONNECTED = {"zero": True, "none": False}  # unconnected_gradients -> fill with zeros
+
+
+class DisconnectedError(ValueError):
+    """:meth:`Tape.gradient`'s ``ValueError`` when the target depends on none of the sources.
+
+    A ``ValueError`` (what callers catch); its own class lets ``grad`` add what it knows.
+    """
 
 
 class Tape(Records):
@@ -378,7 +392,7 @@ class Tape(Records):
         grads = pullback(self, targets, seeds, arrays)
         fill = _UNCONNECTED[unconnected_gradients]
         if fill and arrays and all(g is None for g in grads):
-            raise ValueError(
+            raise DisconnectedError(
                 "The target does not depend on any of the sources on this tape: no recorded "
                 "operation leads from a source to the target. Check that the sources passed to "
                 "gradient() are the arrays the target was computed from."

@@ -205,7 +205,7 @@ class GroupState:
     One per process (the default), and one per thread rank of ``spawn`` (:func:`use_state`).
     """
 
-    __slots__ = ("group_count", "local_groups", "owned_store", "subgroups", "world")
+    __slots__ = ("group_count", "local_groups", "owned_store", "spawned", "subgroups", "world")
 
     def __init__(self) -> None:
         self.world: ProcessGroup | None = None
@@ -216,6 +216,8 @@ class GroupState:
         self.group_count = 0
         # use_local_synchronization groups made, by ranks
         self.local_groups: dict[tuple[int, ...], int] = {}
+        # A thread rank of spawn, whose world spawn made: init_process_group says so
+        self.spawned = False
 
 
 # The default is the process's state, shared by every context that did not set its own.
@@ -405,6 +407,14 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
         ValueError: backend must be 'nccl' or 'mpi', got 'gloo'. Use Backend.MPI ('mpi') ...
     """
     current = _STATE.get()
+    if current.world is not None and current.spawned:  # first: whatever the arguments
+        raise RuntimeError(
+            "init_process_group was called in a function run by cupy_parallel.distributed."
+            f"spawn, which already initialised this rank's default process group (rank "
+            f"{current.world.rank()} of {current.world.size()}): remove the call. (torch's "
+            "mp.spawn starts processes that call init_process_group themselves; spawn's thread "
+            "ranks start with their group, and cupy-parallel launch's processes call it.)"
+        )
     backend = _default_backend() if backend is None else Backend(backend)
     detail = debug_detail()
     limit = read_timeout(timeout)

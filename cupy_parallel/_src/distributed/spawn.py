@@ -18,7 +18,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from cupy_parallel._src.arguments import read_callable, read_int, read_timeout
+from cupy_parallel._src.arguments import read_bool, read_callable, read_int, read_timeout
 from cupy_parallel._src.devices import cuda_device_count, cupy_module
 from cupy_parallel._src.distributed import groups
 from cupy_parallel._src.distributed.barriers import barrier
@@ -111,6 +111,7 @@ def _exit_is_success(error: BaseException) -> bool:
 def _rank_body(run: _Run, rank: int) -> None:
     """What rank ``rank``'s thread runs, in the rank's own context."""
     state = groups.GroupState()
+    state.spawned = True  # init_process_group in fn: "spawn already initialised the group"
     groups.use_state(state)
     run.states[rank] = state
     thread_rank = ThreadRank(run.world, rank, threading.current_thread())
@@ -167,6 +168,9 @@ def spawn(
     *,
     backend: str = "threads",
     timeout: timedelta | float = _DEFAULT_TIMEOUT,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``nprocs`` ranks that are threads of this process.
 
@@ -211,6 +215,14 @@ def spawn(
         backend: ``"threads"`` (the default) or ``"nccl"``.
         timeout: The process groups' timeout (a ``timedelta`` or seconds); default 60 s, shorter
             than ``init_process_group``'s 30 minutes, since a stuck notebook cell should end.
+        join: torch's ``join``: only ``True``, what spawn always does (it waits for every rank
+            and returns their results); ``join=False``, torch's way to get a process context
+            to join later, is refused (run spawn in a thread of your own instead).
+        daemon: torch's ``daemon``, accepted and without effect: thread ranks never outlive
+            spawn, daemonic or not.
+        start_method: torch's multiprocessing start method: refused when given, since the
+            ranks are threads of this process, started by none (``cupy-parallel launch``
+            starts processes).
 
     Returns:
         ``fn``'s return values, in rank order.
@@ -230,6 +242,7 @@ def spawn(
         [[6.0, 6.0], [6.0, 6.0], [6.0, 6.0]]
     """
     function = read_callable(fn, "fn", call="fn(rank, *args)")
+    _read_torch_options(join, daemon, start_method)
     if isinstance(nprocs, tuple | list):  # torch.multiprocessing.spawn(fn, args, nprocs)'s order
         raise TypeError(
             f"nprocs must be an int, got {type(nprocs).__name__} {nprocs!r}: the order is "
@@ -290,6 +303,24 @@ def spawn(
             f"spawn: rank {rank} failed ({said}); the other ranks were stopped."
         ) from error
     return run.results
+
+
+def _read_torch_options(join: object, daemon: object, start_method: object) -> None:
+    """Check ``torch.multiprocessing.spawn``'s keywords: those that mean nothing here refuse."""
+    join = read_bool(join, "join")
+    read_bool(daemon, "daemon")
+    if not join:
+        raise ValueError(
+            "spawn(join=False) is not supported: spawn always waits for its ranks and returns "
+            "their results (torch's join=False returns a process context to join later; thread "
+            "ranks have none). To go on meanwhile, call spawn in a thread of your own."
+        )
+    if start_method is not None:
+        raise ValueError(
+            f"spawn(start_method={start_method!r}) has no meaning here: the ranks are threads "
+            "of this process, started by no multiprocessing method; leave it out (to start "
+            "processes, use cupy-parallel launch)."
+        )
 
 
 def _wait(run: _Run) -> None:
