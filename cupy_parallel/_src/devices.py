@@ -205,7 +205,7 @@ class Device:
 
     @property
     def xp(self) -> ModuleType:
-        """The array namespace computing on this device: ``cupy`` for CUDA, else ``numpy``."""
+        """The array namespace computing on this device (``cupy`` for CUDA, else ``numpy``)."""
         if self.kind == "cuda":
             return _require_cuda(self)
         return np

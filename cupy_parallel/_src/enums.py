@@ -26,7 +26,7 @@ class Backend(str, enum.Enum):
     Members are strings, so ``Backend.MPI == "mpi"`` as in torch, and calling the class parses a
     name case-insensitively. ``"gloo"`` is not implemented here; the error names ``"mpi"``, which
     serves the same CPU use. A name that is not a string (``Backend(None)``) raises a
-    ``TypeError`` that is also torch's ``ValueError`` (:class:`ArgumentError`).
+    ``TypeError`` that is also torch's ``ValueError`` (``ArgumentError``).
 
     Example:
         >>> Backend("MPI")

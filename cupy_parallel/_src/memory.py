@@ -3,12 +3,12 @@
 Freshly allocated host memory page-faults on first touch, which costs more than the copy that
 fills it. CuPy avoids the GPU equivalent (``cudaMalloc`` per array) by keeping freed blocks in a
 pool; this module does the same for the buffers that ``"cpu"`` and ``"host:k"`` arrays live in.
-Blocks at least :data:`POOL_THRESHOLD` bytes long are pooled; smaller ones come from NumPy, whose
+Blocks at least ``POOL_THRESHOLD`` bytes long are pooled; smaller ones come from NumPy, whose
 allocator already recycles them cheaply.
 
 How blocks are chosen follows CuPy's ``cupy/cuda/memory.pyx`` (``SingleDeviceMemoryPool``):
 
-- sizes are rounded up to :data:`ALLOCATION_UNIT` (512 bytes);
+- sizes are rounded up to ``ALLOCATION_UNIT`` (512 bytes);
 - a request takes the *smallest* cached chunk that is large enough (best fit), and the part it
   does not need is split off and stays cached, so a batch of 90 rows reuses the block a batch of
   100 rows left behind (exact-size caching would keep one block per batch size seen, and grow
@@ -101,7 +101,7 @@ class HostMemoryPool:
     The interface is the one ``cupy.get_default_memory_pool()`` offers: :meth:`used_bytes`,
     :meth:`free_bytes`, :meth:`total_bytes`, :meth:`n_free_blocks`, :meth:`free_all_blocks`,
     :meth:`set_limit` and :meth:`get_limit`. The pool accounts for what it serves, the arrays
-    of at least :data:`POOL_THRESHOLD` bytes that :func:`cupy_parallel.empty`, ``to_device``
+    of at least ``POOL_THRESHOLD`` bytes that :func:`cupy_parallel.empty`, ``to_device``
     and the ``comm`` functions allocate; smaller arrays and the results NumPy computes
     (``h + 1``) come from NumPy's allocator and are outside its counts and its limit.
 
@@ -282,7 +282,7 @@ class HostMemoryPool:
             self._drop_free_segments()
 
     def used_bytes(self) -> int:
-        """Bytes held by live arrays (each rounded up to :data:`ALLOCATION_UNIT`)."""
+        """Bytes held by live arrays (each rounded up to ``ALLOCATION_UNIT``)."""
         with self._lock:
             self._commit_pending()
             return self._used_bytes

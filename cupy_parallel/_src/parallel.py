@@ -214,7 +214,7 @@ def _run_all(calls: Sequence[Callable[[], Any]]) -> list[Future[Any]]:
     """Run every call; once all have ended, one future per call with its result or exception.
 
     A single call runs in this thread (as in torch); several run at once, each in a worker thread
-    of its own and in a copy of this thread's :mod:`contextvars` context, so an active tape
+    of its own and in a copy of this thread's ``contextvars`` context, so an active tape
     records what the workers do. A future holds any exception, ``KeyboardInterrupt`` too, for
     the caller to re-raise.
     """
@@ -262,7 +262,7 @@ def parallel_apply(
     Under per-thread default streams (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``) the caller's
     stream cannot be named in another thread, so each worker's own stream first waits for the
     caller's and the caller's waits for the worker's when ``parallel_apply`` returns.
-    Each thread runs in a copy of the caller's :mod:`contextvars` context, so operations in the
+    Each thread runs in a copy of the caller's ``contextvars`` context, so operations in the
     workers are recorded on the caller's active tape and can be differentiated afterwards.
 
     ``inputs[i]`` that is not a tuple or list is passed as the single positional argument. When

@@ -119,22 +119,22 @@ class Work:
     ``concurrent.futures.Future`` with ``torch.futures.Future``'s ``wait``/``value``/``then``;
     :meth:`result` waits and returns those arrays (torch's ``Work.result()``).
 
-    For the public layer: it sets :attr:`outputs` (the arrays the future holds) and
-    :attr:`world_ranks` (what :meth:`source_rank` translates to) on the work it hands out, and
+    For the public layer: it sets ``outputs`` (the arrays the future holds) and
+    ``world_ranks`` (what :meth:`source_rank` translates to) on the work it hands out, and
     :meth:`wait_or_cancel` waits for a receive with a deadline (``monitored_barrier``).
 
-    For backend authors: subclass and implement :meth:`_test` (non-blocking: ``True`` once the
-    operation finished; raise to report failure). Optionally override :meth:`_block` (block until
-    done or a deadline; the default polls ``_test`` with backoff), :meth:`_on_timeout` (react to an
-    abandoned operation), :meth:`_cancel` (take a pending operation back after the group's
+    For backend authors: subclass and implement ``_test`` (non-blocking: ``True`` once the
+    operation finished; raise to report failure). Optionally override ``_block`` (block until
+    done or a deadline; the default polls ``_test`` with backoff), ``_on_timeout`` (react to an
+    abandoned operation), ``_cancel`` (take a pending operation back after the group's
     timeout; ``True`` if it was), the class attribute ``_abandon_on_wait_timeout``,
-    :meth:`_order_on_device` (what ``wait()`` without a timeout does instead of blocking: device
+    ``_order_on_device`` (what ``wait()`` without a timeout does instead of blocking: device
     backends order the caller's stream) and :meth:`wait_stream`. A backend drives its works
     through :meth:`add_finalizer` (callbacks run once, in the waiting thread, right after
     completion: unpacking, dividing for ``AVG``, copying staged data back; a finalizer that raises
     makes the work fail with that error), :meth:`set_source` (where a receive's message came
-    from), :meth:`complete` and :meth:`fail` (settle it from outside, e.g. a watchdog), and reads
-    :attr:`description` (what the operation is, for messages) and :attr:`done` (settled).
+    from), ``complete`` and ``fail`` (settle it from outside, e.g. a watchdog), and reads
+    ``description`` (what the operation is, for messages) and ``done`` (settled).
     ``keep`` (the constructor's) holds what the operation reads or writes until it completed,
     then lets it go.
 

@@ -449,7 +449,7 @@ def _shutdown(client: _Client | None, server: Server | None) -> None:
 class TCPStore(Store):
     r"""A store served over TCP by the master process; every process connects as a client.
 
-    The master (``is_master=True``) runs the server (:mod:`.server`) in a daemon thread, so
+    The master (``is_master=True``) runs the server (``store.server``) in a daemon thread, so
     it never keeps the process alive; the server stops when the store is closed or
     garbage-collected, or the process exits. Clients retry connecting until ``timeout``. With
     ``world_size`` set, every store registers as a worker and the master's constructor waits
@@ -480,7 +480,7 @@ class TCPStore(Store):
     ``close``), at the latest 1,024 sets later, and a set it did not confirm makes that call
     raise, naming the key.
 
-    **Limits.** The server survives any client (see :mod:`.server`): it stops reading from a
+    **Limits.** The server survives any client (see ``store.server``): it stops reading from a
     client that does not read its answers, and resets the connection holding the most bytes
     once 256 MiB of requests and answers are buffered over all connections (so a handful of
     concurrent 64 MiB ``set`` calls is the most it takes at once).

@@ -192,7 +192,7 @@ def check_values(values: object, count: int) -> list[bytes]:
 def check_amount(amount: object) -> int:
     """An ``add`` amount: an int (not bool) in the signed 64-bit range.
 
-    Out of range: :class:`ArgumentError`, a ``ValueError`` that ``except TypeError`` catches
+    Out of range: ``ArgumentError``, a ``ValueError`` that ``except TypeError`` catches
     too (torch's binding raises ``TypeError`` there: the int does not convert to ``int64``).
     """
     value = read_int(amount, "amount")
