@@ -97,6 +97,11 @@ CONTRACT: dict[str, list[tuple[str, Any]]] = {
         ("process_group", None),
         ("bucket_cap_mb", 25.0),
         ("broadcast_params", True),
+        # Issue 36: torch's keywords, checked (tests/test_onboarding.py)
+        ("device_ids", None),
+        ("output_device", None),
+        ("find_unused_parameters", False),
+        ("torch_options", _),
     ],
     "cupy_parallel.DistributedDataParallel.no_sync": [("self", _)],
     "cupy_parallel.DistributedDataParallel.reduce_gradients": [("self", _), ("grads", _)],
@@ -171,6 +176,10 @@ CONTRACT: dict[str, list[tuple[str, Any]]] = {
         ("args", ()),
         ("backend", "threads"),
         ("timeout", timedelta(seconds=60)),
+        # Issue 36: torch's join/daemon (accepted) and start_method (refused when given)
+        ("join", True),
+        ("daemon", False),
+        ("start_method", None),
     ],
 }
 
