@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,9 +89,21 @@ def test_every_guide_page_has_code_to_run() -> None:
         assert page in with_code, f"{page.relative_to(ROOT)} has no python example"
 
 
-@pytest.mark.parametrize(
-    ("page", "line", "code"), BLOCKS, ids=[_where(page, n) for page, n, _ in BLOCKS]
-)
+def _params() -> list[Any]:
+    """One case per block; the scripts (a process each, some under mpiexec) are marked slow."""
+    return [
+        pytest.param(
+            page,
+            line,
+            code,
+            id=_where(page, line),
+            marks=() if code.lstrip().startswith(">>>") else (pytest.mark.slow,),
+        )
+        for page, line, code in BLOCKS
+    ]
+
+
+@pytest.mark.parametrize(("page", "line", "code"), _params())
 def test_block_runs_as_written(page: Path, line: int, code: str, tmp_path: Path) -> None:
     missing = _missing_module(code)
     if missing is not None:
