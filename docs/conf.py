@@ -150,8 +150,20 @@ PUBLIC_MODULES = [
 ]
 
 
+def _directive(obj: object) -> str:
+    """The autodoc directive documenting ``obj``: a class (with its members), a function, data."""
+    import inspect
+
+    if inspect.isclass(obj):
+        return "autoclass"
+    if callable(obj):
+        return "autofunction"
+    return "autodata"
+
+
 def _write_api_pages() -> None:
     import importlib
+    import inspect
 
     out = ROOT / "docs" / "api" / "generated"
     out.mkdir(parents=True, exist_ok=True)
@@ -163,7 +175,19 @@ def _write_api_pages() -> None:
             continue  # not in this checkout
         page = out / f"{name}.md"  # listed by name: the package first, then its modules
         wanted.add(page.name)
-        text = f"# `{name}`\n\n```{{eval-rst}}\n.. automodule:: {name}\n   :members:\n```\n"
+        module = sys.modules[name]
+        names = [
+            n
+            for n in getattr(module, "__all__", [])
+            if not n.startswith("__") and not inspect.ismodule(getattr(module, n, None))
+        ]
+        summary = "".join(f"   {n}\n" for n in names)
+        entries = "".join(f"\n.. {_directive(getattr(module, n))}:: {n}\n" for n in names)
+        text = (
+            f"# `{name}`\n\n```{{eval-rst}}\n.. automodule:: {name}\n   :no-members:\n\n"
+            f".. currentmodule:: {name}\n\n"
+            f".. autosummary::\n   :nosignatures:\n\n{summary}{entries}```\n"
+        )
         if not page.exists() or page.read_text(encoding="utf-8") != text:
             page.write_text(text, encoding="utf-8")  # unchanged pages keep their time stamps
     for page in out.glob("*.md"):
