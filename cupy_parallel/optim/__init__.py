@@ -21,7 +21,8 @@ from cupy_parallel._src.exports import set_module
 from cupy_parallel._src.optim.adam import Adam, AdamW
 from cupy_parallel._src.optim.optimizer import Optimizer
 from cupy_parallel._src.optim.sgd import SGD
+from cupy_parallel.optim import lr_scheduler
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "lr_scheduler"]
 
 set_module(__name__, globals(), __all__)
