@@ -101,6 +101,16 @@ def _run_numpy(
     workspace: Workspace,
     scalars: dict[str, Any],
 ) -> None:
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf propagate, as in torch
+        _run_blocks(kernel, arrays, workspace, scalars)
+
+
+def _run_blocks(
+    kernel: Callable[..., None],
+    arrays: list[Any],
+    workspace: Workspace,
+    scalars: dict[str, Any],
+) -> None:
     param = arrays[0]
     present = [a for a in arrays if a is not None]
     if param.size > BLOCK and all(a.flags.c_contiguous for a in present):
