@@ -52,7 +52,7 @@ def _case_id(case: tuple[str, dict[str, Any]]) -> str:
 def _shapes() -> dict[str, tuple[int, ...]]:
     # "big" is longer than a block: the blocked path; "w" is transposed: the whole-array path
     # in sorted key order: the flatten order, so .values() lines up with torch's list
-    return {"b": (3,), "big": (2 * BLOCK + 7,), "w": (4, 3)}
+    return {"b": (3,), "big": (BLOCK + 7,), "w": (4, 3)}
 
 
 def _start(dtype: Any) -> dict[str, np.ndarray]:

@@ -43,8 +43,9 @@ def _sgd_numpy(
             np.copyto(buf, d)
         else:
             np.multiply(buf, momentum, out=buf)
-            np.multiply(d, 1 - dampening, out=t2)
-            np.add(buf, t2, out=buf)  # buf * momentum + (1 - dampening) * grad
+            # (a product by 1.0 is exact: skipped without dampening)
+            damped = np.multiply(d, 1 - dampening, out=t2) if dampening != 0 else d
+            np.add(buf, damped, out=buf)  # buf * momentum + (1 - dampening) * grad
         if nesterov:
             np.multiply(buf, momentum, out=t2)
             d = np.add(d, t2, out=t1)  # grad + momentum * buf

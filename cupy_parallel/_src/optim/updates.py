@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 
 __all__ = ["BLOCK", "Workspace", "apply", "elementwise_kernel"]
 
-BLOCK = 1 << 14
-"""Elements per block of the NumPy path (128 KiB of float64 per array: a block's arrays and
-scratch stay in a core's L2 cache across the update's passes)."""
+BLOCK = 1 << 15
+"""Elements per block of the NumPy path: a block's six arrays (parameter, gradient, two states,
+two scratch; 128 KiB each in float32) stay in a core's L2 cache across the update's dozen passes.
+Measured on an Adam step of 4 M float32 parameters: 8192 16.1 ms, 16384 14.9 ms, 32768 11.9 ms,
+65536 13.2 ms, unblocked 17.4 ms (medians of 9)."""
 
 
 class Workspace:
