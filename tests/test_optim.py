@@ -20,6 +20,7 @@ import cupy_parallel as cp
 from cupy_parallel import ops
 from cupy_parallel._src.optim.updates import BLOCK
 from cupy_parallel.optim import SGD, Adam, AdamW, Optimizer
+from cupy_parallel.testing import simulated_cuda
 
 STEPS = 25
 
@@ -569,6 +570,51 @@ def test_a_scheduler_style_lr_change_is_read_at_the_next_step() -> None:
     with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0"):
         opt.step([np.ones(1)])
     np.testing.assert_allclose(w, [-0.11], rtol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_cupy_kernels_under_simulated_cuda_match_numpy(
+    case: tuple[str, dict[str, Any]], dtype: Any
+) -> None:
+    """The ElementwiseKernel sources themselves, run by the simulation on two GPUs.
+
+    One kernel per parameter on its own device (the current device is another one), the state
+    made there, the race checker on; the values equal the NumPy path's (the simulation computes
+    the C body with NumPy, so only the order of operations could differ: 1e-12 / 1e-5).
+    """
+    name, kwargs = case
+    numpy_params = _start(dtype)
+    numpy_opt = CLASSES[name](numpy_params, **kwargs)
+    with simulated_cuda(2):
+        place = {"b": "cuda:0", "big": "cuda:1", "w": "cuda:1"}
+        gpu_params = {k: cp.to_device(v, place[k]) for k, v in numpy_params.items()}
+        gpu_opt = CLASSES[name](gpu_params, **kwargs)
+        for step in range(6):
+            grads = _grads(step, dtype)
+            numpy_opt.step(grads)
+            gpu_opt.step(
+                {k: None if g is None else cp.to_device(g, place[k]) for k, g in grads.items()}
+            )
+        for k in numpy_params:
+            assert str(cp.device_of(gpu_params[k])) == place[k]
+            _close(cp.to_device(gpu_params[k], "cpu"), numpy_params[k].astype(np.float64), dtype)
+        for i, entry in gpu_opt.state.items():
+            key = sorted(numpy_params)[i]
+            for state_key, value in entry.items():
+                if state_key != "step":
+                    assert str(cp.device_of(value)) == place[key]
+        # a state dict loads onto the parameters' GPUs
+        resumed = CLASSES[name]({k: v.copy() for k, v in gpu_params.items()}, **kwargs)
+        resumed.load_state_dict(numpy_opt.state_dict())
+        for i, entry in resumed.state.items():
+            key = sorted(numpy_params)[i]
+            for state_key, value in entry.items():
+                if state_key != "step":
+                    assert str(cp.device_of(value)) == place[key]
+                    np.testing.assert_array_equal(
+                        cp.to_device(value, "cpu"), numpy_opt.state[i][state_key]
+                    )
 
 
 @pytest.mark.gpu

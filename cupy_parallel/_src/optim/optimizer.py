@@ -373,8 +373,10 @@ class Optimizer:
                 )
             if moved.dtype.kind not in "fiu":
                 raise TypeError(f"{where}[{key!r}] must be a real array, got dtype {moved.dtype}.")
-            out = empty(param.shape, param.dtype, device_of(param))
-            out[...] = moved  # a copy, in the parameter's dtype (torch casts the same way)
+            device = device_of(param)
+            out = empty(param.shape, param.dtype, device)
+            with device:  # a CuPy kernel runs on the current device: make it the array's
+                out[...] = moved  # a copy, in the parameter's dtype (torch casts the same way)
             loaded[key] = out
         return loaded
 
@@ -387,8 +389,10 @@ def zeros_like(param: Any) -> Any:
         array([[0.],
                [0.]], dtype=float32)
     """
-    out = empty(param.shape, param.dtype, device_of(param))
-    out[...] = 0
+    device = device_of(param)
+    out = empty(param.shape, param.dtype, device)
+    with device:  # a CuPy kernel runs on the current device: make it the array's
+        out[...] = 0
     return out
 
 
