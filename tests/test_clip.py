@@ -117,6 +117,27 @@ def test_gradients_on_several_devices_total_on_the_first() -> None:
         np.testing.assert_allclose(cp.to_device(got, "cpu"), given * coefficient, rtol=1e-12)
 
 
+def test_cupy_gradients_under_simulated_cuda() -> None:
+    from cupy_parallel.testing import simulated_cuda
+
+    grads = _grads()
+    want_total, coefficient = _reference(_leaves(grads), 0.5, 2.0)
+    with simulated_cuda(2):
+        placed = {
+            "a": cp.to_device(grads["a"], "cuda:1"),
+            "b": {"c": cp.to_device(grads["b"]["c"], "cuda:0"), "frozen": None},
+            "d": cp.to_device(grads["d"], "cuda:1"),
+        }
+        clipped, total = cp.clip_grad_norm(placed, 0.5)
+        assert str(cp.device_of(total)) == "cuda:1"
+        assert float(cp.to_device(total, "cpu")) == pytest.approx(want_total, rel=1e-12)
+        for got, given, device in zip(
+            _leaves(clipped), _leaves(grads), ["cuda:1", "cuda:0", "cuda:1"], strict=True
+        ):
+            assert str(cp.device_of(got)) == device
+            np.testing.assert_allclose(cp.to_device(got, "cpu"), given * coefficient, rtol=1e-12)
+
+
 def _sharded_rank(rank: int, world: int, p: float) -> tuple[float, list[np.ndarray]]:
     grads = _grads()
     shards = {

@@ -379,6 +379,24 @@ def test_a_step_on_arrays_a_tape_needs_makes_its_gradient_raise(cls: type[Optimi
         tape.gradient(loss, params)
 
 
+def test_a_tape_that_used_the_optimizer_state_raises_too() -> None:
+    params = {"w": np.array([1.0, 2.0])}
+    opt = Adam(params, lr=0.1)
+    opt.step({"w": np.ones(2)})
+    exp_avg = opt.state[0]["exp_avg"]
+    with cp.Tape() as tape:
+        tape.watch(exp_avg)
+        loss = ops.sum(ops.multiply(exp_avg, exp_avg))
+    opt.step({"w": np.ones(2)})
+    with pytest.raises(RuntimeError, match=r"Adam\.step"):
+        tape.gradient(loss, exp_avg)
+    # a tape taken after the step is fine, and its gradient is the closed form
+    with cp.Tape() as tape:
+        tape.watch(params)
+        loss = ops.sum(ops.multiply(params["w"], params["w"]))
+    np.testing.assert_array_equal(tape.gradient(loss, params)["w"], 2 * params["w"])
+
+
 def _mlp(params: dict[str, Any], x: Any) -> Any:
     h = ops.tanh(ops.matmul(x, params["w1"]))
     return ops.sum(ops.multiply(ops.matmul(h, params["w2"]), ops.matmul(h, params["w2"])))

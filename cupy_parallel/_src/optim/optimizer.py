@@ -229,6 +229,7 @@ class Optimizer:
                     state = self.state.setdefault(index, {})
                     self._update(param, grad, state, hyper)
                     written.append(param)
+                    written.extend(v for v in state.values() if is_array(v))
                 index += 1
             if written and tapes_exist():
                 note_overwritten(written, f"{type(self).__name__}.step")
