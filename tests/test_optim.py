@@ -569,6 +569,18 @@ def test_bad_state_dicts_are_refused_before_anything_changes() -> None:
                 np.testing.assert_array_equal(opt.state[i][k], v)
 
 
+def test_an_empty_group_in_a_list_is_allowed_as_in_torch() -> None:
+    """ZeRO gives a rank without parameters an empty group; an empty tree alone is refused."""
+    w = np.ones(2)
+    opt = Adam([{"params": []}, {"params": [w]}], lr=0.1)
+    opt.step([[], [np.ones(2)]])
+    assert opt.state_dict()["param_groups"][1]["params"] == [0]
+    np.testing.assert_allclose(w, [0.9, 0.9], rtol=1e-8)  # a first step moves by lr
+    empty = SGD([{"params": []}], lr=0.1)
+    empty.step([[]])
+    assert empty.state_dict() == {"state": {}, "param_groups": [{**empty.defaults, "params": []}]}
+
+
 def test_switching_amsgrad_on_mid_run_is_refused() -> None:
     opt = Adam([np.ones(2)], lr=0.1)
     opt.step([np.ones(2)])

@@ -150,7 +150,7 @@ class Optimizer:
         names, leaves, spec = tree.flatten_with_names(param_group["params"], "params")
         mask = [is_parameter(leaf) for leaf in leaves]
         leaves = [leaf for leaf, keep in zip(leaves, mask, strict=True) if keep]
-        if not leaves:
+        if not leaves and not self._grouped:  # torch: an empty group in a list is fine
             raise ValueError(
                 "optimizer got an empty parameter list (no floating-point array among the "
                 f"leaves {names})"
