@@ -158,13 +158,12 @@ class Optimizer:
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         if len({id(p) for p in leaves}) != len(leaves) or seen & {id(p) for p in leaves}:
             raise ValueError("some parameters appear in more than one parameter group")
-        unknown = set(param_group) - {"params"} - set(self.defaults)
+        # keys beyond the defaults are kept as given, as torch keeps them ("initial_lr", names)
         group = {k: v for k, v in param_group.items() if k != "params"}
         for key in self.defaults:
             group.setdefault(key, self.defaults[key])
         group.update(self._read_hyper(group))
         group["params"] = leaves
-        del unknown  # kept as given, as torch keeps a group's extra keys
         self.param_groups.append(group)
         self._specs.append(spec)
         self._masks.append(mask)
@@ -428,7 +427,7 @@ def _flatten_like(
     grads: Any, spec: PyTreeSpec, mask: list[bool], params: list[Any], root: str
 ) -> list[Any]:
     """``grads``' leaves at the params' leaf positions (``None`` allowed), or a clear error."""
-    accessors, leaves, grad_spec = tree.flatten(grads)
+    _, leaves, grad_spec = tree.flatten(grads)
     if grad_spec == spec:
         flat = leaves
     else:
@@ -444,7 +443,6 @@ def _flatten_like(
                 f"{root} must be shaped as the params (a None leaf for a parameter without a "
                 f"gradient), but its structure differs{where}{said}."
             ) from None
-    del accessors
     paths = [a.codify(root) for a in spec.accessors()]
     kept = []
     for path, is_param, grad in zip(paths, mask, flat, strict=True):
