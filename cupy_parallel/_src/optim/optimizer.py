@@ -83,6 +83,11 @@ class Optimizer:
     * :attr:`state` is keyed by the parameter's index (its position in flatten order, groups in
       order) instead of by the parameter (arrays are not hashable): the index the state dict
       uses.
+    * float16 parameters: each step computes in float32 (torch's "opmath") and rounds the
+      parameter and its state to float16 once, at the end. torch rounds after each of its ops,
+      so values differ within float16's rounding; and torch's ``eps=1e-8`` becomes 0 in a
+      float16 op, so it divides by zero (inf, NaN) where ``exp_avg_sq`` underflows, which
+      this update does not.
     * The state's ``step`` is a Python ``float`` (torch keeps a 0-d float32 tensor and reads it
       with ``.item()``; a float is device-free and exact up to 2**53 steps). torch's
       ``load_state_dict`` accepts it as it is (it converts a non-tensor step).
