@@ -119,7 +119,7 @@ def _run_widened(
     scalars: dict[str, Any],
 ) -> None:
     """The kernel on ``wide`` copies of narrow arrays, the results rounded back (torch's opmath)."""
-    copies = [None if a is None else a.astype(wide) for a in arrays]
+    copies: list[Any] = [None if a is None else a.astype(wide) for a in arrays]
     _run_blocks(kernel, copies, workspace, scalars)
     for i, (narrow, result) in enumerate(zip(arrays, copies, strict=True)):
         if narrow is not None and i != 1:  # arrays[1], the gradient, is only read
