@@ -53,7 +53,7 @@ class LRScheduler:
     """Base class of the schedulers (``torch.optim.lr_scheduler.LRScheduler``).
 
     Construction records each group's ``initial_lr`` (kept if present, required when resuming
-    with ``last_epoch >= 0``), :attr:`base_lrs`, and takes the first step (``last_epoch``
+    with ``last_epoch >= 0``), ``base_lrs``, and takes the first step (``last_epoch``
     becomes 0 and the lr its first value).
 
     Example:

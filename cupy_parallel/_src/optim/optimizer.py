@@ -66,7 +66,7 @@ class Optimizer:
 
     ``params`` is a pytree of arrays (NumPy, HostArray or CuPy: each updated on its own device)
     or torch's list of param groups ``[{"params": tree, "lr": ..., ...}, ...]``; a group's
-    missing hyper-parameters come from ``defaults``. :attr:`param_groups` is torch's list of
+    missing hyper-parameters come from ``defaults``. ``param_groups`` is torch's list of
     dicts: ``group["params"]`` lists the group's arrays in flatten order, and the other entries
     are the hyper-parameters, read at every :meth:`step` (a scheduler sets ``"lr"``).
 
@@ -80,7 +80,7 @@ class Optimizer:
     * :meth:`step` takes the gradients (``step(grads)``), as trees shaped as the params (with
       param groups: a list, one tree per group); there is no ``.grad`` and so no ``zero_grad``
       (the tape returns fresh gradients every pass) and no ``closure``.
-    * :attr:`state` is keyed by the parameter's index (its position in flatten order, groups in
+    * ``state`` is keyed by the parameter's index (its position in flatten order, groups in
       order) instead of by the parameter (arrays are not hashable): the index the state dict
       uses.
     * float16 parameters: each step computes in float32 (torch's "opmath") and rounds the
@@ -131,7 +131,7 @@ class Optimizer:
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group ``{"params": tree, **hyper-parameters}`` (torch's ``add_param_group``).
 
-        Its arrays take the next indices; missing hyper-parameters come from :attr:`defaults`.
+        Its arrays take the next indices; missing hyper-parameters come from ``defaults``.
         With groups, :meth:`step` then takes one more gradient tree.
 
         Example:
