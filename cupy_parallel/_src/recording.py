@@ -43,6 +43,7 @@ vjps).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import operator
 import threading
@@ -58,7 +59,6 @@ from cupy_parallel._src.versions import root_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
-    from contextlib import AbstractContextManager
 
 __all__ = [
     "Node",
@@ -199,14 +199,19 @@ class _Setting:
         self._variable.reset(self._token)
 
 
-def pause_recording(tape: Records | None = None, /) -> AbstractContextManager[None]:
+def pause_recording(tape: Records | None = None, /) -> contextlib.AbstractContextManager[None]:
     """No tape records inside the block (as a ``Function``'s ``forward`` runs).
 
     With ``tape``, only that tape stops recording; the other active tapes go on (as
     ``Tape.stop_recording``, and while a tape computes a gradient).
     """
-    tapes = () if tape is None else tuple([t for t in _ACTIVE.get() if t is not tape])
-    return _Setting(_ACTIVE, tapes)
+    active = _ACTIVE.get()
+    if not active or (tape is not None and tape not in active):
+        return _UNCHANGED  # nothing to pause (a gradient taken after the tape's block)
+    return _Setting(_ACTIVE, () if tape is None else tuple([t for t in active if t is not tape]))
+
+
+_UNCHANGED = contextlib.nullcontext()
 
 
 in_backward: Callable[[], bool] = _IN_BACKWARD.get

@@ -117,7 +117,7 @@ def _broadcast_to_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None
 
 def spread(g: Any, x: Any, axes: tuple[int, ...], keepdims: bool) -> Any:
     """The gradient of a reduction over ``axes``: ``g`` copied along them to ``x``'s shape."""
-    if not keepdims:
+    if not keepdims and axes != tuple(range(len(axes))):  # leading axes broadcast back as they are
         g = reshape(g, tuple([1 if i in axes else n for i, n in enumerate(x.shape)]))
     return g if g.shape == x.shape else _broadcast_to(g, x.shape)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from cupy_parallel._src import tree
 from cupy_parallel._src.arguments import read_bool, read_callable
 from cupy_parallel._src.arrays import device_of, is_array
@@ -555,8 +557,9 @@ def _copy_of(x: Any) -> Any:
 
 def _copy(x: Any, /) -> Any:
     """A copy of ``x``, recorded (the identity)."""
-    z = compute(_copy_of, x)
-    record_unary(_copy_vjp, x, z, None)
+    z = x.copy() if type(x) is np.ndarray else compute(_copy_of, x)
+    if active_tapes():
+        record_unary(_copy_vjp, x, z, None)
     return z
 
 
