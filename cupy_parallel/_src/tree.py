@@ -87,7 +87,7 @@ def flatten_leaves(tree: Any, /) -> tuple[list[Any], PyTreeSpec]:
     return optree.tree_flatten(_viewed_through_base(tree), namespace=NAMESPACE)
 
 
-_LEAF = optree.tree_structure(0, namespace=NAMESPACE)
+_LEAF: PyTreeSpec = optree.tree_flatten(0, namespace=NAMESPACE)[1]  # type: ignore[arg-type]
 """The structure of a tree that is one leaf."""
 
 _ARRAY_TYPES: set[type] = {np.ndarray}
