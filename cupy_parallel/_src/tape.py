@@ -473,22 +473,21 @@ class Tape(Records):
             raise ValueError(
                 f"output_gradients must have the target's structure {target_def}, got {seed_def}."
             )
-        if all(map(_seed_fits, targets, seeds)):
-            return targets, seeds
-        seed_names = leaf_names(seed_def, "output_gradients")
-        for name, t, s in zip(seed_names, targets, seeds, strict=True):
-            if not is_array(s):
-                raise TypeError(f"{name} must be an array, got {type(s).__name__}.")
-            if s.dtype.kind == "c" and t.dtype.kind != "c":
-                raise TypeError(
-                    f"{name} is complex ({s.dtype}) but its target is real ({t.dtype}): a real "
-                    "target's output gradient is real (as in PyTorch)."
-                )
-            if s.shape != t.shape or device_of(s) != device_of(t):
-                raise ValueError(
-                    f"{name} must match its target: shape {t.shape} on {device_of(t)}, got shape "
-                    f"{s.shape} on {device_of(s)}. Move it with cupy_parallel.to_device."
-                )
+        if not all(map(_seed_fits, targets, seeds)):  # then one of these raises
+            seed_names = leaf_names(seed_def, "output_gradients")
+            for name, t, s in zip(seed_names, targets, seeds, strict=True):
+                if not is_array(s):
+                    raise TypeError(f"{name} must be an array, got {type(s).__name__}.")
+                if s.dtype.kind == "c" and t.dtype.kind != "c":
+                    raise TypeError(
+                        f"{name} is complex ({s.dtype}) but its target is real ({t.dtype}): a real "
+                        "target's output gradient is real (as in PyTorch)."
+                    )
+                if s.shape != t.shape or device_of(s) != device_of(t):
+                    raise ValueError(
+                        f"{name} must match its target: shape {t.shape} on {device_of(t)}, got "
+                        f"shape {s.shape} on {device_of(s)}. Move it with cupy_parallel.to_device."
+                    )
         return targets, seeds
 
 
