@@ -27,6 +27,7 @@ from cupy_parallel._src.elementwise import (
     subtract,
     where,
 )
+from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer
 from cupy_parallel._src.recording import active_tapes, record_binary, record_unary
 from cupy_parallel._src.shape_ops import (
     fit,
@@ -75,6 +76,9 @@ def matmul(a: Array, b: Array, /) -> Array:
     if type(a) is np.ndarray:
         z = np.matmul(a, b)
         z = z if type(z) is np.ndarray else np.asarray(z)
+    elif type(a) is HostArray and type(b) is HostArray and a.device == b.device:
+        z = np.matmul(host_buffer(a), host_buffer(b))  # what run_kernel does, without its checks
+        z = host_array(z if type(z) is np.ndarray else np.asarray(z), a.device)
     else:
         z = run_kernel(_matmul_kernel, a, a, b)
     if active_tapes():
