@@ -35,6 +35,7 @@ def test_the_readme_has_code_to_run() -> None:
     assert len(BLOCKS) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("line", "code"), BLOCKS, ids=[f"README.md:{n}" for n, _ in BLOCKS])
 def test_readme_block_runs_as_written(line: int, code: str, tmp_path: Path) -> None:
     if code.lstrip().startswith(">>>"):
