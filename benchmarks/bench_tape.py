@@ -14,6 +14,14 @@ taken under an outer tape is recorded there; on a first-order gradient (no outer
 cost at most 10% over vjps in raw NumPy. The baseline records the same chain with raw-NumPy
 vjps (what the ops had before) and times ``gradient`` alone.
 
+Part (a''): one operation, as a user's step records it: a new tape, ``watch``, the op, and
+``gradient`` with a given output gradient, for the element-wise ops, ``matmul`` and the
+reductions on 4x4 float64 arrays, and a chain of 50 ops (``multiply`` and ``tanh`` alternating,
+then ``sum``), against PyTorch doing the same (``requires_grad`` leaves, the op,
+``torch.autograd.grad``), on NumPy and on host-device arrays. The garbage collector stays on
+(as users run); each row is :func:`~cupy_parallel._tools.benchmarking.compare`'s median of
+per-round ratios, the two alternating. Target: at most 1.0x PyTorch.
+
 Part (b): one SGD step of a two-layer MLP with :func:`cupy_parallel.data_parallel` on 4 devices
 vs the same step on one device (``bench_data_parallel.train_step_benchmark``), gradients checked
 equal.
@@ -36,7 +44,7 @@ from cupy_parallel._src.arrays import to_device
 from cupy_parallel._src.devices import Device, devices, set_host_device_count
 from cupy_parallel._src.recording import active_tapes, record_binary
 from cupy_parallel._src.tape import Tape
-from cupy_parallel._tools.benchmarking import result, script_main
+from cupy_parallel._tools.benchmarking import compare, result, script_main
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -226,6 +234,94 @@ def chain_rows(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+SIZE = (4, 4)
+ONE_OP_CASES: dict[str, tuple[Callable[..., Any], Callable[..., Any], bool]] = {
+    # name: (our op, PyTorch's, whether both arguments are differentiated)
+    "add": (ops.add, lambda x, y: x + y, True),
+    "multiply": (ops.multiply, lambda x, y: x * y, True),
+    "tanh": (lambda x, y: ops.tanh(x), lambda x, y: x.tanh(), False),
+    "exp": (lambda x, y: ops.exp(x), lambda x, y: x.exp(), False),
+    "matmul": (ops.matmul, lambda x, y: x @ y, True),
+    "sum": (lambda x, y: ops.sum(x), lambda x, y: x.sum(), False),
+    "mean over an axis": (lambda x, y: ops.mean(x, axis=0), lambda x, y: x.mean(0), False),
+}
+CHAIN = 50
+
+
+def _one_op(op: Callable[..., Any], x: Any, y: Any, both: bool, seed: Any) -> Any:
+    with Tape() as tape:
+        tape.watch((x, y) if both else x)
+        z = op(x, y)
+    return tape.gradient(z, (x, y) if both else x, output_gradients=seed)
+
+
+def _torch_one_op(torch: Any, op: Callable[..., Any], xy: Any, both: bool, seed: Any) -> Any:
+    return torch.autograd.grad(op(*xy), xy if both else xy[:1], seed)
+
+
+def _short_chain(x: Any) -> Any:
+    with Tape() as tape:
+        tape.watch(x)
+        y = x
+        for i in range(CHAIN):
+            y = ops.multiply(y, x) if i % 2 == 0 else ops.tanh(y)
+        total = ops.sum(y)
+    return tape.gradient(total, x)
+
+
+def _torch_short_chain(torch: Any, x: Any) -> Any:
+    y = x
+    for i in range(CHAIN):
+        y = y * x if i % 2 == 0 else y.tanh()
+    return torch.autograd.grad(y.sum(), (x,))
+
+
+def one_op_rows(quick: bool) -> list[dict[str, Any]]:
+    """Part (a''): one recorded op (or a 50-op chain), forward + gradient, vs PyTorch."""
+    torch = _import_torch()
+    if torch is None:
+        return []  # chain_rows said so
+    if Device("host", 1) not in devices():
+        set_host_device_count(2)
+    rng = np.random.default_rng(0)
+    a, b = rng.uniform(0.1, 0.9, SIZE), rng.uniform(0.1, 0.9, SIZE)
+    ta, tb = (torch.tensor(v, requires_grad=True) for v in (a, b))
+    rounds, number = (7, 100) if quick else (21, 300)
+    rows = []
+    for kind, device in (("NumPy", "cpu"), ("host:1", "host:1")):
+        x, y = to_device(a, device), to_device(b, device)
+        for name, (op, torch_op, both) in ONE_OP_CASES.items():
+            shape = op(a, b).shape
+            seed, torch_seed = (
+                to_device(np.ones(shape), device),
+                torch.ones(shape, dtype=torch.float64),
+            )
+            grads = _one_op(op, x, y, both, seed)
+            expected = _torch_one_op(torch, torch_op, (ta, tb), both, torch_seed)
+            for ours, theirs in zip(grads if both else (grads,), expected, strict=True):
+                np.testing.assert_allclose(to_device(ours, "cpu"), theirs.numpy(), rtol=1e-12)
+            timing = compare(
+                lambda op=op, x=x, y=y, both=both, seed=seed: _one_op(op, x, y, both, seed),
+                lambda op=torch_op, both=both, seed=torch_seed: _torch_one_op(
+                    torch, op, (ta, tb), both, seed
+                ),
+                rounds=rounds,
+                number=number,
+            )
+            rows.append(timing.row(f"one op on {kind}: {name}, forward + gradient vs PyTorch", 1.0))
+        np.testing.assert_allclose(
+            to_device(_short_chain(x), "cpu"), _torch_short_chain(torch, ta)[0].numpy(), rtol=1e-12
+        )
+        timing = compare(
+            lambda x=x: _short_chain(x),
+            lambda: _torch_short_chain(torch, ta),
+            rounds=rounds,
+            number=max(number // CHAIN, 3),
+        )
+        rows.append(timing.row(f"{CHAIN}-op chain on {kind}: forward + gradient vs PyTorch", 1.0))
+    return rows
+
+
 def data_parallel_rows(quick: bool) -> list[dict[str, Any]]:
     """Part (b): a data-parallel MLP train step on 4 devices vs the same step on one."""
     from bench_data_parallel import train_step_benchmark
@@ -247,8 +343,8 @@ def data_parallel_rows(quick: bool) -> list[dict[str, Any]]:
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
-    """Rows for ``cupy-parallel bench``: part (a) then part (b)."""
-    return chain_rows(quick) + data_parallel_rows(quick)
+    """Rows for ``cupy-parallel bench``: parts (a), (a') and (a''), then part (b)."""
+    return chain_rows(quick) + one_op_rows(quick) + data_parallel_rows(quick)
 
 
 def main() -> None:

@@ -131,6 +131,7 @@ def parse_demo(out: str) -> dict[str, float]:
     }
 
 
+@pytest.mark.slow
 def test_demo_trains_checks_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import matplotlib.image
 
@@ -365,6 +366,7 @@ def suite(tmp_path: Path) -> Path:
     return directory
 
 
+@pytest.mark.slow
 def test_bench_writes_json_plots_and_table(
     suite: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -489,6 +491,7 @@ def test_launch_is_mounted(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--nproc-per-node" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_demo_shows_a_progress_bar_in_a_terminal(tmp_path: Path) -> None:
     import struct
     import threading

@@ -16,6 +16,7 @@ import functools
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -130,6 +131,7 @@ def model(program: list[tuple[Any, ...]], dtype: Any, rows: list[np.ndarray]) ->
     return expected
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(DTYPES))
 def test_random_collective_programs_equal_the_numpy_model(data: Any, dtype: Any) -> None:

@@ -145,6 +145,7 @@ def test_set_host_device_count_rejects(count: object, error: type[Exception], ma
         cp.set_host_device_count(count)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_set_host_device_count_refuses_to_remove_a_device_arrays_live_on() -> None:
     # Issue 23: set_host_device_count(2) with arrays on host:5 left them on a device that no
     # longer existed (every later operation on them failed, far from the cause).

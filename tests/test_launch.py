@@ -161,6 +161,7 @@ def test_each_rank_gets_its_variables_and_the_script_arguments(tmp_path: Path) -
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gpus", [False, True], ids=["no GPU", "GPU with NCCL"])
 def test_without_backend_the_launcher_picks_one_and_says_which(
     tmp_path: Path,
@@ -208,6 +209,7 @@ def test_ranks_of_a_later_node_are_numbered_after_the_earlier_nodes(tmp_path: Pa
     ]
 
 
+@pytest.mark.slow
 def test_two_nodes_see_the_variables_torchrun_gives(tmp_path: Path) -> None:
     """Live oracle: torchrun's static rendezvous over two nodes (two agents on this machine)
     gives every rank the same torch-contract variables as two launchers do."""
@@ -282,6 +284,7 @@ def test_a_failing_rank_stops_the_others_and_sets_the_exit_code(
     assert "rank 1 exited with code 3; stopped the other ranks." in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -307,6 +310,7 @@ def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(
     assert _pid_gone(int(Path(out, "pid0").read_text()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signals_are_forwarded_to_every_rank(tmp_path: Path, signum: signal.Signals) -> None:
     script, out = _script(tmp_path, SIGNAL_SCRIPT), _outdir(tmp_path)
@@ -338,6 +342,7 @@ def _launch(tmp_path: Path, script: str, out: str, *options: str) -> subprocess.
     )
 
 
+@pytest.mark.slow
 def test_ranks_ignoring_signals_are_killed_after_the_grace_period(tmp_path: Path) -> None:
     """Ctrl-C, Ctrl-C, SIGTERM: the ranks ignore them all; SIGKILL follows the grace period."""
     script, out = _script(tmp_path, STUBBORN_SCRIPT), _outdir(tmp_path)
@@ -360,6 +365,7 @@ def test_ranks_ignoring_signals_are_killed_after_the_grace_period(tmp_path: Path
     assert all(_pid_gone(pid) for pid in pids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [DIRECT, ["--backend", "mpi"]], ids=["direct", "mpi"])
 def test_no_rank_outlives_a_killed_launcher(tmp_path: Path, backend: list[str]) -> None:
     if backend and find_mpiexec() is None:
@@ -496,6 +502,7 @@ def test_mpi_backend_without_mpiexec_says_what_to_install(
     assert "`pip install mpich`" in err
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_mpi_backend_finds_the_mpiexec_beside_python_without_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -525,6 +532,7 @@ with open(os.path.join(sys.argv[1], os.environ["RANK"] + ".json"), "w") as f:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_mpi_backend_runs_the_ranks_under_mpiexec(tmp_path: Path) -> None:
     script, out = _script(tmp_path, MPI_SCRIPT), _outdir(tmp_path)

@@ -41,6 +41,25 @@ MPI_ONLY = [
 ]
 # Every test of both kinds: processes under mpiexec, and thread ranks of spawn.
 VIA = pytest.mark.parametrize("via", [pytest.param("mpiexec", marks=MPI_ONLY), "threads"])
+
+
+def via_sizes(sizes: list[int], mpiexec: int | None = None) -> pytest.MarkDecorator:
+    """Thread ranks at every world size of ``sizes``, processes (``mpiexec``) at one of them.
+
+    Thread ranks are the MPI backend over an in-process MPI, so each world size's results and
+    messages are proved there; processes add what only they show (MPICH's own algorithms and
+    errors, a job aborted) and take seconds per world, so they run at one size. ``mpiexec=None``
+    where :func:`test_thread_ranks_print_what_mpi_processes_print` runs the worker's mode under
+    mpiexec already (it proves the processes print what the thread ranks print, line for line,
+    so the thread-rank test's assertions hold for them).
+    """
+    params = [pytest.param(n, "threads", id=f"{n}ranks-threads") for n in sizes]
+    if mpiexec is not None:
+        process = pytest.param(mpiexec, "mpiexec", marks=MPI_ONLY, id=f"{mpiexec}ranks-mpiexec")
+        params.insert(0, process)
+    return pytest.mark.parametrize(("ranks", "via"), params)
+
+
 # What says that the job was ended because a collective cannot be taken back.
 ENDED = {
     "mpiexec": "cupy_parallel: aborting the MPI job",
@@ -65,16 +84,16 @@ def launch(
     return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr), ran.seconds
 
 
-@VIA
-@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+@pytest.mark.slow
+@via_sizes([2, 3, 4])  # processes: the replay's all-3ranks
 def test_every_collective_matches_numpy(ranks: int, via: str) -> None:
     result, _ = launch(ranks, "all", via=via)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
-@VIA
-@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+@pytest.mark.slow
+@via_sizes([2, 3, 4], mpiexec=3)
 def test_integer_average_is_exact_where_the_sum_overflows(ranks: int, via: str) -> None:
     # INT64_MIN/MAX on every rank, mixed signs, uint64's maximum: the mean rounded toward zero
     # of Python integers, from every reducing collective, with 1 and 3 local arrays per rank.
@@ -83,8 +102,7 @@ def test_integer_average_is_exact_where_the_sum_overflows(ranks: int, via: str) 
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
-@VIA
-@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+@via_sizes([2, 3, 4], mpiexec=3)
 def test_bfloat16_reduces_in_float32_rounded_to_nearest_even(ranks: int, via: str) -> None:
     # SUM, PRODUCT, MIN, MAX, AVG as torch/gloo has them; BAND/BOR/BXOR refused.
     pytest.importorskip("ml_dtypes")
@@ -106,6 +124,7 @@ def test_init_destroy_init_on_one_store(tmp_path: Path) -> None:
     assert not (tmp_path / "user").exists()  # the user closed their store at the end
 
 
+@pytest.mark.slow
 @VIA
 def test_timeout_raises_then_aborts_the_job(via: str) -> None:
     result, seconds = launch(2, "timeout", timeout=60, via=via, group_timeout=3)
@@ -121,6 +140,7 @@ def test_timeout_raises_then_aborts_the_job(via: str) -> None:
     assert ENDED[via] in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 def test_rank_missing_at_init_times_out() -> None:
@@ -151,9 +171,9 @@ def test_cupy_arrays_through_mpi() -> None:
     assert result.stdout.count("checks passed") == 2, result.stdout
 
 
-@VIA
+@pytest.mark.slow
+@via_sizes([2, 3], mpiexec=2)
 @pytest.mark.parametrize("aware", ["", "1"], ids=["mpi-not-cuda-aware", "forced-cuda-aware"])
-@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
 def test_simulated_cupy_arrays_through_both_branches(ranks: int, aware: str, via: str) -> None:
     """Both paths for CuPy arrays run without a GPU: staged, and handed to a CUDA-aware MPI.
 
@@ -190,8 +210,8 @@ def launch_edges(
     return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr), ran.seconds
 
 
-@VIA
-@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+@pytest.mark.slow
+@via_sizes([2, 3])  # processes: the replay's edges-3ranks
 def test_clear_errors_and_the_group_stays_usable(ranks: int, via: str) -> None:
     """wait(timeout=1), TAG_UB, truncation, a cancelled recv; MIN/MAX bits equal everywhere."""
     result, _ = launch_edges(ranks, "edges", via)
@@ -224,6 +244,7 @@ def test_clear_errors_and_the_group_stays_usable(ranks: int, via: str) -> None:
             assert out.count(f"OK {op} {dtype}") == ranks, out
 
 
+@pytest.mark.slow
 @VIA
 def test_broadcast_size_mismatch_is_a_value_error(via: str) -> None:
     result, _ = launch_edges(2, "bcast-mismatch", via)
@@ -234,9 +255,9 @@ def test_broadcast_size_mismatch_is_a_value_error(via: str) -> None:
     ), result.stdout + result.stderr[-2000:]
 
 
-@VIA
-@pytest.mark.parametrize("n", [3, 4], ids=lambda n: f"{n}ranks")
-def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank(n: int, via: str) -> None:
+@pytest.mark.slow
+@via_sizes([3, 4], mpiexec=4)
+def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank(ranks: int, via: str) -> None:
     """Without the debug mode. MPI would let one rank's array overwrite the root's, silently, and
     leave zeros where a receiver expects more than is sent; a rooted collective over arrays of
     another size, dtype or shape reduces garbage or leaves part of an array as it was. On 4 ranks
@@ -244,6 +265,7 @@ def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank(n: int, via: st
     read each other's rows as garbage (an error naming the wrong cause). A barrier used to
     compare nothing, so that a barrier met by an all_reduce shifted the comparisons: on MPICH
     the all_reduce returned the rank's own array, or every rank timed out."""
+    n = ranks
     result, seconds = launch_edges(n, "disagree", via)
     assert seconds < 30
     out = result.stdout
@@ -306,6 +328,7 @@ def test_ranks_disagreeing_on_roots_or_sizes_raise_on_every_rank(n: int, via: st
     assert ENDED[via] in result.stderr
 
 
+@pytest.mark.slow
 @VIA
 def test_sizes_disagreeing_with_a_rank_that_waits_late_raise_on_every_rank(via: str) -> None:
     """Rank 0 waits on its all_to_all_single (whose sizes the last rank disagrees on) only after
@@ -332,6 +355,7 @@ def test_sizes_disagreeing_with_a_rank_that_waits_late_raise_on_every_rank(via: 
     assert ENDED[via] in result.stderr
 
 
+@pytest.mark.slow
 @VIA
 def test_new_group_is_bounded_by_the_timeout(via: str) -> None:
     result, seconds = launch_edges(2, "new-group-timeout", via)
@@ -342,6 +366,7 @@ def test_new_group_is_bounded_by_the_timeout(via: str) -> None:
     ), result.stdout + result.stderr[-2000:]
 
 
+@pytest.mark.slow
 @VIA
 def test_a_barrier_where_the_others_make_a_group_is_a_value_error_on_every_rank(via: str) -> None:
     """new_group's handshake and a barrier's comparison are rows of one size on the world's
@@ -357,6 +382,7 @@ def test_a_barrier_where_the_others_make_a_group_is_a_value_error_on_every_rank(
     assert out.count(f"CAUGHT ValueError: barrier on process group '0': {said}") == 1, out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 def test_environment_disagreeing_with_mpi_is_an_error(tmp_path: Path) -> None:
@@ -407,8 +433,8 @@ def launch_api(
     return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr)
 
 
-@VIA
-@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+@pytest.mark.slow
+@via_sizes([2, 3, 4])  # processes: the replay's api-3ranks
 def test_pytorch2_api_matches_numpy(ranks: int, via: str) -> None:
     """into_tensor, all_to_all_single, objects, batch p2p, group queries, BAND/BOR/BXOR, futures."""
     result = launch_api(ranks, "api", via)
@@ -416,8 +442,8 @@ def test_pytorch2_api_matches_numpy(ranks: int, via: str) -> None:
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
-@VIA
-@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+@pytest.mark.slow
+@via_sizes([2, 3, 4])  # processes: the replay's local-4ranks
 def test_local_synchronization_groups_need_only_their_members(ranks: int, via: str) -> None:
     """new_group(..., use_local_synchronization=True): each pair makes its own groups (two in a
     row), without the other ranks calling; sums equal NumPy's; a non-member caller gets
@@ -427,8 +453,8 @@ def test_local_synchronization_groups_need_only_their_members(ranks: int, via: s
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
-@VIA
-@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+@pytest.mark.slow
+@via_sizes([2, 3], mpiexec=2)
 def test_receives_and_broadcasts_into_recorded_arrays_make_the_gradient_raise(
     ranks: int, via: str
 ) -> None:
@@ -439,6 +465,7 @@ def test_receives_and_broadcasts_into_recorded_arrays_make_the_gradient_raise(
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
+@pytest.mark.slow
 @VIA
 def test_debug_mode_names_the_differing_rank(via: str) -> None:
     result = launch_api(3, "debug", via, CUPY_PARALLEL_DISTRIBUTED_DEBUG="DETAIL")
@@ -455,6 +482,7 @@ def test_debug_mode_names_the_differing_rank(via: str) -> None:
     )
 
 
+@pytest.mark.slow
 @VIA
 def test_monitored_barrier_names_the_missing_rank(via: str) -> None:
     result = launch_api(3, "monitored", via)
@@ -468,8 +496,8 @@ def test_monitored_barrier_names_the_missing_rank(via: str) -> None:
     )
 
 
-@VIA
-@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+@pytest.mark.slow
+@via_sizes([2, 3], mpiexec=3)
 def test_a_late_rank_does_not_let_the_next_monitored_barrier_pass_early(
     ranks: int, via: str
 ) -> None:
@@ -488,8 +516,8 @@ def launch_agreement(
     return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr)
 
 
-@VIA
-@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+@pytest.mark.slow
+@via_sizes([2, 3], mpiexec=2)
 def test_threads_racing_on_one_group_raise_on_every_rank(ranks: int, via: str) -> None:
     """Two threads per rank, 2,000 all_reduce calls each, on one group: MPI pairs the k-th call
     of every rank, so rank 0's call from one thread summed with rank 1's from the other (before:
@@ -574,6 +602,7 @@ def test_new_group_where_the_others_compare_in_the_debug_mode_names_both(
     assert all(f"in the collective they called {called}" in message for message in said), said
 
 
+@pytest.mark.slow
 @VIA
 def test_non_rooted_collectives_with_other_sizes_or_dtypes_raise_on_every_rank(via: str) -> None:
     """all_reduce of float32[4] with float64[4] on one rank (or int32[4], or float32[6]) gave
@@ -626,19 +655,19 @@ def test_non_rooted_collectives_with_other_sizes_or_dtypes_raise_on_every_rank(v
     assert ENDED[via] in result.stderr
 
 
-SAME_OUTPUT = (
-    [("collectives_worker", "all", n, 120) for n in (2, 3, 4)]
-    + [("api_worker", "api", n, 30) for n in (2, 3, 4)]
-    + [("api_worker", "local", n, 30) for n in (2, 3, 4)]
-    + [
-        ("edges_worker", "edges", 2, 3),
-        ("edges_worker", "edges", 3, 3),
-        ("edges_worker", "disagree", 3, 3),
-        ("agreement_worker", "mismatch", 3, 20),
-    ]
-)
+# One world size per worker mode (the thread-rank tests above run every size): each run
+# starts a world of processes and its twin on thread ranks, seconds each.
+SAME_OUTPUT = [
+    ("collectives_worker", "all", 3, 120),
+    ("api_worker", "api", 3, 30),
+    ("api_worker", "local", 4, 30),
+    ("edges_worker", "edges", 3, 3),
+    ("edges_worker", "disagree", 3, 3),
+    ("agreement_worker", "mismatch", 3, 20),
+]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 @pytest.mark.parametrize(
@@ -650,7 +679,11 @@ def test_thread_ranks_print_what_mpi_processes_print(
     name: str, mode: str, ranks: int, group_timeout: float
 ) -> None:
     """Every line the workers print (checks passed and their number, each error message) is the
-    same on thread ranks as on processes: the same calls, the same results, the same errors."""
+    same on thread ranks as on processes: the same calls, the same results, the same errors.
+
+    With the thread-rank tests of each mode (every size), this is the mode's test on processes:
+    what those assert of the printed lines holds for the processes' lines too.
+    """
     processes = run_mpiexec(name, ranks, mode, timeout=300)
     threads = run_threads(name, ranks, mode, timeout=group_timeout)
     assert printed(threads.stdout) == printed(processes.stdout)
@@ -661,6 +694,7 @@ def test_thread_ranks_print_what_mpi_processes_print(
 # The ranks' comparison of all_to_all sizes: fingerprints against the pairwise comparison
 
 
+@pytest.mark.slow
 @given(
     sizes=st.integers(1, 6).flatmap(
         lambda n: st.lists(

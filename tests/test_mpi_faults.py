@@ -30,6 +30,7 @@ LAUNCHER = "import sys; from cupy_parallel._tools.launch import main; sys.exit(m
 LIMIT_S = 15.0
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.mpi,
     pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)"),
 ]

@@ -757,6 +757,7 @@ def _exact_mean(arrays: list[np.ndarray]) -> np.ndarray:
     return np.array(means, dtype=arrays[0].dtype).reshape(arrays[0].shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [OLD, NEW], ids=["nccl2.9", "nccl2.18"])
 @pytest.mark.parametrize(("gpus", "size", "local"), LAYOUTS)
 def test_sim_integer_average_is_exact_where_the_sum_overflows(

@@ -516,6 +516,7 @@ def _stream(kind: str) -> Any:
     return cupy.cuda.Stream(non_blocking=kind == "non_blocking")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", STREAMS)
 @pytest.mark.parametrize("size", [1, 1000, 1 << 22])  # int32: 4 B to 16 MiB
 def test_collectives_follow_the_callers_stream_at_every_size(

@@ -74,6 +74,7 @@ def _cases(draw: st.DrawFn) -> tuple[Any, list[Device], int, Device]:
     return tree, devs, dim, target
 
 
+@pytest.mark.slow
 @given(_cases())
 def test_gather_of_scatter_is_the_identity(case):
     tree, devs, dim, target = case

@@ -13,6 +13,8 @@ import pytest
 
 from cupy_parallel._tools.launch import find_mpiexec
 
+pytestmark = pytest.mark.slow  # each notebook runs in a kernel of its own
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 

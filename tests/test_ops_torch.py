@@ -157,6 +157,7 @@ def test_seeded_graph_matches_pytorch(seed: int, oracle: Any) -> None:
     _compare_second(fn, xs, seed, expected)
 
 
+@pytest.mark.slow
 @needs_torch
 @given(data=st.data(), steps=st.integers(1, 12), seed=st.integers(0, 2**16))
 def test_random_graphs_match_live_pytorch(data: st.DataObject, steps: int, seed: int) -> None:

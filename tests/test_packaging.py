@@ -55,6 +55,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
+@pytest.mark.slow
 def test_wheel_ships_the_benchmark_suite_and_the_license(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     suite = {Path(n).name for n in names if n.startswith("cupy_parallel/benchmarks/")}
@@ -63,6 +64,7 @@ def test_wheel_ships_the_benchmark_suite_and_the_license(wheel: Path) -> None:
     assert any(n.endswith("licenses/LICENSE") for n in names)
 
 
+@pytest.mark.slow
 def test_installed_copy_finds_its_suite_without_a_checkout(wheel: Path, tmp_path: Path) -> None:
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -92,6 +92,7 @@ def _expected(size: int) -> list[dict[str, object]]:
     return [{"rank": r, "size": size, "seen": seen} for r in range(size)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", list(InitMethod), ids=lambda m: m.value)
 def test_rendezvous_across_processes(method: InitMethod, tmp_path: os.PathLike[str]) -> None:
     size = 3
@@ -249,6 +250,7 @@ def test_argument_types_are_checked() -> None:
 # wait_for_world
 
 
+@pytest.mark.slow
 def test_wait_for_world_names_the_arrivals(tmp_path: os.PathLike[str]) -> None:
     path = os.path.join(tmp_path, "store")
     errors: list[str] = []

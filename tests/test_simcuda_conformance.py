@@ -499,6 +499,7 @@ def _sim_object(cp: Any, path: str) -> Any:
     return obj
 
 
+@pytest.mark.slow
 def test_library_scan_finds_the_known_uses() -> None:
     """The scan is the source of truth: it must at least see what the library is known to use."""
     known = {

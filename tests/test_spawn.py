@@ -257,6 +257,7 @@ CULPRIT_LAST = {"raise": RuntimeError, "exit3": SystemExit, "quit4": SystemExit}
 CULPRIT_LAST["raise-systemexit"] = SystemExit
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4], ids=lambda n: f"{n}ranks")
 @pytest.mark.parametrize("mode", ["raise", "exit3", "quit4", "raise-systemexit", "skip", "stall"])
 def test_fault_matrix_on_thread_ranks(mode: str, ranks: int) -> None:
@@ -318,6 +319,7 @@ def test_a_raising_rank_fails_the_others_pending_and_later_calls_at_once(ranks: 
     assert rank_threads() == []
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_joins_times_out_by_the_group_timeout() -> None:
     def body(rank: int) -> None:
         if rank == 0:
@@ -334,6 +336,7 @@ def test_a_rank_that_never_joins_times_out_by_the_group_timeout() -> None:
     assert rank_threads() == []
 
 
+@pytest.mark.slow
 def test_a_caught_timeout_still_ends_the_run_as_mpi_aborts_the_job() -> None:
     """A timed-out collective cannot be taken back: the group is unusable, and the run ends when
     the rank's function returns (MPI aborts the job as the process exits)."""
@@ -361,6 +364,7 @@ def test_a_caught_timeout_still_ends_the_run_as_mpi_aborts_the_job() -> None:
     assert rank_threads() == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4], ids=lambda n: f"{n}ranks")
 def test_ctrl_c_interrupts_spawn_and_leaves_no_thread(ranks: int) -> None:
     errors: list[str] = []
@@ -389,6 +393,7 @@ def test_ctrl_c_interrupts_spawn_and_leaves_no_thread(ranks: int) -> None:
         assert error.startswith("spawn was interrupted (KeyboardInterrupt)")
 
 
+@pytest.mark.slow
 def test_sigint_sent_by_a_rank_is_ctrl_c_in_the_caller() -> None:
     with tempfile.TemporaryDirectory() as piddir, pytest.raises(KeyboardInterrupt):
         run_threads("fault_worker", 2, "sigint", piddir, timeout=3)
@@ -533,6 +538,7 @@ def test_an_nccl_abort_ends_the_run_not_the_caller_process() -> None:
     assert rank_threads() == []
 
 
+@pytest.mark.slow
 def test_an_nccl_timeout_ends_the_run_not_the_caller_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

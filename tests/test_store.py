@@ -138,6 +138,7 @@ def test_keys_may_be_any_unicode(pair: Pair) -> None:
         assert pair.b.get(key) == key.encode()
 
 
+@pytest.mark.slow
 def test_get_times_out_naming_the_key(pair: Pair) -> None:
     pair.b.set_timeout(SHORT)
     start = time.monotonic()
@@ -156,6 +157,7 @@ def test_get_waits_for_a_later_set(pair: Pair) -> None:
     timer.join()
 
 
+@pytest.mark.slow
 def test_wait_lists_the_missing_keys(pair: Pair) -> None:
     pair.a.set("here", "1")
     name, p = pair.name_and_prefix()
@@ -354,6 +356,7 @@ def test_prefix_store_checks_its_arguments(master: TCPStore) -> None:
         PrefixStore("p", {})  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_prefix_store_shares_the_timeout(master: TCPStore) -> None:
     view = PrefixStore("p", master)
     view.set_timeout(SHORT)
@@ -380,6 +383,7 @@ store.close()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tcp", "file"])
 def test_add_is_atomic_across_processes(kind: str, tmp_path: os.PathLike[str]) -> None:
     procs_n, adds = 4, 200
@@ -418,6 +422,7 @@ def test_master_waits_for_workers() -> None:
         assert m.get("from-1") == b"1"
 
 
+@pytest.mark.slow
 def test_master_times_out_waiting_for_workers_and_stops_serving() -> None:
     port = _free_port()
     with pytest.raises(
@@ -429,6 +434,7 @@ def test_master_times_out_waiting_for_workers_and_stops_serving() -> None:
         socket.create_connection((HOST, port), timeout=2).close()
 
 
+@pytest.mark.slow
 def test_client_times_out_without_a_server() -> None:
     port = _free_port()
     start = time.monotonic()
@@ -856,6 +862,7 @@ def _error_frame(message: str) -> bytes:
         ),
     ],
 )
+@pytest.mark.slow
 def test_an_unconfirmed_posted_set_fails_the_next_call(answer, error, message) -> None:
     server = _FakeServer(answer)
     try:
@@ -869,6 +876,7 @@ def test_an_unconfirmed_posted_set_fails_the_next_call(answer, error, message) -
         server.close()
 
 
+@pytest.mark.slow
 def test_close_raises_for_a_posted_set_never_confirmed() -> None:
     server = _FakeServer(lambda body: None)
     try:

@@ -220,6 +220,7 @@ def test_a_dead_server_thread_fails_every_call_at_once(master: TCPStore) -> None
 # 2. Bounded memory
 
 
+@pytest.mark.slow
 def test_unread_replies_do_not_grow_the_server() -> None:
     with _server_process() as (pid, port):
         with TCPStore(HOST, port, timeout=30) as client:
@@ -237,6 +238,7 @@ def test_unread_replies_do_not_grow_the_server() -> None:
         assert grown < 64 * MiB, f"server RSS grew by {grown / MiB:.0f} MiB"
 
 
+@pytest.mark.slow
 def test_half_sent_huge_frames_are_capped() -> None:
     with _server_process() as (pid, port):
         before = _rss(pid)
@@ -266,6 +268,7 @@ def test_half_sent_huge_frames_are_capped() -> None:
 # 3. Out of file descriptors
 
 
+@pytest.mark.slow
 def test_emfile_backs_off_and_keeps_serving_existing_clients() -> None:
     with _server_process(nofile=48) as (pid, port), TCPStore(HOST, port, timeout=10) as existing:
         flood: list[socket.socket] = []
@@ -337,6 +340,7 @@ def test_a_thousand_idle_and_slowloris_clients() -> None:
 # 5. Client timeouts
 
 
+@pytest.mark.slow
 def test_a_silent_server_times_out_after_the_clients_timeout() -> None:
     with socket.create_server((HOST, 0)) as silent:
         port = silent.getsockname()[1]
@@ -353,6 +357,7 @@ def test_a_silent_server_times_out_after_the_clients_timeout() -> None:
             store.close()
 
 
+@pytest.mark.slow
 def test_a_server_that_never_reads_times_a_large_set_out() -> None:
     """The request itself cannot be sent: the client's send waits up to the timeout only."""
     with socket.create_server((HOST, 0)) as silent:
@@ -367,6 +372,7 @@ def test_a_server_that_never_reads_times_a_large_set_out() -> None:
             store.close()
 
 
+@pytest.mark.slow
 def test_a_long_wait_outlasts_a_shorter_earlier_call() -> None:
     """A parked call longer than the store's timeout still gets its answer.
 
@@ -424,6 +430,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_file_store_survives_a_writer_killed_mid_set(tmp_path: os.PathLike[str]) -> None:
     path = os.path.join(tmp_path, "store")
     survivor = FileStore(path, timeout=5)

@@ -21,6 +21,7 @@ import tempfile
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -105,6 +106,7 @@ def _apply(store: Any, op: tuple[Any, ...]) -> object:
         return "empty" if type(exc).__name__ == "QueueEmptyError" else "timeout"
 
 
+@pytest.mark.slow
 @settings(deadline=None)
 @given(ops=st.lists(_ops, max_size=12))
 def test_every_kind_answers_like_the_oracle(ops: list[tuple[Any, ...]]) -> None:

@@ -245,6 +245,7 @@ def test_wait_across_threads(store: Store) -> None:
 # TCPStore
 
 
+@pytest.mark.slow
 def test_numkeys_delkeys() -> None:
     """torch: TCPStoreTest.test_numkeys_delkeys (without torch's extra bookkeeping key)."""
     with TCPStore(HOST, 0, world_size=1, is_master=True) as store:
@@ -287,6 +288,7 @@ def test_take_over_listen_socket() -> None:
         assert store.get("key") == b"value"
 
 
+@pytest.mark.slow
 def test_store_timeout_on_missing_clients() -> None:
     """torch: TCPStoreTest.test_store_timeout_on_missing_clients."""
     with pytest.raises(DistStoreError, match=r"timeout after 0\.5 s waiting for workers: 1 of 2"):
@@ -300,6 +302,7 @@ def test_world_size_0_raises() -> None:
         TCPStore("localhost", 0, world_size=0, is_master=False)
 
 
+@pytest.mark.slow
 def test_interrupt_doesnt_break_wait() -> None:
     """torch: TimeoutTest.test_interrupt_doesnt_break_wait (a signal hits the waiting thread)."""
     with TCPStore(HOST, 0, 2, True, wait_for_workers=False) as rank0:
@@ -600,6 +603,7 @@ def test_file_nominal(tmp_path: os.PathLike[str]) -> None:
     store1.close()
 
 
+@pytest.mark.slow
 def test_tcp_nominal_and_timeout_set() -> None:
     """torch: RendezvousTCPTest.test_nominal / test_tcp_store_timeout_set."""
     probe = TCPStore(HOST, 0, is_master=True)
@@ -616,6 +620,7 @@ def test_tcp_nominal_and_timeout_set() -> None:
         assert time.monotonic() - start < 10
 
 
+@pytest.mark.slow
 def test_dns_failure_is_reported_within_the_timeout() -> None:
     """torch: RendezvousTCPTest.test_dns_timeout (our type: DistNetworkError)."""
     start = time.monotonic()

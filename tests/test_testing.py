@@ -50,6 +50,7 @@ def _node_types(tree: Any) -> set[type]:
 # arrays
 
 
+@pytest.mark.slow
 def test_arrays_draw_every_dtype():
     drawn: set[np.dtype[Any]] = set()
 
@@ -74,6 +75,7 @@ def test_bool_arrays_hold_only_0_and_1(x):
     assert x.view(np.uint8).max(initial=0) <= 1
 
 
+@pytest.mark.slow
 def test_arrays_find_bit_patterns_and_layouts():
     nan_payload = find(
         arrays(np.float32, (3,)),
@@ -109,6 +111,7 @@ def test_finite_arrays_are_finite(x):
     assert np.isfinite(x).all()
 
 
+@pytest.mark.slow
 @given(st.data())
 def test_arrays_on_a_device(data):
     device = data.draw(st.sampled_from(cupy_parallel.devices()))
@@ -179,6 +182,7 @@ def test_devices_errors():
 # nested_structures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind",
     [tuple, list, dict, OrderedDict, defaultdict, deque, "namedtuple"],
@@ -196,6 +200,7 @@ def test_nested_structures_draw_every_container(kind):
         assert kind in _node_types(tree)
 
 
+@pytest.mark.slow
 def test_nested_structures_draw_none_nan_and_nesting():
     tree = find(
         nested_structures(st.just(1)), lambda t: None in optree.tree_leaves(t, none_is_leaf=True)

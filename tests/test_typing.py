@@ -24,15 +24,15 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("mypy")
+pytestmark = pytest.mark.slow  # a cold mypy run, and the script run in a process
 
 ROOT = Path(__file__).resolve().parent.parent
 TYPING = ROOT / "tests" / "typing"
 FILES = ("user_script.py", "check_types.py")
 
 
-@pytest.fixture(scope="module")
-def mypy_output() -> dict[str, list[str]]:
-    """mypy's messages per checked file, from one ``mypy --strict`` run on both files."""
+def _mypy() -> subprocess.Popen[str]:
+    """One ``mypy --strict`` run on both files, started (it takes about 20 s of CPU, cold)."""
     command = [
         sys.executable,
         "-m",
@@ -47,9 +47,44 @@ def mypy_output() -> dict[str, list[str]]:
         *(str(TYPING / name) for name in FILES),
     ]
     env = {**os.environ, "MYPYPATH": str(ROOT)}
-    done = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+_started: list[subprocess.Popen[str]] = []
+
+
+def start_mypy() -> None:
+    """Start the mypy run now, in the background (once).
+
+    conftest.py calls this once the tests are collected, when these are among them: the run
+    then overlaps the tests before these (on 2 cores, the suite's wall time loses it), and
+    :func:`mypy_output` only waits for what is left.
+    """
+    if not _started:
+        _started.append(_mypy())
+
+
+def stop_mypy() -> None:
+    """End a run nobody waited for (the session stopped before these tests): no stray mypy."""
+    for run in _started:
+        if run.poll() is None:
+            run.kill()
+        run.communicate()
+
+
+@pytest.fixture(scope="module")
+def mypy_output() -> dict[str, list[str]]:
+    """mypy's messages per checked file, from one ``mypy --strict`` run on both files."""
+    start_mypy()
+    run = _started[0]
+    try:
+        stdout, stderr = run.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        raise
+    done = subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr)
     assert done.returncode in {0, 1}, f"mypy crashed:\n{done.stdout}\n{done.stderr}"
     messages: dict[str, list[str]] = {name: [] for name in FILES}
     for line in done.stdout.splitlines():

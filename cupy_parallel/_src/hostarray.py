@@ -54,6 +54,7 @@ from cupy_parallel._src.hosterrors import (
     implicit_conversion,
     out_error,
 )
+from cupy_parallel._src.tree import add_array_type
 from cupy_parallel._src.versions import count_write, writes
 
 if TYPE_CHECKING:
@@ -1131,3 +1132,4 @@ def _host_array_census(first: int, /) -> dict[Device, int]:
 
 
 set_host_array_census(_host_array_census)
+add_array_type(HostArray)

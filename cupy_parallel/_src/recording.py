@@ -58,7 +58,7 @@ from cupy_parallel._src.hostarray import HostArray, plain_buffer, version
 from cupy_parallel._src.versions import root_buffer
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Callable, Sequence
 
 __all__ = [
     "Node",
@@ -180,19 +180,38 @@ def is_recording() -> bool:
     return bool(_ACTIVE.get())
 
 
-@contextlib.contextmanager
-def pause_recording(tape: Records | None = None, /) -> Iterator[None]:
+class _Setting:
+    """A block in which a context variable has a value.
+
+    A class: a generator-based ``contextmanager`` costs three times as much, and a gradient
+    enters two.
+    """
+
+    __slots__ = ("_token", "_value", "_variable")
+
+    def __init__(self, variable: contextvars.ContextVar[Any], value: Any, /) -> None:
+        self._variable, self._value = variable, value
+
+    def __enter__(self) -> None:
+        self._token = self._variable.set(self._value)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._variable.reset(self._token)
+
+
+def pause_recording(tape: Records | None = None, /) -> contextlib.AbstractContextManager[None]:
     """No tape records inside the block (as a ``Function``'s ``forward`` runs).
 
     With ``tape``, only that tape stops recording; the other active tapes go on (as
     ``Tape.stop_recording``, and while a tape computes a gradient).
     """
-    tapes = () if tape is None else tuple(t for t in _ACTIVE.get() if t is not tape)
-    token = _ACTIVE.set(tapes)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    active = _ACTIVE.get()
+    if not active or (tape is not None and tape not in active):
+        return _UNCHANGED  # nothing to pause (a gradient taken after the tape's block)
+    return _Setting(_ACTIVE, () if tape is None else tuple([t for t in active if t is not tape]))
+
+
+_UNCHANGED = contextlib.nullcontext()
 
 
 in_backward: Callable[[], bool] = _IN_BACKWARD.get
@@ -518,6 +537,8 @@ def _ready_at(tape: Records) -> dict[int, list[int]]:
     its gradient; a hooked leaf no node consumes is filed under index ``-1`` (final at once:
     its hooks are called before the first node runs).
     """
+    if not tape._ready_hooks:
+        return {}
     hooked = {k for k, hooks in tape._ready_hooks.items() if hooks}
     if not hooked:
         return {}
@@ -542,14 +563,9 @@ def _call_ready_hooks(tape: Records, grads: dict[int, Any], leaves: list[int]) -
                 grads[k] = replacement
 
 
-@contextlib.contextmanager
-def _backward() -> Iterator[None]:
+def _backward() -> _Setting:
     """Inside the block a :func:`pullback` runs (the guard's message says so)."""
-    token = _IN_BACKWARD.set(True)
-    try:
-        yield
-    finally:
-        _IN_BACKWARD.reset(token)
+    return _Setting(_IN_BACKWARD, True)  # noqa: FBT003 - the variable's value
 
 
 def _keep(kept: dict[int, Any], keep: set[int], outputs: tuple[Any, ...], grads: list[Any]) -> None:
@@ -567,6 +583,8 @@ def _count_error(node: Node, count: int) -> ValueError:
 
 def _written(tape: Records) -> set[int]:
     """Ids of the host arrays on ``tape`` whose version moved since the tape first saw them."""
+    if not tape._versions:
+        return set()
     return {k for k, (a, recorded) in tape._versions.items() if version(a) != recorded}
 
 

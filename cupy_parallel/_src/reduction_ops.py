@@ -27,6 +27,7 @@ from cupy_parallel._src.elementwise import (
     subtract,
     where,
 )
+from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer
 from cupy_parallel._src.recording import active_tapes, record_binary, record_unary
 from cupy_parallel._src.shape_ops import (
     fit,
@@ -75,6 +76,9 @@ def matmul(a: Array, b: Array, /) -> Array:
     if type(a) is np.ndarray:
         z = np.matmul(a, b)
         z = z if type(z) is np.ndarray else np.asarray(z)
+    elif type(a) is HostArray and type(b) is HostArray and a.device == b.device:
+        z = np.matmul(host_buffer(a), host_buffer(b))  # what run_kernel does, without its checks
+        z = host_array(z if type(z) is np.ndarray else np.asarray(z), a.device)
     else:
         z = run_kernel(_matmul_kernel, a, a, b)
     if active_tapes():
@@ -84,7 +88,7 @@ def matmul(a: Array, b: Array, /) -> Array:
 
 def _swap_last(x: Any) -> Any:
     n = x.ndim
-    return transpose(x, (*range(n - 2), n - 1, n - 2))
+    return transpose(x) if n == 2 else transpose(x, (*range(n - 2), n - 1, n - 2))
 
 
 def _matmul_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
@@ -111,7 +115,11 @@ def _matmul_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> G
     return ga, gb
 
 
-_mean_kernel = named_kernel("mean")
+def _mean_kernel(xp: Any, x: Any, axis: Any, keepdims: bool) -> Any:
+    return x.mean(axis, keepdims=keepdims)  # the method: numpy.mean is a Python wrapper
+
+
+_mean_kernel.__name__ = "mean"
 
 
 def mean(

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from cupy_parallel._src import tree
 from cupy_parallel._src.arguments import read_bool, read_callable
 from cupy_parallel._src.arrays import device_of, is_array
@@ -37,11 +39,13 @@ from cupy_parallel._src.recording import (
     release,
     track_leaves,
 )
-from cupy_parallel._src.tree import flatten_with_names
+from cupy_parallel._src.tree import flatten_leaves, leaf_names
 
 if TYPE_CHECKING:
     import contextvars
     from collections.abc import Callable, Iterator
+
+    from optree import PyTreeSpec
 
     from cupy_parallel._src.arraytypes import Tree
 
@@ -258,9 +262,11 @@ class Tape(Records):
             >>> tape.watch({"w": np.ones(2), "b": np.zeros(1), "activation": "tanh"})
         """
         self._check_unused("watch")
-        names, leaves, _ = flatten_with_names(params, "params")
-        refuse_untrackable(names, leaves, "watch() tracks")
-        track_leaves(self, [leaf for leaf in leaves if is_array(leaf)])
+        leaves, spec = flatten_leaves(params)
+        arrays = [leaf for leaf in leaves if is_array(leaf)]
+        if not all(a.dtype.kind in "fc" for a in arrays):
+            refuse_untrackable(leaf_names(spec, "params"), leaves, "watch() tracks")
+        track_leaves(self, arrays)
 
     def register_gradient_ready_hook(
         self, source: Any, hook: Callable[[Any], Any], /
@@ -380,15 +386,17 @@ class Tape(Records):
                 f'unconnected_gradients must be "zero" or "none", got {unconnected_gradients!r}.'
             )
         targets, seeds = self._check_targets(target, output_gradients)
-        names, leaves, source_def = flatten_with_names(sources, "sources")
+        leaves, source_def = flatten_leaves(sources)
         arrays = [leaf for leaf in leaves if is_array(leaf)]
-        for name, leaf in zip(names, leaves, strict=True):
-            if is_array(leaf) and not self.tracks(leaf):
-                raise ValueError(
-                    f"{name} was never watched or recorded on this tape, so it has no "
-                    "gradient. Call tape.watch(source) inside the `with tape:` block before "
-                    "computing the target from it."
-                )
+        tracked = self._tracked
+        if not all(id(a) in tracked for a in arrays):
+            for name, leaf in zip(leaf_names(source_def, "sources"), leaves, strict=True):
+                if is_array(leaf) and not self.tracks(leaf):
+                    raise ValueError(
+                        f"{name} was never watched or recorded on this tape, so it has no "
+                        "gradient. Call tape.watch(source) inside the `with tape:` block before "
+                        "computing the target from it."
+                    )
         grads = pullback(self, targets, seeds, arrays)
         fill = _UNCONNECTED[unconnected_gradients]
         if fill and arrays and all(g is None for g in grads):
@@ -397,28 +405,35 @@ class Tape(Records):
                 "operation leads from a source to the target. Check that the sources passed to "
                 "gradient() are the arrays the target was computed from."
             )
-        array_names = [name for name, leaf in zip(names, leaves, strict=True) if is_array(leaf)]
-        result = iter(self._finish(array_names, arrays, grads, seeds, fill))
+        result = self._finish(arrays, grads, seeds, fill, lambda: _array_names(leaves, source_def))
         if not self.persistent:
             self._used = True
             release(self)
-        return source_def.unflatten(  # type: ignore[return-value]  # the structure of sources
-            [next(result) if is_array(leaf) else None for leaf in leaves]
-        )
+        if len(arrays) < len(leaves):  # the leaves that are not arrays get None
+            returned = iter(result)
+            result = [next(returned) if is_array(leaf) else None for leaf in leaves]
+        return source_def.unflatten(result)  # type: ignore[return-value]  # sources' structure
 
     def _finish(
-        self, names: list[str], sources: list[Any], grads: list[Any], seeds: list[Any], fill: bool
+        self,
+        sources: list[Any],
+        grads: list[Any],
+        seeds: list[Any],
+        fill: bool,
+        names: Callable[[], list[str]],
     ) -> list[Any]:
         """The gradients as returned, each recorded on the outer tapes that track its source.
 
         Zeros (or ``None``) where none arrived, the sources' dtypes, never an array the caller
-        passed in or one array twice.
+        passed in or one array twice. ``names()`` names the sources, for the errors.
         """
         seen = {id(s) for s in seeds}
         result = []
         with pause_recording(self):
-            for name, leaf, grad in zip(names, sources, grads, strict=True):
-                g = _returned(name, leaf, grad, fill)
+            for i, (leaf, grad) in enumerate(zip(sources, grads, strict=True)):
+                g = grad
+                if g is None or g.dtype != leaf.dtype or g.shape != leaf.shape:
+                    g = _returned(names, i, leaf, g, fill)
                 if g is not None and id(g) in seen:
                     g = _copy(g)
                 seen.add(id(g))
@@ -432,10 +447,15 @@ class Tape(Records):
         return result
 
     def _check_targets(self, target: Any, output_gradients: Any) -> tuple[list[Any], list[Any]]:
-        names, targets, target_def = flatten_with_names(target, "target")
+        targets, target_def = flatten_leaves(target)
         if not targets:
             raise ValueError("gradient() needs a target array, got an empty structure.")
-        for name, t in zip(names, targets, strict=True):
+        tracked = self._tracked
+        if all(id(t) in tracked for t in targets):  # tracked, so arrays: the errors are named
+            names: list[str] = []  # only when one is raised
+        else:
+            names = leaf_names(target_def, "target")
+        for name, t in zip(names, targets, strict=False):
             if not is_array(t):
                 raise TypeError(
                     f"gradient() needs {name} to be an array, got {type(t).__name__}. Compute "
@@ -449,8 +469,10 @@ class Tape(Records):
                     "`with tape:` block, or inputs that were never watched."
                 )
         if output_gradients is None:
-            for name, t in zip(names, targets, strict=True):
-                problem = scalar_problem(t, name)
+            for i, t in enumerate(targets):
+                if t.size == 1 and t.dtype.kind != "c":
+                    continue
+                problem = scalar_problem(t, leaf_names(target_def, "target")[i])
                 if problem is not None:
                     remedy = (
                         "Take ops.real(target) or ops.abs(target) first, or pass output_gradients."
@@ -460,25 +482,43 @@ class Tape(Records):
                     )
                     raise type(problem)(f"{problem} {remedy}")
             return targets, [ones_like(t) for t in targets]
-        seed_names, seeds, seed_def = flatten_with_names(output_gradients, "output_gradients")
+        seeds, seed_def = flatten_leaves(output_gradients)
         if seed_def != target_def:
             raise ValueError(
                 f"output_gradients must have the target's structure {target_def}, got {seed_def}."
             )
-        for name, t, s in zip(seed_names, targets, seeds, strict=True):
-            if not is_array(s):
-                raise TypeError(f"{name} must be an array, got {type(s).__name__}.")
-            if s.dtype.kind == "c" and t.dtype.kind != "c":
-                raise TypeError(
-                    f"{name} is complex ({s.dtype}) but its target is real ({t.dtype}): a real "
-                    "target's output gradient is real (as in PyTorch)."
-                )
-            if s.shape != t.shape or device_of(s) != device_of(t):
-                raise ValueError(
-                    f"{name} must match its target: shape {t.shape} on {device_of(t)}, got shape "
-                    f"{s.shape} on {device_of(s)}. Move it with cupy_parallel.to_device."
-                )
+        if not all(map(_seed_fits, targets, seeds)):  # then one of these raises
+            seed_names = leaf_names(seed_def, "output_gradients")
+            for name, t, s in zip(seed_names, targets, seeds, strict=True):
+                if not is_array(s):
+                    raise TypeError(f"{name} must be an array, got {type(s).__name__}.")
+                if s.dtype.kind == "c" and t.dtype.kind != "c":
+                    raise TypeError(
+                        f"{name} is complex ({s.dtype}) but its target is real ({t.dtype}): a real "
+                        "target's output gradient is real (as in PyTorch)."
+                    )
+                if s.shape != t.shape or device_of(s) != device_of(t):
+                    raise ValueError(
+                        f"{name} must match its target: shape {t.shape} on {device_of(t)}, got "
+                        f"shape {s.shape} on {device_of(s)}. Move it with cupy_parallel.to_device."
+                    )
         return targets, seeds
+
+
+def _seed_fits(target: Any, seed: Any) -> bool:
+    """Whether ``seed`` is a valid output gradient of ``target`` (the fast path of the checks)."""
+    return (
+        is_array(seed)
+        and seed.shape == target.shape
+        and (seed.dtype.kind != "c" or target.dtype.kind == "c")
+        and device_of(seed) == device_of(target)
+    )
+
+
+def _array_names(leaves: list[Any], spec: PyTreeSpec) -> list[str]:
+    """The names of the array leaves among ``leaves`` (of structure ``spec``), for messages."""
+    names = leaf_names(spec, "sources")
+    return [name for name, leaf in zip(names, leaves, strict=True) if is_array(leaf)]
 
 
 class HookHandle:
@@ -505,20 +545,20 @@ class HookHandle:
         self._remove()
 
 
-def _returned(name: str, source: Any, grad: Any, fill: bool) -> Any:
-    """``grad`` as :meth:`Tape.gradient` returns it for ``source`` (named ``name``)."""
+def _returned(names: Callable[[], list[str]], i: int, source: Any, grad: Any, fill: bool) -> Any:
+    """``grad`` as :meth:`Tape.gradient` returns it for ``source`` (named ``names()[i]``)."""
     if grad is None:
         return zeros_like(source) if fill else None
     if grad.dtype != source.dtype:
         if grad.dtype.kind == "c" and source.dtype.kind != "c":
             raise TypeError(
-                f"The gradient of {name} is complex ({grad.dtype}) but the source is real "
+                f"The gradient of {names()[i]} is complex ({grad.dtype}) but the source is real "
                 f"({source.dtype}): take the real part of the target explicitly."
             )
         grad = cast(grad, source.dtype)  # as PyTorch does
     if grad.shape != source.shape:
         raise ValueError(
-            f"The gradient of {name} has shape {grad.shape}, its source {source.shape}: a "
+            f"The gradient of {names()[i]} has shape {grad.shape}, its source {source.shape}: a "
             "recorded operation returned a wrongly shaped gradient."
         )
     return grad
@@ -530,8 +570,9 @@ def _copy_of(x: Any) -> Any:
 
 def _copy(x: Any, /) -> Any:
     """A copy of ``x``, recorded (the identity)."""
-    z = compute(_copy_of, x)
-    record_unary(_copy_vjp, x, z, None)
+    z = x.copy() if type(x) is np.ndarray else compute(_copy_of, x)
+    if active_tapes():
+        record_unary(_copy_vjp, x, z, None)
     return z
 
 
