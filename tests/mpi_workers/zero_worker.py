@@ -68,7 +68,7 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any], bool]] = {
 }
 
 
-def _build(name: str, params: dict[str, Any], *, zero: bool, sync: str = "all_gather") -> Any:
+def _build(name: str, params: dict[str, Any], *, zero: bool, sync: str = "broadcast") -> Any:
     cls, hyper, grouped = OPTIMIZERS[name]
     tree = _groups(params) if grouped else params
     if zero:
