@@ -53,7 +53,20 @@ if TYPE_CHECKING:
 
     from cupy_parallel._src.devices import Device
 
-__all__ = ["decode_array", "encode_array", "fsync_directory", "load", "replace_atomically", "save"]
+__all__ = [
+    "SCALAR_TYPES",
+    "decode_array",
+    "dtype_name",
+    "dtype_of_name",
+    "encode_array",
+    "fsync_directory",
+    "load",
+    "read_scalar",
+    "replace_atomically",
+    "save",
+    "scalar_record",
+    "write_safetensors",
+]
 
 METADATA_KEY = "cupy_parallel"
 _FORMAT = "cupy_parallel.save"
@@ -87,7 +100,7 @@ def _dtype_tag(dtype: np.dtype[Any], where: str) -> str | None:
     return dtype.str
 
 
-def _dtype_of_tag(tag: str) -> np.dtype[Any]:
+def dtype_of_name(tag: str) -> np.dtype[Any]:
     if tag.startswith("ml_dtypes:"):
         name = tag.removeprefix("ml_dtypes:")
         try:
@@ -140,7 +153,7 @@ def decode_array(stored: np.ndarray, tag: str | None) -> np.ndarray:
     """
     if tag is None:
         return stored
-    dtype = _dtype_of_tag(tag)
+    dtype = dtype_of_name(tag)
     if not stored.flags.c_contiguous:
         stored = stored.copy(order="C")
     return stored.reshape(-1).view(dtype).reshape(stored.shape[:-1])
@@ -208,17 +221,17 @@ def replace_atomically(path: str, write: Any) -> None:
 # --------------------------------------------------------------------------------------------
 # The tree as JSON: {"leaves": [record, ...] in flatten order, "paths": [...], "tree": node}
 
-_SCALARS = (bool, int, float, complex, str, bytes)
+SCALAR_TYPES = (bool, int, float, complex, str, bytes)
 
 
-def _dtype_name(dtype: np.dtype[Any]) -> str:
+def dtype_name(dtype: np.dtype[Any]) -> str:
     """The text that rebuilds ``dtype`` (``dtype.str``; ``ml_dtypes:<name>`` for ml_dtypes')."""
     if dtype.kind == "V" and dtype.type is not np.void:
         return f"ml_dtypes:{dtype.name}"
     return dtype.str
 
 
-def _scalar_record(value: Any) -> dict[str, Any]:
+def scalar_record(value: Any) -> dict[str, Any]:
     kind = type(value)
     if kind is bool:
         return {"bool": value}
@@ -233,7 +246,7 @@ def _scalar_record(value: Any) -> dict[str, Any]:
     return {"bytes": value.hex()}
 
 
-def _scalar(record: Any) -> tuple[bool, Any]:
+def read_scalar(record: Any) -> tuple[bool, Any]:
     """``(True, value)`` for a scalar record, ``(False, None)`` otherwise."""
     if not isinstance(record, dict) or len(record) != 1:
         return False, None
@@ -269,8 +282,8 @@ class _Encoder:
 
     def leaf(self, value: Any, accessor: PyTreeAccessor) -> dict[str, Any]:
         where = f"tree{_tree.key_path(accessor, '')}" if len(accessor) else "tree"
-        if type(value) in _SCALARS:
-            return _scalar_record(value)
+        if type(value) in SCALAR_TYPES:
+            return scalar_record(value)
         if is_array(value) or isinstance(value, np.generic):
             scalar = isinstance(value, np.generic)
             array = np.asarray(value) if scalar else value
@@ -279,7 +292,7 @@ class _Encoder:
             self.tensors[name] = stored
             return {
                 "array": name,
-                "dtype": _dtype_name(np.dtype(array.dtype)),
+                "dtype": dtype_name(np.dtype(array.dtype)),
                 "raw": tag is not None,
                 "shape": list(array.shape),
                 "device": None if scalar else str(device_of(array)),
@@ -318,12 +331,12 @@ class _Encoder:
 def _key_record(key: Any) -> dict[str, Any]:
     if key is None:
         return {"none": None}
-    if type(key) not in _SCALARS:
+    if type(key) not in SCALAR_TYPES:
         raise TypeError(
             f"a dict key is a {type(key).__qualname__} ({key!r}); save takes keys that are "
             "bool, int, float, complex, str, bytes or None."
         )
-    return _scalar_record(key)
+    return scalar_record(key)
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,7 +408,7 @@ class _Reader:
             raise _damaged(
                 self.path, f"tensor {name!r} ({where}) cannot be read ({error})"
             ) from None
-        dtype = _dtype_of_tag(record["dtype"])
+        dtype = dtype_of_name(record["dtype"])
         array = decode_array(stored, record["dtype"] if record["raw"] else None)
         if list(array.shape) != record["shape"] or array.dtype != dtype:
             raise _damaged(
@@ -428,7 +441,7 @@ class _Reader:
         record = self.leaves[index]
         if isinstance(record, dict) and "array" in record:
             return self.array(record, where, device)
-        is_scalar, value = _scalar(record)
+        is_scalar, value = read_scalar(record)
         if not is_scalar:
             raise _damaged(self.path, f"the record of {where} is neither an array nor a scalar")
         return value
@@ -445,7 +458,7 @@ class _Reader:
             items = {}
             for key_record, child in body:
                 is_scalar, key = (
-                    (True, None) if key_record == {"none": None} else _scalar(key_record)
+                    (True, None) if key_record == {"none": None} else read_scalar(key_record)
                 )
                 if not is_scalar:
                     raise _damaged(self.path, f"a dict key at {where} is not a scalar")
@@ -585,7 +598,7 @@ def _into(reader: _Reader, paths: list[str], template: Any) -> Any:
         if is_array(like):
             if not (isinstance(record, dict) and "array" in record and record["device"]):
                 raise ValueError(f"{reader.path}: {where} is not an array in the file.")
-            dtype = _dtype_of_tag(record["dtype"])
+            dtype = dtype_of_name(record["dtype"])
             if tuple(record["shape"]) != like.shape or dtype != like.dtype:
                 raise ValueError(
                     f"{reader.path}: {where} was saved with shape {tuple(record['shape'])} and "
