@@ -553,18 +553,20 @@ class ZeroRedundancyOptimizer(Optimizer):
                 out[i] = entry
         return dict(sorted(out.items()))
 
-    def load_sharded_state(self, state: dict[int, dict[str, Any]]) -> None:
-        """Take :meth:`sharded_state`'s layout (filled by a checkpoint load) as this rank's state.
+    def load_sharded_state(
+        self, state: dict[int, dict[str, Any]], param_groups: list[dict[str, Any]]
+    ) -> None:
+        """Take :meth:`sharded_state`'s layout (filled by a checkpoint load) as the state.
 
-        Shards held by this rank carry its partition's arrays; the rest is replicated.
+        ``param_groups``: torch's layout with global indices. The Shards this rank owns carry
+        its partition's arrays (all rows); the rest is replicated.
         """
-        groups = Optimizer.state_dict(self)["param_groups"]
-        whole: dict[int, dict[str, Any]] = {}
-        for i, entry in state.items():
-            if self._owner[i] != self._rank:
-                continue
-            whole[i] = {k: v.local if isinstance(v, Shard) else v for k, v in entry.items()}
-        self.load_state_dict({"state": whole, "param_groups": groups})
+        mine = {
+            i: {k: v.local if isinstance(v, Shard) else v for k, v in entry.items()}
+            for i, entry in state.items()
+            if self._owner[i] == self._rank
+        }
+        self.load_state_dict({"state": mine, "param_groups": param_groups})
 
     def init_state(self) -> None:
         """Give every parameter of this rank's partition a zero state if :attr:`optim` has none.
