@@ -35,8 +35,6 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic
 
-import numpy as np
-
 from cupy_parallel._src.arguments import read_bool, read_callable, read_int
 from cupy_parallel._src.arrays import device_of, empty, is_array, shares_memory
 from cupy_parallel._src.arraytypes import Output, Params
@@ -68,8 +66,6 @@ from cupy_parallel._src.tree import flatten_with_names
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
-
-    from optree import PyTreeSpec
 
     from cupy_parallel._src.recording import Swap
 
@@ -168,7 +164,7 @@ def _blocks(buffer: Any, group: _Group, p: _Param, world: int) -> Any:
 
 
 def _pack(buffer: Any, group: _Group, arrays: list[Any], world: int, divisor: int | None) -> None:
-    """Write full arrays (``None``: zeros) into a flat buffer of ``W`` chunks, padded; on its device.
+    """Write full arrays (``None``: zeros) into a flat buffer of ``W`` padded chunks, on its device.
 
     ``divisor``: each value divided by it as it is copied (the gradient average, rounded once
     in the dtype as DDP's ``allreduce_hook``).
@@ -225,11 +221,12 @@ def _unpack(out: Any, group: _Group, world: int) -> tuple[list[Any], list[Any]]:
 class _Pending:
     """The reduce-scatters a unit's gathers started in a backward pass, waited by its alias node."""
 
-    __slots__ = ("lock", "works")
+    __slots__ = ("gathers", "lock", "works")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.works: list[tuple[Any, Any, Any]] = []  # (work, send buffer, output buffer)
+        self.gathers = 0  # gathers recorded on the unit's alias: more than one add up there
 
     def wait(self, trace: list[Any] | None, unit: int) -> None:
         with self.lock:
@@ -248,7 +245,7 @@ class _Gathered:
     dropped when they are swapped out, and ``restored`` lives for one backward pass.
     """
 
-    __slots__ = ("fsdp", "first", "owners", "pending", "restored", "swaps", "unit")
+    __slots__ = ("first", "fsdp", "owners", "pending", "restored", "swaps", "unit")
 
     def __init__(self, fsdp: FullyShardedDataParallel[Any, Any], unit: int, pending: _Pending):
         self.fsdp = fsdp
@@ -311,9 +308,14 @@ def _gather_vjp(gs: list[Any], xs: Any, needs: Any, ys: Any, gathered: _Gathered
         out = empty(group.size, group.dtype, group.device)
         work = None
         if group.size:
-            work = reduce_scatter_tensor(out, send, ReduceOp.SUM, fsdp.process_group, True)
-        with gathered.pending.lock:
-            gathered.pending.works.append((work, send, out))
+            work = reduce_scatter_tensor(out, send, ReduceOp.SUM, fsdp.process_group, async_op=True)
+        if work is not None and gathered.pending.gathers > 1:
+            # the unit was gathered twice in one forward call: the pass adds this gradient
+            # to the other gather's at the alias, so it must be final now
+            work.wait()
+        else:
+            with gathered.pending.lock:
+                gathered.pending.works.append((work, send, out))
         for i, p in zip(members, group.members, strict=True):
             grads[i] = _flat_view(out, p.offset, p.offset + p.c * p.width, p.shard_shape)
     if fsdp._trace is not None:
@@ -326,25 +328,28 @@ mark_shapes_only(_gather_vjp)
 
 
 def _references_outside(swaps: list[Swap], owners: list[Any]) -> bool:
-    """Whether anything besides the swaps (and ``owners``) still holds a swapped-out array.
+    """Whether anything besides the swaps still holds an array they took out of the tapes.
 
-    Counted references: after a swap, the tape's nodes hold stand-ins, so an original array
-    is held by its swaps' records, by ``owners`` (if it is an owner) and by the views made of
-    it (their ``base``); any other reference (``fn`` still holding the unit, its output, a
-    global) means the memory would not be freed and the array could still be used under the
-    tape: the swap is undone. CPython's reference counts.
+    What matters is the arrays the tapes recorded (the gathered arrays and the views recorded
+    of them): one still referenced elsewhere (``fn`` keeping the unit, its output, a global)
+    could be used in an operation recorded later, whose gradient would not reach the swapped
+    nodes; the swaps are then undone. Counted (CPython's reference counts): an array's
+    references from its swaps' records, from ``owners`` and from the recorded views whose
+    ``base`` it is; any other is from elsewhere.
     """
     objects: dict[int, Any] = {}
     internal: dict[int, int] = {}
-    originals = [r.original for swap in swaps for r in swap.rebuilds.values()]
-    for a in [*originals, *owners]:
+    for a in [r.original for swap in swaps for r in swap.rebuilds.values()]:
         objects[id(a)] = a
         internal[id(a)] = internal.get(id(a), 0) + 1
+    for a in owners:
+        if id(a) in internal:
+            internal[id(a)] += 1
     for a in objects.values():
         base = None if type(a) is HostArray else getattr(a, "base", None)
         if base is not None and id(base) in internal:
             internal[id(base)] += 1
-    del originals, a  # only `objects` holds them now (one reference each)
+    del a, base  # only `objects` holds them now (one reference each)
     return any(_count(objects, k) - 1 > held for k, held in internal.items())
 
 
@@ -424,6 +429,7 @@ class _Call:
             gathered.first[tape] = node_count(tape)
         aliases = self.aliases[u]
         assert aliases is not None
+        self.pending[u].gathers += 1
         record(_gather_vjp, tuple(aliases), tuple(fulls), gathered)
         self.live.append(gathered)
         return gathered
@@ -446,16 +452,12 @@ class _Call:
                 continue
             self.cache[u] = None  # a later read gathers again
             del cached
-        still = []
-        for gathered in self.live:
-            if gathered.unit == keep or not self._swap(gathered):
-                still.append(gathered)
-        self.live = still
+        self.live = [g for g in self.live if g.unit == keep or not self._swap(g)]
 
     def _swap(self, gathered: _Gathered) -> bool:
         owners = gathered.owners
         assert owners is not None
-        swaps = []
+        swaps: list[Swap] = []
         for tape in self.tapes:
             swap = swap_out(tape, gathered.first[tape], owners, gathered.restore)
             if swap is None:
@@ -561,7 +563,7 @@ class _UnitsSequence(Sequence[Any]):
 
 
 class FullyShardedDataParallel(Generic[Params, Output]):
-    """A module function whose parameters are sharded over a process group (FSDP2, ZeRO-3).
+    r"""A module function whose parameters are sharded over a process group (FSDP2, ZeRO-3).
 
     Every rank of the group builds one with parameters of the same structure, shapes and
     dtypes, and calls it on its own shard of the batch. ``params`` is a dict (or list, or
@@ -577,7 +579,7 @@ class FullyShardedDataParallel(Generic[Params, Output]):
       rank's of one shape); the padding's values are never read and its gradient is zero, so
       an optimizer keeps it at zero. A **0-d** parameter is a one-row vector whose row rank 0
       holds. :meth:`sharded_params` gives the unpadded rows as
-      :class:`~cupy_parallel._src.checkpoint.shard.Shard`\\ s.
+      :class:`~cupy_parallel._src.checkpoint.shard.Shard`\ s.
     - Construction takes every rank's shard from the group's first rank's values (one scatter
       per unit and dtype), as DDP broadcasts: ranks start from one model. The ranks first
       compare structure, shapes, dtypes and array types (an error on every rank otherwise).
@@ -729,10 +731,10 @@ class FullyShardedDataParallel(Generic[Params, Output]):
         Each array leaf has ``ceil(n / W)`` rows (padded; a 0-d parameter one row). The leaves
         are views of the units' flat shards, which the all-gathers send: update them in place.
         """
-        return self._params  # type: ignore[no-any-return]
+        return self._params
 
     def sharded_params(self) -> Any:
-        """``params``' structure with a :class:`~cupy_parallel._src.checkpoint.shard.Shard` per leaf.
+        """``params``' structure, a :class:`~cupy_parallel._src.checkpoint.shard.Shard` a leaf.
 
         Each ``Shard`` holds this rank's real rows (no padding; a view of the shard, so loading a
         checkpoint into it writes the parameters), their offset and the full shape. A 0-d
@@ -798,6 +800,7 @@ class FullyShardedDataParallel(Generic[Params, Output]):
                             _flat_view(out, r * size, (r + 1) * size, (size,))
                             for r in range(self._world)
                         ]
+                        assert to is not None
                         gather(flat, chunks if here else None, to, self.process_group)
                     if here:
                         fulls.extend(_copies(out, group, self._world))
@@ -815,7 +818,7 @@ class FullyShardedDataParallel(Generic[Params, Output]):
             work = None
             if group.size:
                 with pause_recording():
-                    work = all_gather_into_tensor(out, flat, self.process_group, True)
+                    work = all_gather_into_tensor(out, flat, self.process_group, async_op=True)
             outs.append((out, work))
         if self._trace is not None:
             self._trace.append((f"{why} issued", u))
@@ -848,11 +851,13 @@ class FullyShardedDataParallel(Generic[Params, Output]):
         with self._lock:
             if tape in self._tapes:
                 return
-            handles = []
+            handles: list[Any] = []
             for unit in self._units:
                 tape.watch(unit.shards)
-                for shard in unit.shards:
-                    handles.append(tape.register_gradient_ready_hook(shard, _ZerosFor(shard)))
+                handles.extend(
+                    tape.register_gradient_ready_hook(shard, _ZerosFor(shard))
+                    for shard in unit.shards
+                )
             self._tapes[tape] = handles
 
     def __repr__(self) -> str:
@@ -905,9 +910,11 @@ def _describe(names: list[str], leaves: list[Any]) -> tuple[list[Any], list[tupl
             problems.append(
                 (
                     "TypeError",
-                    f"FullyShardedDataParallel trains floating-point and complex arrays, but "
-                    f"{name} has dtype {leaf.dtype}. Cast it first (array.astype("
-                    "numpy.float32)) or keep it out of params.",
+                    (
+                        f"FullyShardedDataParallel trains floating-point and complex arrays, "
+                        f"but {name} has dtype {leaf.dtype}. Cast it first (array.astype("
+                        "numpy.float32)) or keep it out of params."
+                    ),
                 )
             )
     return entries, problems
@@ -922,9 +929,11 @@ def _ties(names: list[str], leaves: list[Any]) -> list[tuple[str, str]]:
                 return [
                     (
                         "ValueError",
-                        f"{name_a} and {name_b} share memory (tied weights): "
-                        "FullyShardedDataParallel shards each leaf on its own, which would "
-                        "untie them. Keep the weight at one leaf and read it twice inside fn.",
+                        (
+                            f"{name_a} and {name_b} share memory (tied weights): "
+                            "FullyShardedDataParallel shards each leaf on its own, which would "
+                            "untie them. Keep the weight at one leaf and read it twice in fn."
+                        ),
                     )
                 ]
     return []
