@@ -285,8 +285,11 @@ class _Logged(cp.Function):
 
 
 def check_order_of_events(s: Setting = F64) -> None:
-    """Prefetch: unit k+1's all-gather issued before unit k computes; reduce-scatters during
-    the backward pass, unit k's issued before unit k-1's backward computes, waited at the end.
+    """Forward: unit k+1's all-gather issued before unit k computes (prefetch). Backward: unit
+    k's reduce-scatter issued as soon as its gradients are summed, and waited while the pass goes
+    on (unit k-1's backward computation, here a Function logging it, runs first); with
+    FULL_SHARD it is waited once unit k-1's all-gather is issued, before that unit's arrays are
+    unpacked (so the pass holds two units' buffers at most).
     """
     log: list[Any] = []
 
@@ -306,11 +309,15 @@ def check_order_of_events(s: Setting = F64) -> None:
             loss = ops.sum(fsdp(s.put(np.ones((2, 3)))))
         tape.gradient(loss, fsdp.params)
         at = {e: i for i, e in enumerate(log)}
+        assert at[("all_gather issued", 0)] < at[("prefetch issued", 1)], log
         for k in range(3):
             assert at[("prefetch issued", k + 1)] < at[("forward compute", k)], log
-            assert at[("reduce_scatter issued", k + 1)] < at[("backward compute", k)], log
+            assert at[("backward compute", k + 1)] < at[("reduce_scatter issued", k + 1)], log
+            assert at[("reduce_scatter issued", k + 1)] < at[("reduce_scatter waited", k + 1)], log
             assert at[("backward compute", k)] < at[("reduce_scatter waited", k + 1)], log
-        assert at[("all_gather issued", 0)] < at[("prefetch issued", 1)], log
+            if reshard:  # waited when unit k is gathered again, before its arrays are unpacked
+                assert at[("regather issued", k)] < at[("reduce_scatter waited", k + 1)], log
+                assert at[("reduce_scatter waited", k + 1)] < at[("reduce_scatter issued", k)]
         regathers = [e for e in log if e[0] == "regather issued"]
         assert regathers == ([("regather issued", k) for k in (3, 2, 1, 0)] if reshard else []), log
 

@@ -125,8 +125,9 @@ class _Unit:
         self.name = name
         names, leaves, spec = flatten_with_names(tree, name)
         self.spec = spec
-        self.leaves = leaves  # the non-array leaves are handed to fn as they are
         self.slots = [k for k, leaf in enumerate(leaves) if is_array(leaf)]
+        # the non-array leaves are handed to fn as they are; the arrays are not kept
+        self.leaves = [None if is_array(leaf) else leaf for leaf in leaves]
         self.params = [_Param(names[k], tuple(leaves[k].shape), world) for k in self.slots]
         by_kind: dict[Any, list[int]] = {}
         for i, k in enumerate(self.slots):
@@ -218,24 +219,44 @@ def _unpack(out: Any, group: _Group, world: int) -> tuple[list[Any], list[Any]]:
 # What the tape records
 
 
+IN_FLIGHT = 1
+"""How many reduce-scatters a backward pass keeps in flight: issuing one more waits for the oldest
+and frees its send buffer (a unit's size), so the pass holds at most this many. One, as FSDP2:
+a unit's reduce-scatter runs while the backward pass computes the next unit's gradients."""
+
+
+class _Flight:
+    """One reduce-scatter in flight: its work and send buffer (freed once waited), its output."""
+
+    __slots__ = ("out", "send", "trace", "unit", "work")
+
+    def __init__(self, work: Any, send: Any, out: Any, unit: int, trace: list[Any] | None):
+        self.work, self.send, self.out, self.unit, self.trace = work, send, out, unit, trace
+
+    def finish(self) -> None:
+        """Wait for it (once) and drop the send buffer."""
+        work, self.work, self.send = self.work, None, None
+        if work is not None:
+            work.wait()
+            if self.trace is not None:
+                self.trace.append(("reduce_scatter waited", self.unit))
+
+
 class _Pending:
     """The reduce-scatters a unit's gathers started in a backward pass, waited by its alias node."""
 
-    __slots__ = ("gathers", "lock", "works")
+    __slots__ = ("flights", "gathers", "lock")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.works: list[tuple[Any, Any, Any]] = []  # (work, send buffer, output buffer)
+        self.flights: list[_Flight] = []
         self.gathers = 0  # gathers recorded on the unit's alias: more than one add up there
 
-    def wait(self, trace: list[Any] | None, unit: int) -> None:
+    def wait(self) -> None:
         with self.lock:
-            works, self.works = self.works, []
-        for work, _, _ in works:
-            if work is not None:
-                work.wait()
-        if works and trace is not None:
-            trace.append(("reduce_scatter waited", unit))
+            flights, self.flights = self.flights, []
+        for flight in flights:
+            flight.finish()
 
 
 class _Gathered:
@@ -261,6 +282,9 @@ class _Gathered:
         if self.restored is None:
             fsdp = self.fsdp
             outs = fsdp._issue(self.unit, "regather")
+            # the reduce-scatter in flight ends (its send buffer freed) before the unit is
+            # unpacked: the pass holds two units' worth of buffers, not three
+            fsdp._finish_flights()
             self.restored = _wait_and_unpack(fsdp._units[self.unit], outs, fsdp._world)[1]
         return self.restored
 
@@ -283,8 +307,7 @@ def _alias_vjp(gs: list[Any], xs: Any, needs: Any, ys: Any, aux: Any) -> Any:
     the reduce-scatters overlap the rest of the backward pass, and the gradients are final
     before anything adds to them.
     """
-    pending, trace, unit = aux
-    pending.wait(trace, unit)
+    aux.wait()
     return tuple(gs)
 
 
@@ -309,13 +332,16 @@ def _gather_vjp(gs: list[Any], xs: Any, needs: Any, ys: Any, gathered: _Gathered
         work = None
         if group.size:
             work = reduce_scatter_tensor(out, send, ReduceOp.SUM, fsdp.process_group, async_op=True)
-        if work is not None and gathered.pending.gathers > 1:
+        flight = _Flight(work, send, out, gathered.unit, fsdp._trace)
+        del send
+        if gathered.pending.gathers > 1:
             # the unit was gathered twice in one forward call: the pass adds this gradient
             # to the other gather's at the alias, so it must be final now
-            work.wait()
+            flight.finish()
         else:
             with gathered.pending.lock:
-                gathered.pending.works.append((work, send, out))
+                gathered.pending.flights.append(flight)
+            fsdp._in_flight(flight)
         for i, p in zip(members, group.members, strict=True):
             grads[i] = _flat_view(out, p.offset, p.offset + p.c * p.width, p.shard_shape)
     if fsdp._trace is not None:
@@ -378,13 +404,10 @@ class _Call:
         self.closed = False
         self.lock = threading.RLock()
         if tapes:  # every unit's alias node first: the pass runs them after all gathers
-            trace = fsdp._trace
             for u, unit in enumerate(fsdp._units):
                 if unit.shards:
                     aliases = [_alias(s) for s in unit.shards]
-                    record(
-                        _alias_vjp, tuple(unit.shards), tuple(aliases), (self.pending[u], trace, u)
-                    )
+                    record(_alias_vjp, tuple(unit.shards), tuple(aliases), self.pending[u])
                     self.aliases[u] = aliases
 
     def get(self, u: int) -> Any:
@@ -400,6 +423,8 @@ class _Call:
             cached = self.cache[u]
             if cached is not None:
                 return fsdp._units[u].tree(cached[0])
+            if fsdp.reshard_after_forward:  # first the units fn read before (and let go of)
+                self._reshard(keep=u)
             first = u not in self.order
             if first:
                 self.order.append(u)
@@ -415,8 +440,6 @@ class _Call:
             fulls = _in_leaf_order(fsdp._units[u], fulls)
             gathered = self._record(u, fulls, owners)
             del owners
-            if fsdp.reshard_after_forward:  # the units fn read before this one
-                self._reshard(keep=u)
             self.cache[u] = (fulls, gathered)
             return fsdp._units[u].tree(fulls)
 
@@ -686,6 +709,7 @@ class FullyShardedDataParallel(Generic[Params, Output]):
         self._trace: list[Any] | None = None  # tests: the order of events, when a list
         self._tapes: weakref.WeakKeyDictionary[Tape, list[Any]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
+        self._flights: list[_Flight] = []  # reduce-scatters in flight (IN_FLIGHT at most)
         self._flats: list[list[Any]] = []
         for unit, value in zip(self._units, values, strict=True):
             self._flats.append(self._shard(unit, value))
@@ -809,6 +833,26 @@ class FullyShardedDataParallel(Generic[Params, Output]):
         return self._container(trees) if here else None
 
     # -- collectives ---------------------------------------------------------------------
+
+    def _finish_flights(self) -> None:
+        """Wait for every reduce-scatter in flight (each frees its send buffer)."""
+        with self._lock:
+            flights, self._flights = self._flights, []
+        for flight in flights:
+            flight.finish()
+
+    def _in_flight(self, flight: _Flight) -> None:
+        """Count a reduce-scatter in flight; wait for the oldest beyond :data:`IN_FLIGHT`."""
+        with self._lock:
+            self._flights.append(flight)
+            oldest = self._flights[:-IN_FLIGHT] if len(self._flights) > IN_FLIGHT else []
+            self._flights = self._flights[-IN_FLIGHT:]
+        for old in oldest:
+            old.finish()
+        for old in self._flights:  # MPI moves nonblocking collectives on only while asked
+            work = old.work
+            if work is not None:
+                work.is_completed()
 
     def _issue(self, u: int, why: str) -> list[tuple[Any, Any]]:
         """Start unit ``u``'s all-gathers (one per group): ``[(output buffer, work or None)]``."""
