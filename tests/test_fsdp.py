@@ -234,3 +234,70 @@ def test_swap_out_rebuilds_views_and_undo_puts_the_originals_back() -> None:
         grad = tape.gradient(loss, source)
         np.testing.assert_array_equal(grad, np.full((2, 3), 3.0))
         assert restored == ([] if undo else [1, 1, 1])  # once a node: the caller caches, not here
+
+
+# -- against torch's FSDP2 ------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ours_on_a_rank(rank: int) -> list[Any]:
+    """Our FSDP + optim.Adam on the oracle's model, weights, data and shards."""
+    from cupy_parallel.optim import Adam
+
+    oracle = worker("torch_fsdp_oracle")
+    layers = [{"w": w, "b": b} for w, b in oracle.weights()]
+
+    def mlp(units: Any, x: Any) -> Any:
+        h = x
+        for k in range(len(layers)):
+            h = ops.add(ops.matmul(h, units[k]["w"]), units[k]["b"])
+            if k < len(layers) - 1:
+                h = ops.tanh(h)
+        return h
+
+    fsdp = cp.FullyShardedDataParallel(mlp, layers)
+    optimizer = Adam(fsdp.params, lr=oracle.LR)
+    x, y = oracle.data()
+    world = dist.get_world_size()
+    rows = slice(rank * oracle.N // world, (rank + 1) * oracle.N // world)
+    history = []
+    for _ in range(oracle.STEPS):
+        with cp.Tape() as tape:
+            loss = ops.mean(ops.square(ops.subtract(fsdp(x[rows]), y[rows])))
+        optimizer.step(tape.gradient(loss, fsdp.params))
+        full = fsdp.full_params()
+        history.append([a for unit in full for a in (unit["w"].T, unit["b"])])
+    return history
+
+
+@pytest.mark.slow
+def test_fsdp_matches_torch_fsdp2_over_gloo() -> None:
+    """torch's ``fully_shard`` + Adam on 2 gloo processes: the same parameters, step by step."""
+    pytest.importorskip("torch")
+    import json
+    import subprocess
+    import sys
+
+    from thread_ranks import WORKERS
+
+    done = subprocess.run(
+        [sys.executable, str(WORKERS / "torch_fsdp_oracle.py"), str(_free_port())],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    theirs = json.loads(line[len("RESULT ") :])
+    ours = dist.spawn(_ours_on_a_rank, 2)[0]
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        for mine, torch_param in zip(a, b, strict=True):
+            np.testing.assert_allclose(mine, torch_param, rtol=1e-12, atol=1e-14, err_msg=f"{step}")
