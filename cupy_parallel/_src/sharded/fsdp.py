@@ -266,7 +266,7 @@ class _Gathered:
     dropped when they are swapped out, and ``restored`` lives for one backward pass.
     """
 
-    __slots__ = ("first", "fsdp", "owners", "pending", "restored", "swaps", "unit")
+    __slots__ = ("first", "fsdp", "owners", "pending", "restored", "unit")
 
     def __init__(self, fsdp: FullyShardedDataParallel[Any, Any], unit: int, pending: _Pending):
         self.fsdp = fsdp
@@ -274,7 +274,6 @@ class _Gathered:
         self.pending = pending
         self.owners: list[Any] | None = None
         self.first: dict[Tape, int] = {}
-        self.swaps: list[Swap] = []
         self.restored: list[Any] | None = None
 
     def restore(self) -> list[Any]:
@@ -762,7 +761,9 @@ class FullyShardedDataParallel(Generic[Params, Output]):
 
         Each ``Shard`` holds this rank's real rows (no padding; a view of the shard, so loading a
         checkpoint into it writes the parameters), their offset and the full shape. A 0-d
-        parameter is described in its one-row form: ``global_shape == (1,)``.
+        parameter is described in its one-row form: ``global_shape == (1,)``. An optimizer's
+        state for a leaf of :attr:`params` has the padded shard's shape: its real rows are
+        ``state[:len(shard.local)]``, at the same offset.
 
         Example:
             >>> import numpy as np
