@@ -620,9 +620,11 @@ class FullyShardedDataParallel(Generic[Params, Output]):
       ``unconnected_gradients`` does not apply to the parameters). The reduce-scatter of a unit
       starts in the backward pass as soon as the pass has summed the unit's gradients (its
       gather's adjoint: the gathered arrays are recorded results, whose gradients are final
-      exactly there; the tape's gradient-ready hook is on the shards, which fills the zeros),
-      and is waited once the pass is past the forward call's nodes. They cannot be
-      differentiated again (``NotImplementedError``, as DDP).
+      exactly there; the tape's gradient-ready hook is on the shards, which fills the zeros).
+      One is in flight at a time (FSDP2's choice): it is waited when the next one starts, or
+      (FULL_SHARD) when the next unit is gathered again, before that unit is unpacked, so the
+      backward pass holds two units' buffers at most. The gradients cannot be differentiated
+      again (``NotImplementedError``, as DDP).
     - **Resharding** (``reshard_after_forward=True``): a unit's gathered arrays leave the tape
       once ``fn`` holds none of them (checked by reference counts: a unit ``fn`` keeps, returns
       or stores stays gathered, so nothing recorded on it is lost); the backward pass gathers it
