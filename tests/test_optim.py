@@ -11,6 +11,7 @@ continues to the bit, and ranks of ``DistributedDataParallel`` + Adam stay bit-e
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ import cupy_parallel as cp
 from cupy_parallel import ops
 from cupy_parallel._src.optim.updates import BLOCK
 from cupy_parallel.optim import SGD, Adam, AdamW, Optimizer
+from cupy_parallel.testing import simulated_cuda
 
 STEPS = 25
 
@@ -41,7 +43,7 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("AdamW", {"lr": 0.01, "betas": (0.4, 0.99), "maximize": True}),
 ]
 CLASSES = {"SGD": SGD, "Adam": Adam, "AdamW": AdamW}
-TOLERANCE = {np.float64: 1e-12, np.float32: 1e-5}
+TOLERANCE = {np.float64: 1e-12, np.float32: 1e-5, np.float16: 2e-3}
 
 
 def _case_id(case: tuple[str, dict[str, Any]]) -> str:
@@ -52,7 +54,7 @@ def _case_id(case: tuple[str, dict[str, Any]]) -> str:
 def _shapes() -> dict[str, tuple[int, ...]]:
     # "big" is longer than a block: the blocked path; "w" is transposed: the whole-array path
     # in sorted key order: the flatten order, so .values() lines up with torch's list
-    return {"b": (3,), "big": (2 * BLOCK + 7,), "w": (4, 3)}
+    return {"b": (3,), "big": (BLOCK + 7,), "w": (4, 3)}
 
 
 def _start(dtype: Any) -> dict[str, np.ndarray]:
@@ -140,7 +142,52 @@ def test_against_the_documented_formulas(case: tuple[str, dict[str, Any]], dtype
         assert params[k].dtype == dtype
 
 
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_float16_computes_in_float32_and_rounds_once_per_step(
+    case: tuple[str, dict[str, Any]],
+) -> None:
+    """torch's opmath for float16: the update in float32, the parameter and state stored float16.
+
+    The reference keeps the parameter and its state in float16 between steps and computes each
+    step in float64: ours is within two float16 ulps of it (2e-3). (torch rounds after each of its
+    ops instead, and divides by an ``eps`` rounded to 0 where ``exp_avg_sq`` underflows: inf.)
+    """
+    name, kwargs = case
+    params = _start(np.float16)
+    opt = CLASSES[name](params, **kwargs)
+    expected = {k: v.copy() for k, v in params.items()}
+    states: dict[str, dict[str, Any]] = {k: {} for k in params}
+    for step in range(STEPS):
+        grads = _grads(step, np.float16)
+        opt.step(grads)
+        for k, g in grads.items():
+            if g is not None:
+                expected[k] = _reference(name, kwargs, expected[k], g, states[k]).astype(np.float16)
+                for key, value in states[k].items():
+                    if isinstance(value, np.ndarray):
+                        states[k][key] = value.astype(np.float16).astype(np.float64)
+    for k in params:
+        assert params[k].dtype == np.float16
+        assert np.isfinite(params[k]).all()
+        np.testing.assert_allclose(
+            params[k].astype(np.float64), expected[k].astype(np.float64), rtol=2e-3, atol=2e-3
+        )
+
+
 # -- torch ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Any:
+    """torch on one thread while these tests run: its thread pool spins on a loaded machine."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _torch_run(name: str, kwargs: dict[str, Any], groups: Any, steps: range, grads_of: Any) -> Any:
@@ -378,6 +425,24 @@ def test_a_step_on_arrays_a_tape_needs_makes_its_gradient_raise(cls: type[Optimi
         tape.gradient(loss, params)
 
 
+def test_a_tape_that_used_the_optimizer_state_raises_too() -> None:
+    params = {"w": np.array([1.0, 2.0])}
+    opt = Adam(params, lr=0.1)
+    opt.step({"w": np.ones(2)})
+    exp_avg = opt.state[0]["exp_avg"]
+    with cp.Tape() as tape:
+        tape.watch(exp_avg)
+        loss = ops.sum(ops.multiply(exp_avg, exp_avg))
+    opt.step({"w": np.ones(2)})
+    with pytest.raises(RuntimeError, match=r"Adam\.step"):
+        tape.gradient(loss, exp_avg)
+    # a tape taken after the step is fine, and its gradient is the closed form
+    with cp.Tape() as tape:
+        tape.watch(params)
+        loss = ops.sum(ops.multiply(params["w"], params["w"]))
+    np.testing.assert_array_equal(tape.gradient(loss, params)["w"], 2 * params["w"])
+
+
 def _mlp(params: dict[str, Any], x: Any) -> Any:
     h = ops.tanh(ops.matmul(x, params["w1"]))
     return ops.sum(ops.multiply(ops.matmul(h, params["w2"]), ops.matmul(h, params["w2"])))
@@ -504,6 +569,8 @@ def test_bad_gradients_are_refused_before_any_update() -> None:
         match="grads must be a list of 2 gradient trees, one per param group, got a list of 1",
     ):
         grouped.step([[np.ones(1)]])
+    with pytest.raises(ValueError, match=r"grads\['a'\] shares memory with its parameter"):
+        opt.step({"a": params["a"][::-1], "b": None})
     with pytest.raises(ValueError, match=r"grads\['name'\] must be None"):
         SGD({"w": np.ones(1), "name": "m"}).step({"w": np.ones(1), "name": np.ones(1)})
 
@@ -550,6 +617,18 @@ def test_bad_state_dicts_are_refused_before_anything_changes() -> None:
                 np.testing.assert_array_equal(opt.state[i][k], v)
 
 
+def test_an_empty_group_in_a_list_is_allowed_as_in_torch() -> None:
+    """ZeRO gives a rank without parameters an empty group; an empty tree alone is refused."""
+    w = np.ones(2)
+    opt = Adam([{"params": []}, {"params": [w]}], lr=0.1)
+    opt.step([[], [np.ones(2)]])
+    assert opt.state_dict()["param_groups"][1]["params"] == [0]
+    np.testing.assert_allclose(w, [0.9, 0.9], rtol=1e-8)  # a first step moves by lr
+    empty = SGD([{"params": []}], lr=0.1)
+    empty.step([[]])
+    assert empty.state_dict() == {"state": {}, "param_groups": [{**empty.defaults, "params": []}]}
+
+
 def test_switching_amsgrad_on_mid_run_is_refused() -> None:
     opt = Adam([np.ones(2)], lr=0.1)
     opt.step([np.ones(2)])
@@ -569,6 +648,51 @@ def test_a_scheduler_style_lr_change_is_read_at_the_next_step() -> None:
     with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0"):
         opt.step([np.ones(1)])
     np.testing.assert_allclose(w, [-0.11], rtol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16], ids=["f64", "f32", "f16"])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_cupy_kernels_under_simulated_cuda_match_numpy(
+    case: tuple[str, dict[str, Any]], dtype: Any
+) -> None:
+    """The ElementwiseKernel sources themselves, run by the simulation on two GPUs.
+
+    One kernel per parameter on its own device (the current device is another one), the state
+    made there, the race checker on; the values equal the NumPy path's (the simulation computes
+    the C body with NumPy, so only the order of operations could differ: 1e-12 / 1e-5).
+    """
+    name, kwargs = case
+    numpy_params = _start(dtype)
+    numpy_opt = CLASSES[name](numpy_params, **kwargs)
+    with simulated_cuda(2):
+        place = {"b": "cuda:0", "big": "cuda:1", "w": "cuda:1"}
+        gpu_params = {k: cp.to_device(v, place[k]) for k, v in numpy_params.items()}
+        gpu_opt = CLASSES[name](gpu_params, **kwargs)
+        for step in range(6):
+            grads = _grads(step, dtype)
+            numpy_opt.step(grads)
+            gpu_opt.step(
+                {k: None if g is None else cp.to_device(g, place[k]) for k, g in grads.items()}
+            )
+        for k in numpy_params:
+            assert str(cp.device_of(gpu_params[k])) == place[k]
+            _close(cp.to_device(gpu_params[k], "cpu"), numpy_params[k].astype(np.float64), dtype)
+        for i, entry in gpu_opt.state.items():
+            key = sorted(numpy_params)[i]
+            for state_key, value in entry.items():
+                if state_key != "step":
+                    assert str(cp.device_of(value)) == place[key]
+        # a state dict loads onto the parameters' GPUs
+        resumed = CLASSES[name]({k: v.copy() for k, v in gpu_params.items()}, **kwargs)
+        resumed.load_state_dict(numpy_opt.state_dict())
+        for i, entry in resumed.state.items():
+            key = sorted(numpy_params)[i]
+            for state_key, value in entry.items():
+                if state_key != "step":
+                    assert str(cp.device_of(value)) == place[key]
+                    np.testing.assert_array_equal(
+                        cp.to_device(value, "cpu"), numpy_opt.state[i][state_key]
+                    )
 
 
 @pytest.mark.gpu

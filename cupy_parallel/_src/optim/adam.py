@@ -8,7 +8,7 @@ import numpy as np
 
 from cupy_parallel._src.arguments import read_bool, read_real
 from cupy_parallel._src.optim.optimizer import Optimizer, check_nonnegative, zeros_like
-from cupy_parallel._src.optim.updates import apply, elementwise_kernel
+from cupy_parallel._src.optim.updates import apply, elementwise_kernel, opmath
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -84,40 +84,44 @@ def _adam_cuda(
     step_size: float,
 ) -> None:
     amsgrad = len(states) > 2
-    lines = ["T d = -g;" if maximize else "T d = g;"]
+    # O (the opmath type) holds every intermediate and the new values; the arrays are written
+    # once at the end, so float16 arrays are rounded once per step, as on the NumPy path
+    lines = ["O d = -g;" if maximize else "O d = g;", "O q = p;"]
     if weight_decay != 0:
-        lines.append("p = p * decay;" if decoupled else "d = d + weight_decay * p;")
+        lines.append("q = q * decay;" if decoupled else "d = d + weight_decay * q;")
     if weight < 0.5:
-        lines.append("exp_avg = exp_avg + weight * (d - exp_avg);")
+        lines.append("O m = exp_avg + weight * (d - exp_avg);")
     else:
-        lines.append("exp_avg = d - (d - exp_avg) * one_minus_weight;")
-    lines.append("exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * d * d;")
+        lines.append("O m = d - (d - exp_avg) * one_minus_weight;")
+    lines.append("O v = exp_avg_sq * beta2 + one_minus_beta2 * d * d;")
+    second = "v"
     if amsgrad:  # torch.maximum: a NaN in either wins
-        lines.append(
-            "max_exp_avg_sq = (isnan(exp_avg_sq) || exp_avg_sq > max_exp_avg_sq) "
-            "? exp_avg_sq : max_exp_avg_sq;"
-        )
-    second = "max_exp_avg_sq" if amsgrad else "exp_avg_sq"
-    lines.append(f"T denom = sqrt({second}) / bias_correction2_sqrt + eps;")
-    lines.append("p = p + neg_step_size * (exp_avg / denom);")
+        lines.append("O top = (isnan(v) || v > max_exp_avg_sq) ? v : max_exp_avg_sq;")
+        lines.append("max_exp_avg_sq = top;")
+        second = "top"
+    lines.append(f"O denom = sqrt({second}) / bias_correction2_sqrt + eps;")
+    lines.append("p = q + neg_step_size * (m / denom);")
+    lines.append("exp_avg = m;")
+    lines.append("exp_avg_sq = v;")
     kernel = elementwise_kernel(
-        "T g, T weight_decay, T decay, T weight, T one_minus_weight, T beta2, "
-        "T one_minus_beta2, T bias_correction2_sqrt, T eps, T neg_step_size",
+        "T g, O weight_decay, O decay, O weight, O one_minus_weight, O beta2, "
+        "O one_minus_beta2, O bias_correction2_sqrt, O eps, O neg_step_size",
         "T p, T exp_avg, T exp_avg_sq" + (", T max_exp_avg_sq" if amsgrad else ""),
         "\n".join(lines),
         "cupy_parallel_adam",
     )
+    o = opmath(p.dtype).type  # the scalars' type binds O
     kernel(
         g,
-        weight_decay,
-        decay,
-        weight,
-        1 - weight,
-        beta2,
-        1 - beta2,
-        bias_correction2_sqrt,
-        eps,
-        -step_size,
+        o(weight_decay),
+        o(decay),
+        o(weight),
+        o(1 - weight),
+        o(beta2),
+        o(1 - beta2),
+        o(bias_correction2_sqrt),
+        o(eps),
+        o(-step_size),
         p,
         *states,
     )

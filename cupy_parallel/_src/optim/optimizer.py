@@ -17,7 +17,7 @@ import numpy as np
 
 from cupy_parallel._src import tree
 from cupy_parallel._src.arguments import read_real
-from cupy_parallel._src.arrays import device_of, empty, is_array, to_device
+from cupy_parallel._src.arrays import device_of, empty, is_array, shares_memory, to_device
 from cupy_parallel._src.optim.updates import Workspace
 from cupy_parallel._src.recording import note_overwritten, tapes_exist
 
@@ -83,6 +83,11 @@ class Optimizer:
     * :attr:`state` is keyed by the parameter's index (its position in flatten order, groups in
       order) instead of by the parameter (arrays are not hashable): the index the state dict
       uses.
+    * float16 parameters: each step computes in float32 (torch's "opmath") and rounds the
+      parameter and its state to float16 once, at the end. torch rounds after each of its ops,
+      so values differ within float16's rounding; and torch's ``eps=1e-8`` becomes 0 in a
+      float16 op, so it divides by zero (inf, NaN) where ``exp_avg_sq`` underflows, which
+      this update does not.
     * The state's ``step`` is a Python ``float`` (torch keeps a 0-d float32 tensor and reads it
       with ``.item()``; a float is device-free and exact up to 2**53 steps). torch's
       ``load_state_dict`` accepts it as it is (it converts a non-tensor step).
@@ -150,7 +155,7 @@ class Optimizer:
         names, leaves, spec = tree.flatten_with_names(param_group["params"], "params")
         mask = [is_parameter(leaf) for leaf in leaves]
         leaves = [leaf for leaf, keep in zip(leaves, mask, strict=True) if keep]
-        if not leaves:
+        if not leaves and not self._grouped:  # torch: an empty group in a list is fine
             raise ValueError(
                 "optimizer got an empty parameter list (no floating-point array among the "
                 f"leaves {names})"
@@ -158,13 +163,12 @@ class Optimizer:
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         if len({id(p) for p in leaves}) != len(leaves) or seen & {id(p) for p in leaves}:
             raise ValueError("some parameters appear in more than one parameter group")
-        unknown = set(param_group) - {"params"} - set(self.defaults)
+        # keys beyond the defaults are kept as given, as torch keeps them ("initial_lr", names)
         group = {k: v for k, v in param_group.items() if k != "params"}
         for key in self.defaults:
             group.setdefault(key, self.defaults[key])
         group.update(self._read_hyper(group))
         group["params"] = leaves
-        del unknown  # kept as given, as torch keeps a group's extra keys
         self.param_groups.append(group)
         self._specs.append(spec)
         self._masks.append(mask)
@@ -229,6 +233,7 @@ class Optimizer:
                     state = self.state.setdefault(index, {})
                     self._update(param, grad, state, hyper)
                     written.append(param)
+                    written.extend(v for v in state.values() if is_array(v))
                 index += 1
             if written and tapes_exist():
                 note_overwritten(written, f"{type(self).__name__}.step")
@@ -373,8 +378,10 @@ class Optimizer:
                 )
             if moved.dtype.kind not in "fiu":
                 raise TypeError(f"{where}[{key!r}] must be a real array, got dtype {moved.dtype}.")
-            out = empty(param.shape, param.dtype, device_of(param))
-            out[...] = moved  # a copy, in the parameter's dtype (torch casts the same way)
+            device = device_of(param)
+            out = empty(param.shape, param.dtype, device)
+            with device:  # a CuPy kernel runs on the current device: make it the array's
+                out[...] = moved  # a copy, in the parameter's dtype (torch casts the same way)
             loaded[key] = out
         return loaded
 
@@ -387,8 +394,10 @@ def zeros_like(param: Any) -> Any:
         array([[0.],
                [0.]], dtype=float32)
     """
-    out = empty(param.shape, param.dtype, device_of(param))
-    out[...] = 0
+    device = device_of(param)
+    out = empty(param.shape, param.dtype, device)
+    with device:  # a CuPy kernel runs on the current device: make it the array's
+        out[...] = 0
     return out
 
 
@@ -423,7 +432,7 @@ def _flatten_like(
     grads: Any, spec: PyTreeSpec, mask: list[bool], params: list[Any], root: str
 ) -> list[Any]:
     """``grads``' leaves at the params' leaf positions (``None`` allowed), or a clear error."""
-    accessors, leaves, grad_spec = tree.flatten(grads)
+    _, leaves, grad_spec = tree.flatten(grads)
     if grad_spec == spec:
         flat = leaves
     else:
@@ -439,7 +448,6 @@ def _flatten_like(
                 f"{root} must be shaped as the params (a None leaf for a parameter without a "
                 f"gradient), but its structure differs{where}{said}."
             ) from None
-    del accessors
     paths = [a.codify(root) for a in spec.accessors()]
     kept = []
     for path, is_param, grad in zip(paths, mask, flat, strict=True):
@@ -464,5 +472,10 @@ def _flatten_like(
             raise ValueError(
                 f"{path} is on {device_of(grad)}, its parameter on {device_of(param)}: move the "
                 "gradient to the parameter's device."
+            )
+        if shares_memory(grad, param):  # the in-place update would change the gradient it reads
+            raise ValueError(
+                f"{path} shares memory with its parameter, which the step writes in place; "
+                "pass a copy of it."
             )
     return [grad for _, grad in kept]

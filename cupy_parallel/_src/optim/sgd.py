@@ -8,7 +8,7 @@ import numpy as np
 
 from cupy_parallel._src.arguments import read_bool, read_real
 from cupy_parallel._src.optim.optimizer import Optimizer, check_nonnegative, zeros_like
-from cupy_parallel._src.optim.updates import apply, elementwise_kernel
+from cupy_parallel._src.optim.updates import apply, elementwise_kernel, opmath
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -43,8 +43,9 @@ def _sgd_numpy(
             np.copyto(buf, d)
         else:
             np.multiply(buf, momentum, out=buf)
-            np.multiply(d, 1 - dampening, out=t2)
-            np.add(buf, t2, out=buf)  # buf * momentum + (1 - dampening) * grad
+            # (a product by 1.0 is exact: skipped without dampening)
+            damped = np.multiply(d, 1 - dampening, out=t2) if dampening != 0 else d
+            np.add(buf, damped, out=buf)  # buf * momentum + (1 - dampening) * grad
         if nesterov:
             np.multiply(buf, momentum, out=t2)
             d = np.add(d, t2, out=t1)  # grad + momentum * buf
@@ -67,22 +68,25 @@ def _sgd_cuda(
     maximize: bool,
     first: bool,
 ) -> None:
-    lines = ["T d = -g;" if maximize else "T d = g;"]
+    # O (the opmath type) holds every intermediate; the arrays are written once at the end
+    lines = ["O d = -g;" if maximize else "O d = g;"]
     if weight_decay != 0:
         lines.append("d = d + weight_decay * p;")
     outs = "T p"
     if momentum != 0:
         outs += ", T buf"
-        lines.append("buf = d;" if first else "buf = buf * momentum + one_minus_dampening * d;")
-        lines.append("d = d + momentum * buf;" if nesterov else "d = buf;")
+        lines.append("O b = d;" if first else "O b = buf * momentum + one_minus_dampening * d;")
+        lines.append("d = d + momentum * b;" if nesterov else "d = b;")
+        lines.append("buf = b;")
     lines.append("p = p + neg_lr * d;")
     kernel = elementwise_kernel(
-        "T g, T weight_decay, T momentum, T one_minus_dampening, T neg_lr",
+        "T g, O weight_decay, O momentum, O one_minus_dampening, O neg_lr",
         outs,
         "\n".join(lines),
         "cupy_parallel_sgd",
     )
-    kernel(g, weight_decay, momentum, 1 - dampening, -lr, p, *states[:1])
+    o = opmath(p.dtype).type  # the scalars' type binds O
+    kernel(g, o(weight_decay), o(momentum), o(1 - dampening), o(-lr), p, *states[:1])
 
 
 class SGD(Optimizer):

@@ -29,11 +29,13 @@ from cupy_parallel._src.versions import count_write
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-__all__ = ["BLOCK", "Workspace", "apply", "elementwise_kernel"]
+__all__ = ["BLOCK", "Workspace", "apply", "elementwise_kernel", "opmath"]
 
-BLOCK = 1 << 14
-"""Elements per block of the NumPy path (128 KiB of float64 per array: a block's arrays and
-scratch stay in a core's L2 cache across the update's passes)."""
+BLOCK = 1 << 15
+"""Elements per block of the NumPy path: a block's six arrays (parameter, gradient, two states,
+two scratch; 128 KiB each in float32) stay in a core's L2 cache across the update's dozen passes.
+Measured on an Adam step of 4 M float32 parameters: 8192 16.1 ms, 16384 14.9 ms, 32768 11.9 ms,
+65536 13.2 ms, unblocked 17.4 ms (medians of 9)."""
 
 
 class Workspace:
@@ -101,6 +103,35 @@ def _run_numpy(
     workspace: Workspace,
     scalars: dict[str, Any],
 ) -> None:
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf propagate, as in torch
+        wide = opmath(arrays[0].dtype)
+        if wide != arrays[0].dtype:
+            _run_widened(kernel, arrays, wide, workspace, scalars)
+        else:
+            _run_blocks(kernel, arrays, workspace, scalars)
+
+
+def _run_widened(
+    kernel: Callable[..., None],
+    arrays: list[Any],
+    wide: np.dtype[Any],
+    workspace: Workspace,
+    scalars: dict[str, Any],
+) -> None:
+    """The kernel on ``wide`` copies of narrow arrays, the results rounded back (torch's opmath)."""
+    copies: list[Any] = [None if a is None else a.astype(wide) for a in arrays]
+    _run_blocks(kernel, copies, workspace, scalars)
+    for i, (narrow, result) in enumerate(zip(arrays, copies, strict=True)):
+        if narrow is not None and i != 1:  # arrays[1], the gradient, is only read
+            np.copyto(narrow, result, casting="same_kind")
+
+
+def _run_blocks(
+    kernel: Callable[..., None],
+    arrays: list[Any],
+    workspace: Workspace,
+    scalars: dict[str, Any],
+) -> None:
     param = arrays[0]
     present = [a for a in arrays if a is not None]
     if param.size > BLOCK and all(a.flags.c_contiguous for a in present):
@@ -115,6 +146,20 @@ def _run_numpy(
         return
     t1, t2 = workspace.take(param.dtype, param.shape)
     kernel(arrays[0], arrays[1], arrays[2:], t1, t2, **scalars)
+
+
+def opmath(dtype: np.dtype[Any], /) -> np.dtype[Any]:
+    """The type an update computes in: float32 for float16 arrays (torch's opmath), else theirs.
+
+    Only the states and the parameter are rounded to float16 (once per step each), as torch
+    rounds a float16 tensor at the end of each of its ops; NumPy and CUDA's float16 arithmetic
+    would round every intermediate (and ``eps=1e-8`` to 0).
+
+    Example:
+        >>> opmath(np.dtype(np.float16)), opmath(np.dtype(np.float64))
+        (dtype('float32'), dtype('float64'))
+    """
+    return np.dtype(np.float32) if dtype == np.float16 else dtype
 
 
 def elementwise_kernel(in_params: str, out_params: str, body: str, name: str) -> Any:
