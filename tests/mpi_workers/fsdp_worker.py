@@ -269,6 +269,35 @@ def check_gradient_shards_are_ddp_rows(s: Setting = F64) -> None:
             close(g, rows, f"grad {unit}.{name}", s.tol)
 
 
+def check_clip_grad_norm_over_the_shards(s: Setting = F64) -> None:
+    """clip_grad_norm(process_group=) of the gradient shards: DDP's whole gradients' norm.
+
+    For p > 0 and inf (the padding rows are zero gradients, which add nothing).
+    """
+    x, y = data()
+    xs, ys = s.put(shard(x)), s.put(shard(y))
+    ddp = cp.DistributedDataParallel(plain_model, s.put(raw_params(mixed=False)))
+    with cp.Tape() as tape:
+        loss = loss_of(ddp(xs), ys)
+    whole = tape.gradient(loss, ddp.params)
+    fsdp = cp.FullyShardedDataParallel(model, s.put(raw_params(mixed=False)))
+    with cp.Tape() as tape:
+        loss = loss_of(fsdp(xs), ys)
+    shards = tape.gradient(loss, fsdp.params)
+    group = dist.group.WORLD
+    for p in (2.0, 1.0, float("inf")):
+        _, want = cp.clip_grad_norm(whole, 0.5, p)
+        clipped, total = cp.clip_grad_norm(shards, 0.5, p, process_group=group)
+        close(total, want, f"total {p}-norm", s.tol)
+        r, w = dist.get_rank(), dist.get_world_size()
+        c = -(-5 // w)
+        rows = np.zeros((c, 7))
+        scale = min(1.0, 0.5 / (float(want) + 1e-6))
+        part = numpy_of(whole["l0"]["w"])[r * c : (r + 1) * c] * scale
+        rows[: len(part)] = part
+        close(clipped["l0"]["w"], rows, f"clipped l0.w ({p})", s.tol)
+
+
 class _Logged(cp.Function):
     """The identity, logging when its backward runs (the unit's backward computation)."""
 
@@ -450,6 +479,7 @@ CHECKS: list[tuple[Any, Setting]] = [
     (check_sgd_momentum_equals_ddp_and_one_process, F64),
     (check_plain_sgd_equals_ddp_and_one_process, Setting("host")),
     (check_gradient_shards_are_ddp_rows, F64),
+    (check_clip_grad_norm_over_the_shards, F64),
     (check_gradient_shards_are_ddp_rows, Setting("host")),
     (check_order_of_events, F64),
     (check_resharding_frees_memory, Setting("host")),
