@@ -446,6 +446,68 @@ def check_full_params_and_sharded_params(s: Setting = F64) -> None:
     close(rows, want["l0"]["w"], "sharded_params rows", 0.0)
 
 
+def check_every_dtype_and_shape_round_trips_bit_exactly(s: Setting = F64) -> None:
+    """full_params and sharded_params give back the values passed, bit for bit.
+
+    float16/32/64 and complex64/128; 0-d, zero-size, fewer rows than ranks, rows not divisible.
+    """
+    rng = np.random.default_rng(9)
+    shapes = [(), (0,), (1,), (3,), (7, 2), (5, 0), (2, 3, 4)]
+    dtypes = ["float16", "float32", "float64", "complex64", "complex128"]
+    params = {}
+    for d in dtypes:
+        for k, shape in enumerate(shapes):
+            a = rng.normal(size=shape) + (1j * rng.normal(size=shape) if "complex" in d else 0)
+            params[f"{d}_{k}"] = {"a": np.asarray(a).astype(d)}
+    placed = tree_map(lambda a: a if s.kind == "cpu" else _keep_dtype(a, s), params)
+    fsdp = cp.FullyShardedDataParallel(lambda u, x: x, placed)
+    full = fsdp.full_params()
+    sharded = fsdp.sharded_params()
+    for name, unit in params.items():
+        got = numpy_of(full[name]["a"])
+        want = unit["a"]
+        assert got.dtype == want.dtype, (name, got.dtype)
+        assert got.shape == want.shape, (name, got.shape)
+        assert got.tobytes() == want.tobytes(), name
+        piece = sharded[name]["a"]
+        rows = numpy_of(piece.local)
+        flat = want.reshape(1) if want.ndim == 0 else want
+        assert rows.tobytes() == flat[piece.offset : piece.offset + len(rows)].tobytes(), name
+
+
+def _keep_dtype(a: np.ndarray, s: Setting) -> Any:
+    if s.kind == "host":
+        return cp.to_device(a, "host:0")
+    from cupy_parallel._src.devices import cupy_module
+
+    return cp.to_device(a, f"cuda:{cupy_module().cuda.Device().id}")
+
+
+def check_complex_parameters_equal_ddp(s: Setting = F64) -> None:
+    """A complex128 weight: its gradient shards are DDP's rows (PyTorch's convention)."""
+    rng = np.random.default_rng(10)
+    w = (rng.normal(size=(5, 3)) + 1j * rng.normal(size=(5, 3))).astype(np.complex128)
+    x = shard(rng.normal(size=(N, 5)))
+
+    def fn(units: Any, x: Any) -> Any:
+        return ops.sum(ops.abs(ops.matmul(x, units["c"]["w"])))
+
+    ddp = cp.DistributedDataParallel(fn, {"c": {"w": w.copy()}})
+    with cp.Tape() as tape:
+        loss = ddp(x)
+    whole = numpy_of(tape.gradient(loss, ddp.params)["c"]["w"])
+    fsdp = cp.FullyShardedDataParallel(fn, {"c": {"w": w.copy()}})
+    with cp.Tape() as tape:
+        loss = fsdp(x)
+    got = numpy_of(tape.gradient(loss, fsdp.params)["c"]["w"])
+    r, world = dist.get_rank(), dist.get_world_size()
+    c = -(-5 // world)
+    rows = np.zeros((c, 3), np.complex128)
+    part = whole[r * c : (r + 1) * c]
+    rows[: len(part)] = part
+    np.testing.assert_allclose(got, rows, rtol=1e-12, atol=1e-14)
+
+
 def check_mismatched_params_raise_on_every_rank(s: Setting = F64) -> None:
     params = s.put(raw_params())
     if dist.get_rank() == 1:
@@ -486,6 +548,9 @@ CHECKS: list[tuple[Any, Setting]] = [
     (check_a_unit_fn_keeps_stays_gathered, F64),
     (check_full_params_and_sharded_params, F64),
     (check_full_params_and_sharded_params, Setting("host")),
+    (check_every_dtype_and_shape_round_trips_bit_exactly, F64),
+    (check_every_dtype_and_shape_round_trips_bit_exactly, Setting("host")),
+    (check_complex_parameters_equal_ddp, F64),
     (check_mismatched_params_raise_on_every_rank, F64),
     (check_second_derivative_refused, F64),
 ]
@@ -495,6 +560,7 @@ CUPY_CHECKS: list[tuple[Any, Setting]] = [
     (check_gradient_shards_are_ddp_rows, Setting("cupy")),
     (check_order_of_events, Setting("cupy")),
     (check_full_params_and_sharded_params, Setting("cupy")),
+    (check_every_dtype_and_shape_round_trips_bit_exactly, Setting("cupy")),
 ]
 
 
