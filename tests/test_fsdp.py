@@ -301,3 +301,19 @@ def test_fsdp_matches_torch_fsdp2_over_gloo() -> None:
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         for mine, torch_param in zip(a, b, strict=True):
             np.testing.assert_allclose(mine, torch_param, rtol=1e-12, atol=1e-14, err_msg=f"{step}")
+
+
+@pytest.mark.usefixtures("world")
+def test_replacing_the_shards_is_refused_not_silently_ignored() -> None:
+    fsdp = cp.FullyShardedDataParallel(_mlp, _params())
+    with pytest.raises(AttributeError, match="params cannot be replaced: its leaves are views"):
+        fsdp.params = _params()
+    fsdp.params["a"]["w"] = fsdp.params["a"]["w"] - 1.0  # the functional update
+    with pytest.raises(ValueError, match=r"fsdp.params\['a'\]\['w'\] is no longer this"):
+        fsdp(X)
+    seen: list[bool] = []
+    fsdp = cp.FullyShardedDataParallel(lambda u, x: seen.append("a" in u) or x, _params())
+    fsdp._trace = []
+    fsdp(X)
+    assert seen == [True]
+    assert fsdp._trace == []  # `in` gathers nothing

@@ -548,6 +548,9 @@ class _UnitsMapping(Mapping[Any, Any]):
     def __getitem__(self, key: Any) -> Any:
         return self._call.get(self._index[key])
 
+    def __contains__(self, key: object) -> bool:  # without gathering
+        return key in self._index
+
     def __iter__(self) -> Iterator[Any]:
         return iter(self._index)
 
@@ -758,6 +761,32 @@ class FullyShardedDataParallel(Generic[Params, Output]):
         """
         return self._params
 
+    @params.setter
+    def params(self, value: Any) -> None:
+        raise AttributeError(
+            "FullyShardedDataParallel.params cannot be replaced: its leaves are views of the "
+            "flat shards the all-gathers send. Update them in place (p[...] = p - lr * g, or "
+            "any cupy_parallel.optim optimizer), or build a new FullyShardedDataParallel."
+        )
+
+    def _check_shards(self) -> None:
+        """Refuse params whose leaves were replaced (the update would be lost, silently)."""
+        names, leaves, _ = flatten_with_names(self._params, "fsdp.params")
+        shards = {id(s) for unit in self._units for s in unit.shards}
+        found = [(n, leaf) for n, leaf in zip(names, leaves, strict=True) if is_array(leaf)]
+        for name, leaf in found:
+            if id(leaf) not in shards:
+                raise ValueError(
+                    f"{name} is no longer this FullyShardedDataParallel's shard: an array was "
+                    "put in its place, which the all-gathers would never send. Update the "
+                    "shards in place (p[...] = new) instead of replacing them."
+                )
+        if len(found) != len(shards):
+            raise ValueError(
+                "fsdp.params lost some of its shards (an entry was removed or replaced by a "
+                "non-array): update the shards in place instead."
+            )
+
     def sharded_params(self) -> Any:
         """``params``' structure, a :class:`~cupy_parallel._src.checkpoint.shard.Shard` a leaf.
 
@@ -875,6 +904,7 @@ class FullyShardedDataParallel(Generic[Params, Output]):
 
     def __call__(self, /, *inputs: Any, **kwargs: Any) -> Output:
         """``fn(units, *inputs, **kwargs)``, each unit gathered when ``fn`` reads it."""
+        self._check_shards()
         tapes = [tape for tape in active_tapes() if isinstance(tape, Tape)]
         for tape in tapes:
             self._hook(tape)
