@@ -31,6 +31,12 @@ would otherwise wait for this rank forever); and a watched leaf with gradient-re
 (:func:`add_ready_hook`) has them called as soon as its gradient is final, in the middle of the
 pass, which is what lets a data-parallel reduction start during the backward pass.
 
+A tape keeps every array its nodes consumed or produced alive until it is released. For
+sharded training that is too long: :func:`swap_out` takes chosen arrays (and the views of their
+memory) out of the nodes, leaving stand-ins of one element, and has each node that needs them
+rebuild them from a ``restore`` callback when the pass reaches it (torch FSDP frees an unsharded
+parameter's storage under the autograd graph the same way).
+
 The active tapes live in a :class:`contextvars.ContextVar`, so
 ``contextvars.copy_context().run(...)`` carries them into worker threads; recording takes a
 lock, so threads may record on one tape concurrently.
