@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from cupy_parallel import distributed, optim
     from cupy_parallel import testing as testing
     from cupy_parallel._src.ddp import DistributedDataParallel as DistributedDataParallel
+    from cupy_parallel._src.sharded.fsdp import (
+        FullyShardedDataParallel as FullyShardedDataParallel,
+    )
 
 __version__ = "0.1.0"
 
@@ -54,6 +57,7 @@ __all__ = [
     "DataParallel",
     "Device",
     "DistributedDataParallel",
+    "FullyShardedDataParallel",
     "Function",
     "FunctionContext",
     "GradcheckError",
@@ -105,4 +109,10 @@ def __getattr__(name: str) -> ModuleType | type:
         set_module(__name__, {name: DistributedDataParallel}, [name])
         globals()[name] = DistributedDataParallel
         return DistributedDataParallel
+    if name == "FullyShardedDataParallel":  # imports distributed: on first use
+        from cupy_parallel._src.sharded.fsdp import FullyShardedDataParallel
+
+        set_module(__name__, {name: FullyShardedDataParallel}, [name])
+        globals()[name] = FullyShardedDataParallel
+        return FullyShardedDataParallel
     raise AttributeError(f"module 'cupy_parallel' has no attribute {name!r}")

@@ -161,6 +161,21 @@ def test_sharded_gradients_over_a_process_group(p: float) -> None:
         np.testing.assert_allclose(gathered, whole * coefficient, rtol=1e-12)
 
 
+def _float32_rank(rank: int, world: int) -> float:
+    # rank 0 holds nothing (torch's float32 zero); the others float32 shards of "a"
+    grads = _grads(np.float32)
+    shard = None if rank == 0 else np.array_split(grads["a"], world - 1)[rank - 1]
+    _, total = cp.clip_grad_norm({"a": shard}, 0.5, process_group=dist.group.WORLD)
+    assert total.dtype == np.float32
+    return float(total)
+
+
+def test_a_rank_without_gradients_joins_the_reduction() -> None:
+    totals = dist.spawn(_float32_rank, 3, (3,), timeout=60)
+    want, _ = _reference([_grads(np.float32)["a"]], 0.5, 2.0)
+    assert totals == [pytest.approx(want, rel=1e-6)] * 3
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(TypeError, match=r"grads\['w'\] must be an array or None, got str"):
         cp.clip_grad_norm({"w": "x"}, 1.0)

@@ -143,21 +143,20 @@ def _total_norm(leaves: list[Any], p: float) -> Any:
 
 
 def _reduce_total(total: Any, p: float, group: Any) -> Any:
-    """The norm over the group's shards from this rank's ``total``: one all_reduce."""
+    """The norm over the group's shards from this rank's ``total``: one all_reduce, in float64.
+
+    Every rank reduces a float64 value whatever its gradients' dtype (a rank without gradients
+    has a float32 zero, torch's), so the ranks always agree on the buffer; the result comes
+    back in ``total``'s dtype, on its device.
+    """
     from cupy_parallel._src.distributed.reductions import all_reduce
     from cupy_parallel._src.enums import ReduceOp
 
     device = device_of(total)
     if math.isinf(p):
-        op = ReduceOp.MAX if p > 0 else ReduceOp.MIN
-        part = _on(device, lambda xp, t: t.reshape(1).copy(), total)
-    elif p == 0:
-        op = ReduceOp.SUM
-        part = _on(device, lambda xp, t: t.reshape(1).copy(), total)
+        op, power = (ReduceOp.MAX if p > 0 else ReduceOp.MIN), 1.0
     else:
-        op = ReduceOp.SUM
-        part = _on(device, lambda xp, t: (t**p).reshape(1), total)
+        op, power = ReduceOp.SUM, (1.0 if p == 0 else p)  # p = 0 counts: sum the counts
+    part = _on(device, lambda xp, t: (t.astype(np.float64) ** power).reshape(1), total)
     all_reduce(part, op=op, group=group)
-    if math.isinf(p) or p == 0:
-        return _on(device, lambda xp, s: s.reshape(()), part)
-    return _on(device, lambda xp, s: (s ** (1.0 / p)).reshape(()), part)
+    return _on(device, lambda xp, s: (s ** (1.0 / power)).reshape(()).astype(total.dtype), part)

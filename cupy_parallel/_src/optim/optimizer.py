@@ -17,7 +17,7 @@ import numpy as np
 
 from cupy_parallel._src import tree
 from cupy_parallel._src.arguments import read_real
-from cupy_parallel._src.arrays import device_of, empty, is_array, to_device
+from cupy_parallel._src.arrays import device_of, empty, is_array, shares_memory, to_device
 from cupy_parallel._src.optim.updates import Workspace
 from cupy_parallel._src.recording import note_overwritten, tapes_exist
 
@@ -472,5 +472,10 @@ def _flatten_like(
             raise ValueError(
                 f"{path} is on {device_of(grad)}, its parameter on {device_of(param)}: move the "
                 "gradient to the parameter's device."
+            )
+        if shares_memory(grad, param):  # the in-place update would change the gradient it reads
+            raise ValueError(
+                f"{path} shares memory with its parameter, which the step writes in place; "
+                "pass a copy of it."
             )
     return [grad for _, grad in kept]
