@@ -1,13 +1,13 @@
 """get_state_dict / set_state_dict with distributed.checkpoint: saved on 4 ranks, resumed on 2.
 
 The oracle is the uninterrupted run: 4 thread ranks train the MLP of ``mpi_workers/ddp_worker``
-(DDP + AdamW with param groups, or ZeRO over it) for 3 steps, save ``{"model": ..., "optim":
+(DDP + AdamW with param groups, ZeRO over it, or FSDP + AdamW on its shards) for 3 steps, save ``{"model": ..., "optim":
 ...}`` with ``distributed.checkpoint``, and train 3 more steps. Then 2 thread ranks build the
 model from *other* initial values and a fresh optimizer, load the checkpoint through
 ``get_state_dict`` (templates), ``load`` and ``set_state_dict``, and train the same 3 steps on the
 same whole batch (2 shards instead of 4): their parameters and their optimizer state must equal
-the uninterrupted run's (float64, 1e-12), whichever of ZeRO and the plain optimizer saved and
-loaded. The rest runs in a world of one.
+the uninterrupted run's (float64, 1e-12), whichever of ZeRO, the plain optimizer and FSDP saved
+and loaded (FSDP's state, shards, is compared through the parameters it moves). The rest runs in a world of one.
 """
 
 from __future__ import annotations
@@ -29,30 +29,43 @@ from cupy_parallel.optim import SGD, Adam, AdamW
 STEPS = 3
 
 
-def _optimizer(kind: str, params: dict[str, Any]) -> Any:
+def _build(kind: str, seed: int) -> tuple[Any, Any]:
+    """The model and its optimizer: DDP + ZeRO(AdamW), DDP + AdamW, or FSDP + AdamW."""
+    w = worker("ddp_worker")
+    if kind == "fsdp":
+        model = cp.FullyShardedDataParallel(w.mlp, w.make_params(seed))
+    else:
+        model = cp.DistributedDataParallel(w.mlp, w.make_params(seed))
+    params = model.params
     groups = [
         {"params": params["layers"], "weight_decay": 0.1},
         {"params": {"extra": params["extra"], "unused": params["unused"]}, "weight_decay": 0.0},
     ]
     if kind == "zero":
-        return ZeroRedundancyOptimizer(groups, AdamW, lr=0.01, amsgrad=True)
-    return AdamW(groups, lr=0.01, amsgrad=True)
+        return model, ZeroRedundancyOptimizer(groups, AdamW, lr=0.01, amsgrad=True)
+    return model, AdamW(groups, lr=0.01, amsgrad=True)
 
 
-def _train(ddp: Any, optimizer: Any, steps: range) -> None:
+def _train(model: Any, optimizer: Any, steps: range) -> None:
     w = worker("ddp_worker")
     x, y = w.data()
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in steps:
         xs, ys = w.shard(x, rank, world), w.shard(y, rank, world)
         with cp.Tape() as tape:
-            loss = ops.mean(ops.square(ops.subtract(ddp(xs, extra=step % 2 == 1), ys)))
-        grads = tape.gradient(loss, ddp.params)
+            loss = ops.mean(ops.square(ops.subtract(model(xs, extra=step % 2 == 1), ys)))
+        grads = tape.gradient(loss, model.params)
         optimizer.step([grads["layers"], {"extra": grads["extra"], "unused": grads["unused"]}])
 
 
-def _whole_state(optimizer: Any) -> dict[str, Any]:
-    """The unsharded state dict (a ZeRO consolidated to rank 0; None on other ranks)."""
+def _whole_params(model: Any) -> Any:
+    return model.full_params() if isinstance(model, cp.FullyShardedDataParallel) else model.params
+
+
+def _whole_state(optimizer: Any, kind: str) -> dict[str, Any] | None:
+    """The unsharded state dict (a ZeRO's consolidated to rank 0); None for FSDP's shards."""
+    if kind == "fsdp":
+        return None
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.consolidate_state_dict(to=0)
         return optimizer.state_dict() if dist.get_rank() == 0 else {}
@@ -67,41 +80,49 @@ def _host(tree: Any) -> Any:
 
 @pytest.mark.parametrize(
     ("saved_by", "loaded_by"),
-    [("zero", "zero"), ("zero", "plain"), ("plain", "zero")],
-    ids=["zero-to-zero", "zero-to-plain", "plain-to-zero"],
+    [
+        ("zero", "zero"),
+        ("zero", "plain"),
+        ("plain", "zero"),
+        ("zero", "fsdp"),
+        ("fsdp", "zero"),
+        ("fsdp", "fsdp"),
+    ],
+    ids=lambda kind: kind,
 )
 def test_saved_on_4_ranks_resumed_on_2_continues_as_the_uninterrupted_run(
     tmp_path: Any, saved_by: str, loaded_by: str
 ) -> None:
+    """zero: DDP + ZeRO(AdamW); plain: DDP + AdamW; fsdp: FSDP + AdamW on its shards."""
     w = worker("ddp_worker")
     path = tmp_path / "ckpt"
 
     def uninterrupted(rank: int) -> Any:
-        ddp = cp.DistributedDataParallel(w.mlp, w.make_params())
-        optimizer = _optimizer(saved_by, ddp.params)
-        _train(ddp, optimizer, range(STEPS))
-        model_sd, optim_sd = get_state_dict(ddp, optimizer)
+        model, optimizer = _build(saved_by, seed=0)
+        _train(model, optimizer, range(STEPS))
+        model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, path)
-        _train(ddp, optimizer, range(STEPS, 2 * STEPS))
-        return _host(ddp.params), _host(_whole_state(optimizer))
+        _train(model, optimizer, range(STEPS, 2 * STEPS))
+        return _host(_whole_params(model)), _host(_whole_state(optimizer, saved_by))
 
     def resumed(rank: int) -> Any:
-        ddp = cp.DistributedDataParallel(w.mlp, w.make_params(seed=5))  # other values
-        optimizer = _optimizer(loaded_by, ddp.params)
-        model_sd, optim_sd = get_state_dict(ddp, optimizer)
+        model, optimizer = _build(loaded_by, seed=5)  # other values: the load must set them
+        model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, path)
         set_state_dict(
-            ddp, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-        _train(ddp, optimizer, range(STEPS, 2 * STEPS))
-        return _host(ddp.params), _host(_whole_state(optimizer))
+        _train(model, optimizer, range(STEPS, 2 * STEPS))
+        return _host(_whole_params(model)), _host(_whole_state(optimizer, loaded_by))
 
     want_params, want_state = dist.spawn(uninterrupted, 4, timeout=60)[0]
     results = dist.spawn(resumed, 2, timeout=60)
     for rank, (params, _) in enumerate(results):
         w.close(params, want_params, f"rank {rank}'s parameters")
     got_state = results[0][1]
+    if want_state is None or got_state is None:
+        return  # FSDP's state is shards: its effect on the parameters is what is compared
     assert got_state["param_groups"] == want_state["param_groups"]
     assert sorted(got_state["state"]) == sorted(want_state["state"])
     for index, entry in want_state["state"].items():
