@@ -1,13 +1,14 @@
 """get_state_dict / set_state_dict with distributed.checkpoint: saved on 4 ranks, resumed on 2.
 
 The oracle is the uninterrupted run: 4 thread ranks train the MLP of ``mpi_workers/ddp_worker``
-(DDP + AdamW with param groups, ZeRO over it, or FSDP + AdamW on its shards) for 3 steps, save ``{"model": ..., "optim":
-...}`` with ``distributed.checkpoint``, and train 3 more steps. Then 2 thread ranks build the
-model from *other* initial values and a fresh optimizer, load the checkpoint through
-``get_state_dict`` (templates), ``load`` and ``set_state_dict``, and train the same 3 steps on the
-same whole batch (2 shards instead of 4): their parameters and their optimizer state must equal
-the uninterrupted run's (float64, 1e-12), whichever of ZeRO, the plain optimizer and FSDP saved
-and loaded (FSDP's state, shards, is compared through the parameters it moves). The rest runs in a world of one.
+(DDP + AdamW with param groups, ZeRO over it, or FSDP + AdamW on its shards) for 3 steps, save
+``{"model": ..., "optim": ...}`` with ``distributed.checkpoint``, and train 3 more steps. Then 2
+thread ranks build the model from *other* initial values and a fresh optimizer, load the
+checkpoint through ``get_state_dict`` (templates), ``load`` and ``set_state_dict``, and train the
+same 3 steps on the same whole batch (2 shards instead of 4): their parameters and their
+optimizer state must equal the uninterrupted run's (float64, 1e-12), whichever of ZeRO, the
+plain optimizer and FSDP saved and loaded (FSDP's state, shards, is compared through the
+parameters it moves). The rest runs in a world of one.
 """
 
 from __future__ import annotations

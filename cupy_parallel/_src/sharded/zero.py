@@ -140,7 +140,7 @@ def _sync_all_gather(zero: ZeroRedundancyOptimizer) -> list[Any]:
         out = empty(width * zero._world, bucket.dtype, bucket.device)
         work = all_gather_into_tensor(out, send, group=zero.process_group, async_op=True)
         flights.append((work, bucket, out, width))
-    written = []
+    written: list[Any] = []
     for work, bucket, out, width in flights:
         work.wait()
         raw = plain_buffer(out)
@@ -164,7 +164,7 @@ def _sync_broadcast(zero: ZeroRedundancyOptimizer) -> list[Any]:
             source = get_global_rank(zero.process_group, rank)
             work = broadcast(buffer, source, group=zero.process_group, async_op=True)
             flights.append((work, rank, owned, buffer))
-    written = []
+    written: list[Any] = []
     for work, rank, owned, buffer in flights:
         work.wait()
         if rank != zero._rank:
@@ -527,12 +527,13 @@ class ZeroRedundancyOptimizer(Optimizer):
         all-gather, with which parameters have state). Parameters without state have no entry.
         """
         arrays = [p for g in self.param_groups for p in g["params"]]
-        mine = {}
-        for local_index, entry in self.optim.state.items():
-            if entry:
-                mine[self._local_index[self._rank][local_index]] = {
-                    k: _describe_value(v) for k, v in entry.items()
-                }
+        mine = {
+            self._local_index[self._rank][local_index]: {
+                k: _describe_value(v) for k, v in own.items()
+            }
+            for local_index, own in self.optim.state.items()
+            if own
+        }
         gathered: list[Any] = [None] * self._world
         all_gather_object(gathered, mine, group=self.process_group)
         local_of = {i: k for k, i in enumerate(self._local_index[self._rank])}
