@@ -318,11 +318,20 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def _agree(self) -> None:
         """Every rank compares the parameters, groups and options; raise alike on a difference."""
+        devices: dict[Any, int] = {}  # each device as its order of appearance (ranks differ)
         mine = (
             self.param_sync,
             [str(spec) for spec in self._specs],
             [
-                [(tuple(p.shape), str(p.dtype), device_of(p).kind) for p in g["params"]]
+                [
+                    (
+                        tuple(p.shape),
+                        str(p.dtype),
+                        device_of(p).kind,
+                        devices.setdefault(device_of(p), len(devices)),
+                    )
+                    for p in g["params"]
+                ]
                 for g in self.param_groups
             ],
         )
