@@ -26,6 +26,7 @@ from thread_ranks import MPIEXEC, WORKERS, printed, run_mpiexec, run_threads, wo
 import cupy_parallel as cp
 from cupy_parallel import distributed as dist
 from cupy_parallel import ops
+from cupy_parallel._src.sharded import zero as zero_module
 from cupy_parallel._src.sharded.zero import partition_sizes
 from cupy_parallel.distributed.optim import ZeroRedundancyOptimizer
 from cupy_parallel.optim import SGD, Adam, AdamW
@@ -35,15 +36,27 @@ def passed(ranks: int, count: int) -> list[str]:
     return [f"rank {r}: {count} checks passed" for r in range(ranks)]
 
 
+IN_PLACE = pytest.mark.parametrize(
+    "in_place_bytes", [zero_module.IN_PLACE_BYTES, 0], ids=["small-packed", "all-in-place"]
+)
+
+
+@IN_PLACE
 @pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
-def test_zero_on_thread_ranks(ranks: int) -> None:
+def test_zero_on_thread_ranks(ranks: int, in_place_bytes: int, monkeypatch: Any) -> None:
+    """The workers' parameters are small: 0 makes the broadcast sync send each in place."""
+    monkeypatch.setattr(zero_module, "IN_PLACE_BYTES", in_place_bytes)
     ran = run_threads("zero_worker", ranks, "all", timeout=60)
     assert ran.returncode == 0, ran.stdout[-6000:] + ran.stderr[-3000:]
     assert printed(ran.stdout) == passed(ranks, len(worker("zero_worker").checks()))
 
 
+@IN_PLACE
 @pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
-def test_zero_on_nccl_thread_ranks_with_cupy_arrays(ranks: int) -> None:
+def test_zero_on_nccl_thread_ranks_with_cupy_arrays(
+    ranks: int, in_place_bytes: int, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(zero_module, "IN_PLACE_BYTES", in_place_bytes)
     from cupy_parallel.testing import simulated_cuda
 
     with simulated_cuda(ranks):
@@ -345,6 +358,7 @@ def _edge_params() -> dict[str, Any]:
         "half": rng.normal(size=5).astype(np.float32),  # another dtype: its own buffer
         "w": rng.normal(size=(4, 2)),
         "v": rng.normal(size=7),
+        "big": rng.normal(size=(180, 200)),  # >= IN_PLACE_BYTES
         "name": "edge",
     }
 
@@ -358,7 +372,7 @@ def _edge_grads(params: dict[str, Any], step: int) -> dict[str, Any]:
 @pytest.mark.parametrize("sync", ["broadcast", "all_gather"])
 def test_edges_0d_zero_size_mixed_dtypes_and_a_sharded_checkpoint_3_to_2(
     tmp_path: Any, sync: str
-) -> None:
+) -> None:  # "big" (288 KiB) is broadcast in place, the others packed
     """ZeRO == the plain optimizer bit for bit; its checkpoint from 3 ranks resumes on 2."""
     from cupy_parallel.distributed import checkpoint as dcp
     from cupy_parallel.distributed.checkpoint import get_state_dict, set_state_dict

@@ -15,16 +15,19 @@ partition is at most 4/3 of the best possible one, and the same rule as torch me
 parameters on the same ranks as torch's optimizer (``zero.optim`` holds what torch's holds).
 A better balance would need an exact bin packing, NP-hard, for at most a few percent.
 
-Sync: after the local step the updated parameters travel in flat buffers, one per dtype and
-device. ``param_sync="broadcast"`` (the default) broadcasts each owner's buffer from that owner
-(torch's ``parameters_as_bucket_view=True`` sync: world-size collectives per buffer);
-``param_sync="all_gather"`` packs each rank's partition into a buffer padded to the largest
-partition and runs one ``all_gather_into_tensor``. Measured (``benchmarks/bench_zero.py``, the
-4.2 M-parameter float32 MLP, ranks on 2 shared cores): on 2 MPI processes the broadcasts took
-9.6 ms against the all-gather's 18.5 ms; on thread ranks 26 ms against 66-143 ms (2 ranks) and
-22-68 ms against 168-308 ms (4 ranks). The MPI backend's all-gather of the same bytes is
-itself 2-4x slower than the broadcasts here, so the broadcasts are the default; NCCL (one ring
-kernel either way) is unmeasured without a GPU, and ``param_sync="all_gather"`` is one switch.
+Sync: after the local step every rank receives every updated parameter from its owner.
+``param_sync="broadcast"`` (the default, torch's default sync) broadcasts each parameter of at
+least :data:`IN_PLACE_BYTES` from its owner straight into every rank's array (no buffer: the
+sync needs no memory beyond the parameters), and each owner's smaller parameters of one dtype
+and device together in one flat buffer; ``param_sync="all_gather"`` packs each rank's
+partition into a flat buffer (one per dtype and device) padded to the largest partition and
+runs one ``all_gather_into_tensor``: the whole model once more in buffers during the sync.
+Measured (``benchmarks/bench_zero.py``; the 4.2 M-parameter float32 MLP on 2 shared cores):
+see the report rows; the broadcasts were faster on the MPI backend every time (the backend's
+all-gather of the same bytes is itself 2-4x slower than broadcasts here), and they keep
+ZeRO-1's memory at parameters + gradients + state/N (``benchmarks/bench_sharded.py``), so
+they are the default. NCCL is unmeasured without a GPU; ``param_sync="all_gather"`` is one
+switch.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from cupy_parallel._src.tree import tree_map
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["ZeroRedundancyOptimizer", "partition_sizes"]
+__all__ = ["IN_PLACE_BYTES", "ZeroRedundancyOptimizer", "partition_sizes"]
 
 
 def partition_sizes(group_sizes: list[list[int]], world_size: int, /) -> list[list[list[int]]]:
@@ -151,25 +154,35 @@ def _sync_all_gather(zero: ZeroRedundancyOptimizer) -> list[Any]:
     return written
 
 
+IN_PLACE_BYTES = 256 * 1024
+"""A parameter of at least this many bytes is broadcast in place (no buffer); smaller ones of one
+owner travel together in one flat buffer (one collective instead of many small ones)."""
+
+
 def _sync_broadcast(zero: ZeroRedundancyOptimizer) -> list[Any]:
-    """Per bucket, each owner broadcasts its partition's flat buffer."""
+    """Per bucket and owner: each large parameter broadcast in place, the small ones packed."""
     flights = []
     for bucket in zero._buckets:
-        for rank, (owned, size) in enumerate(zip(bucket.members, bucket.sizes, strict=True)):
-            if size == 0:
-                continue
-            buffer = empty(size, bucket.dtype, bucket.device)
-            if rank == zero._rank:
-                _pack(buffer, [a for _, a in owned])
+        for rank, owned in enumerate(bucket.members):
             source = get_global_rank(zero.process_group, rank)
-            work = broadcast(buffer, source, group=zero.process_group, async_op=True)
-            flights.append((work, rank, owned, buffer))
+            small = [a for _, a in owned if a.nbytes < IN_PLACE_BYTES and a.size]
+            for _, a in owned:
+                if a.nbytes >= IN_PLACE_BYTES:
+                    work = broadcast(a, source, group=zero.process_group, async_op=True)
+                    flights.append((work, rank, [a], None))
+            if small:
+                buffer = empty(sum(int(a.size) for a in small), bucket.dtype, bucket.device)
+                if rank == zero._rank:
+                    _pack(buffer, small)
+                work = broadcast(buffer, source, group=zero.process_group, async_op=True)
+                flights.append((work, rank, small, buffer))
     written: list[Any] = []
-    for work, rank, owned, buffer in flights:
+    for work, rank, arrays, buffer in flights:
         work.wait()
         if rank != zero._rank:
-            _unpack(buffer, [a for _, a in owned])
-            written.extend(a for _, a in owned)
+            if buffer is not None:
+                _unpack(buffer, arrays)
+            written.extend(arrays)
     return written
 
 
@@ -219,8 +232,9 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     Decisions:
 
-    - ``param_sync``: ``"broadcast"`` (default: one collective per owner, dtype and device,
-      measured faster, see the module) or ``"all_gather"`` (one per dtype and device).
+    - ``param_sync``: ``"broadcast"`` (default: large parameters in place, small ones in one
+      buffer per owner; measured faster and no extra memory, see the module) or
+      ``"all_gather"`` (one collective per dtype and device, through buffers).
     - The ranks compare the parameters' structure, shapes, dtypes and array kinds, the groups
       and ``param_sync`` at construction (one object all-gather): a difference raises the
       same ``ValueError`` on every rank instead of a hang or a garbled sync.
