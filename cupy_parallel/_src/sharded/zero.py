@@ -552,6 +552,18 @@ class ZeroRedundancyOptimizer(Optimizer):
         optimizer's own array, which a checkpoint load fills in place), elsewhere none.
         Numbers (``step``) and 0-d arrays are replicated (the owners send them in one object
         all-gather, with which parameters have state). Parameters without state have no entry.
+        :func:`cupy_parallel.distributed.checkpoint.get_state_dict` names them for a checkpoint.
+
+        Example:
+            >>> import numpy as np
+            >>> from cupy_parallel import distributed as dist
+            >>> from cupy_parallel.optim import SGD
+            >>> dist.init_process_group("mpi")
+            >>> zero = ZeroRedundancyOptimizer([np.ones(2)], SGD, lr=0.1, momentum=0.9)
+            >>> zero.step([np.ones(2)])
+            >>> zero.sharded_state()[0]["momentum_buffer"].rows  # a world of one owns all rows
+            range(0, 2)
+            >>> dist.destroy_process_group()
         """
         arrays = [p for g in self.param_groups for p in g["params"]]
         mine = {
@@ -588,6 +600,20 @@ class ZeroRedundancyOptimizer(Optimizer):
 
         ``param_groups``: torch's layout with global indices. The Shards this rank owns carry
         its partition's arrays (all rows); the rest is replicated.
+
+        Example:
+            >>> import numpy as np
+            >>> from cupy_parallel import distributed as dist
+            >>> from cupy_parallel.optim import SGD
+            >>> dist.init_process_group("mpi")
+            >>> zero = ZeroRedundancyOptimizer([np.ones(2)], SGD, lr=0.1, momentum=0.9)
+            >>> zero.step([np.ones(2)])
+            >>> state = zero.sharded_state()
+            >>> state[0]["momentum_buffer"].local[...] = 5.0  # as a checkpoint load would
+            >>> zero.load_sharded_state(state, [{"lr": 0.1, "momentum": 0.9, "params": [0]}])
+            >>> zero.optim.state[0]["momentum_buffer"]
+            array([5., 5.])
+            >>> dist.destroy_process_group()
         """
         mine = {
             i: {k: v.local if isinstance(v, Shard) else v for k, v in entry.items()}
