@@ -1,9 +1,9 @@
 """cupy_parallel: PyTorch's multi-device layer for CuPy and NumPy arrays, without torch.
 
 The whole public API is re-exported here and in the public submodules ``comm``, ``functions``,
-``ops``, ``distributed`` and ``testing``; the code lives in ``cupy_parallel._src``, in layers
-that import one way (its docstring lists them).
-``distributed`` and ``testing`` are imported on first access, and so is
+``ops``, ``distributed``, ``optim`` and ``testing``; the code lives in ``cupy_parallel._src``, in
+layers that import one way (its docstring lists them).
+``distributed``, ``optim`` and ``testing`` are imported on first access, and so is
 ``DistributedDataParallel`` (it imports ``distributed``, never ``mpi4py``); ``testing`` is not in
 ``__all__`` (its strategies need hypothesis, an extra), so ``from cupy_parallel import *`` never
 imports it.
@@ -35,6 +35,7 @@ from cupy_parallel._src.hostarray import HostArray
 from cupy_parallel._src.memory import HostMemoryPool, get_host_memory_pool
 from cupy_parallel._src.moves import to_device
 from cupy_parallel._src.nested import gather, scatter, scatter_kwargs
+from cupy_parallel._src.optim.clip import clip_grad_norm
 from cupy_parallel._src.parallel import DataParallel, data_parallel, parallel_apply, replicate
 from cupy_parallel._src.serialization import load, save
 from cupy_parallel._src.tape import Tape, stop_gradient
@@ -42,7 +43,7 @@ from cupy_parallel._src.tape import Tape, stop_gradient
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from cupy_parallel import distributed
+    from cupy_parallel import distributed, optim
     from cupy_parallel import testing as testing
     from cupy_parallel._src.ddp import DistributedDataParallel as DistributedDataParallel
 
@@ -62,6 +63,7 @@ __all__ = [
     "__version__",
     "array_namespace",
     "as_device",
+    "clip_grad_norm",
     "comm",
     "data_parallel",
     "device_of",
@@ -76,6 +78,7 @@ __all__ = [
     "is_array",
     "load",
     "ops",
+    "optim",
     "parallel_apply",
     "platform",
     "replicate",
@@ -90,7 +93,7 @@ __all__ = [
 
 set_module(__name__, globals(), __all__)
 
-_LAZY_SUBMODULES = ("distributed", "testing")
+_LAZY_SUBMODULES = ("distributed", "optim", "testing")
 
 
 def __getattr__(name: str) -> ModuleType | type:

@@ -22,6 +22,8 @@ PUBLIC_MODULES = [
     "cupy_parallel.distributed.nn.functional",
     "cupy_parallel.distributed.algorithms.ddp_comm_hooks",
     "cupy_parallel.distributed.algorithms.ddp_comm_hooks.default_hooks",
+    "cupy_parallel.optim",
+    "cupy_parallel.optim.lr_scheduler",
 ]
 
 _ = inspect.Parameter.empty
@@ -171,6 +173,44 @@ CONTRACT: dict[str, list[tuple[str, Any]]] = {
         ("args", ()),
         ("backend", "threads"),
         ("timeout", timedelta(seconds=60)),
+    ],
+    # Issue 32 (API.md 5c): torch.optim's signatures; lr defaults to 1e-3 as in torch 2.x
+    # (API.md writes SGD's lr without a default), Adam also takes torch's
+    # decoupled_weight_decay.
+    "cupy_parallel.optim.SGD": [
+        ("params", _),
+        ("lr", 1e-3),
+        ("momentum", 0.0),
+        ("dampening", 0.0),
+        ("weight_decay", 0.0),
+        ("nesterov", False),
+        ("maximize", False),
+    ],
+    "cupy_parallel.optim.Adam": [
+        ("params", _),
+        ("lr", 1e-3),
+        ("betas", (0.9, 0.999)),
+        ("eps", 1e-8),
+        ("weight_decay", 0.0),
+        ("amsgrad", False),
+        ("maximize", False),
+        ("decoupled_weight_decay", False),
+    ],
+    "cupy_parallel.optim.AdamW": [
+        ("params", _),
+        ("lr", 1e-3),
+        ("betas", (0.9, 0.999)),
+        ("eps", 1e-8),
+        ("weight_decay", 1e-2),
+        ("amsgrad", False),
+        ("maximize", False),
+    ],
+    "cupy_parallel.clip_grad_norm": [
+        ("grads", _),
+        ("max_norm", _),
+        ("norm_type", 2.0),
+        ("error_if_nonfinite", False),
+        ("process_group", None),
     ],
 }
 

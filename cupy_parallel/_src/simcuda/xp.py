@@ -1,9 +1,10 @@
 """The simulated ``cupy`` namespace (what ``cupy_module()`` returns inside ``simulated_cuda``).
 
 Array creation (``empty``, ``zeros``, ``ones``, ``full``, ``*_like``, ``asarray``/``array`` from
-host data, ``ascontiguousarray``), ``asnumpy``, ``get_array_module``, the two default pools, and
-``cuda``. Every other NumPy function name is available and runs as one kernel on the current
-stream (see :func:`.ndarray.apply`); NumPy types and constants (``float32``, ``pi``) are NumPy's.
+host data, ``ascontiguousarray``), ``asnumpy``, ``get_array_module``, the two default pools,
+``cuda`` and ``ElementwiseKernel`` (straight-line bodies: :mod:`.kernels`). Every other NumPy
+function name is available and runs as one kernel on the current stream (see
+:func:`.ndarray.apply`); NumPy types and constants (``float32``, ``pi``) are NumPy's.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from cupy_parallel._src.simcuda import cuda
 from cupy_parallel._src.simcuda.clock import Simulation, state
+from cupy_parallel._src.simcuda.kernels import ElementwiseKernel
 from cupy_parallel._src.simcuda.ndarray import apply, launch, ndarray
 from cupy_parallel._src.simcuda.pointers import device_pool, pinned_pool
 
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from cupy_parallel._src.simcuda.memory import DevicePool, PinnedPool
 
 __all__ = [
+    "ElementwiseKernel",
     "array",
     "asarray",
     "ascontiguousarray",
