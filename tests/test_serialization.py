@@ -151,6 +151,14 @@ def test_other_tools_read_the_arrays_by_key_path(tmp_path):
     cp.save({"layer": [{"w": np.arange(3.0)}], "step": 4}, tmp_path / "m")
     assert list(load_file(tmp_path / "m")) == ["layer.0.w"]
     np.testing.assert_array_equal(load_file(tmp_path / "m")["layer.0.w"], np.arange(3.0))
+    # every dtype safetensors has, 0-d and empty arrays: safetensors' own reader agrees
+    arrays = {c: values(c, (3, 2)) for c in ("?", "i1", "u1", "i2", "u2", "i4", "u4", "i8")}
+    arrays |= {c: values(c, (5,)) for c in ("u8", "f2", "f4", "f8", "c8")}
+    arrays |= {"zero_d": np.array(7, np.int16), "empty": np.zeros((0, 4), np.float32)}
+    cp.save(arrays, tmp_path / "all")
+    theirs = load_file(tmp_path / "all")
+    assert sorted(theirs) == sorted(arrays)
+    assert all(same_bits(theirs[k], arrays[k]) for k in arrays)
 
 
 def test_a_plain_safetensors_file_loads_as_a_dict(tmp_path):

@@ -159,15 +159,29 @@ def decode_array(stored: np.ndarray, tag: str | None) -> np.ndarray:
     return stored.reshape(-1).view(dtype).reshape(stored.shape[:-1])
 
 
-def _tensor_spec(array: np.ndarray) -> Any:
-    from safetensors import TensorSpec
+# safetensors' dtype names (its format's documentation) as NumPy's, for the direct reads and writes
+_STORED_DTYPES = {
+    "F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "U64": "<u8", "I32": "<i4",
+    "U32": "<u4", "I16": "<i2", "U16": "<u2", "I8": "i1", "U8": "u1", "BOOL": "?", "C64": "<c8",
+}  # fmt: skip
+_STORED_NAMES = {np.dtype(numpy_name): name for name, numpy_name in _STORED_DTYPES.items()}
 
-    return TensorSpec(
-        dtype=array.dtype.name,
-        shape=array.shape,
-        data_ptr=array.ctypes.data,
-        data_len=array.nbytes,
-    )
+
+def _header(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None) -> bytes:
+    """The safetensors header of ``tensors`` in this order: length, JSON, spaces to 8 bytes."""
+    table: dict[str, Any] = {} if metadata is None else {"__metadata__": metadata}
+    offset = 0
+    for name, array in tensors.items():
+        end = offset + array.nbytes
+        table[name] = {
+            "dtype": _STORED_NAMES[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    text = json.dumps(table, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return len(text).to_bytes(8, "little") + text
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,12 +204,20 @@ def fsync_directory(directory: str) -> None:
 def write_safetensors(
     path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None
 ) -> None:
-    """Write ``tensors`` to ``path`` (replacing it) and flush the file to disk."""
-    from safetensors import serialize_file
+    """Write ``tensors`` (C-contiguous) as a safetensors file at ``path``, flushed to disk.
 
-    serialize_file({k: _tensor_spec(v) for k, v in tensors.items()}, path, metadata=metadata)
-    with open(path, "rb+") as written:
-        os.fsync(written.fileno())
+    The file is the format's documented layout (safetensors' own reader reads it; the tests
+    check so): the header, then each array's bytes written from its memory as it is.
+    ``safetensors.serialize_file`` writes the same file but took 3.5x the time of a plain
+    ``write`` of 1 GiB here, which the 1.2x target of ``numpy.save`` does not leave room for.
+    """
+    with open(path, "wb") as out:
+        out.write(_header(tensors, metadata))
+        for array in tensors.values():
+            if array.nbytes:
+                out.write(memoryview(array.reshape(-1).view(np.uint8)))
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def replace_atomically(path: str, write: Any) -> None:
@@ -389,13 +411,6 @@ def save(tree: Any, path: str | os.PathLike[str]) -> None:
 
 def _damaged(path: str, what: str) -> ValueError:
     return ValueError(f"{path} is damaged: {what}.")
-
-
-# safetensors' dtype names (its format's documentation) as NumPy's, for the direct reads
-_STORED_DTYPES = {
-    "F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "U64": "<u8", "I32": "<i4",
-    "U32": "<u4", "I16": "<i2", "U16": "<u2", "I8": "i1", "U8": "u1", "BOOL": "?", "C64": "<c8",
-}  # fmt: skip
 
 
 class _Direct:
