@@ -33,6 +33,7 @@ in it, each array's device and true dtype.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import secrets
@@ -100,11 +101,22 @@ def _dtype_tag(dtype: np.dtype[Any], where: str) -> str | None:
     return dtype.str
 
 
-def dtype_of_name(tag: str) -> np.dtype[Any]:
+def dtype_of_name(tag: Any) -> np.dtype[Any]:
+    """The dtype :func:`dtype_name` wrote, refusing any that holds references (``ValueError``).
+
+    A file names dtypes, so a damaged or crafted one could name ``object``: viewing its bytes
+    as references would read arbitrary memory. Only dtypes of values are rebuilt.
+
+    Example:
+        >>> dtype_of_name(dtype_name(np.dtype(">c16")))
+        dtype('>c16')
+    """
+    if not isinstance(tag, str):
+        raise ValueError(f"a dtype is named by a string, the file has {tag!r}.")
     if tag.startswith("ml_dtypes:"):
         name = tag.removeprefix("ml_dtypes:")
         try:
-            import ml_dtypes
+            ml_dtypes = importlib.import_module("ml_dtypes")
         except ImportError:
             raise TypeError(
                 f"the checkpoint holds {name} arrays, which need the ml_dtypes package: "
@@ -114,7 +126,13 @@ def dtype_of_name(tag: str) -> np.dtype[Any]:
         if kind is None or name.startswith("_"):
             raise ValueError(f"the checkpoint names an unknown ml_dtypes dtype {name!r}.")
         return np.dtype(kind)
-    return np.dtype(tag)
+    try:
+        dtype = np.dtype(tag)
+    except TypeError:
+        raise ValueError(f"the file names an unknown dtype {tag!r}.") from None
+    if dtype.hasobject or dtype.fields is not None or dtype.kind == "T" or not dtype.itemsize:
+        raise ValueError(f"the file names dtype {tag!r}, which does not hold values.")
+    return dtype
 
 
 def encode_array(array: Any, where: str) -> tuple[np.ndarray, str | None]:
@@ -154,6 +172,11 @@ def decode_array(stored: np.ndarray, tag: str | None) -> np.ndarray:
     if tag is None:
         return stored
     dtype = dtype_of_name(tag)
+    if stored.dtype != np.uint8 or stored.ndim == 0 or stored.shape[-1] != dtype.itemsize:
+        raise ValueError(
+            f"{stored.dtype} bytes of shape {stored.shape} are not items of {dtype} "
+            f"({dtype.itemsize} bytes each)."
+        )
     if not stored.flags.c_contiguous:
         stored = stored.copy(order="C")
     return stored.reshape(-1).view(dtype).reshape(stored.shape[:-1])
@@ -215,7 +238,7 @@ def write_safetensors(
         out.write(_header(tensors, metadata))
         for array in tensors.values():
             if array.nbytes:
-                out.write(memoryview(array.reshape(-1).view(np.uint8)))
+                out.write(array.reshape(-1).view(np.uint8).data)
         out.flush()
         os.fsync(out.fileno())
 
@@ -339,12 +362,13 @@ class _Encoder:
             children.append(self.node(child, first))
             first += child.num_leaves
         if kind in (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT):
-            order = spec.one_level().unflatten(list(range(len(children))))  # insertion order
+            one_level: Any = spec.one_level()
+            order: dict[Any, int] = one_level.unflatten(list(range(len(children))))  # in order
             items = [[_key_record(key), children[index]] for key, index in order.items()]
             return {"dict" if kind == optree.PyTreeKind.DICT else "ordereddict": items}
         if kind in (optree.PyTreeKind.LIST, optree.PyTreeKind.TUPLE):
             return {"list" if kind == optree.PyTreeKind.LIST else "tuple": children}
-        cls = spec.type
+        cls: Any = spec.type
         if kind == optree.PyTreeKind.NAMEDTUPLE:
             return {"namedtuple": [cls.__name__, list(cls._fields), children]}
         return {"node": [f"{cls.__module__}.{cls.__qualname__}", children]}
@@ -441,7 +465,7 @@ class _Direct:
             raise ValueError(f"holds {end - begin} bytes for {out.nbytes}")
         if out.nbytes:
             self.file.seek(self.start + begin)
-            if self.file.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+            if self.file.readinto(out.reshape(-1).view(np.uint8).data) != out.nbytes:
                 raise ValueError("ends early")
         return out
 
@@ -471,19 +495,24 @@ class _Reader:
             raise _damaged(self.path, problem) from None
 
     def array(self, record: dict[str, Any], where: str, device: Device | None) -> Any:
-        name = record["array"]
+        name, device_name = record.get("array"), record.get("device")
+        if not isinstance(name, str) or not isinstance(device_name, str | None):
+            raise _damaged(self.path, f"the record of {where} is not an array's")
         stored = self.tensor(name, where)
-        dtype = dtype_of_name(record["dtype"])
-        array = decode_array(stored, record["dtype"] if record["raw"] else None)
-        if list(array.shape) != record["shape"] or array.dtype != dtype:
+        try:
+            dtype = dtype_of_name(record.get("dtype"))
+            array = decode_array(stored, record["dtype"] if record.get("raw") else None)
+        except ValueError as error:
+            raise _damaged(self.path, f"tensor {name!r} ({where}): {error}") from None
+        if list(array.shape) != record.get("shape") or array.dtype != dtype:
             raise _damaged(
                 self.path,
                 f"tensor {name!r} ({where}) is {array.dtype} of shape {array.shape}, its record "
                 f"says {dtype} of shape {tuple(record['shape'])}",
             )
-        if record["device"] is None:  # a NumPy scalar
+        if device_name is None:  # a NumPy scalar
             return array[()]
-        return self.place(array, device or self.device or as_device(record["device"]), where)
+        return self.place(array, device or self.device or as_device(device_name), where)
 
     def place(self, array: np.ndarray, device: Device, where: str) -> Any:
         if device.kind == "cpu":
@@ -552,7 +581,7 @@ def _namedtuple(name: str, fields: tuple[str, ...]) -> type:
     """One namedtuple class per name and fields (so that loads of one file share a class)."""
     cls = _NAMEDTUPLES.get((name, fields))
     if cls is None:
-        cls = _NAMEDTUPLES[name, fields] = namedtuple(name, fields)  # type: ignore[misc]
+        cls = _NAMEDTUPLES[name, fields] = namedtuple(name, fields)
     return cls
 
 
