@@ -37,6 +37,7 @@ from cupy_parallel._src.moves import to_device
 from cupy_parallel._src.nested import gather, scatter, scatter_kwargs
 from cupy_parallel._src.optim.clip import clip_grad_norm
 from cupy_parallel._src.parallel import DataParallel, data_parallel, parallel_apply, replicate
+from cupy_parallel._src.serialization import load, save
 from cupy_parallel._src.tape import Tape, stop_gradient
 
 if TYPE_CHECKING:
@@ -79,11 +80,13 @@ __all__ = [
     "grad",
     "gradcheck",
     "is_array",
+    "load",
     "ops",
     "optim",
     "parallel_apply",
     "platform",
     "replicate",
+    "save",
     "scatter",
     "scatter_kwargs",
     "set_host_device_count",

@@ -335,3 +335,78 @@ def test_a_world_of_one_is_the_plain_optimizer() -> None:
     for index in want["state"]:
         for key, value in want["state"][index].items():
             assert np.array_equal(got["state"][index][key], value)
+
+
+def _edge_params() -> dict[str, Any]:
+    rng = np.random.default_rng(3)
+    return {
+        "scale": np.array(1.5),  # 0-d
+        "empty": np.zeros((0, 3)),  # zero-size
+        "half": rng.normal(size=5).astype(np.float32),  # another dtype: its own buffer
+        "w": rng.normal(size=(4, 2)),
+        "v": rng.normal(size=7),
+        "name": "edge",
+    }
+
+
+def _edge_grads(params: dict[str, Any], step: int) -> dict[str, Any]:
+    return {
+        k: (np.asarray(v * (step + 1.0) + 0.5) if k != "name" else None) for k, v in params.items()
+    }
+
+
+@pytest.mark.parametrize("sync", ["broadcast", "all_gather"])
+def test_edges_0d_zero_size_mixed_dtypes_and_a_sharded_checkpoint_3_to_2(
+    tmp_path: Any, sync: str
+) -> None:
+    """ZeRO == the plain optimizer bit for bit; its checkpoint from 3 ranks resumes on 2."""
+    from cupy_parallel.distributed import checkpoint as dcp
+    from cupy_parallel.distributed.checkpoint import get_state_dict, set_state_dict
+
+    path = tmp_path / "ckpt"
+
+    def saving(rank: int) -> Any:
+        zp, pp = _edge_params(), _edge_params()
+        zero = ZeroRedundancyOptimizer(zp, Adam, lr=0.1, param_sync=sync)
+        plain = Adam(pp, lr=0.1)
+        for step in range(3):
+            zero.step(_edge_grads(zp, step))
+            plain.step(_edge_grads(pp, step))
+        for key in pp:
+            if isinstance(pp[key], np.ndarray):
+                assert zp[key].dtype == pp[key].dtype
+                assert np.array_equal(zp[key], pp[key]), key
+        ddp = cp.DistributedDataParallel(lambda p, x: x, zp)
+        model_sd, optim_sd = get_state_dict(ddp, zero)
+        dcp.save({"model": model_sd, "optim": optim_sd}, path)
+        return plain.state_dict(), {k: v.copy() for k, v in pp.items() if isinstance(v, np.ndarray)}
+
+    want_state, want_params = dist.spawn(saving, 3, timeout=60)[0]
+
+    def loading(rank: int) -> Any:
+        params = {
+            k: (np.zeros_like(v) if isinstance(v, np.ndarray) else v)
+            for k, v in _edge_params().items()
+        }
+        ddp = cp.DistributedDataParallel(lambda p, x: x, params)
+        zero = ZeroRedundancyOptimizer(ddp.params, Adam, lr=0.3, param_sync=sync)
+        model_sd, optim_sd = get_state_dict(ddp, zero)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, path)
+        set_state_dict(ddp, zero, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        zero.consolidate_state_dict(to=0)
+        return params, zero.state_dict() if rank == 0 else None
+
+    results = dist.spawn(loading, 2, timeout=60)
+    for params, _ in results:
+        for key, value in want_params.items():
+            assert np.array_equal(params[key], value), key
+    got = results[0][1]
+    assert got["param_groups"] == want_state["param_groups"]
+    assert sorted(got["state"]) == sorted(want_state["state"])
+    for index, entry in want_state["state"].items():
+        for key, value in entry.items():
+            assert np.array_equal(np.asarray(got["state"][index][key]), np.asarray(value)), (
+                index,
+                key,
+            )

@@ -68,7 +68,7 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any], bool]] = {
 }
 
 
-def _build(name: str, params: dict[str, Any], *, zero: bool, sync: str = "all_gather") -> Any:
+def _build(name: str, params: dict[str, Any], *, zero: bool, sync: str = "broadcast") -> Any:
     cls, hyper, grouped = OPTIMIZERS[name]
     tree = _groups(params) if grouped else params
     if zero:
@@ -113,15 +113,21 @@ def check_equals_ddp_and_one_process(s: Setting, name: str, sync: str) -> None:
         one.step(_one_process_grads(op, grouped, step))
         close(zp, rp, f"{name}/{sync} step {step}: ZeRO vs DDP")
         close(zp, op, f"{name}/{sync} step {step}: ZeRO vs one process")
-    # the state is partitioned: this rank's local optimizer holds its own parameters' only
-    mine = sorted(id(p) for g in zero.optim.param_groups for p in g["params"])
+    # the state is partitioned: this rank's local optimizer holds its own parameters' only,
+    # each parameter owned once; the state's elements are the partition's times the arrays
+    # per parameter (AdamW amsgrad 3, Adam 2, SGD 1), where DDP's optimizer holds all of them
+    size = sum(int(p.size) for g in zero.optim.param_groups for p in g["params"])
     owned: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(
-        owned, sum(int(p.size) for g in zero.optim.param_groups for p in g["params"])
-    )
+    dist.all_gather_object(owned, size)
     total = sum(int(p.size) for g in zero.param_groups for p in g["params"])
     assert sum(owned) == total, (owned, total)
-    assert len(zero.optim.state) <= len(mine)
+    per = {"adamw-groups": 3, "adam": 2, "sgd-nesterov": 1}[name]
+
+    def elements(opt: Any) -> int:
+        return sum(int(v.size) for e in opt.state.values() for v in e.values() if cp.is_array(v))
+
+    assert elements(zero.optim) == per * size, (elements(zero.optim), per, size)
+    assert elements(ref) == per * total
 
 
 def check_consolidated_state_dict_is_the_unsharded_one(s: Setting = F64) -> None:

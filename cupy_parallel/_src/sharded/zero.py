@@ -16,11 +16,15 @@ parameters on the same ranks as torch's optimizer (``zero.optim`` holds what tor
 A better balance would need an exact bin packing, NP-hard, for at most a few percent.
 
 Sync: after the local step the updated parameters travel in flat buffers, one per dtype and
-device. ``param_sync="all_gather"`` (the default) packs each rank's partition into a buffer
-padded to the largest partition and runs one ``all_gather_into_tensor``;
-``param_sync="broadcast"`` broadcasts each owner's buffer from that owner (torch's
-``parameters_as_bucket_view=True`` sync: world-size collectives per buffer). See
-``benchmarks/bench_zero.py`` for the measured difference.
+device. ``param_sync="broadcast"`` (the default) broadcasts each owner's buffer from that owner
+(torch's ``parameters_as_bucket_view=True`` sync: world-size collectives per buffer);
+``param_sync="all_gather"`` packs each rank's partition into a buffer padded to the largest
+partition and runs one ``all_gather_into_tensor``. Measured (``benchmarks/bench_zero.py``, the
+4.2 M-parameter float32 MLP, ranks on 2 shared cores): on 2 MPI processes the broadcasts took
+9.6 ms against the all-gather's 18.5 ms; on thread ranks 26 ms against 66-143 ms (2 ranks) and
+22-68 ms against 168-308 ms (4 ranks). The MPI backend's all-gather of the same bytes is
+itself 2-4x slower than the broadcasts here, so the broadcasts are the default; NCCL (one ring
+kernel either way) is unmeasured without a GPU, and ``param_sync="all_gather"`` is one switch.
 """
 
 from __future__ import annotations
@@ -136,7 +140,7 @@ def _sync_all_gather(zero: ZeroRedundancyOptimizer) -> list[Any]:
         out = empty(width * zero._world, bucket.dtype, bucket.device)
         work = all_gather_into_tensor(out, send, group=zero.process_group, async_op=True)
         flights.append((work, bucket, out, width))
-    written = []
+    written: list[Any] = []
     for work, bucket, out, width in flights:
         work.wait()
         raw = plain_buffer(out)
@@ -160,7 +164,7 @@ def _sync_broadcast(zero: ZeroRedundancyOptimizer) -> list[Any]:
             source = get_global_rank(zero.process_group, rank)
             work = broadcast(buffer, source, group=zero.process_group, async_op=True)
             flights.append((work, rank, owned, buffer))
-    written = []
+    written: list[Any] = []
     for work, rank, owned, buffer in flights:
         work.wait()
         if rank != zero._rank:
@@ -215,8 +219,8 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     Decisions:
 
-    - ``param_sync``: ``"all_gather"`` (default: one collective per dtype and device, measured
-      faster, see ``benchmarks/bench_zero.py``) or ``"broadcast"`` (one per owner).
+    - ``param_sync``: ``"broadcast"`` (default: one collective per owner, dtype and device,
+      measured faster, see the module) or ``"all_gather"`` (one per dtype and device).
     - The ranks compare the parameters' structure, shapes, dtypes and array kinds, the groups
       and ``param_sync`` at construction (one object all-gather): a difference raises the
       same ``ValueError`` on every rank instead of a hang or a garbled sync.
@@ -231,7 +235,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         params: A pytree of arrays, or torch's list of param groups.
         optimizer_class: The optimizer each rank runs on its partition.
         process_group: The group to partition over (``None``: the default group).
-        param_sync: ``"all_gather"`` or ``"broadcast"`` (see above).
+        param_sync: ``"broadcast"`` or ``"all_gather"`` (see above).
         **defaults: ``optimizer_class``'s keyword arguments (``lr=...``).
 
     Raises:
@@ -262,7 +266,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         optimizer_class: type[Optimizer],
         *,
         process_group: Any = None,
-        param_sync: str = "all_gather",
+        param_sync: str = "broadcast",
         **defaults: Any,
     ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
@@ -314,11 +318,20 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def _agree(self) -> None:
         """Every rank compares the parameters, groups and options; raise alike on a difference."""
+        devices: dict[Any, int] = {}  # each device as its order of appearance (ranks differ)
         mine = (
             self.param_sync,
             [str(spec) for spec in self._specs],
             [
-                [(tuple(p.shape), str(p.dtype), device_of(p).kind) for p in g["params"]]
+                [
+                    (
+                        tuple(p.shape),
+                        str(p.dtype),
+                        device_of(p).kind,
+                        devices.setdefault(device_of(p), len(devices)),
+                    )
+                    for p in g["params"]
+                ]
                 for g in self.param_groups
             ],
         )
@@ -523,12 +536,13 @@ class ZeroRedundancyOptimizer(Optimizer):
         all-gather, with which parameters have state). Parameters without state have no entry.
         """
         arrays = [p for g in self.param_groups for p in g["params"]]
-        mine = {}
-        for local_index, entry in self.optim.state.items():
-            if entry:
-                mine[self._local_index[self._rank][local_index]] = {
-                    k: _describe_value(v) for k, v in entry.items()
-                }
+        mine = {
+            self._local_index[self._rank][local_index]: {
+                k: _describe_value(v) for k, v in own.items()
+            }
+            for local_index, own in self.optim.state.items()
+            if own
+        }
         gathered: list[Any] = [None] * self._world
         all_gather_object(gathered, mine, group=self.process_group)
         local_of = {i: k for k, i in enumerate(self._local_index[self._rank])}
@@ -549,18 +563,20 @@ class ZeroRedundancyOptimizer(Optimizer):
                 out[i] = entry
         return dict(sorted(out.items()))
 
-    def load_sharded_state(self, state: dict[int, dict[str, Any]]) -> None:
-        """Take :meth:`sharded_state`'s layout (filled by a checkpoint load) as this rank's state.
+    def load_sharded_state(
+        self, state: dict[int, dict[str, Any]], param_groups: list[dict[str, Any]]
+    ) -> None:
+        """Take :meth:`sharded_state`'s layout (filled by a checkpoint load) as the state.
 
-        Shards held by this rank carry its partition's arrays; the rest is replicated.
+        ``param_groups``: torch's layout with global indices. The Shards this rank owns carry
+        its partition's arrays (all rows); the rest is replicated.
         """
-        groups = Optimizer.state_dict(self)["param_groups"]
-        whole: dict[int, dict[str, Any]] = {}
-        for i, entry in state.items():
-            if self._owner[i] != self._rank:
-                continue
-            whole[i] = {k: v.local if isinstance(v, Shard) else v for k, v in entry.items()}
-        self.load_state_dict({"state": whole, "param_groups": groups})
+        mine = {
+            i: {k: v.local if isinstance(v, Shard) else v for k, v in entry.items()}
+            for i, entry in state.items()
+            if self._owner[i] == self._rank
+        }
+        self.load_state_dict({"state": mine, "param_groups": param_groups})
 
     def init_state(self) -> None:
         """Give every parameter of this rank's partition a zero state if :attr:`optim` has none.
