@@ -6,8 +6,8 @@ the forward pass recorded on a tape, ``tape.gradient`` and the optimizer's ``ste
 
 - ``ddp``: :class:`~cupy_parallel.DistributedDataParallel` + ``optim.Adam`` (the baseline);
 - ``zero1``: DDP + ``distributed.optim.ZeroRedundancyOptimizer(Adam)`` (when that class exists
-  in this checkout), its parameters synchronised by one all-gather of padded flat buffers (the
-  default); ``zero1 broadcast``: by a broadcast per owner (``param_sync="broadcast"``);
+  in this checkout), its parameters synchronised by one all-gather of padded flat buffers
+  (``param_sync="all_gather"``); ``zero1 broadcast``: by a broadcast per owner (the default);
 - ``fsdp``: :class:`~cupy_parallel.FullyShardedDataParallel` (FULL_SHARD) + ``optim.Adam`` on
   its shards; ``fsdp grad_op``: the same with ``reshard_after_forward=False`` (SHARD_GRAD_OP).
 
