@@ -6,7 +6,8 @@ the forward pass recorded on a tape, ``tape.gradient`` and the optimizer's ``ste
 
 - ``ddp``: :class:`~cupy_parallel.DistributedDataParallel` + ``optim.Adam`` (the baseline);
 - ``zero1``: DDP + ``distributed.optim.ZeroRedundancyOptimizer(Adam)`` (when that class exists
-  in this checkout);
+  in this checkout), its parameters synchronised by one all-gather of padded flat buffers
+  (``param_sync="all_gather"``); ``zero1 broadcast``: by a broadcast per owner (the default);
 - ``fsdp``: :class:`~cupy_parallel.FullyShardedDataParallel` (FULL_SHARD) + ``optim.Adam`` on
   its shards; ``fsdp grad_op``: the same with ``reshard_after_forward=False`` (SHARD_GRAD_OP).
 
@@ -132,11 +133,16 @@ def _variants() -> dict[str, Any]:
     except ImportError:
         return variants
 
-    def zero1() -> Any:
+    def zero1(sync: str) -> Any:
         module = cp.DistributedDataParallel(model, _params())
-        return module, ZeroRedundancyOptimizer(module.params, Adam, lr=LR)
+        return module, ZeroRedundancyOptimizer(module.params, Adam, lr=LR, param_sync=sync)
 
-    return {"ddp": ddp, "zero1": zero1, **{k: v for k, v in variants.items() if k != "ddp"}}
+    return {
+        "ddp": ddp,
+        "zero1": lambda: zero1("all_gather"),
+        "zero1 broadcast": lambda: zero1("broadcast"),
+        **{k: v for k, v in variants.items() if k != "ddp"},
+    }
 
 
 def _step(module: Any, optimizer: Any, x: Any, y: Any) -> float:
@@ -199,6 +205,7 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
     ddp_model = 4 * param_bytes
     targets = {
         "zero1": (2 + 2 / n) / 4,
+        "zero1 broadcast": (2 + 2 / n) / 4,
         "fsdp": (4 / n) / 4 + 2 * unit_bytes / ddp_model,
         "fsdp grad_op": None,
     }
@@ -220,7 +227,7 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
                 "ranks": n,
             }
         )
-    step_targets = {"zero1": 1.1, "fsdp": 1.2, "fsdp grad_op": 1.2}
+    step_targets = {"zero1": 1.1, "zero1 broadcast": 1.1, "fsdp": 1.2, "fsdp grad_op": 1.2}
     for name in times:
         if name == "ddp":
             continue

@@ -622,7 +622,7 @@ from cupy_parallel import distributed as dist
 from cupy_parallel import ops
 from cupy_parallel.optim import Adam
 
-D, UNITS, BATCH, STEPS = 384, 8, 16, 8  # a unit: a 384 x 384 float32 weight (576 KiB), a bias
+D, UNITS, BATCH, STEPS = 384, 8, 16, 5  # a unit: a 384 x 384 float32 weight (576 KiB), a bias
 
 def init_params():  # the weights in pooled memory (cupy_parallel.empty), as a rank's arrays are
     rng = np.random.default_rng(0)

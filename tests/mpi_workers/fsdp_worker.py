@@ -508,6 +508,33 @@ def check_complex_parameters_equal_ddp(s: Setting = F64) -> None:
     np.testing.assert_allclose(got, rows, rtol=1e-12, atol=1e-14)
 
 
+def check_on_a_subgroup(s: Setting = F64) -> None:
+    """FSDP over ``new_group([1, 2])`` (group ranks differ from world ranks): DDP's parameters
+    on the same group, after two SGD steps; full_params(to=2) reaches world rank 2 only."""
+    if dist.get_world_size() < 3:
+        return
+    group = dist.new_group([1, 2])
+    if dist.get_rank() not in (1, 2):
+        return
+    x, y = data()
+    r = dist.get_rank() - 1
+    xs, ys = s.put(x[r * N // 2 : (r + 1) * N // 2]), s.put(y[r * N // 2 : (r + 1) * N // 2])
+    ddp = cp.DistributedDataParallel(plain_model, s.put(raw_params()), process_group=group)
+    fsdp = cp.FullyShardedDataParallel(model, s.put(raw_params()), process_group=group)
+    for module in (ddp, fsdp):
+        optimizer = PlainSGD(module.params)
+        for _ in range(2):
+            with cp.Tape() as tape:
+                loss = loss_of(module(xs), ys)
+            optimizer.step(tape.gradient(loss, module.params))
+    close(fsdp.full_params(), ddp.params, "subgroup", s.tol)
+    to_two = fsdp.full_params(to=2)
+    if dist.get_rank() == 2:
+        close(to_two, ddp.params, "subgroup, to=2", s.tol)
+    else:
+        assert to_two is None, to_two
+
+
 def check_mismatched_params_raise_on_every_rank(s: Setting = F64) -> None:
     params = s.put(raw_params())
     if dist.get_rank() == 1:
@@ -551,6 +578,7 @@ CHECKS: list[tuple[Any, Setting]] = [
     (check_every_dtype_and_shape_round_trips_bit_exactly, F64),
     (check_every_dtype_and_shape_round_trips_bit_exactly, Setting("host")),
     (check_complex_parameters_equal_ddp, F64),
+    (check_on_a_subgroup, F64),
     (check_mismatched_params_raise_on_every_rank, F64),
     (check_second_derivative_refused, F64),
 ]
