@@ -165,7 +165,7 @@ owner travel together in one flat buffer (one collective instead of many small o
 
 def _sync_broadcast(zero: ZeroRedundancyOptimizer) -> list[Any]:
     """Per bucket and owner: each large parameter broadcast in place, the small ones packed."""
-    flights = []
+    flights: list[tuple[Any, int, list[Any], Any]] = []  # (work, owner, arrays, buffer or None)
     for bucket in zero._buckets:
         for rank, owned in enumerate(bucket.members):
             source = get_global_rank(zero.process_group, rank)
