@@ -424,3 +424,34 @@ def test_edges_0d_zero_size_mixed_dtypes_and_a_sharded_checkpoint_3_to_2(
                 index,
                 key,
             )
+
+
+def test_on_a_subgroup_group_ranks_are_not_world_ranks() -> None:
+    """new_group([1, 2]) of 3 ranks: owners and consolidate's ``to`` are group ranks."""
+
+    def program(rank: int) -> Any:
+        group = dist.new_group([1, 2])
+        if rank == 0:
+            return None
+        zp, pp = _edge_params(), _edge_params()
+        zero = ZeroRedundancyOptimizer(zp, Adam, lr=0.1, process_group=group)
+        plain = Adam(pp, lr=0.1)
+        for step in range(2):
+            zero.step(_edge_grads(zp, step))
+            plain.step(_edge_grads(pp, step))
+        zero.consolidate_state_dict(to=1)  # group rank 1: world rank 2
+        same = all(np.array_equal(zp[k], pp[k]) for k in pp if isinstance(pp[k], np.ndarray))
+        try:
+            whole = zero.state_dict()
+        except RuntimeError:  # not consolidated here: group rank 0 (world rank 1)
+            whole = None
+        return same, whole is not None, whole, plain.state_dict()
+
+    results = dist.spawn(program, 3, timeout=60)
+    assert results[0] is None
+    assert [r[:2] for r in results[1:]] == [(True, False), (True, True)]
+    whole, want = results[2][2], results[2][3]
+    assert sorted(whole["state"]) == sorted(want["state"])
+    for index, entry in want["state"].items():
+        for key, value in entry.items():
+            assert np.array_equal(np.asarray(whole["state"][index][key]), np.asarray(value))
