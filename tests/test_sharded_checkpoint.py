@@ -85,6 +85,7 @@ def _host(tree: Any) -> Any:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("saved_by", "loaded_by"),
     [
@@ -104,6 +105,7 @@ def test_saved_on_4_ranks_resumed_on_2_continues_as_the_uninterrupted_run(
     _resume_4_to_2(tmp_path / "ckpt", saved_by, loaded_by, "cpu", "threads")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("saved_by", "loaded_by"), [("zero", "fsdp"), ("fsdp", "zero")], ids=lambda kind: kind
 )

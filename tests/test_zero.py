@@ -41,6 +41,7 @@ IN_PLACE = pytest.mark.parametrize(
 )
 
 
+@pytest.mark.slow
 @IN_PLACE
 @pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
 def test_zero_on_thread_ranks(ranks: int, in_place_bytes: int, monkeypatch: Any) -> None:
@@ -51,8 +52,22 @@ def test_zero_on_thread_ranks(ranks: int, in_place_bytes: int, monkeypatch: Any)
     assert printed(ran.stdout) == passed(ranks, len(worker("zero_worker").checks()))
 
 
-@IN_PLACE
-@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ranks", "in_place_bytes"),
+    [
+        (2, zero_module.IN_PLACE_BYTES),
+        (3, zero_module.IN_PLACE_BYTES),
+        (4, zero_module.IN_PLACE_BYTES),
+        (3, 0),
+    ],
+    ids=[
+        "2ranks-small-packed",
+        "3ranks-small-packed",
+        "4ranks-small-packed",
+        "3ranks-all-in-place",
+    ],
+)
 def test_zero_on_nccl_thread_ranks_with_cupy_arrays(
     ranks: int, in_place_bytes: int, monkeypatch: Any
 ) -> None:
@@ -65,6 +80,7 @@ def test_zero_on_nccl_thread_ranks_with_cupy_arrays(
     assert printed(ran.stdout) == passed(ranks, len(worker("zero_worker").cupy_checks()))
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 def test_zero_under_mpiexec() -> None:
@@ -108,6 +124,7 @@ def test_partition_is_the_greedy_rule_and_covers_every_parameter(
     assert max(loads) <= sum(loads) / world + biggest
 
 
+@pytest.mark.slow
 def test_partition_matches_torchs() -> None:
     torch = pytest.importorskip("torch")
     zro = pytest.importorskip("torch.distributed.optim.zero_redundancy_optimizer")
@@ -132,6 +149,7 @@ def test_partition_matches_torchs() -> None:
 # -- against torch's ZeroRedundancyOptimizer (gloo processes) -------------------------------------
 
 
+@pytest.mark.slow
 def test_against_torchs_zero_redundancy_optimizer_on_gloo(tmp_path: Any) -> None:
     pytest.importorskip("torch")
     world, steps = 3, 5
@@ -369,6 +387,7 @@ def _edge_grads(params: dict[str, Any], step: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["broadcast", "all_gather"])
 def test_edges_0d_zero_size_mixed_dtypes_and_a_sharded_checkpoint_3_to_2(
     tmp_path: Any, sync: str
