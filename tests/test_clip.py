@@ -76,6 +76,48 @@ def test_against_torch(p: float, dtype: Any) -> None:
         np.testing.assert_allclose(got, t.grad.numpy(), rtol=tol, atol=0)
 
 
+@pytest.mark.parametrize("p", [2.0, 3.0, 1e6], ids=str)
+@pytest.mark.parametrize("scale", [300.0, 1e-4], ids=["large", "small"])
+def test_float16_norms_are_summed_in_float32(scale: float, p: float) -> None:
+    # torch sums float16 in float32 and rounds the norm to float16; summing in float16 gave
+    # inf for 1000 gradients of 300 (the total 9490 overflowed: every gradient clipped to 0)
+    # and 0 for gradients of 1e-4 (the squares underflowed)
+    rng = np.random.default_rng(5)
+    grads = [(scale * (1 + rng.random(n))).astype(np.float16) for n in (1000, 10)]
+    clipped, total = cp.clip_grad_norm(grads, 1.0, p)
+    wide = [g.astype(np.float32) for g in grads]
+    with np.errstate(over="ignore"):  # 300**1e6: inf, as in torch
+        norms = [np.float16(np.sum(np.abs(g) ** np.float32(p)) ** np.float32(1 / p)) for g in wide]
+        want = np.float16(np.sum(np.float32(norms) ** np.float32(p)) ** np.float32(1 / p))
+    assert total.dtype == np.float16
+    np.testing.assert_allclose(total, want, rtol=2e-3)
+    coefficient = min(1.0 / (float(want) + 1e-6), 1.0)
+    for got, given in zip(clipped, grads, strict=True):
+        np.testing.assert_allclose(got, given.astype(np.float64) * coefficient, rtol=4e-3)
+
+
+def test_an_infinite_float16_total_with_a_large_max_norm_scales_by_zero_as_torch() -> None:
+    # torch: 1e9 / inf = reciprocal(inf) * 1e9 = 0 (the number enters in float32); NumPy's
+    # float16 1e9 is inf, and inf / inf made every gradient NaN
+    grads = [np.full(1000, 300.0, np.float16)]
+    clipped, total = cp.clip_grad_norm(grads, 1e9, 1.0)
+    assert total == np.inf
+    np.testing.assert_array_equal(clipped[0], np.zeros(1000, np.float16))
+
+
+def test_float16_gradients_scaled_in_float32_by_a_float32_total() -> None:
+    torch = pytest.importorskip("torch")
+    grads = [np.full(5, 3.0, np.float16), np.full(5, 4.0, np.float32)]
+    params = [torch.zeros(5, dtype=torch.from_numpy(g).dtype) for g in grads]
+    for t, g in zip(params, grads, strict=True):
+        t.grad = torch.from_numpy(g.copy())
+    theirs = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    clipped, total = cp.clip_grad_norm(grads, 1.0)
+    assert total == theirs.numpy()
+    for got, t in zip(clipped, params, strict=True):  # the coefficient not rounded to float16
+        np.testing.assert_array_equal(got, t.grad.numpy())
+
+
 def test_non_finite_norms() -> None:
     grads = {"a": np.array([1.0, np.nan]), "b": np.array([2.0])}
     with pytest.raises(RuntimeError, match=r"The total norm of order 2\.0 .* is non-finite"):
@@ -179,6 +221,10 @@ def test_a_rank_without_gradients_joins_the_reduction() -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(TypeError, match=r"grads\['w'\] must be an array or None, got str"):
         cp.clip_grad_norm({"w": "x"}, 1.0)
+    with pytest.raises(TypeError, match=r"grads\[0\] must be a floating-point or complex array"):
+        cp.clip_grad_norm([np.array([3, 4])], 1.0)  # was scaled to [0, 0] silently
+    with pytest.raises(TypeError, match="got dtype bool"):
+        cp.clip_grad_norm({"w": np.array([True])}, 1.0)
     with pytest.raises(TypeError, match="max_norm must be a real number, got str"):
         cp.clip_grad_norm([np.ones(2)], "1")
     with pytest.raises(TypeError, match="norm_type must be a real number"):

@@ -37,10 +37,37 @@ def _on(device: Device, compute: Any, *arrays: Any) -> Any:
 
 
 def _vector_norm(xp: Any, x: Any, p: float) -> Any:
+    """The ``p``-norm of ``x``, in ``x``'s dtype; float16 is summed in float32 (torch's opmath).
+
+    NumPy and CuPy would sum float16 in float16 (and cast ``p`` to float16), so a norm past
+    65504 would be inf and one of small gradients 0, where torch's is finite.
+    """
     flat = x.reshape(-1)
-    if xp is np:
-        return np.linalg.vector_norm(flat, ord=p)
-    return xp.linalg.norm(flat, ord=p)
+    if x.dtype == np.float16:
+        flat = flat.astype(np.float32)
+    norm = np.linalg.vector_norm(flat, ord=p) if xp is np else xp.linalg.norm(flat, ord=p)
+    return norm.astype(np.float16) if x.dtype == np.float16 else norm
+
+
+def _coefficient(xp: Any, total: Any, max_norm: float) -> Any:
+    """The coefficient ``clamp(max_norm / (total + 1e-6), max=1)`` op by op as torch does.
+
+    torch's ``number / tensor`` is ``tensor.reciprocal() * number``, and a Python number
+    enters an op in the opmath type (float32 for float16): ``max_norm = 1e9`` times the
+    reciprocal 0 of an infinite float16 total is 0 there, where NumPy's float16 ``1e9`` (inf)
+    would make it NaN.
+    """
+    wide = np.float32 if total.dtype == np.float16 else total.dtype
+    shifted = (total.astype(wide) + 1e-6).astype(total.dtype)
+    reciprocal = xp.reciprocal(shifted)
+    return xp.minimum((reciprocal.astype(wide) * max_norm).astype(total.dtype), 1.0)
+
+
+def _scale(xp: Any, g: Any, c: Any) -> Any:
+    """``g * c`` in ``g``'s dtype; float16 multiplied in float32, rounded once (torch's opmath)."""
+    if g.dtype == np.float16:
+        return xp.multiply(g.astype(np.float32), c.astype(np.float32)).astype(np.float16)
+    return xp.multiply(g, c.astype(g.dtype))
 
 
 def clip_grad_norm(
@@ -106,6 +133,11 @@ def clip_grad_norm(
                 f"{name} must be an array or None, got {type(leaf).__name__}; clip_grad_norm "
                 "takes the gradients (a tree of arrays), not the parameters."
             )
+        if leaf.dtype.kind not in "fc":  # an integer gradient would be scaled to 0
+            raise TypeError(
+                f"{name} must be a floating-point or complex array (a gradient), got dtype "
+                f"{leaf.dtype}."
+            )
     total = _total_norm(leaves, p)
     if process_group is not None:
         total = _reduce_total(total, p, process_group)
@@ -118,13 +150,11 @@ def clip_grad_norm(
     if not leaves:
         return spec.unflatten(leaves), total
     first = device_of(total)
-    coefficient = _on(first, lambda xp, t: xp.minimum(max_norm / (t + 1e-6), 1.0), total)
+    coefficient = _on(first, lambda xp, t: _coefficient(xp, t, max_norm), total)
     clipped = []
     for leaf in leaves:
         here = to_device(coefficient, device_of(leaf))
-        clipped.append(
-            _on(device_of(leaf), lambda xp, g, c: xp.multiply(g, c.astype(g.dtype)), leaf, here)
-        )
+        clipped.append(_on(device_of(leaf), _scale, leaf, here))
     return spec.unflatten(clipped), total
 
 
