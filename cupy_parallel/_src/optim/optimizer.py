@@ -17,7 +17,14 @@ import numpy as np
 
 from cupy_parallel._src import tree
 from cupy_parallel._src.arguments import read_real
-from cupy_parallel._src.arrays import device_of, empty, is_array, shares_memory, to_device
+from cupy_parallel._src.arrays import (
+    check_outs,
+    device_of,
+    empty,
+    is_array,
+    shares_memory,
+    to_device,
+)
 from cupy_parallel._src.optim.updates import Workspace
 from cupy_parallel._src.recording import note_overwritten, tapes_exist
 
@@ -153,8 +160,17 @@ class Optimizer:
                 "construct it with a list of param groups to add groups."
             )
         names, leaves, spec = tree.flatten_with_names(param_group["params"], "params")
+        for name, leaf in zip(names, leaves, strict=True):
+            if is_array(leaf) and leaf.dtype.kind == "c":  # it would ride along, never updated
+                raise TypeError(
+                    f"{name} is a complex array ({leaf.dtype}); the optimizers update real "
+                    "floating-point arrays: pass its real view instead (torch's view_as_real: "
+                    "p.view(p.real.dtype), and the gradient likewise), which the step updates "
+                    "in place, real and imaginary parts as separate entries as torch does."
+                )
         mask = [is_parameter(leaf) for leaf in leaves]
-        leaves = [leaf for leaf, keep in zip(leaves, mask, strict=True) if keep]
+        named = [(n, leaf) for n, leaf, keep in zip(names, leaves, mask, strict=True) if keep]
+        leaves = [leaf for _, leaf in named]
         if not leaves and not self._grouped:  # torch: an empty group in a list is fine
             raise ValueError(
                 "optimizer got an empty parameter list (no floating-point array among the "
@@ -163,6 +179,19 @@ class Optimizer:
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         if len({id(p) for p in leaves}) != len(leaves) or seen & {id(p) for p in leaves}:
             raise ValueError("some parameters appear in more than one parameter group")
+        # the step writes every parameter in place: a read-only one would fail mid-step (after
+        # the parameters before it were updated), a self-overlapping one (a zero stride) would
+        # keep only its last element's update, and two that share memory would overwrite each
+        # other's update; refused here, before any step
+        if self._grouped:
+            root = f"param_groups[{len(self.param_groups)}]['params']"
+            named = [(root + n.removeprefix("params"), leaf) for n, leaf in named]
+        earlier = [
+            (f"param_groups[{i}]['params'][{j}]", p)
+            for i, g in enumerate(self.param_groups)
+            for j, p in enumerate(g["params"])
+        ]
+        check_outs(earlier + named, [], f"{type(self).__name__}.step")
         # keys beyond the defaults are kept as given, as torch keeps them ("initial_lr", names)
         group = {k: v for k, v in param_group.items() if k != "params"}
         for key in self.defaults:

@@ -1,0 +1,52 @@
+"""Edge cases of the optimizers found by porting torch code, each one a former silent error.
+
+The oracle is what torch does (or refuses) with the same input, stated in each test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupy_parallel.optim import SGD, Adam
+
+
+def test_a_read_only_parameter_is_refused_at_construction() -> None:
+    # the step used to fail at the read-only parameter, after updating the ones before it and
+    # leaving its own state half written (exp_avg filled, step still 0)
+    first = np.ones(2)
+    frozen = np.ones(3)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"params\[1\] is read-only, but Adam\.step writes"):
+        Adam([first, frozen])
+    with pytest.raises(ValueError, match=r"params\['b'\] is read-only"):
+        SGD({"a": first, "b": np.broadcast_to(np.ones(1), (3,))})
+
+
+def test_a_self_overlapping_parameter_is_refused() -> None:
+    # torch: "more than one element of the written-to tensor refers to a single memory
+    # location"; the step kept the last element's update only ([0.7] * 3 for grads 1, 2, 3)
+    one = np.lib.stride_tricks.as_strided(np.ones(1), (3,), (0,))
+    with pytest.raises(ValueError, match=r"params\[0\] has strides \(0,\) for shape \(3,\)"):
+        SGD([one], lr=0.1)
+
+
+def test_parameters_sharing_memory_are_refused_in_and_across_groups() -> None:
+    # each update read the other's result: buf[1:3] was moved twice per step
+    buf = np.zeros(4)
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[1\] share memory"):
+        SGD([buf[:3], buf[1:]], lr=1.0)
+    opt = SGD([{"params": [buf[:2]]}], lr=1.0)
+    with pytest.raises(
+        ValueError,
+        match=r"param_groups\[0\]\['params'\]\[0\] and param_groups\[1\]\['params'\]\['x'\] share",
+    ):
+        opt.add_param_group({"params": {"x": buf[1:]}})
+    assert len(opt.param_groups) == 1
+    SGD([buf[:2], buf[2:]], lr=1.0)  # disjoint views of one buffer are fine
+
+
+def test_a_complex_parameter_is_refused_with_the_real_view_to_pass() -> None:
+    # it rode along as a non-parameter: never updated, its gradient had to be None
+    with pytest.raises(TypeError, match=r"params\['z'\] is a complex array \(complex128\)"):
+        SGD({"w": np.ones(2), "z": np.ones(2, complex)}, lr=0.1)
