@@ -50,3 +50,22 @@ def test_a_complex_parameter_is_refused_with_the_real_view_to_pass() -> None:
     # it rode along as a non-parameter: never updated, its gradient had to be None
     with pytest.raises(TypeError, match=r"params\['z'\] is a complex array \(complex128\)"):
         SGD({"w": np.ones(2), "z": np.ones(2, complex)}, lr=0.1)
+
+
+def test_a_state_dict_taken_mid_run_stays_consistent_as_torch_s() -> None:
+    # torch's state_dict holds each parameter's own state dict; ours copied it, so "step"
+    # stayed 1.0 while exp_avg went on: loading it two steps later resumed with step 1 and the
+    # moments of step 3, and two more steps gave [0.4548, 1.5452] where torch gives [0.5, 1.5]
+    p = np.ones(2)
+    opt = Adam([p], lr=0.1)
+    g = np.array([1.0, -2.0])
+    opt.step([g])
+    sd = opt.state_dict()
+    opt.step([g])
+    opt.step([g])
+    assert sd["state"][0]["step"] == 3.0
+    opt.load_state_dict(sd)
+    opt.step([g])
+    opt.step([g])
+    # the first five steps of Adam on a constant gradient move every entry by lr * sign
+    np.testing.assert_allclose(p, [0.5, 1.5], rtol=1e-6)

@@ -290,9 +290,10 @@ class Optimizer:
         """Torch's layout: ``{"state": {index: {...}}, "param_groups": [{..., "params": [...]}]}``.
 
         ``index`` is the parameter's position in flatten order, groups in order; a parameter
-        that never had a gradient has no entry. The state's arrays are the optimizer's own (not
-        copies, as torch's), so a checkpoint loader may fill them in place; the groups are
-        copies.
+        that never had a gradient has no entry. Each entry is the parameter's own state dict,
+        as in torch (not a copy: its arrays and its ``step`` follow later steps, so a checkpoint
+        loader may fill it in place, and a snapshot to keep needs ``copy.deepcopy``); the groups
+        are copies.
 
         Example:
             >>> import numpy as np
@@ -310,7 +311,10 @@ class Optimizer:
             packed["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
             groups.append(packed)
-        state = {i: dict(s) for i, s in sorted(self.state.items()) if s}
+        # each parameter's own state dict, as torch's: a copy would freeze "step" (a float)
+        # while the arrays go on changing, a torn snapshot that resumes with the wrong bias
+        # correction
+        state = {i: s for i, s in sorted(self.state.items()) if s}
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
