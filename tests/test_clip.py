@@ -203,6 +203,47 @@ def test_sharded_gradients_over_a_process_group(p: float) -> None:
         np.testing.assert_allclose(gathered, whole * coefficient, rtol=1e-12)
 
 
+def _uneven_shards(rank: int, world: int, p: float) -> list[Any]:
+    # leaves of 24, 9, 6 and 1 entries over 4 ranks: ranks 1-3 hold an empty shard of the
+    # last; rank 3 passes no gradient for the first (-inf) or none at all (-1)
+    grads = [*_leaves(_grads()), np.array([0.25])]
+    shards: list[Any] = [np.array_split(g.ravel(), world)[rank] for g in grads]
+    if rank == 3:
+        shards = [None] * len(shards) if p == -1.0 else [None, *shards[1:]]
+    return shards
+
+
+def _uneven_rank(rank: int, world: int, p: float) -> float:
+    shards = _uneven_shards(rank, world, p)
+    _, total = cp.clip_grad_norm(shards, 0.5, p, process_group=dist.group.WORLD)
+    return float(total)
+
+
+@pytest.mark.parametrize("p", [-math.inf, -1.0], ids=str)
+def test_empty_shards_and_a_rank_without_gradients_for_negative_orders(p: float) -> None:
+    # -inf: the empty shard's min raised on ranks 1-3 (NumPy's "zero-size array to reduction
+    # operation minimum") and rank 0 waited in the all_reduce; -1: a rank without gradients
+    # added torch's zero as 0**-1 = inf, which made the total 0
+    passed = [s for r in range(4) for s in _uneven_shards(r, 4, p) if s is not None]
+    flat = np.abs(np.concatenate(passed))
+    want = np.min(flat) if math.isinf(p) else np.sum(flat**p) ** (1 / p)
+    totals = dist.spawn(_uneven_rank, 4, (4, p), timeout=60)
+    assert totals[:3] == [pytest.approx(float(want), rel=1e-12)] * 3
+    assert totals[3] == pytest.approx(float(want), rel=1e-6)  # float32 without gradients
+
+
+def _count_rank(rank: int, world: int) -> str:
+    with pytest.raises(ValueError, match="norm_type=0 cannot be computed from gradient shards"):
+        cp.clip_grad_norm([np.ones(2)], 1.0, 0.0, process_group=dist.group.WORLD)
+    return "refused"
+
+
+def test_the_zero_norm_of_shards_is_refused_on_every_rank() -> None:
+    # torch's 0-"norm" counts the gradients with a nonzero entry: the sum of the ranks' counts
+    # gave 7 for 3 gradients sharded over 4 ranks
+    assert dist.spawn(_count_rank, 2, (2,), timeout=60) == ["refused"] * 2
+
+
 def _float32_rank(rank: int, world: int) -> float:
     # rank 0 holds nothing (torch's float32 zero); the others float32 shards of "a"
     grads = _grads(np.float32)

@@ -29,7 +29,7 @@ def _on(device: Device, compute: Any, *arrays: Any) -> Any:
     if device.kind == "cuda":
         with device:
             return compute(device.xp, *arrays)
-    with np.errstate(invalid="ignore", over="ignore"):  # torch's silent NaN and inf
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # torch's silent NaN, inf
         if device.kind == "host":
             result = compute(np, *[host_buffer(a) for a in arrays])
             return host_array(np.asarray(result), device)
@@ -43,6 +43,8 @@ def _vector_norm(xp: Any, x: Any, p: float) -> Any:
     65504 would be inf and one of small gradients 0, where torch's is finite.
     """
     flat = x.reshape(-1)
+    if flat.size == 0 and p == -math.inf:  # min over nothing: its identity (an empty shard)
+        return xp.full((), math.inf, dtype=np.finfo(x.dtype).dtype)  # real for complex
     if x.dtype == np.float16:
         flat = flat.astype(np.float32)
     norm = np.linalg.vector_norm(flat, ord=p) if xp is np else xp.linalg.norm(flat, ord=p)
@@ -100,7 +102,10 @@ def clip_grad_norm(
         process_group: a process group over which ``grads`` are *shards* of the whole
             gradients (ZeRO, FSDP): the total is the norm of all the shards, from one
             ``all_reduce`` (the sum of ``p``-th powers; ``MAX`` for ``inf``; ``MIN`` for
-            ``-inf``; the sum of counts for ``p = 0``). ``None``: the gradients are whole
+            ``-inf``; a rank without gradients adds nothing). ``p = 0`` is refused with a group:
+            torch's 0-"norm" counts the *tensors* with a nonzero entry, which no rank can tell
+            from its shards (summing each rank's count gave 7 for 3 tensors on 4 ranks); like
+            torch's FSDP, which cannot take it either. ``None``: the gradients are whole
             (replicated ranks, as under DDP, need no reduction). Every rank of the group must
             call it.
 
@@ -109,8 +114,9 @@ def clip_grad_norm(
         float32 zero on the cpu (torch's ``tensor(0.0)``) and nothing is scaled.
 
     Raises:
-        TypeError: a leaf that is neither an array nor ``None``; a non-number ``max_norm`` or
-            ``norm_type``.
+        TypeError: a leaf that is neither an array nor ``None``, or not floating-point or
+            complex; a non-number ``max_norm`` or ``norm_type``.
+        ValueError: ``norm_type=0`` with a ``process_group``.
         RuntimeError: the total norm is not finite and ``error_if_nonfinite``.
 
     Example:
@@ -126,6 +132,12 @@ def clip_grad_norm(
     max_norm = read_real(max_norm, "max_norm")
     p = read_real(norm_type, "norm_type")
     error_if_nonfinite = read_bool(error_if_nonfinite, "error_if_nonfinite")
+    if process_group is not None and p == 0:
+        raise ValueError(
+            "norm_type=0 cannot be computed from gradient shards (process_group): torch's "
+            "0-norm counts the whole gradients with a nonzero entry, which a rank cannot tell "
+            "from its shard; use norm_type=2.0, 1.0 or inf."
+        )
     names, leaves, spec = tree.flatten_with_names(grads, "grads")
     for name, leaf in zip(names, leaves, strict=True):
         if not is_array(leaf):
@@ -140,7 +152,7 @@ def clip_grad_norm(
             )
     total = _total_norm(leaves, p)
     if process_group is not None:
-        total = _reduce_total(total, p, process_group)
+        total = _reduce_total(total, p, process_group, has_gradients=bool(leaves))
     if error_if_nonfinite and not bool(math.isfinite(float(to_device(total, "cpu")))):
         raise RuntimeError(
             f"The total norm of order {p} for gradients from `parameters` is non-finite, so it "
@@ -172,7 +184,7 @@ def _total_norm(leaves: list[Any], p: float) -> Any:
     )
 
 
-def _reduce_total(total: Any, p: float, group: Any) -> Any:
+def _reduce_total(total: Any, p: float, group: Any, *, has_gradients: bool) -> Any:
     """The norm over the group's shards from this rank's ``total``: one all_reduce, in float64.
 
     Every rank reduces a float64 value whatever its gradients' dtype (a rank without gradients
@@ -186,7 +198,9 @@ def _reduce_total(total: Any, p: float, group: Any) -> Any:
     if math.isinf(p):
         op, power = (ReduceOp.MAX if p > 0 else ReduceOp.MIN), 1.0
     else:
-        op, power = ReduceOp.SUM, (1.0 if p == 0 else p)  # p = 0 counts: sum the counts
+        op, power = ReduceOp.SUM, p  # p != 0: clip_grad_norm refuses 0 with a group
     part = _on(device, lambda xp, t: (t.astype(np.float64) ** power).reshape(1), total)
+    if not has_gradients:  # the reduction's identity (torch's zero would be 0**p = inf for p < 0)
+        part[...] = math.inf if op == ReduceOp.MIN else 0.0
     all_reduce(part, op=op, group=group)
     return _on(device, lambda xp, s: (s ** (1.0 / power)).reshape(()).astype(total.dtype), part)
