@@ -69,3 +69,26 @@ def test_a_state_dict_taken_mid_run_stays_consistent_as_torch_s() -> None:
     opt.step([g])
     # the first five steps of Adam on a constant gradient move every entry by lr * sign
     np.testing.assert_allclose(p, [0.5, 1.5], rtol=1e-6)
+
+
+def test_adamw_keeps_its_decay_decoupled_when_loading_an_adam_state_dict() -> None:
+    # torch's AdamW sets decoupled_weight_decay=True on load; ours took Adam's False and went
+    # on as Adam with L2 decay: after 3 steps from an Adam(weight_decay=0.1) dict, w differed
+    # from AdamW's by 1.3e-2
+    from cupy_parallel.optim import AdamW
+
+    grads = [np.array([1.0, -0.5]), np.array([0.2, 0.3]), np.array([-1.0, 2.0])]
+    want = np.array([1.0, -2.0])
+    fresh = AdamW([want], lr=0.1, weight_decay=0.1)
+    got = want.copy()
+    loaded = AdamW([got], lr=0.1, weight_decay=0.1)
+    adam = Adam([np.ones(2)], lr=0.1, weight_decay=0.1)
+    adam.step([np.ones(2)])
+    sd = adam.state_dict()
+    sd["state"] = {}  # only the groups matter here
+    loaded.load_state_dict(sd)
+    assert loaded.param_groups[0]["decoupled_weight_decay"] is True
+    for g in grads:
+        fresh.step([g])
+        loaded.step([g])
+    np.testing.assert_array_equal(got, want)
