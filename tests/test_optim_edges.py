@@ -92,3 +92,26 @@ def test_adamw_keeps_its_decay_decoupled_when_loading_an_adam_state_dict() -> No
         fresh.step([g])
         loaded.step([g])
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("count", [2, 9], ids=["few", "many"])  # every pair / the sorted sweep
+def test_a_gradient_sharing_memory_with_another_parameter_is_refused(count: int) -> None:
+    # grads {"a": b, "b": a} (the gradient of sum(a * b), written by hand): a was updated
+    # first and b's step read the new a: with a = 1, b = 2, lr = 0.5, b became 2.0 where
+    # torch (whose .grad is a tensor of its own) gives 2 - 0.5 * 1 = 1.5
+    params = {f"p{i}": np.full(2, float(i + 1)) for i in range(count)}
+    a, b = params["p0"], params[f"p{count - 1}"]
+    grads: dict[str, np.ndarray | None] = dict.fromkeys(params)
+    grads["p0"], grads[f"p{count - 1}"] = b, a
+    opt = SGD(params, lr=0.5)
+    with pytest.raises(
+        ValueError,
+        match=rf"grads\['p{count - 1}'\] shares memory with another parameter \(the one "
+        r"grads\['p0'\] is for\)",
+    ):
+        opt.step(grads)
+    np.testing.assert_array_equal(a, [1.0, 1.0])
+    grads["p0"], grads[f"p{count - 1}"] = b.copy(), a.copy()
+    opt.step(grads)
+    np.testing.assert_array_equal(a, [1.0 - 0.5 * count] * 2)
+    np.testing.assert_array_equal(b, [count - 0.5] * 2)

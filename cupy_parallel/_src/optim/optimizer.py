@@ -18,6 +18,7 @@ import numpy as np
 from cupy_parallel._src import tree
 from cupy_parallel._src.arguments import read_real
 from cupy_parallel._src.arrays import (
+    _bounds_meet,
     check_outs,
     device_of,
     empty,
@@ -222,11 +223,19 @@ class Optimizer:
         else:
             trees = [grads]
         out = []
+        checked: list[tuple[str, Any, Any]] = []
         for i, (group, spec, mask, grad_tree) in enumerate(
             zip(self.param_groups, self._specs, self._masks, trees, strict=True)
         ):
             root = f"grads[{i}]" if self._grouped else "grads"
-            out.append(_flatten_like(grad_tree, spec, mask, group["params"], root))
+            named = _flatten_like(grad_tree, spec, mask, group["params"], root)
+            out.append([grad for _, grad in named])
+            checked += [
+                (path, grad, param)
+                for (path, grad), param in zip(named, group["params"], strict=True)
+                if grad is not None
+            ]
+        _refuse_aliasing(checked)
         return out
 
     def step(self, grads: Any) -> None:
@@ -463,8 +472,8 @@ def _describe(value: Any) -> str:
 
 def _flatten_like(
     grads: Any, spec: PyTreeSpec, mask: list[bool], params: list[Any], root: str
-) -> list[Any]:
-    """``grads``' leaves at the params' leaf positions (``None`` allowed), or a clear error."""
+) -> list[tuple[str, Any]]:
+    """``(path, grad)`` at the params' leaf positions (``None`` allowed), or a clear error."""
     _, leaves, grad_spec = tree.flatten(grads)
     if grad_spec == spec:
         flat = leaves
@@ -506,9 +515,34 @@ def _flatten_like(
                 f"{path} is on {device_of(grad)}, its parameter on {device_of(param)}: move the "
                 "gradient to the parameter's device."
             )
-        if shares_memory(grad, param):  # the in-place update would change the gradient it reads
+    return kept
+
+
+def _refuse_aliasing(checked: list[tuple[str, Any, Any]]) -> None:
+    """Refuse a gradient sharing memory with a parameter: the in-place steps would change it.
+
+    ``checked``: ``(path, grad, param)`` of every gradient to apply. Its own parameter's
+    update would change the gradient it reads; another parameter's update, made first, would
+    change the gradient before its step reads it (grads ``{"a": b, "b": a}`` for the
+    gradient of ``sum(a * b)``: ``b`` moved by the new ``a``). Only arrays whose memory
+    bounds meet are tested (a sort, not every pair).
+    """
+    count = len(checked)
+    named = [(path, param) for path, _, param in checked]
+    named += [(path, grad) for path, grad, _ in checked]
+    for i, j in _bounds_meet(named):
+        if (i < count) == (j < count):  # two parameters (refused when added) or two gradients
+            continue
+        own, other = (j - count, i) if i < count else (i - count, j)
+        if not shares_memory(named[i][1], named[j][1]):
+            continue
+        path = checked[own][0]
+        if own == other:
             raise ValueError(
                 f"{path} shares memory with its parameter, which the step writes in place; "
                 "pass a copy of it."
             )
-    return [grad for _, grad in kept]
+        raise ValueError(
+            f"{path} shares memory with another parameter (the one {checked[other][0]} is "
+            "for), which the step writes in place: pass a copy of it."
+        )
