@@ -115,3 +115,13 @@ def test_a_gradient_sharing_memory_with_another_parameter_is_refused(count: int)
     opt.step(grads)
     np.testing.assert_array_equal(a, [1.0 - 0.5 * count] * 2)
     np.testing.assert_array_equal(b, [count - 0.5] * 2)
+
+
+def test_an_iterator_or_dict_view_of_arrays_is_refused() -> None:
+    # torch converts params to a list; here a group {"params": d.values()} was an empty group
+    # (the view is a leaf, no array): no parameter, no error until a confusing step
+    d = {"a": np.ones(2), "b": np.ones(3)}
+    with pytest.raises(TypeError, match=r"params is a dict_values, which is no pytree"):
+        SGD([{"params": d.values()}], lr=0.1)
+    with pytest.raises(TypeError, match=r"params is a generator"):
+        SGD((x for x in d.values()), lr=0.1)

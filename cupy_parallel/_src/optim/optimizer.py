@@ -11,6 +11,7 @@ state keys a parameter has (:meth:`Optimizer._state_keys`), and how one paramete
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator, MappingView
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -162,6 +163,12 @@ class Optimizer:
             )
         names, leaves, spec = tree.flatten_with_names(param_group["params"], "params")
         for name, leaf in zip(names, leaves, strict=True):
+            if isinstance(leaf, Iterator | MappingView):  # torch's model.parameters() habit
+                raise TypeError(
+                    f"{name} is a {type(leaf).__name__}, which is no pytree (its arrays would "
+                    "not be parameters): pass a list of the arrays (list(...)) or the dict "
+                    "itself."
+                )
             if is_array(leaf) and leaf.dtype.kind == "c":  # it would ride along, never updated
                 raise TypeError(
                     f"{name} is a complex array ({leaf.dtype}); the optimizers update real "
