@@ -5,6 +5,8 @@ The oracle is what torch does (or refuses) with the same input, stated in each t
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -125,3 +127,30 @@ def test_an_iterator_or_dict_view_of_arrays_is_refused() -> None:
         SGD([{"params": d.values()}], lr=0.1)
     with pytest.raises(TypeError, match=r"params is a generator"):
         SGD((x for x in d.values()), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda p: Adam(p, lr=float("nan")), "Invalid learning rate: nan"),
+        (lambda p: Adam(p, eps=float("nan")), "Invalid epsilon value: nan"),
+        (lambda p: Adam(p, weight_decay=float("nan")), "Invalid weight_decay value: nan"),
+        (lambda p: SGD(p, lr=float("nan")), "Invalid learning rate: nan"),
+        (lambda p: SGD(p, lr=0.1, momentum=float("nan")), "Invalid momentum value: nan"),
+        (lambda p: SGD(p, lr=0.1, dampening=float("nan")), "Invalid dampening value: nan"),
+    ],
+)
+def test_a_nan_hyper_parameter_is_refused(make: Any, match: str) -> None:
+    # torch's Adam refuses a NaN lr, eps or weight_decay; ours took them and made every
+    # parameter NaN at the first step (torch's SGD does too: refused here as well)
+    with pytest.raises(ValueError, match=match):
+        make([np.ones(2)])
+
+
+def test_a_nan_lr_set_mid_run_is_refused_before_any_update() -> None:
+    p = np.ones(2)
+    opt = Adam([p], lr=0.1)
+    opt.param_groups[0]["lr"] = float("nan")  # a LambdaLR returning NaN, say
+    with pytest.raises(ValueError, match="Invalid learning rate: nan"):
+        opt.step([np.ones(2)])
+    np.testing.assert_array_equal(p, np.ones(2))

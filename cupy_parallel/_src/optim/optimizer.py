@@ -14,8 +14,6 @@ import copy
 from collections.abc import Iterator, MappingView
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
-
 from cupy_parallel._src import tree
 from cupy_parallel._src.arguments import read_real
 from cupy_parallel._src.arrays import (
@@ -39,7 +37,11 @@ __all__ = ["Optimizer", "check_nonnegative", "zeros_like"]
 
 
 def check_nonnegative(value: Any, what: str, /) -> float:
-    """``value`` as a float, ``ValueError("Invalid {what}: value")`` when below 0 (torch's words).
+    """``value`` as a float, ``ValueError("Invalid {what}: value")`` below 0 or NaN (torch's words).
+
+    torch's Adam refuses NaN (``not 0.0 <= lr``), its SGD lets it through (``lr < 0.0``) to
+    make every parameter NaN; both refuse it here, at construction and at every step (a
+    scheduler's NaN lr too).
 
     Example:
         >>> check_nonnegative(0.1, "learning rate")
@@ -48,9 +50,13 @@ def check_nonnegative(value: Any, what: str, /) -> float:
         Traceback (most recent call last):
         ...
         ValueError: Invalid learning rate: -1
+        >>> check_nonnegative(float("nan"), "learning rate")
+        Traceback (most recent call last):
+        ...
+        ValueError: Invalid learning rate: nan
     """
     number = read_real(value, what)
-    if not number >= 0.0 and not np.isnan(number):
+    if not number >= 0.0:  # NaN too: torch's Adam refuses it; a NaN step makes every entry NaN
         raise ValueError(f"Invalid {what}: {value}")
     return number
 
@@ -439,6 +445,7 @@ def zeros_like(param: Any) -> Any:
     """Zeros shaped as ``param``, C-contiguous, on its device (a state array).
 
     Example:
+        >>> import numpy as np
         >>> zeros_like(np.ones((2, 1), np.float32))
         array([[0.],
                [0.]], dtype=float32)
@@ -457,6 +464,7 @@ def is_parameter(leaf: Any, /) -> bool:
     does not differentiate them; their gradient must be ``None``.
 
     Example:
+        >>> import numpy as np
         >>> is_parameter(np.zeros(2)), is_parameter(np.zeros(2, int)), is_parameter(1.0)
         (True, False, False)
     """
