@@ -118,6 +118,13 @@ def test_float16_gradients_scaled_in_float32_by_a_float32_total() -> None:
         np.testing.assert_array_equal(got, t.grad.numpy())
 
 
+def test_the_string_inf_of_torch_s_docs_is_the_max_norm() -> None:
+    # torch: "norm_type: Can be 'inf' for infinity norm"; ours raised TypeError
+    for spelled, want in [("inf", 4.0), ("-inf", 3.0)]:
+        _, total = cp.clip_grad_norm([np.array([3.0, -4.0])], 1.0, spelled)
+        assert float(total) == want
+
+
 def test_non_finite_norms() -> None:
     grads = {"a": np.array([1.0, np.nan]), "b": np.array([2.0])}
     with pytest.raises(RuntimeError, match=r"The total norm of order 2\.0 .* is non-finite"):

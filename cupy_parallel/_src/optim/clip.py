@@ -96,7 +96,8 @@ def clip_grad_norm(
     Args:
         grads: a pytree of arrays (NumPy, HostArray, CuPy; any devices) and ``None``.
         max_norm: the largest total norm.
-        norm_type: ``p`` of the norms (a float, ``math.inf`` for the max-norm).
+        norm_type: ``p`` of the norms (a float; ``math.inf`` or torch's ``'inf'`` for the
+            max-norm).
         error_if_nonfinite: raise ``RuntimeError`` (torch's) when the total norm is NaN or
             infinite; otherwise the gradients are scaled by it anyway, as in torch.
         process_group: a process group over which ``grads`` are *shards* of the whole
@@ -130,6 +131,8 @@ def clip_grad_norm(
         (array([0.6, 0. ]), array([3., 0.]))
     """
     max_norm = read_real(max_norm, "max_norm")
+    if isinstance(norm_type, str) and norm_type.strip().lower() in ("inf", "-inf"):
+        norm_type = float(norm_type)  # torch documents the string 'inf'
     p = read_real(norm_type, "norm_type")
     error_if_nonfinite = read_bool(error_if_nonfinite, "error_if_nonfinite")
     if process_group is not None and p == 0:
