@@ -273,6 +273,11 @@ def test_bad_arguments() -> None:
         cp.clip_grad_norm([np.array([3, 4])], 1.0)  # was scaled to [0, 0] silently
     with pytest.raises(TypeError, match="got dtype bool"):
         cp.clip_grad_norm({"w": np.array([True])}, 1.0)
+    # torch scales by a negative max_norm: every gradient's sign flipped, silently
+    with pytest.raises(ValueError, match=r"max_norm must be >= 0 \(a norm\), got -1\.0"):
+        cp.clip_grad_norm([np.ones(2)], -1.0)
+    with pytest.raises(ValueError, match="got nan"):
+        cp.clip_grad_norm([np.ones(2)], float("nan"))
     with pytest.raises(TypeError, match="max_norm must be a real number, got str"):
         cp.clip_grad_norm([np.ones(2)], "1")
     with pytest.raises(TypeError, match="norm_type must be a real number"):

@@ -117,7 +117,8 @@ def clip_grad_norm(
     Raises:
         TypeError: a leaf that is neither an array nor ``None``, or not floating-point or
             complex; a non-number ``max_norm`` or ``norm_type``.
-        ValueError: ``norm_type=0`` with a ``process_group``.
+        ValueError: ``max_norm`` below 0 or NaN (torch scales by it: a negative one flips the
+            gradients' signs); ``norm_type=0`` with a ``process_group``.
         RuntimeError: the total norm is not finite and ``error_if_nonfinite``.
 
     Example:
@@ -131,6 +132,8 @@ def clip_grad_norm(
         (array([0.6, 0. ]), array([3., 0.]))
     """
     max_norm = read_real(max_norm, "max_norm")
+    if not max_norm >= 0:  # torch multiplies by it anyway: a negative one flips every gradient
+        raise ValueError(f"max_norm must be >= 0 (a norm), got {max_norm}.")
     if isinstance(norm_type, str) and norm_type.strip().lower() in ("inf", "-inf"):
         norm_type = float(norm_type)  # torch documents the string 'inf'
     p = read_real(norm_type, "norm_type")
