@@ -154,3 +154,35 @@ def test_a_nan_lr_set_mid_run_is_refused_before_any_update() -> None:
     with pytest.raises(ValueError, match="Invalid learning rate: nan"):
         opt.step([np.ones(2)])
     np.testing.assert_array_equal(p, np.ones(2))
+
+
+def test_torch_param_names_place_the_state_when_sorted_keys_reorder_the_params() -> None:
+    # torch.optim.Adam(model.named_parameters()) saves param_names in the model's order
+    # ["2.weight", "10.weight"]; the dict {"2.weight": .., "10.weight": ..} flattens sorted
+    # ("10.weight" first), and the state of equal shapes went to each other's parameter
+    params = {"2.weight": np.ones(2), "10.weight": np.ones(2)}
+    opt = Adam(params, lr=0.1)
+    saved = {
+        "state": {
+            0: {"step": 1.0, "exp_avg": np.full(2, 2.0), "exp_avg_sq": np.full(2, 4.0)},
+            1: {"step": 1.0, "exp_avg": np.full(2, 10.0), "exp_avg_sq": np.full(2, 100.0)},
+        },
+        "param_groups": [
+            {**opt.state_dict()["param_groups"][0], "param_names": ["2.weight", "10.weight"]}
+        ],
+    }
+    opt.load_state_dict(saved)
+    ten, two = opt.state[0], opt.state[1]  # flatten order: "10.weight", "2.weight"
+    np.testing.assert_array_equal(ten["exp_avg"], [10.0, 10.0])
+    np.testing.assert_array_equal(two["exp_avg"], [2.0, 2.0])
+    again = opt.state_dict()  # its names now in the order of its indices: reloads unchanged
+    assert again["param_groups"][0]["param_names"] == ["10.weight", "2.weight"]
+    opt.load_state_dict(again)
+    np.testing.assert_array_equal(opt.state[0]["exp_avg"], [10.0, 10.0])
+    nested = {"2": {"weight": np.ones(2)}, "10": {"weight": np.ones(2)}}  # torch's dotted names
+    opt = Adam(nested, lr=0.1)
+    opt.load_state_dict(saved)
+    np.testing.assert_array_equal(opt.state[0]["exp_avg_sq"], [100.0, 100.0])
+    del saved["param_groups"][0]["param_names"]  # without names, the position (torch's rule)
+    opt.load_state_dict(saved)
+    np.testing.assert_array_equal(opt.state[0]["exp_avg_sq"], [4.0, 4.0])

@@ -128,6 +128,7 @@ class Optimizer:
         self.state: dict[int, dict[str, Any]] = {}
         self._specs: list[PyTreeSpec] = []
         self._masks: list[list[bool]] = []
+        self._dotted: list[list[str]] = []  # each parameter's path, joined by dots (torch's name)
         self._grouped = _is_group_list(params)
         self._workspace = Workspace()
         for group in params if self._grouped else [{"params": params}]:
@@ -215,6 +216,13 @@ class Optimizer:
         self.param_groups.append(group)
         self._specs.append(spec)
         self._masks.append(mask)
+        self._dotted.append(
+            [
+                ".".join(str(getattr(e, "field", None) or e.entry) for e in accessor)
+                for accessor, keep in zip(spec.accessors(), mask, strict=True)
+                if keep
+            ]
+        )
 
     # -----------------------------------------------------------------------------------------
     # step
@@ -381,7 +389,10 @@ class Optimizer:
                 new.setdefault(key, group[key])
             hyper = self._read_hyper(new)
             for j, saved_id in enumerate(saved["params"]):
-                ids[saved_id] = (start + j, (group["params"][j], hyper))
+                k = self._position_of(i, j, saved.get("param_names"))
+                ids[saved_id] = (start + k, (group["params"][k], hyper))
+            if self._reordered(i, saved.get("param_names")):
+                new["param_names"] = list(self._dotted[i])  # in the order of our indices
             new["params"] = group["params"]
             new_groups.append(new)
             start += len(group["params"])
@@ -401,6 +412,31 @@ class Optimizer:
             )
         self.param_groups[:] = new_groups
         self.state = state
+
+    def _position_of(self, group: int, saved: int, saved_names: Any) -> int:
+        """Where the ``saved``-th parameter of a saved group is in ours, by torch's names.
+
+        A torch optimizer built from ``model.named_parameters()`` saves each group's
+        ``param_names`` in the model's order, while a dict of those names flattens in sorted
+        key order (``"10.weight"`` before ``"2.weight"``): when the saved names are a
+        permutation of this group's (each leaf's path, joined by dots: ``{"0": {"weight": w}}``
+        is ``"0.weight"``), the state goes to the parameter of that name, not of that position
+        (equal shapes would otherwise take each other's state silently). Otherwise, as in
+        torch, the position decides.
+        """
+        if not self._reordered(group, saved_names):
+            return saved
+        return self._dotted[group].index(str(saved_names[saved]))
+
+    def _reordered(self, group: int, saved_names: Any) -> bool:
+        """Whether ``saved_names`` are this group's names in another order."""
+        ours = self._dotted[group]
+        return (
+            isinstance(saved_names, list | tuple)
+            and list(saved_names) != ours
+            and len(set(ours)) == len(ours)
+            and sorted(map(str, saved_names)) == sorted(ours)
+        )
 
     def _load_entry(
         self, entry: Any, param: Any, hyper: dict[str, Any], where: str
