@@ -37,6 +37,7 @@ from cupy_parallel._src.moves import to_device
 from cupy_parallel._src.nested import gather, scatter, scatter_kwargs
 from cupy_parallel._src.optim.clip import clip_grad_norm
 from cupy_parallel._src.parallel import DataParallel, data_parallel, parallel_apply, replicate
+from cupy_parallel._src.serialization import load, save
 from cupy_parallel._src.tape import Tape, stop_gradient
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
     from cupy_parallel import distributed, optim
     from cupy_parallel import testing as testing
     from cupy_parallel._src.ddp import DistributedDataParallel as DistributedDataParallel
+    from cupy_parallel._src.sharded.fsdp import (
+        FullyShardedDataParallel as FullyShardedDataParallel,
+    )
 
 __version__ = "0.1.0"
 
@@ -53,6 +57,7 @@ __all__ = [
     "DataParallel",
     "Device",
     "DistributedDataParallel",
+    "FullyShardedDataParallel",
     "Function",
     "FunctionContext",
     "GradcheckError",
@@ -75,11 +80,13 @@ __all__ = [
     "grad",
     "gradcheck",
     "is_array",
+    "load",
     "ops",
     "optim",
     "parallel_apply",
     "platform",
     "replicate",
+    "save",
     "scatter",
     "scatter_kwargs",
     "set_host_device_count",
@@ -102,4 +109,10 @@ def __getattr__(name: str) -> ModuleType | type:
         set_module(__name__, {name: DistributedDataParallel}, [name])
         globals()[name] = DistributedDataParallel
         return DistributedDataParallel
+    if name == "FullyShardedDataParallel":  # imports distributed: on first use
+        from cupy_parallel._src.sharded.fsdp import FullyShardedDataParallel
+
+        set_module(__name__, {name: FullyShardedDataParallel}, [name])
+        globals()[name] = FullyShardedDataParallel
+        return FullyShardedDataParallel
     raise AttributeError(f"module 'cupy_parallel' has no attribute {name!r}")

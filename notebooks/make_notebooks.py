@@ -597,11 +597,198 @@ the epoch's permutation), so this run on 2 ranks follows the 4-rank run above up
 """),
 ]
 
+SHARDED = [
+    md("""
+# Sharded training: memory per rank 1/N
+
+With `DistributedDataParallel` every rank holds the whole model, its gradients and (with Adam)
+two more copies of optimizer state: 4x the parameters per rank, whatever the number of ranks.
+Sharding cuts that. ZeRO-1 (`distributed.optim.ZeroRedundancyOptimizer`) keeps the optimizer
+state of a 1/N partition of the parameters on each rank; `FullyShardedDataParallel` (FSDP,
+ZeRO-3) keeps 1/N of the parameters, gradients and optimizer state, and gathers a *unit* of the
+model (a top-level entry of its parameters) only while it computes.
+
+We train one 8-unit MLP with Adam on 4 thread ranks, four ways, measure the bytes each rank holds
+at the peak of a step, and check that the four runs take the same steps.
+"""),
+    code("""
+import gc
+import weakref
+
+import numpy as np
+
+import cupy_parallel
+from cupy_parallel import distributed as dist
+from cupy_parallel import ops
+from cupy_parallel.optim import Adam
+
+D, UNITS, BATCH, STEPS = 384, 8, 16, 5  # a unit: a 384 x 384 float32 weight (576 KiB), a bias
+
+def init_params():  # the weights in pooled memory (cupy_parallel.empty), as a rank's arrays are
+    rng = np.random.default_rng(0)
+    params = {}
+    for k in range(UNITS):
+        w = cupy_parallel.empty((D, D), np.float32, "cpu")
+        w[...] = rng.standard_normal((D, D)) / np.sqrt(D)
+        params[f"layer{k}"] = {"w": w, "b": np.zeros(D, np.float32)}
+    return params
+
+def layer(p, h):
+    return ops.tanh(ops.add(ops.matmul(h, p["w"]), p["b"]))
+
+def mlp(units, x):  # FSDP gathers units[k] when it is read, and frees it once the next one is
+    h = x
+    for k in range(UNITS):
+        h = layer(units[f"layer{k}"], h)
+    return h
+
+def batch(rank, step):
+    rng = np.random.default_rng(1000 * step + rank)
+    x = rng.standard_normal((BATCH, D)).astype(np.float32)
+    return x, np.tanh(x[:, ::-1]).copy()"""),
+    md("""
+## Bytes per rank
+
+Large arrays (128 KiB and more: the weights, gradient buffers, optimizer state, gathered units;
+here even a quarter of a weight) come from the host memory pool. Thread ranks share one pool, so we attribute each block to the
+rank that allocated it and follow it until it is freed: each rank's current and peak bytes.
+"""),
+    code("""
+class BytesPerRank:
+    \"\"\"Each thread rank's pooled bytes: now, and the peak since reset().\"\"\"
+
+    def __init__(self):
+        self.pool = cupy_parallel.get_host_memory_pool()
+        self.now, self.peak = {}, {}
+        allocate = self.pool.empty
+
+        def empty(shape, dtype):
+            array = allocate(shape, dtype)
+            block = array
+            while isinstance(block, np.ndarray):  # the pool's block, at the end of the bases
+                block = block.base
+            if block is not None:
+                rank = dist.get_rank()
+                self.now[rank] = self.now.get(rank, 0) + array.nbytes
+                self.peak[rank] = max(self.peak.get(rank, 0), self.now[rank])
+                weakref.finalize(block, self._free, rank, array.nbytes)
+            return array
+
+        self.pool.empty = empty
+
+    def _free(self, rank, nbytes):
+        self.now[rank] -= nbytes
+
+    def reset(self):
+        self.peak = dict(self.now)
+
+probe = BytesPerRank()"""),
+    md("""
+## Four ways to train
+
+`ddp`: DDP + Adam. `zero1`: DDP + `ZeroRedundancyOptimizer(Adam)`. `fsdp`: FSDP + Adam on its
+shards (any optimizer works on them unchanged). `fsdp grad_op`: FSDP with
+`reshard_after_forward=False`, which keeps the gathered units from the forward to the backward
+pass (fewer all-gathers, more memory). Each run takes its parameters from the same seed and each
+rank its own batches; every rank records the loss averaged over the ranks and its peak bytes
+during the last step.
+"""),
+    code("""
+def make(kind):
+    if kind == "ddp":
+        module = cupy_parallel.DistributedDataParallel(mlp, init_params())
+        return module, Adam(module.params, lr=1e-3)
+    if kind == "zero1":
+        from cupy_parallel.distributed.optim import ZeroRedundancyOptimizer
+
+        module = cupy_parallel.DistributedDataParallel(mlp, init_params())
+        return module, ZeroRedundancyOptimizer(module.params, Adam, lr=1e-3)
+    reshard = kind == "fsdp"
+    module = cupy_parallel.FullyShardedDataParallel(
+        mlp, init_params(), reshard_after_forward=reshard
+    )
+    return module, Adam(module.params, lr=1e-3)
+
+def train(rank, kind):
+    module, optimizer = make(kind)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        if step == STEPS - 1:
+            gc.collect()  # what earlier steps left in reference cycles, for every run alike
+            dist.barrier()
+            probe.reset()
+        with cupy_parallel.Tape() as tape:
+            loss = ops.mean(ops.square(ops.subtract(module(x), y)))
+        grads = tape.gradient(loss, module.params)
+        optimizer.step(grads)
+        del grads, tape
+        mean = np.array([float(loss)])
+        dist.all_reduce(mean)
+        losses.append(float(mean[0]) / dist.get_world_size())
+    dist.barrier()
+    return losses, probe.peak.get(rank, 0)
+
+kinds = ["ddp", "fsdp", "fsdp grad_op"]
+try:
+    from cupy_parallel.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
+
+    kinds.insert(1, "zero1")
+except ImportError:
+    print("ZeroRedundancyOptimizer is not in this version: three runs")
+
+runs = {kind: dist.spawn(train, 4, args=(kind,)) for kind in kinds}
+losses = {kind: result[0][0] for kind, result in runs.items()}
+peaks = {kind: max(peak for _, peak in result) for kind, result in runs.items()}
+for kind in kinds:
+    share = peaks[kind] / peaks["ddp"]
+    print(f"{kind:13s} peak bytes per rank {peaks[kind]:>10,}  ({share:.2f} of DDP's)")
+gap = max(abs(a - b) for kind in kinds for a, b in zip(losses[kind], losses["ddp"]))
+print(f"loss curves equal: {gap < 1e-5} (largest difference {gap:.1e}, float32)")"""),
+    md("""
+The issue's targets, with DDP's 4 copies of the parameters `P` as the unit and `N = 4` ranks:
+ZeRO-1 at most `(2 + 2/N) / 4` of DDP's (parameters and gradients whole, Adam's state 1/N),
+FSDP at most `(4/N) / 4` plus two units (the one computing and the one prefetched).
+"""),
+    code("""
+import matplotlib.pyplot as plt
+
+P = UNITS * (D * D + D) * 4
+targets = {"ddp": 4 * P, "zero1": (2 + 2 / 4) * P, "fsdp": P + 2 * (D * D + D) * 4}
+fig, (bars, curves) = plt.subplots(1, 2, figsize=(11, 3.8))
+names = list(peaks)
+bars.bar(names, [peaks[k] / 2**20 for k in names], color="tab:blue", label="measured peak")
+bars.scatter(
+    [k for k in names if k in targets],
+    [targets[k] / 2**20 for k in names if k in targets],
+    color="tab:red", marker="_", s=900, label="target",
+)
+bars.set_ylabel("MiB per rank")
+bars.set_title("memory per rank, Adam, 4 ranks")
+bars.legend()
+for kind in kinds:
+    curves.plot(losses[kind], label=kind, linestyle="--" if kind != "ddp" else "-")
+curves.set_xlabel("Adam step")
+curves.set_ylabel("mean squared error")
+curves.set_title("the same steps")
+curves.legend()
+plt.tight_layout()
+plt.show()"""),
+    md("""
+FSDP's peak is its shards (parameters, gradients, Adam's two moments: `P` over 4 ranks) plus
+the units in flight: the one computing, the next one's all-gather (prefetched while the current
+one computes), and in the backward pass the unit gathered again with one reduce-scatter in
+flight. `fsdp grad_op` keeps every gathered unit to the backward pass: more memory, no second
+all-gather. `benchmarks/bench_sharded.py` measures the same on 4 MPI processes, with step times.
+"""),
+]
+
 NOTEBOOKS = {
     "01_tour.ipynb": TOUR,
     "02_data_parallel_training.ipynb": TRAINING,
     "03_property_testing.ipynb": PROPERTIES,
     "04_distributed_training.ipynb": DISTRIBUTED,
+    "06_sharded_training.ipynb": SHARDED,
 }
 
 

@@ -138,3 +138,15 @@ def test_notebooks_are_stored_without_outputs(path: Path) -> None:
         if cell.cell_type == "code":
             assert cell.outputs == []
             assert cell.execution_count is None
+
+
+def test_sharded_training(tmp_path: Path) -> None:
+    text, outputs = execute("06_sharded_training.ipynb", tmp_path)
+    assert "loss curves equal: True" in text
+    peaks = dict(re.findall(r"^(\S+(?: grad_op)?) +peak bytes per rank +([\d,]+)", text, re.M))
+    ddp, fsdp = (int(peaks[k].replace(",", "")) for k in ("ddp", "fsdp"))
+    assert fsdp < 0.4 * ddp, peaks  # measured: 0.3 (1/N of the state, plus the units in flight)
+    assert int(peaks["fsdp grad_op"].replace(",", "")) > fsdp, peaks
+    if "zero1" in peaks:  # ZeroRedundancyOptimizer: Adam's state sharded, measured 0.94 of DDP's
+        assert fsdp < int(peaks["zero1"].replace(",", "")) < ddp, peaks
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # bars and loss curves

@@ -31,6 +31,12 @@ would otherwise wait for this rank forever); and a watched leaf with gradient-re
 (:func:`add_ready_hook`) has them called as soon as its gradient is final, in the middle of the
 pass, which is what lets a data-parallel reduction start during the backward pass.
 
+A tape keeps every array its nodes consumed or produced alive until it is released. For
+sharded training that is too long: :func:`swap_out` takes chosen arrays (and the views of their
+memory) out of the nodes, leaving stand-ins of one element, and has each node that needs them
+rebuild them from a ``restore`` callback when the pass reaches it (torch FSDP frees an unsharded
+parameter's storage under the autograd graph the same way).
+
 The active tapes live in a :class:`contextvars.ContextVar`, so
 ``contextvars.copy_context().run(...)`` carries them into worker threads; recording takes a
 lock, so threads may record on one tape concurrently.
@@ -54,7 +60,7 @@ import numpy as np
 
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.compute import compute, cuda_device, zeros_like
-from cupy_parallel._src.hostarray import HostArray, plain_buffer, version
+from cupy_parallel._src.hostarray import HostArray, host_array, plain_buffer, version
 from cupy_parallel._src.versions import root_buffer
 
 if TYPE_CHECKING:
@@ -64,6 +70,7 @@ __all__ = [
     "Node",
     "ReadyHook",
     "Records",
+    "Swap",
     "Vjp",
     "activate",
     "active_tapes",
@@ -74,8 +81,10 @@ __all__ = [
     "in_backward",
     "is_recording",
     "mark_collective",
+    "mark_shapes_only",
     "modified_error",
     "name_nodes",
+    "node_count",
     "note_overwritten",
     "op_name",
     "pause_recording",
@@ -84,6 +93,7 @@ __all__ = [
     "record_binary",
     "record_unary",
     "release",
+    "swap_out",
     "tapes_exist",
     "tapes_tracking",
     "track_leaves",
@@ -644,3 +654,197 @@ def modified_error(op: str, where: str, array: Any, recorded: int | None) -> Run
         "or out=x change the values the gradient is computed from (PyTorch raises here too). "
         "Write into a copy, or compute a new array with cupy_parallel.ops."
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Swapping arrays out of a tape (FSDP's resharding): freed after the forward pass, rebuilt
+# when the backward pass needs them
+
+
+def node_count(tape: Records, /) -> int:
+    """How many nodes ``tape`` holds: the index the next recorded node gets."""
+    return len(tape._nodes)
+
+
+class _Rebuild:
+    """How to rebuild one array a swap took out: a view of its owner's memory, and its stand-in."""
+
+    __slots__ = ("host", "offset", "original", "owner", "shape", "stand_in", "strides")
+
+    def __init__(self, array: Any, owner: int, base: Any) -> None:
+        data, root = plain_buffer(array), plain_buffer(base)
+        self.owner = owner
+        self.offset = _address(data) - _address(root)
+        self.shape, self.strides = tuple(data.shape), tuple(data.strides)
+        self.host = device_of(array) if type(array) is HostArray else None
+        self.original: Any = array  # dropped once the swap is committed (see Swap.commit)
+        self.stand_in = _stand_in(array)
+
+    def view(self, bases: Sequence[Any]) -> Any:
+        """The array rebuilt from ``bases[owner]`` (a restored owner of the same layout)."""
+        root = plain_buffer(bases[self.owner])
+        dtype = self.stand_in.dtype
+        if isinstance(root, np.ndarray):
+            data = np.ndarray(
+                self.shape, dtype, buffer=root, offset=self.offset, strides=self.strides
+            )
+            return data if self.host is None else host_array(data, self.host)
+        xp = device_of(root).xp
+        return xp.ndarray(self.shape, dtype, memptr=root.data + self.offset, strides=self.strides)
+
+
+def _address(data: Any) -> int:
+    """The address of ``data``'s first element (NumPy or CuPy)."""
+    if isinstance(data, np.ndarray):
+        return int(data.__array_interface__["data"][0])
+    return int(data.data.ptr)
+
+
+def _broadcast_zero(xp: Any, x: Any) -> Any:
+    return xp.broadcast_to(xp.zeros((), x.dtype), x.shape)
+
+
+def _stand_in(x: Any) -> Any:
+    """An array of ``x``'s shape, dtype, type and device holding one element (stride 0)."""
+    data = plain_buffer(x)
+    if isinstance(data, np.ndarray):
+        z = _broadcast_zero(np, data)
+        return host_array(z, device_of(x)) if type(x) is HostArray else z
+    return compute(lambda a: _broadcast_zero(device_of(a).xp, a), x)
+
+
+class Swap:
+    """Arrays swapped out of a tape's nodes by :func:`swap_out`; :meth:`undo` puts some back."""
+
+    def __init__(
+        self, tape: Records, restore: Callable[[], Sequence[Any]], owners: Sequence[Any]
+    ) -> None:
+        self.tape = tape
+        self.restore = restore
+        self.rebuilds: dict[int, _Rebuild] = {}  # id(original) -> how to rebuild it
+        self.changed: list[tuple[int, bool]] = []  # (node index, whether its vjp was wrapped)
+        self.keys = [_memory_key(o) for o in owners]
+
+    def commit(self) -> None:
+        """Drop the originals: from now on only :meth:`restore` gives the arrays back."""
+        for rebuild in self.rebuilds.values():
+            rebuild.original = None
+
+    def undo(self, owners: Sequence[Any]) -> None:
+        """Put the original arrays back in the nodes (``owners`` are the arrays' live owners)."""
+        tape = self.tape
+        back = {
+            id(r.stand_in): (r.original if r.original is not None else r.view(owners))
+            for r in self.rebuilds.values()
+        }
+        with tape._lock:
+            for index, wrapped in self.changed:
+                vjp, inputs, needs, outputs, aux, cuda = tape._nodes[index]
+                if wrapped:
+                    vjp, aux = aux[0], aux[1]
+                inputs = tuple(back.get(id(a), a) for a in inputs)
+                outputs = tuple(back.get(id(a), a) for a in outputs)
+                tape._nodes[index] = (vjp, inputs, needs, outputs, aux, cuda)
+            for stand_id, array in back.items():
+                if tape._tracked.pop(stand_id, None) is not None:
+                    tape._tracked[id(array)] = array
+        self.rebuilds, self.changed = {}, []
+
+
+def swap_out(
+    tape: Records,
+    first: int,
+    owners: Sequence[Any],
+    restore: Callable[[], Sequence[Any]],
+    /,
+) -> Swap | None:
+    """Take every array whose memory is one of ``owners``' out of ``tape``'s nodes from ``first``.
+
+    Each such array (an owner, or a view of one) is replaced, in the nodes and among the tracked
+    arrays, by a stand-in of its shape, dtype and device holding one element; each node that
+    held one gets a vjp that first rebuilds the arrays from ``restore()`` (the owners again,
+    same shapes, dtypes and layout: the caller caches them for a pass) and then runs the
+    original vjp with them. Nothing else changes: the gradients accumulate at the stand-ins as
+    they did at the originals. The tape then no longer keeps the owners' memory alive (torch
+    FSDP's ``storage.resize_(0)`` of the unsharded parameters, for any array type).
+
+    Returns ``None`` (nothing swapped) for a tape that fingerprints its arrays
+    (``check_writes``: it needs their bytes) or when an owner is a watched leaf. The caller
+    checks that the owners' memory is really gone once it drops its own references, and
+    :meth:`Swap.undo` puts the arrays back where it is not (someone else holds them).
+    """
+    if type(tape._nodes) is not list:
+        return None
+    swap = Swap(tape, restore, owners)
+    keys = {key: j for j, key in enumerate(swap.keys)}
+    with tape._lock:
+        if any(_memory_key(tape._tracked[k]) in keys for k in tape._leaves if k in tape._tracked):
+            return None
+        nodes = tape._nodes
+        for index in range(first, len(nodes)):
+            vjp, inputs, needs, outputs, aux, cuda = nodes[index]
+            positions = []
+            arrays = (*inputs, *outputs)
+            for i, a in enumerate(arrays):
+                if not is_array(a):
+                    continue
+                j = keys.get(_memory_key(a))
+                if j is None:
+                    continue
+                rebuild = swap.rebuilds.get(id(a))
+                if rebuild is None:
+                    rebuild = swap.rebuilds[id(a)] = _Rebuild(a, j, owners[j])
+                positions.append((i, rebuild))
+            if positions:
+                subs = {id(r.original): r.stand_in for _, r in positions}
+                new_inputs = tuple(subs.get(id(a), a) for a in inputs)
+                new_outputs = tuple(subs.get(id(a), a) for a in outputs)
+                wrap = vjp not in _SHAPES_ONLY
+                if wrap:
+                    aux = (vjp, aux, tuple(positions), swap)
+                    vjp = _swapped_collective_vjp if vjp in _COLLECTIVE_VJPS else _swapped_vjp
+                nodes[index] = (vjp, new_inputs, needs, new_outputs, aux, cuda)
+                swap.changed.append((index, wrap))
+        for k, rebuild in swap.rebuilds.items():
+            if tape._tracked.pop(k, None) is not None:
+                tape._tracked[id(rebuild.stand_in)] = rebuild.stand_in
+            tape._versions.pop(k, None)
+        tape._held.difference_update(keys)
+    return swap
+
+
+def _swapped_vjp(
+    gs: list[Any], xs: tuple[Any, ...], needs: Any, ys: tuple[Any, ...], aux: Any
+) -> Any:
+    """A swapped node's vjp: rebuild the arrays swapped out, then run the original vjp."""
+    vjp, inner, positions, swap = aux
+    bases = swap.restore()
+    arrays = [*xs, *ys]
+    for i, rebuild in positions:
+        arrays[i] = rebuild.view(bases)
+    count = len(xs)
+    return vjp(gs, tuple(arrays[:count]), needs, tuple(arrays[count:]), inner)
+
+
+def _swapped_collective_vjp(
+    gs: list[Any], xs: tuple[Any, ...], needs: Any, ys: tuple[Any, ...], aux: Any
+) -> Any:
+    """:func:`_swapped_vjp` of a collective's node (run on every pass, as the collective's)."""
+    return _swapped_vjp(gs, xs, needs, ys, aux)
+
+
+mark_collective(_swapped_collective_vjp)
+name_nodes(_swapped_vjp, lambda aux: op_name(aux[0], aux[1]))
+name_nodes(_swapped_collective_vjp, lambda aux: op_name(aux[0], aux[1]))
+
+_SHAPES_ONLY: set[Vjp] = set()
+"""The vjps reading only their outputs' shapes and dtypes (:func:`mark_shapes_only`)."""
+
+
+def mark_shapes_only(vjp: Vjp, /) -> None:
+    """Declare that ``vjp`` reads only its outputs' shapes, dtypes and devices, never values.
+
+    :func:`swap_out` then leaves its nodes' stand-ins in place (nothing to rebuild), as for the
+    gather whose outputs a swap takes out: its adjoint needs the cotangents only.
+    """
+    _SHAPES_ONLY.add(vjp)

@@ -5,8 +5,9 @@
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, so that
 ``init_process_group(backend)`` (``env://``) finds the others, and torchrun's ``GROUP_RANK``
 (``--node-rank``), ``GROUP_WORLD_SIZE`` (``--nnodes``), ``ROLE_RANK``, ``ROLE_WORLD_SIZE`` and
-``ROLE_NAME`` (``--role``; one role, so the role's rank and size are the global ones);
-torchelastic's ``TORCHELASTIC_*`` are not set (there is no elastic agent). As torchrun does,
+``ROLE_NAME`` (``--role``; one role, so the role's rank and size are the global ones); of
+torchelastic's variables only ``TORCHELASTIC_RESTART_COUNT`` and ``TORCHELASTIC_MAX_RESTARTS``
+are set (there is no elastic agent; see ``--max-restarts``). As torchrun does,
 ``OMP_NUM_THREADS=1`` is set for the ranks, with a notice on stderr, when more than one rank
 runs on the node and ``OMP_NUM_THREADS`` is not set already. ``-m module`` runs ``python -m
 module`` (torchrun's ``-m``), and ``--standalone`` is torchrun's single-node shortcut: one node,
@@ -20,6 +21,11 @@ run on when one exits with an error). ``--backend nccl`` starts the ranks direct
 has a GPU with NCCL, ``mpi`` otherwise (so that ``cupy-parallel launch --nproc-per-node 2
 train.py``, as with torchrun, runs on a CPU-only machine too). The backend is exported as
 ``CUPY_PARALLEL_BACKEND``, which ``init_process_group()`` reads.
+
+``--max-restarts K`` (torchrun's flag): when a rank fails, the launcher stops the others as
+below and starts the whole job again, up to ``K`` times; the ranks read which start they are in
+``TORCHELASTIC_RESTART_COUNT`` (0 for the first) and resume from their last checkpoint. A job
+interrupted by a signal is not restarted; the exit code is the last start's.
 
 The launcher forwards ``SIGINT`` and ``SIGTERM`` to the ranks; ranks still running
 ``--grace-period`` seconds after the first signal are killed (``SIGKILL``). When a rank fails, it
@@ -165,11 +171,6 @@ def run_mpi_rank() -> None:
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
-    failures = os.environ.get(FAILURES_VAR)
-    pid_file = Path(failures, f"{rank}{_WRAPPER_PID}") if failures else None
-    if pid_file is not None:
-        with contextlib.suppress(OSError):
-            pid_file.write_text(str(os.getpid()))
     child = subprocess.Popen(
         [sys.executable, *sys.argv[1:]],
         env=env,
@@ -179,6 +180,13 @@ def run_mpi_rank() -> None:
     children.append(child)
     if received:
         child.send_signal(received[0])
+    failures = os.environ.get(FAILURES_VAR)
+    pid_file = Path(failures, f"{rank}{_WRAPPER_PID}") if failures else None
+    if pid_file is not None:  # once the rank runs: the launcher stops it through this process
+        with contextlib.suppress(OSError):
+            partial = pid_file.with_name(pid_file.name + ".partial")
+            partial.write_text(str(os.getpid()))
+            partial.replace(pid_file)  # complete or not at all
     code = _exit_code(child.wait())
     for signum in (signal.SIGINT, signal.SIGTERM):  # a signal now must not end this process
         signal.signal(signum, signal.SIG_IGN)  # by the signal (mpiexec would report it)
@@ -322,6 +330,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=5.0,
         metavar="SECONDS",
         help="after a failure, how long ranks get to exit after SIGTERM before SIGKILL (default 5)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=_int_at_least(0),
+        default=0,
+        metavar="K",
+        help="when a rank fails, stop the job and start it again, up to K times (default 0); "
+        "the ranks see TORCHELASTIC_RESTART_COUNT",
     )
     parser.add_argument(
         "script", help="the Python script each rank runs (with -m: the module it runs)"
@@ -523,12 +541,42 @@ def run(args: argparse.Namespace) -> int:
             )
             for local in range(nproc)
         ]
-        return _Supervisor(ranks, args.grace_period).run()
+
+        def start(restart: dict[str, str]) -> _Supervisor:
+            started = [_Rank(rank.name, rank.command, dict(rank.env, **restart)) for rank in ranks]
+            return _Supervisor(started, args.grace_period)
+
+        return _with_restarts(args.max_restarts, start)
     mpiexec = str(find_mpiexec())
     command = [mpiexec, "-n", str(nproc), sys.executable, "-c", _MPI_RANK_CODE, *script]
-    with tempfile.TemporaryDirectory(prefix="cupy_parallel_launch_") as failures:
-        shared[FAILURES_VAR] = failures
-        return _Supervisor([_Rank("mpiexec", command, shared)], args.grace_period, failures).run()
+    with tempfile.TemporaryDirectory(prefix="cupy_parallel_launch_") as failures_root:
+
+        def start_mpi(restart: dict[str, str]) -> _Supervisor:
+            failures = os.path.join(failures_root, restart[_RESTART_VAR])  # fresh each start
+            os.mkdir(failures)
+            env = dict(shared, **restart, **{FAILURES_VAR: failures})
+            return _Supervisor([_Rank("mpiexec", command, env)], args.grace_period, failures)
+
+        return _with_restarts(args.max_restarts, start_mpi)
+
+
+_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
+
+
+def _with_restarts(max_restarts: int, start: Callable[[dict[str, str]], _Supervisor]) -> int:
+    """Run the job (``start(variables).run()``) until it succeeds, up to ``max_restarts`` again."""
+    restart = 0
+    while True:
+        variables = {_RESTART_VAR: str(restart), "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
+        supervisor = start(variables)
+        code = supervisor.run()
+        if code == 0 or supervisor.interrupted or restart == max_restarts:
+            return code
+        restart += 1
+        print(
+            f"{_PROG}: restarting the job ({restart} of {max_restarts} restarts).",
+            file=sys.stderr,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -610,6 +658,11 @@ class _Supervisor:
             self._stop_all()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the launcher received ``SIGINT`` or ``SIGTERM`` (then no restart)."""
+        return self._received is not None
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         self._received = signum
@@ -697,7 +750,8 @@ class _Supervisor:
         while any(proc.poll() is None for proc in self._procs) and time.monotonic() < deadline:
             for name in os.listdir(failures):
                 if name.endswith(_WRAPPER_PID) and name not in signalled:
-                    signalled.add(name)
                     with contextlib.suppress(OSError, ValueError):
-                        os.kill(int(Path(failures, name).read_text()), signal.SIGTERM)
+                        pid = int(Path(failures, name).read_text())
+                        signalled.add(name)
+                        os.kill(pid, signal.SIGTERM)
             time.sleep(_POLL_S)

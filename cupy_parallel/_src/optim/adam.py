@@ -280,3 +280,13 @@ class AdamW(Adam):
             maximize=maximize,
             decoupled_weight_decay=True,
         )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`Adam.load_state_dict`, the decay kept decoupled (as torch's AdamW keeps it).
+
+        A state dict saved by :class:`Adam` (``decoupled_weight_decay=False``) would otherwise
+        turn this AdamW into Adam with L2 decay.
+        """
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True

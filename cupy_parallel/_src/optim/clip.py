@@ -29,7 +29,7 @@ def _on(device: Device, compute: Any, *arrays: Any) -> Any:
     if device.kind == "cuda":
         with device:
             return compute(device.xp, *arrays)
-    with np.errstate(invalid="ignore", over="ignore"):  # torch's silent NaN and inf
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # torch's silent NaN, inf
         if device.kind == "host":
             result = compute(np, *[host_buffer(a) for a in arrays])
             return host_array(np.asarray(result), device)
@@ -37,10 +37,39 @@ def _on(device: Device, compute: Any, *arrays: Any) -> Any:
 
 
 def _vector_norm(xp: Any, x: Any, p: float) -> Any:
+    """The ``p``-norm of ``x``, in ``x``'s dtype; float16 is summed in float32 (torch's opmath).
+
+    NumPy and CuPy would sum float16 in float16 (and cast ``p`` to float16), so a norm past
+    65504 would be inf and one of small gradients 0, where torch's is finite.
+    """
     flat = x.reshape(-1)
-    if xp is np:
-        return np.linalg.vector_norm(flat, ord=p)
-    return xp.linalg.norm(flat, ord=p)
+    if flat.size == 0 and p == -math.inf:  # min over nothing: its identity (an empty shard)
+        return xp.full((), math.inf, dtype=np.finfo(x.dtype).dtype)  # real for complex
+    if x.dtype == np.float16:
+        flat = flat.astype(np.float32)
+    norm = np.linalg.vector_norm(flat, ord=p) if xp is np else xp.linalg.norm(flat, ord=p)
+    return norm.astype(np.float16) if x.dtype == np.float16 else norm
+
+
+def _coefficient(xp: Any, total: Any, max_norm: float) -> Any:
+    """The coefficient ``clamp(max_norm / (total + 1e-6), max=1)`` op by op as torch does.
+
+    torch's ``number / tensor`` is ``tensor.reciprocal() * number``, and a Python number
+    enters an op in the opmath type (float32 for float16): ``max_norm = 1e9`` times the
+    reciprocal 0 of an infinite float16 total is 0 there, where NumPy's float16 ``1e9`` (inf)
+    would make it NaN.
+    """
+    wide = np.float32 if total.dtype == np.float16 else total.dtype
+    shifted = (total.astype(wide) + 1e-6).astype(total.dtype)
+    reciprocal = xp.reciprocal(shifted)
+    return xp.minimum((reciprocal.astype(wide) * max_norm).astype(total.dtype), 1.0)
+
+
+def _scale(xp: Any, g: Any, c: Any) -> Any:
+    """``g * c`` in ``g``'s dtype; float16 multiplied in float32, rounded once (torch's opmath)."""
+    if g.dtype == np.float16:
+        return xp.multiply(g.astype(np.float32), c.astype(np.float32)).astype(np.float16)
+    return xp.multiply(g, c.astype(g.dtype))
 
 
 def clip_grad_norm(
@@ -67,13 +96,17 @@ def clip_grad_norm(
     Args:
         grads: a pytree of arrays (NumPy, HostArray, CuPy; any devices) and ``None``.
         max_norm: the largest total norm.
-        norm_type: ``p`` of the norms (a float, ``math.inf`` for the max-norm).
+        norm_type: ``p`` of the norms (a float; ``math.inf`` or torch's ``'inf'`` for the
+            max-norm).
         error_if_nonfinite: raise ``RuntimeError`` (torch's) when the total norm is NaN or
             infinite; otherwise the gradients are scaled by it anyway, as in torch.
         process_group: a process group over which ``grads`` are *shards* of the whole
             gradients (ZeRO, FSDP): the total is the norm of all the shards, from one
             ``all_reduce`` (the sum of ``p``-th powers; ``MAX`` for ``inf``; ``MIN`` for
-            ``-inf``; the sum of counts for ``p = 0``). ``None``: the gradients are whole
+            ``-inf``; a rank without gradients adds nothing). ``p = 0`` is refused with a group:
+            torch's 0-"norm" counts the *tensors* with a nonzero entry, which no rank can tell
+            from its shards (summing each rank's count gave 7 for 3 tensors on 4 ranks); like
+            torch's FSDP, which cannot take it either. ``None``: the gradients are whole
             (replicated ranks, as under DDP, need no reduction). Every rank of the group must
             call it.
 
@@ -82,8 +115,10 @@ def clip_grad_norm(
         float32 zero on the cpu (torch's ``tensor(0.0)``) and nothing is scaled.
 
     Raises:
-        TypeError: a leaf that is neither an array nor ``None``; a non-number ``max_norm`` or
-            ``norm_type``.
+        TypeError: a leaf that is neither an array nor ``None``, or not floating-point or
+            complex; a non-number ``max_norm`` or ``norm_type``.
+        ValueError: ``max_norm`` below 0 or NaN (torch scales by it: a negative one flips the
+            gradients' signs); ``norm_type=0`` with a ``process_group``.
         RuntimeError: the total norm is not finite and ``error_if_nonfinite``.
 
     Example:
@@ -97,8 +132,18 @@ def clip_grad_norm(
         (array([0.6, 0. ]), array([3., 0.]))
     """
     max_norm = read_real(max_norm, "max_norm")
+    if not max_norm >= 0:  # torch multiplies by it anyway: a negative one flips every gradient
+        raise ValueError(f"max_norm must be >= 0 (a norm), got {max_norm}.")
+    if isinstance(norm_type, str) and norm_type.strip().lower() in ("inf", "-inf"):
+        norm_type = float(norm_type)  # torch documents the string 'inf'
     p = read_real(norm_type, "norm_type")
     error_if_nonfinite = read_bool(error_if_nonfinite, "error_if_nonfinite")
+    if process_group is not None and p == 0:
+        raise ValueError(
+            "norm_type=0 cannot be computed from gradient shards (process_group): torch's "
+            "0-norm counts the whole gradients with a nonzero entry, which a rank cannot tell "
+            "from its shard; use norm_type=2.0, 1.0 or inf."
+        )
     names, leaves, spec = tree.flatten_with_names(grads, "grads")
     for name, leaf in zip(names, leaves, strict=True):
         if not is_array(leaf):
@@ -106,9 +151,14 @@ def clip_grad_norm(
                 f"{name} must be an array or None, got {type(leaf).__name__}; clip_grad_norm "
                 "takes the gradients (a tree of arrays), not the parameters."
             )
+        if leaf.dtype.kind not in "fc":  # an integer gradient would be scaled to 0
+            raise TypeError(
+                f"{name} must be a floating-point or complex array (a gradient), got dtype "
+                f"{leaf.dtype}."
+            )
     total = _total_norm(leaves, p)
     if process_group is not None:
-        total = _reduce_total(total, p, process_group)
+        total = _reduce_total(total, p, process_group, has_gradients=bool(leaves))
     if error_if_nonfinite and not bool(math.isfinite(float(to_device(total, "cpu")))):
         raise RuntimeError(
             f"The total norm of order {p} for gradients from `parameters` is non-finite, so it "
@@ -118,13 +168,11 @@ def clip_grad_norm(
     if not leaves:
         return spec.unflatten(leaves), total
     first = device_of(total)
-    coefficient = _on(first, lambda xp, t: xp.minimum(max_norm / (t + 1e-6), 1.0), total)
+    coefficient = _on(first, lambda xp, t: _coefficient(xp, t, max_norm), total)
     clipped = []
     for leaf in leaves:
         here = to_device(coefficient, device_of(leaf))
-        clipped.append(
-            _on(device_of(leaf), lambda xp, g, c: xp.multiply(g, c.astype(g.dtype)), leaf, here)
-        )
+        clipped.append(_on(device_of(leaf), _scale, leaf, here))
     return spec.unflatten(clipped), total
 
 
@@ -142,7 +190,7 @@ def _total_norm(leaves: list[Any], p: float) -> Any:
     )
 
 
-def _reduce_total(total: Any, p: float, group: Any) -> Any:
+def _reduce_total(total: Any, p: float, group: Any, *, has_gradients: bool) -> Any:
     """The norm over the group's shards from this rank's ``total``: one all_reduce, in float64.
 
     Every rank reduces a float64 value whatever its gradients' dtype (a rank without gradients
@@ -156,7 +204,9 @@ def _reduce_total(total: Any, p: float, group: Any) -> Any:
     if math.isinf(p):
         op, power = (ReduceOp.MAX if p > 0 else ReduceOp.MIN), 1.0
     else:
-        op, power = ReduceOp.SUM, (1.0 if p == 0 else p)  # p = 0 counts: sum the counts
+        op, power = ReduceOp.SUM, p  # p != 0: clip_grad_norm refuses 0 with a group
     part = _on(device, lambda xp, t: (t.astype(np.float64) ** power).reshape(1), total)
+    if not has_gradients:  # the reduction's identity (torch's zero would be 0**p = inf for p < 0)
+        part[...] = math.inf if op == ReduceOp.MIN else 0.0
     all_reduce(part, op=op, group=group)
     return _on(device, lambda xp, s: (s ** (1.0 / power)).reshape(()).astype(total.dtype), part)

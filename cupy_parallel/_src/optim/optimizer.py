@@ -11,13 +11,20 @@ state keys a parameter has (:meth:`Optimizer._state_keys`), and how one paramete
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator, MappingView
 from typing import TYPE_CHECKING, Any, ClassVar
-
-import numpy as np
 
 from cupy_parallel._src import tree
 from cupy_parallel._src.arguments import read_real
-from cupy_parallel._src.arrays import device_of, empty, is_array, shares_memory, to_device
+from cupy_parallel._src.arrays import (
+    _bounds_meet,
+    check_outs,
+    device_of,
+    empty,
+    is_array,
+    shares_memory,
+    to_device,
+)
 from cupy_parallel._src.optim.updates import Workspace
 from cupy_parallel._src.recording import note_overwritten, tapes_exist
 
@@ -30,7 +37,11 @@ __all__ = ["Optimizer", "check_nonnegative", "zeros_like"]
 
 
 def check_nonnegative(value: Any, what: str, /) -> float:
-    """``value`` as a float, ``ValueError("Invalid {what}: value")`` when below 0 (torch's words).
+    """``value`` as a float, ``ValueError("Invalid {what}: value")`` below 0 or NaN (torch's words).
+
+    torch's Adam refuses NaN (``not 0.0 <= lr``), its SGD lets it through (``lr < 0.0``) to
+    make every parameter NaN; both refuse it here, at construction and at every step (a
+    scheduler's NaN lr too).
 
     Example:
         >>> check_nonnegative(0.1, "learning rate")
@@ -39,9 +50,13 @@ def check_nonnegative(value: Any, what: str, /) -> float:
         Traceback (most recent call last):
         ...
         ValueError: Invalid learning rate: -1
+        >>> check_nonnegative(float("nan"), "learning rate")
+        Traceback (most recent call last):
+        ...
+        ValueError: Invalid learning rate: nan
     """
     number = read_real(value, what)
-    if not number >= 0.0 and not np.isnan(number):
+    if not number >= 0.0:  # NaN too: torch's Adam refuses it; a NaN step makes every entry NaN
         raise ValueError(f"Invalid {what}: {value}")
     return number
 
@@ -113,6 +128,7 @@ class Optimizer:
         self.state: dict[int, dict[str, Any]] = {}
         self._specs: list[PyTreeSpec] = []
         self._masks: list[list[bool]] = []
+        self._dotted: list[list[str]] = []  # each parameter's path, joined by dots (torch's name)
         self._grouped = _is_group_list(params)
         self._workspace = Workspace()
         for group in params if self._grouped else [{"params": params}]:
@@ -153,8 +169,23 @@ class Optimizer:
                 "construct it with a list of param groups to add groups."
             )
         names, leaves, spec = tree.flatten_with_names(param_group["params"], "params")
+        for name, leaf in zip(names, leaves, strict=True):
+            if isinstance(leaf, Iterator | MappingView):  # torch's model.parameters() habit
+                raise TypeError(
+                    f"{name} is a {type(leaf).__name__}, which is no pytree (its arrays would "
+                    "not be parameters): pass a list of the arrays (list(...)) or the dict "
+                    "itself."
+                )
+            if is_array(leaf) and leaf.dtype.kind == "c":  # it would ride along, never updated
+                raise TypeError(
+                    f"{name} is a complex array ({leaf.dtype}); the optimizers update real "
+                    "floating-point arrays: pass its real view instead (torch's view_as_real: "
+                    "p.view(p.real.dtype), and the gradient likewise), which the step updates "
+                    "in place, real and imaginary parts as separate entries as torch does."
+                )
         mask = [is_parameter(leaf) for leaf in leaves]
-        leaves = [leaf for leaf, keep in zip(leaves, mask, strict=True) if keep]
+        named = [(n, leaf) for n, leaf, keep in zip(names, leaves, mask, strict=True) if keep]
+        leaves = [leaf for _, leaf in named]
         if not leaves and not self._grouped:  # torch: an empty group in a list is fine
             raise ValueError(
                 "optimizer got an empty parameter list (no floating-point array among the "
@@ -163,6 +194,19 @@ class Optimizer:
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         if len({id(p) for p in leaves}) != len(leaves) or seen & {id(p) for p in leaves}:
             raise ValueError("some parameters appear in more than one parameter group")
+        # the step writes every parameter in place: a read-only one would fail mid-step (after
+        # the parameters before it were updated), a self-overlapping one (a zero stride) would
+        # keep only its last element's update, and two that share memory would overwrite each
+        # other's update; refused here, before any step
+        if self._grouped:
+            root = f"param_groups[{len(self.param_groups)}]['params']"
+            named = [(root + n.removeprefix("params"), leaf) for n, leaf in named]
+        earlier = [
+            (f"param_groups[{i}]['params'][{j}]", p)
+            for i, g in enumerate(self.param_groups)
+            for j, p in enumerate(g["params"])
+        ]
+        check_outs(earlier + named, [], f"{type(self).__name__}.step")
         # keys beyond the defaults are kept as given, as torch keeps them ("initial_lr", names)
         group = {k: v for k, v in param_group.items() if k != "params"}
         for key in self.defaults:
@@ -172,6 +216,13 @@ class Optimizer:
         self.param_groups.append(group)
         self._specs.append(spec)
         self._masks.append(mask)
+        self._dotted.append(
+            [
+                ".".join(str(getattr(e, "field", None) or e.entry) for e in accessor)
+                for accessor, keep in zip(spec.accessors(), mask, strict=True)
+                if keep
+            ]
+        )
 
     # -----------------------------------------------------------------------------------------
     # step
@@ -193,11 +244,19 @@ class Optimizer:
         else:
             trees = [grads]
         out = []
+        checked: list[tuple[str, Any, Any]] = []
         for i, (group, spec, mask, grad_tree) in enumerate(
             zip(self.param_groups, self._specs, self._masks, trees, strict=True)
         ):
             root = f"grads[{i}]" if self._grouped else "grads"
-            out.append(_flatten_like(grad_tree, spec, mask, group["params"], root))
+            named = _flatten_like(grad_tree, spec, mask, group["params"], root)
+            out.append([grad for _, grad in named])
+            checked += [
+                (path, grad, param)
+                for (path, grad), param in zip(named, group["params"], strict=True)
+                if grad is not None
+            ]
+        _refuse_aliasing(checked)
         return out
 
     def step(self, grads: Any) -> None:
@@ -261,9 +320,10 @@ class Optimizer:
         """Torch's layout: ``{"state": {index: {...}}, "param_groups": [{..., "params": [...]}]}``.
 
         ``index`` is the parameter's position in flatten order, groups in order; a parameter
-        that never had a gradient has no entry. The state's arrays are the optimizer's own (not
-        copies, as torch's), so a checkpoint loader may fill them in place; the groups are
-        copies.
+        that never had a gradient has no entry. Each entry is the parameter's own state dict,
+        as in torch (not a copy: its arrays and its ``step`` follow later steps, so a checkpoint
+        loader may fill it in place, and a snapshot to keep needs ``copy.deepcopy``); the groups
+        are copies.
 
         Example:
             >>> import numpy as np
@@ -281,7 +341,10 @@ class Optimizer:
             packed["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
             groups.append(packed)
-        state = {i: dict(s) for i, s in sorted(self.state.items()) if s}
+        # each parameter's own state dict, as torch's: a copy would freeze "step" (a float)
+        # while the arrays go on changing, a torn snapshot that resumes with the wrong bias
+        # correction
+        state = {i: s for i, s in sorted(self.state.items()) if s}
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -326,7 +389,10 @@ class Optimizer:
                 new.setdefault(key, group[key])
             hyper = self._read_hyper(new)
             for j, saved_id in enumerate(saved["params"]):
-                ids[saved_id] = (start + j, (group["params"][j], hyper))
+                k = self._position_of(i, j, saved.get("param_names"))
+                ids[saved_id] = (start + k, (group["params"][k], hyper))
+            if self._reordered(i, saved.get("param_names")):
+                new["param_names"] = list(self._dotted[i])  # in the order of our indices
             new["params"] = group["params"]
             new_groups.append(new)
             start += len(group["params"])
@@ -346,6 +412,31 @@ class Optimizer:
             )
         self.param_groups[:] = new_groups
         self.state = state
+
+    def _position_of(self, group: int, saved: int, saved_names: Any) -> int:
+        """Where the ``saved``-th parameter of a saved group is in ours, by torch's names.
+
+        A torch optimizer built from ``model.named_parameters()`` saves each group's
+        ``param_names`` in the model's order, while a dict of those names flattens in sorted
+        key order (``"10.weight"`` before ``"2.weight"``): when the saved names are a
+        permutation of this group's (each leaf's path, joined by dots: ``{"0": {"weight": w}}``
+        is ``"0.weight"``), the state goes to the parameter of that name, not of that position
+        (equal shapes would otherwise take each other's state silently). Otherwise, as in
+        torch, the position decides.
+        """
+        if not self._reordered(group, saved_names):
+            return saved
+        return self._dotted[group].index(str(saved_names[saved]))
+
+    def _reordered(self, group: int, saved_names: Any) -> bool:
+        """Whether ``saved_names`` are this group's names in another order."""
+        ours = self._dotted[group]
+        return (
+            isinstance(saved_names, list | tuple)
+            and list(saved_names) != ours
+            and len(set(ours)) == len(ours)
+            and sorted(map(str, saved_names)) == sorted(ours)
+        )
 
     def _load_entry(
         self, entry: Any, param: Any, hyper: dict[str, Any], where: str
@@ -390,6 +481,7 @@ def zeros_like(param: Any) -> Any:
     """Zeros shaped as ``param``, C-contiguous, on its device (a state array).
 
     Example:
+        >>> import numpy as np
         >>> zeros_like(np.ones((2, 1), np.float32))
         array([[0.],
                [0.]], dtype=float32)
@@ -408,6 +500,7 @@ def is_parameter(leaf: Any, /) -> bool:
     does not differentiate them; their gradient must be ``None``.
 
     Example:
+        >>> import numpy as np
         >>> is_parameter(np.zeros(2)), is_parameter(np.zeros(2, int)), is_parameter(1.0)
         (True, False, False)
     """
@@ -430,8 +523,8 @@ def _describe(value: Any) -> str:
 
 def _flatten_like(
     grads: Any, spec: PyTreeSpec, mask: list[bool], params: list[Any], root: str
-) -> list[Any]:
-    """``grads``' leaves at the params' leaf positions (``None`` allowed), or a clear error."""
+) -> list[tuple[str, Any]]:
+    """``(path, grad)`` at the params' leaf positions (``None`` allowed), or a clear error."""
     _, leaves, grad_spec = tree.flatten(grads)
     if grad_spec == spec:
         flat = leaves
@@ -473,9 +566,34 @@ def _flatten_like(
                 f"{path} is on {device_of(grad)}, its parameter on {device_of(param)}: move the "
                 "gradient to the parameter's device."
             )
-        if shares_memory(grad, param):  # the in-place update would change the gradient it reads
+    return kept
+
+
+def _refuse_aliasing(checked: list[tuple[str, Any, Any]]) -> None:
+    """Refuse a gradient sharing memory with a parameter: the in-place steps would change it.
+
+    ``checked``: ``(path, grad, param)`` of every gradient to apply. Its own parameter's
+    update would change the gradient it reads; another parameter's update, made first, would
+    change the gradient before its step reads it (grads ``{"a": b, "b": a}`` for the
+    gradient of ``sum(a * b)``: ``b`` moved by the new ``a``). Only arrays whose memory
+    bounds meet are tested (a sort, not every pair).
+    """
+    count = len(checked)
+    named = [(path, param) for path, _, param in checked]
+    named += [(path, grad) for path, grad, _ in checked]
+    for i, j in _bounds_meet(named):
+        if (i < count) == (j < count):  # two parameters (refused when added) or two gradients
+            continue
+        own, other = (j - count, i) if i < count else (i - count, j)
+        if not shares_memory(named[i][1], named[j][1]):
+            continue
+        path = checked[own][0]
+        if own == other:
             raise ValueError(
                 f"{path} shares memory with its parameter, which the step writes in place; "
                 "pass a copy of it."
             )
-    return [grad for _, grad in kept]
+        raise ValueError(
+            f"{path} shares memory with another parameter (the one {checked[other][0]} is "
+            "for), which the step writes in place: pass a copy of it."
+        )

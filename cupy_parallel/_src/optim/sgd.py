@@ -89,6 +89,13 @@ def _sgd_cuda(
     kernel(g, o(weight_decay), o(momentum), o(1 - dampening), o(-lr), p, *states[:1])
 
 
+def _check_dampening(value: Any) -> float:
+    number = read_real(value, "dampening")
+    if np.isnan(number):  # any other value is torch's (it checks none)
+        raise ValueError(f"Invalid dampening value: {value}")
+    return number
+
+
 class SGD(Optimizer):
     r"""Stochastic gradient descent, optionally with momentum: ``torch.optim.SGD``'s math.
 
@@ -129,7 +136,7 @@ class SGD(Optimizer):
     _hyper: ClassVar[dict[str, Callable[[Any], Any]]] = {
         "lr": lambda v: check_nonnegative(v, "learning rate"),
         "momentum": lambda v: check_nonnegative(v, "momentum value"),
-        "dampening": lambda v: read_real(v, "dampening"),
+        "dampening": _check_dampening,
         "weight_decay": lambda v: check_nonnegative(v, "weight_decay value"),
         "nesterov": lambda v: read_bool(v, "nesterov"),
         "maximize": lambda v: read_bool(v, "maximize"),

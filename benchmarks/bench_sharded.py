@@ -1,0 +1,299 @@
+"""Sharded data parallelism on 4 MPI ranks: memory per rank and step time, DDP vs ZeRO-1 vs FSDP.
+
+One model: an MLP of 8 units (each a ``D x D`` float32 weight and a bias, tanh between; D = 512,
+8.4 MB of parameters), 32 samples per rank, a mean squared error, Adam (lr 1e-3). A *step* is
+the forward pass recorded on a tape, ``tape.gradient`` and the optimizer's ``step``. Variants:
+
+- ``ddp``: :class:`~cupy_parallel.DistributedDataParallel` + ``optim.Adam`` (the baseline);
+- ``zero1``: DDP + ``distributed.optim.ZeroRedundancyOptimizer(Adam)`` (when that class exists
+  in this checkout), its parameters synchronised by one all-gather of padded flat buffers
+  (``param_sync="all_gather"``); ``zero1 broadcast``: by a broadcast per owner (the default);
+- ``fsdp``: :class:`~cupy_parallel.FullyShardedDataParallel` (FULL_SHARD) + ``optim.Adam`` on
+  its shards; ``fsdp grad_op``: the same with ``reshard_after_forward=False`` (SHARD_GRAD_OP).
+
+**Memory per rank** (rows ``memory ...``; their ``seconds`` columns hold bytes, their ``ratio``
+the variant's bytes over DDP's): the peak, during a step after a first one (Adam's state
+exists), of the bytes the host memory pool hands out on the rank: the parameters, the gradient
+buffers (DDP's buckets, FSDP's reduce-scatter buffers), the optimizer state and the gathered
+units, every array of 128 KiB or more (the pool's threshold; the activations and the tape's
+intermediate gradients of this batch are smaller or come from NumPy, and are not counted).
+Targets (the issue's, with DDP's 4 copies of the parameters as the unit): ZeRO-1 at most
+``(2 + 2/N) / 4`` of DDP's; FSDP at most ``(4/N) / 4`` of DDP's plus two units (one gathered,
+one prefetched).
+
+**Step time** (rows ``step ...``): the median over rounds of the slowest rank's step, the
+variants alternating within each round; ratio against ``ddp``; targets ZeRO-1 1.1x, FSDP 1.2x.
+The losses of the first steps agree across the variants (checked, 1e-5 relative: float32).
+
+Run ``python benchmarks/bench_sharded.py [--quick]``: it starts ``mpiexec -n 4`` itself (or,
+under ``mpiexec``, measures that world).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cupy_parallel._tools.benchmarking import Timing, script_main
+from cupy_parallel._tools.launch import find_mpiexec
+
+D = 512
+UNITS = 8
+BATCH = 32  # per rank
+RANKS = 4
+LR = 1e-3
+
+
+def _under_mpiexec() -> bool:
+    return any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+
+
+def _params() -> dict[str, Any]:
+    """The model's parameters, pooled arrays (``cupy_parallel.empty``) filled from a seed."""
+    import cupy_parallel as cp
+
+    rng = np.random.default_rng(0)
+    params = {}
+    for k in range(UNITS):
+        w = cp.empty((D, D), np.float32, "cpu")
+        w[...] = rng.standard_normal((D, D)) / np.sqrt(D)
+        params[f"layer{k}"] = {"w": w, "b": (0.1 * rng.standard_normal(D)).astype(np.float32)}
+    return params
+
+
+def layer(p: Any, h: Any) -> Any:
+    from cupy_parallel import ops
+
+    return ops.tanh(ops.add(ops.matmul(h, p["w"]), p["b"]))
+
+
+def model(units: Any, x: Any) -> Any:
+    """The units read one by one, none kept once the next is read (FSDP frees it then)."""
+    h = x
+    for k in range(UNITS):
+        h = layer(units[f"layer{k}"], h)
+    return h
+
+
+def _data(rank: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(100 + rank)
+    x = rng.standard_normal((BATCH, D)).astype(np.float32)
+    return x, np.tanh(x[:, ::-1]).copy()
+
+
+class _Peak:
+    """The host pool's largest ``used_bytes`` since :meth:`reset` (read at each allocation)."""
+
+    def __init__(self) -> None:
+        import cupy_parallel as cp
+
+        self.pool = cp.get_host_memory_pool()
+        self.peak = 0
+        allocate = self.pool.empty
+
+        def empty(*args: Any, **kwargs: Any) -> Any:
+            array = allocate(*args, **kwargs)
+            self.peak = max(self.peak, self.pool.used_bytes())
+            return array
+
+        self.pool.empty = empty  # type: ignore[method-assign]  # the benchmark's probe
+
+    def reset(self) -> None:
+        self.peak = self.pool.used_bytes()
+
+
+def _variants() -> dict[str, Any]:
+    """name -> a function making (module, optimizer) for this rank."""
+    import cupy_parallel as cp
+    from cupy_parallel.optim import Adam
+
+    def ddp() -> Any:
+        module = cp.DistributedDataParallel(model, _params())
+        return module, Adam(module.params, lr=LR)
+
+    def fsdp(*, reshard: bool) -> Any:
+        module = cp.FullyShardedDataParallel(model, _params(), reshard_after_forward=reshard)
+        return module, Adam(module.params, lr=LR)
+
+    variants: dict[str, Any] = {
+        "ddp": ddp,
+        "fsdp": lambda: fsdp(reshard=True),
+        "fsdp grad_op": lambda: fsdp(reshard=False),
+    }
+    try:
+        from cupy_parallel.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:
+        return variants
+
+    def zero1(sync: str) -> Any:
+        module = cp.DistributedDataParallel(model, _params())
+        return module, ZeroRedundancyOptimizer(module.params, Adam, lr=LR, param_sync=sync)
+
+    return {
+        "ddp": ddp,
+        "zero1": lambda: zero1("all_gather"),
+        "zero1 broadcast": lambda: zero1("broadcast"),
+        **{k: v for k, v in variants.items() if k != "ddp"},
+    }
+
+
+def _step(module: Any, optimizer: Any, x: Any, y: Any) -> float:
+    import cupy_parallel as cp
+    from cupy_parallel import ops
+
+    with cp.Tape() as tape:
+        loss = ops.mean(ops.square(ops.subtract(module(x), y)))
+    grads = tape.gradient(loss, module.params)
+    optimizer.step(grads)
+    del grads, tape
+    return float(loss)
+
+
+def _measure(quick: bool) -> list[dict[str, Any]]:
+    from cupy_parallel import distributed as dist
+
+    dist.init_process_group("mpi")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = _data(rank)
+    peak = _Peak()
+    # step time: every variant built, the variants alternating within each round
+    made = {name: make() for name, make in _variants().items()}
+    losses: dict[str, list[float]] = {name: [] for name in made}
+    times: dict[str, list[float]] = {name: [] for name in made}
+    for _ in range(1 + (3 if quick else 10)):  # the first round warms up (Adam's state made)
+        for name, (module, optimizer) in made.items():
+            dist.barrier()
+            start = time.perf_counter()
+            losses[name].append(_step(module, optimizer, x, y))
+            elapsed = np.array([time.perf_counter() - start])
+            dist.all_reduce(elapsed, dist.ReduceOp.MAX)  # the slowest rank's step
+            times[name].append(float(elapsed[0]))
+    times = {name: t[1:] for name, t in times.items()}
+    made.clear()
+    # memory: each variant alone (the others' arrays gone), its second step's peak
+    memory: dict[str, int] = {}
+    for name, make in _variants().items():
+        module, optimizer = make()
+        _step(module, optimizer, x, y)
+        gc.collect()  # what the first step left in reference cycles, for every variant alike
+        dist.barrier()
+        peak.reset()
+        _step(module, optimizer, x, y)
+        memory[name] = peak.peak
+        del module, optimizer
+        dist.barrier()
+    first = losses["ddp"][:3]
+    for name, history in losses.items():
+        np.testing.assert_allclose(history[:3], first, rtol=1e-5, err_msg=name)
+    peaks = np.array([memory[name] for name in memory], dtype=np.float64)
+    dist.all_reduce(peaks, dist.ReduceOp.MAX)  # the rank holding most
+    memory = {name: int(v) for name, v in zip(memory, peaks, strict=True)}
+    dist.destroy_process_group()
+    if rank != 0:
+        return []
+    n = world
+    param_bytes = UNITS * (D * D + D) * 4
+    unit_bytes = (D * D + D) * 4
+    ddp_model = 4 * param_bytes
+    targets = {
+        "zero1": (2 + 2 / n) / 4,
+        "zero1 broadcast": (2 + 2 / n) / 4,
+        "fsdp": (4 / n) / 4 + 2 * unit_bytes / ddp_model,
+        "fsdp grad_op": None,
+    }
+    rows = []
+    for name in memory:
+        if name == "ddp":
+            continue
+        rows.append(
+            {
+                "name": f"memory {name} / ddp",
+                "seconds": memory[name],
+                "baseline_seconds": memory["ddp"],
+                "ratio": memory[name] / memory["ddp"],
+                "target": targets[name],
+                "bytes": memory[name],
+                "baseline_bytes": memory["ddp"],
+                "parameter_bytes": param_bytes,
+                "unit_bytes": unit_bytes,
+                "ranks": n,
+            }
+        )
+    step_targets = {"zero1": 1.1, "zero1 broadcast": 1.1, "fsdp": 1.2, "fsdp grad_op": 1.2}
+    for name in times:
+        if name == "ddp":
+            continue
+        timing = Timing.of(times[name], times["ddp"])
+        rows.append(timing.row(f"step {name} / ddp+adam", step_targets[name], ranks=n))
+    rows.append(
+        {
+            "name": "memory ddp (bytes per rank)",
+            "seconds": memory["ddp"],
+            "baseline_seconds": ddp_model,
+            "ratio": memory["ddp"] / ddp_model,
+            "target": None,
+            "note": "baseline: 4 copies of the parameters (params, grads, Adam's 2)",
+        }
+    )
+    rows.append(
+        {
+            "name": "losses (first steps, every variant)",
+            "seconds": float("nan"),
+            "baseline_seconds": float("nan"),
+            "ratio": float("nan"),
+            "target": None,
+            "losses": losses,
+        }
+    )
+    return rows
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    """Measure on 4 ranks (launching mpiexec) and return the rows."""
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise RuntimeError("bench_sharded needs mpiexec (pip install mpich).")
+    command = [mpiexec, "-n", str(RANKS), sys.executable, str(Path(__file__).resolve()), "--worker"]
+    if quick:
+        command.append("--quick")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"mpiexec -n {RANKS} failed:\n{done.stderr[-3000:]}{done.stdout[-3000:]}"
+        )
+    marker = next(line for line in done.stdout.splitlines() if line.startswith("ROWS "))
+    return json.loads(marker[5:])
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    quick = "--quick" in argv
+    if "--worker" in argv:
+        rows = _measure(quick)
+        if rows:
+            print("ROWS " + json.dumps(rows), flush=True)
+        return
+    if _under_mpiexec():
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() != 0:
+            _measure(quick)
+            return
+    script_main(
+        _measure if _under_mpiexec() else run,
+        "bench_sharded",
+        __doc__.splitlines()[0],
+        quick_help="fewer rounds",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""cupy_parallel.save / load: bit-exact round trips of pytrees, no pickle, atomic replacement.
+
+Oracles: the saved objects themselves (bytes compared with ``tobytes``, so NaN payloads and
+-0.0 count), safetensors' own NumPy reader for the files we write, and a child process killed
+with SIGKILL in the middle of saves for atomicity.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import optree
+import pytest
+
+import cupy_parallel as cp
+from cupy_parallel import Device, HostArray, device_of
+from cupy_parallel._src.tree import NAMESPACE
+
+Point = collections.namedtuple("Point", "x y")
+
+DTYPES = [
+    "?", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "c8",
+    "c16", "g", "G", ">f8", ">i4", ">c8", "M8[ns]", "m8[s]", "U3", "S2", "V3",
+]  # fmt: skip
+
+
+def same_bits(a, b):
+    """Equal dtype, shape and bytes (NaN payloads and signed zeros included)."""
+    a_host, b_host = (cp.to_device(x, "cpu") for x in (a, b))
+    return (
+        a_host.dtype == b_host.dtype
+        and a_host.shape == b_host.shape
+        and a_host.tobytes() == b_host.tobytes()
+    )
+
+
+def values(dtype, shape):
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
+    x = raw.view(np.dtype(dtype)).reshape(shape).copy()
+    if np.dtype(dtype).kind == "b":
+        x = np.asarray(raw[: x.size].reshape(shape) % 2 == 1)
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0), (5,), (2, 3, 4)], ids=str)
+def test_every_dtype_and_shape_round_trips_bit_exactly(tmp_path, dtype, shape):
+    x = values(dtype, shape)
+    path = tmp_path / "x.safetensors"
+    cp.save({"x": x}, path)
+    back = cp.load(path)["x"]
+    assert type(back) is np.ndarray
+    assert back.flags.writeable
+    assert back.flags.c_contiguous
+    assert same_bits(back, x)
+
+
+def test_nan_payloads_and_signed_zeros_survive(tmp_path):
+    x = np.array([0x7FF8_0000_0000_1234, 0x8000_0000_0000_0000], np.uint64).view(np.float64)
+    cp.save([x, -0.0, float("nan"), float("-inf")], tmp_path / "f")
+    arr, neg_zero, nan, neg_inf = cp.load(tmp_path / "f")
+    assert arr.tobytes() == x.tobytes()
+    assert str(neg_zero) == "-0.0"
+    assert nan != nan
+    assert neg_inf == float("-inf")
+
+
+def test_non_contiguous_and_fortran_inputs_are_saved_as_values(tmp_path):
+    base = np.arange(60.0).reshape(5, 12)
+    tree = {"strided": base[::2, 1::3], "fortran": np.asfortranarray(base), "t": base.T}
+    cp.save(tree, tmp_path / "v")
+    back = cp.load(tmp_path / "v")
+    for key, x in tree.items():
+        assert back[key].flags.c_contiguous
+        np.testing.assert_array_equal(back[key], x)
+
+
+def test_structure_and_scalars_round_trip(tmp_path):
+    tree = {
+        "b": [True, False, None, 2**100, -7, 1.5, 1 - 2j, "naïve ✓", b"\x00\xff"],
+        0: (),
+        "a": collections.OrderedDict([("z", 1), ("y", {})]),
+        3.5: Point(x=np.float32(1.25), y=np.int8(-3)),
+        None: [[], ()],
+    }
+    cp.save(tree, tmp_path / "t")
+    back = cp.load(tmp_path / "t")
+    assert back == tree
+    assert list(back) == list(tree)  # dicts keep their order (optree sorts keys when flattening)
+    assert list(back["a"]) == ["z", "y"]
+    assert type(back["a"]) is collections.OrderedDict
+    point = back[3.5]
+    assert type(point).__name__ == "Point"
+    assert point._fields == ("x", "y")
+    assert type(point.x) is np.float32
+    assert type(point.y) is np.int8
+    assert type(back["b"][3]) is int
+
+
+def test_arrays_come_back_on_their_devices_or_on_device(tmp_path):
+    cp.set_host_device_count(2)
+    tree = {
+        "h1": cp.to_device(np.arange(4.0), "host:1"),
+        "h0": cp.to_device(np.ones((2, 2), np.int32), "host:0"),
+        "c": np.zeros(3),
+    }
+    cp.save(tree, tmp_path / "d")
+    back = cp.load(tmp_path / "d")
+    assert [str(device_of(back[k])) for k in ("h1", "h0", "c")] == ["host:1", "host:0", "cpu"]
+    assert type(back["h1"]) is HostArray
+    assert all(same_bits(back[k], tree[k]) for k in tree)
+    moved = cp.load(tmp_path / "d", device="host:1")
+    assert {str(device_of(v)) for v in moved.values()} == {"host:1"}
+    assert all(same_bits(moved[k], tree[k]) for k in tree)
+    on_cpu = cp.load(tmp_path / "d", device="cpu")
+    assert all(type(v) is np.ndarray for v in on_cpu.values())
+
+
+def test_cupy_arrays_round_trip_on_simulated_gpus(tmp_path):
+    from cupy_parallel.testing import simulated_cuda
+
+    with simulated_cuda(2):
+        x = cp.to_device(values("f4", (3, 5)), "cuda:1")
+        z = cp.to_device(values("c16", (4,)), "cuda:0")
+        cp.save({"x": x[:, ::2], "z": z}, tmp_path / "g")
+        back = cp.load(tmp_path / "g")
+        assert device_of(back["x"]) == Device("cuda", 1)
+        assert device_of(back["z"]) == Device("cuda", 0)
+        assert same_bits(back["x"], x[:, ::2])
+        assert same_bits(back["z"], z)
+        on_host = cp.load(tmp_path / "g", device="cpu")
+        assert same_bits(on_host["z"], z)
+    cpu_only = cp.load(tmp_path / "g", device="cpu")  # no GPU now: still readable on the cpu
+    assert cpu_only["z"].dtype == np.complex128
+    with pytest.raises(ValueError, match=r"saved on cuda:\d.*device="):
+        cp.load(tmp_path / "g")
+
+
+def test_other_tools_read_the_arrays_by_key_path(tmp_path):
+    from safetensors.numpy import load_file
+
+    cp.save({"layer": [{"w": np.arange(3.0)}], "step": 4}, tmp_path / "m")
+    assert list(load_file(tmp_path / "m")) == ["layer.0.w"]
+    np.testing.assert_array_equal(load_file(tmp_path / "m")["layer.0.w"], np.arange(3.0))
+    # every dtype safetensors has, 0-d and empty arrays: safetensors' own reader agrees
+    arrays = {c: values(c, (3, 2)) for c in ("?", "i1", "u1", "i2", "u2", "i4", "u4", "i8")}
+    arrays |= {c: values(c, (5,)) for c in ("u8", "f2", "f4", "f8", "c8")}
+    arrays |= {"zero_d": np.array(7, np.int16), "empty": np.zeros((0, 4), np.float32)}
+    cp.save(arrays, tmp_path / "all")
+    theirs = load_file(tmp_path / "all")
+    assert sorted(theirs) == sorted(arrays)
+    assert all(same_bits(theirs[k], arrays[k]) for k in arrays)
+
+
+def test_a_plain_safetensors_file_loads_as_a_dict(tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file({"a": np.arange(3, dtype=np.int16), "b": np.ones((2, 2))}, tmp_path / "p")
+    back = cp.load(tmp_path / "p")
+    assert sorted(back) == ["a", "b"]
+    assert same_bits(back["a"], np.arange(3, dtype=np.int16))
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("tree", "match"),
+    [
+        ({"a": [1, Opaque()]}, r"tree\['a'\]\[1\] is a test_serialization\.Opaque.*no pickle"),
+        ({"o": np.array([None, 1], dtype=object)}, r"tree\['o'\] .*dtype object"),
+        ({"s": np.zeros(2, dtype="i4,f8")}, r"tree\['s'\] .*structured"),
+        ([{1, 2}], r"tree\[0\] is a builtins\.set"),
+        ({(1, 2): 3}, r"dict key is a tuple"),
+        ({"f": lambda: 0}, r"tree\['f'\] is a builtins\.function"),
+    ],
+)
+def test_objects_are_refused_before_anything_is_written(tmp_path, tree, match):
+    with pytest.raises(TypeError, match=match):
+        cp.save(tree, tmp_path / "refused")
+    assert os.listdir(tmp_path) == []
+
+
+def test_not_a_checkpoint_and_truncated_files_name_the_path(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello, not a checkpoint")
+    with pytest.raises(ValueError, match=r"notes\.txt is not a checkpoint"):
+        cp.load(text)
+    path = tmp_path / "state"
+    cp.save({"w": np.arange(1000.0)}, path)
+    data = path.read_bytes()
+    for cut in (4, 40, len(data) - 8):
+        path.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=rf"{path.name} is not a checkpoint.*truncated"):
+            cp.load(path)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        cp.load(tmp_path / "absent")
+
+
+def test_template_gives_its_classes_and_checks_every_key(tmp_path):
+    cp.set_host_device_count(2)
+    path = tmp_path / "tpl"
+    cp.save({"p": Point(np.arange(3.0), 2), "q": [np.ones(2, np.float32)]}, path)
+    template = {
+        "p": Point(np.zeros(3), 0),
+        "q": [cp.to_device(np.zeros(2, np.float32), "host:1")],
+    }
+    back = cp.load(path, template=template)
+    assert type(back["p"]) is Point
+    assert back["p"].y == 2
+    np.testing.assert_array_equal(back["p"].x, np.arange(3.0))
+    assert device_of(back["q"][0]) == Device("host", 1)  # the template's array's device
+    np.testing.assert_array_equal(template["p"].x, np.zeros(3))  # untouched
+    with pytest.raises(KeyError, match=r"tpl has no tree\['r'\]"):
+        cp.load(path, template={**template, "r": 1})
+    with pytest.raises(KeyError, match=r"tpl holds tree\['q'\]\[0\], which the template"):
+        cp.load(path, template={"p": template["p"]})
+    with pytest.raises(ValueError, match=r"tree\['p'\]\.x was saved with shape \(3,\) and dtype"):
+        cp.load(path, template={**template, "p": Point(np.zeros(4), 0)})
+    with pytest.raises(ValueError, match=r"tree\['q'\]\[0\] was saved .* float32.*float64"):
+        cp.load(path, template={**template, "q": [np.zeros(2)]})
+
+
+def test_registered_nodes_need_a_template(tmp_path):
+    class Pair:
+        def __init__(self, a, b):
+            self.a, self.b = a, b
+
+    optree.register_pytree_node(
+        Pair, lambda p: ((p.a, p.b), None, ("a", "b")), lambda _, c: Pair(*c), namespace=NAMESPACE
+    )
+    try:
+        cp.save({"pair": Pair(np.arange(2), 3.0)}, tmp_path / "n")
+        with pytest.raises(ValueError, match=r"tree\['pair'\] is a .*Pair.*template="):
+            cp.load(tmp_path / "n")
+        back = cp.load(tmp_path / "n", template={"pair": Pair(np.zeros(2, int), 0.0)})
+        assert type(back["pair"]) is Pair
+        assert back["pair"].b == 3.0
+        np.testing.assert_array_equal(back["pair"].a, np.arange(2))
+    finally:
+        optree.unregister_pytree_node(Pair, namespace=NAMESPACE)
+
+
+def test_bfloat16_round_trips_when_ml_dtypes_is_installed(tmp_path):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = values("u2", (5,)).view(ml_dtypes.bfloat16)
+    cp.save([x], tmp_path / "bf")
+    assert same_bits(cp.load(tmp_path / "bf")[0], x)
+
+
+def test_saving_over_a_file_replaces_it_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "ckpt"
+    cp.save({"v": 1}, path)
+    cp.save({"v": 2}, path)
+    assert cp.load(path) == {"v": 2}
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+# ------------------------------------------------------------------------------------------
+# Atomicity: a child process saves ~200 MB versions in a loop and is killed at random moments
+
+CHILD = textwrap.dedent(
+    """
+    import sys, numpy as np, cupy_parallel as cp
+    path = sys.argv[1]
+    version = 0
+    while True:
+        version += 1
+        cp.save({"version": version, "w": np.full(25_000_000, float(version))}, path)
+        print(version, flush=True)
+    """
+)
+
+
+@pytest.mark.slow  # ~20 s: 20 kills of a 200 MB save, each version loaded whole
+def test_a_save_killed_at_any_moment_leaves_a_complete_version(tmp_path):
+    path = tmp_path / "ckpt"
+    cp.save({"version": 0, "w": np.full(25_000_000, 0.0)}, path)
+    rng = random.Random(1234)
+    seen = set()
+    for _trial in range(20):
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(path)],
+            stdout=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+        )
+        time.sleep(rng.uniform(0.3, 1.5))  # import, then somewhere in a save of 200 MB
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        state = cp.load(path)
+        version = state["version"]
+        seen.add(version)
+        w = state["w"]
+        assert w.shape == (25_000_000,)
+        assert w[0] == w[-1] == float(version)  # one whole version, never a mix
+        assert np.all(w == float(version))
+    assert len(seen) > 1  # the kills landed at different points
+
+
+def test_a_crafted_file_naming_an_object_dtype_is_refused(tmp_path):
+    """A file that says "view these bytes as object references" must not be obeyed."""
+    import json
+
+    from safetensors import safe_open
+
+    path = tmp_path / "evil"
+    cp.save({"x": np.zeros(2, np.complex128)}, path)  # stored as bytes, true dtype in metadata
+    with safe_open(path, framework="np") as f:
+        description = json.loads(f.metadata()["cupy_parallel"])
+    description["leaves"][0]["dtype"] = "|O"
+    description["leaves"][0]["shape"] = [4]
+    from cupy_parallel._src.serialization import write_safetensors
+
+    data = {"x": np.zeros((2, 16), np.uint8)}
+    write_safetensors(str(path), data, {"cupy_parallel": json.dumps(description)})
+    with pytest.raises(ValueError, match=r"evil is damaged: .*dtype '\|O', which does not hold"):
+        cp.load(path)
