@@ -282,7 +282,7 @@ class AdamW(Adam):
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """:meth:`Adam.load_state_dict`, the decay kept decoupled (as torch's AdamW keeps it).
+        """:meth:`Optimizer.load_state_dict`, the decay kept decoupled (as torch's AdamW keeps it).
 
         A state dict saved by :class:`Adam` (``decoupled_weight_decay=False``) would otherwise
         turn this AdamW into Adam with L2 decay.

@@ -214,7 +214,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     Every rank builds one over the same parameters (``DistributedDataParallel.params``: the
     same structure, shapes and dtypes, and values, on every rank). Each parameter is owned by
     one rank (see :mod:`cupy_parallel._src.sharded.zero` for the partition);
-    :attr:`optim` is ``optimizer_class`` built over this rank's parameters only, with the
+    ``optim`` is ``optimizer_class`` built over this rank's parameters only, with the
     param groups' hyper-parameters and ``**defaults``, so it alone holds optimizer state.
 
     ``step(grads)`` takes the gradients every rank holds alike (the averaged tree DDP's tape
@@ -223,7 +223,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     rank's arrays in place (see ``param_sync``), so that after a step every rank holds the
     parameters an unsharded optimizer would have computed. Every rank must call it.
 
-    :attr:`param_groups` is torch's: the global groups, listing all the parameters, with every
+    ``param_groups`` is torch's: the global groups, listing all the parameters, with every
     hyper-parameter of ``optimizer_class`` (set them here, e.g. by a scheduler: a step copies
     them to the local optimizer). State dicts have torch's layout with *global* indices (the
     flatten order of the params, groups in order): :meth:`consolidate_state_dict` gathers the
@@ -407,7 +407,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         """Add a param group on every rank (torch's): its parameters are partitioned too.
 
         The earlier groups keep their owners; this rank's share of the new group joins
-        :attr:`optim`. Every rank must call it with the same group.
+        ``optim``. Every rank must call it with the same group.
         """
         super().add_param_group(param_group)
         if not self._initialized:
@@ -484,7 +484,7 @@ class ZeroRedundancyOptimizer(Optimizer):
 
         The local optimizer checks and copies its entries; every other entry's index and
         array shapes are checked too, on every rank, before anything changes. The groups'
-        hyper-parameters replace those of :attr:`param_groups`.
+        hyper-parameters replace those of ``param_groups``.
         """
         if not isinstance(state_dict, dict) or {"state", "param_groups"} - set(state_dict):
             raise ValueError(
@@ -548,7 +548,8 @@ class ZeroRedundancyOptimizer(Optimizer):
     def sharded_state(self) -> dict[int, dict[str, Any]]:
         """Every parameter's state by global index, as every rank describes it (collective).
 
-        An array state of ``ndim >= 1`` is a :class:`Shard`: on its owner all rows (the local
+        An array state of ``ndim >= 1`` is a
+        :class:`~cupy_parallel.distributed.checkpoint.Shard`: on its owner all rows (the local
         optimizer's own array, which a checkpoint load fills in place), elsewhere none.
         Numbers (``step``) and 0-d arrays are replicated (the owners send them in one object
         all-gather, with which parameters have state). Parameters without state have no entry.
@@ -623,7 +624,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.load_state_dict({"state": mine, "param_groups": param_groups})
 
     def init_state(self) -> None:
-        """Give every parameter of this rank's partition a zero state if :attr:`optim` has none.
+        """Give every parameter of this rank's partition a zero state if ``optim`` has none.
 
         What a checkpoint template needs (torch's ``get_state_dict`` initialises an
         optimizer's state the same way): zeros, ``step`` 0.
