@@ -7,9 +7,10 @@ A block made of ``>>>`` lines is a doctest: it runs with empty globals (so it mu
 uses) and its printed output and exceptions must match. Any other block is a script: it runs in a
 new ``python`` process in an empty directory and must exit 0. A script that starts with a
 ``# example.py`` comment is also run as that file, under ``mpiexec -n 2`` when it calls
-``init_process_group("mpi")`` and MPI is installed, as the pages tell readers to do. A block that
-imports a public module this checkout does not have (a page written for a module that lands
-with another change) is skipped, naming the module.
+``init_process_group("mpi")`` and MPI is installed, as the pages tell readers to do. A page
+marked ``<!-- examples: one session -->`` has script blocks that build on each other: they run
+as one script, in order. A block that imports a public module this checkout does not have (a
+page written for a module that lands with another change) is skipped, naming the module.
 """
 
 from __future__ import annotations
@@ -50,13 +51,24 @@ def _pages_with_their_own_test() -> set[str]:
     return named
 
 
+SESSION = "<!-- examples: one session -->"
+"""A page holding this comment has script blocks that build on each other (as a notebook's
+cells): they run in order, as one script (its doctest blocks still run each on its own)."""
+
+
 def _blocks() -> list[tuple[Path, int, str]]:
     found = []
     for page in _pages():
         text = page.read_text(encoding="utf-8")
-        found += [
+        blocks = [
             (page, text.count("\n", 0, m.start()) + 1, m.group(1)) for m in _BLOCK.finditer(text)
         ]
+        if SESSION in text:
+            scripts = [b for b in blocks if not b[2].lstrip().startswith(">>>")]
+            blocks = [b for b in blocks if b not in scripts]
+            if scripts:
+                blocks.append((page, scripts[0][1], "".join(code for _, _, code in scripts)))
+        found += blocks
     return found
 
 
