@@ -231,6 +231,7 @@ GUIDES = [
     "optimizers",
     "checkpoints",
     "sharded_training",
+    "zero",
     "testing",
     "contributing",
 ]
