@@ -233,9 +233,17 @@ def write_safetensors(
     check so): the header, then each array's bytes written from its memory as it is.
     ``safetensors.serialize_file`` writes the same file but took 3.5x the time of a plain
     ``write`` of 1 GiB here, which the 1.2x target of ``numpy.save`` does not leave room for.
+    The file's size is reserved first (``posix_fallocate``, where the file system has it): a
+    new 1 GiB file beside the previous checkpoint was written in 2.4 s without, 0.7 s with it
+    (as fast as ``numpy.save`` rewriting a file in place).
     """
+    header = _header(tensors, metadata)
+    size = len(header) + sum(array.nbytes for array in tensors.values())
     with open(path, "wb") as out:
-        out.write(_header(tensors, metadata))
+        if size and hasattr(os, "posix_fallocate"):
+            with contextlib.suppress(OSError):  # not every file system can (EOPNOTSUPP)
+                os.posix_fallocate(out.fileno(), 0, size)
+        out.write(header)
         for array in tensors.values():
             if array.nbytes:
                 out.write(array.reshape(-1).view(np.uint8).data)
