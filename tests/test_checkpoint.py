@@ -232,6 +232,26 @@ def test_states_that_disagree_or_shards_that_overlap_are_refused_on_every_rank(t
         assert kind == "TypeError"
         assert "rank 1: state['f'] is a object" in message
 
+    def object_array(rank):
+        dcp.save({"o": np.array([None, rank], dtype=object)}, str(tmp_path / "b"))
+
+    for kind, message in errors_on_every_rank(2, object_array):
+        assert kind == "TypeError"
+        assert "rank 0: state['o'] is an array of dtype object" in message
+    assert not (tmp_path / "b").exists()
+
+
+def test_damaged_metadata_is_an_error_on_every_rank(tmp_path):
+    path = tmp_path / "ckpt"
+    save_on(2, str(path))
+    metadata = json.loads((path / ".metadata").read_text())
+    del metadata["items"]["['model']['b']"]["pieces"]
+    (path / ".metadata").write_text(json.dumps(metadata))
+    results = errors_on_every_rank(2, lambda r: dcp.load(W.state(r, 2, filled=False), str(path)))
+    for kind, message in results:
+        assert kind == "ValueError"
+        assert "the checkpoint's metadata is damaged (KeyError('pieces'))" in message
+
 
 def test_a_failed_write_raises_everywhere_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     from cupy_parallel._src.checkpoint import storage

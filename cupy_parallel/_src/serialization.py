@@ -66,6 +66,7 @@ __all__ = [
     "replace_atomically",
     "save",
     "scalar_record",
+    "storage_tag",
     "write_safetensors",
 ]
 
@@ -84,7 +85,7 @@ _NATIVE = frozenset(
 # Arrays as safetensors tensors (shared with the distributed checkpoint)
 
 
-def _dtype_tag(dtype: np.dtype[Any], where: str) -> str | None:
+def storage_tag(dtype: np.dtype[Any], where: str) -> str | None:
     """``None`` when safetensors stores ``dtype`` itself, else the tag that rebuilds it."""
     if dtype.hasobject or dtype.fields is not None or dtype.kind == "T":
         raise TypeError(
@@ -147,7 +148,7 @@ def encode_array(array: Any, where: str) -> tuple[np.ndarray, str | None]:
         >>> stored.dtype, stored.shape, tag
         (dtype('uint8'), (2, 16), '<c16')
     """
-    tag = _dtype_tag(np.dtype(array.dtype), where)
+    tag = storage_tag(np.dtype(array.dtype), where)
     if type(array) is HostArray:
         host = plain_buffer(array)
     elif isinstance(array, np.ndarray):
