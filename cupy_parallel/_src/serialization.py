@@ -5,10 +5,16 @@ package for this): an 8-byte header length, a JSON header naming each tensor's d
 byte range, then the raw bytes. It was chosen over ``pickle`` (``numpy.savez`` of objects,
 ``torch.save``) because reading it never runs code, over a home-made layout because other tools
 (``safetensors`` itself, Hugging Face's loaders, Rust and C++ readers) read it, and because its
-writer takes the arrays' memory as it is (no copy of 1 GiB to write 1 GiB) and its reader makes
-one fresh array per tensor. What safetensors cannot say itself travels in its string metadata,
-as JSON under the key ``"cupy_parallel"``: the tree's structure, the Python scalars and strings
-in it, each array's device and true dtype.
+layout lets the arrays be written from their memory as they are and read with one copy each
+(no copy of 1 GiB to write 1 GiB). What safetensors cannot say itself travels in its string
+metadata, as JSON under the key ``"cupy_parallel"``: the tree's structure, the Python scalars
+and strings in it, each array's device and true dtype.
+
+For speed the bytes are moved here, by the format's documented layout: :func:`write_safetensors`
+writes the header and then each array's memory (``safetensors.serialize_file`` took 3.5x as
+long for 1 GiB), and a load reads each tensor with one ``readinto`` into a fresh array after
+``safetensors.safe_open`` has checked the file (its ``get_tensor`` copies out of a mapping at
+twice the cost). safetensors' own reader reads every file written here (tested).
 
 - **Tensors** are named by their key path (``"layer.0.w"``) so that other tools see readable
   names; arrays of a dtype safetensors lacks (``complex128``, ``longdouble``, datetimes, fixed
