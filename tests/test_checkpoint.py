@@ -320,3 +320,44 @@ def test_a_killed_save_leaves_the_previous_checkpoint_whole(tmp_path):
         state = {"version": -1, "w": np.empty(6_000_000)}
         dcp.load(state, str(path))
         assert np.all(state["w"] == float(state["version"]))
+
+
+def test_ddp_parameters_and_adam_state_saved_on_2_ranks_resume_in_one_process(tmp_path):
+    """torch's layout of an optimizer's state goes through the checkpoint and on training."""
+    from cupy_parallel.optim import Adam
+
+    path = str(tmp_path / "train")
+    rng = np.random.default_rng(3)
+    start = {"w": rng.standard_normal((4, 3)), "b": rng.standard_normal(3)}
+    grads = [{"w": rng.standard_normal((4, 3)), "b": rng.standard_normal(3)} for _ in range(4)]
+
+    def two_steps(rank):  # the replicated state of a DDP run after two steps
+        params = {k: v.copy() for k, v in start.items()}
+        opt = Adam(params, lr=0.1, amsgrad=True)
+        for g in grads[:2]:
+            opt.step(g)
+        dcp.save({"model": params, "optim": opt.state_dict()}, path)
+
+    dist.spawn(two_steps, 2, timeout=20)
+    # resume: parameters first, then an optimizer on them whose state is loaded in place
+    params = {k: np.zeros_like(v) for k, v in start.items()}
+    opt = Adam(params, lr=0.1, amsgrad=True)
+    zeros = {name: np.zeros_like(start[key]) for name, key in (("w", "w"), ("b", "b"))}
+    slots = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    optim = {
+        "state": {
+            i: {"step": 0.0, **{s: zeros[k].copy() for s in slots}} for i, k in enumerate("bw")
+        },
+        "param_groups": opt.state_dict()["param_groups"],
+    }
+    dcp.load({"model": params, "optim": optim}, path)
+    opt.load_state_dict(optim)
+    for g in grads[2:]:
+        opt.step(g)
+    # the oracle: the same four steps without a checkpoint
+    expected = {k: v.copy() for k, v in start.items()}
+    uninterrupted = Adam(expected, lr=0.1, amsgrad=True)
+    for g in grads:
+        uninterrupted.step(g)
+    for key, value in expected.items():
+        assert params[key].tobytes() == value.tobytes()
