@@ -283,8 +283,7 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
         TypeError: a leaf of another kind; ValueError: the ranks' states disagree (keys,
             shapes, dtypes, shards that overlap or leave a gap); other failures (a write's
             ``OSError``) are raised on every rank as ``RuntimeError`` naming the rank and its
-            error. The same error is raised
-            on every rank.
+            error. The same error is raised on every rank.
 
     Example:
         >>> import os, tempfile, numpy as np
@@ -319,11 +318,14 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
         problem = error
     except Exception as error:  # noqa: BLE001 - every rank must hear of it, or the others hang
         problem = _RankError(type(error), f"{error}")
+        problem.__cause__ = error
     written = group.agree(sorted(raw.items()), problem)
     problem = None
     if group.rank == 0:
         try:
             fsync_directory(os.path.join(path, data))
+            fsync_directory(path)  # the data directory's entry, before the metadata names it
+            fsync_directory(os.path.dirname(path))
             metadata = _metadata(keys, entries, writers, written, data)
             text = json.dumps(metadata, separators=(",", ":"))
             replace_atomically(os.path.join(path, METADATA), lambda temp: _write_text(temp, text))
