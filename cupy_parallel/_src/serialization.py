@@ -335,9 +335,12 @@ class _Encoder:
         self.tensors: dict[str, np.ndarray] = {}
 
     def _tensor_name(self, accessor: PyTreeAccessor) -> str:
-        name = ".".join(str(entry.entry) for entry in accessor) or "tensor"
-        if name in self.tensors or name.startswith("__"):  # "__metadata__" is safetensors'
-            name = f"{name}#{len(self.tensors)}"
+        base = ".".join(str(entry.entry) for entry in accessor) or "tensor"
+        if base.startswith("__"):  # safetensors keeps names like "__metadata__" for itself
+            base = f"tensor.{base}"
+        name, count = base, len(self.tensors)
+        while name in self.tensors:
+            name, count = f"{base}#{count}", count + 1
         return name
 
     def leaf(self, value: Any, accessor: PyTreeAccessor) -> dict[str, Any]:
