@@ -19,10 +19,12 @@ import time
 import numpy as np
 import optree
 import pytest
+from hypothesis import given, settings
 
 import cupy_parallel as cp
 from cupy_parallel import Device, HostArray, device_of
 from cupy_parallel._src.tree import NAMESPACE
+from cupy_parallel.testing import arrays, assert_tree_equal, nested_structures
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -159,6 +161,12 @@ def test_other_tools_read_the_arrays_by_key_path(tmp_path):
     theirs = load_file(tmp_path / "all")
     assert sorted(theirs) == sorted(arrays)
     assert all(same_bits(theirs[k], arrays[k]) for k in arrays)
+
+
+def test_key_paths_that_read_alike_get_tensors_of_their_own(tmp_path):
+    tree = {"a.b#1": np.zeros(1), "a.b": np.ones(1), "a": {"b": np.full(1, 2.0)}, "__x": np.ones(2)}
+    cp.save(tree, tmp_path / "names")
+    assert_tree_equal(cp.load(tmp_path / "names"), tree)
 
 
 def test_a_plain_safetensors_file_loads_as_a_dict(tmp_path):
@@ -325,3 +333,15 @@ def test_a_crafted_file_naming_an_object_dtype_is_refused(tmp_path):
     write_safetensors(str(path), data, {"cupy_parallel": json.dumps(description)})
     with pytest.raises(ValueError, match=r"evil is damaged: .*dtype '\|O', which does not hold"):
         cp.load(path)
+
+
+@settings(max_examples=30, deadline=None)
+@given(nested_structures(arrays(non_contiguous=True), max_leaves=6))
+def test_random_structures_round_trip_into_a_template_of_themselves(tree):
+    """Every container the library's pytrees have (defaultdict and deque too) and any array."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "tree")
+        cp.save(tree, path)
+        assert_tree_equal(cp.load(path, template=tree), tree)

@@ -5,10 +5,16 @@ package for this): an 8-byte header length, a JSON header naming each tensor's d
 byte range, then the raw bytes. It was chosen over ``pickle`` (``numpy.savez`` of objects,
 ``torch.save``) because reading it never runs code, over a home-made layout because other tools
 (``safetensors`` itself, Hugging Face's loaders, Rust and C++ readers) read it, and because its
-writer takes the arrays' memory as it is (no copy of 1 GiB to write 1 GiB) and its reader makes
-one fresh array per tensor. What safetensors cannot say itself travels in its string metadata,
-as JSON under the key ``"cupy_parallel"``: the tree's structure, the Python scalars and strings
-in it, each array's device and true dtype.
+layout lets the arrays be written from their memory as they are and read with one copy each
+(no copy of 1 GiB to write 1 GiB). What safetensors cannot say itself travels in its string
+metadata, as JSON under the key ``"cupy_parallel"``: the tree's structure, the Python scalars
+and strings in it, each array's device and true dtype.
+
+For speed the bytes are moved here, by the format's documented layout: :func:`write_safetensors`
+writes the header and then each array's memory (``safetensors.serialize_file`` took 3.5x as
+long for 1 GiB), and a load reads each tensor with one ``readinto`` into a fresh array after
+``safetensors.safe_open`` has checked the file (its ``get_tensor`` copies out of a mapping at
+twice the cost). safetensors' own reader reads every file written here (tested).
 
 - **Tensors** are named by their key path (``"layer.0.w"``) so that other tools see readable
   names; arrays of a dtype safetensors lacks (``complex128``, ``longdouble``, datetimes, fixed
@@ -66,6 +72,7 @@ __all__ = [
     "replace_atomically",
     "save",
     "scalar_record",
+    "storage_tag",
     "write_safetensors",
 ]
 
@@ -84,7 +91,7 @@ _NATIVE = frozenset(
 # Arrays as safetensors tensors (shared with the distributed checkpoint)
 
 
-def _dtype_tag(dtype: np.dtype[Any], where: str) -> str | None:
+def storage_tag(dtype: np.dtype[Any], where: str) -> str | None:
     """``None`` when safetensors stores ``dtype`` itself, else the tag that rebuilds it."""
     if dtype.hasobject or dtype.fields is not None or dtype.kind == "T":
         raise TypeError(
@@ -147,7 +154,7 @@ def encode_array(array: Any, where: str) -> tuple[np.ndarray, str | None]:
         >>> stored.dtype, stored.shape, tag
         (dtype('uint8'), (2, 16), '<c16')
     """
-    tag = _dtype_tag(np.dtype(array.dtype), where)
+    tag = storage_tag(np.dtype(array.dtype), where)
     if type(array) is HostArray:
         host = plain_buffer(array)
     elif isinstance(array, np.ndarray):
@@ -233,9 +240,17 @@ def write_safetensors(
     check so): the header, then each array's bytes written from its memory as it is.
     ``safetensors.serialize_file`` writes the same file but took 3.5x the time of a plain
     ``write`` of 1 GiB here, which the 1.2x target of ``numpy.save`` does not leave room for.
+    The file's size is reserved first (``posix_fallocate``, where the file system has it): a
+    new 1 GiB file beside the previous checkpoint was written in 2.4 s without, 0.7 s with it
+    (as fast as ``numpy.save`` rewriting a file in place).
     """
+    header = _header(tensors, metadata)
+    size = len(header) + sum(array.nbytes for array in tensors.values())
     with open(path, "wb") as out:
-        out.write(_header(tensors, metadata))
+        if size and hasattr(os, "posix_fallocate"):
+            with contextlib.suppress(OSError):  # not every file system can (EOPNOTSUPP)
+                os.posix_fallocate(out.fileno(), 0, size)
+        out.write(header)
         for array in tensors.values():
             if array.nbytes:
                 out.write(array.reshape(-1).view(np.uint8).data)
@@ -320,9 +335,12 @@ class _Encoder:
         self.tensors: dict[str, np.ndarray] = {}
 
     def _tensor_name(self, accessor: PyTreeAccessor) -> str:
-        name = ".".join(str(entry.entry) for entry in accessor) or "tensor"
-        if name in self.tensors or name.startswith("__"):  # "__metadata__" is safetensors'
-            name = f"{name}#{len(self.tensors)}"
+        base = ".".join(str(entry.entry) for entry in accessor) or "tensor"
+        if base.startswith("__"):  # safetensors keeps names like "__metadata__" for itself
+            base = f"tensor.{base}"
+        name, count = base, len(self.tensors)
+        while name in self.tensors:
+            name, count = f"{base}#{count}", count + 1
         return name
 
     def leaf(self, value: Any, accessor: PyTreeAccessor) -> dict[str, Any]:

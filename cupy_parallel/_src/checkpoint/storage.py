@@ -53,6 +53,7 @@ from cupy_parallel._src.serialization import (
     read_scalar,
     replace_atomically,
     scalar_record,
+    storage_tag,
     write_safetensors,
 )
 
@@ -150,16 +151,24 @@ def _check_shard(shard: Shard, where: str) -> None:
         )
 
 
+def _storable(dtype: np.dtype[Any], where: str) -> str:
+    try:
+        storage_tag(dtype, where)
+    except TypeError as error:
+        raise _RankError(TypeError, str(error)) from None
+    return dtype_name(dtype)
+
+
 def _entry(leaf: Any, where: str) -> dict[str, Any]:
     """What a rank says about one leaf of its state (JSON)."""
     if isinstance(leaf, Shard):
         _check_shard(leaf, where)
         rows = [leaf.offset, leaf.offset + int(leaf.local.shape[0])]
-        shape, dtype = list(leaf.global_shape), np.dtype(leaf.local.dtype)
-        return {"kind": "shard", "dtype": dtype_name(dtype), "shape": shape, "rows": rows}
+        dtype = _storable(np.dtype(leaf.local.dtype), where)
+        return {"kind": "shard", "dtype": dtype, "shape": list(leaf.global_shape), "rows": rows}
     if is_array(leaf):
-        dtype = np.dtype(leaf.dtype)
-        return {"kind": "array", "dtype": dtype_name(dtype), "shape": list(leaf.shape)}
+        dtype = _storable(np.dtype(leaf.dtype), where)
+        return {"kind": "array", "dtype": dtype, "shape": list(leaf.shape)}
     if type(leaf) in SCALAR_TYPES:
         return {"kind": "value", "value": scalar_record(leaf)}
     raise _RankError(
@@ -170,7 +179,10 @@ def _entry(leaf: Any, where: str) -> dict[str, Any]:
 
 
 def _nbytes(entry: dict[str, Any]) -> int:
-    shape = entry["shape"] if entry["kind"] == "array" else [entry["rows"][1] - entry["rows"][0]]
+    """The bytes of the array (replicated) or of this rank's rows (shard) an entry describes."""
+    shape = list(entry["shape"])
+    if entry["kind"] == "shard":
+        shape[0] = entry["rows"][1] - entry["rows"][0]
     return int(np.prod(shape, dtype=np.int64)) * dtype_of_name(entry["dtype"]).itemsize
 
 
@@ -269,9 +281,9 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
 
     Raises:
         TypeError: a leaf of another kind; ValueError: the ranks' states disagree (keys,
-            shapes, dtypes, shards that overlap or leave a gap); OSError-born failures are
-            raised on every rank as ``RuntimeError`` naming the rank. The same error is raised
-            on every rank.
+            shapes, dtypes, shards that overlap or leave a gap); other failures (a write's
+            ``OSError``) are raised on every rank as ``RuntimeError`` naming the rank and its
+            error. The same error is raised on every rank.
 
     Example:
         >>> import os, tempfile, numpy as np
@@ -290,25 +302,30 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
     data = f"{_DATA_PREFIX}{token}"
     file = f"rank-{group.rank}.safetensors"
     tensors, raw = {}, {}
-    for index, leaf in enumerate(leaves):
-        mine = entries[group.rank][index]
-        if mine["kind"] == "shard" or writers[index] == group.rank:
-            array = leaf.local if mine["kind"] == "shard" else leaf
-            stored, tag = encode_array(array, f"state{keys[index]}")
-            tensors[str(index)], raw[index] = stored, tag is not None
     problem = None
     try:
+        for index, leaf in enumerate(leaves):
+            mine = entries[group.rank][index]
+            if mine["kind"] == "shard" or writers[index] == group.rank:
+                array = leaf.local if mine["kind"] == "shard" else leaf
+                stored, tag = encode_array(array, f"state{keys[index]}")
+                tensors[str(index)], raw[index] = stored, tag is not None
         if group.rank == 0 and os.path.exists(path) and not os.path.isdir(path):
             raise _RankError(ValueError, f"{path} exists and is not a directory")
         os.makedirs(os.path.join(path, data), exist_ok=True)
         write_safetensors(os.path.join(path, data, file), tensors, None)
-    except (OSError, _RankError) as error:
-        problem = error if isinstance(error, _RankError) else _RankError(OSError, f"{error}")
+    except _RankError as error:
+        problem = error
+    except Exception as error:  # noqa: BLE001 - every rank must hear of it, or the others hang
+        problem = _RankError(type(error), f"{error}")
+        problem.__cause__ = error
     written = group.agree(sorted(raw.items()), problem)
     problem = None
     if group.rank == 0:
         try:
             fsync_directory(os.path.join(path, data))
+            fsync_directory(path)  # the data directory's entry, before the metadata names it
+            fsync_directory(os.path.dirname(path))
             metadata = _metadata(keys, entries, writers, written, data)
             text = json.dumps(metadata, separators=(",", ":"))
             replace_atomically(os.path.join(path, METADATA), lambda temp: _write_text(temp, text))
@@ -549,6 +566,11 @@ def load(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
                 values.append((accessor, _settable(state, accessor, item["value"], where)))
     except _RankError as found:
         problem = found
+    except (KeyError, TypeError, IndexError, AttributeError) as error:
+        damaged = f"{path}: the checkpoint's metadata is damaged ({error!r})"
+        problem = _RankError(ValueError, damaged)
+    except Exception as error:  # noqa: BLE001 - every rank must hear of it, or the others hang
+        problem = _RankError(type(error), f"{error}")
     finally:
         if files is not None:
             files.close()
