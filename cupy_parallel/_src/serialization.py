@@ -113,7 +113,10 @@ def dtype_of_name(tag: str) -> np.dtype[Any]:
         kind = getattr(ml_dtypes, name, None) if name.isidentifier() else None
         if kind is None or name.startswith("_"):
             raise ValueError(f"the checkpoint names an unknown ml_dtypes dtype {name!r}.")
-        return np.dtype(kind)
+        dtype = np.dtype(kind)
+        if dtype.kind != "V" or dtype.type is np.void:  # a class of ml_dtypes', not a dtype
+            raise ValueError(f"the checkpoint names {name!r}, which is not an ml_dtypes dtype.")
+        return dtype
     return np.dtype(tag)
 
 
@@ -223,16 +226,23 @@ def write_safetensors(
 def replace_atomically(path: str, write: Any) -> None:
     """Call ``write(temporary_path)``, then rename that file over ``path`` and sync the directory.
 
-    The temporary file sits in ``path``'s directory (a rename is atomic within one file system)
-    and is created with the permissions a new file gets (``0o666`` less the umask); it is
-    removed if ``write`` raises.
+    A symbolic link at ``path`` is followed (the file it names is replaced, as ``open(path,
+    "wb")`` would write it; the link stays). The temporary file sits in that file's directory
+    (a rename is atomic within one file system) and gets the permission bits of the file it
+    replaces (a file made private stays private), or those a new file gets (``0o666`` less the
+    umask); it is removed if ``write`` raises.
     """
-    directory, name = os.path.split(os.path.abspath(path))
+    if not path:
+        raise FileNotFoundError("the path to save to is empty ('').")
+    target = os.path.realpath(path)
+    directory, name = os.path.split(target)
     temporary = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
     os.close(os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
     try:
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(temporary, os.stat(target).st_mode & 0o7777)
         write(temporary)
-        os.replace(temporary, path)
+        os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(temporary)
@@ -257,8 +267,8 @@ def scalar_record(value: Any) -> dict[str, Any]:
     kind = type(value)
     if kind is bool:
         return {"bool": value}
-    if kind is int:
-        return {"int": str(value)}
+    if kind is int:  # hexadecimal past 64 bits: str() of an int refuses beyond 4300 digits
+        return {"int": str(value) if value.bit_length() < 64 else hex(value)}
     if kind is float:
         return {"float": value.hex()}
     if kind is complex:
@@ -269,25 +279,31 @@ def scalar_record(value: Any) -> dict[str, Any]:
 
 
 def read_scalar(record: Any) -> tuple[bool, Any]:
-    """``(True, value)`` for a scalar record, ``(False, None)`` otherwise."""
+    """``(True, value)`` for a scalar record, ``(False, None)`` otherwise (a damaged one too)."""
     if not isinstance(record, dict) or len(record) != 1:
         return False, None
     ((kind, value),) = record.items()
-    if kind == "bool":
-        return True, bool(value)
-    if kind == "int":
-        return True, int(value)
-    if kind == "float":
-        return True, float.fromhex(value)
-    if kind == "complex":
-        return True, complex(float.fromhex(value[0]), float.fromhex(value[1]))
-    if kind == "str":
-        return True, str(value)
-    if kind == "bytes":
-        return True, bytes.fromhex(value)
     if kind == "none":
-        return True, None
-    return False, None
+        return value is None, None
+    if kind == "bool":
+        return type(value) is bool, value if type(value) is bool else None
+    if kind == "complex":
+        if not (isinstance(value, list) and len(value) == 2):
+            return False, None
+        real, imag = (read_scalar({"float": part}) for part in value)
+        return (True, complex(real[1], imag[1])) if real[0] and imag[0] else (False, None)
+    if type(value) is not str:
+        return False, None
+    try:
+        if kind == "int":
+            return True, int(value, 0)  # decimal, or "0x..." past 64 bits
+        if kind == "float":
+            return True, float.fromhex(value)
+        if kind == "bytes":
+            return True, bytes.fromhex(value)
+    except ValueError:
+        return False, None
+    return (True, value) if kind == "str" else (False, None)
 
 
 class _Encoder:
@@ -390,7 +406,7 @@ def save(tree: Any, path: str | os.PathLike[str]) -> None:
         >>> cp.load(path)
         {'w': array([0., 1., 2., 3.]), 'step': 3, 'name': 'run', 'best': None}
     """
-    path = os.fspath(path)
+    path = os.fsdecode(path)
     accessors, leaves, spec = _tree.flatten(tree)
     encoder = _Encoder()
     records = [encoder.leaf(leaf, at) for at, leaf in zip(accessors, leaves, strict=True)]
@@ -471,10 +487,18 @@ class _Reader:
             raise _damaged(self.path, problem) from None
 
     def array(self, record: dict[str, Any], where: str, device: Device | None) -> Any:
+        if not _is_array_record(record):
+            raise _damaged(self.path, f"the array record of {where} is malformed")
         name = record["array"]
         stored = self.tensor(name, where)
-        dtype = dtype_of_name(record["dtype"])
-        array = decode_array(stored, record["dtype"] if record["raw"] else None)
+        try:
+            dtype = dtype_of_name(record["dtype"])
+            if dtype.hasobject or dtype.fields is not None:
+                raise ValueError(f"dtype {dtype} holds references or fields")
+            array = decode_array(stored, record["dtype"] if record["raw"] else None)
+        except (TypeError, ValueError) as error:
+            problem = f"tensor {name!r} ({where}) does not decode as {record['dtype']} ({error})"
+            raise _damaged(self.path, problem) from None
         if list(array.shape) != record["shape"] or array.dtype != dtype:
             raise _damaged(
                 self.path,
@@ -520,6 +544,8 @@ class _Reader:
         if kind == "none":
             return None
         if kind in ("dict", "ordereddict"):
+            if not (isinstance(body, list) and all(_is_pair(item) for item in body)):
+                raise _damaged(self.path, f"the {kind} record at {where} is malformed")
             items = {}
             for key_record, child in body:
                 is_scalar, key = (
@@ -530,11 +556,21 @@ class _Reader:
                 items[key] = self.node(child, f"{where}[{key!r}]")
             return items if kind == "dict" else OrderedDict(items)
         if kind in ("list", "tuple"):
+            if not isinstance(body, list):
+                raise _damaged(self.path, f"the {kind} record at {where} is malformed")
             values = [self.node(child, f"{where}[{i}]") for i, child in enumerate(body)]
             return values if kind == "list" else tuple(values)
         if kind == "namedtuple":
-            name, fields, children = body
-            cls = _namedtuple(name, tuple(fields))
+            try:
+                name, fields, children = body
+                if not (isinstance(children, list) and len(children) == len(fields)):
+                    raise ValueError("its fields and children differ in number")
+                if not all(type(text) is str for text in (name, *fields)):
+                    raise ValueError("its name and fields are not strings")
+                cls = _namedtuple(name, tuple(fields))
+            except (TypeError, ValueError) as error:
+                problem = f"the namedtuple at {where} is malformed ({error})"
+                raise _damaged(self.path, problem) from None
             pairs = zip(fields, children, strict=True)
             return cls(*(self.node(child, f"{where}.{field}") for field, child in pairs))
         if kind == "node":
@@ -543,6 +579,15 @@ class _Reader:
                 "code; pass template= (a tree of that structure) to load into its classes."
             )
         raise _damaged(self.path, f"the record at {where} is of unknown kind {kind!r}")
+
+
+def _is_array_record(record: dict[str, Any]) -> bool:
+    kinds = {"array": str, "dtype": str, "raw": bool, "shape": list, "device": (str, type(None))}
+    return all(isinstance(record.get(key, ...), kind) for key, kind in kinds.items())
+
+
+def _is_pair(item: Any) -> bool:
+    return isinstance(item, list) and len(item) == 2
 
 
 _NAMEDTUPLES: dict[tuple[str, tuple[str, ...]], type] = {}
@@ -576,7 +621,7 @@ def _description(path: str, handle: Any) -> dict[str, Any] | None:
         return None
     try:
         description = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         description = None
     if not isinstance(description, dict) or description.get("format") != _FORMAT:
         raise ValueError(f"{path}: its {METADATA_KEY!r} metadata is not a cupy_parallel.save tree.")
@@ -625,7 +670,7 @@ def load(path: str | os.PathLike[str], *, device: Any = None, template: Any = No
         >>> cp.load(path, device="cpu")[0]
         array([1., 1.], dtype=float32)
     """
-    path = os.fspath(path)
+    path = os.fsdecode(path)
     target = None if device is None else as_device(device)
     with _open(path) as handle:
         direct = _Direct(path)
@@ -646,11 +691,16 @@ def _load(path: str, handle: Any, direct: _Direct, target: Device | None, templa
             for name in handle.keys()  # noqa: SIM118 - safe_open is not iterable
         }
     leaves, paths = description.get("leaves"), description.get("paths")
-    if not isinstance(leaves, list) or not isinstance(paths, list) or len(leaves) != len(paths):
+    if not (isinstance(leaves, list) and isinstance(paths, list) and len(leaves) == len(paths)):
         raise _damaged(path, "its leaf records are missing")
+    if not all(type(key) is str for key in paths):
+        raise _damaged(path, "its key paths are not strings")
     reader = _Reader(path, handle, leaves, target, direct)
     if template is None:
-        return reader.node(description.get("tree"), "tree")
+        try:
+            return reader.node(description.get("tree"), "tree")
+        except RecursionError:
+            raise _damaged(path, "its tree is nested beyond Python's recursion limit") from None
     return _into(reader, paths, template)
 
 
@@ -669,9 +719,14 @@ def _into(reader: _Reader, paths: list[str], template: Any) -> Any:
         index, where = saved[key], f"tree{key}"
         record = reader.leaves[index]
         if is_array(like):
-            if not (isinstance(record, dict) and "array" in record and record["device"]):
+            if not (isinstance(record, dict) and "array" in record and record.get("device")):
                 raise ValueError(f"{reader.path}: {where} is not an array in the file.")
-            dtype = dtype_of_name(record["dtype"])
+            if not _is_array_record(record):
+                raise _damaged(reader.path, f"the array record of {where} is malformed")
+            try:
+                dtype = dtype_of_name(record["dtype"])
+            except (TypeError, ValueError) as error:
+                raise _damaged(reader.path, f"the dtype of {where}: {error}") from None
             if tuple(record["shape"]) != like.shape or dtype != like.dtype:
                 raise ValueError(
                     f"{reader.path}: {where} was saved with shape {tuple(record['shape'])} and "

@@ -1,0 +1,133 @@
+"""save/load and distributed.checkpoint at their edges: what users pass that the main tests do not.
+
+Oracles: ``open(path, "wb")`` and ``numpy.save`` for what happens to an existing file's mode and a
+symbolic link, the saved objects themselves (Python ints compared with ``==``, arrays with
+``tobytes``), the NumPy arrays sharded states are cut from; and crafted files, which must raise a
+``ValueError`` naming the path (never a bare ``TypeError`` from inside the reader, never a value).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import cupy_parallel as cp
+from cupy_parallel._src.serialization import write_safetensors
+from cupy_parallel.distributed import checkpoint as dcp
+
+
+def test_saving_over_a_private_file_keeps_it_private(tmp_path):
+    path, oracle = tmp_path / "state", tmp_path / "oracle"
+    for file in (path, oracle):
+        file.write_bytes(b"old")
+        os.chmod(file, 0o600)
+    with open(oracle, "wb") as out:  # what torch.save / numpy.save leave: the file's own mode
+        out.write(b"new")
+    cp.save({"w": np.arange(3.0)}, path)
+    assert oct(os.stat(path).st_mode & 0o777) == oct(os.stat(oracle).st_mode & 0o777) == "0o600"
+    np.testing.assert_array_equal(cp.load(path)["w"], np.arange(3.0))
+
+
+def test_saving_through_a_symbolic_link_replaces_the_file_it_names(tmp_path):
+    (tmp_path / "runs").mkdir()
+    for name in ("latest", "oracle"):
+        (tmp_path / "runs" / name).write_bytes(b"old")
+        os.symlink(tmp_path / "runs" / name, tmp_path / f"{name}.link")
+    np.save(tmp_path / "oracle.link", np.zeros(1))  # numpy.save writes through the link
+    assert (tmp_path / "oracle.link").is_symlink()
+    cp.save({"w": np.arange(3.0)}, tmp_path / "latest.link")
+    assert (tmp_path / "latest.link").is_symlink()
+    np.testing.assert_array_equal(cp.load(tmp_path / "runs" / "latest")["w"], np.arange(3.0))
+    assert sorted(os.listdir(tmp_path / "runs")) == ["latest", "oracle"]  # no temporary left
+
+
+def test_python_ints_past_4300_digits_round_trip(tmp_path):
+    huge = {"a": 7**6000, "b": -(2**64), "c": 2**63 - 1, "d": -(2**63)}
+    cp.save(huge, tmp_path / "ints")
+    back = cp.load(tmp_path / "ints")
+    assert back == huge
+    assert all(type(v) is int for v in back.values())
+    dcp.save(huge, tmp_path / "dist")
+    state = dict.fromkeys(huge, 0)
+    dcp.load(state, tmp_path / "dist")
+    assert state == huge
+
+
+def test_bytes_paths_work_and_an_empty_path_writes_nothing(tmp_path):
+    path = os.fsencode(tmp_path / "b")
+    cp.save([1, np.ones(2)], path)
+    back = cp.load(path)
+    assert back[0] == 1
+    np.testing.assert_array_equal(back[1], np.ones(2))
+    before = sorted(os.listdir(tmp_path.parent))
+    with pytest.raises(FileNotFoundError, match="path to save to is empty"):
+        cp.save([1], "")
+    assert sorted(os.listdir(tmp_path.parent)) == before
+
+
+def _with_description(path, change, tensor=None):
+    """A file save wrote, its tree description changed by ``change`` (a crafted file)."""
+    tensor = np.arange(16, dtype=np.uint8).reshape(2, 8) if tensor is None else tensor
+    cp.save({"a": tensor}, path)
+    from safetensors import safe_open
+
+    with safe_open(path, "np") as handle:
+        description = json.loads(handle.metadata()["cupy_parallel"])
+    text = change(description)
+    text = json.dumps(description) if text is None else text
+    write_safetensors(str(path), {"a": tensor}, {"cupy_parallel": text})
+
+
+def _record(**fields):
+    return lambda description: description["leaves"][0].update(fields)
+
+
+def _tree(node):
+    return lambda description: description.update(tree=node)
+
+
+def _deep(levels):
+    leaf = '{"leaf":0}'
+    nested = '{"list":[' * levels + leaf + "]}" * levels
+    return lambda d: json.dumps(d, separators=(",", ":")).replace(leaf, nested)
+
+
+CRAFTED = {
+    "object dtype": _record(dtype="|O", raw=True, shape=[2]),
+    "structured dtype": _record(dtype="i4,f4", raw=True, shape=[2]),
+    "item size": _record(dtype="<c16", raw=True, shape=[2]),
+    "raw missing": lambda d: d["leaves"][0].update(raw=None),
+    "tensor name": _record(array=5),
+    "str record": lambda d: d.update(leaves=[{"str": 5}]),
+    "bool record": lambda d: d.update(leaves=[{"bool": "false"}]),
+    "float record": lambda d: d.update(leaves=[{"float": 3}]),
+    "int record": lambda d: d.update(leaves=[{"int": "9" * 5000}]),
+    "complex key": _tree({"dict": [[{"complex": [1, 2]}, {"leaf": 0}]]}),
+    "dict body": _tree({"dict": 5}),
+    "list body": _tree({"list": "abc"}),
+    "namedtuple class path": _tree({"namedtuple": ["os.system", ["a"], [{"leaf": 0}]]}),
+    "namedtuple fields": _tree({"namedtuple": ["P", ["a", "b"], [{"leaf": 0}]]}),
+    "namedtuple body": _tree({"namedtuple": 5}),
+    "key paths": lambda d: d.update(paths=[[1]]),
+    "deep": _deep(1500),
+}
+
+
+@pytest.mark.parametrize("change", CRAFTED.values(), ids=CRAFTED.keys())
+def test_a_crafted_description_raises_a_value_error_naming_the_file(tmp_path, change):
+    path = tmp_path / "crafted"
+    _with_description(path, change)
+    damaged = r"crafted( is damaged|: its .cupy_parallel. metadata is not)"
+    with pytest.raises(ValueError, match=damaged):
+        cp.load(path)
+
+
+def test_an_ml_dtypes_name_that_is_not_a_dtype_is_refused(tmp_path):
+    pytest.importorskip("ml_dtypes")
+    path = tmp_path / "crafted"
+    _with_description(path, _record(dtype="ml_dtypes:finfo", raw=True, shape=[2]))
+    with pytest.raises(ValueError, match=r"crafted is damaged.*'finfo', which is not an ml_dtypes"):
+        cp.load(path)
