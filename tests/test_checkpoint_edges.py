@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 import cupy_parallel as cp
+from cupy_parallel import distributed as dist
 from cupy_parallel._src.serialization import write_safetensors
 from cupy_parallel.distributed import checkpoint as dcp
+from cupy_parallel.distributed.checkpoint import Shard
 
 
 def test_saving_over_a_private_file_keeps_it_private(tmp_path):
@@ -131,3 +133,62 @@ def test_an_ml_dtypes_name_that_is_not_a_dtype_is_refused(tmp_path):
     _with_description(path, _record(dtype="ml_dtypes:finfo", raw=True, shape=[2]))
     with pytest.raises(ValueError, match=r"crafted is damaged.*'finfo', which is not an ml_dtypes"):
         cp.load(path)
+
+
+def test_numpy_integer_offsets_save_and_load_on_every_rank(tmp_path):
+    full = np.arange(12.0).reshape(6, 2)
+    bounds = np.array([0, 4, 6])  # as numpy.cumsum or array_split's sizes give them
+
+    def shard(rank, filled):
+        rows = full[bounds[rank] : bounds[rank + 1]]
+        local = rows.copy() if filled else np.zeros_like(rows)
+        return Shard(local, bounds[rank], (np.int64(6), np.int64(2)))
+
+    dist.spawn(lambda rank: dcp.save({"w": shard(rank, True)}, tmp_path / "c"), 2, timeout=20)
+    loaded = dist.spawn(
+        lambda rank: (dcp.load(state := {"w": shard(rank, False)}, tmp_path / "c"), state)[1],
+        2,
+        timeout=20,
+    )
+    np.testing.assert_array_equal(np.concatenate([s["w"].local for s in loaded]), full)
+
+    def float_offset(rank):
+        try:
+            dcp.save({"w": Shard(np.zeros((3, 2)), 3.0 * rank, (6, 2))}, tmp_path / "f")
+        except TypeError as error:
+            return str(error)
+        return None
+
+    for message in dist.spawn(float_offset, 2, timeout=20):
+        assert "rank 1: state['w'] is a Shard of offset 3.0 and global_shape (6, 2)" in message
+
+
+def test_loading_into_a_read_only_array_raises_before_writing_anything(tmp_path):
+    dcp.save({"a": np.ones(3), "b": np.ones(3)}, tmp_path / "c")
+    read_only = np.zeros(3)
+    read_only.flags.writeable = False
+    for target in (read_only, np.broadcast_to(np.zeros(1), (3,))):
+        state = {"a": np.zeros(3), "b": target}
+        with pytest.raises(ValueError, match=r"state\['b'\] is a read-only array"):
+            dcp.load(state, tmp_path / "c")
+        assert not state["a"].any()  # nothing written: the check comes before every write
+
+
+def test_a_failure_while_committing_is_raised_on_every_rank(tmp_path, monkeypatch):
+    from cupy_parallel._src.checkpoint import storage
+
+    def broken(*args):
+        raise TypeError("not JSON serializable")
+
+    monkeypatch.setattr(storage, "_metadata", broken)
+
+    def save(rank):
+        try:
+            dcp.save({"w": np.zeros(2)}, tmp_path / "c")
+        except TypeError as error:
+            return str(error)
+        return None
+
+    for message in dist.spawn(save, 2, timeout=20):
+        assert "save failed on rank 0: committing" in message
+        assert "not JSON serializable" in message

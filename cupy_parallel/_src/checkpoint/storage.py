@@ -29,6 +29,7 @@ The files live on a file system every rank sees (as torch's ``FileSystemWriter``
 from __future__ import annotations
 
 import json
+import operator
 import os
 import secrets
 import shutil
@@ -131,30 +132,43 @@ def _read_state(state: Any) -> tuple[list[str], list[Any], list[PyTreeAccessor]]
     return [_tree.key_path(a, "") for a in accessors], leaves, list(accessors)
 
 
-def _check_shard(shard: Shard, where: str) -> None:
-    local, shape = shard.local, tuple(shard.global_shape)
+def _check_shard(shard: Shard, where: str) -> tuple[int, tuple[int, ...]]:
+    """The shard's offset and global shape as Python ints (NumPy integers are common), checked."""
+    local = shard.local
     if not is_array(local):
         raise _RankError(TypeError, f"{where} is a Shard whose local is {type(local).__name__}")
+    try:
+        if isinstance(shard.offset, bool) or any(isinstance(n, bool) for n in shard.global_shape):
+            raise TypeError("a bool")
+        offset = operator.index(shard.offset)
+        shape = tuple(operator.index(n) for n in shard.global_shape)
+    except TypeError:
+        raise _RankError(
+            TypeError,
+            f"{where} is a Shard of offset {shard.offset!r} and global_shape "
+            f"{shard.global_shape!r}; both must be integers",
+        ) from None
     if len(shape) == 0 or local.ndim != len(shape) or tuple(local.shape[1:]) != shape[1:]:
         raise _RankError(
             ValueError,
             f"{where} is a Shard of local shape {tuple(local.shape)} for global shape {shape}: "
             "only dim 0 may differ",
         )
-    if not 0 <= shard.offset <= shard.offset + local.shape[0] <= shape[0]:
+    if not 0 <= offset <= offset + local.shape[0] <= shape[0]:
         raise _RankError(
             ValueError,
-            f"{where} is a Shard of rows {shard.offset}:{shard.offset + local.shape[0]}, "
+            f"{where} is a Shard of rows {offset}:{offset + local.shape[0]}, "
             f"outside the global shape {shape}",
         )
+    return offset, shape
 
 
 def _entry(leaf: Any, where: str) -> dict[str, Any]:
     """What a rank says about one leaf of its state (JSON)."""
     if isinstance(leaf, Shard):
-        _check_shard(leaf, where)
-        rows = [leaf.offset, leaf.offset + int(leaf.local.shape[0])]
-        shape, dtype = list(leaf.global_shape), np.dtype(leaf.local.dtype)
+        offset, global_shape = _check_shard(leaf, where)
+        rows = [offset, offset + int(leaf.local.shape[0])]
+        shape, dtype = list(global_shape), np.dtype(leaf.local.dtype)
         return {"kind": "shard", "dtype": dtype_name(dtype), "shape": shape, "rows": rows}
     if is_array(leaf):
         dtype = np.dtype(leaf.dtype)
@@ -283,7 +297,7 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
         {'w': array([0., 1., 2., 3.]), 'step': 7}
     """
     group = _Group(process_group, "distributed.checkpoint.save")
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(os.fsdecode(path))
     keys, leaves, entries, token = _plan(group, state)
     writers = _assign(entries)
     data = f"{_DATA_PREFIX}{token}"
@@ -311,8 +325,8 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
             metadata = _metadata(keys, entries, writers, written, data)
             text = json.dumps(metadata, separators=(",", ":"))
             replace_atomically(os.path.join(path, METADATA), lambda temp: _write_text(temp, text))
-        except OSError as error:
-            problem = _RankError(OSError, f"committing {path}: {error}")
+        except Exception as error:  # noqa: BLE001 - shared with every rank, raised there too
+            problem = _RankError(type(error), f"committing {path}: {error}")
         else:
             _remove_old_data(path, keep=data)
     group.agree(None, problem)
@@ -408,11 +422,17 @@ def _read_metadata(path: str) -> dict[str, Any]:
 
 def _need(leaf: Any, where: str, item: dict[str, Any], key: str) -> tuple[int, int] | None:
     """The rows of item ``key`` this leaf needs (``None``: all of a 0-d array), checked."""
+    target = leaf.local if isinstance(leaf, Shard) else leaf
     if isinstance(leaf, Shard):
-        _check_shard(leaf, where)
-        shape, dtype = tuple(leaf.global_shape), np.dtype(leaf.local.dtype)
+        offset, shape = _check_shard(leaf, where)
+        dtype = np.dtype(leaf.local.dtype)
     else:
-        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        offset, shape, dtype = 0, tuple(leaf.shape), np.dtype(leaf.dtype)
+    if device_of(target).kind != "cuda" and not plain_buffer(target).flags.writeable:
+        raise _RankError(
+            ValueError,
+            f"{where} is a read-only array (or a broadcast view), which load cannot fill in place",
+        )
     saved_shape = tuple(item["shape"])
     if saved_shape != shape or item["dtype"] != dtype_name(dtype):
         raise _RankError(
@@ -421,7 +441,7 @@ def _need(leaf: Any, where: str, item: dict[str, Any], key: str) -> tuple[int, i
             f"{item['dtype']} of shape {saved_shape}",
         )
     if isinstance(leaf, Shard):
-        return leaf.offset, leaf.offset + int(leaf.local.shape[0])
+        return offset, offset + int(leaf.local.shape[0])
     return (0, shape[0]) if shape else None
 
 
@@ -523,7 +543,7 @@ def load(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
         array([[4., 5.]])
     """
     group = _Group(process_group, "distributed.checkpoint.load")
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(os.fsdecode(path))
     keys, leaves, accessors = _read_state(state)
     problem, reads, values = None, [], []
     files: _Files | None = None
