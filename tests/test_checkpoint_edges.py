@@ -192,3 +192,31 @@ def test_a_failure_while_committing_is_raised_on_every_rank(tmp_path, monkeypatc
     for message in dist.spawn(save, 2, timeout=20):
         assert "save failed on rank 0: committing" in message
         assert "not JSON serializable" in message
+
+
+def test_a_masked_array_is_refused_rather_than_saved_without_its_mask(tmp_path):
+    masked = np.ma.masked_array([1.0, 2.0], mask=[False, True])
+    with pytest.raises(TypeError, match=r"tree\['m'\] is a numpy.ma.MaskedArray; .*drop its mask"):
+        cp.save({"m": masked}, tmp_path / "m")
+    with pytest.raises(TypeError, match=r"state\['m'\] is a numpy.ma.MaskedArray"):
+        dcp.save({"m": masked}, tmp_path / "d")
+    assert os.listdir(tmp_path) == []
+    mapped = np.memmap(tmp_path / "raw", dtype="f4", mode="w+", shape=(1, 2))
+    mapped[:] = [[1.0, 2.0]]
+    cp.save({"m": mapped}, tmp_path / "x")  # other subclasses: their values
+    back = cp.load(tmp_path / "x")["m"]
+    assert type(back) is np.ndarray
+    np.testing.assert_array_equal(back, np.array([[1.0, 2.0]], np.float32))
+
+
+def test_an_object_array_is_refused_on_every_rank_before_anything_is_written(tmp_path):
+    def save(rank):  # only one rank writes a replicated array: it alone used to find out
+        try:
+            dcp.save({"a": np.zeros(3), "o": np.array([None, 1], object)}, tmp_path / "c")
+        except TypeError as error:
+            return str(error)
+        return None
+
+    for message in dist.spawn(save, 2, timeout=20):
+        assert "rank 1: state['o'] is an array of dtype object" in message
+    assert not (tmp_path / "c").exists()

@@ -19,10 +19,12 @@ import time
 import numpy as np
 import optree
 import pytest
+from hypothesis import given, settings
 
 import cupy_parallel as cp
 from cupy_parallel import Device, HostArray, device_of
 from cupy_parallel._src.tree import NAMESPACE
+from cupy_parallel.testing import arrays, assert_tree_equal, nested_structures
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -305,3 +307,35 @@ def test_a_save_killed_at_any_moment_leaves_a_complete_version(tmp_path):
         assert w[0] == w[-1] == float(version)  # one whole version, never a mix
         assert np.all(w == float(version))
     assert len(seen) > 1  # the kills landed at different points
+
+
+def test_a_crafted_file_naming_an_object_dtype_is_refused(tmp_path):
+    """A file that says "view these bytes as object references" must not be obeyed."""
+    import json
+
+    from safetensors import safe_open
+
+    path = tmp_path / "evil"
+    cp.save({"x": np.zeros(2, np.complex128)}, path)  # stored as bytes, true dtype in metadata
+    with safe_open(path, framework="np") as f:
+        description = json.loads(f.metadata()["cupy_parallel"])
+    description["leaves"][0]["dtype"] = "|O"
+    description["leaves"][0]["shape"] = [4]
+    from cupy_parallel._src.serialization import write_safetensors
+
+    data = {"x": np.zeros((2, 16), np.uint8)}
+    write_safetensors(str(path), data, {"cupy_parallel": json.dumps(description)})
+    with pytest.raises(ValueError, match=r"evil is damaged: .*dtype '\|O', which does not hold"):
+        cp.load(path)
+
+
+@settings(max_examples=30, deadline=None)
+@given(nested_structures(arrays(non_contiguous=True), max_leaves=6))
+def test_random_structures_round_trip_into_a_template_of_themselves(tree):
+    """Every container the library's pytrees have (defaultdict and deque too) and any array."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "tree")
+        cp.save(tree, path)
+        assert_tree_equal(cp.load(path, template=tree), tree)

@@ -46,6 +46,7 @@ from cupy_parallel._src.distributed.objects import all_gather_object
 from cupy_parallel._src.hostarray import plain_buffer
 from cupy_parallel._src.serialization import (
     SCALAR_TYPES,
+    check_savable,
     decode_array,
     dtype_name,
     dtype_of_name,
@@ -105,6 +106,7 @@ class _Group:
     def agree(self, mine: Any, problem: _RankError | None = None) -> list[Any]:
         """Every rank's ``mine``; raises on every rank if any rank had a ``problem``."""
         sent = (None, None, mine) if problem is None else (problem.kind, str(problem), None)
+        gathered: list[Any]
         if self.size == 1:
             gathered = [sent]
         else:
@@ -163,16 +165,25 @@ def _check_shard(shard: Shard, where: str) -> tuple[int, tuple[int, ...]]:
     return offset, shape
 
 
+def _storable(array: Any, where: str) -> str:
+    """``array``'s dtype name, checked to be savable (a masked array or an object dtype is not)."""
+    try:
+        check_savable(array, where)
+    except TypeError as error:
+        raise _RankError(TypeError, str(error)) from None
+    return dtype_name(np.dtype(array.dtype))
+
+
 def _entry(leaf: Any, where: str) -> dict[str, Any]:
     """What a rank says about one leaf of its state (JSON)."""
     if isinstance(leaf, Shard):
         offset, global_shape = _check_shard(leaf, where)
         rows = [offset, offset + int(leaf.local.shape[0])]
-        shape, dtype = list(global_shape), np.dtype(leaf.local.dtype)
-        return {"kind": "shard", "dtype": dtype_name(dtype), "shape": shape, "rows": rows}
+        dtype = _storable(leaf.local, where)
+        return {"kind": "shard", "dtype": dtype, "shape": list(global_shape), "rows": rows}
     if is_array(leaf):
-        dtype = np.dtype(leaf.dtype)
-        return {"kind": "array", "dtype": dtype_name(dtype), "shape": list(leaf.shape)}
+        dtype = _storable(leaf, where)
+        return {"kind": "array", "dtype": dtype, "shape": list(leaf.shape)}
     if type(leaf) in SCALAR_TYPES:
         return {"kind": "value", "value": scalar_record(leaf)}
     raise _RankError(
@@ -183,7 +194,10 @@ def _entry(leaf: Any, where: str) -> dict[str, Any]:
 
 
 def _nbytes(entry: dict[str, Any]) -> int:
-    shape = entry["shape"] if entry["kind"] == "array" else [entry["rows"][1] - entry["rows"][0]]
+    """The bytes of the array (replicated) or of this rank's rows (shard) an entry describes."""
+    shape = list(entry["shape"])
+    if entry["kind"] == "shard":
+        shape[0] = entry["rows"][1] - entry["rows"][0]
     return int(np.prod(shape, dtype=np.int64)) * dtype_of_name(entry["dtype"]).itemsize
 
 
@@ -282,9 +296,9 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
 
     Raises:
         TypeError: a leaf of another kind; ValueError: the ranks' states disagree (keys,
-            shapes, dtypes, shards that overlap or leave a gap); OSError-born failures are
-            raised on every rank as ``RuntimeError`` naming the rank. The same error is raised
-            on every rank.
+            shapes, dtypes, shards that overlap or leave a gap); other failures (a write's
+            ``OSError``) are raised on every rank as ``RuntimeError`` naming the rank and its
+            error. The same error is raised on every rank.
 
     Example:
         >>> import os, tempfile, numpy as np
@@ -303,25 +317,30 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
     data = f"{_DATA_PREFIX}{token}"
     file = f"rank-{group.rank}.safetensors"
     tensors, raw = {}, {}
-    for index, leaf in enumerate(leaves):
-        mine = entries[group.rank][index]
-        if mine["kind"] == "shard" or writers[index] == group.rank:
-            array = leaf.local if mine["kind"] == "shard" else leaf
-            stored, tag = encode_array(array, f"state{keys[index]}")
-            tensors[str(index)], raw[index] = stored, tag is not None
     problem = None
     try:
+        for index, leaf in enumerate(leaves):
+            mine = entries[group.rank][index]
+            if mine["kind"] == "shard" or writers[index] == group.rank:
+                array = leaf.local if mine["kind"] == "shard" else leaf
+                stored, tag = encode_array(array, f"state{keys[index]}")
+                tensors[str(index)], raw[index] = stored, tag is not None
         if group.rank == 0 and os.path.exists(path) and not os.path.isdir(path):
             raise _RankError(ValueError, f"{path} exists and is not a directory")
         os.makedirs(os.path.join(path, data), exist_ok=True)
         write_safetensors(os.path.join(path, data, file), tensors, None)
-    except (OSError, _RankError) as error:
-        problem = error if isinstance(error, _RankError) else _RankError(OSError, f"{error}")
+    except _RankError as error:
+        problem = error
+    except Exception as error:  # noqa: BLE001 - every rank must hear of it, or the others hang
+        problem = _RankError(type(error), f"{error}")
+        problem.__cause__ = error
     written = group.agree(sorted(raw.items()), problem)
     problem = None
     if group.rank == 0:
         try:
             fsync_directory(os.path.join(path, data))
+            fsync_directory(path)  # the data directory's entry, before the metadata names it
+            fsync_directory(os.path.dirname(path))
             metadata = _metadata(keys, entries, writers, written, data)
             text = json.dumps(metadata, separators=(",", ":"))
             replace_atomically(os.path.join(path, METADATA), lambda temp: _write_text(temp, text))
@@ -568,6 +587,11 @@ def load(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
                 values.append((accessor, _settable(state, accessor, item["value"], where)))
     except _RankError as found:
         problem = found
+    except (KeyError, TypeError, IndexError, AttributeError) as error:
+        damaged = f"{path}: the checkpoint's metadata is damaged ({error!r})"
+        problem = _RankError(ValueError, damaged)
+    except Exception as error:  # noqa: BLE001 - every rank must hear of it, or the others hang
+        problem = _RankError(type(error), f"{error}")
     finally:
         if files is not None:
             files.close()
