@@ -639,7 +639,9 @@ class _Reader:
 
 
 def _is_array_record(record: dict[str, Any]) -> bool:
-    kinds = {"array": str, "dtype": str, "raw": bool, "shape": list, "device": (str, type(None))}
+    kinds: dict[str, type | tuple[type, ...]] = {
+        "array": str, "dtype": str, "raw": bool, "shape": list, "device": (str, type(None)),
+    }  # fmt: skip
     return all(isinstance(record.get(key, ...), kind) for key, kind in kinds.items())
 
 
