@@ -220,3 +220,18 @@ def test_an_object_array_is_refused_on_every_rank_before_anything_is_written(tmp
     for message in dist.spawn(save, 2, timeout=20):
         assert "rank 1: state['o'] is an array of dtype object" in message
     assert not (tmp_path / "c").exists()
+
+
+def test_shards_that_leave_the_last_rows_uncovered_are_refused_at_save(tmp_path):
+    def save(rank):  # rows 0:2 and 2:4 of a 5-row array: row 4 is nobody's
+        try:
+            dcp.save({"w": Shard(np.ones((2, 3)), 2 * rank, (5, 3))}, tmp_path / "c")
+        except ValueError as error:
+            return str(error)
+        return None
+
+    for message in dist.spawn(save, 2, timeout=20):
+        assert "no rank holds rows 4:5 of state['w'] (its global shape has 5 rows)" in message
+    with pytest.raises(ValueError, match=r"no rank holds rows 0:5 of state\['w'\]"):
+        dcp.save({"w": Shard(np.zeros((0, 3)), 5, (5, 3))}, tmp_path / "c")
+    assert not (tmp_path / "c" / ".metadata").exists()

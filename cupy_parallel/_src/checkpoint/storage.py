@@ -237,7 +237,8 @@ def _plan(group: _Group, state: Any) -> tuple[list[str], list[Any], list[list[An
                 )
     for index, key in enumerate(keys):
         if first_entries[index]["kind"] == "shard":
-            _check_cover(key, [entries_[index]["rows"] for _k, entries_, _t in everyone])
+            rows = [entries_[index]["rows"] for _k, entries_, _t in everyone]
+            _check_cover(key, rows, first_entries[index]["shape"][0])
     return keys, leaves, [e for _k, e, _t in everyone], token
 
 
@@ -248,19 +249,23 @@ def _describe(entry: dict[str, Any]) -> str:
     return f"{what} of shape {tuple(entry['shape'])} and dtype {entry['dtype']}"
 
 
-def _check_cover(key: str, rows: list[list[int]]) -> None:
-    """The ranks' rows of a sharded array must cover it once (empty shards aside)."""
+def _check_cover(key: str, rows: list[list[int]], length: int) -> None:
+    """The ranks' rows of a sharded array must cover its ``length`` rows once (empty aside)."""
     spans = sorted((start, stop, rank) for rank, (start, stop) in enumerate(rows) if stop > start)
-    total = None
+    total = 0
     for start, stop, rank in spans:
-        expected = 0 if total is None else total
-        if start != expected:
-            problem = "overlap" if start < expected else "leave a gap"
+        if start != total:
+            problem = "overlap" if start < total else "leave a gap"
             raise ValueError(
                 f"distributed.checkpoint.save: the shards of state{key} {problem} at row "
-                f"{min(start, expected)} (rank {rank} holds rows {start}:{stop})."
+                f"{min(start, total)} (rank {rank} holds rows {start}:{stop})."
             )
         total = stop
+    if total != length:  # a checkpoint that cannot be loaded whole must not be committed
+        raise ValueError(
+            f"distributed.checkpoint.save: no rank holds rows {total}:{length} of state{key} "
+            f"(its global shape has {length} rows)."
+        )
 
 
 def _assign(entries: list[list[Any]]) -> list[int | None]:
