@@ -235,3 +235,22 @@ def test_shards_that_leave_the_last_rows_uncovered_are_refused_at_save(tmp_path)
     with pytest.raises(ValueError, match=r"no rank holds rows 0:5 of state\['w'\]"):
         dcp.save({"w": Shard(np.zeros((0, 3)), 5, (5, 3))}, tmp_path / "c")
     assert not (tmp_path / "c" / ".metadata").exists()
+
+
+def test_a_load_that_straddles_a_save_reads_one_version_whole(tmp_path, monkeypatch):
+    import safetensors
+
+    path = tmp_path / "ckpt"
+    cp.save({"step": 10, "w": np.full(4, 10.0)}, path)
+    real, saved = safetensors.safe_open, []
+
+    def opened_then_replaced(*args, **kwargs):  # a trainer's save lands just after this open
+        handle = real(*args, **kwargs)
+        if not saved:
+            saved.append(True)
+            cp.save({"step": 15, "w": np.full(4, 15.0)}, path)
+        return handle
+
+    monkeypatch.setattr(safetensors, "safe_open", opened_then_replaced)
+    back = cp.load(path)
+    assert back["w"].tolist() == [float(back["step"])] * 4  # was step 10 with step 15's w

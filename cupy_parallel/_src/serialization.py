@@ -498,8 +498,8 @@ class _Direct:
     shape and byte range after the header.
     """
 
-    def __init__(self, path: str) -> None:
-        self.file = open(path, "rb")  # noqa: SIM115 - closed by close()
+    def __init__(self, file: Any) -> None:
+        self.file = file
         length = int.from_bytes(self.file.read(8), "little")
         self.table = json.loads(self.file.read(length))
         self.start = 8 + length
@@ -731,12 +731,43 @@ def load(path: str | os.PathLike[str], *, device: Any = None, template: Any = No
     """
     path = os.fsdecode(path)
     target = None if device is None else as_device(device)
-    with _open(path) as handle:
-        direct = _Direct(path)
+    file, handle = _open_once(path)
+    with handle:
+        direct = _Direct(file)
         try:
             return _load(path, handle, direct, target, template)
         finally:
             direct.close()
+
+
+def _open_once(path: str) -> tuple[Any, Any]:
+    """``path`` opened as a file and by ``safe_open``, both on one version of the file.
+
+    A save replaces the file by a rename at any moment; the two opens must not straddle one,
+    or the description of one version would be read with the tensors of the next (a step
+    count of one save with the parameters of another). The file is opened first, and kept
+    only if ``path`` still names it after ``safe_open`` (which opened it in between) did.
+    """
+    for _attempt in range(20):
+        try:
+            file = open(path, "rb")  # noqa: SIM115 - closed by _Direct.close or below
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no checkpoint at {path}.") from None
+        except OSError:
+            _open(path).__exit__(None, None, None)  # a directory: "not a checkpoint"
+            raise
+        try:
+            handle = _open(path)
+        except BaseException:
+            file.close()
+            raise
+        with contextlib.suppress(OSError):
+            opened, now = os.fstat(file.fileno()), os.stat(path)
+            if (opened.st_dev, opened.st_ino) == (now.st_dev, now.st_ino):
+                return file, handle
+        file.close()
+        handle.__exit__(None, None, None)
+    raise RuntimeError(f"{path} was replaced 20 times while load opened it; try again.")
 
 
 def _load(path: str, handle: Any, direct: _Direct, target: Device | None, template: Any) -> Any:
