@@ -254,3 +254,40 @@ def test_a_load_that_straddles_a_save_reads_one_version_whole(tmp_path, monkeypa
     monkeypatch.setattr(safetensors, "safe_open", opened_then_replaced)
     back = cp.load(path)
     assert back["w"].tolist() == [float(back["step"])] * 4  # was step 10 with step 15's w
+
+
+def test_ranks_that_read_different_saves_load_nothing(tmp_path, monkeypatch):
+    import shutil
+    import threading
+
+    from cupy_parallel._src.checkpoint import storage
+
+    path, other = tmp_path / "c", tmp_path / "other"
+    dcp.save({"w": np.full(2, 10.0), "step": 10}, path)
+    dcp.save({"w": np.full(2, 15.0), "step": 15}, other)  # the save that lands mid-load
+    real, first_read = storage._read_metadata, threading.Event()
+
+    def read(where):
+        if dist.get_rank() == 1:  # rank 0 has read step 10's metadata; now step 15 commits
+            first_read.wait(10)
+            data = json.loads((other / ".metadata").read_text())["data"]
+            shutil.copytree(other / data, path / data)
+            shutil.copy(other / ".metadata", path / ".metadata")
+        metadata = real(where)
+        first_read.set()
+        return metadata
+
+    monkeypatch.setattr(storage, "_read_metadata", read)
+
+    def load(rank):
+        state = {"w": np.zeros(2), "step": 0}
+        try:
+            dcp.load(state, path)
+        except RuntimeError as error:
+            return str(error), state
+        return None, state
+
+    for message, state in dist.spawn(load, 2, timeout=20):
+        assert "was replaced while the ranks read it" in message  # was: rank 0 step 10, rank 1 15
+        assert state == {"w": state["w"], "step": 0}
+        assert not state["w"].any()

@@ -569,10 +569,11 @@ def load(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
     group = _Group(process_group, "distributed.checkpoint.load")
     path = os.path.abspath(os.fsdecode(path))
     keys, leaves, accessors = _read_state(state)
-    problem, reads, values = None, [], []
+    problem, reads, values, version = None, [], [], None
     files: _Files | None = None
     try:
         metadata = _read_metadata(path)
+        version = str(metadata["data"])
         items = metadata["items"]
         files = _Files(os.path.join(path, str(metadata["data"])))
         for key, leaf, accessor in zip(keys, leaves, accessors, strict=True):
@@ -600,7 +601,13 @@ def load(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
     finally:
         if files is not None:
             files.close()
-    group.agree(None, problem)
+    versions = group.agree(version, problem)
+    if len(set(versions)) > 1:  # a save committed between the ranks' reads of the metadata
+        raise RuntimeError(
+            f"distributed.checkpoint.load: the checkpoint at {path} was replaced while the ranks "
+            f"read it (they read the saves in {sorted(set(versions))}); nothing was loaded: "
+            "load again."
+        )
     targets = [leaf.local if isinstance(leaf, Shard) else leaf for leaf, _ in reads]
     recording.note_overwritten(targets, "distributed.checkpoint.load")
     for target, host in zip(targets, (host for _leaf, host in reads), strict=True):
