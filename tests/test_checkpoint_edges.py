@@ -291,3 +291,15 @@ def test_ranks_that_read_different_saves_load_nothing(tmp_path, monkeypatch):
         assert "was replaced while the ranks read it" in message  # was: rank 0 step 10, rank 1 15
         assert state == {"w": state["w"], "step": 0}
         assert not state["w"].any()
+
+
+def test_tensor_names_stay_unique_when_a_key_is_spelled_like_a_renamed_one(tmp_path):
+    import collections
+
+    tree = collections.OrderedDict(  # "a.b" twice (a nested path and a key), then "a.b#2"
+        [("a.b#2", np.array([2.0])), ("a", {"b": np.array([1.0])}), ("a.b", np.array([3.0]))]
+    )
+    cp.save(tree, tmp_path / "n")
+    back = cp.load(tmp_path / "n")
+    assert list(back) == list(tree)
+    assert [back["a.b#2"][0], back["a"]["b"][0], back["a.b"][0]] == [2.0, 1.0, 3.0]  # was 3, 1, 3

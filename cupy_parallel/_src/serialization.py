@@ -373,7 +373,10 @@ class _Encoder:
     def _tensor_name(self, accessor: PyTreeAccessor) -> str:
         name = ".".join(str(entry.entry) for entry in accessor) or "tensor"
         if name in self.tensors or name.startswith("__"):  # "__metadata__" is safetensors'
-            name = f"{name}#{len(self.tensors)}"
+            number = len(self.tensors)
+            while f"{name}#{number}" in self.tensors:  # a key may be spelled "<name>#<n>" too
+                number += 1
+            name = f"{name}#{number}"
         return name
 
     def leaf(self, value: Any, accessor: PyTreeAccessor) -> dict[str, Any]:
