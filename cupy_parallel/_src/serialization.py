@@ -297,9 +297,9 @@ def replace_atomically(path: str, write: Any) -> None:
     temporary = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
     os.close(os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
     try:
-        with contextlib.suppress(FileNotFoundError):
-            os.chmod(temporary, os.stat(target).st_mode & 0o7777)
         write(temporary)
+        with contextlib.suppress(FileNotFoundError):  # after the write: a 0o444 mode stays
+            os.chmod(temporary, os.stat(target).st_mode & 0o7777)
         os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(OSError):
