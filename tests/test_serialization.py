@@ -163,6 +163,12 @@ def test_other_tools_read_the_arrays_by_key_path(tmp_path):
     assert all(same_bits(theirs[k], arrays[k]) for k in arrays)
 
 
+def test_key_paths_that_read_alike_get_tensors_of_their_own(tmp_path):
+    tree = {"a.b#1": np.zeros(1), "a.b": np.ones(1), "a": {"b": np.full(1, 2.0)}, "__x": np.ones(2)}
+    cp.save(tree, tmp_path / "names")
+    assert_tree_equal(cp.load(tmp_path / "names"), tree)
+
+
 def test_a_plain_safetensors_file_loads_as_a_dict(tmp_path):
     from safetensors.numpy import save_file
 

@@ -371,12 +371,12 @@ class _Encoder:
         self.tensors: dict[str, np.ndarray] = {}
 
     def _tensor_name(self, accessor: PyTreeAccessor) -> str:
-        name = ".".join(str(entry.entry) for entry in accessor) or "tensor"
-        if name in self.tensors or name.startswith("__"):  # "__metadata__" is safetensors'
-            number = len(self.tensors)
-            while f"{name}#{number}" in self.tensors:  # a key may be spelled "<name>#<n>" too
-                number += 1
-            name = f"{name}#{number}"
+        base = ".".join(str(entry.entry) for entry in accessor) or "tensor"
+        if base.startswith("__"):  # safetensors keeps names like "__metadata__" for itself
+            base = f"tensor.{base}"
+        name, count = base, len(self.tensors)
+        while name in self.tensors:
+            name, count = f"{base}#{count}", count + 1
         return name
 
     def leaf(self, value: Any, accessor: PyTreeAccessor) -> dict[str, Any]:
