@@ -303,3 +303,17 @@ def test_tensor_names_stay_unique_when_a_key_is_spelled_like_a_renamed_one(tmp_p
     back = cp.load(tmp_path / "n")
     assert list(back) == list(tree)
     assert [back["a.b#2"][0], back["a"]["b"][0], back["a.b"][0]] == [2.0, 1.0, 3.0]  # was 3, 1, 3
+
+
+def test_a_saved_negative_zero_value_replaces_a_positive_one(tmp_path):
+    import math
+
+    dcp.save({"z": -0.0, "c": complex(0.0, -0.0), "l": [-0.0], "n": float("nan")}, tmp_path / "c")
+    state = {"z": 0.0, "c": 0j, "l": [0.0], "n": float("nan")}
+    dcp.load(state, tmp_path / "c")
+    signs = [math.copysign(1.0, x) for x in (state["z"], state["c"].imag, state["l"][0])]
+    assert signs == [-1.0, -1.0, -1.0]  # were 1.0: 0.0 == -0.0 counted as unchanged
+    assert math.isnan(state["n"])
+    dcp.save({"t": (-0.0,)}, tmp_path / "t")
+    with pytest.raises(ValueError, match=r"state\['t'\]\[0\] is 0.0 in a tuple"):
+        dcp.load({"t": (0.0,)}, tmp_path / "t")

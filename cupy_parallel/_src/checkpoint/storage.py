@@ -629,9 +629,8 @@ def _settable(state: Any, accessor: PyTreeAccessor, record: Any, where: str) -> 
     if not is_scalar:
         raise _RankError(ValueError, f"the checkpoint's value of {where} is damaged")
     current = accessor(state)
-    both_nan = current != current and value != value  # noqa: PLR0124 - NaN is saved as NaN
-    if type(current) is type(value) and (current == value or both_nan):
-        return _UNCHANGED
+    if type(current) is type(value) and scalar_record(current) == scalar_record(value):
+        return _UNCHANGED  # the same bits (0.0 is not -0.0; a NaN is saved as NaN)
     if not len(accessor):
         raise _RankError(ValueError, f"{where} is a value, which cannot be set in place")
     parent = accessor[:-1](state)
