@@ -317,3 +317,37 @@ def test_a_saved_negative_zero_value_replaces_a_positive_one(tmp_path):
     dcp.save({"t": (-0.0,)}, tmp_path / "t")
     with pytest.raises(ValueError, match=r"state\['t'\]\[0\] is 0.0 in a tuple"):
         dcp.load({"t": (0.0,)}, tmp_path / "t")
+
+
+def _bits(value):
+    import struct
+
+    return struct.pack("<d", value).hex()
+
+
+def test_python_nan_floats_keep_their_sign_and_payload(tmp_path):
+    import struct
+
+    nan = struct.unpack("<d", bytes.fromhex("0100000000f8ffff"))[0]  # -NaN, payload 1
+    tree = [nan, complex(1.0, nan), float("nan"), -0.0]
+    cp.save(tree, tmp_path / "n")
+    back = cp.load(tmp_path / "n")
+    parts = [back[0], back[1].real, back[1].imag, back[2], back[3]]
+    assert [_bits(v) for v in parts] == [_bits(v) for v in (nan, 1.0, nan, float("nan"), -0.0)]
+    dcp.save({"n": nan}, tmp_path / "d")  # a state's NaN of other bits is replaced
+    state = {"n": float("nan")}
+    dcp.load(state, tmp_path / "d")
+    assert _bits(state["n"]) == "0100000000f8ffff"  # float.hex gave "nan": 000000000000f87f
+
+
+def test_python_nan_floats_round_trip_as_torch_save_keeps_them(tmp_path):
+    torch = pytest.importorskip("torch")
+    import io
+    import struct
+
+    nan = struct.unpack("<d", bytes.fromhex("0300000000f8ffff"))[0]
+    buffer = io.BytesIO()
+    torch.save({"nan": nan}, buffer)
+    buffer.seek(0)
+    cp.save({"nan": nan}, tmp_path / "n")
+    assert _bits(cp.load(tmp_path / "n")["nan"]) == _bits(torch.load(buffer)["nan"])

@@ -22,10 +22,10 @@ twice the cost). safetensors' own reader reads every file written here (tested).
   (``uint8`` with a last axis of the item size, so that rows still slice) and their true dtype is
   in the metadata. Object, structured and ``StringDType`` arrays hold references, not values:
   ``TypeError``.
-- **Scalars**: ``bool``, ``int`` (any size), ``float`` (bit-exact: ``float.hex``), ``complex``,
-  ``str``, ``bytes`` and ``None``; NumPy scalars come back as NumPy scalars of their dtype.
-  Anything else is a ``TypeError`` naming its key path: there is no pickle, so loading a file can
-  never run code.
+- **Scalars**: ``bool``, ``int`` (any size), ``float`` (bit-exact: ``float.hex``, a NaN by its
+  bytes), ``complex``, ``str``, ``bytes`` and ``None``; NumPy scalars come back as NumPy
+  scalars of their dtype. Anything else is a ``TypeError`` naming its key path: there is no
+  pickle, so loading a file can never run code.
 - **Containers**: dict, ``OrderedDict``, list, tuple and namedtuples come back as such (dicts in
   their order; a namedtuple as a namedtuple of the same name and fields, made afresh since a file
   must not name code to import). Other nodes (registered classes, ``defaultdict``, ``deque``) are
@@ -43,6 +43,7 @@ import importlib
 import json
 import os
 import secrets
+import struct
 from collections import OrderedDict, namedtuple
 from typing import TYPE_CHECKING, Any
 
@@ -321,6 +322,25 @@ def dtype_name(dtype: np.dtype[Any]) -> str:
     return dtype.str
 
 
+def _float_text(value: float) -> str:
+    """``float.hex``, or for a NaN (whose ``hex`` is ``"nan"``) its 8 bytes: sign and payload."""
+    if value != value:  # noqa: PLR0124 - NaN
+        return "nan:" + struct.pack("<d", value).hex()
+    return value.hex()
+
+
+def _float_of(text: str) -> float:
+    if text.startswith("nan:"):
+        raw = bytes.fromhex(text.removeprefix("nan:"))
+        if len(raw) != 8:
+            raise ValueError(f"{text!r} is not 8 bytes")
+        value: float = struct.unpack("<d", raw)[0]
+        if value == value:  # noqa: PLR0124 - a damaged file's bytes that are not a NaN
+            raise ValueError(f"{text!r} is not a NaN")
+        return value
+    return float.fromhex(text)
+
+
 def scalar_record(value: Any) -> dict[str, Any]:
     kind = type(value)
     if kind is bool:
@@ -328,9 +348,9 @@ def scalar_record(value: Any) -> dict[str, Any]:
     if kind is int:  # hexadecimal past 64 bits: str() of an int refuses beyond 4300 digits
         return {"int": str(value) if value.bit_length() < 64 else hex(value)}
     if kind is float:
-        return {"float": value.hex()}
+        return {"float": _float_text(value)}
     if kind is complex:
-        return {"complex": [value.real.hex(), value.imag.hex()]}
+        return {"complex": [_float_text(value.real), _float_text(value.imag)]}
     if kind is str:
         return {"str": value}
     return {"bytes": value.hex()}
@@ -356,7 +376,7 @@ def read_scalar(record: Any) -> tuple[bool, Any]:
         if kind == "int":
             return True, int(value, 0)  # decimal, or "0x..." past 64 bits
         if kind == "float":
-            return True, float.fromhex(value)
+            return True, _float_of(value)
         if kind == "bytes":
             return True, bytes.fromhex(value)
     except ValueError:
