@@ -282,6 +282,7 @@ CHILD = textwrap.dedent(
     import sys, numpy as np, cupy_parallel as cp
     path = sys.argv[1]
     version = 0
+    print("ready", flush=True)
     while True:
         version += 1
         cp.save({"version": version, "w": np.full(25_000_000, float(version))}, path)
@@ -293,18 +294,22 @@ CHILD = textwrap.dedent(
 @pytest.mark.slow  # ~20 s: 20 kills of a 200 MB save, each version loaded whole
 def test_a_save_killed_at_any_moment_leaves_a_complete_version(tmp_path):
     path = tmp_path / "ckpt"
+    start = time.perf_counter()
     cp.save({"version": 0, "w": np.full(25_000_000, 0.0)}, path)
+    one_save = time.perf_counter() - start  # as slow as this machine is now (a loaded CI too)
     rng = random.Random(1234)
     seen = set()
     for _trial in range(20):
         child = subprocess.Popen(
             [sys.executable, "-c", CHILD, str(path)],
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
         )
-        time.sleep(rng.uniform(0.3, 1.5))  # import, then somewhere in a save of 200 MB
+        assert child.stdout is not None
+        assert child.stdout.readline() == b"ready\n"  # imported: the kill lands in the saves
+        time.sleep(rng.uniform(0.0, 2.5 * one_save))  # somewhere in the first few saves
         child.send_signal(signal.SIGKILL)
-        child.wait()
+        child.communicate()  # reaped, its pipe closed
         state = cp.load(path)
         version = state["version"]
         seen.add(version)
