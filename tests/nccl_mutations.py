@@ -17,7 +17,7 @@ BACKEND = "cupy_parallel/_src/distributed/nccl_backend.py"
 COMM = "cupy_parallel/_src/cuda/nccl_comm.py"
 RUNTIME = "cupy_parallel/_src/cuda/nccl_runtime.py"
 
-harness.TESTS = ["-x", "-k", "sim", "tests/test_nccl.py"]
+harness.TESTS = ["-x", "-k", "sim", "tests/test_nccl.py", "tests/test_gpu_truth.py"]
 harness.MUTATIONS = [
     (BACKEND, "                    done.event.synchronize()", "                    pass"),
     (
@@ -50,6 +50,15 @@ harness.MUTATIONS = [
         COMM,
         "    launch_lock=_lock,  # held from groupStart to groupEnd (torch's AutoNcclGroup)",
         "    launch_lock=__import__('contextlib').nullcontext(),",
+    ),
+    # batch_isend_irecv's one group: without it each operation is a launch of its own.
+    (
+        BACKEND,
+        (
+            "    def batch_p2p(self, ops: Sequence[tuple[bool, Any, int | None, int, str]], /) "
+            "-> list[Work]:"
+        ),
+        "    def _unused_batch_p2p(self, ops: Any, /) -> list[Work]:",
     ),
     # The shared mechanism itself (what every user's lock above goes through).
     (RUNTIME, "        with self._launch_lock:  # until groupEnd", "        if True:"),
