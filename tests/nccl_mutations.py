@@ -60,6 +60,12 @@ harness.MUTATIONS = [
         ),
         "    def _unused_batch_p2p(self, ops: Any, /) -> list[Work]:",
     ),
+    # DDP's hooks, polls and waits on the bucket's GPU (not the thread's current one).
+    (
+        "cupy_parallel/_src/ddp.py",
+        "    device = cuda_device(plain_buffer(buffer))",
+        "    device = None",
+    ),
     # The shared mechanism itself (what every user's lock above goes through).
     (RUNTIME, "        with self._launch_lock:  # until groupEnd", "        if True:"),
     (

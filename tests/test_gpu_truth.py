@@ -115,3 +115,111 @@ def test_sim_batch_over_nccl_refuses_tensors_on_two_gpus() -> None:
         "batch_isend_irecv over NCCL issues its operations in one NCCL group on one GPU: "
         "p2p_op_list[1].tensor is on GPU 1, p2p_op_list[0].tensor on GPU 0."
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP: hooks and bucket copies on the bucket's GPU, not the thread's current one
+
+HOOKS = [None, "fp16", "bf16"]
+# where rank r's two parameters live (its current GPU is r): off the current GPU, or on two GPUs
+LAYOUTS = {"off-current": lambda r: (r + 2, r + 2), "two-gpus": lambda r: (r + 2, r)}
+
+
+def _ddp_grads(rank: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(rank)
+    return [rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=5).astype(np.float32)]
+
+
+def _ddp_oracle(hook: str | None, size: int = 2) -> list[np.ndarray]:
+    grads = [_ddp_grads(r) for r in range(size)]
+    out = []
+    for k in range(2):
+        values = [g[k] for g in grads]
+        if hook is None:  # divided as copied, then summed (two addends: exact in any order)
+            out.append(sum(v / np.float32(size) for v in values).astype(np.float32))
+        else:  # torch's compress hooks: cast, divide in the narrow type, sum, cast back
+            narrow = np.float16 if hook == "fp16" else _bfloat16()
+            parts = [v.astype(narrow) / np.array(size, narrow) for v in values]
+            out.append(sum(parts).astype(narrow).astype(np.float32))
+    return out
+
+
+def _bfloat16() -> Any:
+    return np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("hook", HOOKS, ids=lambda h: h or "default")
+def test_sim_ddp_reduces_buckets_on_their_own_gpu(layout: str, hook: str | None) -> None:
+    import cupy_parallel as cp
+    from cupy_parallel.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    expected = _ddp_oracle(hook)
+    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+    with simulated_cuda(4) as cupy:
+
+        def program(rank: int) -> list[np.ndarray]:
+            assert cupy.cuda.Device().id == rank
+            devices = LAYOUTS[layout](rank)
+            params = []
+            for device, g in zip(devices, _ddp_grads(rank), strict=True):
+                with cupy.cuda.Device(device):
+                    params.append(cupy.zeros(g.shape, np.float32))
+            ddp = cp.DistributedDataParallel(lambda p, x: x, params)
+            if hook is not None:
+                ddp.register_comm_hook(None, hooks[hook])
+            grads = []
+            for device, g in zip(devices, _ddp_grads(rank), strict=True):
+                with cupy.cuda.Device(device):  # strided views: a transpose, every other one
+                    grads.append(
+                        cupy.asarray(g.T.copy()).T
+                        if g.ndim == 2
+                        else cupy.asarray(g.repeat(2))[::2]
+                    )
+            assert not any(g.flags.c_contiguous for g in grads)
+            reduced = ddp.reduce_gradients(grads)
+            out = []
+            for device, r in zip(devices, reduced, strict=True):
+                assert r.device.id == device
+                with r.device:
+                    out.append(cupy.asnumpy(r))
+            return out
+
+        results = dist.spawn(program, 2, backend="nccl", timeout=10)
+    for got in results:
+        for g, w in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("hook", [None, "fp16"], ids=lambda h: h or "default")
+def test_sim_ddp_tape_hooks_reduce_on_the_parameters_gpu(hook: str | None) -> None:
+    """The tape's gradient-ready hooks run outside the node's device: DDP enters the bucket's."""
+    import cupy_parallel as cp
+    from cupy_parallel import ops
+    from cupy_parallel.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    coefficients = [np.arange(1.0, 7.0, dtype=np.float32) * (r + 1) for r in range(2)]
+    with simulated_cuda(4) as cupy:
+
+        def program(rank: int) -> np.ndarray:
+            with cupy.cuda.Device(rank + 2):
+                w = cupy.zeros(6, np.float32)
+                c = cupy.asarray(coefficients[rank])
+            ddp = cp.DistributedDataParallel(lambda p, x: ops.sum(ops.multiply(p, x)), w)
+            if hook is not None:
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            with cp.Tape() as tape, w.device:  # the forward on the parameter's GPU
+                loss = ddp(c)
+            grad = tape.gradient(loss, ddp.params)  # the backward (and its hooks) from GPU r
+            assert grad.device.id == rank + 2
+            with grad.device:
+                return cupy.asnumpy(grad)
+
+        results = dist.spawn(program, 2, backend="nccl", timeout=10)
+    if hook is None:
+        expected = (coefficients[0] + coefficients[1]) / np.float32(2)
+    else:
+        half = [c.astype(np.float16) / np.float16(2) for c in coefficients]
+        expected = (half[0] + half[1]).astype(np.float32)
+    for got in results:
+        np.testing.assert_array_equal(got, expected)
