@@ -16,10 +16,11 @@ import simcuda_mutations as harness
 BACKEND = "cupy_parallel/_src/distributed/nccl_backend.py"
 COMM = "cupy_parallel/_src/cuda/nccl_comm.py"
 RUNTIME = "cupy_parallel/_src/cuda/nccl_runtime.py"
+WORK = "cupy_parallel/_src/distributed/work.py"
 
 harness.TESTS = ["-x", "-k", "sim", "tests/test_nccl.py", "tests/test_gpu_truth.py"]
 harness.MUTATIONS = [
-    (BACKEND, "                    done.event.synchronize()", "                    pass"),
+    (BACKEND, "                    done.synchronize()", "                    pass"),
     (
         BACKEND,
         "                    cupy.cuda.get_current_stream().wait_event(event.event)",
@@ -66,6 +67,25 @@ harness.MUTATIONS = [
         "    device = cuda_device(plain_buffer(buffer))",
         "    device = None",
     ),
+    # Work.get_future(): the helper on the caller's streams, events for the value, waits on them.
+    (WORK, "                current_stream(device).wait_event(event)", "                pass"),
+    (WORK, "                self._order_current()", "                pass"),
+    (
+        WORK,
+        "                    child._record_ready(tuple(device for device, _ in self._ready))",
+        "                    pass",
+    ),
+    (
+        WORK,
+        "                        on_streams.enter_context(handoff)",
+        "                        pass",
+    ),
+    (
+        WORK,
+        "                                    current_stream(device).synchronize()",
+        "                                    pass",
+    ),
+    (WORK, "                        future._record_ready(devices)", "                        pass"),
     # The shared mechanism itself (what every user's lock above goes through).
     (RUNTIME, "        with self._launch_lock:  # until groupEnd", "        if True:"),
     (

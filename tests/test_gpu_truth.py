@@ -8,6 +8,9 @@ its race checker on, so the unordered, wrongly placed or deadlocking schedule ra
 
 from __future__ import annotations
 
+import contextlib
+import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -223,3 +226,117 @@ def test_sim_ddp_tape_hooks_reduce_on_the_parameters_gpu(hook: str | None) -> No
         expected = (half[0] + half[1]).astype(np.float32)
     for got in results:
         np.testing.assert_array_equal(got, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Work.get_future(): the caller's current stream waits, as on torch's CUDA futures
+
+STREAMS = ["nonblocking", "ptds"]
+
+
+def _caller_stream(cupy: Any, kind: str) -> Any:
+    """The caller's current stream for a test: a non-blocking one, or the per-thread default."""
+    return (
+        cupy.cuda.Stream(non_blocking=True) if kind == "nonblocking" else contextlib.nullcontext()
+    )
+
+
+def _values(rank: int, dtype: Any = np.float32) -> np.ndarray:
+    return (np.arange(6, dtype=np.float64) * 0.25 + rank + 1).astype(dtype)
+
+
+@pytest.mark.parametrize("streams", STREAMS)
+def test_sim_nccl_future_orders_the_callers_stream(streams: str) -> None:
+    total = _values(0) + _values(1)
+    with simulated_cuda(2, per_thread_default_stream=streams == "ptds") as cupy:
+
+        def program(rank: int) -> tuple[np.ndarray, ...]:
+            with _caller_stream(cupy, streams):
+                x = cupy.asarray(_values(rank))
+                future = dist.all_reduce(x, async_op=True).get_future()
+                box: list[Any] = []  # the callback's array, read later without value()
+                doubled = future.then(lambda f: box.append(f.value()[0] * 2) or box[0])
+                while not (future.done() and doubled.done()):
+                    time.sleep(0.001)
+                # done: a callback given now runs at once, in this thread (its stream waits)
+                quadrupled = doubled.then(lambda _: box[0] * 2).wait()
+                # done: a callback given now runs at once, in this thread, reading x directly
+                with cupy.cuda.Stream(non_blocking=True):  # and on another stream
+                    tripled = cupy.asnumpy(future.then(lambda _: x * 3).wait())
+                waited = future.wait()[0] + 0  # a kernel on the caller's stream reads it
+                value = doubled.wait() + 0
+                result = future.result()[0] + 0
+                return (
+                    cupy.asnumpy(waited),
+                    cupy.asnumpy(value),
+                    cupy.asnumpy(result),
+                    tripled,
+                    cupy.asnumpy(quadrupled),
+                )
+
+        results = dist.spawn(program, 2, backend="nccl", timeout=10)
+    for waited, value, result, tripled, quadrupled in results:
+        np.testing.assert_array_equal(quadrupled, 4 * total)
+        np.testing.assert_array_equal(tripled, 3 * total)
+        np.testing.assert_array_equal(waited, total)
+        np.testing.assert_array_equal(value, 2 * total)
+        np.testing.assert_array_equal(result, total)
+
+
+@pytest.mark.parametrize("streams", STREAMS)
+def test_sim_ddp_hook_returning_get_future_then(streams: str) -> None:
+    """DDP's documented hook pattern: ``work.get_future().then(...)``."""
+    import cupy_parallel as cp
+
+    grads = [_values(r) for r in range(2)]
+
+    def hook(state: Any, bucket: Any) -> Any:
+        work = dist.all_reduce(bucket.buffer(), async_op=True)
+        return work.get_future().then(lambda f: f.value()[0] / 2)
+
+    with simulated_cuda(2, per_thread_default_stream=streams == "ptds") as cupy:
+
+        def program(rank: int) -> np.ndarray:
+            with _caller_stream(cupy, streams):
+                ddp = cp.DistributedDataParallel(lambda p, x: x, cupy.zeros(6, np.float32))
+                ddp.register_comm_hook(None, hook)
+                reduced = ddp.reduce_gradients(cupy.asarray(grads[rank]))
+                return cupy.asnumpy(reduced + 0)
+
+        results = dist.spawn(program, 2, backend="nccl", timeout=10)
+    for got in results:
+        np.testing.assert_array_equal(got, (grads[0] + grads[1]) / np.float32(2))
+
+
+@pytest.mark.parametrize("aware", ["staged", "cuda-aware"])
+@pytest.mark.parametrize("streams", STREAMS)
+def test_sim_mpi_future_of_cupy_arrays_orders_the_callers_stream(
+    monkeypatch: pytest.MonkeyPatch, streams: str, aware: str
+) -> None:
+    """float16 over MPI: summed in float32, cast back by the finalizers (staged or on device)."""
+    monkeypatch.setenv("CUPY_PARALLEL_MPI_CUDA_AWARE", "1" if aware == "cuda-aware" else "0")
+    total = (_values(0, np.float16).astype(np.float32) + _values(1, np.float16)).astype(np.float16)
+    with simulated_cuda(2, per_thread_default_stream=streams == "ptds") as cupy:
+
+        def program(rank: int) -> tuple[np.ndarray, np.ndarray]:
+            cupy.cuda.Device(rank).use()
+            with _caller_stream(cupy, streams):
+                x = cupy.asarray(_values(rank, np.float16))
+                future = dist.all_reduce(x, async_op=True).get_future()
+                chained = future.then(lambda f: f.value()[0] + 1)
+                while not future.done():  # the helper finished on the host ...
+                    time.sleep(0.001)
+                # ... and the temporaries it freed must not be reused under its pending copies
+                scratch = [cupy.full(6, 7, dtype) for dtype in ("f2", "f4", "f8") for _ in "ab"]
+                late = future.then(lambda _: x + 2).wait()  # runs here, reading x directly
+                waited = future.wait()[0] + 0
+                assert all(int(s[0]) == 7 for s in scratch)
+                np.testing.assert_array_equal(cupy.asnumpy(late), total + np.float16(2))
+                return cupy.asnumpy(waited), cupy.asnumpy(chained.wait() + 0)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the one-time staging warning
+            results = dist.spawn(program, 2, timeout=10)
+    for waited, chained in results:
+        np.testing.assert_array_equal(waited, total)
+        np.testing.assert_array_equal(chained, total + np.float16(1))
