@@ -64,6 +64,13 @@ MUTATIONS = [
         "    with arg.device:  # on the current stream of the array's GPU (get's default stream)",
         "    if True:",
     ),
+    # Which calls a CUDA-aware MPI takes device memory in, per library (issue 37).
+    (MPI + "mpi_staging.py", "    if primitive not in ON_DEVICE[mpi_library()]:", "    if False:"),
+    (
+        MPI + "mpi_staging.py",
+        '            return not (dtype.kind == "f" or is_bfloat16(dtype))',
+        "            return True",
+    ),
     (MPI + "mpi.py", "        with _on(acc):", "        if True:"),
     (MPI + "mpi.py", "    with _on(x):", "    if True:"),
     (
