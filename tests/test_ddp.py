@@ -60,7 +60,13 @@ def test_ddp_on_thread_ranks(ranks: int) -> None:
     assert printed(ran.stdout) == passed(ranks, len(worker("ddp_worker").CHECKS))
 
 
-@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+@pytest.mark.parametrize(
+    ("ranks", "simulated_streams"),
+    [(2, "legacy"), (3, "legacy"), (2, "non-blocking"), (2, "per-thread")],
+    ids=["2ranks", "3ranks", "2ranks-non-blocking", "2ranks-per-thread"],
+    indirect=["simulated_streams"],
+)
+@pytest.mark.usefixtures("simulated_streams")
 def test_ddp_on_nccl_thread_ranks_with_cupy_arrays(ranks: int) -> None:
     """CuPy arrays over NCCL, rank r on simulated GPU r (race checker on), float64/32/16."""
     from cupy_parallel.testing import simulated_cuda

@@ -340,3 +340,44 @@ def test_sim_mpi_future_of_cupy_arrays_orders_the_callers_stream(
     for waited, chained in results:
         np.testing.assert_array_equal(waited, total)
         np.testing.assert_array_equal(chained, total + np.float16(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The suites off the legacy stream: the fixture's streams are what it says
+
+
+def test_sim_stream_kinds_of_the_fixture(simulated_streams: str) -> None:
+    """Two threads' current streams: shared (legacy) or each its own, unordered (the others)."""
+    import threading
+
+    from cupy_parallel.testing import RaceError
+
+    with simulated_cuda(1) as cupy:
+        x = cupy.zeros(4, np.float32)
+        x += 1  # queued on this thread's current stream, not waited for
+        mine = cupy.cuda.get_current_stream()
+        seen: list[Any] = []
+
+        def other() -> None:
+            seen.append(cupy.cuda.get_current_stream())
+            try:
+                seen.append(cupy.asnumpy(x * 2))
+            except RaceError as error:
+                seen.append(error)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        theirs, outcome = seen
+        if simulated_streams == "legacy":
+            assert mine == theirs == cupy.cuda.Stream.null
+            np.testing.assert_array_equal(outcome, np.full(4, 2, np.float32))
+        else:
+            if simulated_streams == "non-blocking":
+                assert mine.is_non_blocking
+                assert theirs.is_non_blocking
+                assert mine != theirs
+            else:
+                assert mine == theirs == cupy.cuda.Stream.ptds  # one handle, a stream per thread
+            assert isinstance(outcome, RaceError)
+        cupy.cuda.Device().synchronize()

@@ -183,10 +183,10 @@ def multigpu_collectives(cp: Any, dtype: Any) -> None:
     same(cp, outs[1], (b.astype(np.float64) + d).astype(dtype), dtype)
 
 
-@pytest.mark.parametrize("streams", ["default", "non-blocking"])
+@pytest.mark.parametrize("streams", ["default", "non-blocking", "per-thread"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: np.dtype(t).name)
 def test_every_collective_through_a_cuda_aware_mpi(aware: None, dtype: Any, streams: str) -> None:
-    with simulated_cuda(2) as cp:
+    with simulated_cuda(2, per_thread_default_stream=streams == "per-thread") as cp:
         use_streams(cp, streams)
         single_device_collectives(cp, dtype)
         with cp.cuda.Device(1):  # the arrays on the GPU that is not the current one at entry
@@ -196,11 +196,11 @@ def test_every_collective_through_a_cuda_aware_mpi(aware: None, dtype: Any, stre
             multigpu_collectives(cp, dtype)
 
 
-@pytest.mark.parametrize("streams", ["default", "non-blocking"])
+@pytest.mark.parametrize("streams", ["default", "non-blocking", "per-thread"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda t: np.dtype(t).name)
 def test_every_collective_staged_through_the_host(staging: None, dtype: Any, streams: str) -> None:
     """The staging branch with arrays on several GPUs: each copied on its own GPU's stream."""
-    with simulated_cuda(2) as cp:
+    with simulated_cuda(2, per_thread_default_stream=streams == "per-thread") as cp:
         use_streams(cp, streams)
         single_device_collectives(cp, dtype)
         multigpu_collectives(cp, dtype)
@@ -332,7 +332,7 @@ def test_host_arrays_pass_through_after_device_ones(aware: None) -> None:
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda t: np.dtype(t).name)
 def test_every_collective_per_mpi_library(library: str, dtype: Any) -> None:
     """The simulated MPI refuses device memory where its library does (DEVICE_CALLS)."""
-    with simulated_cuda(2) as cp:
+    with simulated_cuda(2, per_thread_default_stream=True) as cp:
         use_streams(cp, "non-blocking")
         single_device_collectives(cp, dtype)
         multigpu_collectives(cp, dtype)

@@ -76,7 +76,13 @@ def test_a_thread_rank_ignoring_the_outputs_still_takes_part_in_the_backward_pas
     assert printed(ran.stdout) == all_passed(3)
 
 
-@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
+@pytest.mark.parametrize(
+    ("ranks", "simulated_streams"),
+    [(2, "legacy"), (3, "legacy"), (2, "non-blocking"), (2, "per-thread")],
+    ids=["2ranks", "3ranks", "2ranks-non-blocking", "2ranks-per-thread"],
+    indirect=["simulated_streams"],
+)
+@pytest.mark.usefixtures("simulated_streams")
 def test_cupy_arrays_on_nccl_thread_ranks(ranks: int) -> None:
     """First and second derivatives with CuPy arrays, rank r on simulated GPU r (race checker
     on), against the one-process NumPy oracle."""
