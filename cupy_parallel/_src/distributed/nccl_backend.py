@@ -1073,7 +1073,7 @@ class NCCLBackend(ProcessGroupBackend):
                 )
 
         def issue(_: int, comm: Any, stream: int) -> None:
-            for receive, array, peer, _, _ in ops:
+            for receive, array, peer, _tag, _name in ops:
                 if array.nbytes:
                     move = comm.recv if receive else comm.send
                     move(array.data.ptr, array.nbytes, _UINT8, peer, stream)

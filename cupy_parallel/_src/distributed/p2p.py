@@ -268,11 +268,10 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         for position in positions:
             item, (_, _, local, tag) = checked[position]
             ops.append((item.op is irecv, item.tensor, local, tag, names[position]))
-        for position, work in zip(positions, backend.batch_p2p(ops), strict=True):
-            works[position] = work
+        for position, started in zip(positions, backend.batch_p2p(ops), strict=True):
+            works[position] = started
     for (item, (pg, _, _, _)), work in zip(checked, works, strict=True):
-        if item.op is irecv:
-            assert work is not None
+        if item.op is irecv and work is not None:
             work.world_ranks = pg.ranks
             if tapes_exist():
                 note_overwritten([item.tensor], "dist.batch_isend_irecv")
