@@ -52,7 +52,8 @@
   ``TimeoutError`` (a peer that never joins, or died) and the group is unusable.
 * Data: moving data (broadcast, gather, scatter, all_gather, all_to_all, send/recv) copies bytes
   (every dtype, bit-exactly); reductions follow ``cuda.nccl_tables``. All collectives of one call
-  are issued inside one NCCL group, so ``*_coalesced`` forms and p2p patterns launch together.
+  are issued inside one NCCL group, so ``*_coalesced`` forms and p2p patterns launch together;
+  so is a whole ``batch_isend_irecv`` list (:meth:`NCCLBackend.batch_p2p`), as torch's.
   Temporary buffers are filled on the caller's stream before the call and emptied on the internal
   stream after it, with ``cudaMemcpyAsync``.
 * Debug mode (``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL``): the ranks compare each collective's

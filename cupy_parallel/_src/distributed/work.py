@@ -438,6 +438,13 @@ class Work:
         ``value()`` and ``then()``. A helper thread waits on the work
         for it (so do not also ``wait`` on the work from another thread at the same time).
 
+        With CuPy outputs it behaves as torch's CUDA future: the helper waits as if on the
+        caller's current streams of the outputs' GPUs (where NCCL's ordering and the MPI
+        backend's unpacking, casts and copies back are queued), and ``wait()``, ``value()``,
+        ``result()`` and the callbacks of ``then()`` make the current streams of the thread
+        taking the value wait for it, without blocking the host; a ``then()`` future's value
+        is ready after what its callback queued.
+
         Example:
             >>> import numpy as np
             >>> from cupy_parallel import distributed as dist
