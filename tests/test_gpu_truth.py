@@ -313,8 +313,24 @@ def test_sim_ddp_hook_returning_get_future_then(streams: str) -> None:
 def test_sim_mpi_future_of_cupy_arrays_orders_the_callers_stream(
     monkeypatch: pytest.MonkeyPatch, streams: str, aware: str
 ) -> None:
-    """float16 over MPI: summed in float32, cast back by the finalizers (staged or on device)."""
+    """float16 over MPI: summed in float32, cast back by the finalizers (staged or on device).
+
+    CUDA-aware: an MPICH, which takes the reduction on device memory (its temporaries too).
+    """
+    from cupy_parallel._src.simcuda import sim_mpi
+
     monkeypatch.setenv("CUPY_PARALLEL_MPI_CUDA_AWARE", "1" if aware == "cuda-aware" else "0")
+    total = (_values(0, np.float16).astype(np.float32) + _values(1, np.float16)).astype(np.float16)
+    previous = sim_mpi.emulate("mpich")
+    with contextlib.ExitStack() as restore:
+        restore.callback(sim_mpi.emulate, previous)
+        results = _mpi_future_program(streams)
+    for waited, chained in results:
+        np.testing.assert_array_equal(waited, total)
+        np.testing.assert_array_equal(chained, total + np.float16(1))
+
+
+def _mpi_future_program(streams: str) -> list[Any]:
     total = (_values(0, np.float16).astype(np.float32) + _values(1, np.float16)).astype(np.float16)
     with simulated_cuda(2, per_thread_default_stream=streams == "ptds") as cupy:
 
@@ -336,10 +352,7 @@ def test_sim_mpi_future_of_cupy_arrays_orders_the_callers_stream(
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # the one-time staging warning
-            results = dist.spawn(program, 2, timeout=10)
-    for waited, chained in results:
-        np.testing.assert_array_equal(waited, total)
-        np.testing.assert_array_equal(chained, total + np.float16(1))
+            return dist.spawn(program, 2, timeout=10)
 
 
 # ---------------------------------------------------------------------------------------------
