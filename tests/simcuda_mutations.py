@@ -72,7 +72,8 @@ MUTATIONS = [
         "            return True",
     ),
     (MPI + "mpi.py", "        with _on(acc):", "        if True:"),
-    (MPI + "mpi.py", "    with _on(x):", "    if True:"),
+    (MPI + "mpi.py", "        with _on(src):", "        if True:"),
+    (MPI + "mpi.py", "    with _on(total):", "    if True:"),
     (
         MPI + "mpi.py",
         "        copies.peer(target, dst.device.id, source, src.device.id, None)",
