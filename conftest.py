@@ -71,3 +71,15 @@ def _host_devices() -> Iterator[None]:
     cupy_parallel.set_host_device_count(HOST_DEVICES)
     yield
     cupy_parallel.set_host_device_count(HOST_DEVICES)
+
+
+@pytest.fixture(params=["legacy", "non-blocking", "per-thread"])
+def simulated_streams(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a ``simulated_cuda`` test on each kind of current stream (issue 37).
+
+    See ``stream_environment`` in ``tests/helpers.py``.
+    """
+    from helpers import stream_environment  # tests/ is on sys.path once tests are collected
+
+    with stream_environment(request.param) as kind:
+        yield kind

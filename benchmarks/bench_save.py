@@ -38,19 +38,19 @@ def _numpy_save_fsync(path: str, x: np.ndarray) -> None:
 def run(quick: bool) -> list[dict[str, Any]]:
     """Three rows: save vs numpy.save, save vs numpy.save + fsync, load vs numpy.load."""
     nbytes = (64 if quick else 1024) << 20
-    rounds = 5 if quick else 3
+    rounds = 5
     x = np.random.default_rng(0).standard_normal(nbytes // 8)
     size = f"{nbytes >> 20} MiB float64"
     with tempfile.TemporaryDirectory(prefix="bench_save_") as directory:
         ours, theirs = os.path.join(directory, "x.safetensors"), os.path.join(directory, "x.npy")
         save = compare(
-            lambda: cp.save({"x": x}, ours), lambda: np.save(theirs, x), rounds=rounds, warmup=0
+            lambda: cp.save({"x": x}, ours), lambda: np.save(theirs, x), rounds=rounds, warmup=1
         )
         durable = compare(
             lambda: cp.save({"x": x}, ours),
             lambda: _numpy_save_fsync(theirs, x),
             rounds=rounds,
-            warmup=0,
+            warmup=1,
         )
         loaded: dict[str, Any] = {}
 

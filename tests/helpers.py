@@ -6,14 +6,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pytest
 
 from cupy_parallel import is_array, to_device
 from cupy_parallel._src.testing import DTYPES
 
-__all__ = ["DTYPES", "assert_bits_equal", "random_bits", "to_numpy"]
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ["DTYPES", "assert_bits_equal", "random_bits", "stream_environment", "to_numpy"]
 
 
 def random_bits(shape: tuple[int, ...], dtype: Any, seed: int = 0) -> np.ndarray:
@@ -36,3 +41,23 @@ def assert_bits_equal(actual: Any, expected: Any) -> None:
     assert actual.shape == expected.shape
     assert actual.dtype == expected.dtype
     assert actual.tobytes() == expected.tobytes()
+
+
+@contextlib.contextmanager
+def stream_environment(kind: str) -> Iterator[str]:
+    """The environment under which ``simulated_cuda`` gives threads ``kind`` current streams.
+
+    ``legacy``: the legacy null stream, which every thread shares (CuPy's default);
+    ``non-blocking``: every thread starts with a non-blocking stream of its own
+    (``CUPY_PARALLEL_SIMULATED_STREAMS``); ``per-thread``:
+    ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``. Ordering that only the legacy stream's sharing
+    provided raises ``RaceError`` in the other two (issue 37).
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("CUPY_PARALLEL_SIMULATED_STREAMS", raising=False)
+        patch.delenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", raising=False)
+        if kind == "non-blocking":
+            patch.setenv("CUPY_PARALLEL_SIMULATED_STREAMS", "non-blocking")
+        elif kind == "per-thread":
+            patch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "1")
+        yield kind

@@ -16,10 +16,11 @@ import simcuda_mutations as harness
 BACKEND = "cupy_parallel/_src/distributed/nccl_backend.py"
 COMM = "cupy_parallel/_src/cuda/nccl_comm.py"
 RUNTIME = "cupy_parallel/_src/cuda/nccl_runtime.py"
+WORK = "cupy_parallel/_src/distributed/work.py"
 
-harness.TESTS = ["-x", "-k", "sim", "tests/test_nccl.py"]
+harness.TESTS = ["-x", "-k", "sim", "tests/test_nccl.py", "tests/test_gpu_truth.py"]
 harness.MUTATIONS = [
-    (BACKEND, "                    done.event.synchronize()", "                    pass"),
+    (BACKEND, "                    done.synchronize()", "                    pass"),
     (
         BACKEND,
         "                    cupy.cuda.get_current_stream().wait_event(event.event)",
@@ -51,6 +52,40 @@ harness.MUTATIONS = [
         "    launch_lock=_lock,  # held from groupStart to groupEnd (torch's AutoNcclGroup)",
         "    launch_lock=__import__('contextlib').nullcontext(),",
     ),
+    # batch_isend_irecv's one group: without it each operation is a launch of its own.
+    (
+        BACKEND,
+        (
+            "    def batch_p2p(self, ops: Sequence[tuple[bool, Any, int | None, int, str]], /) "
+            "-> list[Work]:"
+        ),
+        "    def _unused_batch_p2p(self, ops: Any, /) -> list[Work]:",
+    ),
+    # DDP's hooks, polls and waits on the bucket's GPU (not the thread's current one).
+    (
+        "cupy_parallel/_src/ddp.py",
+        "    device = cuda_device(plain_buffer(buffer))",
+        "    device = None",
+    ),
+    # Work.get_future(): the helper on the caller's streams, events for the value, waits on them.
+    (WORK, "                current_stream(device).wait_event(event)", "                pass"),
+    (WORK, "                self._order_current()", "                pass"),
+    (
+        WORK,
+        "                    child._record_ready(tuple(device for device, _ in self._ready))",
+        "                    pass",
+    ),
+    (
+        WORK,
+        "                        on_streams.enter_context(handoff)",
+        "                        pass",
+    ),
+    (
+        WORK,
+        "                                    current_stream(device).synchronize()",
+        "                                    pass",
+    ),
+    (WORK, "                        future._record_ready(devices)", "                        pass"),
     # The shared mechanism itself (what every user's lock above goes through).
     (RUNTIME, "        with self._launch_lock:  # until groupEnd", "        if True:"),
     (

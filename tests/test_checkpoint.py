@@ -232,6 +232,26 @@ def test_states_that_disagree_or_shards_that_overlap_are_refused_on_every_rank(t
         assert kind == "TypeError"
         assert "rank 1: state['f'] is a object" in message
 
+    def object_array(rank):
+        dcp.save({"o": np.array([None, rank], dtype=object)}, str(tmp_path / "b"))
+
+    for kind, message in errors_on_every_rank(2, object_array):
+        assert kind == "TypeError"
+        assert "rank 0: state['o'] is an array of dtype object" in message
+    assert not (tmp_path / "b").exists()
+
+
+def test_damaged_metadata_is_an_error_on_every_rank(tmp_path):
+    path = tmp_path / "ckpt"
+    save_on(2, str(path))
+    metadata = json.loads((path / ".metadata").read_text())
+    del metadata["items"]["['model']['b']"]["pieces"]
+    (path / ".metadata").write_text(json.dumps(metadata))
+    results = errors_on_every_rank(2, lambda r: dcp.load(W.state(r, 2, filled=False), str(path)))
+    for kind, message in results:
+        assert kind == "ValueError"
+        assert "the checkpoint's metadata is damaged (KeyError('pieces'))" in message
+
 
 def test_a_failed_write_raises_everywhere_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     from cupy_parallel._src.checkpoint import storage
@@ -300,3 +320,44 @@ def test_a_killed_save_leaves_the_previous_checkpoint_whole(tmp_path):
         state = {"version": -1, "w": np.empty(6_000_000)}
         dcp.load(state, str(path))
         assert np.all(state["w"] == float(state["version"]))
+
+
+def test_ddp_parameters_and_adam_state_saved_on_2_ranks_resume_in_one_process(tmp_path):
+    """torch's layout of an optimizer's state goes through the checkpoint and on training."""
+    from cupy_parallel.optim import Adam
+
+    path = str(tmp_path / "train")
+    rng = np.random.default_rng(3)
+    start = {"w": rng.standard_normal((4, 3)), "b": rng.standard_normal(3)}
+    grads = [{"w": rng.standard_normal((4, 3)), "b": rng.standard_normal(3)} for _ in range(4)]
+
+    def two_steps(rank):  # the replicated state of a DDP run after two steps
+        params = {k: v.copy() for k, v in start.items()}
+        opt = Adam(params, lr=0.1, amsgrad=True)
+        for g in grads[:2]:
+            opt.step(g)
+        dcp.save({"model": params, "optim": opt.state_dict()}, path)
+
+    dist.spawn(two_steps, 2, timeout=20)
+    # resume: parameters first, then an optimizer on them whose state is loaded in place
+    params = {k: np.zeros_like(v) for k, v in start.items()}
+    opt = Adam(params, lr=0.1, amsgrad=True)
+    zeros = {name: np.zeros_like(start[key]) for name, key in (("w", "w"), ("b", "b"))}
+    slots = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    optim = {
+        "state": {
+            i: {"step": 0.0, **{s: zeros[k].copy() for s in slots}} for i, k in enumerate("bw")
+        },
+        "param_groups": opt.state_dict()["param_groups"],
+    }
+    dcp.load({"model": params, "optim": optim}, path)
+    opt.load_state_dict(optim)
+    for g in grads[2:]:
+        opt.step(g)
+    # the oracle: the same four steps without a checkpoint
+    expected = {k: v.copy() for k, v in start.items()}
+    uninterrupted = Adam(expected, lr=0.1, amsgrad=True)
+    for g in grads:
+        uninterrupted.step(g)
+    for key, value in expected.items():
+        assert params[key].tobytes() == value.tobytes()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from helpers import assert_bits_equal, random_bits, to_numpy
+from helpers import assert_bits_equal, random_bits, stream_environment, to_numpy
 
 from cupy_parallel import Device, comm, device_of, to_device
 from cupy_parallel._src import comm_transfer as transfer
@@ -29,18 +29,25 @@ if TYPE_CHECKING:
 
 @pytest.fixture(
     params=[
-        pytest.param(1, id="sim1"),
-        pytest.param(2, id="sim2"),
-        pytest.param(4, id="sim4"),
-        pytest.param(0, id="gpu", marks=pytest.mark.gpu),
+        pytest.param((1, "legacy"), id="sim1"),
+        pytest.param((2, "legacy"), id="sim2"),
+        pytest.param((2, "non-blocking"), id="sim2-non-blocking"),
+        pytest.param((2, "per-thread"), id="sim2-per-thread"),
+        pytest.param((4, "legacy"), id="sim4"),
+        pytest.param((0, "legacy"), id="gpu", marks=pytest.mark.gpu),
     ]
 )
 def cupy(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
-    """CuPy on the real GPUs (``gpu``), or the simulated CUDA with 1, 2 or 4 GPUs."""
-    if request.param == 0:
+    """CuPy on the real GPUs (``gpu``), or the simulated CUDA with 1, 2 or 4 GPUs.
+
+    Two GPUs also off the legacy stream: every thread on a non-blocking stream of its own, and
+    per-thread default streams (conftest's ``stream_environment``).
+    """
+    count, streams = request.param
+    if count == 0:
         yield pytest.importorskip("cupy")
         return
-    with simulated_cuda(request.param) as module:
+    with stream_environment(streams), simulated_cuda(count) as module:
         yield module
 
 

@@ -64,11 +64,17 @@ def test_ddp_on_thread_ranks(ranks: int) -> None:
 
 
 @pytest.mark.slow
-def test_ddp_on_nccl_thread_ranks_with_cupy_arrays() -> None:
+@pytest.mark.parametrize(
+    ("ranks", "simulated_streams"),
+    [(3, "legacy"), (2, "non-blocking"), (2, "per-thread")],
+    ids=["3ranks", "2ranks-non-blocking", "2ranks-per-thread"],
+    indirect=["simulated_streams"],
+)
+@pytest.mark.usefixtures("simulated_streams")
+def test_ddp_on_nccl_thread_ranks_with_cupy_arrays(ranks: int) -> None:
     """CuPy arrays over NCCL, rank r on simulated GPU r (race checker on), float64/32/16; on 3
-    ranks (the MPI thread ranks above run 2 and 3 through the same worker; a simulated GPU per
-    rank makes each world seconds long)."""
-    ranks = 3
+    ranks on the legacy stream (the MPI thread ranks above run 2 and 3 through the same worker; a
+    simulated GPU per rank makes each world seconds long), on 2 off it."""
     from cupy_parallel.testing import simulated_cuda
 
     with simulated_cuda(ranks):

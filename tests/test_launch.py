@@ -653,17 +653,19 @@ def test_detect_launch_env_names_bad_variables(env: dict[str, str], message: str
 # --------------------------------------------------------------------------------------------
 # --max-restarts
 
-# Every rank records each start; rank 1 fails (exit 3), once rank 0 has recorded its start,
-# until the start numbered SUCCEED_AT.
+# Every rank records each start; rank 1 fails (exit 3) until the start numbered SUCCEED_AT.
+# (The record is written under a temporary name and renamed, so that it is never seen empty.)
 RESTART_SCRIPT = """
 import os, sys, time
 out, succeed_at = sys.argv[1], int(sys.argv[2])
 rank, restart = os.environ["RANK"], int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-with open(os.path.join(out, f"start-{restart}-rank-{rank}"), "w") as f:
+record = os.path.join(out, f"start-{restart}-rank-{rank}")
+with open(record + ".tmp", "w") as f:
     f.write(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+os.replace(record + ".tmp", record)
 if rank == "1" and restart < succeed_at:
     while not os.path.exists(os.path.join(out, f"start-{restart}-rank-0")):
-        time.sleep(0.01)  # rank 0 has started: the launcher then stops a running rank
+        time.sleep(0.01)  # fail once rank 0 is up, so that every start shows both ranks
     sys.exit(3)
 if rank == "0" and restart < succeed_at:
     time.sleep(60)  # stopped by the launcher when rank 1 fails

@@ -200,6 +200,23 @@ def test_simulated_cupy_arrays_through_both_branches(ranks: int, aware: str, via
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
+@pytest.mark.parametrize("simulated_streams", ["non-blocking", "per-thread"], indirect=True)
+@pytest.mark.parametrize("aware", ["", "1"], ids=["mpi-not-cuda-aware", "forced-cuda-aware"])
+def test_simulated_cupy_arrays_on_thread_ranks_off_the_legacy_stream(
+    simulated_streams: str, aware: str
+) -> None:
+    """Both branches on two thread ranks whose threads are not on the shared legacy stream."""
+    from cupy_parallel.testing import simulated_cuda
+
+    with simulated_cuda(2), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "cupy_parallel MPI backend: .* copied through host")
+        result, _ = launch(
+            2, "simulated-cupy", env={"CUPY_PARALLEL_MPI_CUDA_AWARE": aware}, via="threads"
+        )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("checks passed") == 2, result.stdout
+
+
 def launch_edges(
     ranks: int, mode: str, via: str = "mpiexec"
 ) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -25,6 +25,7 @@ import pytest
 
 from cupy_parallel import distributed as dist
 from cupy_parallel._src.distributed import mpi_staging
+from cupy_parallel._src.simcuda import SimulationError, sim_mpi
 from cupy_parallel.distributed import ReduceOp
 from cupy_parallel.testing import RaceError, simulated_cuda
 
@@ -49,12 +50,30 @@ def _world_of_one(cuda_aware: str) -> Iterator[None]:
             mpi_staging._process_mpi_is_cuda_aware.cache_clear()
 
 
+@contextlib.contextmanager
+def _emulating(library: str) -> Iterator[None]:
+    previous = sim_mpi.emulate(library)
+    try:
+        yield
+    finally:
+        sim_mpi.emulate(previous)
+
+
 @pytest.fixture
 def aware() -> Iterator[None]:
-    """A world of one whose MPI is (simulated) CUDA-aware."""
-    with _world_of_one("1"), warnings.catch_warnings():
+    """A world of one whose MPI is (simulated) CUDA-aware: MPICH, which takes device memory in
+    every non-blocking call the backend posts (reductions with predefined operations)."""
+    with _world_of_one("1"), _emulating("mpich"), warnings.catch_warnings():
         warnings.simplefilter("error")  # the staging note would be an error: never staged
         yield
+
+
+@pytest.fixture(params=sorted(sim_mpi.DEVICE_CALLS))
+def library(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A world of one whose (simulated) CUDA-aware MPI is each documented library in turn."""
+    with _world_of_one("1"), _emulating(request.param), warnings.catch_warnings():
+        warnings.simplefilter("error")  # staging what the library cannot take says nothing
+        yield request.param
 
 
 @pytest.fixture
@@ -164,10 +183,10 @@ def multigpu_collectives(cp: Any, dtype: Any) -> None:
     same(cp, outs[1], (b.astype(np.float64) + d).astype(dtype), dtype)
 
 
-@pytest.mark.parametrize("streams", ["default", "non-blocking"])
+@pytest.mark.parametrize("streams", ["default", "non-blocking", "per-thread"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: np.dtype(t).name)
 def test_every_collective_through_a_cuda_aware_mpi(aware: None, dtype: Any, streams: str) -> None:
-    with simulated_cuda(2) as cp:
+    with simulated_cuda(2, per_thread_default_stream=streams == "per-thread") as cp:
         use_streams(cp, streams)
         single_device_collectives(cp, dtype)
         with cp.cuda.Device(1):  # the arrays on the GPU that is not the current one at entry
@@ -177,11 +196,11 @@ def test_every_collective_through_a_cuda_aware_mpi(aware: None, dtype: Any, stre
             multigpu_collectives(cp, dtype)
 
 
-@pytest.mark.parametrize("streams", ["default", "non-blocking"])
+@pytest.mark.parametrize("streams", ["default", "non-blocking", "per-thread"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda t: np.dtype(t).name)
 def test_every_collective_staged_through_the_host(staging: None, dtype: Any, streams: str) -> None:
     """The staging branch with arrays on several GPUs: each copied on its own GPU's stream."""
-    with simulated_cuda(2) as cp:
+    with simulated_cuda(2, per_thread_default_stream=streams == "per-thread") as cp:
         use_streams(cp, streams)
         single_device_collectives(cp, dtype)
         multigpu_collectives(cp, dtype)
@@ -304,3 +323,89 @@ def test_host_arrays_pass_through_after_device_ones(aware: None) -> None:
     z = np.arange(3.0)
     dist.all_reduce(z, op=ReduceOp.AVG)
     np.testing.assert_array_equal(z, np.arange(3.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per MPI library: what its CUDA-aware MPI takes on device memory, the rest staged (issue 37)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda t: np.dtype(t).name)
+def test_every_collective_per_mpi_library(library: str, dtype: Any) -> None:
+    """The simulated MPI refuses device memory where its library does (DEVICE_CALLS)."""
+    with simulated_cuda(2, per_thread_default_stream=True) as cp:
+        use_streams(cp, "non-blocking")
+        single_device_collectives(cp, dtype)
+        multigpu_collectives(cp, dtype)
+        x = cp.asarray(values(7, (6,), dtype))
+        for op, want in [(ReduceOp.MIN, cp.asnumpy(x)), (ReduceOp.MAX, cp.asnumpy(x))]:
+            got = x.copy()  # float MIN/MAX: the user operation, always staged
+            dist.all_reduce(got, op=op)
+            same(cp, got, want, dtype)
+
+
+@pytest.mark.parametrize(
+    ("name", "call"),
+    [
+        ("Iallreduce", dist.all_reduce),
+        ("Ibcast", lambda x: dist.broadcast(x, src=0)),
+        ("Iallgather", lambda x: dist.all_gather([x.copy()], x)),
+    ],
+)
+def test_the_simulated_open_mpi_refuses_device_memory_in_nonblocking_collectives(
+    name: str, call: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the per-library table (every primitive on device) Open MPI's refusal shows."""
+    monkeypatch.setitem(mpi_staging.ON_DEVICE, "openmpi", frozenset(mpi_staging.ON_DEVICE["mpich"]))
+    with _world_of_one("1"), _emulating("openmpi"), simulated_cuda(1) as cp:
+        x = cp.ones(4, np.float32)
+        with pytest.raises(SimulationError, match=rf"MPI_{name} was handed device memory.*openmpi"):
+            call(x)
+
+
+def test_the_simulated_mpi_refuses_a_user_operation_on_device_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MPICH takes reductions on device memory, but not with our MIN/MAX host function."""
+    monkeypatch.setattr(mpi_staging, "_on_device", lambda primitive, args: True)
+    with _world_of_one("1"), _emulating("mpich"), simulated_cuda(1) as cp:
+        x = cp.ones(4, np.float32)
+        with pytest.raises(SimulationError, match="MPI_Iallreduce with a user-defined operation"):
+            dist.all_reduce(x, op=ReduceOp.MAX)
+
+
+@pytest.mark.parametrize("emulated", sorted(sim_mpi.DEVICE_CALLS))
+def test_point_to_point_stays_on_device_for_every_library(
+    emulated: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sends and receives still hand MPI the device array: a kernel before completion races."""
+    monkeypatch.setenv("CUPY_PARALLEL_MPI_CUDA_AWARE", "1")
+    with _emulating(emulated), simulated_cuda(2) as cp:
+
+        def program(rank: int) -> np.ndarray:
+            x = cp.full(4, rank + 1, np.float32)
+            if rank == 0:
+                work = dist.isend(x, dst=1)
+                with pytest.raises(RaceError, match=r"`MPI_Isend on a CUDA-aware MPI"):
+                    x += 1
+                work.wait()
+            else:
+                dist.irecv(x, src=0).wait()
+            return cp.asnumpy(x)
+
+        results = dist.spawn(program, 2, timeout=10)
+    np.testing.assert_array_equal(results[1], np.ones(4, np.float32))
+
+
+def test_the_library_is_read_from_the_mpi_version_string(monkeypatch: pytest.MonkeyPatch) -> None:
+    cases = {
+        "Open MPI v4.1.5, package: Open MPI": "openmpi",
+        "MPICH Version:      4.1.2": "mpich",
+        "MVAPICH2 Version      :\t2.3.7 (MPICH 3.2.1)": "mvapich",
+        "Intel(R) MPI Library 2021.10": "unknown",
+    }
+    for text, want in cases.items():
+        mpi_staging._process_mpi_library.cache_clear()
+        fake = type("FakeMPI", (), {"Get_library_version": staticmethod(lambda text=text: text)})
+        monkeypatch.setattr(mpi_staging, "load_mpi", lambda fake=fake: fake)
+        assert mpi_staging._process_mpi_library() == want
+    mpi_staging._process_mpi_library.cache_clear()

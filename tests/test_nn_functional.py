@@ -80,11 +80,18 @@ def test_a_thread_rank_ignoring_the_outputs_still_takes_part_in_the_backward_pas
 
 
 @pytest.mark.slow
-def test_cupy_arrays_on_nccl_thread_ranks() -> None:
+@pytest.mark.parametrize(
+    ("ranks", "simulated_streams"),
+    [(3, "legacy"), (2, "non-blocking"), (2, "per-thread")],
+    ids=["3ranks", "2ranks-non-blocking", "2ranks-per-thread"],
+    indirect=["simulated_streams"],
+)
+@pytest.mark.usefixtures("simulated_streams")
+def test_cupy_arrays_on_nccl_thread_ranks(ranks: int) -> None:
     """First and second derivatives with CuPy arrays, rank r on simulated GPU r (race checker
     on), against the one-process NumPy oracle; on 3 ranks (the MPI thread ranks above run 2, 3
-    and 4 through the same worker; a simulated GPU per rank makes each world seconds long)."""
-    ranks = 3
+    and 4 through the same worker; a simulated GPU per rank makes each world seconds long), on 2
+    off the legacy stream."""
     from cupy_parallel.testing import simulated_cuda
 
     with simulated_cuda(ranks):

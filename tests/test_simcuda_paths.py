@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from helpers import DTYPES, assert_bits_equal, random_bits, to_numpy
+from helpers import DTYPES, assert_bits_equal, random_bits, stream_environment, to_numpy
 
 from cupy_parallel import Device, Tape, comm, data_parallel, device_of, ops
 from cupy_parallel._src.arrays import to_device
@@ -26,12 +26,16 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from types import ModuleType
 
-GPU_COUNTS = [pytest.param(n, id=f"{n}gpu") for n in (1, 2, 4)]
+GPU_COUNTS = [pytest.param((n, "legacy"), id=f"{n}gpu") for n in (1, 2, 4)] + [
+    pytest.param((2, kind), id=f"2gpu-{kind}") for kind in ("non-blocking", "per-thread")
+]
 
 
 @pytest.fixture(params=GPU_COUNTS)
 def cupy(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
-    with simulated_cuda(request.param) as module:
+    """The simulated CUDA on 1, 2, 4 GPUs; two also off the legacy stream (issue 37)."""
+    count, streams = request.param
+    with stream_environment(streams), simulated_cuda(count) as module:
         yield module
 
 

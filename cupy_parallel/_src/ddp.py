@@ -39,7 +39,7 @@ import numpy as np
 from cupy_parallel._src.arguments import read_bool, read_callable, read_real
 from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array
 from cupy_parallel._src.arraytypes import Output, Params
-from cupy_parallel._src.compute import on_device_of
+from cupy_parallel._src.compute import cuda_device, on_device_of
 from cupy_parallel._src.devices import CPU, as_device
 from cupy_parallel._src.distributed.comm_hooks import (
     GradBucket,
@@ -219,15 +219,20 @@ def _write(buffer: Any, start: int, stop: int, grad: Any, divisor: int | None = 
     """
     raw = plain_buffer(buffer)
     if grad is None or divisor is None:
-        value = 0 if grad is None else plain_buffer(grad).reshape(-1)
-        on_device_of(raw, raw.__setitem__, slice(start, stop), value)
+        on_device_of(raw, _copy, raw, start, stop, None if grad is None else plain_buffer(grad))
     else:  # one pass: divided while copied
         xp = np if isinstance(raw, np.ndarray) else array_namespace(raw)
-        on_device_of(raw, _divide, xp, plain_buffer(grad).reshape(-1), divisor, raw[start:stop])
+        on_device_of(raw, _divide, xp, plain_buffer(grad), divisor, raw[start:stop])
+
+
+# Both run on the buffer's device: flattening a strided gradient allocates and launches there,
+# not on the thread's current GPU (which a tape hook or a rank over two GPUs need not be on).
+def _copy(raw: Any, start: int, stop: int, grad: Any) -> None:
+    raw[start:stop] = 0 if grad is None else grad.reshape(-1)
 
 
 def _divide(xp: Any, x: Any, divisor: int, out: Any) -> None:
-    xp.divide(x, divisor, out=out)
+    xp.divide(x.reshape(-1), divisor, out=out)
 
 
 _ARRAY_TYPES = {"cpu": "numpy.ndarray", "host": "HostArray", "cuda": "cupy.ndarray"}
@@ -272,6 +277,12 @@ def _view(buffer: Any, start: int, stop: int, shape: tuple[int, ...]) -> Any:
     return buffer[start:stop].reshape(shape)
 
 
+def _on_gpu_of(buffer: Any) -> Any:
+    """The bucket buffer's GPU as a context (CuPy's current device), or no context on the host."""
+    device = cuda_device(plain_buffer(buffer))
+    return contextlib.nullcontext() if device is None else device
+
+
 class _Reduction:
     """One reduction of every bucket: buffers filled, communication started in order, waited.
 
@@ -287,7 +298,7 @@ class _Reduction:
         buckets = ddp._buckets
         self.buffers: list[Any] = [None] * len(buckets)
         self.pending = [len(b.members) for b in buckets]
-        self.futures: list[tuple[Future[Any], Any]] = []
+        self.futures: list[tuple[Future[Any], Any, Any]] = []  # future, hook's buffer, bucket
         self.next = 0
         with ddp._lock:  # one hook for the whole reduction, even if one is registered meanwhile
             ddp._backward_ran = True
@@ -331,32 +342,34 @@ class _Reduction:
             self._start(self.next)
             self.next += 1
         # MPI moves nonblocking collectives on only while asked; one test moves them all
-        for future, _ in self.futures:
-            if not future.done():
+        for future, _, on in self.futures:
+            with _on_gpu_of(on):  # a poll that completes it runs the hook's then() there
+                if future.done():
+                    continue
                 for _ in POLLS:
                     if future.done():
                         break
-                break
+            break
 
     def _start(self, k: int) -> None:
         ddp = self._ddp
         if self.hook is None:  # allreduce_hook, its division done by put
             work = all_reduce(self.buffers[k], group=ddp.process_group, async_op=True)
-            self.futures.append((PolledFuture.of_work(work), None))
+            self.futures.append((PolledFuture.of_work(work), None, self.buffers[k]))
             return
         bucket = ddp._buckets[k]
         params = [ddp._arrays[i] for i in bucket.members]
         grad_bucket = GradBucket(
             k, self.buffers[k], params, bucket.slices, last=k == len(ddp._buckets) - 1
         )
-        with pause_recording():
+        with pause_recording(), _on_gpu_of(self.buffers[k]):  # the hook's casts and divisions
             future = self.hook(self.state, grad_bucket)
         if not callable(getattr(future, "wait", None)):
             raise TypeError(
                 "A DDP communication hook must return a future of the reduced bucket (with a "
                 f"wait() method, e.g. work.get_future()), got {type(future).__name__}."
             )
-        self.futures.append((future, self.buffers[k]))
+        self.futures.append((future, self.buffers[k], self.buffers[k]))
 
     def finish(self) -> list[Any]:
         """Start the buckets left (all complete by now), wait for all; the reduced buffers."""
@@ -367,8 +380,8 @@ class _Reduction:
                 _write(self.buffers[k], 0, b.size, None)
             self._start(k)
         self.next = len(self.buffers)
-        for k, (future, buffer) in enumerate(self.futures):
-            with pause_recording():
+        for k, (future, buffer, on) in enumerate(self.futures):
+            with pause_recording(), _on_gpu_of(on):  # then() callbacks run in this wait
                 result = future.wait()
             if buffer is not None and result is not buffer:
                 if not is_array(result) or tuple(result.shape) != (buffer.size,):

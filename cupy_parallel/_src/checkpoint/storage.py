@@ -29,6 +29,7 @@ The files live on a file system every rank sees (as torch's ``FileSystemWriter``
 from __future__ import annotations
 
 import json
+import operator
 import os
 import secrets
 import shutil
@@ -45,6 +46,7 @@ from cupy_parallel._src.distributed.objects import all_gather_object
 from cupy_parallel._src.hostarray import plain_buffer
 from cupy_parallel._src.serialization import (
     SCALAR_TYPES,
+    check_savable,
     decode_array,
     dtype_name,
     dtype_of_name,
@@ -132,34 +134,56 @@ def _read_state(state: Any) -> tuple[list[str], list[Any], list[PyTreeAccessor]]
     return [_tree.key_path(a, "") for a in accessors], leaves, list(accessors)
 
 
-def _check_shard(shard: Shard, where: str) -> None:
-    local, shape = shard.local, tuple(shard.global_shape)
+def _check_shard(shard: Shard, where: str) -> tuple[int, tuple[int, ...]]:
+    """The shard's offset and global shape as Python ints (NumPy integers are common), checked."""
+    local = shard.local
     if not is_array(local):
         raise _RankError(TypeError, f"{where} is a Shard whose local is {type(local).__name__}")
+    try:
+        if isinstance(shard.offset, bool) or any(isinstance(n, bool) for n in shard.global_shape):
+            raise TypeError("a bool")
+        offset = operator.index(shard.offset)
+        shape = tuple(operator.index(n) for n in shard.global_shape)
+    except TypeError:
+        raise _RankError(
+            TypeError,
+            f"{where} is a Shard of offset {shard.offset!r} and global_shape "
+            f"{shard.global_shape!r}; both must be integers",
+        ) from None
     if len(shape) == 0 or local.ndim != len(shape) or tuple(local.shape[1:]) != shape[1:]:
         raise _RankError(
             ValueError,
             f"{where} is a Shard of local shape {tuple(local.shape)} for global shape {shape}: "
             "only dim 0 may differ",
         )
-    if not 0 <= shard.offset <= shard.offset + local.shape[0] <= shape[0]:
+    if not 0 <= offset <= offset + local.shape[0] <= shape[0]:
         raise _RankError(
             ValueError,
-            f"{where} is a Shard of rows {shard.offset}:{shard.offset + local.shape[0]}, "
+            f"{where} is a Shard of rows {offset}:{offset + local.shape[0]}, "
             f"outside the global shape {shape}",
         )
+    return offset, shape
+
+
+def _storable(array: Any, where: str) -> str:
+    """``array``'s dtype name, checked to be savable (a masked array or an object dtype is not)."""
+    try:
+        check_savable(array, where)
+    except TypeError as error:
+        raise _RankError(TypeError, str(error)) from None
+    return dtype_name(np.dtype(array.dtype))
 
 
 def _entry(leaf: Any, where: str) -> dict[str, Any]:
     """What a rank says about one leaf of its state (JSON)."""
     if isinstance(leaf, Shard):
-        _check_shard(leaf, where)
-        rows = [leaf.offset, leaf.offset + int(leaf.local.shape[0])]
-        shape, dtype = list(leaf.global_shape), np.dtype(leaf.local.dtype)
-        return {"kind": "shard", "dtype": dtype_name(dtype), "shape": shape, "rows": rows}
+        offset, global_shape = _check_shard(leaf, where)
+        rows = [offset, offset + int(leaf.local.shape[0])]
+        dtype = _storable(leaf.local, where)
+        return {"kind": "shard", "dtype": dtype, "shape": list(global_shape), "rows": rows}
     if is_array(leaf):
-        dtype = np.dtype(leaf.dtype)
-        return {"kind": "array", "dtype": dtype_name(dtype), "shape": list(leaf.shape)}
+        dtype = _storable(leaf, where)
+        return {"kind": "array", "dtype": dtype, "shape": list(leaf.shape)}
     if type(leaf) in SCALAR_TYPES:
         return {"kind": "value", "value": scalar_record(leaf)}
     raise _RankError(
@@ -170,7 +194,10 @@ def _entry(leaf: Any, where: str) -> dict[str, Any]:
 
 
 def _nbytes(entry: dict[str, Any]) -> int:
-    shape = entry["shape"] if entry["kind"] == "array" else [entry["rows"][1] - entry["rows"][0]]
+    """The bytes of the array (replicated) or of this rank's rows (shard) an entry describes."""
+    shape = list(entry["shape"])
+    if entry["kind"] == "shard":
+        shape[0] = entry["rows"][1] - entry["rows"][0]
     return int(np.prod(shape, dtype=np.int64)) * dtype_of_name(entry["dtype"]).itemsize
 
 
@@ -210,7 +237,8 @@ def _plan(group: _Group, state: Any) -> tuple[list[str], list[Any], list[list[An
                 )
     for index, key in enumerate(keys):
         if first_entries[index]["kind"] == "shard":
-            _check_cover(key, [entries_[index]["rows"] for _k, entries_, _t in everyone])
+            rows = [entries_[index]["rows"] for _k, entries_, _t in everyone]
+            _check_cover(key, rows, first_entries[index]["shape"][0])
     return keys, leaves, [e for _k, e, _t in everyone], token
 
 
@@ -221,19 +249,23 @@ def _describe(entry: dict[str, Any]) -> str:
     return f"{what} of shape {tuple(entry['shape'])} and dtype {entry['dtype']}"
 
 
-def _check_cover(key: str, rows: list[list[int]]) -> None:
-    """The ranks' rows of a sharded array must cover it once (empty shards aside)."""
+def _check_cover(key: str, rows: list[list[int]], length: int) -> None:
+    """The ranks' rows of a sharded array must cover its ``length`` rows once (empty aside)."""
     spans = sorted((start, stop, rank) for rank, (start, stop) in enumerate(rows) if stop > start)
-    total = None
+    total = 0
     for start, stop, rank in spans:
-        expected = 0 if total is None else total
-        if start != expected:
-            problem = "overlap" if start < expected else "leave a gap"
+        if start != total:
+            problem = "overlap" if start < total else "leave a gap"
             raise ValueError(
                 f"distributed.checkpoint.save: the shards of state{key} {problem} at row "
-                f"{min(start, expected)} (rank {rank} holds rows {start}:{stop})."
+                f"{min(start, total)} (rank {rank} holds rows {start}:{stop})."
             )
         total = stop
+    if total != length:  # a checkpoint that cannot be loaded whole must not be committed
+        raise ValueError(
+            f"distributed.checkpoint.save: no rank holds rows {total}:{length} of state{key} "
+            f"(its global shape has {length} rows)."
+        )
 
 
 def _assign(entries: list[list[Any]]) -> list[int | None]:
@@ -269,9 +301,9 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
 
     Raises:
         TypeError: a leaf of another kind; ValueError: the ranks' states disagree (keys,
-            shapes, dtypes, shards that overlap or leave a gap); OSError-born failures are
-            raised on every rank as ``RuntimeError`` naming the rank. The same error is raised
-            on every rank.
+            shapes, dtypes, shards that overlap or leave a gap); other failures (a write's
+            ``OSError``) are raised on every rank as ``RuntimeError`` naming the rank and its
+            error. The same error is raised on every rank.
 
     Example:
         >>> import os, tempfile, numpy as np
@@ -284,36 +316,41 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
         {'w': array([0., 1., 2., 3.]), 'step': 7}
     """
     group = _Group(process_group, "distributed.checkpoint.save")
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(os.fsdecode(path))
     keys, leaves, entries, token = _plan(group, state)
     writers = _assign(entries)
     data = f"{_DATA_PREFIX}{token}"
     file = f"rank-{group.rank}.safetensors"
     tensors, raw = {}, {}
-    for index, leaf in enumerate(leaves):
-        mine = entries[group.rank][index]
-        if mine["kind"] == "shard" or writers[index] == group.rank:
-            array = leaf.local if mine["kind"] == "shard" else leaf
-            stored, tag = encode_array(array, f"state{keys[index]}")
-            tensors[str(index)], raw[index] = stored, tag is not None
     problem = None
     try:
+        for index, leaf in enumerate(leaves):
+            mine = entries[group.rank][index]
+            if mine["kind"] == "shard" or writers[index] == group.rank:
+                array = leaf.local if mine["kind"] == "shard" else leaf
+                stored, tag = encode_array(array, f"state{keys[index]}")
+                tensors[str(index)], raw[index] = stored, tag is not None
         if group.rank == 0 and os.path.exists(path) and not os.path.isdir(path):
             raise _RankError(ValueError, f"{path} exists and is not a directory")
         os.makedirs(os.path.join(path, data), exist_ok=True)
         write_safetensors(os.path.join(path, data, file), tensors, None)
-    except (OSError, _RankError) as error:
-        problem = error if isinstance(error, _RankError) else _RankError(OSError, f"{error}")
+    except _RankError as error:
+        problem = error
+    except Exception as error:  # noqa: BLE001 - every rank must hear of it, or the others hang
+        problem = _RankError(type(error), f"{error}")
+        problem.__cause__ = error
     written = group.agree(sorted(raw.items()), problem)
     problem = None
     if group.rank == 0:
         try:
             fsync_directory(os.path.join(path, data))
+            fsync_directory(path)  # the data directory's entry, before the metadata names it
+            fsync_directory(os.path.dirname(path))
             metadata = _metadata(keys, entries, writers, written, data)
             text = json.dumps(metadata, separators=(",", ":"))
             replace_atomically(os.path.join(path, METADATA), lambda temp: _write_text(temp, text))
-        except OSError as error:
-            problem = _RankError(OSError, f"committing {path}: {error}")
+        except Exception as error:  # noqa: BLE001 - shared with every rank, raised there too
+            problem = _RankError(type(error), f"committing {path}: {error}")
         else:
             _remove_old_data(path, keep=data)
     group.agree(None, problem)
@@ -409,11 +446,17 @@ def _read_metadata(path: str) -> dict[str, Any]:
 
 def _need(leaf: Any, where: str, item: dict[str, Any], key: str) -> tuple[int, int] | None:
     """The rows of item ``key`` this leaf needs (``None``: all of a 0-d array), checked."""
+    target = leaf.local if isinstance(leaf, Shard) else leaf
     if isinstance(leaf, Shard):
-        _check_shard(leaf, where)
-        shape, dtype = tuple(leaf.global_shape), np.dtype(leaf.local.dtype)
+        offset, shape = _check_shard(leaf, where)
+        dtype = np.dtype(leaf.local.dtype)
     else:
-        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        offset, shape, dtype = 0, tuple(leaf.shape), np.dtype(leaf.dtype)
+    if device_of(target).kind != "cuda" and not plain_buffer(target).flags.writeable:
+        raise _RankError(
+            ValueError,
+            f"{where} is a read-only array (or a broadcast view), which load cannot fill in place",
+        )
     saved_shape = tuple(item["shape"])
     if saved_shape != shape or item["dtype"] != dtype_name(dtype):
         raise _RankError(
@@ -422,7 +465,7 @@ def _need(leaf: Any, where: str, item: dict[str, Any], key: str) -> tuple[int, i
             f"{item['dtype']} of shape {saved_shape}",
         )
     if isinstance(leaf, Shard):
-        return leaf.offset, leaf.offset + int(leaf.local.shape[0])
+        return offset, offset + int(leaf.local.shape[0])
     return (0, shape[0]) if shape else None
 
 
@@ -524,12 +567,13 @@ def load(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
         array([[4., 5.]])
     """
     group = _Group(process_group, "distributed.checkpoint.load")
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(os.fsdecode(path))
     keys, leaves, accessors = _read_state(state)
-    problem, reads, values = None, [], []
+    problem, reads, values, version = None, [], [], None
     files: _Files | None = None
     try:
         metadata = _read_metadata(path)
+        version = str(metadata["data"])
         items = metadata["items"]
         files = _Files(os.path.join(path, str(metadata["data"])))
         for key, leaf, accessor in zip(keys, leaves, accessors, strict=True):
@@ -549,10 +593,21 @@ def load(state: Any, path: str | os.PathLike[str], *, process_group: Any = None)
                 values.append((accessor, _settable(state, accessor, item["value"], where)))
     except _RankError as found:
         problem = found
+    except (KeyError, TypeError, IndexError, AttributeError) as error:
+        damaged = f"{path}: the checkpoint's metadata is damaged ({error!r})"
+        problem = _RankError(ValueError, damaged)
+    except Exception as error:  # noqa: BLE001 - every rank must hear of it, or the others hang
+        problem = _RankError(type(error), f"{error}")
     finally:
         if files is not None:
             files.close()
-    group.agree(None, problem)
+    versions = group.agree(version, problem)
+    if len(set(versions)) > 1:  # a save committed between the ranks' reads of the metadata
+        raise RuntimeError(
+            f"distributed.checkpoint.load: the checkpoint at {path} was replaced while the ranks "
+            f"read it (they read the saves in {sorted(set(versions))}); nothing was loaded: "
+            "load again."
+        )
     targets = [leaf.local if isinstance(leaf, Shard) else leaf for leaf, _ in reads]
     recording.note_overwritten(targets, "distributed.checkpoint.load")
     for target, host in zip(targets, (host for _leaf, host in reads), strict=True):
@@ -574,9 +629,8 @@ def _settable(state: Any, accessor: PyTreeAccessor, record: Any, where: str) -> 
     if not is_scalar:
         raise _RankError(ValueError, f"the checkpoint's value of {where} is damaged")
     current = accessor(state)
-    both_nan = current != current and value != value  # noqa: PLR0124 - NaN is saved as NaN
-    if type(current) is type(value) and (current == value or both_nan):
-        return _UNCHANGED
+    if type(current) is type(value) and scalar_record(current) == scalar_record(value):
+        return _UNCHANGED  # the same bits (0.0 is not -0.0; a NaN is saved as NaN)
     if not len(accessor):
         raise _RankError(ValueError, f"{where} is a value, which cannot be set in place")
     parent = accessor[:-1](state)

@@ -231,7 +231,14 @@ class Communicators(Mapping[tuple[int, ...], list[Any]]):
 
     @contextlib.contextmanager
     def group(self, nccl: Any, /) -> Iterator[None]:
-        """``groupStart`` ... ``groupEnd`` under the launch lock (torch's ``AutoNcclGroup``)."""
+        """``groupStart`` ... ``groupEnd`` under the launch lock (torch's ``AutoNcclGroup``).
+
+        Decided (issue 37, on the second pass's defect 4): an abort does *not* take this lock.
+        ``ncclCommAbort`` from another thread (the watchdog, a blocking ``wait(timeout=...)``)
+        while a thread holds the lock inside a stuck ``groupEnd`` is what abort exists for: it
+        makes that ``groupEnd`` return, and torch's watchdog aborts the same way. Waiting for
+        the lock first would wait for the very call the abort must end.
+        """
         with self._launch_lock:  # until groupEnd
             nccl.groupStart()
             try:

@@ -38,7 +38,7 @@ refuses every later call on the group with ``RuntimeError`` quoting it.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from cupy_parallel._src.enums import ReduceOp
 
@@ -262,6 +262,19 @@ class ProcessGroupBackend(abc.ABC):
         The returned work records the sender with ``Work.set_source(group_rank)`` before it
         reports completion.
         """
+
+    def batch_p2p(self, ops: Sequence[tuple[bool, Any, int | None, int, str]], /) -> list[Work]:
+        """Start the sends and receives of one ``batch_isend_irecv``; one work each, in order.
+
+        ``ops`` holds ``(receive, array, peer, tag, name)``, ``peer`` a group rank and ``name``
+        the entry's name for messages. By default each starts as :meth:`send`/:meth:`recv`
+        would; a backend whose sends and receives must progress together to complete (NCCL)
+        issues them as one launch.
+        """
+        return [
+            self.recv(array, peer, tag) if receive else self.send(array, cast("int", peer), tag)
+            for receive, array, peer, tag, _ in ops
+        ]
 
     @abc.abstractmethod
     def all_reduce_coalesced(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:

@@ -12,6 +12,17 @@ A primitive written for host arrays takes CuPy arrays through :func:`staged`.
   after completion (unpacking, ``AVG``) is queued once MPI reported it done.
 * Otherwise they are staged through host memory (copied out before on the current stream of
   each array's GPU, back after), with a one-time ``RuntimeWarning``.
+* A CUDA-aware MPI does not take device memory in every call, and the backend posts only
+  non-blocking ones: per MPI library (:func:`mpi_library`, from ``MPI_Get_library_version``),
+  :data:`ON_DEVICE` names the primitives whose device arrays go to MPI; the others are staged
+  (silently: it is how that library works), as is any reduction with the MIN/MAX user operation
+  (a host function reading its buffers with ``np.frombuffer``). From the libraries'
+  documentation: Open MPI takes device pointers in sends, receives and blocking collectives,
+  never in non-blocking collectives (its CUDA FAQ; with UCX no non-blocking reduction either);
+  MPICH's GPU support matrix (ch4:ucx) has point-to-point and data-movement collectives well
+  supported and reductions through extra copies (with predefined operations: on device here);
+  MVAPICH2-GDR's documentation found confirms point-to-point and blocking collectives
+  only. An unknown library is treated as the strictest (point-to-point only).
 
 Under ``simulated_cuda`` both branches run: ``CUPY_PARALLEL_MPI_CUDA_AWARE=1`` makes the
 simulator play a CUDA-aware MPI (:class:`~cupy_parallel._src.simcuda.sim_mpi.CudaAwareComm`:
@@ -33,6 +44,7 @@ import numpy as np
 from cupy_parallel._src.cuda.streams import current_stream
 from cupy_parallel._src.devices import cupy_arrays_may_exist, cupy_module, is_cupy_array
 from cupy_parallel._src.distributed.mpi_job import first_time, load_mpi, thread_rank
+from cupy_parallel._src.dtypes import is_bfloat16
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray
 
@@ -41,7 +53,72 @@ if TYPE_CHECKING:
 
     from cupy_parallel._src.distributed.work import Work
 
-__all__ = ["mpi_is_cuda_aware", "staged"]
+__all__ = ["ON_DEVICE", "mpi_is_cuda_aware", "mpi_library", "staged"]
+
+_POINT_TO_POINT = frozenset({"send", "recv"})
+_REDUCTIONS = frozenset({"all_reduce", "reduce", "reduce_scatter", "all_reduce_coalesced"})
+#: The backend's primitives whose CuPy arrays a CUDA-aware MPI library gets as device memory
+#: (its non-blocking calls that take them; see the module docstring). The rest is staged.
+ON_DEVICE: dict[str, frozenset[str]] = {
+    "openmpi": _POINT_TO_POINT,
+    "mpich": _POINT_TO_POINT
+    | {"broadcast", "all_gather", "gather", "scatter", "all_to_all", "all_gather_coalesced"}
+    | _REDUCTIONS,
+    "mvapich": _POINT_TO_POINT,
+    "unknown": _POINT_TO_POINT,
+}
+
+
+def mpi_library() -> str:
+    """The MPI library in use: ``"openmpi"``, ``"mpich"``, ``"mvapich"`` or ``"unknown"``.
+
+    Read from ``MPI_Get_library_version``; under ``simulated_cuda`` the library the simulated
+    CUDA-aware MPI emulates.
+
+    Example:
+        >>> mpi_library() in ON_DEVICE
+        True
+    """
+    if getattr(cupy_module(), "__name__", "cupy") != "cupy":
+        from cupy_parallel._src.simcuda.sim_mpi import emulated
+
+        return emulated()
+    return _process_mpi_library()
+
+
+@functools.cache
+def _process_mpi_library() -> str:
+    version = str(load_mpi().Get_library_version())
+    for marker, name in (("MVAPICH", "mvapich"), ("Open MPI", "openmpi"), ("MPICH", "mpich")):
+        if marker in version:
+            return name
+    return "unknown"
+
+
+def _on_device(primitive: str, args: Sequence[Any]) -> bool:
+    """Whether a CUDA-aware MPI takes ``primitive``'s device arrays (else they are staged).
+
+    A reduction with the MIN/MAX user operation (float and bfloat16 arrays) never does.
+    """
+    if primitive not in ON_DEVICE[mpi_library()]:
+        return False
+    if primitive in _REDUCTIONS:
+        op = next((arg for arg in args if isinstance(arg, ReduceOp)), None)
+        if op in (ReduceOp.MIN, ReduceOp.MAX):
+            dtype = _first_device_array(args).dtype
+            return not (dtype.kind == "f" or is_bfloat16(dtype))
+    return True
+
+
+def _first_device_array(args: Sequence[Any]) -> Any:
+    for arg in args:
+        if type(arg) is list or type(arg) is tuple:
+            found = _first_device_array(arg)
+            if found is not None:
+                return found
+        elif type(arg) not in _NOT_DEVICE and is_cupy_array(arg):
+            return arg
+    return None
 
 
 def mpi_is_cuda_aware() -> bool:
@@ -123,12 +200,16 @@ def staged(*outputs: int) -> Callable[[Callable[..., Work]], Callable[..., Work]
             cupy: Any = cupy_module()
             simulated = cupy.__name__ != "cupy"
             if mpi_is_cuda_aware():
-                if type(self._comm) is not _SynchronizingComm:
-                    self._comm = _SynchronizingComm(self._comm)
-                return primitive(self, *args)
-            _warn_staging(
-                "CUDA is simulated (simulated_cuda)" if simulated else "this MPI is not CUDA-aware"
-            )
+                if _on_device(primitive.__name__, args):
+                    if type(self._comm) is not _SynchronizingComm:
+                        self._comm = _SynchronizingComm(self._comm)
+                    return primitive(self, *args)
+            else:
+                _warn_staging(
+                    "CUDA is simulated (simulated_cuda)"
+                    if simulated
+                    else "this MPI is not CUDA-aware"
+                )
             pairs: list[tuple[Any, np.ndarray]] = []
             host_args = [
                 _to_host(arg, pairs if index in outputs else None) for index, arg in enumerate(args)

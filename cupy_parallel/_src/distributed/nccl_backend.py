@@ -52,7 +52,8 @@
   ``TimeoutError`` (a peer that never joins, or died) and the group is unusable.
 * Data: moving data (broadcast, gather, scatter, all_gather, all_to_all, send/recv) copies bytes
   (every dtype, bit-exactly); reductions follow ``cuda.nccl_tables``. All collectives of one call
-  are issued inside one NCCL group, so ``*_coalesced`` forms and p2p patterns launch together.
+  are issued inside one NCCL group, so ``*_coalesced`` forms and p2p patterns launch together;
+  so is a whole ``batch_isend_irecv`` list (:meth:`NCCLBackend.batch_p2p`), as torch's.
   Temporary buffers are filled on the caller's stream before the call and emptied on the internal
   stream after it, with ``cudaMemcpyAsync``.
 * Debug mode (``CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL``): the ranks compare each collective's
@@ -247,6 +248,17 @@ class _NCCLWork(Work):
         self._blocking = blocking
         self._ordered = False  # whether some stream was made to wait on the events
         self._started = time.monotonic()
+
+    def sibling(self, description: str, keep: Any) -> _NCCLWork:
+        """A work of its own for one operation of this launch: done when the launch is.
+
+        ``batch_isend_irecv`` hands out one per operation; the launch's work stays the one the
+        watchdog watches, and a sibling fails with the group like it.
+        """
+        work = _NCCLWork(description, self._backend, self._comms, keep)
+        with self._backend._lock:
+            work._events = self._events
+        return work
 
     def _events_done(self) -> bool:
         events = self._events
@@ -1040,6 +1052,45 @@ class NCCLBackend(ProcessGroupBackend):
         work = self._launch(f"recv from group rank {src}", device_ids([array]), issue, keep=array)
         work.set_source(src)
         return work
+
+    def batch_p2p(self, ops: Sequence[tuple[bool, Any, int | None, int, str]], /) -> list[Work]:
+        """Every send and receive of the batch inside one NCCL group (torch's coalescing).
+
+        NCCL completes a send only together with its receive, so sends and receives that must
+        progress together (a pairwise exchange, a ring) deadlock when each has a group of its
+        own. One work per operation, all completed by the one launch's events. The arrays must
+        share a GPU (one communicator set issues the group, as in torch).
+        """
+        self._require_p2p("batch_isend_irecv")
+        first = ops[0][1]
+        for receive, array, peer, _, name in ops:
+            if receive and peer is None:
+                self.recv(array, None, 0)  # raises: NCCL cannot receive from any source
+            if int(array.device.id) != int(first.device.id):
+                raise ValueError(
+                    f"batch_isend_irecv over NCCL issues its operations in one NCCL group on one "
+                    f"GPU: {name}.tensor is on GPU {int(array.device.id)}, "
+                    f"{ops[0][4]}.tensor on GPU {int(first.device.id)}."
+                )
+
+        def issue(_: int, comm: Any, stream: int) -> None:
+            for receive, array, peer, _tag, _name in ops:
+                if array.nbytes:
+                    move = comm.recv if receive else comm.send
+                    move(array.data.ptr, array.nbytes, _UINT8, peer, stream)
+
+        arrays = [array for _, array, _, _, _ in ops]
+        batch = self._launch(
+            f"batch_isend_irecv of {len(ops)} operations", device_ids([first]), issue, keep=arrays
+        )
+        works: list[Work] = []
+        for receive, array, peer, _, _ in ops:
+            what = f"recv from group rank {peer}" if receive else f"send to group rank {peer}"
+            work = batch.sibling(f"{what} (batch_isend_irecv)", array)
+            if receive:
+                work.set_source(cast("int", peer))
+            works.append(work)
+        return works
 
     def all_reduce_coalesced(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
         """One ``ncclAllReduce`` per array, in place, all in one NCCL group (one launch)."""

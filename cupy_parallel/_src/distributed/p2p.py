@@ -239,6 +239,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     if not p2p_op_list:
         raise ValueError("p2p_op_list must hold at least one P2POp, got an empty list.")
     checked = []
+    names: list[str] = []
     for index, item in enumerate(p2p_op_list):
         if not isinstance(item, P2POp):
             raise ArgumentError(f"p2p_op_list[{index}] must be a P2POp, got {type(item).__name__}.")
@@ -255,15 +256,23 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         )
         if found is not None:
             checked.append((item, found))
-    works = []
-    for item, (pg, backend, local, tag) in checked:
-        if item.op is irecv:
-            work = backend.recv(item.tensor, local, tag)
+            names.append(f"p2p_op_list[{index}]")
+    # One batch per backend (in the order the backends first appear): NCCL issues a backend's
+    # sends and receives in one group, since a pairwise exchange or a ring completes only then.
+    batches: dict[int, tuple[ProcessGroupBackend, list[int]]] = {}
+    for position, (_, (_, backend, _, _)) in enumerate(checked):
+        batches.setdefault(id(backend), (backend, []))[1].append(position)
+    works: list[Work | None] = [None] * len(checked)
+    for backend, positions in batches.values():
+        ops = []
+        for position in positions:
+            item, (_, _, local, tag) = checked[position]
+            ops.append((item.op is irecv, item.tensor, local, tag, names[position]))
+        for position, started in zip(positions, backend.batch_p2p(ops), strict=True):
+            works[position] = started
+    for (item, (pg, _, _, _)), work in zip(checked, works, strict=True):
+        if item.op is irecv and work is not None:
             work.world_ranks = pg.ranks
             if tapes_exist():
                 note_overwritten([item.tensor], "dist.batch_isend_irecv")
-        else:
-            assert local is not None
-            work = backend.send(item.tensor, local, tag)
-        works.append(work)
-    return works
+    return [work for work in works if work is not None]

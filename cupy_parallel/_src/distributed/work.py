@@ -17,6 +17,12 @@ import time
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from cupy_parallel._src.arguments import read_timeout
+from cupy_parallel._src.cuda.streams import (
+    StreamHandoff,
+    current_stream,
+    is_per_thread,
+    record_event,
+)
 from cupy_parallel._src.devices import cupy_arrays_may_exist, cupy_module, is_cupy_array
 
 if TYPE_CHECKING:
@@ -56,6 +62,26 @@ class Future(concurrent.futures.Future[_T]):
         (21, 42)
     """
 
+    #: ``(device, event)`` pairs recorded where the value was produced (torch's CUDA future
+    #: carries its devices' events): whoever takes the value makes its current streams wait.
+    _ready: tuple[tuple[int, Any], ...] = ()
+
+    def result(self, timeout: float | None = None) -> _T:
+        """The value (blocking until done), after the current streams wait for it (torch's)."""
+        value = super().result(timeout)
+        self._order_current()
+        return value
+
+    def _order_current(self) -> None:
+        """Make the calling thread's current stream of each device wait for the value."""
+        for device, event in self._ready:
+            with _device(device):
+                current_stream(device).wait_event(event)
+
+    def _record_ready(self, devices: tuple[int, ...]) -> None:
+        """Record, on this thread's current streams of ``devices``, that the value is ready."""
+        self._ready = tuple((d, record_event(current_stream(d), d)) for d in devices)
+
     def wait(self) -> _T:
         """Block until done; return the value, or raise the error (``torch.futures``)."""
         return self.result()
@@ -73,13 +99,19 @@ class Future(concurrent.futures.Future[_T]):
         """A future of ``callback(self)``, run once this one is done (at once if it is).
 
         The callback runs in the thread that completes this future; if it raises, the new
-        future holds that error, as in torch.
+        future holds that error, as in torch. On GPUs (torch's CUDA future) the callback's
+        current streams first wait for this future's value, and the new future's value is
+        ready after what the callback queued on them.
         """
         child = self._dependent()
 
         def run(_: object) -> None:
             try:
-                child.set_result(callback(self))
+                self._order_current()
+                value = callback(self)
+                if self._ready:
+                    child._record_ready(tuple(device for device, _ in self._ready))
+                child.set_result(value)
             except BaseException as error:  # noqa: BLE001 - handed to the future
                 child.set_exception(error)
 
@@ -406,6 +438,13 @@ class Work:
         ``value()`` and ``then()``. A helper thread waits on the work
         for it (so do not also ``wait`` on the work from another thread at the same time).
 
+        With CuPy outputs it behaves as torch's CUDA future: the helper waits as if on the
+        caller's current streams of the outputs' GPUs (where NCCL's ordering and the MPI
+        backend's unpacking, casts and copies back are queued), and ``wait()``, ``value()``,
+        ``result()`` and the callbacks of ``then()`` make the current streams of the thread
+        taking the value wait for it, without blocking the host; a ``then()`` future's value
+        is ready after what its callback queued.
+
         Example:
             >>> import numpy as np
             >>> from cupy_parallel import distributed as dist
@@ -421,19 +460,39 @@ class Work:
         if self._future is None:
             future: Future[Any] = Future()
             self._future = future
-            # The outputs' GPU, current in the helper thread: the callbacks of then() run there
-            # (torch runs them on the future's devices); a new thread's is GPU 0, where another
-            # GPU's arrays cannot be computed on.
-            gpu = _gpu_of(self.outputs)
+            # The outputs' GPUs: the helper runs the wait (NCCL's stream ordering, MPI's
+            # finalizers) as if on the caller's current streams there (StreamHandoff), records
+            # events after it, and whoever takes the value makes its own current streams wait
+            # (torch's CUDA future). So finalizers' temporaries, allocated on the caller's
+            # stream, go back to its pool arena ordered after their last use. The first GPU
+            # stays current for the callbacks of then() (a new thread's is GPU 0).
+            # Under per-thread default streams the helper's stream is its own: what the
+            # operation holds (temporaries from the caller's stream's arena, which the
+            # finalizers read there) is kept until the helper's stream finished with it.
+            devices = _gpus_of(self.outputs)
+            handoffs = [StreamHandoff(device) for device in devices]
+            per_thread = any(is_per_thread(current_stream(device)) for device in devices)
 
             def settle() -> None:
-                with contextlib.nullcontext() if gpu is None else gpu:
+                held = (self._keep, self._finalizers) if per_thread else None
+                with contextlib.ExitStack() as on_streams:
+                    for device, handoff in reversed(list(zip(devices, handoffs, strict=True))):
+                        on_streams.enter_context(_device(device))
+                        on_streams.enter_context(handoff)
                     try:
                         self.wait()
                     except BaseException as error:  # noqa: BLE001 - handed to the future
                         future.set_exception(error)
-                    else:
-                        future.set_result(self.outputs if self.outputs is not None else [])
+                        return
+                    finally:
+                        if held is not None:
+                            for device in devices:
+                                with _device(device):
+                                    current_stream(device).synchronize()
+                            del held
+                    if devices:
+                        future._record_ready(devices)
+                    future.set_result(self.outputs if self.outputs is not None else [])
 
             threading.Thread(  # in the caller's context: a thread rank's, under spawn
                 target=contextvars.copy_context().run,
@@ -486,11 +545,14 @@ class CompletedWork(Work):
         return True
 
 
-def _gpu_of(arrays: Any) -> Any:
-    """The GPU (a ``cupy.cuda.Device``) of the first CuPy array of ``arrays``, else ``None``."""
+def _device(device: int) -> Any:
+    """``cupy.cuda.Device(device)`` (a new one per use: CuPy's Device is not re-entrant)."""
+    return cupy_module().cuda.Device(device)  # type: ignore[union-attr]
+
+
+def _gpus_of(arrays: Any) -> tuple[int, ...]:
+    """The GPUs of the CuPy arrays of ``arrays``, the first array's first, no repeats."""
     if arrays is None or not cupy_arrays_may_exist():
-        return None
-    for x in arrays:
-        if is_cupy_array(x):
-            return cupy_module().cuda.Device(x.device.id)  # type: ignore[union-attr]
-    return None
+        return ()
+    found = [int(x.device.id) for x in arrays if is_cupy_array(x)]
+    return tuple(dict.fromkeys(found))

@@ -49,6 +49,9 @@ def simulated_cuda(
         per_thread_default_stream: Whether the default stream is each thread's per-thread
             default stream (``Stream.ptds``) rather than the legacy null stream; ``None`` reads
             ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM`` (``"1"`` means yes), as CuPy does.
+            ``CUPY_PARALLEL_SIMULATED_STREAMS=non-blocking`` (for test suites run off the legacy
+            stream) instead starts every thread with a non-blocking stream of its own current
+            on each GPU, as a program that makes one current in each of its threads.
 
     Raises:
         TypeError, ValueError: for a bad argument; ``RuntimeError`` when simulations nest.
@@ -72,6 +75,8 @@ def simulated_cuda(
     else:
         ptds = read_bool(per_thread_default_stream, "per_thread_default_stream")
     simulation = clock.Simulation(count, per_thread_default_stream=ptds)
+    if os.environ.get("CUPY_PARALLEL_SIMULATED_STREAMS", "").strip() == "non-blocking":
+        simulation.extensions["threads_start_non_blocking"] = True
     clock.activate(simulation)
     streams.forget_background_streams()
     module = sys.modules[xp.__name__]

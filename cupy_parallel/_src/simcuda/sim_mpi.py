@@ -20,6 +20,22 @@ ordered after the operation (:meth:`.clock.Simulation.external`).
 
 The library's MPI backend uses it under ``simulated_cuda`` when ``CUPY_PARALLEL_MPI_CUDA_AWARE=1``
 (see :mod:`cupy_parallel._src.distributed.mpi_staging`).
+
+Which calls take device memory depends on the MPI library; the simulator emulates one
+(:func:`emulate`, default Open MPI) and refuses (:class:`.clock.SimulationError`) a device
+buffer in a call that library does not support on device memory, after its documentation
+(:data:`DEVICE_CALLS`):
+
+* Open MPI (its CUDA FAQ, v4 and the v5 docs): device pointers in every send and receive and in
+  the *blocking* collectives; no non-blocking collective (``MPI_Iallreduce``, ``MPI_Ibcast``,
+  ``MPI_Iallgather``, ``MPI_Ialltoallv``, ...) takes them, and with UCX no non-blocking
+  reduction does. The backend posts only non-blocking calls: point-to-point only.
+* MPICH (its GPU support matrix, ch4:ucx): point-to-point and data-movement collectives well
+  supported, reductions with predefined operations supported through extra copies; a
+  user-defined operation is a host function (ours reads its buffers with ``np.frombuffer``), so
+  a reduction with one never takes device memory.
+* MVAPICH2-GDR: its documentation available here confirms point-to-point and blocking
+  collectives on device memory only; emulated as strictly as Open MPI.
 """
 
 from __future__ import annotations
@@ -27,10 +43,61 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from cupy_parallel._src.simcuda.clock import state
+from cupy_parallel._src.simcuda.clock import SimulationError, state
 from cupy_parallel._src.simcuda.ndarray import ndarray
 
-__all__ = ["CudaAwareComm"]
+__all__ = ["DEVICE_CALLS", "CudaAwareComm", "emulate", "emulated"]
+
+_POINT_TO_POINT = frozenset({"Isend", "Issend", "Irecv"})
+_MOVEMENT = frozenset(
+    {
+        "Ibcast",
+        "Iallgather",
+        "Iallgatherv",
+        "Igather",
+        "Igatherv",
+        "Iscatter",
+        "Iscatterv",
+        "Ialltoall",
+        "Ialltoallv",
+    }
+)
+_REDUCTIONS = frozenset(
+    {"Iallreduce", "Ireduce", "Ireduce_scatter", "Ireduce_scatter_block", "Iscan", "Iexscan"}
+)
+#: The non-blocking calls each emulated MPI library takes device buffers in (reductions: with
+#: predefined operations only; see the module docstring for the sources).
+DEVICE_CALLS: dict[str, frozenset[str]] = {
+    "openmpi": _POINT_TO_POINT,
+    "mpich": _POINT_TO_POINT | _MOVEMENT | _REDUCTIONS,
+    "mvapich": _POINT_TO_POINT,
+}
+_emulated = ["openmpi"]
+
+
+def emulated() -> str:
+    """The MPI library the simulated CUDA-aware MPI behaves as (``"openmpi"`` by default).
+
+    Example:
+        >>> emulated() in DEVICE_CALLS
+        True
+    """
+    return _emulated[0]
+
+
+def emulate(library: str) -> str:
+    """Make the simulated CUDA-aware MPI behave as ``library``; returns the previous one.
+
+    Example:
+        >>> previous = emulate("mpich")
+        >>> emulate(previous)
+        'mpich'
+    """
+    if library not in DEVICE_CALLS:
+        raise ValueError(f"library must be one of {sorted(DEVICE_CALLS)}, got {library!r}.")
+    previous, _emulated[0] = _emulated[0], library
+    return previous
+
 
 #: Nonblocking calls taking buffers: (argument positions MPI reads, positions MPI writes).
 #: ``MPI.IN_PLACE`` as the send buffer makes the receive buffer read and written (a write).
@@ -81,6 +148,17 @@ class CudaAwareComm:
         found = [_device_array(arg) for arg in args]
         if not any(x is not None for x in found):
             return method(*args)
+        library = emulated()
+        if name not in DEVICE_CALLS[library]:
+            raise SimulationError(
+                f"MPI_{name} was handed device memory, which the emulated MPI library "
+                f"({library}) does not take in that call: stage it through host memory."
+            )
+        if name in _REDUCTIONS and _user_defined(args[2] if len(args) > 2 else None):
+            raise SimulationError(
+                f"MPI_{name} with a user-defined operation was handed device memory: the "
+                "operation is a host function reading its buffers, so stage it."
+            )
         reads, writes = _ROLES[name]
         if name == "Ibcast":
             root_side = self.comm.Get_rank() == args[1]
@@ -101,6 +179,11 @@ class CudaAwareComm:
             request = method(*host_args)
             simulation.external(op, functools.partial(_finished, request))
         return request
+
+
+def _user_defined(op: Any) -> bool:
+    """Whether ``op`` is a user-defined MPI operation (mpi4py's, or thread ranks' ``Op``)."""
+    return getattr(op, "is_predefined", True) is False or getattr(op, "name", None) == "user"
 
 
 def _device_array(arg: Any) -> ndarray | None:

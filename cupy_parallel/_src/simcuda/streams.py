@@ -329,6 +329,13 @@ def get_current_stream(device_id: int = -1) -> BaseStream:
     current = _local(simulation).__dict__.get("current", {})
     stream = current.get(device)
     if stream is None:
+        if simulation.extensions.get("threads_start_non_blocking"):
+            # every thread starts with a non-blocking stream of its own made current on each
+            # GPU, as a program that makes one current in each of its threads
+            with Device(device):
+                stream = Stream(non_blocking=True)
+            _local(simulation).__dict__.setdefault("current", {})[device] = stream
+            return stream
         return Stream.ptds if simulation.per_thread_default_stream else Stream.null
     return stream
 
