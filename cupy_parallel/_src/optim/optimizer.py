@@ -11,6 +11,8 @@ state keys a parameter has (:meth:`Optimizer._state_keys`), and how one paramete
 from __future__ import annotations
 
 import copy
+import itertools
+import operator
 from collections.abc import Iterator, MappingView
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -106,6 +108,17 @@ class Optimizer:
     * The state's ``step`` is a Python ``float`` (torch keeps a 0-d float32 tensor and reads it
       with ``.item()``; a float is device-free and exact up to 2**53 steps). torch's
       ``load_state_dict`` accepts it as it is (it converts a non-tensor step).
+    * The optimizer keeps each group's params tree as given (your dict or list, or
+      ``ddp.params``), and every :meth:`step` checks, before anything is written, that the
+      tree's parameter leaves are still the arrays it updates in place: a leaf replaced by
+      another array (``params["w"] = w - lr * g``, ``ddp.params["w"] = new``), or a changed
+      structure, is a ``ValueError`` naming the leaf. torch steps the old tensor silently
+      then, and the new one never moves. Update parameters in place (``params["w"][...] =
+      new``, ``params["w"] -= lr * g``) or build a new optimizer over the new arrays (loading
+      the old one's :meth:`state_dict` keeps the state; :meth:`state_dict` does not check,
+      for that). The check flattens each tree once per step and compares identities. Only
+      what the tree holds is seen: binding a name to a new tree (``params = {...}``,
+      ``ddp.params = new_tree``) leaves the optimizer with the old tree, which it cannot tell.
 
     Example:
         >>> import numpy as np
@@ -117,6 +130,12 @@ class Optimizer:
         (array([0.5, 0. ]), array([0.]))
         >>> [len(g["params"]) for g in opt.param_groups], opt.param_groups[0]["lr"]
         ([2], 0.5)
+        >>> params["w"][...] = [3.0, 3.0]  # in place: the optimizer's array, fine
+        >>> params["w"] = params["w"] * 2  # a new array: the step would move the old one
+        >>> opt.step({"w": np.ones(2), "b": None})
+        Traceback (most recent call last):
+        ...
+        ValueError: params['w'] is no longer the array this SGD updates: ...
     """
 
     _hyper: ClassVar[dict[str, Callable[[Any], Any]]] = {}
@@ -129,6 +148,7 @@ class Optimizer:
         self._specs: list[PyTreeSpec] = []
         self._masks: list[list[bool]] = []
         self._dotted: list[list[str]] = []  # each parameter's path, joined by dots (torch's name)
+        self._roots: list[Any] = []  # each group's params tree, as given: checked at each step
         self._grouped = _is_group_list(params)
         self._workspace = Workspace()
         for group in params if self._grouped else [{"params": params}]:
@@ -214,6 +234,7 @@ class Optimizer:
         group.update(self._read_hyper(group))
         group["params"] = leaves
         self.param_groups.append(group)
+        self._roots.append(param_group["params"])
         self._specs.append(spec)
         self._masks.append(mask)
         self._dotted.append(
@@ -226,6 +247,71 @@ class Optimizer:
 
     # -----------------------------------------------------------------------------------------
     # step
+
+    def _check_bound(self) -> None:
+        """Refuse a params tree whose parameters are no longer the arrays this optimizer updates.
+
+        Each group's tree, as given (the user's dict or list, ``ddp.params``), is flattened again
+        and its parameter leaves compared by identity with the arrays the step writes: a leaf
+        replaced by another array (``params["w"] = w - lr * g``) would leave the step moving the
+        old array, which nothing reads any more. Costs one flatten per group (no array is read).
+        """
+        for i, (root, spec, mask, group) in enumerate(
+            zip(self._roots, self._specs, self._masks, self.param_groups, strict=True)
+        ):
+            leaves, now = tree.flatten_leaves(root)
+            params = group["params"]
+            if now == spec:
+                kept = list(itertools.compress(leaves, mask))
+                if len(kept) == len(params) and all(map(operator.is_, kept, params)):
+                    others = itertools.compress(leaves, map(operator.not_, mask))
+                    if not any(map(is_parameter, others)):
+                        continue
+            self._refuse_rebound(i, leaves, now)
+
+    def _refuse_rebound(self, group: int, leaves: list[Any], now: PyTreeSpec) -> None:
+        """The error for :meth:`_check_bound`'s group ``group``, naming the first leaf replaced."""
+        root = f"param_groups[{group}]['params']" if self._grouped else "params"
+        name = type(self).__name__
+        spec, mask = self._specs[group], self._masks[group]
+        fresh = (
+            f"build a new {name} over the new arrays (load the old one's state_dict into it to "
+            "keep the state)"
+        )
+        if now != spec:
+            difference = tree.structure_difference(spec, now)
+            where, before, after = difference if difference else ("(the root)", "?", "?")
+            raise ValueError(
+                f"{root} changed structure after the {name} was built (at {root}"
+                f"{where.removeprefix('(the root)')}: {before} then, {after} now): the "
+                "optimizer updates the arrays it was given in place, so a parameter added to "
+                "the tree would never be updated and a removed one would still be. Keep the "
+                f"tree's structure, or {fresh}; add new parameters in a tree of their own with "
+                "add_param_group."
+            )
+        names = tree.leaf_names(spec, root)
+        params = iter(self.param_groups[group]["params"])
+        for path, leaf, is_param in zip(names, leaves, mask, strict=True):
+            if not is_param:
+                if is_parameter(leaf):
+                    raise ValueError(
+                        f"{path} is a floating-point array now, but was no parameter when the "
+                        f"{name} was built, so the step would never update it: {fresh}."
+                    )
+                continue
+            held = next(params, None)
+            if leaf is not held:
+                raise ValueError(
+                    f"{path} is no longer the array this {name} updates: another object was "
+                    f"put in its place after the optimizer was built ({path} = ...), but the "
+                    "optimizer updates its parameters in place and still holds the old array, "
+                    "so the step would move an array nothing reads. Update the parameter in "
+                    f"place instead ({path}[...] = new, or {path} -= lr * g), or {fresh}."
+                )
+        raise ValueError(  # the group's list of parameters itself was changed
+            f"param_groups[{group}]['params'] no longer lists the arrays of {root} the "
+            f"{name} was built with: {fresh}."
+        )
 
     def _grads_of(self, grads: Any) -> list[list[Any]]:
         """The gradients of each group, flattened as its params; every check before any update."""
@@ -265,9 +351,12 @@ class Optimizer:
         ``grads``: a tree shaped as the params (with param groups: a list, one tree per group);
         a ``None`` leaf leaves its parameter and its state as they are (torch's ``.grad is
         None``). Each gradient must have its parameter's shape, dtype and device. Everything is
-        checked before anything is written. Every tape that still needs a parameter (or its
-        state) is told it was overwritten: its ``gradient`` then raises.
+        checked before anything is written, and so are the params: a leaf of the tree given
+        at construction that is no longer the array this optimizer updates (replaced, not
+        updated in place) is a ``ValueError`` (see the class). Every tape that still needs a
+        parameter (or its state) is told it was overwritten: its ``gradient`` then raises.
         """
+        self._check_bound()
         per_group = self._grads_of(grads)
         hypers = [self._read_hyper(group) for group in self.param_groups]
         index = 0

@@ -424,8 +424,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         """Update this rank's partition in place, then receive every other rank's (all ranks).
 
         ``grads``: shaped as the params (a list of trees with param groups), the same on every
-        rank (DDP's averaged gradients); checked on every rank before anything is written.
+        rank (DDP's averaged gradients); checked on every rank before anything is written,
+        as are the params (a leaf replaced since construction is a ``ValueError``, as with any
+        optimizer, raised before the step's collectives).
         """
+        self._check_bound()
         per_group = self._grads_of(grads)
         _copy_hyper(self.param_groups, self.optim.param_groups)
         local = [
