@@ -72,10 +72,11 @@ def clip_grad_norm(
             infinite; otherwise the gradients are scaled by it anyway, as in torch.
         process_group: a process group over which ``grads`` are *shards* of the whole
             gradients (ZeRO, FSDP): the total is the norm of all the shards, from one
-            ``all_reduce`` (the sum of ``p``-th powers; ``MAX`` for ``inf``; ``MIN`` for
-            ``-inf``; the sum of counts for ``p = 0``). ``None``: the gradients are whole
-            (replicated ranks, as under DDP, need no reduction). Every rank of the group must
-            call it.
+            ``all_reduce`` (the sum of ``p``-th powers; ``MAX`` for ``inf``); only ``p > 0``
+            and ``inf`` (``ValueError`` otherwise: ``p = 0`` counts whole gradients, and
+            ``-inf`` or ``p < 0`` would count FSDP's zero padding rows). ``None``: the
+            gradients are whole (replicated ranks, as under DDP, need no reduction). Every
+            rank of the group must call it.
 
     Returns:
         ``(clipped_grads, total_norm)``; with no gradient at all, ``total_norm`` is a 0-d
@@ -84,6 +85,7 @@ def clip_grad_norm(
     Raises:
         TypeError: a leaf that is neither an array nor ``None``; a non-number ``max_norm`` or
             ``norm_type``.
+        ValueError: ``norm_type <= 0`` (``0``, negative, ``-inf``) with ``process_group``.
         RuntimeError: the total norm is not finite and ``error_if_nonfinite``.
 
     Example:
@@ -106,6 +108,15 @@ def clip_grad_norm(
                 f"{name} must be an array or None, got {type(leaf).__name__}; clip_grad_norm "
                 "takes the gradients (a tree of arrays), not the parameters."
             )
+    if process_group is not None and not p > 0:
+        raise ValueError(
+            f"norm_type must be positive (or math.inf) with process_group, got {p}: the "
+            "total of norm_type <= 0 cannot be assembled from shards. p = 0 counts the "
+            "gradients with a nonzero element (torch's math), which one reduction of per-rank "
+            "counts cannot give, and -inf and negative norms would see the zero rows that "
+            "pad FullyShardedDataParallel's shards (and a rank without gradients) as "
+            "gradient zeros. Gather the gradients to clip with those norms."
+        )
     total = _total_norm(leaves, p)
     if process_group is not None:
         total = _reduce_total(total, p, process_group)
@@ -153,10 +164,10 @@ def _reduce_total(total: Any, p: float, group: Any) -> Any:
     from cupy_parallel._src.enums import ReduceOp
 
     device = device_of(total)
-    if math.isinf(p):
-        op, power = (ReduceOp.MAX if p > 0 else ReduceOp.MIN), 1.0
+    if math.isinf(p):  # p > 0 here (clip_grad_norm refuses the others)
+        op, power = ReduceOp.MAX, 1.0
     else:
-        op, power = ReduceOp.SUM, (1.0 if p == 0 else p)  # p = 0 counts: sum the counts
+        op, power = ReduceOp.SUM, p
     part = _on(device, lambda xp, t: (t.astype(np.float64) ** power).reshape(1), total)
     all_reduce(part, op=op, group=group)
     return _on(device, lambda xp, s: (s ** (1.0 / power)).reshape(()).astype(total.dtype), part)
