@@ -48,6 +48,7 @@ from cupy_parallel._src.distributed.groups import (
     get_world_size,
     resolve_group,
 )
+from cupy_parallel._src.distributed.objects import all_gather_object
 from cupy_parallel._src.distributed.reductions import reduce_scatter_tensor
 from cupy_parallel._src.distributed.rooted import gather, scatter
 from cupy_parallel._src.enums import ReduceOp
@@ -397,6 +398,7 @@ class _Call:
         self.cache: list[tuple[list[Any], _Gathered | None] | None] = [None] * n
         self.inflight: dict[int, list[tuple[Any, Any]]] = {}
         self.order: list[int] = []
+        self.gathers: list[int] = []  # every unit gathered for fn, in order (the ranks compare)
         self.pending = [_Pending() for _ in range(n)]
         self.aliases: list[list[Any] | None] = [None] * n
         self.live: list[_Gathered] = []  # gathers whose arrays are not swapped out yet
@@ -427,6 +429,7 @@ class _Call:
             first = u not in self.order
             if first:
                 self.order.append(u)
+            self.gathers.append(u)
             outs = self.inflight.pop(u, None)
             if outs is None:
                 outs = fsdp._issue(u, "all_gather")
@@ -613,9 +616,12 @@ class FullyShardedDataParallel(Generic[Params, Output]):
       by reading the one parameter twice).
     - ``fn`` must read the units in the same order on every rank (each first read is a
       collective, as each module's forward is in torch's FSDP), and record the same
-      operations. A unit read twice is gathered once while ``fn`` keeps reading it; with
-      ``reshard_after_forward`` it is gathered again when read after another unit (two gathers
-      on the tape; the gradients add up). A unit no rank reads is not gathered.
+      operations. The ranks compare their reads when ``fn`` returns (one object all-gather
+      a call): different units read on different ranks raise ``ValueError`` on every rank
+      (torch's FSDP would exchange the two units' shards, silently). A unit read twice is
+      gathered once while ``fn`` keeps reading it; with ``reshard_after_forward`` it is
+      gathered again when read after another unit (two gathers on the tape; the gradients add
+      up). A unit no rank reads is not gathered.
     - **Prefetch**: when ``fn`` first reads a unit, the all-gather of the unit expected next
       (the previous call's order of reads; the units' order at the first call) is issued
       before the unit is returned, so it runs while ``fn`` computes.
@@ -919,9 +925,31 @@ class FullyShardedDataParallel(Generic[Params, Output]):
         finally:
             del units
             call.close()
+        self._compare_reads(call.gathers)
         if call.order:
             self._order = list(call.order)
         return out
+
+    def _compare_reads(self, gathers: list[int]) -> None:
+        """Have the ranks compare the units ``fn`` read (one object all-gather), raise alike.
+
+        Each read is an all-gather that pairs up with whatever the other ranks gather at that
+        point: two units of one layout read by different ranks would exchange each other's
+        shards without any error (the loss and gradients silently wrong), so the ranks compare
+        the order of their reads before ``fn``'s output is returned.
+        """
+        names = [self._units[u].name for u in gathers]
+        seen: list[Any] = [None] * self._world
+        all_gather_object(seen, names, group=self.process_group)
+        for rank, other in enumerate(seen):
+            if other != seen[0]:
+                raise ValueError(
+                    "FullyShardedDataParallel's fn read different units on different ranks "
+                    f"(rank 0 gathered {seen[0]}, rank {rank} {other}): each read is an "
+                    "all-gather the ranks must make together, so the units are garbled. Read "
+                    "the same units in the same order on every rank (a unit a rank does not "
+                    "need can be read and multiplied by zero)."
+                )
 
     def _hook(self, tape: Tape) -> None:
         """Watch the shards on ``tape`` and hook them once: a gradient no pass reached is zeros."""
