@@ -154,3 +154,22 @@ def test_micro_batches_in_one_tape_add_up(reshard: bool) -> None:
         for i, like in enumerate(_leaves(want[k])):
             got = _whole([_leaves(res[k])[i] for res in results], like)
             np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)
+
+
+def test_zero_over_fsdp_shards_is_refused() -> None:
+    """Seen before: ZeroRedundancyOptimizer(fsdp.params, SGD) broadcast each owner's shards
+    over the other ranks' (different) shards: after one step the gathered parameters were
+    not the plain SGD's over fsdp.params."""
+    from cupy_parallel.distributed.optim import ZeroRedundancyOptimizer
+    from cupy_parallel.optim import SGD
+
+    def rank(r: int) -> str:
+        fsdp = cp.FullyShardedDataParallel(_head, _copy(PARAMS))
+        with pytest.raises(
+            ValueError,
+            match=r"Parameter 0 of param group 0 \(shape \(2,\)\) is a shard of a FullyS",
+        ):
+            ZeroRedundancyOptimizer(fsdp.params, SGD, lr=0.1)
+        return str(SGD(fsdp.params, lr=0.1).param_groups[0]["lr"])
+
+    assert dist.spawn(rank, WORLD, timeout=60) == ["0.1"] * WORLD

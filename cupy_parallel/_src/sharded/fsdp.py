@@ -70,7 +70,15 @@ if TYPE_CHECKING:
 
     from cupy_parallel._src.recording import Swap
 
-__all__ = ["FullyShardedDataParallel"]
+__all__ = ["FullyShardedDataParallel", "is_shard"]
+
+_SHARDS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+"""Every live FullyShardedDataParallel's shards (the leaves of its ``params``), by id."""
+
+
+def is_shard(x: Any) -> bool:
+    """Whether ``x`` is a leaf of a live :class:`FullyShardedDataParallel`'s ``params``."""
+    return _SHARDS.get(id(x)) is x
 
 
 # --------------------------------------------------------------------------------------------
@@ -753,6 +761,7 @@ class FullyShardedDataParallel(Generic[Params, Output]):
                     scatter(flat, None, src, group_pg)
             for i, p in zip(members, group.members, strict=True):
                 unit.shards[i] = _flat_view(flat, p.offset, p.offset + p.c * p.width, p.shard_shape)
+                _SHARDS[id(unit.shards[i])] = unit.shards[i]
             flats.append(flat)
         return flats
 
