@@ -173,3 +173,33 @@ def test_zero_over_fsdp_shards_is_refused() -> None:
         return str(SGD(fsdp.params, lr=0.1).param_groups[0]["lr"])
 
     assert dist.spawn(rank, WORLD, timeout=60) == ["0.1"] * WORLD
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_a_write_into_a_kept_unit_after_an_undone_swap_raises(reshard: bool) -> None:
+    """fn keeps a gathered array (its swap is undone) and a collective writes it in place.
+
+    Seen before with ``reshard_after_forward=True``: no error and the gradient of the written
+    values (8.16 where the forward's values give 4.08): the undone swap had dropped the
+    array's memory from what the tape watches for in-place writes. A plain tape and
+    SHARD_GRAD_OP raise.
+    """
+
+    def fn(units: Any, x: Any) -> Any:
+        w = units["a"]["b"]
+        s = ops.sum(ops.multiply(ops.multiply(w, w), x))
+        with cp._src.recording.pause_recording():
+            dist.all_reduce(np.zeros(1))  # any in-place write by the library: the tape scans
+        t = ops.sum(ops.matmul(units["b"]["w"], x[:2]))  # a's swap is tried, undone (fn has w)
+        with cp._src.recording.pause_recording():
+            dist.all_reduce(w)  # w written in place
+        return ops.add(s, t), w
+
+    def rank(r: int) -> None:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(PARAMS), reshard_after_forward=reshard)
+        with cp.Tape() as tape:
+            loss, _ = fsdp(np.ones(4))
+        with pytest.raises(RuntimeError, match=r"modified in place after ops\.multiply was rec"):
+            tape.gradient(loss, fsdp.params)
+
+    dist.spawn(rank, 2, timeout=60)
