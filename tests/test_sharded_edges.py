@@ -203,3 +203,22 @@ def test_a_write_into_a_kept_unit_after_an_undone_swap_raises(reshard: bool) -> 
             tape.gradient(loss, fsdp.params)
 
     dist.spawn(rank, 2, timeout=60)
+
+
+def test_clipping_fsdp_gradients_without_the_group_raises() -> None:
+    """Seen before: clip_grad_norm(fsdp_grads, 1.0) took each rank's shards for the whole
+    gradients (a different norm and scale on each rank, none DDP's); the group gives DDP's."""
+    want = _plain_gradient(lambda p, x: _head(p, x, False), PARAMS)
+    _, total = cp.clip_grad_norm(want, 1.0)
+
+    def rank(r: int) -> float:
+        fsdp = cp.FullyShardedDataParallel(_head, _copy(PARAMS))
+        with cp.Tape() as tape:
+            loss = fsdp(XS[r], False)
+        grads = tape.gradient(loss, fsdp.params)
+        for part in (grads, {"b": grads["b"]}, {"c": grads["c"]}):  # c: zeros (not read)
+            with pytest.raises(ValueError, match="grads holds gradient shards of a FullySh"):
+                cp.clip_grad_norm(part, 1.0)
+        return float(cp.clip_grad_norm(grads, 1.0, process_group=dist.group.WORLD)[1])
+
+    assert dist.spawn(rank, WORLD, timeout=60) == [pytest.approx(float(total), rel=1e-12)] * 3

@@ -9,6 +9,7 @@ the clipped gradients are new arrays and the given ones are left as they are.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,7 +22,16 @@ from cupy_parallel._src.hostarray import host_array, host_buffer
 if TYPE_CHECKING:
     from cupy_parallel._src.devices import Device
 
-__all__ = ["clip_grad_norm"]
+__all__ = ["clip_grad_norm", "mark_sharded_gradients"]
+
+_SHARDED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+"""Live gradient arrays that are one rank's shard of a larger gradient, by id."""
+
+
+def mark_sharded_gradients(arrays: list[Any]) -> None:
+    """Note ``arrays`` as gradient shards (FSDP's): clipping them needs ``process_group``."""
+    for a in arrays:
+        _SHARDED[id(a)] = a
 
 
 def _on(device: Device, compute: Any, *arrays: Any) -> Any:
@@ -85,7 +95,9 @@ def clip_grad_norm(
     Raises:
         TypeError: a leaf that is neither an array nor ``None``; a non-number ``max_norm`` or
             ``norm_type``.
-        ValueError: ``norm_type <= 0`` (``0``, negative, ``-inf``) with ``process_group``.
+        ValueError: ``norm_type <= 0`` (``0``, negative, ``-inf``) with ``process_group``;
+            gradient shards of a :class:`~cupy_parallel.FullyShardedDataParallel` (on more
+            than one rank) without ``process_group``.
         RuntimeError: the total norm is not finite and ``error_if_nonfinite``.
 
     Example:
@@ -108,6 +120,13 @@ def clip_grad_norm(
                 f"{name} must be an array or None, got {type(leaf).__name__}; clip_grad_norm "
                 "takes the gradients (a tree of arrays), not the parameters."
             )
+    if process_group is None and any(_SHARDED.get(id(leaf)) is leaf for leaf in leaves):
+        raise ValueError(
+            "grads holds gradient shards of a FullyShardedDataParallel (each rank holds some "
+            "rows of each gradient), whose norm is not the whole gradients': pass "
+            "process_group=fsdp.process_group (dist.group.WORLD for the default group), as "
+            "torch's clip_grad_norm_ reduces FSDP's sharded gradients."
+        )
     if process_group is not None and not p > 0:
         raise ValueError(
             f"norm_type must be positive (or math.inf) with process_group, got {p}: the "

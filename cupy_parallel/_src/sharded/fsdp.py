@@ -53,6 +53,7 @@ from cupy_parallel._src.distributed.reductions import reduce_scatter_tensor
 from cupy_parallel._src.distributed.rooted import gather, scatter
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, plain_buffer
+from cupy_parallel._src.optim.clip import mark_sharded_gradients
 from cupy_parallel._src.recording import (
     active_tapes,
     mark_collective,
@@ -254,9 +255,10 @@ class _Flight:
 class _Pending:
     """The reduce-scatters a unit's gathers started in a backward pass, waited by its alias node."""
 
-    __slots__ = ("flights", "gathers", "lock")
+    __slots__ = ("flights", "gathers", "lock", "world")
 
-    def __init__(self) -> None:
+    def __init__(self, world: int) -> None:
+        self.world = world
         self.lock = threading.Lock()
         self.flights: list[_Flight] = []
         self.gathers = 0  # gathers recorded on the unit's alias: more than one add up there
@@ -316,6 +318,8 @@ def _alias_vjp(gs: list[Any], xs: Any, needs: Any, ys: Any, aux: Any) -> Any:
     before anything adds to them.
     """
     aux.wait()
+    if aux.world > 1:  # the shards' final gradients: clip_grad_norm then asks for the group
+        mark_sharded_gradients([g for g in gs if g is not None])
     return tuple(gs)
 
 
@@ -407,7 +411,7 @@ class _Call:
         self.inflight: dict[int, list[tuple[Any, Any]]] = {}
         self.order: list[int] = []
         self.gathers: list[int] = []  # every unit gathered for fn, in order (the ranks compare)
-        self.pending = [_Pending() for _ in range(n)]
+        self.pending = [_Pending(fsdp._world) for _ in range(n)]
         self.aliases: list[list[Any] | None] = [None] * n
         self.live: list[_Gathered] = []  # gathers whose arrays are not swapped out yet
         self.closed = False
@@ -969,7 +973,7 @@ class FullyShardedDataParallel(Generic[Params, Output]):
             for unit in self._units:
                 tape.watch(unit.shards)
                 handles.extend(
-                    tape.register_gradient_ready_hook(shard, _ZerosFor(shard))
+                    tape.register_gradient_ready_hook(shard, _ZerosFor(shard, self._world))
                     for shard in unit.shards
                 )
             self._tapes[tape] = handles
@@ -985,13 +989,19 @@ class FullyShardedDataParallel(Generic[Params, Output]):
 class _ZerosFor:
     """A shard's gradient-ready hook: zeros where no gradient reached it (DDP's rule)."""
 
-    __slots__ = ("shard",)
+    __slots__ = ("shard", "world")
 
-    def __init__(self, shard: Any) -> None:
+    def __init__(self, shard: Any, world: int) -> None:
         self.shard = shard
+        self.world = world
 
     def __call__(self, grad: Any) -> Any:
-        return zeros_like(self.shard) if grad is None else None
+        if grad is not None:
+            return None
+        zeros = zeros_like(self.shard)
+        if self.world > 1:
+            mark_sharded_gradients([zeros])
+        return zeros
 
 
 def _copies(out: Any, group: _Group, world: int) -> list[Any]:
