@@ -222,3 +222,38 @@ def test_clipping_fsdp_gradients_without_the_group_raises() -> None:
         return float(cp.clip_grad_norm(grads, 1.0, process_group=dist.group.WORLD)[1])
 
     assert dist.spawn(rank, WORLD, timeout=60) == [pytest.approx(float(total), rel=1e-12)] * 3
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_a_unit_read_while_the_tape_stops_recording(reshard: bool) -> None:
+    """torch's ``with torch.no_grad():`` inside a module: the unit is a constant there.
+
+    Seen before (FULL_SHARD): UnboundLocalError then AssertionError from the forward call,
+    the tape having recorded nothing on the unit's gathered arrays.
+    """
+    tapes: dict[int, Any] = {}  # each rank's tape
+
+    def fn(units: Any, x: Any) -> Any:
+        with tapes[dist.get_rank()].stop_recording():
+            constant = ops.sum(ops.matmul(x, units["a"]["w"]))
+        return ops.multiply(_head(units, x, True), constant)
+
+    def plain(p: Any, x: Any) -> Any:
+        return ops.multiply(_head(p, x, True), ops.sum(ops.matmul(x, p["a"]["w"])))
+
+    def rank(r: int) -> Any:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(PARAMS), reshard_after_forward=reshard)
+        with cp.Tape() as tape:
+            tapes[r] = tape
+            loss = fsdp(XS[r])
+        return tape.gradient(loss, fsdp.params)["c"]["w"]
+
+    want = np.zeros((4, 2))
+    for x in XS:  # the plain tape's gradient of c: the constant is a number there too
+        p = _copy(PARAMS)
+        with cp.Tape() as tape:
+            tape.watch(p["c"])
+            loss = plain(p, x)
+        want += tape.gradient(loss, p["c"])["w"] / WORLD
+    got = _whole(dist.spawn(rank, WORLD, timeout=60), want)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)

@@ -387,7 +387,7 @@ def _references_outside(swaps: list[Swap], owners: list[Any]) -> bool:
         base = None if type(a) is HostArray else getattr(a, "base", None)
         if base is not None and id(base) in internal:
             internal[id(base)] += 1
-    del a, base  # only `objects` holds them now (one reference each)
+    a = base = None  # only `objects` holds them now (one reference each; none recorded: none)
     return any(_count(objects, k) - 1 > held for k, held in internal.items())
 
 
