@@ -6,8 +6,8 @@ figure the slowest rank's:
 
 - ``all_gather`` / ``broadcast``: the sync after the local update alone (every rank receives
   every updated parameter): one ``all_gather_into_tensor`` of flat buffers padded to the largest
-  partition, against one ``broadcast`` per owner of its flat buffer (torch's
-  ``parameters_as_bucket_view=True``; the faster here, so the default);
+  partition, against broadcasts from the owners (each weight in place, each owner's biases in
+  one buffer; the faster here, so the default);
 - ``zero step`` / ``ddp step``: a training step, forward, backward (DDP's averaged gradients)
   and ``ZeroRedundancyOptimizer(Adam).step`` (its default sync) against the same with an
   unsharded ``Adam`` on every rank (issue 33's target: at most 1.1x).
@@ -142,7 +142,7 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
     step = Timing.of(times["zero step"], times["ddp step"])
     return [
         sync.row(
-            f"ZeRO parameter sync: one all_gather vs a broadcast per owner, {ranks} ranks",
+            f"ZeRO parameter sync: one all_gather vs broadcasts from the owners, {ranks} ranks",
             None,
             goal="reported: picks param_sync's default (the faster: broadcast when ratio > 1)",
             **common,

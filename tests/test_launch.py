@@ -640,3 +640,60 @@ def test_detect_launch_env_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> 
 def test_detect_launch_env_names_bad_variables(env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         detect_launch_env(env)
+
+
+# --------------------------------------------------------------------------------------------
+# --max-restarts
+
+# Every rank records each start; rank 1 fails (exit 3) until the start numbered SUCCEED_AT.
+RESTART_SCRIPT = """
+import os, sys, time
+out, succeed_at = sys.argv[1], int(sys.argv[2])
+rank, restart = os.environ["RANK"], int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+with open(os.path.join(out, f"start-{restart}-rank-{rank}"), "w") as f:
+    f.write(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+if rank == "1" and restart < succeed_at:
+    sys.exit(3)
+if rank == "0" and restart < succeed_at:
+    time.sleep(60)  # stopped by the launcher when rank 1 fails
+"""
+
+
+@pytest.mark.parametrize(
+    ("max_restarts", "succeed_at", "code", "starts"),
+    [(2, 2, 0, 3), (1, 5, 3, 2), (0, 1, 3, 1)],
+    ids=["succeeds-on-the-last-restart", "gives-up-after-K", "no-restarts"],
+)
+def test_max_restarts_restarts_the_whole_job_when_a_rank_fails(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    max_restarts: int,
+    succeed_at: int,
+    code: int,
+    starts: int,
+) -> None:
+    script, out = _script(tmp_path, RESTART_SCRIPT), _outdir(tmp_path)
+    argv = ["--nproc-per-node", "2", "--master-port", "0", "--max-restarts", str(max_restarts)]
+    assert main([*argv, *DIRECT, script, out, str(succeed_at)]) == code
+    expected = {f"start-{s}-rank-{r}" for s in range(starts) for r in range(2)}
+    assert set(os.listdir(out)) == expected  # every rank, every start: the whole job again
+    assert {Path(out, name).read_text() for name in expected} == {str(max_restarts)}
+    err = capsys.readouterr().err
+    assert err.count("rank 1 exited with code 3; stopped the other ranks.") == min(
+        succeed_at, starts
+    )
+    said = [f"restarting the job ({k} of {max_restarts} restarts)." for k in range(1, starts)]
+    assert [line.split(": ", 1)[1] for line in err.splitlines() if "restarting" in line] == said
+
+
+@pytest.mark.mpi
+def test_max_restarts_under_the_mpi_backend(tmp_path: Path) -> None:
+    script, out = _script(tmp_path, RESTART_SCRIPT), _outdir(tmp_path)
+    argv = ["--backend", "mpi", "--nproc-per-node", "2", "--max-restarts", "1"]
+    assert main([*argv, "--master-port", "0", script, out, "1"]) == 0
+    assert set(os.listdir(out)) == {f"start-{s}-rank-{r}" for s in range(2) for r in range(2)}
+
+
+def test_max_restarts_must_be_a_count() -> None:
+    with pytest.raises(SystemExit):
+        main(["--max-restarts", "-1", "x.py"])

@@ -151,6 +151,14 @@ def test_other_tools_read_the_arrays_by_key_path(tmp_path):
     cp.save({"layer": [{"w": np.arange(3.0)}], "step": 4}, tmp_path / "m")
     assert list(load_file(tmp_path / "m")) == ["layer.0.w"]
     np.testing.assert_array_equal(load_file(tmp_path / "m")["layer.0.w"], np.arange(3.0))
+    # every dtype safetensors has, 0-d and empty arrays: safetensors' own reader agrees
+    arrays = {c: values(c, (3, 2)) for c in ("?", "i1", "u1", "i2", "u2", "i4", "u4", "i8")}
+    arrays |= {c: values(c, (5,)) for c in ("u8", "f2", "f4", "f8", "c8")}
+    arrays |= {"zero_d": np.array(7, np.int16), "empty": np.zeros((0, 4), np.float32)}
+    cp.save(arrays, tmp_path / "all")
+    theirs = load_file(tmp_path / "all")
+    assert sorted(theirs) == sorted(arrays)
+    assert all(same_bits(theirs[k], arrays[k]) for k in arrays)
 
 
 def test_a_plain_safetensors_file_loads_as_a_dict(tmp_path):
@@ -297,3 +305,23 @@ def test_a_save_killed_at_any_moment_leaves_a_complete_version(tmp_path):
         assert w[0] == w[-1] == float(version)  # one whole version, never a mix
         assert np.all(w == float(version))
     assert len(seen) > 1  # the kills landed at different points
+
+
+def test_a_crafted_file_naming_an_object_dtype_is_refused(tmp_path):
+    """A file that says "view these bytes as object references" must not be obeyed."""
+    import json
+
+    from safetensors import safe_open
+
+    path = tmp_path / "evil"
+    cp.save({"x": np.zeros(2, np.complex128)}, path)  # stored as bytes, true dtype in metadata
+    with safe_open(path, framework="np") as f:
+        description = json.loads(f.metadata()["cupy_parallel"])
+    description["leaves"][0]["dtype"] = "|O"
+    description["leaves"][0]["shape"] = [4]
+    from cupy_parallel._src.serialization import write_safetensors
+
+    data = {"x": np.zeros((2, 16), np.uint8)}
+    write_safetensors(str(path), data, {"cupy_parallel": json.dumps(description)})
+    with pytest.raises(ValueError, match=r"evil is damaged: .*dtype '\|O', which does not hold"):
+        cp.load(path)

@@ -8,7 +8,8 @@ checkpoint through ``get_state_dict`` (templates), ``load`` and ``set_state_dict
 same 3 steps on the same whole batch (2 shards instead of 4): their parameters and their
 optimizer state must equal the uninterrupted run's (float64, 1e-12), whichever of ZeRO, the
 plain optimizer and FSDP saved and loaded (FSDP's state, shards, is compared through the
-parameters it moves). The rest runs in a world of one.
+parameters it moves); with CuPy arrays too, on NCCL thread ranks under ``simulated_cuda`` (race
+checker on). The rest runs in a world of one.
 """
 
 from __future__ import annotations
@@ -30,13 +31,17 @@ from cupy_parallel.optim import SGD, Adam, AdamW
 STEPS = 3
 
 
-def _build(kind: str, seed: int) -> tuple[Any, Any]:
+def _setting(arrays: str) -> Any:
+    return worker("ddp_worker").Setting(arrays)
+
+
+def _build(kind: str, seed: int, arrays: str = "cpu") -> tuple[Any, Any]:
     """The model and its optimizer: DDP + ZeRO(AdamW), DDP + AdamW, or FSDP + AdamW."""
     w = worker("ddp_worker")
     if kind == "fsdp":
-        model = cp.FullyShardedDataParallel(w.mlp, w.make_params(seed))
+        model = cp.FullyShardedDataParallel(w.mlp, w.make_params(seed, _setting(arrays)))
     else:
-        model = cp.DistributedDataParallel(w.mlp, w.make_params(seed))
+        model = cp.DistributedDataParallel(w.mlp, w.make_params(seed, _setting(arrays)))
     params = model.params
     groups = [
         {"params": params["layers"], "weight_decay": 0.1},
@@ -47,12 +52,13 @@ def _build(kind: str, seed: int) -> tuple[Any, Any]:
     return model, AdamW(groups, lr=0.01, amsgrad=True)
 
 
-def _train(model: Any, optimizer: Any, steps: range) -> None:
+def _train(model: Any, optimizer: Any, steps: range, arrays: str = "cpu") -> None:
     w = worker("ddp_worker")
     x, y = w.data()
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in steps:
-        xs, ys = w.shard(x, rank, world), w.shard(y, rank, world)
+        put = _setting(arrays).put
+        xs, ys = put(w.shard(x, rank, world)), put(w.shard(y, rank, world))
         with cp.Tape() as tape:
             loss = ops.mean(ops.square(ops.subtract(model(xs, extra=step % 2 == 1), ys)))
         grads = tape.gradient(loss, model.params)
@@ -79,6 +85,7 @@ def _host(tree: Any) -> Any:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("saved_by", "loaded_by"),
     [
@@ -95,30 +102,52 @@ def test_saved_on_4_ranks_resumed_on_2_continues_as_the_uninterrupted_run(
     tmp_path: Any, saved_by: str, loaded_by: str
 ) -> None:
     """zero: DDP + ZeRO(AdamW); plain: DDP + AdamW; fsdp: FSDP + AdamW on its shards."""
+    _resume_4_to_2(tmp_path / "ckpt", saved_by, loaded_by, "cpu", "threads")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("saved_by", "loaded_by"), [("zero", "fsdp"), ("fsdp", "zero")], ids=lambda kind: kind
+)
+def test_cupy_arrays_over_nccl_saved_on_4_resumed_on_2(
+    tmp_path: Any, saved_by: str, loaded_by: str
+) -> None:
+    """CuPy arrays, rank r on simulated GPU r (race checker on), NCCL thread ranks."""
+    _resume_4_to_2(tmp_path / "ckpt", saved_by, loaded_by, "cupy", "nccl")
+
+
+def _resume_4_to_2(path: Any, saved_by: str, loaded_by: str, arrays: str, backend: str) -> None:
+    from cupy_parallel.testing import simulated_cuda
+
     w = worker("ddp_worker")
-    path = tmp_path / "ckpt"
 
     def uninterrupted(rank: int) -> Any:
-        model, optimizer = _build(saved_by, seed=0)
-        _train(model, optimizer, range(STEPS))
+        model, optimizer = _build(saved_by, 0, arrays)
+        _train(model, optimizer, range(STEPS), arrays)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, path)
-        _train(model, optimizer, range(STEPS, 2 * STEPS))
+        _train(model, optimizer, range(STEPS, 2 * STEPS), arrays)
         return _host(_whole_params(model)), _host(_whole_state(optimizer, saved_by))
 
     def resumed(rank: int) -> Any:
-        model, optimizer = _build(loaded_by, seed=5)  # other values: the load must set them
+        model, optimizer = _build(loaded_by, 5, arrays)  # other values: the load must set them
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, path)
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-        _train(model, optimizer, range(STEPS, 2 * STEPS))
+        _train(model, optimizer, range(STEPS, 2 * STEPS), arrays)
         return _host(_whole_params(model)), _host(_whole_state(optimizer, loaded_by))
 
-    want_params, want_state = dist.spawn(uninterrupted, 4, timeout=60)[0]
-    results = dist.spawn(resumed, 2, timeout=60)
+    def run(program: Any, ranks: int) -> list[Any]:
+        if backend == "threads":
+            return dist.spawn(program, ranks, timeout=60)
+        with simulated_cuda(ranks):
+            return dist.spawn(program, ranks, timeout=60, backend=backend)
+
+    want_params, want_state = run(uninterrupted, 4)[0]
+    results = run(resumed, 2)
     for rank, (params, _) in enumerate(results):
         w.close(params, want_params, f"rank {rank}'s parameters")
     got_state = results[0][1]

@@ -26,6 +26,7 @@ from thread_ranks import MPIEXEC, WORKERS, printed, run_mpiexec, run_threads, wo
 import cupy_parallel as cp
 from cupy_parallel import distributed as dist
 from cupy_parallel import ops
+from cupy_parallel._src.sharded import zero as zero_module
 from cupy_parallel._src.sharded.zero import partition_sizes
 from cupy_parallel.distributed.optim import ZeroRedundancyOptimizer
 from cupy_parallel.optim import SGD, Adam, AdamW
@@ -35,15 +36,42 @@ def passed(ranks: int, count: int) -> list[str]:
     return [f"rank {r}: {count} checks passed" for r in range(ranks)]
 
 
+IN_PLACE = pytest.mark.parametrize(
+    "in_place_bytes", [zero_module.IN_PLACE_BYTES, 0], ids=["small-packed", "all-in-place"]
+)
+
+
+@pytest.mark.slow
+@IN_PLACE
 @pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
-def test_zero_on_thread_ranks(ranks: int) -> None:
+def test_zero_on_thread_ranks(ranks: int, in_place_bytes: int, monkeypatch: Any) -> None:
+    """The workers' parameters are small: 0 makes the broadcast sync send each in place."""
+    monkeypatch.setattr(zero_module, "IN_PLACE_BYTES", in_place_bytes)
     ran = run_threads("zero_worker", ranks, "all", timeout=60)
     assert ran.returncode == 0, ran.stdout[-6000:] + ran.stderr[-3000:]
     assert printed(ran.stdout) == passed(ranks, len(worker("zero_worker").checks()))
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
-def test_zero_on_nccl_thread_ranks_with_cupy_arrays(ranks: int) -> None:
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ranks", "in_place_bytes"),
+    [
+        (2, zero_module.IN_PLACE_BYTES),
+        (3, zero_module.IN_PLACE_BYTES),
+        (4, zero_module.IN_PLACE_BYTES),
+        (3, 0),
+    ],
+    ids=[
+        "2ranks-small-packed",
+        "3ranks-small-packed",
+        "4ranks-small-packed",
+        "3ranks-all-in-place",
+    ],
+)
+def test_zero_on_nccl_thread_ranks_with_cupy_arrays(
+    ranks: int, in_place_bytes: int, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(zero_module, "IN_PLACE_BYTES", in_place_bytes)
     from cupy_parallel.testing import simulated_cuda
 
     with simulated_cuda(ranks):
@@ -52,6 +80,7 @@ def test_zero_on_nccl_thread_ranks_with_cupy_arrays(ranks: int) -> None:
     assert printed(ran.stdout) == passed(ranks, len(worker("zero_worker").cupy_checks()))
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 def test_zero_under_mpiexec() -> None:
@@ -95,6 +124,7 @@ def test_partition_is_the_greedy_rule_and_covers_every_parameter(
     assert max(loads) <= sum(loads) / world + biggest
 
 
+@pytest.mark.slow
 def test_partition_matches_torchs() -> None:
     torch = pytest.importorskip("torch")
     zro = pytest.importorskip("torch.distributed.optim.zero_redundancy_optimizer")
@@ -119,6 +149,7 @@ def test_partition_matches_torchs() -> None:
 # -- against torch's ZeroRedundancyOptimizer (gloo processes) -------------------------------------
 
 
+@pytest.mark.slow
 def test_against_torchs_zero_redundancy_optimizer_on_gloo(tmp_path: Any) -> None:
     pytest.importorskip("torch")
     world, steps = 3, 5
@@ -345,6 +376,7 @@ def _edge_params() -> dict[str, Any]:
         "half": rng.normal(size=5).astype(np.float32),  # another dtype: its own buffer
         "w": rng.normal(size=(4, 2)),
         "v": rng.normal(size=7),
+        "big": rng.normal(size=(180, 200)),  # >= IN_PLACE_BYTES
         "name": "edge",
     }
 
@@ -355,10 +387,11 @@ def _edge_grads(params: dict[str, Any], step: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["broadcast", "all_gather"])
 def test_edges_0d_zero_size_mixed_dtypes_and_a_sharded_checkpoint_3_to_2(
     tmp_path: Any, sync: str
-) -> None:
+) -> None:  # "big" (288 KiB) is broadcast in place, the others packed
     """ZeRO == the plain optimizer bit for bit; its checkpoint from 3 ranks resumes on 2."""
     from cupy_parallel.distributed import checkpoint as dcp
     from cupy_parallel.distributed.checkpoint import get_state_dict, set_state_dict
@@ -410,3 +443,34 @@ def test_edges_0d_zero_size_mixed_dtypes_and_a_sharded_checkpoint_3_to_2(
                 index,
                 key,
             )
+
+
+def test_on_a_subgroup_group_ranks_are_not_world_ranks() -> None:
+    """new_group([1, 2]) of 3 ranks: owners and consolidate's ``to`` are group ranks."""
+
+    def program(rank: int) -> Any:
+        group = dist.new_group([1, 2])
+        if rank == 0:
+            return None
+        zp, pp = _edge_params(), _edge_params()
+        zero = ZeroRedundancyOptimizer(zp, Adam, lr=0.1, process_group=group)
+        plain = Adam(pp, lr=0.1)
+        for step in range(2):
+            zero.step(_edge_grads(zp, step))
+            plain.step(_edge_grads(pp, step))
+        zero.consolidate_state_dict(to=1)  # group rank 1: world rank 2
+        same = all(np.array_equal(zp[k], pp[k]) for k in pp if isinstance(pp[k], np.ndarray))
+        try:
+            whole = zero.state_dict()
+        except RuntimeError:  # not consolidated here: group rank 0 (world rank 1)
+            whole = None
+        return same, whole is not None, whole, plain.state_dict()
+
+    results = dist.spawn(program, 3, timeout=60)
+    assert results[0] is None
+    assert [r[:2] for r in results[1:]] == [(True, False), (True, True)]
+    whole, want = results[2][2], results[2][3]
+    assert sorted(whole["state"]) == sorted(want["state"])
+    for index, entry in want["state"].items():
+        for key, value in entry.items():
+            assert np.array_equal(np.asarray(whole["state"][index][key]), np.asarray(value))

@@ -4,8 +4,9 @@
 ``python script.py args...`` on this node, each with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, so that
 ``init_process_group(backend)`` (``env://``) finds the others, and torchrun's ``GROUP_RANK``
-(``--node-rank``) and ``GROUP_WORLD_SIZE`` (``--nnodes``); torchelastic's ``TORCHELASTIC_*``
-are not set (there is no elastic agent). Several nodes: run it on each node
+(``--node-rank``) and ``GROUP_WORLD_SIZE`` (``--nnodes``); of torchelastic's variables only
+``TORCHELASTIC_RESTART_COUNT`` and ``TORCHELASTIC_MAX_RESTARTS`` are set (there is no elastic
+agent; see ``--max-restarts``). Several nodes: run it on each node
 with the same ``--nnodes``, ``--master-addr`` and ``--master-port`` and that node's
 ``--node-rank``. With ``--backend mpi`` the ranks run under ``mpiexec -n N`` instead (one node);
 every rank still sees the same variables (a small wrapper per rank sets them from the MPI
@@ -15,6 +16,11 @@ run on when one exits with an error). ``--backend nccl`` starts the ranks direct
 has a GPU with NCCL, ``mpi`` otherwise (so that ``cupy-parallel launch --nproc-per-node 2
 train.py``, as with torchrun, runs on a CPU-only machine too). The backend is exported as
 ``CUPY_PARALLEL_BACKEND``, which ``init_process_group()`` reads.
+
+``--max-restarts K`` (torchrun's flag): when a rank fails, the launcher stops the others as
+below and starts the whole job again, up to ``K`` times; the ranks read which start they are in
+``TORCHELASTIC_RESTART_COUNT`` (0 for the first) and resume from their last checkpoint. A job
+interrupted by a signal is not restarted; the exit code is the last start's.
 
 The launcher forwards ``SIGINT`` and ``SIGTERM`` to the ranks; ranks still running
 ``--grace-period`` seconds after the first signal are killed (``SIGKILL``). When a rank fails, it
@@ -269,6 +275,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="after a failure, how long ranks get to exit after SIGTERM before SIGKILL (default 5)",
     )
+    parser.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=_int_at_least(0),
+        default=0,
+        metavar="K",
+        help="when a rank fails, stop the job and start it again, up to K times (default 0); "
+        "the ranks see TORCHELASTIC_RESTART_COUNT",
+    )
     parser.add_argument("script", help="the Python script each rank runs")
     parser.add_argument(
         "script_args", nargs=argparse.REMAINDER, help="arguments passed to the script"
@@ -404,12 +420,42 @@ def run(args: argparse.Namespace) -> int:
             )
             for local in range(nproc)
         ]
-        return _Supervisor(ranks, args.grace_period).run()
+
+        def start(restart: dict[str, str]) -> _Supervisor:
+            started = [_Rank(rank.name, rank.command, dict(rank.env, **restart)) for rank in ranks]
+            return _Supervisor(started, args.grace_period)
+
+        return _with_restarts(args.max_restarts, start)
     mpiexec = str(find_mpiexec())
     command = [mpiexec, "-n", str(nproc), sys.executable, "-c", _MPI_RANK_CODE, *script]
-    with tempfile.TemporaryDirectory(prefix="cupy_parallel_launch_") as failures:
-        shared[FAILURES_VAR] = failures
-        return _Supervisor([_Rank("mpiexec", command, shared)], args.grace_period, failures).run()
+    with tempfile.TemporaryDirectory(prefix="cupy_parallel_launch_") as failures_root:
+
+        def start_mpi(restart: dict[str, str]) -> _Supervisor:
+            failures = os.path.join(failures_root, restart[_RESTART_VAR])  # fresh each start
+            os.mkdir(failures)
+            env = dict(shared, **restart, **{FAILURES_VAR: failures})
+            return _Supervisor([_Rank("mpiexec", command, env)], args.grace_period, failures)
+
+        return _with_restarts(args.max_restarts, start_mpi)
+
+
+_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
+
+
+def _with_restarts(max_restarts: int, start: Callable[[dict[str, str]], _Supervisor]) -> int:
+    """Run the job (``start(variables).run()``) until it succeeds, up to ``max_restarts`` again."""
+    restart = 0
+    while True:
+        variables = {_RESTART_VAR: str(restart), "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
+        supervisor = start(variables)
+        code = supervisor.run()
+        if code == 0 or supervisor.interrupted or restart == max_restarts:
+            return code
+        restart += 1
+        print(
+            f"{_PROG}: restarting the job ({restart} of {max_restarts} restarts).",
+            file=sys.stderr,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -491,6 +537,11 @@ class _Supervisor:
             self._stop_all()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the launcher received ``SIGINT`` or ``SIGTERM`` (then no restart)."""
+        return self._received is not None
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         self._received = signum

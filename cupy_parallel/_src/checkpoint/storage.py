@@ -104,6 +104,7 @@ class _Group:
     def agree(self, mine: Any, problem: _RankError | None = None) -> list[Any]:
         """Every rank's ``mine``; raises on every rank if any rank had a ``problem``."""
         sent = (None, None, mine) if problem is None else (problem.kind, str(problem), None)
+        gathered: list[Any]
         if self.size == 1:
             gathered = [sent]
         else:

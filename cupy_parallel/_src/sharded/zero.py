@@ -13,18 +13,25 @@ sorted by size (largest first, ties in flatten order) go each to the rank with t
 elements so far (the lowest such rank). This is the longest-processing-time rule: the largest
 partition is at most 4/3 of the best possible one, and the same rule as torch means the same
 parameters on the same ranks as torch's optimizer (``zero.optim`` holds what torch's holds).
-A better balance would need an exact bin packing, NP-hard, for at most a few percent.
+An exact balance is a bin-packing problem (NP-hard) and LPT is within 4/3 of it; on
+``benchmarks/bench_zero.py``'s MLP the two ranks' partitions differ by 0.17% (2,105,344
+against 2,101,776 elements).
 
-Sync: after the local step the updated parameters travel in flat buffers, one per dtype and
-device. ``param_sync="broadcast"`` (the default) broadcasts each owner's buffer from that owner
-(torch's ``parameters_as_bucket_view=True`` sync: world-size collectives per buffer);
-``param_sync="all_gather"`` packs each rank's partition into a buffer padded to the largest
-partition and runs one ``all_gather_into_tensor``. Measured (``benchmarks/bench_zero.py``, the
-4.2 M-parameter float32 MLP, ranks on 2 shared cores): on 2 MPI processes the broadcasts took
-9.6 ms against the all-gather's 18.5 ms; on thread ranks 26 ms against 66-143 ms (2 ranks) and
-22-68 ms against 168-308 ms (4 ranks). The MPI backend's all-gather of the same bytes is
-itself 2-4x slower than the broadcasts here, so the broadcasts are the default; NCCL (one ring
-kernel either way) is unmeasured without a GPU, and ``param_sync="all_gather"`` is one switch.
+Sync: after the local step every rank receives every updated parameter from its owner.
+``param_sync="broadcast"`` (the default, torch's default sync) broadcasts each parameter of at
+least :data:`IN_PLACE_BYTES` from its owner straight into every rank's array (no buffer: the
+sync needs no memory beyond the parameters), and each owner's smaller parameters of one dtype
+and device together in one flat buffer; ``param_sync="all_gather"`` packs each rank's
+partition into a flat buffer (one per dtype and device) padded to the largest partition and
+runs one ``all_gather_into_tensor``: the whole model once more in buffers during the sync.
+Measured (``benchmarks/bench_zero.py``; the 4.2 M-parameter float32 MLP, 2 MPI processes on
+2 shared cores): the broadcasts took 9.4 ms, the all-gather 31 ms (an earlier version that
+packed every partition for the broadcasts: 9.6 against 18.5 ms; on thread ranks 26 against
+66-143 ms with 2 ranks, 22-68 against 168-308 ms with 4). The MPI backend's all-gather of the
+same bytes is itself 2-4x slower than broadcasts here. In place, the broadcasts also keep
+ZeRO-1's memory at parameters + gradients + state/N (``benchmarks/bench_sharded.py``, 4 ranks:
+0.625 of DDP's, where packing every partition measured 0.876), so they are the default. NCCL
+is unmeasured without a GPU; ``param_sync="all_gather"`` is one switch.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ from cupy_parallel._src.tree import tree_map
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["ZeroRedundancyOptimizer", "partition_sizes"]
+__all__ = ["IN_PLACE_BYTES", "ZeroRedundancyOptimizer", "partition_sizes"]
 
 
 def partition_sizes(group_sizes: list[list[int]], world_size: int, /) -> list[list[list[int]]]:
@@ -152,25 +159,35 @@ def _sync_all_gather(zero: ZeroRedundancyOptimizer) -> list[Any]:
     return written
 
 
+IN_PLACE_BYTES = 256 * 1024
+"""A parameter of at least this many bytes is broadcast in place (no buffer); smaller ones of one
+owner travel together in one flat buffer (one collective instead of many small ones)."""
+
+
 def _sync_broadcast(zero: ZeroRedundancyOptimizer) -> list[Any]:
-    """Per bucket, each owner broadcasts its partition's flat buffer."""
-    flights = []
+    """Per bucket and owner: each large parameter broadcast in place, the small ones packed."""
+    flights: list[tuple[Any, int, list[Any], Any]] = []  # (work, owner, arrays, buffer or None)
     for bucket in zero._buckets:
-        for rank, (owned, size) in enumerate(zip(bucket.members, bucket.sizes, strict=True)):
-            if size == 0:
-                continue
-            buffer = empty(size, bucket.dtype, bucket.device)
-            if rank == zero._rank:
-                _pack(buffer, [a for _, a in owned])
+        for rank, owned in enumerate(bucket.members):
             source = get_global_rank(zero.process_group, rank)
-            work = broadcast(buffer, source, group=zero.process_group, async_op=True)
-            flights.append((work, rank, owned, buffer))
+            small = [a for _, a in owned if a.nbytes < IN_PLACE_BYTES and a.size]
+            for _, a in owned:
+                if a.nbytes >= IN_PLACE_BYTES:
+                    work = broadcast(a, source, group=zero.process_group, async_op=True)
+                    flights.append((work, rank, [a], None))
+            if small:
+                buffer = empty(sum(int(a.size) for a in small), bucket.dtype, bucket.device)
+                if rank == zero._rank:
+                    _pack(buffer, small)
+                work = broadcast(buffer, source, group=zero.process_group, async_op=True)
+                flights.append((work, rank, small, buffer))
     written: list[Any] = []
-    for work, rank, owned, buffer in flights:
+    for work, rank, arrays, buffer in flights:
         work.wait()
         if rank != zero._rank:
-            _unpack(buffer, [a for _, a in owned])
-            written.extend(a for _, a in owned)
+            if buffer is not None:
+                _unpack(buffer, arrays)
+            written.extend(arrays)
     return written
 
 
@@ -220,8 +237,9 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     Decisions:
 
-    - ``param_sync``: ``"broadcast"`` (default: one collective per owner, dtype and device,
-      measured faster, see the module) or ``"all_gather"`` (one per dtype and device).
+    - ``param_sync``: ``"broadcast"`` (default: large parameters in place, small ones in one
+      buffer per owner; measured faster and no extra memory, see the module) or
+      ``"all_gather"`` (one collective per dtype and device, through buffers).
     - The ranks compare the parameters' structure, shapes, dtypes and array kinds, the groups
       and ``param_sync`` at construction (one object all-gather): a difference raises the
       same ``ValueError`` on every rank instead of a hang or a garbled sync.
@@ -547,6 +565,18 @@ class ZeroRedundancyOptimizer(Optimizer):
         optimizer's own array, which a checkpoint load fills in place), elsewhere none.
         Numbers (``step``) and 0-d arrays are replicated (the owners send them in one object
         all-gather, with which parameters have state). Parameters without state have no entry.
+        :func:`cupy_parallel.distributed.checkpoint.get_state_dict` names them for a checkpoint.
+
+        Example:
+            >>> import numpy as np
+            >>> from cupy_parallel import distributed as dist
+            >>> from cupy_parallel.optim import SGD
+            >>> dist.init_process_group("mpi")
+            >>> zero = ZeroRedundancyOptimizer([np.ones(2)], SGD, lr=0.1, momentum=0.9)
+            >>> zero.step([np.ones(2)])
+            >>> zero.sharded_state()[0]["momentum_buffer"].rows  # a world of one owns all rows
+            range(0, 2)
+            >>> dist.destroy_process_group()
         """
         arrays = [p for g in self.param_groups for p in g["params"]]
         mine = {
@@ -583,6 +613,20 @@ class ZeroRedundancyOptimizer(Optimizer):
 
         ``param_groups``: torch's layout with global indices. The Shards this rank owns carry
         its partition's arrays (all rows); the rest is replicated.
+
+        Example:
+            >>> import numpy as np
+            >>> from cupy_parallel import distributed as dist
+            >>> from cupy_parallel.optim import SGD
+            >>> dist.init_process_group("mpi")
+            >>> zero = ZeroRedundancyOptimizer([np.ones(2)], SGD, lr=0.1, momentum=0.9)
+            >>> zero.step([np.ones(2)])
+            >>> state = zero.sharded_state()
+            >>> state[0]["momentum_buffer"].local[...] = 5.0  # as a checkpoint load would
+            >>> zero.load_sharded_state(state, [{"lr": 0.1, "momentum": 0.9, "params": [0]}])
+            >>> zero.optim.state[0]["momentum_buffer"]
+            array([5., 5.])
+            >>> dist.destroy_process_group()
         """
         mine = {
             i: {k: v.local if isinstance(v, Shard) else v for k, v in entry.items()}
