@@ -285,3 +285,20 @@ def test_bad_arguments() -> None:
         cp.clip_grad_norm([np.ones(2)], 1.0, None)
     with pytest.raises(TypeError, match="error_if_nonfinite must be a bool"):
         cp.clip_grad_norm([np.ones(2)], 1.0, error_if_nonfinite=1)
+
+
+@pytest.mark.parametrize("p", [-1.0, -2.5, -math.inf], ids=str)
+def test_negative_norms_of_fsdp_shards_raise(p: float) -> None:
+    # seen before: -inf and p < 0 gave 0.0 from FSDP's zero padding rows (DDP's whole
+    # gradients: 0.0135 and 0.0027); shards without padding (ZeRO's, a user's) still reduce
+    from cupy_parallel._src.optim.clip import mark_sharded_gradients
+
+    def rank(r: int) -> None:
+        shards = {"a": np.array_split(_grads()["a"], 2)[r]}
+        mark_sharded_gradients([shards["a"]])  # as FullyShardedDataParallel marks its own
+        with pytest.raises(ValueError, match=f"norm_type must be positive .* got {p}"):
+            cp.clip_grad_norm(shards, 0.5, p, process_group=dist.group.WORLD)
+
+    dist.spawn(rank, 2, timeout=60)
+    _, total = cp.clip_grad_norm({"a": np.array([0.0, 2.0]), "b": np.zeros(2)}, 1.0, 0.0)
+    assert float(total) == 1.0  # without a group: torch's count of nonzero gradients

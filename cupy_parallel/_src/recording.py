@@ -724,11 +724,22 @@ class Swap:
         self.rebuilds: dict[int, _Rebuild] = {}  # id(original) -> how to rebuild it
         self.changed: list[tuple[int, bool]] = []  # (node index, whether its vjp was wrapped)
         self.keys = [_memory_key(o) for o in owners]
+        # id(original) -> the host version the tape noted (the entry holds no array: a swap's
+        # references are counted by its caller); put back by undo
+        self.versions: dict[int, int | None] = {}
 
     def commit(self) -> None:
-        """Drop the originals: from now on only :meth:`restore` gives the arrays back."""
+        """Drop the originals: from now on only :meth:`restore` gives the arrays back.
+
+        Only now does the tape forget the owners' memory (the keys :func:`note_overwritten`
+        looks for): until then an :meth:`undo` leaves the tape as it was, so an in-place
+        write into arrays the nodes keep still makes its gradient raise.
+        """
+        with self.tape._lock:
+            self.tape._held.difference_update(self.keys)
         for rebuild in self.rebuilds.values():
             rebuild.original = None
+        self.versions = {}
 
     def undo(self, owners: Sequence[Any]) -> None:
         """Put the original arrays back in the nodes (``owners`` are the arrays' live owners)."""
@@ -748,7 +759,10 @@ class Swap:
             for stand_id, array in back.items():
                 if tape._tracked.pop(stand_id, None) is not None:
                     tape._tracked[id(array)] = array
-        self.rebuilds, self.changed = {}, []
+            for r in self.rebuilds.values():
+                if id(r.original) in self.versions:  # the host versions noted before the swap
+                    tape._versions[id(r.original)] = (r.original, self.versions[id(r.original)])
+        self.rebuilds, self.changed, self.versions = {}, [], {}
 
 
 def swap_out(
@@ -808,8 +822,9 @@ def swap_out(
         for k, rebuild in swap.rebuilds.items():
             if tape._tracked.pop(k, None) is not None:
                 tape._tracked[id(rebuild.stand_in)] = rebuild.stand_in
-            tape._versions.pop(k, None)
-        tape._held.difference_update(keys)
+            noted = tape._versions.pop(k, None)
+            if noted is not None:
+                swap.versions[k] = noted[1]
     return swap
 
 

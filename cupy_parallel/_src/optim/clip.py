@@ -9,6 +9,7 @@ the clipped gradients are new arrays and the given ones are left as they are.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,7 +22,16 @@ from cupy_parallel._src.hostarray import host_array, host_buffer
 if TYPE_CHECKING:
     from cupy_parallel._src.devices import Device
 
-__all__ = ["clip_grad_norm"]
+__all__ = ["clip_grad_norm", "mark_sharded_gradients"]
+
+_SHARDED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+"""Live gradient arrays that are one rank's shard of a larger gradient, by id."""
+
+
+def mark_sharded_gradients(arrays: list[Any]) -> None:
+    """Note ``arrays`` as gradient shards (FSDP's): clipping them needs ``process_group``."""
+    for a in arrays:
+        _SHARDED[id(a)] = a
 
 
 def _on(device: Device, compute: Any, *arrays: Any) -> Any:
@@ -108,7 +118,8 @@ def clip_grad_norm(
             from its shards (summing each rank's count gave 7 for 3 tensors on 4 ranks); like
             torch's FSDP, which cannot take it either. ``None``: the gradients are whole
             (replicated ranks, as under DDP, need no reduction). Every rank of the group must
-            call it.
+            call it. ``p < 0`` and ``-inf`` are refused for FSDP's gradient shards, whose zero
+            padding rows they would count.
 
     Returns:
         ``(clipped_grads, total_norm)``; with no gradient at all, ``total_norm`` is a 0-d
@@ -118,7 +129,10 @@ def clip_grad_norm(
         TypeError: a leaf that is neither an array nor ``None``, or not floating-point or
             complex; a non-number ``max_norm`` or ``norm_type``.
         ValueError: ``max_norm`` below 0 or NaN (torch scales by it: a negative one flips the
-            gradients' signs); ``norm_type=0`` with a ``process_group``.
+            gradients' signs); ``norm_type=0`` with a ``process_group``; ``norm_type < 0``
+            for FSDP's gradient shards; gradient shards of a
+            :class:`~cupy_parallel.FullyShardedDataParallel` (on more than one rank) without
+            ``process_group``.
         RuntimeError: the total norm is not finite and ``error_if_nonfinite``.
 
     Example:
@@ -156,6 +170,20 @@ def clip_grad_norm(
                 f"{name} must be a floating-point or complex array (a gradient), got dtype "
                 f"{leaf.dtype}."
             )
+    fsdp_shards = any(_SHARDED.get(id(leaf)) is leaf for leaf in leaves)
+    if process_group is None and fsdp_shards:
+        raise ValueError(
+            "grads holds gradient shards of a FullyShardedDataParallel (each rank holds some "
+            "rows of each gradient), whose norm is not the whole gradients': pass "
+            "process_group=fsdp.process_group (dist.group.WORLD for the default group), as "
+            "torch's clip_grad_norm_ reduces FSDP's sharded gradients."
+        )
+    if fsdp_shards and p < 0:
+        raise ValueError(
+            f"norm_type must be positive (or math.inf) for FullyShardedDataParallel's gradient "
+            f"shards, got {p}: -inf and negative norms would see the zero rows that pad the "
+            "shards as gradient zeros. Gather the gradients to clip with those norms."
+        )
     total = _total_norm(leaves, p)
     if process_group is not None:
         total = _reduce_total(total, p, process_group, has_gradients=bool(leaves))

@@ -48,10 +48,12 @@ from cupy_parallel._src.distributed.groups import (
     get_world_size,
     resolve_group,
 )
+from cupy_parallel._src.distributed.objects import all_gather_object
 from cupy_parallel._src.distributed.reductions import reduce_scatter_tensor
 from cupy_parallel._src.distributed.rooted import gather, scatter
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, plain_buffer
+from cupy_parallel._src.optim.clip import mark_sharded_gradients
 from cupy_parallel._src.recording import (
     active_tapes,
     mark_collective,
@@ -69,7 +71,15 @@ if TYPE_CHECKING:
 
     from cupy_parallel._src.recording import Swap
 
-__all__ = ["FullyShardedDataParallel"]
+__all__ = ["FullyShardedDataParallel", "is_shard"]
+
+_SHARDS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+"""Every live FullyShardedDataParallel's shards (the leaves of its ``params``), by id."""
+
+
+def is_shard(x: Any) -> bool:
+    """Whether ``x`` is a leaf of a live :class:`FullyShardedDataParallel`'s ``params``."""
+    return _SHARDS.get(id(x)) is x
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,9 +255,10 @@ class _Flight:
 class _Pending:
     """The reduce-scatters a unit's gathers started in a backward pass, waited by its alias node."""
 
-    __slots__ = ("flights", "gathers", "lock")
+    __slots__ = ("flights", "gathers", "lock", "world")
 
-    def __init__(self) -> None:
+    def __init__(self, world: int) -> None:
+        self.world = world
         self.lock = threading.Lock()
         self.flights: list[_Flight] = []
         self.gathers = 0  # gathers recorded on the unit's alias: more than one add up there
@@ -307,6 +318,8 @@ def _alias_vjp(gs: list[Any], xs: Any, needs: Any, ys: Any, aux: Any) -> Any:
     before anything adds to them.
     """
     aux.wait()
+    if aux.world > 1:  # the shards' final gradients: clip_grad_norm then asks for the group
+        mark_sharded_gradients([g for g in gs if g is not None])
     return tuple(gs)
 
 
@@ -374,7 +387,7 @@ def _references_outside(swaps: list[Swap], owners: list[Any]) -> bool:
         base = None if type(a) is HostArray else getattr(a, "base", None)
         if base is not None and id(base) in internal:
             internal[id(base)] += 1
-    del a, base  # only `objects` holds them now (one reference each)
+    a = base = None  # only `objects` holds them now (one reference each; none recorded: none)
     return any(_count(objects, k) - 1 > held for k, held in internal.items())
 
 
@@ -397,7 +410,8 @@ class _Call:
         self.cache: list[tuple[list[Any], _Gathered | None] | None] = [None] * n
         self.inflight: dict[int, list[tuple[Any, Any]]] = {}
         self.order: list[int] = []
-        self.pending = [_Pending() for _ in range(n)]
+        self.gathers: list[int] = []  # every unit gathered for fn, in order (the ranks compare)
+        self.pending = [_Pending(fsdp._world) for _ in range(n)]
         self.aliases: list[list[Any] | None] = [None] * n
         self.live: list[_Gathered] = []  # gathers whose arrays are not swapped out yet
         self.closed = False
@@ -427,6 +441,7 @@ class _Call:
             first = u not in self.order
             if first:
                 self.order.append(u)
+            self.gathers.append(u)
             outs = self.inflight.pop(u, None)
             if outs is None:
                 outs = fsdp._issue(u, "all_gather")
@@ -613,9 +628,12 @@ class FullyShardedDataParallel(Generic[Params, Output]):
       by reading the one parameter twice).
     - ``fn`` must read the units in the same order on every rank (each first read is a
       collective, as each module's forward is in torch's FSDP), and record the same
-      operations. A unit read twice is gathered once while ``fn`` keeps reading it; with
-      ``reshard_after_forward`` it is gathered again when read after another unit (two gathers
-      on the tape; the gradients add up). A unit no rank reads is not gathered.
+      operations. The ranks compare their reads when ``fn`` returns (one object all-gather
+      a call): different units read on different ranks raise ``ValueError`` on every rank
+      (torch's FSDP would exchange the two units' shards, silently). A unit read twice is
+      gathered once while ``fn`` keeps reading it; with ``reshard_after_forward`` it is
+      gathered again when read after another unit (two gathers on the tape; the gradients add
+      up). A unit no rank reads is not gathered.
     - **Prefetch**: when ``fn`` first reads a unit, the all-gather of the unit expected next
       (the previous call's order of reads; the units' order at the first call) is issued
       before the unit is returned, so it runs while ``fn`` computes.
@@ -747,6 +765,7 @@ class FullyShardedDataParallel(Generic[Params, Output]):
                     scatter(flat, None, src, group_pg)
             for i, p in zip(members, group.members, strict=True):
                 unit.shards[i] = _flat_view(flat, p.offset, p.offset + p.c * p.width, p.shard_shape)
+                _SHARDS[id(unit.shards[i])] = unit.shards[i]
             flats.append(flat)
         return flats
 
@@ -919,9 +938,31 @@ class FullyShardedDataParallel(Generic[Params, Output]):
         finally:
             del units
             call.close()
+        self._compare_reads(call.gathers)
         if call.order:
             self._order = list(call.order)
         return out
+
+    def _compare_reads(self, gathers: list[int]) -> None:
+        """Have the ranks compare the units ``fn`` read (one object all-gather), raise alike.
+
+        Each read is an all-gather that pairs up with whatever the other ranks gather at that
+        point: two units of one layout read by different ranks would exchange each other's
+        shards without any error (the loss and gradients silently wrong), so the ranks compare
+        the order of their reads before ``fn``'s output is returned.
+        """
+        names = [self._units[u].name for u in gathers]
+        seen: list[Any] = [None] * self._world
+        all_gather_object(seen, names, group=self.process_group)
+        for rank, other in enumerate(seen):
+            if other != seen[0]:
+                raise ValueError(
+                    "FullyShardedDataParallel's fn read different units on different ranks "
+                    f"(rank 0 gathered {seen[0]}, rank {rank} {other}): each read is an "
+                    "all-gather the ranks must make together, so the units are garbled. Read "
+                    "the same units in the same order on every rank (a unit a rank does not "
+                    "need can be read and multiplied by zero)."
+                )
 
     def _hook(self, tape: Tape) -> None:
         """Watch the shards on ``tape`` and hook them once: a gradient no pass reached is zeros."""
@@ -932,7 +973,7 @@ class FullyShardedDataParallel(Generic[Params, Output]):
             for unit in self._units:
                 tape.watch(unit.shards)
                 handles.extend(
-                    tape.register_gradient_ready_hook(shard, _ZerosFor(shard))
+                    tape.register_gradient_ready_hook(shard, _ZerosFor(shard, self._world))
                     for shard in unit.shards
                 )
             self._tapes[tape] = handles
@@ -948,13 +989,19 @@ class FullyShardedDataParallel(Generic[Params, Output]):
 class _ZerosFor:
     """A shard's gradient-ready hook: zeros where no gradient reached it (DDP's rule)."""
 
-    __slots__ = ("shard",)
+    __slots__ = ("shard", "world")
 
-    def __init__(self, shard: Any) -> None:
+    def __init__(self, shard: Any, world: int) -> None:
         self.shard = shard
+        self.world = world
 
     def __call__(self, grad: Any) -> Any:
-        return zeros_like(self.shard) if grad is None else None
+        if grad is not None:
+            return None
+        zeros = zeros_like(self.shard)
+        if self.world > 1:
+            mark_sharded_gradients([zeros])
+        return zeros
 
 
 def _copies(out: Any, group: _Group, world: int) -> list[Any]:

@@ -57,6 +57,7 @@ from cupy_parallel._src.distributed.rooted import broadcast
 from cupy_parallel._src.hostarray import plain_buffer
 from cupy_parallel._src.optim.optimizer import Optimizer, zeros_like
 from cupy_parallel._src.recording import note_overwritten, tapes_exist
+from cupy_parallel._src.sharded.fsdp import is_shard
 from cupy_parallel._src.tree import tree_map
 
 if TYPE_CHECKING:
@@ -242,6 +243,9 @@ class ZeroRedundancyOptimizer(Optimizer):
     - The ranks compare the parameters' structure, shapes, dtypes and array kinds, the groups
       and ``param_sync`` at construction (one object all-gather): a difference raises the
       same ``ValueError`` on every rank instead of a hang or a garbled sync.
+    - The shards of a :class:`~cupy_parallel.FullyShardedDataParallel` (its ``params``) are
+      refused (``ValueError``): they differ from rank to rank, and FSDP's optimizer state is
+      sharded already (a plain optimizer over ``fsdp.params``).
     - Parameters must be C-contiguous arrays (the sync writes them in place through a flat
       view): a non-contiguous one is a ``ValueError``.
     - A ``None`` gradient skips the parameter on its owner (torch's ``.grad is None``); it is
@@ -326,6 +330,15 @@ class ZeroRedundancyOptimizer(Optimizer):
     def _check_params(self) -> None:
         for i, group in enumerate(self.param_groups):
             for j, p in enumerate(group["params"]):
+                if is_shard(p):
+                    raise ValueError(
+                        f"Parameter {j} of param group {i} (shape {tuple(p.shape)}) is a shard "
+                        "of a FullyShardedDataParallel, which differs from rank to rank: "
+                        "ZeroRedundancyOptimizer partitions parameters every rank holds alike "
+                        "and would overwrite the other ranks' shards with its own. FSDP's "
+                        "optimizer state is sharded already: pass fsdp.params to a plain "
+                        "cupy_parallel.optim optimizer (Adam(fsdp.params, ...))."
+                    )
                 flags = getattr(plain_buffer(p), "flags", None)
                 if flags is not None and not flags.c_contiguous:
                     raise ValueError(

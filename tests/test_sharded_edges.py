@@ -1,0 +1,259 @@
+"""FullyShardedDataParallel as a user porting torch code drives it, on thread ranks.
+
+The oracle is a one-process run: the loss of every rank's batch on the whole parameters, on a
+plain tape, averaged over the ranks (DDP's gradient), and a plain optimizer stepping it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cupy_parallel as cp
+from cupy_parallel import distributed as dist
+from cupy_parallel import ops
+from cupy_parallel._src.tree import flatten_with_names, tree_map
+from cupy_parallel.optim import Adam
+
+WORLD = 3
+RNG = np.random.default_rng(3)
+PARAMS = {
+    "a": {"w": RNG.normal(size=(3, 4)), "b": RNG.normal(size=4)},
+    "b": {"w": RNG.normal(size=(4, 2)), "s": np.array(0.5)},
+    "c": {"w": RNG.normal(size=(4, 2))},
+}
+XS = [RNG.normal(size=(2, 3)) for _ in range(WORLD)]
+
+
+def _copy(tree: Any) -> Any:
+    return tree_map(np.copy, tree)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return flatten_with_names(tree, "p")[1]
+
+
+def _head(units: Any, x: Any, use_c: bool) -> Any:
+    h = ops.tanh(ops.add(ops.matmul(x, units["a"]["w"]), units["a"]["b"]))
+    return ops.sum(ops.matmul(h, units["c" if use_c else "b"]["w"]))
+
+
+def _plain_gradient(loss_of: Any, params: Any) -> Any:
+    """DDP's gradient: every rank's batch on the whole parameters, averaged."""
+    grads = []
+    for x in XS:
+        with cp.Tape() as tape:
+            tape.watch(params)
+            loss = loss_of(params, x)
+        grads.append(tape.gradient(loss, params))
+    _, first, spec = flatten_with_names(grads[0], "g")
+    columns = zip(first, *(_leaves(g) for g in grads[1:]), strict=True)
+    return spec.unflatten([np.asarray(sum(column) / WORLD) for column in columns])
+
+
+def _whole(shards: list[Any], like: Any) -> Any:
+    """The ranks' gradient shards of one leaf put together (padding dropped)."""
+    rows = like.shape[0] if like.ndim else 1
+    return np.concatenate([np.atleast_1d(s) for s in shards])[:rows].reshape(like.shape)
+
+
+def test_units_read_by_condition_change_between_calls() -> None:
+    """A head chosen per call (alike on every rank): Adam's parameters equal the plain run's."""
+    params = _copy(PARAMS)
+    optimizer = Adam(params, lr=0.1)
+    for step in range(4):
+        optimizer.step(_plain_gradient(lambda p, x, s=step: _head(p, x, s % 2 == 1), params))
+
+    def rank(r: int, reshard: bool) -> Any:
+        fsdp = cp.FullyShardedDataParallel(_head, _copy(PARAMS), reshard_after_forward=reshard)
+        adam = Adam(fsdp.params, lr=0.1)
+        for step in range(4):
+            with cp.Tape() as tape:
+                loss = fsdp(XS[r], step % 2 == 1)
+            adam.step(tape.gradient(loss, fsdp.params))
+        return [fsdp.full_params(to=q) for q in range(WORLD)]
+
+    for reshard in (True, False):
+        results = dist.spawn(rank, WORLD, (reshard,), timeout=60)
+        for r, fulls in enumerate(results):
+            for q, full in enumerate(fulls):
+                if q != r:
+                    assert full is None
+                    continue
+                for got, want in zip(_leaves(full), _leaves(params), strict=True):
+                    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_units_read_differently_by_the_ranks_raise_on_every_rank() -> None:
+    """Seen before: rank 1 reading unit c where rank 0 read b (one layout) exchanged their
+    shards without an error (rank 1's loss -1.37, from rank 0's rows of b and its own of c)."""
+    same = {"a": PARAMS["a"], "b": {"w": PARAMS["b"]["w"]}, "c": PARAMS["c"]}  # b, c alike
+    message = (
+        r"read different units on different ranks \(rank 0 gathered "
+        r"\[\"params\['a'\]\", \"params\['b'\]\"\], rank 1 \[\"params\['a'\]\", "
+        r"\"params\['c'\]\"\]"
+    )
+
+    def rank(r: int) -> str:
+        fsdp = cp.FullyShardedDataParallel(_head, _copy(same))
+        with pytest.raises(ValueError, match=message):
+            fsdp(XS[r], r == 1)
+        with cp.Tape() as tape:  # the same reads on every rank work on afterwards
+            loss = fsdp(XS[r], True)
+        return str(tape.gradient(loss, fsdp.params)["c"]["w"].shape)
+
+    assert dist.spawn(rank, 2, timeout=60) == ["(2, 2)", "(2, 2)"]
+
+
+def test_a_gathered_parameter_returned_by_fn_keeps_its_gradient() -> None:
+    def fn(units: Any, x: Any) -> Any:
+        w = units["a"]["w"]
+        return ops.sum(ops.matmul(ops.tanh(ops.matmul(x, w)), units["b"]["w"])), w
+
+    def whole(p: Any, x: Any) -> Any:
+        loss, w = fn(p, x)
+        return ops.add(loss, ops.sum(ops.square(w)))
+
+    want = _plain_gradient(whole, PARAMS)
+
+    def rank(r: int) -> Any:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(PARAMS))
+        with cp.Tape() as tape:
+            loss, w = fsdp(XS[r])
+            loss = ops.add(loss, ops.sum(ops.square(w)))
+        return tape.gradient(loss, fsdp.params)["a"]["w"]
+
+    got = _whole(dist.spawn(rank, WORLD, timeout=60), want["a"]["w"])
+    np.testing.assert_allclose(got, want["a"]["w"], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_micro_batches_in_one_tape_add_up(reshard: bool) -> None:
+    """Two forward calls before one gradient (accumulation), units read in a loop."""
+
+    def fn(units: Any, x: Any) -> Any:
+        h, out = x, None
+        for i in range(3):
+            h = ops.tanh(ops.add(ops.matmul(h[:, :3], units["a"]["w"]), units["a"]["b"]))
+            term = ops.sum(ops.matmul(h, units["b" if i % 2 else "c"]["w"]))
+            out = term if out is None else ops.add(out, term)
+        return out
+
+    want = _plain_gradient(lambda p, x: ops.add(fn(p, x), fn(p, ops.multiply(x, 2.0))), PARAMS)
+
+    def rank(r: int) -> Any:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(PARAMS), reshard_after_forward=reshard)
+        with cp.Tape() as tape:
+            loss = ops.add(fsdp(XS[r]), fsdp(ops.multiply(XS[r], 2.0)))
+        return tape.gradient(loss, fsdp.params)
+
+    results = dist.spawn(rank, WORLD, timeout=60)
+    for k in PARAMS:
+        for i, like in enumerate(_leaves(want[k])):
+            got = _whole([_leaves(res[k])[i] for res in results], like)
+            np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)
+
+
+def test_zero_over_fsdp_shards_is_refused() -> None:
+    """Seen before: ZeroRedundancyOptimizer(fsdp.params, SGD) broadcast each owner's shards
+    over the other ranks' (different) shards: after one step the gathered parameters were
+    not the plain SGD's over fsdp.params."""
+    from cupy_parallel.distributed.optim import ZeroRedundancyOptimizer
+    from cupy_parallel.optim import SGD
+
+    def rank(r: int) -> str:
+        fsdp = cp.FullyShardedDataParallel(_head, _copy(PARAMS))
+        with pytest.raises(
+            ValueError,
+            match=r"Parameter 0 of param group 0 \(shape \(2,\)\) is a shard of a FullyS",
+        ):
+            ZeroRedundancyOptimizer(fsdp.params, SGD, lr=0.1)
+        return str(SGD(fsdp.params, lr=0.1).param_groups[0]["lr"])
+
+    assert dist.spawn(rank, WORLD, timeout=60) == ["0.1"] * WORLD
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_a_write_into_a_kept_unit_after_an_undone_swap_raises(reshard: bool) -> None:
+    """fn keeps a gathered array (its swap is undone) and a collective writes it in place.
+
+    Seen before with ``reshard_after_forward=True``: no error and the gradient of the written
+    values (8.16 where the forward's values give 4.08): the undone swap had dropped the
+    array's memory from what the tape watches for in-place writes. A plain tape and
+    SHARD_GRAD_OP raise.
+    """
+
+    def fn(units: Any, x: Any) -> Any:
+        w = units["a"]["b"]
+        s = ops.sum(ops.multiply(ops.multiply(w, w), x))
+        with cp._src.recording.pause_recording():
+            dist.all_reduce(np.zeros(1))  # any in-place write by the library: the tape scans
+        t = ops.sum(ops.matmul(units["b"]["w"], x[:2]))  # a's swap is tried, undone (fn has w)
+        with cp._src.recording.pause_recording():
+            dist.all_reduce(w)  # w written in place
+        return ops.add(s, t), w
+
+    def rank(r: int) -> None:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(PARAMS), reshard_after_forward=reshard)
+        with cp.Tape() as tape:
+            loss, _ = fsdp(np.ones(4))
+        with pytest.raises(RuntimeError, match=r"modified in place after ops\.multiply was rec"):
+            tape.gradient(loss, fsdp.params)
+
+    dist.spawn(rank, 2, timeout=60)
+
+
+def test_clipping_fsdp_gradients_without_the_group_raises() -> None:
+    """Seen before: clip_grad_norm(fsdp_grads, 1.0) took each rank's shards for the whole
+    gradients (a different norm and scale on each rank, none DDP's); the group gives DDP's."""
+    want = _plain_gradient(lambda p, x: _head(p, x, False), PARAMS)
+    _, total = cp.clip_grad_norm(want, 1.0)
+
+    def rank(r: int) -> float:
+        fsdp = cp.FullyShardedDataParallel(_head, _copy(PARAMS))
+        with cp.Tape() as tape:
+            loss = fsdp(XS[r], False)
+        grads = tape.gradient(loss, fsdp.params)
+        for part in (grads, {"b": grads["b"]}, {"c": grads["c"]}):  # c: zeros (not read)
+            with pytest.raises(ValueError, match="grads holds gradient shards of a FullySh"):
+                cp.clip_grad_norm(part, 1.0)
+        return float(cp.clip_grad_norm(grads, 1.0, process_group=dist.group.WORLD)[1])
+
+    assert dist.spawn(rank, WORLD, timeout=60) == [pytest.approx(float(total), rel=1e-12)] * 3
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_a_unit_read_while_the_tape_stops_recording(reshard: bool) -> None:
+    """torch's ``with torch.no_grad():`` inside a module: the unit is a constant there.
+
+    Seen before (FULL_SHARD): UnboundLocalError then AssertionError from the forward call,
+    the tape having recorded nothing on the unit's gathered arrays.
+    """
+    tapes: dict[int, Any] = {}  # each rank's tape
+
+    def fn(units: Any, x: Any) -> Any:
+        with tapes[dist.get_rank()].stop_recording():
+            constant = ops.sum(ops.matmul(x, units["a"]["w"]))
+        return ops.multiply(_head(units, x, True), constant)
+
+    def plain(p: Any, x: Any) -> Any:
+        return ops.multiply(_head(p, x, True), ops.sum(ops.matmul(x, p["a"]["w"])))
+
+    def rank(r: int) -> Any:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(PARAMS), reshard_after_forward=reshard)
+        with cp.Tape() as tape:
+            tapes[r] = tape
+            loss = fsdp(XS[r])
+        return tape.gradient(loss, fsdp.params)["c"]["w"]
+
+    want = np.zeros((4, 2))
+    for x in XS:  # the plain tape's gradient of c: the constant is a number there too
+        p = _copy(PARAMS)
+        with cp.Tape() as tape:
+            tape.watch(p["c"])
+            loss = plain(p, x)
+        want += tape.gradient(loss, p["c"])["w"] / WORLD
+    got = _whole(dist.spawn(rank, WORLD, timeout=60), want)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
