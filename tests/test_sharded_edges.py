@@ -257,3 +257,24 @@ def test_a_unit_read_while_the_tape_stops_recording(reshard: bool) -> None:
         want += tape.gradient(loss, p["c"])["w"] / WORLD
     got = _whole(dist.spawn(rank, WORLD, timeout=60), want)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_full_params_refuses_to_run_while_a_tape_records() -> None:
+    """Seen before: full_params() inside a tape was not recorded, so a loss built from it got
+    no gradient through those parameters (zeros, no error); outside it equals the parameters."""
+
+    def rank(r: int) -> None:
+        fsdp = cp.FullyShardedDataParallel(_head, _copy(PARAMS))
+        with cp.Tape() as tape:
+            with pytest.raises(RuntimeError, match=r"full_params\(\) is not recorded"):
+                fsdp.full_params()
+            with tape.stop_recording():
+                inside = fsdp.full_params()
+        outside = fsdp.full_params()
+        for want, got, again in zip(
+            _leaves(PARAMS), _leaves(inside), _leaves(outside), strict=True
+        ):
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(again, want)
+
+    dist.spawn(rank, 2, timeout=60)

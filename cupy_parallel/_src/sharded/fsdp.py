@@ -840,7 +840,10 @@ class FullyShardedDataParallel(Generic[Params, Output]):
         """The gathered parameter tree (new arrays, the original shapes), for evaluation and export.
 
         Every rank of the group must call it. ``to=None`` gathers on every rank; ``to=r``
-        (a world rank) only on rank ``r``, where the others get ``None``. Not recorded.
+        (a world rank) only on rank ``r``, where the others get ``None``. Not recorded, so
+        it refuses to run while a tape records (``RuntimeError``): a loss built from it would
+        get no gradient through it, silently (torch's ``summon_full_params`` drops it too).
+        Call it outside the tape, or inside ``tape.stop_recording()``.
 
         Example:
             >>> import numpy as np
@@ -854,6 +857,13 @@ class FullyShardedDataParallel(Generic[Params, Output]):
             {'b': array(2.), 'w': array([0., 1., 2.])}
             >>> dist.destroy_process_group()
         """
+        if active_tapes():
+            raise RuntimeError(
+                "full_params() is not recorded, so a loss computed from it inside a recording "
+                "tape would get no gradient through those parameters: call it outside the "
+                "tape (evaluation, export) or inside tape.stop_recording(); for gradients, "
+                "call the FullyShardedDataParallel itself."
+            )
         root = None
         if to is not None:
             to = read_int(to, "to", minimum=0)
