@@ -55,7 +55,7 @@ import numpy as np
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.compute import compute, cuda_device, zeros_like
 from cupy_parallel._src.hostarray import HostArray, plain_buffer, version
-from cupy_parallel._src.versions import root_buffer
+from cupy_parallel._src.versions import listen_to_writes, root_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -309,6 +309,9 @@ def note_overwritten(arrays: Sequence[Any], operation: str, /) -> None:
             for key, array in written.items():
                 if (key in held or key in leaves) and key not in tape._overwritten:
                     tape._overwritten[key] = (array, operation)
+
+
+listen_to_writes(note_overwritten)  # the writes of layers below (comm's out= forms)
 
 
 def _memory_key(x: Any) -> Any:
