@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import warnings
 import weakref
@@ -59,7 +60,7 @@ from cupy_parallel._src.distributed.reductions import all_reduce
 from cupy_parallel._src.distributed.rooted import broadcast
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, plain_buffer
-from cupy_parallel._src.recording import active_tapes, pause_recording
+from cupy_parallel._src.recording import active_tapes, note_overwritten, pause_recording
 from cupy_parallel._src.tape import Tape
 from cupy_parallel._src.tree import flatten, flatten_with_names
 
@@ -84,6 +85,13 @@ _COMPRESSED: dict[Callable[..., Any], Callable[[], Any]] = {
     bf16_compress_hook: bfloat16,  # raises RuntimeError without ml_dtypes
 }
 """The shipped hooks that reduce in another dtype: that dtype (its backend must reduce it)."""
+
+
+class CommHookError(RuntimeError, TypeError):
+    """A communication hook returned no future: torch raises ``RuntimeError`` at backward.
+
+    Also a ``TypeError`` (the wrong type of result), which this library raised before.
+    """
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,9 +261,10 @@ class _Reduction:
             self.next += 1
         # MPI moves nonblocking collectives on only while asked; one test moves them all
         for future, _ in self.futures:
-            if not future.done():
+            done = getattr(future, "done", None)  # a hook's future may have wait() only
+            if done is not None and not done():
                 for _ in POLLS:
-                    if future.done():
+                    if done():
                         break
                 break
 
@@ -273,7 +282,7 @@ class _Reduction:
         with pause_recording():
             future = self.hook(self.state, grad_bucket)
         if not callable(getattr(future, "wait", None)):
-            raise TypeError(
+            raise CommHookError(
                 "A DDP communication hook must return a future of the reduced bucket (with a "
                 f"wait() method, e.g. work.get_future()), got {type(future).__name__}."
             )
@@ -621,6 +630,12 @@ class DistributedDataParallel(Generic[Params, Output]):
         self._spec = spec
         self._entries = entries
         self._slots = [k for k, leaf in enumerate(leaves) if is_array(leaf)]
+        if not self._slots:  # the same on every rank (they agreed on the structure)
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when params holds no parameter (no "
+                f"array leaf in {spec}): there is no gradient to average (torch raises here "
+                "too)."
+            )
         self._names = [names[k] for k in self._slots]
         self._arrays = [leaves[k] for k in self._slots]
         cap_bytes = max(1, int(cap * _MIB))
@@ -758,6 +773,10 @@ class DistributedDataParallel(Generic[Params, Output]):
                     _write(buffer, start, stop, p)
             broadcast(buffer, src, group=group)
             if not first:
+                # a tape that recorded on them before construction must not use rank 0's values
+                note_overwritten(
+                    members, "DistributedDataParallel's broadcast of rank 0's parameters"
+                )
                 for p, (start, stop) in zip(members, bucket.slices, strict=True):
                     view = _view(buffer, start, stop, p.shape)
                     on_device_of(p, p.__setitem__, Ellipsis, view)
@@ -767,6 +786,7 @@ class DistributedDataParallel(Generic[Params, Output]):
     def __call__(self, /, *inputs: Any, **kwargs: Any) -> Output:
         """``fn(params, *inputs, **kwargs)``, its gradients averaged over the group."""
         tapes = [tape for tape in active_tapes() if isinstance(tape, Tape)]
+        self._reread_params()
         unreduced = 0
         with self._lock:
             params, arrays, sync = self._params, self._arrays, self._unsynced == 0
@@ -784,6 +804,24 @@ class DistributedDataParallel(Generic[Params, Output]):
             if sync:
                 self._hook(tape, arrays)
         return self.fn(params, *inputs, **kwargs)
+
+    def _reread_params(self) -> None:
+        """Take up entries of ``ddp.params`` rebound in place since the last call.
+
+        ``ddp.params["w"] = w - lr * g`` changes the tree DDP holds without assigning
+        :attr:`params`: the forward would compute with the new array while the hooks watch the
+        old one (every rank's gradient local, no error). Each call reads the tree again and,
+        where an array leaf is not the one registered, takes the tree as an assignment of
+        :attr:`params` would (the same checks, the same errors).
+        """
+        params = self._params
+        _, leaves, spec = flatten(params)
+        arrays = self._arrays
+        if spec == self._spec and all(
+            leaves[k] is a for k, a in zip(self._slots, arrays, strict=True)
+        ):
+            return
+        self.params = params
 
     def _hook(self, tape: Tape, arrays: list[Any]) -> None:
         """Register the gradient-ready hooks of ``arrays`` on ``tape``, once.
@@ -935,7 +973,18 @@ class DistributedDataParallel(Generic[Params, Output]):
         group's backend cannot reduce its dtype (an NCCL older than 2.10 has no ``bfloat16``
         sum; the ``"mpi"`` backend sums it in ``float32``), with the backend's own error type.
 
+        The hook's annotations are checked as torch checks them: a ``bucket`` annotation
+        other than ``GradBucket``, or a return annotation other than a ``Future`` (any class
+        named so: ours, ``concurrent.futures``', torch's; subscripted or not; string
+        annotations by their text), raise ``ValueError`` with torch's messages. Decision:
+        ``typing.Any`` passes (torch refuses it), since it states nothing wrong. A hook that
+        returns no future (an object without ``wait()``) raises ``RuntimeError`` in the backward
+        pass, as torch's; the object needs only ``wait()`` (``done()``, where it has one, is
+        asked to move the communication on).
+
         Raises:
+            ValueError: The hook's annotations name no ``GradBucket`` or ``Future`` (torch's
+                messages).
             TypeError: ``hook`` is not callable, or the compression hook's process group
                 (``state``) has a backend that cannot reduce its dtype (the message names
                 the hook and the backend).
@@ -957,6 +1006,7 @@ class DistributedDataParallel(Generic[Params, Output]):
             >>> dist.destroy_process_group()
         """
         hook = read_callable(hook, "hook", call="hook(state, bucket)")
+        _check_annotations(hook)
         if hook in _COMPRESSED:  # raise now, not in the middle of a backward pass
             _check_compression(hook, _COMPRESSED[hook](), state)
         with self._lock:  # a reduction starting in another thread takes the old hook or this
@@ -972,11 +1022,58 @@ class DistributedDataParallel(Generic[Params, Output]):
                 )
             self._comm_hook, self._comm_state = hook, state
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refuse pickling and copying (``copy``/``deepcopy`` come here too).
+
+        A DDP holds its process group, its hooks on live tapes and its buckets; none of that
+        can be saved or duplicated (a copy would share the group but not the tapes' hooks).
+        """
+        raise TypeError(
+            "A DistributedDataParallel cannot be pickled or copied (it holds a process group "
+            "and hooks on live tapes). To checkpoint, save ddp.params (its arrays, e.g. with "
+            "numpy.savez); to restart, build a new DistributedDataParallel from the "
+            "loaded params."
+        )
+
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         return (
             f"DistributedDataParallel({name}, parameters={len(self._arrays)}, "
             f"buckets={len(self._buckets)}, bucket_cap_mb={self.bucket_cap_mb:g})"
+        )
+
+
+def _named(annotation: Any, name: str) -> bool:
+    """Whether ``annotation`` is (a subscript of) a class called ``name``, or says so in text."""
+    if isinstance(annotation, str):
+        text = annotation.strip().strip("'\"")  # a quoted annotation under postponed evaluation
+        return text.split("[", 1)[0].strip().rsplit(".", 1)[-1] in (name, "Any")
+    if annotation is Any:  # states nothing wrong (torch refuses it too; we take it)
+        return True
+    origin = getattr(annotation, "__origin__", annotation)
+    return isinstance(origin, type) and origin.__name__ == name
+
+
+def _check_annotations(hook: Callable[..., Any]) -> None:
+    """Check the bucket's and the result's annotations, if any (torch's ``_check_comm_hook``)."""
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    parameters = list(signature.parameters.values())
+    bucket = signature.parameters.get("bucket", parameters[1] if len(parameters) > 1 else None)
+    annotation = inspect.Parameter.empty if bucket is None else bucket.annotation
+    if annotation is not inspect.Parameter.empty and not _named(annotation, "GradBucket"):
+        raise ValueError(
+            "Communication hook: bucket annotation should be GradBucket "
+            "(cupy_parallel.distributed.algorithms.ddp_comm_hooks.GradBucket), got "
+            f"{annotation!r}."
+        )
+    result = signature.return_annotation
+    if result is not inspect.Signature.empty and not _named(result, "Future"):
+        raise ValueError(
+            "Communication hook: return annotation should be Future (a future of the reduced "
+            f"bucket, e.g. work.get_future()), got {result!r}."
         )
 
 

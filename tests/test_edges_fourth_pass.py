@@ -1,0 +1,302 @@
+"""Issue 34: DDP, thread ranks and the in-place guard at their edges, and PyTorch parity.
+
+Each test failed on the code before its fix (the commit that added it says how). The oracles:
+NumPy (the averaged gradient computed on one process), a second thread rank, and torch's own
+error types and messages (read from torch 2.13 with gloo on CPU where the test says so).
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cupy_parallel as cp
+from cupy_parallel import distributed as dist
+from cupy_parallel import ops
+from cupy_parallel._src.hostarray import host_array, host_buffer
+
+
+def _model(params: dict[str, Any], x: Any) -> Any:
+    return ops.sum(ops.matmul(x, params["w"]))
+
+
+def _shard(rank: int) -> np.ndarray:
+    return np.arange(6.0).reshape(2, 3) * (rank + 1)
+
+
+def _averaged(ranks: int) -> np.ndarray:
+    """The gradient of _model averaged over the ranks' shards: sum over rows, per column."""
+    grads = [_shard(r).sum(axis=0)[:, None] * np.ones((3, 2)) for r in range(ranks)]
+    return np.mean(grads, axis=0)
+
+
+# -- row 1: rebinding an entry of ddp.params -------------------------------------------------
+
+
+def _rebinding_update(rank: int) -> list[Any]:
+    ddp = cp.DistributedDataParallel(_model, {"w": np.ones((3, 2))})
+    seen = []
+    for _ in range(2):
+        with cp.Tape() as tape:
+            tape.watch(ddp.params)  # watched or not, the averaged gradient
+            loss = ddp(_shard(rank))
+        g = tape.gradient(loss, ddp.params)["w"]
+        seen.append(g)
+        ddp.params["w"] = ddp.params["w"] - 0.1 * g  # the natural hand-written update
+    return seen
+
+
+def test_rebinding_an_entry_of_params_still_averages() -> None:
+    for grads in dist.spawn(_rebinding_update, 2):
+        for g in grads:
+            np.testing.assert_allclose(g, _averaged(2))
+
+
+def _rebinding_a_bad_entry(rank: int) -> str:
+    ddp = cp.DistributedDataParallel(_model, {"w": np.ones((3, 2))})
+    ddp.params["w"] = np.ones((2, 2))
+    try:
+        ddp(_shard(rank))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_rebinding_an_entry_to_another_shape_is_refused_at_the_call() -> None:
+    for message in dist.spawn(_rebinding_a_bad_entry, 2):
+        assert "shape (2, 2)" in message
+        assert "structure, shapes and dtypes" in message
+
+
+# -- row 2: the construction broadcast notifies the tapes --------------------------------------
+
+
+def _recorded_before_ddp(rank: int) -> str:
+    w = np.full((3, 2), float(rank + 1))
+    with cp.Tape() as tape:
+        tape.watch(w)
+        loss = ops.sum(ops.multiply(w, w))
+    cp.DistributedDataParallel(_model, {"w": w})  # rank 1's w now holds rank 0's values
+    try:
+        tape.gradient(loss, w)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_the_construction_broadcast_is_seen_by_earlier_tapes() -> None:
+    messages = dist.spawn(_recorded_before_ddp, 2)
+    assert messages[0] == "no error"  # rank 0's values are its own: nothing was written
+    assert "DistributedDataParallel" in messages[1]
+    assert "modified in place" in messages[1]
+
+
+# -- row 3: the guard sees through sliding_window_view / as_strided ----------------------------
+
+
+def _window_then_all_reduce(rank: int) -> str:
+    x = np.arange(6.0) + rank
+    window = np.lib.stride_tricks.sliding_window_view(x, 2)
+    with cp.Tape() as tape:
+        tape.watch(window)
+        loss = ops.sum(ops.multiply(window, window))
+    dist.all_reduce(x)
+    try:
+        tape.gradient(loss, window)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_collective_into_the_base_of_a_recorded_window_is_refused() -> None:
+    for message in dist.spawn(_window_then_all_reduce, 2):
+        assert "modified in place" in message
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda x: np.lib.stride_tricks.sliding_window_view(x, 2),
+        lambda x: np.lib.stride_tricks.as_strided(x, (3, 2), (x.strides[0], x.strides[0])),
+    ],
+    ids=["sliding_window_view", "as_strided"],
+)
+def test_a_write_into_the_base_of_a_host_window_is_refused(view: Any) -> None:
+    x = cp.to_device(np.arange(6.0), "host:0")
+    window = host_array(view(host_buffer(x)), x.device)
+    with cp.Tape() as tape:
+        tape.watch(window)
+        loss = ops.sum(ops.multiply(window, window))
+    x[...] = 7.0
+    with pytest.raises(RuntimeError, match="modified"):
+        tape.gradient(loss, window)
+
+
+# -- row 4: comm's out= forms notify the tapes --------------------------------------------------
+
+
+def test_comm_gather_into_a_recorded_out_is_refused() -> None:
+    parts = [cp.to_device(np.ones(2), "host:0"), cp.to_device(np.ones(2), "host:1")]
+    out = np.arange(4.0)
+    with cp.Tape() as tape:
+        tape.watch(out)
+        loss = ops.sum(ops.multiply(out, out))
+    cp.comm.gather(parts, out=out)
+    with pytest.raises(RuntimeError, match=r"comm\.gather"):
+        tape.gradient(loss, out)
+
+
+def test_comm_scatter_and_broadcast_into_recorded_outs_are_refused() -> None:
+    outs = [cp.to_device(np.zeros(2), "host:0"), cp.to_device(np.zeros(2), "host:1")]
+    for operation, call in [
+        ("comm.scatter", lambda: cp.comm.scatter(np.ones(4), out=outs)),
+        ("comm.broadcast", lambda: cp.comm.broadcast(np.ones(2), out=outs)),
+    ]:
+        with cp.Tape() as tape:
+            tape.watch(outs[1])
+            loss = ops.sum(ops.multiply(outs[1], outs[1]))
+        call()
+        with pytest.raises(RuntimeError, match=operation.replace(".", r"\.")):
+            tape.gradient(loss, outs[1])
+
+
+# -- row 5: spawn gives each rank its own copy of args -----------------------------------------
+
+
+def _add_rank_and_reduce(rank: int, x: np.ndarray, params: dict[str, Any]) -> Any:
+    x += rank
+    dist.all_reduce(x)
+    params["w"] -= 1.0  # an update in place, as a training step's
+    return x, params["w"]
+
+
+def test_spawn_gives_each_rank_its_own_copy_of_args() -> None:
+    x = np.zeros(3)
+    params = {"w": np.ones(2), "name": "kept"}
+    results = dist.spawn(_add_rank_and_reduce, 3, args=(x, params))
+    for reduced, w in results:
+        np.testing.assert_array_equal(reduced, np.full(3, 0.0 + 1.0 + 2.0))
+        np.testing.assert_array_equal(w, np.zeros(2))
+    np.testing.assert_array_equal(x, np.zeros(3))  # the caller's arrays are untouched
+    np.testing.assert_array_equal(params["w"], np.ones(2))
+
+
+# -- row 9 and parity: comm hooks ----------------------------------------------------------------
+
+
+class _WaitOnly:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def wait(self) -> Any:
+        return self.value
+
+
+def _hook_with_wait_only(rank: int) -> Any:
+    ddp = cp.DistributedDataParallel(_model, {"w": np.ones((3, 2))})
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # no annotations: unchecked
+        buffer = bucket.buffer()
+        dist.all_reduce(buffer)
+        buffer /= dist.get_world_size()
+        return _WaitOnly(buffer)
+
+    ddp.register_comm_hook(None, hook)
+    with cp.Tape() as tape:
+        loss = ddp(_shard(rank))
+    return tape.gradient(loss, ddp.params)["w"]
+
+
+def test_a_comm_hook_returning_an_object_with_wait_works() -> None:
+    for g in dist.spawn(_hook_with_wait_only, 2):
+        np.testing.assert_allclose(g, _averaged(2))
+
+
+# -- PyTorch parity -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def world() -> Any:
+    dist.init_process_group("mpi", world_size=1, rank=0)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("world")
+def test_ddp_without_parameters_raises_runtime_error() -> None:
+    # torch: "DistributedDataParallel is not needed when a module doesn't have any parameter
+    # that requires a gradient."
+    with pytest.raises(RuntimeError, match="not needed when params holds no parameter"):
+        cp.DistributedDataParallel(lambda p, x: x, {"name": "none"})
+    with pytest.raises(RuntimeError, match="not needed when params holds no parameter"):
+        cp.DistributedDataParallel(lambda p, x: x, {})
+
+
+@pytest.mark.usefixtures("world")
+def test_pickle_and_deepcopy_of_a_ddp_point_to_its_params() -> None:
+    ddp = cp.DistributedDataParallel(_model, {"w": np.ones((3, 2))})
+    with pytest.raises(TypeError, match=r"save ddp\.params"):
+        pickle.dumps(ddp)
+    with pytest.raises(TypeError, match=r"save ddp\.params"):
+        copy.deepcopy(ddp)
+    with pytest.raises(TypeError, match=r"save ddp\.params"):
+        copy.copy(ddp)
+
+
+@pytest.mark.usefixtures("world")
+@pytest.mark.parametrize(
+    ("hook_source", "match"),
+    [
+        (
+            "def hook(state, bucket: int): ...",
+            "Communication hook: bucket annotation should be GradBucket",
+        ),
+        (
+            "def hook(state, bucket) -> int: ...",
+            r"Communication hook: return annotation should be Future",
+        ),
+    ],
+    ids=["bucket", "return"],
+)
+def test_register_comm_hook_checks_annotations(hook_source: str, match: str) -> None:
+    # torch's messages: "Communication hook: bucket annotation should be dist.GradBucket." and
+    # "... return annotation should be torch.futures.Future[torch.Tensor]." (ValueError)
+    namespace: dict[str, Any] = {}
+    exec(hook_source, namespace)
+    ddp = cp.DistributedDataParallel(_model, {"w": np.ones((3, 2))})
+    with pytest.raises(ValueError, match=match):
+        ddp.register_comm_hook(None, namespace["hook"])
+
+
+@pytest.mark.usefixtures("world")
+def test_register_comm_hook_accepts_the_right_annotations() -> None:
+    from cupy_parallel._src.distributed.work import Future
+    from cupy_parallel.distributed.algorithms.ddp_comm_hooks import GradBucket, default_hooks
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        return default_hooks.allreduce_hook(state, bucket)
+
+    def hook_text(state: Any, bucket: GradBucket) -> Future[np.ndarray]:  # text: postponed
+        return default_hooks.allreduce_hook(state, bucket)
+
+    hook.__annotations__ = {"bucket": GradBucket, "return": Future[Any]}  # the objects
+    for h in (hook, hook_text):
+        ddp = cp.DistributedDataParallel(_model, {"w": np.ones((3, 2))})
+        ddp.register_comm_hook(None, h)
+        with cp.Tape() as tape:
+            loss = ddp(_shard(0))
+        np.testing.assert_allclose(tape.gradient(loss, ddp.params)["w"], _averaged(1))
+
+
+@pytest.mark.usefixtures("world")
+def test_a_hook_returning_no_future_raises_runtime_error_at_backward() -> None:
+    ddp = cp.DistributedDataParallel(_model, {"w": np.ones((3, 2))})
+    ddp.register_comm_hook(None, lambda state, bucket: "nope")
+    with cp.Tape() as tape:
+        loss = ddp(_shard(0))
+    with pytest.raises(RuntimeError, match="must return a future"):
+        tape.gradient(loss, ddp.params)
