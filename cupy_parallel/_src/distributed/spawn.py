@@ -19,11 +19,14 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from cupy_parallel._src.arguments import read_callable, read_int, read_timeout
+from cupy_parallel._src.arrays import is_array
+from cupy_parallel._src.compute import on_device_of
 from cupy_parallel._src.devices import cuda_device_count, cupy_module
 from cupy_parallel._src.distributed import groups
 from cupy_parallel._src.distributed.barriers import barrier
 from cupy_parallel._src.distributed.mpi_job import enter_thread_rank
 from cupy_parallel._src.distributed.thread_mpi import RankFailedError, ThreadRank, ThreadWorld
+from cupy_parallel._src.tree import tree_map
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -51,13 +54,13 @@ class _Run:
         /,
         *,
         fn: Callable[..., Any],
-        args: tuple[Any, ...],
+        args: list[tuple[Any, ...]],
         backend: str,
         timeout: float,
         store: Any,
     ) -> None:
         self.fn = fn
-        self.args = args
+        self.args = args  # each rank's own copy
         self.backend = backend
         self.timeout = timeout
         self.store = store
@@ -135,7 +138,7 @@ def _rank_body(run: _Run, rank: int) -> None:
                 # failed rank never joins could not be aborted (its set-up waits for the
                 # timeout), a made one can.
                 barrier()
-            run.results[rank] = run.fn(rank, *run.args)
+            run.results[rank] = run.fn(rank, *run.args[rank])
         except BaseException as error:
             if not _exit_is_success(error):
                 raise
@@ -197,6 +200,15 @@ def spawn(
     A rank whose function returned is gone: a peer that waits
     for it fails after 2 s, as under ``mpiexec``. Ctrl-C while spawn waits ends the run: the
     ranks' calls fail, their threads are joined, and ``KeyboardInterrupt`` propagates.
+
+    Each rank gets its own copy of ``args``, as a process would (``torch.multiprocessing.spawn``
+    pickles them): every array (a leaf of the pytrees in ``args``: NumPy, host and CuPy arrays)
+    is copied on its device, and the containers holding them (lists, tuples, dicts, the
+    pytree nodes registered with :mod:`cupy_parallel._src.tree`) are rebuilt, so that a rank
+    that writes its arrays in place (``x += rank``, a training step's update) changes neither
+    the caller's nor another rank's. Other objects (a queue, a lock, a model object that is no
+    pytree node) are passed as they are, shared by the ranks: return results instead of
+    writing them there.
 
     Threads a rank starts that call the collectives must run in the rank's context
     (``threading.Thread(target=contextvars.copy_context().run, args=(f,))``) and, if two of
@@ -264,7 +276,8 @@ def spawn(
                 f"of GPUs ({gpus}), got nprocs={size}."
             )
         store = HashStore()
-    run = _Run(size, fn=function, args=tuple(args), backend=backend, timeout=limit, store=store)
+    copies = [_copied(tuple(args)) for _ in range(size)]
+    run = _Run(size, fn=function, args=copies, backend=backend, timeout=limit, store=store)
     run.states = [groups.GroupState() for _ in range(size)]
     for rank in range(size):
         context = contextvars.copy_context()
@@ -290,6 +303,15 @@ def spawn(
             f"spawn: rank {rank} failed ({said}); the other ranks were stopped."
         ) from error
     return run.results
+
+
+def _copied(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with every array copied on its device and every container rebuilt.
+
+    A rank must not share the caller's arrays (nor another rank's), as a process would not:
+    ``torch.multiprocessing.spawn`` pickles its ``args`` into each process.
+    """
+    return tree_map(lambda leaf: on_device_of(leaf, leaf.copy) if is_array(leaf) else leaf, args)
 
 
 def _wait(run: _Run) -> None:
