@@ -300,3 +300,108 @@ def test_a_hook_returning_no_future_raises_runtime_error_at_backward() -> None:
         loss = ddp(_shard(0))
     with pytest.raises(RuntimeError, match="must return a future"):
         tape.gradient(loss, ddp.params)
+
+
+def _refusals(rank: int) -> list[str]:
+    found = []
+    for op in (dist.ReduceOp.PRODUCT, dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+        x = np.ones(2, np.complex64)
+        try:
+            dist.all_reduce(x, op=op)
+        except ValueError as error:  # torch's type (ours is also a TypeError)
+            found.append(f"{isinstance(error, TypeError)} {error}")
+    x = np.full(2, 1.0 + 2.0j)
+    dist.all_reduce(x)  # the sum still works: (1 + 2j) * 2
+    np.testing.assert_array_equal(x, np.full(2, 2.0 + 4.0j))
+    try:
+        dist.all_gather([np.zeros(2), np.zeros(2)], np.ones(2, np.float32))
+    except ValueError as error:
+        found.append(str(error))
+    return found
+
+
+def test_complex_product_and_bitwise_all_reduce_and_mixed_dtype_all_gather_are_refused() -> None:
+    for found in dist.spawn(_refusals, 2):
+        assert len(found) == 5, found
+        for message, op in zip(found, ["PRODUCT", "BAND", "BOR", "BXOR"], strict=False):
+            assert message.startswith(f"True ReduceOp.{op} is not supported on complex dtype")
+        assert "tensors with different dtypes" in found[4]
+
+
+def test_complex_refusals_match_torchs() -> None:
+    torch = pytest.importorskip("torch")
+    tdist = pytest.importorskip("torch.distributed")
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = tdist.TCPStore("127.0.0.1", port, 1, True)
+    tdist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="does not support RedOpType.PRODUCT on complex"):
+            tdist.all_reduce(torch.ones(2, dtype=torch.complex64), op=tdist.ReduceOp.PRODUCT)
+        with pytest.raises(ValueError, match="different dtypes"):
+            tdist.all_gather([torch.zeros(2, dtype=torch.float64)], torch.ones(2))
+    finally:
+        tdist.destroy_process_group()
+
+
+def _monitored_at_once(rank: int) -> str:
+    import datetime
+    import time
+
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 is in the barrier well before
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(0))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_monitored_barrier_with_a_zero_timeout_times_out_at_once() -> None:
+    import datetime
+
+    dist.init_process_group("mpi", world_size=1, rank=0)
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(0))  # a world of one: nothing to wait
+    finally:
+        dist.destroy_process_group()
+    messages = dist.spawn(_monitored_at_once, 2)
+    assert "rank 1 did not arrive within 0 s" in messages[0]
+
+
+def test_a_timed_out_barrier_is_a_runtime_error_as_torchs_dist_backend_error() -> None:
+    assert issubclass(dist.DistTimeoutError, dist.DistBackendError)
+    assert issubclass(dist.DistBackendError, dist.DistError)
+    caught: list[BaseException] = []
+
+    def barrier_alone(rank: int) -> None:
+        if rank == 0:
+            try:
+                dist.barrier()  # rank 1 never comes
+            except RuntimeError as error:  # torch's catch: DistBackendError
+                caught.append(error)
+
+    with pytest.raises(RuntimeError, match="spawn: rank 0 failed"):
+        dist.spawn(barrier_alone, 2, timeout=0.3)  # a started barrier cannot be taken back
+    assert len(caught) == 1
+    assert isinstance(caught[0], TimeoutError)  # this library's catch before
+    assert type(caught[0]) is dist.DistTimeoutError
+
+
+def _world_object(rank: int) -> Any:
+    x = np.full(2, rank + 1.0)
+    work = dist.group.WORLD.allreduce([x])  # torch's ProcessGroup method on group.WORLD
+    work.wait()
+    return x, dist.group.WORLD.rank(), dist.group.WORLD.size()
+
+
+def test_group_world_is_usable_as_the_default_process_group() -> None:
+    for rank, (x, r, size) in enumerate(dist.spawn(_world_object, 3)):
+        np.testing.assert_array_equal(x, np.full(2, 6.0))
+        assert (r, size) == (rank, 3)
+    assert repr(dist.group.WORLD) == "group.WORLD"
+    with pytest.raises(RuntimeError, match="not initialized"):
+        dist.group.WORLD.rank()

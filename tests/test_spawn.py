@@ -326,7 +326,7 @@ def test_a_rank_that_never_joins_times_out_by_the_group_timeout() -> None:
         dist.all_reduce(np.ones(2))
 
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"spawn: rank [12] failed \(TimeoutError") as info:
+    with pytest.raises(RuntimeError, match=r"spawn: rank [12] failed \(DistTimeoutError") as info:
         dist.spawn(body, 3, timeout=1.5)
     seconds = time.monotonic() - start
     assert "did not complete within 1.5 s" in str(info.value.__cause__)

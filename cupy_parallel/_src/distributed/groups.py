@@ -71,15 +71,35 @@ class _Sentinel:
         return self._name
 
 
+class _World(_Sentinel):
+    """``group.WORLD``: names the default group, and acts as its :class:`ProcessGroup`.
+
+    torch's ``group.WORLD`` is the default ``ProcessGroup`` itself
+    (``group.WORLD.allreduce([t])``, ``group.WORLD.rank()``); here it stays one object for
+    every context (each thread rank has a world of its own) and hands every attribute to the
+    calling context's default group, so that it works as torch's does.
+    """
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy/pickle probing: not the group's
+            raise AttributeError(name)
+        return getattr(_world_group(), name)
+
+
 class group:  # noqa: N801 - torch's spelling: ``group.WORLD``
     """Namespace of ``group.WORLD``, the default group (``group=None`` means it too).
+
+    ``group.WORLD`` also acts as the default :class:`ProcessGroup` object, as torch's does:
+    ``group.WORLD.allreduce([x]).wait()``, ``group.WORLD.rank()``, ``group.WORLD.size()``.
 
     Example:
         >>> group.WORLD
         group.WORLD
     """
 
-    WORLD: Any = _Sentinel("group.WORLD")
+    WORLD: Any = _World("group.WORLD")
 
 
 class GroupMember:
