@@ -339,7 +339,7 @@ def test_complex_refusals_match_torchs() -> None:
     store = tdist.TCPStore("127.0.0.1", port, 1, True)
     tdist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match="does not support RedOpType.PRODUCT on complex"):
+        with pytest.raises(ValueError, match=r"does not support RedOpType\.PRODUCT on complex"):
             tdist.all_reduce(torch.ones(2, dtype=torch.complex64), op=tdist.ReduceOp.PRODUCT)
         with pytest.raises(ValueError, match="different dtypes"):
             tdist.all_gather([torch.zeros(2, dtype=torch.float64)], torch.ones(2))

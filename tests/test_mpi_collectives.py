@@ -213,9 +213,9 @@ def test_clear_errors_and_the_group_stays_usable(ranks: int, via: str) -> None:
         ) in out
     assert out.count("OK usable after a short message") == ranks
     assert (
-        "CAUGHT DistTimeoutError: recv from group rank 0 on process group '0' did not complete within "
-        "3 s (a peer did not join, died, or is far behind). It was cancelled; the process group "
-        "stays usable."
+        "CAUGHT DistTimeoutError: recv from group rank 0 on process group '0' did not complete "
+        "within 3 s (a peer did not join, died, or is far behind). It was cancelled; the process "
+        "group stays usable."
     ) in out
     assert out.count("OK usable after a cancelled recv") == ranks
     assert "BAD" not in out
@@ -337,8 +337,8 @@ def test_new_group_is_bounded_by_the_timeout(via: str) -> None:
     result, seconds = launch_edges(2, "new-group-timeout", via)
     assert seconds < 20
     assert (
-        "CAUGHT DistTimeoutError: new_group([0, 1]) waiting for every world rank on process group '0' "
-        "did not complete within 2 s" in result.stdout
+        "CAUGHT DistTimeoutError: new_group([0, 1]) waiting for every world rank on process group "
+        "'0' did not complete within 2 s" in result.stdout
     ), result.stdout + result.stderr[-2000:]
 
 
