@@ -405,3 +405,35 @@ def test_group_world_is_usable_as_the_default_process_group() -> None:
     assert repr(dist.group.WORLD) == "group.WORLD"
     with pytest.raises(RuntimeError, match="not initialized"):
         dist.group.WORLD.rank()
+
+
+# -- row 8: an unused PRODUCT output ---------------------------------------------------------------
+
+
+def _product_kept_for_logging(rank: int) -> Any:
+    from cupy_parallel.distributed.nn import functional as F  # noqa: N812 - torch's name
+
+    x = np.array([1.0, 2.0]) + rank
+    with cp.Tape() as tape:
+        tape.watch(x)
+        logged = F.all_reduce(x, op=dist.ReduceOp.PRODUCT)  # kept for logging only
+        loss = ops.sum(ops.square(F.all_reduce(x)))
+    g = tape.gradient(loss, x)
+    with cp.Tape() as tape:
+        tape.watch(x)
+        used = F.all_reduce(x, op=dist.ReduceOp.PRODUCT)
+        loss = ops.sum(used) if rank == 0 else ops.sum(x)  # used on rank 0 only
+    try:
+        tape.gradient(loss, x)
+    except RuntimeError as error:
+        return logged, g, str(error)
+    return logged, g, "no error"
+
+
+def test_an_unused_product_output_does_not_break_the_gradient() -> None:
+    results = dist.spawn(_product_kept_for_logging, 2)
+    total = np.array([1.0, 2.0]) + np.array([2.0, 3.0])
+    for logged, g, message in results:
+        np.testing.assert_array_equal(logged, np.array([2.0, 6.0]))
+        np.testing.assert_array_equal(g, 2 * 2 * total)  # d/dx sum((x0 + x1)^2), summed
+        assert "all_reduce with ReduceOp.PRODUCT has no gradient" in message  # every rank

@@ -264,15 +264,28 @@ _COLLECTIVE_VJPS: set[Vjp] = set()
 """The vjps that are collectives: their nodes run on every pass (:func:`mark_collective`)."""
 
 
-def mark_collective(vjp: Vjp, /) -> None:
+_UNZEROED_VJPS: set[Vjp] = set()
+"""The collectives given ``None`` (not zeros) for an output no gradient reached."""
+
+
+def _no_gradient(vjp: Vjp, output: Any) -> Any:
+    """What a collective's vjp gets for an output no gradient reached (see mark_collective)."""
+    return None if vjp in _UNZEROED_VJPS else zeros_like(output)
+
+
+def mark_collective(vjp: Vjp, /, *, zeros: bool = True) -> None:
     """Declare ``vjp`` a collective: :func:`pullback` runs its nodes even when no gradient arrived.
 
     A differentiable collective's vjp communicates with the other ranks, which run it too: a
     rank whose loss does not depend on the collective's output must still take part, or its
     peers wait for it forever. Such a node's vjp therefore runs on every pass, given zeros for
-    each output no gradient reached.
+    each output no gradient reached (``None`` with ``zeros=False``: a vjp that must tell "no
+    gradient arrived" from a zero gradient, as a refused reduction's, which raises only where
+    some rank's gradient did arrive).
     """
     _COLLECTIVE_VJPS.add(vjp)
+    if not zeros:
+        _UNZEROED_VJPS.add(vjp)
 
 
 def tapes_exist() -> bool:
@@ -474,13 +487,13 @@ def pullback(
             vjp, inputs, needs, outputs, aux, cuda = node
             if len(outputs) == 1:  # most nodes: no list comprehension (a frame each, in 3.11)
                 g = pop(id(outputs[0]), None)
-                if g is None and vjp in collectives:
-                    g = zeros_like(outputs[0])
                 out_grads = None if g is None else [g]  # complete: consumers came later
+                if g is None and vjp in collectives:
+                    out_grads = [_no_gradient(vjp, outputs[0])]
             else:
                 size = len(grads)
                 out_grads = [pop(id(y), None) for y in outputs]
-                if vjp in collectives:
+                if vjp in collectives and vjp not in _UNZEROED_VJPS:
                     out_grads = [
                         zeros_like(y) if g is None else g
                         for y, g in zip(outputs, out_grads, strict=True)
