@@ -437,3 +437,40 @@ def test_an_unused_product_output_does_not_break_the_gradient() -> None:
         np.testing.assert_array_equal(logged, np.array([2.0, 6.0]))
         np.testing.assert_array_equal(g, 2 * 2 * total)  # d/dx sum((x0 + x1)^2), summed
         assert "all_reduce with ReduceOp.PRODUCT has no gradient" in message  # every rank
+
+
+# -- row 6: a plain thread started inside a thread rank -------------------------------------------
+
+
+def _plain_thread_in_a_rank(rank: int) -> list[str]:
+    import contextvars
+    import threading
+
+    seen: list[str] = []
+
+    def body() -> None:
+        try:
+            seen.append(f"rank {dist.get_rank()} of {dist.get_world_size()}")
+        except RuntimeError as error:
+            seen.append(str(error))
+
+    plain = threading.Thread(target=body, name=f"plain {rank}")
+    plain.start()
+    plain.join()
+    carried = threading.Thread(target=contextvars.copy_context().run, args=(body,))
+    carried.start()
+    carried.join()
+    return seen
+
+
+def test_a_plain_thread_started_in_a_thread_rank_is_told_it_belongs_to_no_rank() -> None:
+    dist.init_process_group("mpi", world_size=1, rank=0)  # the caller's own world
+    try:
+        results = dist.spawn(_plain_thread_in_a_rank, 2)
+        assert dist.get_world_size() == 1  # the caller's world is still its own
+    finally:
+        dist.destroy_process_group()
+    for rank, (plain, carried) in enumerate(results):
+        assert f"Thread 'plain {rank}' belongs to no rank" in plain
+        assert "contextvars.copy_context().run" in plain
+        assert carried == f"rank {rank} of 2"

@@ -10,10 +10,12 @@ members and their group ranks), so a call resolves its group with a few attribut
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import importlib
 import importlib.util
 import os
+import threading
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +24,7 @@ from cupy_parallel._src.cuda.nccl_runtime import is_available as nccl_is_availab
 from cupy_parallel._src.enums import Backend, ReduceOp
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Iterator
 
     from cupy_parallel._src.distributed.backend import ProcessGroupBackend
     from cupy_parallel._src.distributed.store import Store
@@ -239,10 +241,50 @@ class GroupState:
 
 
 # The default is the process's state, shared by every context that did not set its own.
+_PROCESS_STATE = GroupState()
 _STATE: contextvars.ContextVar[GroupState] = contextvars.ContextVar(
     "cupy_parallel_groups",
-    default=GroupState(),  # noqa: B039 - one mutable state per process, on purpose
+    default=_PROCESS_STATE,  # one mutable state per process, on purpose
 )
+_SPAWN_RUNS: dict[int, frozenset[int]] = {}
+"""Running spawns: ``id(run) ->`` the idents of the threads alive when it started (see
+:func:`_current`); written under the GIL by :func:`spawn_running`."""
+
+
+@contextlib.contextmanager
+def spawn_running(run: object, /) -> Iterator[None]:
+    """While ``spawn`` runs thread ranks: threads started meanwhile belong to no rank."""
+    _SPAWN_RUNS[id(run)] = frozenset(t.ident for t in threading.enumerate() if t.ident)
+    try:
+        yield
+    finally:
+        del _SPAWN_RUNS[id(run)]
+
+
+def _current() -> GroupState:
+    """The calling context's state; refuses a thread that a thread rank started plainly.
+
+    ``threading.Thread(target=f)`` inside a thread rank runs ``f`` in a fresh context, which
+    sees the process's state: the caller's own world, if it has one, so that ``f``'s
+    collectives would silently run on another world (rank 0 of 1, its all_reduce the local
+    value). While a spawn runs and the process has a world, a thread that uses the process's
+    state and was started after the spawn began (not the caller's, not a rank's) is taken for
+    such a thread and refused. (Without a world of the process's, it is told that none is
+    initialized, as before.)
+    (Threads that existed before, such as a thread pool's, cannot be told apart.)
+    """
+    current = _STATE.get()
+    if current is _PROCESS_STATE and _SPAWN_RUNS and current.world is not None:
+        me = threading.get_ident()
+        if all(me not in alive for alive in list(_SPAWN_RUNS.values())):
+            raise RuntimeError(
+                f"Thread {threading.current_thread().name!r} belongs to no rank: it was started "
+                "while spawn runs thread ranks, without a rank's context, so it would use the "
+                "process's own process group (another world). Start it in the rank's context: "
+                "threading.Thread(target=contextvars.copy_context().run, args=(f,)) inside the "
+                "rank (see spawn)."
+            )
+    return current
 
 
 def state() -> GroupState:
@@ -252,7 +294,7 @@ def state() -> GroupState:
         >>> state().world is None
         True
     """
-    return _STATE.get()
+    return _current()
 
 
 def use_state(fresh: GroupState, /) -> None:
@@ -287,7 +329,7 @@ _NON_MEMBER = GroupMember.NON_GROUP_MEMBER
 
 
 def _world_group() -> ProcessGroup:
-    world = _STATE.get().world
+    world = _current().world
     if world is None:
         raise _not_initialized()
     return world
@@ -341,7 +383,7 @@ def is_initialized() -> bool:
         >>> is_initialized()
         False
     """
-    return _STATE.get().world is not None
+    return _current().world is not None
 
 
 def is_mpi_available() -> bool:
@@ -424,7 +466,7 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
         ...
         ValueError: backend must be 'nccl' or 'mpi', got 'gloo'. Use Backend.MPI ('mpi') ...
     """
-    current = _STATE.get()
+    current = _current()
     backend = _default_backend() if backend is None else Backend(backend)
     detail = debug_detail()
     limit = read_timeout(timeout)
@@ -512,7 +554,7 @@ def new_group(
         ...
         RuntimeError: The default process group is not initialized; call ...
     """
-    current = _STATE.get()
+    current = _current()
     world = _world_group()
     world_backend = world.live_backend()
     size = world.size()
@@ -569,7 +611,7 @@ def destroy_process_group(group: Any = None) -> None:
     """
     if group is _NON_MEMBER:
         return
-    current = _STATE.get()
+    current = _current()
     pg = _world_group() if group is None or group is _WORLD else resolve_group(group)
     if pg is None:
         return

@@ -211,7 +211,10 @@ def spawn(
     writing them there.
 
     Threads a rank starts that call the collectives must run in the rank's context
-    (``threading.Thread(target=contextvars.copy_context().run, args=(f,))``) and, if two of
+    (``threading.Thread(target=contextvars.copy_context().run, args=(f,))``): a plain
+    ``threading.Thread`` started while spawn runs belongs to no rank, and its first call of
+    :mod:`cupy_parallel.distributed` raises ``RuntimeError`` saying so (it would otherwise see
+    the caller's own process group, another world); and, if two of
     them issue on one group, have names that are the same on every rank (``name=...``): the
     ranks compare the issuing thread's name, as MPI processes do (a rank's own thread compares
     as ``"MainThread"``).
@@ -288,15 +291,16 @@ def spawn(
             daemon=True,
         )
         run.threads.append(thread)
-    for thread in run.threads:
-        thread.start()
-    try:
-        _wait(run)
-    except KeyboardInterrupt as interrupt:
-        run.fail(-1, interrupt, "spawn was interrupted (KeyboardInterrupt)")
+    with groups.spawn_running(run):  # threads started meanwhile belong to no rank
+        for thread in run.threads:
+            thread.start()
+        try:
+            _wait(run)
+        except KeyboardInterrupt as interrupt:
+            run.fail(-1, interrupt, "spawn was interrupted (KeyboardInterrupt)")
+            _end(run)
+            raise
         _end(run)
-        raise
-    _end(run)
     if run.failure is not None:
         rank, error, said = run.failure
         raise RuntimeError(
