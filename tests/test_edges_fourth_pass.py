@@ -474,3 +474,33 @@ def test_a_plain_thread_started_in_a_thread_rank_is_told_it_belongs_to_no_rank()
         assert f"Thread 'plain {rank}' belongs to no rank" in plain
         assert "contextvars.copy_context().run" in plain
         assert carried == f"rank {rank} of 2"
+
+
+# -- row 10: DDP's buckets and nn.functional's backward collectives never cross ---------------
+
+
+def _crossing(rank: int) -> Any:
+    from cupy_parallel.distributed.nn import functional as F  # noqa: N812 - torch's name
+
+    c = np.array([3.0, 4.0])
+
+    def model(params: dict[str, Any], a: Any) -> Any:
+        terms = []
+        if rank == 0:  # the parameter is unused on rank 1: its bucket is complete at once there
+            terms.append(ops.sum(ops.multiply(params["w"], c)))
+        terms.append(ops.sum(F.all_reduce(a)))  # its backward is an all_reduce of 2 float64
+        return terms[0] if len(terms) == 1 else ops.add(terms[0], terms[1])
+
+    ddp = cp.DistributedDataParallel(model, {"w": np.ones(2)})
+    a = np.array([1.0, 2.0]) * (rank + 1)
+    with cp.Tape() as tape:
+        tape.watch(a)
+        loss = ddp(a)
+    grads = tape.gradient(loss, {"params": ddp.params, "a": a})
+    return grads["params"]["w"], grads["a"]
+
+
+def test_ddp_buckets_and_functional_backward_collectives_never_cross() -> None:
+    for w, a in dist.spawn(_crossing, 2):
+        np.testing.assert_array_equal(w, np.array([3.0, 4.0]) / 2)  # rank 0's c, averaged
+        np.testing.assert_array_equal(a, np.array([2.0, 2.0]))  # the ones of both ranks

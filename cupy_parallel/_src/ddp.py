@@ -17,9 +17,12 @@ forward call watches the parameters on the active tapes and registers, once per 
 gradient-ready hook on each parameter (:meth:`Tape.register_gradient_ready_hook`). In a backward
 pass the hook copies the final gradient into its bucket's flat buffer; when a bucket is
 complete, and every bucket before it has started, its communication hook starts an
-asynchronous all-reduce, while the rest of the backward pass runs. The hook of the last
-parameter to become final waits for every bucket, and the gradients the tape returns are views
-of the reduced buffers.
+asynchronous all-reduce, while the rest of the backward pass runs. Once the pass has run its
+last node (torch's ``queue_callback``), every bucket is waited for, and the gradients the tape
+returns are views of the reduced buffers. The buckets reduce on a communicator of their own
+(a group of the same ranks, made at construction), so that they never pair with another
+collective of the pass (``nn.functional``'s backward collectives), whatever order each rank's
+gradients become final in.
 
 The buckets start in the same order on every rank (bucket ``k`` only after bucket ``k - 1``),
 whatever order each rank's gradients become final in: collectives must pair up across ranks.
@@ -45,6 +48,7 @@ from cupy_parallel._src.devices import CPU
 from cupy_parallel._src.distributed.comm_hooks import (
     GradBucket,
     PolledFuture,
+    allreduce_hook,
     bf16_compress_hook,
     bfloat16,
     fp16_compress_hook,
@@ -53,6 +57,7 @@ from cupy_parallel._src.distributed.groups import (
     get_global_rank,
     get_rank,
     get_world_size,
+    new_group,
     resolve_group,
 )
 from cupy_parallel._src.distributed.objects import all_gather_object
@@ -60,7 +65,12 @@ from cupy_parallel._src.distributed.reductions import all_reduce
 from cupy_parallel._src.distributed.rooted import broadcast
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, plain_buffer
-from cupy_parallel._src.recording import active_tapes, note_overwritten, pause_recording
+from cupy_parallel._src.recording import (
+    active_tapes,
+    at_pass_end,
+    note_overwritten,
+    pause_recording,
+)
 from cupy_parallel._src.tape import Tape
 from cupy_parallel._src.tree import flatten, flatten_with_names
 
@@ -80,6 +90,8 @@ FIRST_BUCKET_BYTES = 1 * _MIB
 _DEFAULT_CAP_MB = 25.0
 POLLS = range(8)
 """How many more times a gradient-ready hook asks the oldest bucket in flight (see the class)."""
+_SHIPPED = frozenset({allreduce_hook, fp16_compress_hook, bf16_compress_hook})
+"""The hooks whose state is the process group: given the group, they reduce on DDP's own."""
 _COMPRESSED: dict[Callable[..., Any], Callable[[], Any]] = {
     fp16_compress_hook: lambda: np.dtype(np.float16),
     bf16_compress_hook: bfloat16,  # raises RuntimeError without ml_dtypes
@@ -221,6 +233,8 @@ class _Reduction:
         with ddp._lock:  # one hook for the whole reduction, even if one is registered meanwhile
             ddp._backward_ran = True
             self.hook, self.state = ddp._comm_hook, ddp._comm_state
+        if self.hook in _SHIPPED and (self.state is None or self.state is ddp.process_group):
+            self.state = ddp._bucket_group  # the shipped hooks reduce on DDP's own communicator
         # the default hook, fused: each gradient divided by the group's size as it is copied
         self.divisor = ddp._world if self.hook is None and ddp._world > 1 else None
 
@@ -271,7 +285,7 @@ class _Reduction:
     def _start(self, k: int) -> None:
         ddp = self._ddp
         if self.hook is None:  # allreduce_hook, its division done by put
-            work = all_reduce(self.buffers[k], group=ddp.process_group, async_op=True)
+            work = all_reduce(self.buffers[k], group=ddp._bucket_group, async_op=True)
             self.futures.append((PolledFuture.of_work(work), None))
             return
         bucket = ddp._buckets[k]
@@ -364,7 +378,10 @@ class _TapeReduction:
         if len(self._seen) == len(self.ids):
             with self._lock:
                 self._reduction, self._seen, self._received = None, set(), {}
-            reduction.finish()
+            # wait once the pass has issued all its collectives (torch's queue_callback): a
+            # peer may wait for this rank in a backward collective still to come
+            if not at_pass_end(reduction.finish):
+                reduction.finish()
         return view
 
     def _begin(self) -> _Reduction:
@@ -647,6 +664,15 @@ class DistributedDataParallel(Generic[Params, Output]):
                 self._where[i] = (bucket, slot)
         self._params = params
         self._world = get_world_size(process_group)
+        # The buckets' all-reduces run on a communicator of their own (the same ranks): a
+        # bucket completes at a point of the backward pass that differs between ranks (a
+        # parameter unused on one rank is ready at once there), so on the group's own
+        # communicator it would pair with another collective of the pass (nn.functional's
+        # backward all-reduce of equal size: each took the other's values, no error).
+        pg = resolve_group(process_group)
+        self._bucket_group = new_group(
+            list(pg.ranks), timeout=pg.live_backend().timeout, use_local_synchronization=True
+        )
         # the bookkeeping below is read and written under this lock: threads may share a DDP
         self._lock = threading.Lock()
         self._unsynced = 0  # how many no_sync() blocks are open, in any thread

@@ -69,6 +69,7 @@ __all__ = [
     "active_tapes",
     "add_ready_hook",
     "append_node",
+    "at_pass_end",
     "cast",
     "deactivate",
     "in_backward",
@@ -558,13 +559,41 @@ def _call_ready_hooks(tape: Records, grads: dict[int, Any], leaves: list[int]) -
                 grads[k] = replacement
 
 
+_PASS_END: contextvars.ContextVar[list[Callable[[], object]] | None] = contextvars.ContextVar(
+    "cupy_parallel_pass_end", default=None
+)
+"""The callbacks to run when the reverse pass in progress in this context ends."""
+
+
+def at_pass_end(callback: Callable[[], object], /) -> bool:
+    """Run ``callback()`` once the reverse pass in progress here has run its last node.
+
+    torch's ``Variable._execution_engine.queue_callback``: a gradient-ready hook that must wait
+    for something (DDP's buckets) waits there, after every collective of the pass was issued,
+    not in the middle of the pass, where a peer may first wait for this rank in a collective
+    of the pass still to come. Returns ``False`` (and runs nothing) outside a reverse pass.
+    """
+    pending = _PASS_END.get()
+    if pending is None:
+        return False
+    pending.append(callback)
+    return True
+
+
 @contextlib.contextmanager
 def _backward() -> Iterator[None]:
-    """Inside the block a :func:`pullback` runs (the guard's message says so)."""
+    """Inside the block a :func:`pullback` runs (the guard's message says so).
+
+    When the pass completes, the callbacks of :func:`at_pass_end` run, in the order queued.
+    """
     token = _IN_BACKWARD.set(True)
+    ends = _PASS_END.set([])
     try:
         yield
+        for callback in _PASS_END.get() or ():  # one queued meanwhile runs too
+            callback()
     finally:
+        _PASS_END.reset(ends)
         _IN_BACKWARD.reset(token)
 
 
