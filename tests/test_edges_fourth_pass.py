@@ -504,3 +504,26 @@ def test_ddp_buckets_and_functional_backward_collectives_never_cross() -> None:
     for w, a in dist.spawn(_crossing, 2):
         np.testing.assert_array_equal(w, np.array([3.0, 4.0]) / 2)  # rank 0's c, averaged
         np.testing.assert_array_equal(a, np.array([2.0, 2.0]))  # the ones of both ranks
+
+
+# -- row 12: a forgotten launcher ----------------------------------------------------------------
+
+
+def test_a_world_of_one_nobody_asked_for_warns_once_naming_the_launchers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cupy_parallel._src.distributed import groups
+
+    monkeypatch.setattr(groups, "_warned_alone", False)
+    for name in ("WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.warns(UserWarning, match=r"cupy-parallel launch.*mpiexec -n N") as caught:
+        dist.init_process_group("mpi")
+    dist.destroy_process_group()
+    assert len(caught) == 1
+    dist.init_process_group("mpi")  # once per process: no second warning (errors here)
+    dist.destroy_process_group()
+    monkeypatch.setattr(groups, "_warned_alone", False)
+    dist.init_process_group("mpi", world_size=1)  # explicit: no warning
+    dist.destroy_process_group()
+    assert dist.spawn(lambda rank: dist.get_world_size(), 1) == [1]  # a thread rank: none

@@ -115,7 +115,7 @@ def test_cupy_arrays_over_mpi_under_simulated_cuda() -> None:
 
 @pytest.fixture
 def world() -> Iterator[None]:
-    dist.init_process_group("mpi")
+    dist.init_process_group("mpi", world_size=1)
     yield
     dist.destroy_process_group()
 

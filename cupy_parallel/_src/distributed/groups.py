@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import os
 import threading
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -523,6 +524,38 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
     world.detail = detail
     current.world = ProcessGroup(world, tuple(range(world.size)), name)
     current.group_count = 1
+    if world.size == 1 and world_size == -1 and store is None and init_method is None:
+        _warn_alone()
+
+
+_warned_alone = False
+
+
+def _warn_alone() -> None:
+    """Warn, once per process, of a world of one that nothing asked for (a forgotten launcher).
+
+    ``init_process_group()`` in a script started with plain ``python`` makes a world of one
+    and trains alone, silently. Not when ``world_size=1`` is explicit, a launcher's or
+    torchrun's environment says so (``WORLD_SIZE``, ``mpiexec``'s, Slurm's), or on a thread
+    rank of ``spawn``.
+    """
+    global _warned_alone
+    from cupy_parallel._src.distributed.env import detect_launch_env
+    from cupy_parallel._src.distributed.mpi_job import thread_rank
+
+    if _warned_alone or "WORLD_SIZE" in os.environ or thread_rank() is not None:
+        return
+    if detect_launch_env():
+        return
+    _warned_alone = True
+    warnings.warn(
+        "init_process_group() made a world of one process: this script was not started by a "
+        "launcher, so it trains alone. Start N ranks with `cupy-parallel launch "
+        "--nproc-per-node N script.py` or `mpiexec -n N python script.py`; pass world_size=1 "
+        "to mean a world of one (no warning).",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def new_group(
