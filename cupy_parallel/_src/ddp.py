@@ -391,9 +391,13 @@ class _TapeReduction:
                 raise NotImplementedError(
                     "DistributedDataParallel's averaged gradients cannot be differentiated "
                     "again: a gradient() is computed while an outer tape tracks the "
-                    "parameters (torch's DDP does not support double backward either). For "
-                    "higher derivatives run the forward under ddp.no_sync() and average with "
-                    "cupy_parallel.distributed.nn.functional.all_reduce."
+                    "parameters. (torch's DDP runs create_graph=True with a warning, but its "
+                    "higher-order gradients are not synchronised: it does not differentiate "
+                    "through the all-reduce, so each rank's second derivative misses the other "
+                    "ranks' terms.) For higher derivatives run the forward under "
+                    "ddp.no_sync() and average with "
+                    "cupy_parallel.distributed.nn.functional.all_reduce, which is "
+                    "differentiable."
                 )
         self._reduction, self._seen, self._received = _Reduction(self._ddp), set(), {}
         return self._reduction
@@ -515,8 +519,12 @@ class DistributedDataParallel(Generic[Params, Output]):
       gradients in each of its ``gradient()`` passes (a persistent tape in each), whatever
       else the pass asks for. Several forward calls on one tape make one reduction per pass.
       The reduced gradients cannot be differentiated again: a pass computed while another
-      active tape tracks the parameters raises ``NotImplementedError`` (torch's DDP has no
-      double backward either).
+      active tape tracks the parameters raises ``NotImplementedError``. torch's DDP runs
+      ``create_graph=True`` with a warning, but does not differentiate through its
+      all-reduce: the higher-order gradients it returns are each rank's own, silently
+      missing the other ranks' terms; here that would be a wrong answer without an error, so
+      it is refused. For higher derivatives, run the forward under :meth:`no_sync` and
+      average with ``cupy_parallel.distributed.nn.functional.all_reduce`` (differentiable).
     - Like torch, the flag of :meth:`no_sync` is read at the forward call: a tape on which
       every forward ran inside ``no_sync`` keeps its gradients rank-local. torch's way of
       accumulating (the last micro-batch outside ``no_sync``, whose backward averages the
