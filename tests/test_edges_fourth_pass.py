@@ -527,3 +527,35 @@ def test_a_world_of_one_nobody_asked_for_warns_once_naming_the_launchers(
     dist.init_process_group("mpi", world_size=1)  # explicit: no warning
     dist.destroy_process_group()
     assert dist.spawn(lambda rank: dist.get_world_size(), 1) == [1]  # a thread rank: none
+
+
+# -- row 7: a failed NCCL spawn leaves nothing pending -------------------------------------------
+
+
+def _fails_on_rank_one(rank: int) -> None:
+    from cupy_parallel._src.devices import cupy_module
+
+    x = cupy_module().asarray(np.ones(3))
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    dist.all_reduce(x)
+    x.get()
+
+
+def _sums(rank: int) -> float:
+    from cupy_parallel._src.devices import cupy_module
+
+    x = cupy_module().asarray(np.ones(3))
+    dist.all_reduce(x)
+    return float(x.get()[0])
+
+
+def test_nccl_spawns_after_failed_ones_never_race() -> None:
+    from cupy_parallel.testing import simulated_cuda
+
+    # before: 49 of 300 runs after a failed one raised RaceError in spawn's set-up barrier
+    with simulated_cuda(2):
+        for _ in range(100):
+            with pytest.raises(RuntimeError, match=r"spawn: rank 1 failed \(ValueError"):
+                dist.spawn(_fails_on_rank_one, 2, backend="nccl")
+            assert dist.spawn(_sums, 2, backend="nccl") == [2.0, 2.0]

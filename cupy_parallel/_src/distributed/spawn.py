@@ -302,6 +302,8 @@ def spawn(
             raise
         _end(run)
     if run.failure is not None:
+        if run.backend == "nccl":
+            _settle_devices(size)
         rank, error, said = run.failure
         raise RuntimeError(
             f"spawn: rank {rank} failed ({said}); the other ranks were stopped."
@@ -316,6 +318,19 @@ def _copied(args: tuple[Any, ...]) -> tuple[Any, ...]:
     ``torch.multiprocessing.spawn`` pickles its ``args`` into each process.
     """
     return tree_map(lambda leaf: on_device_of(leaf, leaf.copy) if is_array(leaf) else leaf, args)
+
+
+def _settle_devices(size: int) -> None:
+    """After a failed NCCL run: wait for every GPU of the run, so that nothing is left pending.
+
+    The failed ranks' last operations (a collective that ran on a group's internal stream,
+    which no rank waited for) may still write their buffers when the next run allocates the
+    same memory; the communicators are aborted, so their kernels have exited or will.
+    """
+    cupy: Any = cupy_module()
+    for device in range(size):
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.deviceSynchronize()
 
 
 def _wait(run: _Run) -> None:
