@@ -678,6 +678,7 @@ class DistributedDataParallel(Generic[Params, Output]):
         # communicator it would pair with another collective of the pass (nn.functional's
         # backward all-reduce of equal size: each took the other's values, no error).
         pg = resolve_group(process_group)
+        assert pg is not None  # a member (checked above)
         self._bucket_group = new_group(
             list(pg.ranks), timeout=pg.live_backend().timeout, use_local_synchronization=True
         )

@@ -49,7 +49,7 @@ def root_buffer(data: np.ndarray, /) -> np.ndarray:
         >>> root_buffer(np.lib.stride_tricks.sliding_window_view(data, 2)) is data
         True
     """
-    base = data.base
+    base: Any = data.base
     while True:
         if isinstance(base, np.ndarray):
             data, base = base, base.base
