@@ -40,7 +40,7 @@ def world(request: pytest.FixtureRequest) -> Iterator[None]:
             dist.destroy_process_group()
         return
     cp.set_host_device_count(2)
-    dist.init_process_group("mpi")
+    dist.init_process_group("mpi", world_size=1)
     yield
     dist.destroy_process_group()
 

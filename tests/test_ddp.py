@@ -85,7 +85,7 @@ def test_ddp_on_nccl_thread_ranks_with_cupy_arrays(ranks: int) -> None:
 
 @pytest.fixture
 def world() -> Any:
-    dist.init_process_group("mpi")
+    dist.init_process_group("mpi", world_size=1)
     yield
     dist.destroy_process_group()
 
@@ -805,7 +805,7 @@ def _two_device_world(kind: str) -> Iterator[Any]:
                 dist.destroy_process_group()
         return
     cp.set_host_device_count(2)
-    dist.init_process_group("mpi")
+    dist.init_process_group("mpi", world_size=1)
     try:
         yield lambda x, index=0: cp.to_device(x, f"host:{index}")
     finally:

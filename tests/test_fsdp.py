@@ -59,7 +59,7 @@ def test_fsdp_under_mpiexec() -> None:
 
 @pytest.fixture
 def world() -> Any:
-    dist.init_process_group("mpi")
+    dist.init_process_group("mpi", world_size=1)
     yield
     dist.destroy_process_group()
 

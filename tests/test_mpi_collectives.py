@@ -235,7 +235,7 @@ def test_clear_errors_and_the_group_stays_usable(ranks: int, via: str) -> None:
     out = result.stdout
     assert result.returncode == 0, result.stderr[-3000:] + out[-3000:]
     assert (
-        "CAUGHT TimeoutError: all_reduce on process group '0' did not complete within 1 s (the "
+        "CAUGHT DistTimeoutError: all_reduce on process group '0' did not complete within 1 s (the "
         "timeout given to wait()). It is still running and the process group stays usable"
     ) in out
     assert out.count("OK usable after wait(timeout=1)") == ranks
@@ -250,9 +250,9 @@ def test_clear_errors_and_the_group_stays_usable(ranks: int, via: str) -> None:
         ) in out
     assert out.count("OK usable after a short message") == ranks
     assert (
-        "CAUGHT TimeoutError: recv from group rank 0 on process group '0' did not complete within "
-        "3 s (a peer did not join, died, or is far behind). It was cancelled; the process group "
-        "stays usable."
+        "CAUGHT DistTimeoutError: recv from group rank 0 on process group '0' did not complete "
+        "within 3 s (a peer did not join, died, or is far behind). It was cancelled; the process "
+        "group stays usable."
     ) in out
     assert out.count("OK usable after a cancelled recv") == ranks
     assert "BAD" not in out
@@ -367,7 +367,7 @@ def test_sizes_disagreeing_with_a_rank_that_waits_late_raise_on_every_rank(via: 
     assert out.count(head) == 3, out + result.stderr[-2000:]
     assert out.count(unknown) + out.count(named) == 3, out
     assert out.count(named) >= 1, out  # rank 0's
-    assert out.count("CAUGHT TimeoutError: all_reduce on process group '1'") == 1, out
+    assert out.count("CAUGHT DistTimeoutError: all_reduce on process group '1'") == 1, out
     assert result.returncode != 0
     assert ENDED[via] in result.stderr
 
@@ -378,8 +378,8 @@ def test_new_group_is_bounded_by_the_timeout(via: str) -> None:
     result, seconds = launch_edges(2, "new-group-timeout", via)
     assert seconds < 20
     assert (
-        "CAUGHT TimeoutError: new_group([0, 1]) waiting for every world rank on process group '0' "
-        "did not complete within 2 s" in result.stdout
+        "CAUGHT DistTimeoutError: new_group([0, 1]) waiting for every world rank on process group "
+        "'0' did not complete within 2 s" in result.stdout
     ), result.stdout + result.stderr[-2000:]
 
 

@@ -42,7 +42,7 @@ def _world_of_one(cuda_aware: str) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CUPY_PARALLEL_MPI_CUDA_AWARE", cuda_aware)
         mpi_staging._process_mpi_is_cuda_aware.cache_clear()  # the probe, cached per process
-        dist.init_process_group("mpi", timeout=timedelta(seconds=20))
+        dist.init_process_group("mpi", world_size=1, timeout=timedelta(seconds=20))
         try:
             yield
         finally:

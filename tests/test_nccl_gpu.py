@@ -384,7 +384,7 @@ def test_watchdog_aborts_a_hung_collective(tmp_path: Any) -> None:
     lines = _run(_HUNG_SCRIPT, "watchdog", str(tmp_path / "store")).stdout.splitlines()
     assert lines[0] == "ABORTED True"  # within the group's 2 s timeout, plus polling
     reason = "all_reduce timed out after 2 s on process group '0' (rank 0 of 1); the watchdog"
-    assert lines[1].startswith(f"WORK TimeoutError {reason}")
+    assert lines[1].startswith(f"WORK DistTimeoutError {reason}")
     assert lines[2].startswith(f"UNUSABLE process group '0' is unusable: {reason}")
 
 

@@ -129,7 +129,7 @@ def test_cupy_arrays_over_mpi_under_simulated_cuda() -> None:
 
 @pytest.fixture
 def world() -> Iterator[None]:
-    dist.init_process_group("mpi")
+    dist.init_process_group("mpi", world_size=1)
     yield
     dist.destroy_process_group()
 
@@ -332,16 +332,16 @@ def test_product_computes_but_refuses_its_gradient() -> None:
 def test_the_refusal_names_each_reduction_without_a_gradient(op: ReduceOp) -> None:
     """Bitwise reductions take integers only, which are never recorded: the rule still refuses."""
     from cupy_parallel._src.distributed import nn_functional
+    from cupy_parallel._src.distributed.groups import resolve_group
 
     x = np.ones(2)
-    for vjp, name in (
-        (nn_functional._all_reduce_vjp, "all_reduce"),
-        (nn_functional._reduce_vjp, "reduce"),
-        (nn_functional._reduce_scatter_vjp, "reduce_scatter"),
-    ):
-        aux = (op, None) if name != "reduce" else (0, op, None)
+    pg = resolve_group(None)
+    for name in ("all_reduce", "reduce", "reduce_scatter"):
+        aux = (name, op, pg)
         with pytest.raises(RuntimeError, match=rf"{name} with ReduceOp.{op.name} has no gradient"):
-            vjp([x], (x,), (True,), (x,), aux)
+            nn_functional._refused_vjp([x], (x,), (True,), (x,), aux)
+        # no gradient arrived (an output kept for logging): nothing to refuse (issue 34)
+        assert nn_functional._refused_vjp([None], (x,), (True,), (x,), aux) == (None,)
 
 
 @pytest.mark.usefixtures("world")

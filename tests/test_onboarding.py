@@ -50,10 +50,10 @@ def test_a_spawned_rank_may_still_start_over_after_destroying_its_group() -> Non
 
 
 def test_init_process_group_twice_outside_spawn_keeps_its_message() -> None:
-    dist.init_process_group("mpi")
+    dist.init_process_group("mpi", world_size=1)
     try:
         with pytest.raises(RuntimeError, match=r"init_process_group was called twice"):
-            dist.init_process_group("mpi")
+            dist.init_process_group("mpi", world_size=1)
     finally:
         dist.destroy_process_group()
 
@@ -216,7 +216,7 @@ def test_ddp_refuses_torchs_keywords_that_mean_otherwise_here(
     options: dict[str, Any], error: type[Exception], message: str
 ) -> None:
     cp.set_host_device_count(2)
-    dist.init_process_group("mpi")  # a world of one
+    dist.init_process_group("mpi", world_size=1)  # a world of one
     try:
         params = _params()
         before = {k: v.copy() for k, v in params.items()}

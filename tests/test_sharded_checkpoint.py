@@ -164,7 +164,7 @@ def _resume_4_to_2(path: Any, saved_by: str, loaded_by: str, arrays: str, backen
 
 @pytest.fixture
 def world() -> Any:
-    dist.init_process_group("mpi")
+    dist.init_process_group("mpi", world_size=1)
     yield
     dist.destroy_process_group()
 

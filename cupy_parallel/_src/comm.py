@@ -36,7 +36,7 @@ from cupy_parallel._src.cuda import streams as _streams
 from cupy_parallel._src.devices import Device, cupy_module, platform, read_device, read_devices
 from cupy_parallel._src.dtypes import check_device_dtype
 from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, plain_buffer
-from cupy_parallel._src.versions import own_counter
+from cupy_parallel._src.versions import announce_write, own_counter
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -353,6 +353,7 @@ def scatter(
             )
         copy_streams = _read_streams(streams, targets)
         check_outs(_named("out", outs), [("array", array)], "scatter")
+        announce_write(outs, "comm.scatter(out=...)")
     return scatter_unchecked(array, targets, sizes, axis, copy_streams, out=outs)
 
 
@@ -485,6 +486,7 @@ def gather(
         raise ValueError(f"out must have the gathered shape {shape}, got {out.shape}.")
     _check_same_dtype(out, first.dtype, "out", "arrays[0]")
     check_outs([("out", out)], _named("arrays", items), "gather")
+    announce_write([out], "comm.gather(out=...)")
     return _join_into(out, items, axis)
 
 
@@ -567,6 +569,7 @@ def broadcast(
             )
         _check_same_dtype(o, array.dtype, f"out[{i}]", "array")
     check_outs(_named("out", outs), [("array", array)], "broadcast", self_copy=True)
+    announce_write([o for o in outs if o is not array], "comm.broadcast(out=...)")
     if not _nccl.broadcast_into(array, outs):
         for o in outs:
             copy_into(o, array)

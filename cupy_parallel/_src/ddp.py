@@ -17,9 +17,12 @@ forward call watches the parameters on the active tapes and registers, once per 
 gradient-ready hook on each parameter (:meth:`Tape.register_gradient_ready_hook`). In a backward
 pass the hook copies the final gradient into its bucket's flat buffer; when a bucket is
 complete, and every bucket before it has started, its communication hook starts an
-asynchronous all-reduce, while the rest of the backward pass runs. The hook of the last
-parameter to become final waits for every bucket, and the gradients the tape returns are views
-of the reduced buffers.
+asynchronous all-reduce, while the rest of the backward pass runs. Once the pass has run its
+last node (torch's ``queue_callback``), every bucket is waited for, and the gradients the tape
+returns are views of the reduced buffers. The buckets reduce on a communicator of their own
+(a group of the same ranks, made at construction), so that they never pair with another
+collective of the pass (``nn.functional``'s backward collectives), whatever order each rank's
+gradients become final in.
 
 The buckets start in the same order on every rank (bucket ``k`` only after bucket ``k - 1``),
 whatever order each rank's gradients become final in: collectives must pair up across ranks.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import warnings
 import weakref
@@ -44,6 +48,7 @@ from cupy_parallel._src.devices import CPU, as_device
 from cupy_parallel._src.distributed.comm_hooks import (
     GradBucket,
     PolledFuture,
+    allreduce_hook,
     bf16_compress_hook,
     bfloat16,
     fp16_compress_hook,
@@ -52,6 +57,7 @@ from cupy_parallel._src.distributed.groups import (
     get_global_rank,
     get_rank,
     get_world_size,
+    new_group,
     resolve_group,
 )
 from cupy_parallel._src.distributed.objects import all_gather_object
@@ -59,7 +65,12 @@ from cupy_parallel._src.distributed.reductions import all_reduce
 from cupy_parallel._src.distributed.rooted import broadcast
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, plain_buffer
-from cupy_parallel._src.recording import active_tapes, pause_recording
+from cupy_parallel._src.recording import (
+    active_tapes,
+    at_pass_end,
+    note_overwritten,
+    pause_recording,
+)
 from cupy_parallel._src.tape import Tape
 from cupy_parallel._src.tree import flatten, flatten_with_names
 
@@ -79,11 +90,20 @@ FIRST_BUCKET_BYTES = 1 * _MIB
 _DEFAULT_CAP_MB = 25.0
 POLLS = range(8)
 """How many more times a gradient-ready hook asks the oldest bucket in flight (see the class)."""
+_SHIPPED = frozenset({allreduce_hook, fp16_compress_hook, bf16_compress_hook})
+"""The hooks whose state is the process group: given the group, they reduce on DDP's own."""
 _COMPRESSED: dict[Callable[..., Any], Callable[[], Any]] = {
     fp16_compress_hook: lambda: np.dtype(np.float16),
     bf16_compress_hook: bfloat16,  # raises RuntimeError without ml_dtypes
 }
 """The shipped hooks that reduce in another dtype: that dtype (its backend must reduce it)."""
+
+
+class CommHookError(RuntimeError, TypeError):
+    """A communication hook returned no future: torch raises ``RuntimeError`` at backward.
+
+    Also a ``TypeError`` (the wrong type of result), which this library raised before.
+    """
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,6 +323,8 @@ class _Reduction:
         with ddp._lock:  # one hook for the whole reduction, even if one is registered meanwhile
             ddp._backward_ran = True
             self.hook, self.state = ddp._comm_hook, ddp._comm_state
+        if self.hook in _SHIPPED and (self.state is None or self.state is ddp.process_group):
+            self.state = ddp._bucket_group  # the shipped hooks reduce on DDP's own communicator
         # the default hook, fused: each gradient divided by the group's size as it is copied
         self.divisor = ddp._world if self.hook is None and ddp._world > 1 else None
 
@@ -343,18 +365,21 @@ class _Reduction:
             self.next += 1
         # MPI moves nonblocking collectives on only while asked; one test moves them all
         for future, _, on in self.futures:
+            done = getattr(future, "done", None)  # a hook's future may have wait() only
+            if done is None:
+                continue
             with _on_gpu_of(on):  # a poll that completes it runs the hook's then() there
-                if future.done():
+                if done():
                     continue
                 for _ in POLLS:
-                    if future.done():
+                    if done():
                         break
             break
 
     def _start(self, k: int) -> None:
         ddp = self._ddp
         if self.hook is None:  # allreduce_hook, its division done by put
-            work = all_reduce(self.buffers[k], group=ddp.process_group, async_op=True)
+            work = all_reduce(self.buffers[k], group=ddp._bucket_group, async_op=True)
             self.futures.append((PolledFuture.of_work(work), None, self.buffers[k]))
             return
         bucket = ddp._buckets[k]
@@ -365,7 +390,7 @@ class _Reduction:
         with pause_recording(), _on_gpu_of(self.buffers[k]):  # the hook's casts and divisions
             future = self.hook(self.state, grad_bucket)
         if not callable(getattr(future, "wait", None)):
-            raise TypeError(
+            raise CommHookError(
                 "A DDP communication hook must return a future of the reduced bucket (with a "
                 f"wait() method, e.g. work.get_future()), got {type(future).__name__}."
             )
@@ -447,7 +472,10 @@ class _TapeReduction:
         if len(self._seen) == len(self.ids):
             with self._lock:
                 self._reduction, self._seen, self._received = None, set(), {}
-            reduction.finish()
+            # wait once the pass has issued all its collectives (torch's queue_callback): a
+            # peer may wait for this rank in a backward collective still to come
+            if not at_pass_end(reduction.finish):
+                reduction.finish()
         return view
 
     def _begin(self) -> _Reduction:
@@ -457,9 +485,13 @@ class _TapeReduction:
                 raise NotImplementedError(
                     "DistributedDataParallel's averaged gradients cannot be differentiated "
                     "again: a gradient() is computed while an outer tape tracks the "
-                    "parameters (torch's DDP does not support double backward either). For "
-                    "higher derivatives run the forward under ddp.no_sync() and average with "
-                    "cupy_parallel.distributed.nn.functional.all_reduce."
+                    "parameters. (torch's DDP runs create_graph=True with a warning, but its "
+                    "higher-order gradients are not synchronised: it does not differentiate "
+                    "through the all-reduce, so each rank's second derivative misses the other "
+                    "ranks' terms.) For higher derivatives run the forward under "
+                    "ddp.no_sync() and average with "
+                    "cupy_parallel.distributed.nn.functional.all_reduce, which is "
+                    "differentiable."
                 )
         self._reduction, self._seen, self._received = _Reduction(self._ddp), set(), {}
         return self._reduction
@@ -581,8 +613,12 @@ class DistributedDataParallel(Generic[Params, Output]):
       gradients in each of its ``gradient()`` passes (a persistent tape in each), whatever
       else the pass asks for. Several forward calls on one tape make one reduction per pass.
       The reduced gradients cannot be differentiated again: a pass computed while another
-      active tape tracks the parameters raises ``NotImplementedError`` (torch's DDP has no
-      double backward either).
+      active tape tracks the parameters raises ``NotImplementedError``. torch's DDP runs
+      ``create_graph=True`` with a warning, but does not differentiate through its
+      all-reduce: the higher-order gradients it returns are each rank's own, silently
+      missing the other ranks' terms; here that would be a wrong answer without an error, so
+      it is refused. For higher derivatives, run the forward under :meth:`no_sync` and
+      average with ``cupy_parallel.distributed.nn.functional.all_reduce`` (differentiable).
     - Like torch, the flag of :meth:`no_sync` is read at the forward call: a tape on which
       every forward ran inside ``no_sync`` keeps its gradients rank-local. torch's way of
       accumulating (the last micro-batch outside ``no_sync``, whose backward averages the
@@ -738,6 +774,12 @@ class DistributedDataParallel(Generic[Params, Output]):
         self._spec = spec
         self._entries = entries
         self._slots = [k for k, leaf in enumerate(leaves) if is_array(leaf)]
+        if not self._slots:  # the same on every rank (they agreed on the structure)
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when params holds no parameter (no "
+                f"array leaf in {spec}): there is no gradient to average (torch raises here "
+                "too)."
+            )
         self._names = [names[k] for k in self._slots]
         self._arrays = [leaves[k] for k in self._slots]
         cap_bytes = max(1, int(cap * _MIB))
@@ -749,6 +791,16 @@ class DistributedDataParallel(Generic[Params, Output]):
                 self._where[i] = (bucket, slot)
         self._params = params
         self._world = get_world_size(process_group)
+        # The buckets' all-reduces run on a communicator of their own (the same ranks): a
+        # bucket completes at a point of the backward pass that differs between ranks (a
+        # parameter unused on one rank is ready at once there), so on the group's own
+        # communicator it would pair with another collective of the pass (nn.functional's
+        # backward all-reduce of equal size: each took the other's values, no error).
+        pg = resolve_group(process_group)
+        assert pg is not None  # a member (checked above)
+        self._bucket_group = new_group(
+            list(pg.ranks), timeout=pg.live_backend().timeout, use_local_synchronization=True
+        )
         # the bookkeeping below is read and written under this lock: threads may share a DDP
         self._lock = threading.Lock()
         self._unsynced = 0  # how many no_sync() blocks are open, in any thread
@@ -875,6 +927,10 @@ class DistributedDataParallel(Generic[Params, Output]):
                     _write(buffer, start, stop, p)
             broadcast(buffer, src, group=group)
             if not first:
+                # a tape that recorded on them before construction must not use rank 0's values
+                note_overwritten(
+                    members, "DistributedDataParallel's broadcast of rank 0's parameters"
+                )
                 for p, (start, stop) in zip(members, bucket.slices, strict=True):
                     view = _view(buffer, start, stop, p.shape)
                     on_device_of(p, p.__setitem__, Ellipsis, view)
@@ -884,6 +940,7 @@ class DistributedDataParallel(Generic[Params, Output]):
     def __call__(self, /, *inputs: Any, **kwargs: Any) -> Output:
         """``fn(params, *inputs, **kwargs)``, its gradients averaged over the group."""
         tapes = [tape for tape in active_tapes() if isinstance(tape, Tape)]
+        self._reread_params()
         unreduced = 0
         with self._lock:
             params, arrays, sync = self._params, self._arrays, self._unsynced == 0
@@ -901,6 +958,24 @@ class DistributedDataParallel(Generic[Params, Output]):
             if sync:
                 self._hook(tape, arrays)
         return self.fn(params, *inputs, **kwargs)
+
+    def _reread_params(self) -> None:
+        """Take up entries of ``ddp.params`` rebound in place since the last call.
+
+        ``ddp.params["w"] = w - lr * g`` changes the tree DDP holds without assigning
+        :attr:`params`: the forward would compute with the new array while the hooks watch the
+        old one (every rank's gradient local, no error). Each call reads the tree again and,
+        where an array leaf is not the one registered, takes the tree as an assignment of
+        :attr:`params` would (the same checks, the same errors).
+        """
+        params = self._params
+        _, leaves, spec = flatten(params)
+        arrays = self._arrays
+        if spec == self._spec and all(
+            leaves[k] is a for k, a in zip(self._slots, arrays, strict=True)
+        ):
+            return
+        self.params = params
 
     def _hook(self, tape: Tape, arrays: list[Any]) -> None:
         """Register the gradient-ready hooks of ``arrays`` on ``tape``, once.
@@ -1052,7 +1127,18 @@ class DistributedDataParallel(Generic[Params, Output]):
         group's backend cannot reduce its dtype (an NCCL older than 2.10 has no ``bfloat16``
         sum; the ``"mpi"`` backend sums it in ``float32``), with the backend's own error type.
 
+        The hook's annotations are checked as torch checks them: a ``bucket`` annotation
+        other than ``GradBucket``, or a return annotation other than a ``Future`` (any class
+        named so: ours, ``concurrent.futures``', torch's; subscripted or not; string
+        annotations by their text), raise ``ValueError`` with torch's messages. Decision:
+        ``typing.Any`` passes (torch refuses it), since it states nothing wrong. A hook that
+        returns no future (an object without ``wait()``) raises ``RuntimeError`` in the backward
+        pass, as torch's; the object needs only ``wait()`` (``done()``, where it has one, is
+        asked to move the communication on).
+
         Raises:
+            ValueError: The hook's annotations name no ``GradBucket`` or ``Future`` (torch's
+                messages).
             TypeError: ``hook`` is not callable, or the compression hook's process group
                 (``state``) has a backend that cannot reduce its dtype (the message names
                 the hook and the backend).
@@ -1074,6 +1160,7 @@ class DistributedDataParallel(Generic[Params, Output]):
             >>> dist.destroy_process_group()
         """
         hook = read_callable(hook, "hook", call="hook(state, bucket)")
+        _check_annotations(hook)
         if hook in _COMPRESSED:  # raise now, not in the middle of a backward pass
             _check_compression(hook, _COMPRESSED[hook](), state)
         with self._lock:  # a reduction starting in another thread takes the old hook or this
@@ -1089,11 +1176,58 @@ class DistributedDataParallel(Generic[Params, Output]):
                 )
             self._comm_hook, self._comm_state = hook, state
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refuse pickling and copying (``copy``/``deepcopy`` come here too).
+
+        A DDP holds its process group, its hooks on live tapes and its buckets; none of that
+        can be saved or duplicated (a copy would share the group but not the tapes' hooks).
+        """
+        raise TypeError(
+            "A DistributedDataParallel cannot be pickled or copied (it holds a process group "
+            "and hooks on live tapes). To checkpoint, save ddp.params (its arrays, e.g. with "
+            "numpy.savez); to restart, build a new DistributedDataParallel from the "
+            "loaded params."
+        )
+
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         return (
             f"DistributedDataParallel({name}, parameters={len(self._arrays)}, "
             f"buckets={len(self._buckets)}, bucket_cap_mb={self.bucket_cap_mb:g})"
+        )
+
+
+def _named(annotation: Any, name: str) -> bool:
+    """Whether ``annotation`` is (a subscript of) a class called ``name``, or says so in text."""
+    if isinstance(annotation, str):
+        text = annotation.strip().strip("'\"")  # a quoted annotation under postponed evaluation
+        return text.split("[", 1)[0].strip().rsplit(".", 1)[-1] in (name, "Any")
+    if annotation is Any:  # states nothing wrong (torch refuses it too; we take it)
+        return True
+    origin = getattr(annotation, "__origin__", annotation)
+    return isinstance(origin, type) and origin.__name__ == name
+
+
+def _check_annotations(hook: Callable[..., Any]) -> None:
+    """Check the bucket's and the result's annotations, if any (torch's ``_check_comm_hook``)."""
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    parameters = list(signature.parameters.values())
+    bucket = signature.parameters.get("bucket", parameters[1] if len(parameters) > 1 else None)
+    annotation = inspect.Parameter.empty if bucket is None else bucket.annotation
+    if annotation is not inspect.Parameter.empty and not _named(annotation, "GradBucket"):
+        raise ValueError(
+            "Communication hook: bucket annotation should be GradBucket "
+            "(cupy_parallel.distributed.algorithms.ddp_comm_hooks.GradBucket), got "
+            f"{annotation!r}."
+        )
+    result = signature.return_annotation
+    if result is not inspect.Signature.empty and not _named(result, "Future"):
+        raise ValueError(
+            "Communication hook: return annotation should be Future (a future of the reduced "
+            f"bucket, e.g. work.get_future()), got {result!r}."
         )
 
 

@@ -61,7 +61,7 @@ import numpy as np
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.compute import compute, cuda_device, zeros_like
 from cupy_parallel._src.hostarray import HostArray, host_array, plain_buffer, version
-from cupy_parallel._src.versions import root_buffer
+from cupy_parallel._src.versions import listen_to_writes, root_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -76,6 +76,7 @@ __all__ = [
     "active_tapes",
     "add_ready_hook",
     "append_node",
+    "at_pass_end",
     "cast",
     "deactivate",
     "in_backward",
@@ -293,15 +294,28 @@ _COLLECTIVE_VJPS: set[Vjp] = set()
 """The vjps that are collectives: their nodes run on every pass (:func:`mark_collective`)."""
 
 
-def mark_collective(vjp: Vjp, /) -> None:
+_UNZEROED_VJPS: set[Vjp] = set()
+"""The collectives given ``None`` (not zeros) for an output no gradient reached."""
+
+
+def _no_gradient(vjp: Vjp, output: Any) -> Any:
+    """What a collective's vjp gets for an output no gradient reached (see mark_collective)."""
+    return None if vjp in _UNZEROED_VJPS else zeros_like(output)
+
+
+def mark_collective(vjp: Vjp, /, *, zeros: bool = True) -> None:
     """Declare ``vjp`` a collective: :func:`pullback` runs its nodes even when no gradient arrived.
 
     A differentiable collective's vjp communicates with the other ranks, which run it too: a
     rank whose loss does not depend on the collective's output must still take part, or its
     peers wait for it forever. Such a node's vjp therefore runs on every pass, given zeros for
-    each output no gradient reached.
+    each output no gradient reached (``None`` with ``zeros=False``: a vjp that must tell "no
+    gradient arrived" from a zero gradient, as a refused reduction's, which raises only where
+    some rank's gradient did arrive).
     """
     _COLLECTIVE_VJPS.add(vjp)
+    if not zeros:
+        _UNZEROED_VJPS.add(vjp)
 
 
 def tapes_exist() -> bool:
@@ -338,6 +352,9 @@ def note_overwritten(arrays: Sequence[Any], operation: str, /) -> None:
             for key, array in written.items():
                 if (key in held or key in leaves) and key not in tape._overwritten:
                     tape._overwritten[key] = (array, operation)
+
+
+listen_to_writes(note_overwritten)  # the writes of layers below (comm's out= forms)
 
 
 def _memory_key(x: Any) -> Any:
@@ -492,7 +509,7 @@ def pullback(
     collectives = _COLLECTIVE_VJPS
     ready = _ready_at(tape)  # node index -> ids of the hooked leaves final once it ran
     nodes = tape._nodes
-    with pause_recording(tape), _backward():
+    with pause_recording(tape), _Backward():
         if -1 in ready:  # hooked leaves no node consumed: final from the start
             _call_ready_hooks(tape, grads, ready.pop(-1))
         for index in range(len(nodes) - 1, -1, -1):
@@ -500,13 +517,13 @@ def pullback(
             vjp, inputs, needs, outputs, aux, cuda = node
             if len(outputs) == 1:  # most nodes: no list comprehension (a frame each, in 3.11)
                 g = pop(id(outputs[0]), None)
-                if g is None and vjp in collectives:
-                    g = zeros_like(outputs[0])
                 out_grads = None if g is None else [g]  # complete: consumers came later
+                if g is None and vjp in collectives:
+                    out_grads = [_no_gradient(vjp, outputs[0])]
             else:
                 size = len(grads)
                 out_grads = [pop(id(y), None) for y in outputs]
-                if vjp in collectives:
+                if vjp in collectives and vjp not in _UNZEROED_VJPS:
                     out_grads = [
                         zeros_like(y) if g is None else g
                         for y, g in zip(outputs, out_grads, strict=True)
@@ -573,9 +590,48 @@ def _call_ready_hooks(tape: Records, grads: dict[int, Any], leaves: list[int]) -
                 grads[k] = replacement
 
 
-def _backward() -> _Setting:
-    """Inside the block a :func:`pullback` runs (the guard's message says so)."""
-    return _Setting(_IN_BACKWARD, True)  # noqa: FBT003 - the variable's value
+_PASS_END: contextvars.ContextVar[list[Callable[[], object]] | None] = contextvars.ContextVar(
+    "cupy_parallel_pass_end", default=None
+)
+"""The callbacks to run when the reverse pass in progress in this context ends."""
+
+
+def at_pass_end(callback: Callable[[], object], /) -> bool:
+    """Run ``callback()`` once the reverse pass in progress here has run its last node.
+
+    torch's ``Variable._execution_engine.queue_callback``: a gradient-ready hook that must wait
+    for something (DDP's buckets) waits there, after every collective of the pass was issued,
+    not in the middle of the pass, where a peer may first wait for this rank in a collective
+    of the pass still to come. Returns ``False`` (and runs nothing) outside a reverse pass.
+    """
+    pending = _PASS_END.get()
+    if pending is None:
+        return False
+    pending.append(callback)
+    return True
+
+
+class _Backward:
+    """Inside the block a :func:`pullback` runs (the guard's message says so).
+
+    When the pass completes without an error, the callbacks of :func:`at_pass_end` run, in
+    the order queued (one queued meanwhile runs too). A class, as :class:`_Setting`.
+    """
+
+    __slots__ = ("_ends", "_token")
+
+    def __enter__(self) -> None:
+        self._token = _IN_BACKWARD.set(True)
+        self._ends = _PASS_END.set([])
+
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        try:
+            if exc_type is None:
+                for callback in _PASS_END.get() or ():
+                    callback()
+        finally:
+            _PASS_END.reset(self._ends)
+            _IN_BACKWARD.reset(self._token)
 
 
 def _keep(kept: dict[int, Any], keep: set[int], outputs: tuple[Any, ...], grads: list[Any]) -> None:

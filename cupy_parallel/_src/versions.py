@@ -13,11 +13,21 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-__all__ = ["count_write", "own_counter", "root_buffer", "writes"]
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+__all__ = [
+    "announce_write",
+    "count_write",
+    "listen_to_writes",
+    "own_counter",
+    "root_buffer",
+    "writes",
+]
 
 _versions: dict[int, list[Any]] = {}
 """``id(root buffer) -> [writes, weakref to root]``: a buffer's counter, made at its first write."""
@@ -26,16 +36,29 @@ _versions: dict[int, list[Any]] = {}
 def root_buffer(data: np.ndarray, /) -> np.ndarray:
     """The ndarray owning ``data``'s memory (NumPy collapses base chains to it).
 
+    The chain also goes through the ``DummyArray`` that ``sliding_window_view`` and
+    ``as_strided`` put between a view and the array it views (an object exposing
+    ``__array_interface__`` whose ``base`` is that array): a window of ``x`` is ``x``'s memory,
+    as ``x[1:]`` is. (:func:`own_counter`'s arrays stop the chain: their base is a memoryview.)
+
     Example:
         >>> import numpy as np
         >>> data = np.zeros(4)
         >>> root_buffer(data[1:][::2]) is data
         True
+        >>> root_buffer(np.lib.stride_tricks.sliding_window_view(data, 2)) is data
+        True
     """
-    base = data.base
-    while isinstance(base, np.ndarray):
-        data, base = base, base.base
-    return data
+    base: Any = data.base
+    while True:
+        if isinstance(base, np.ndarray):
+            data, base = base, base.base
+        elif hasattr(base, "__array_interface__") and isinstance(
+            getattr(base, "base", None), np.ndarray
+        ):  # as_strided's DummyArray: a view of its own base's memory
+            base = base.base
+        else:
+            return data
 
 
 def count_write(data: np.ndarray, /) -> None:
@@ -99,3 +122,28 @@ def own_counter(data: np.ndarray, /) -> np.ndarray:
     # buffer cannot carry an extension dtype such as ml_dtypes' bfloat16.)
     raw = np.frombuffer(data.reshape(-1).view(np.uint8).data, dtype=data.dtype)
     return raw.reshape(data.shape)
+
+
+_listeners: list[Callable[[Sequence[Any], str], None]] = []
+"""Who hears of the library's own in-place writes (the tapes' ``note_overwritten``)."""
+
+
+def listen_to_writes(listener: Callable[[Sequence[Any], str], None], /) -> None:
+    """Have ``listener(arrays, operation)`` hear of every :func:`announce_write`.
+
+    The tapes register here (``recording`` does, when imported), so that the layers below them
+    (``comm``'s ``out=`` forms) can announce their writes without importing them.
+    """
+    if listener not in _listeners:
+        _listeners.append(listener)
+
+
+def announce_write(arrays: Sequence[Any], operation: str, /) -> None:
+    """Tell the listeners that the library's ``operation`` wrote ``arrays`` in place.
+
+    Example:
+        >>> import numpy as np
+        >>> announce_write([np.zeros(2)], "an example")  # no tape recorded it: nothing to do
+    """
+    for listener in _listeners:
+        listener(arrays, operation)

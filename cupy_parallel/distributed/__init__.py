@@ -70,9 +70,11 @@ from cupy_parallel._src.distributed.rooted import broadcast, gather, reduce, sca
 from cupy_parallel._src.distributed.sampling import shard_indices
 from cupy_parallel._src.distributed.spawn import spawn
 from cupy_parallel._src.distributed.store import (
+    DistBackendError,
     DistError,
     DistNetworkError,
     DistStoreError,
+    DistTimeoutError,
     FileStore,
     HashStore,
     PrefixStore,
@@ -86,9 +88,11 @@ from cupy_parallel._src.exports import set_module
 
 __all__ = [
     "Backend",
+    "DistBackendError",
     "DistError",
     "DistNetworkError",
     "DistStoreError",
+    "DistTimeoutError",
     "FileStore",
     "GroupMember",
     "HashStore",

@@ -106,7 +106,8 @@ def monitored_barrier(
 
     Args:
         group: The process group (default: the world).
-        timeout: Seconds or a ``datetime.timedelta``; default: the group's timeout.
+        timeout: Seconds or a ``datetime.timedelta`` (0 allowed, as in torch: the ranks not
+            arrived yet are missing at once); default: the group's timeout.
         wait_all_ranks: Wait for every rank and name all the missing ones.
 
     Example:
@@ -119,7 +120,8 @@ def monitored_barrier(
     if resolved is None:
         return
     pg, backend = resolved
-    limit = backend.timeout if timeout is None else read_timeout(timeout)
+    # 0 s is allowed (torch's): rank 0 gives up at once on a rank not arrived yet
+    limit = backend.timeout if timeout is None else read_timeout(timeout, positive=False)
     every = read_bool(wait_all_ranks, "wait_all_ranks")
     if "cpu" not in backend.array_kinds:
         raise NotImplementedError(

@@ -256,7 +256,7 @@ def check_like(x: Any, ref: Any, name: str, ref_name: str, *, shape: bool = True
     if x.dtype != ref.dtype:
         raise CheckedArgumentError(  # a TypeError, and torch's ValueError and RuntimeError
             f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}; every array of the call "
-            "must share one dtype."
+            "must share one dtype (torch: invalid usage of tensors with different dtypes)."
         )
     if shape and x.shape != ref.shape:
         raise CheckedValueError(
@@ -334,10 +334,18 @@ def check_reduction(backend: ProcessGroupBackend, dtype: Any, op: Any) -> None:
             f"ReduceOp.{op.name} is not defined for complex dtype {dtype} (complex numbers "
             "have no order); reduce abs() or the real and imaginary parts separately."
         )
+    if op in _NOT_ON_COMPLEX and np.dtype(dtype).kind == "c":
+        raise ArgumentError(  # a TypeError, and torch's ValueError
+            f"ReduceOp.{op.name} is not supported on complex dtype {dtype}, as in torch (which "
+            f"refuses it: 'does not support RedOpType.{op.name} on complex tensors'); reduce "
+            "the real and imaginary parts separately (as pairs of reals, view(float))."
+        )
     backend.check_dtype(dtype, op)
 
 
 _ORDERED = frozenset({ReduceOp.MIN, ReduceOp.MAX})
+_NOT_ON_COMPLEX = frozenset({ReduceOp.PRODUCT, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+"""What torch refuses on complex tensors besides the orders: the product and the bitwise ops."""
 
 
 def check_data(backend: ProcessGroupBackend, x: Any, name: str, *, output: bool = True) -> None:

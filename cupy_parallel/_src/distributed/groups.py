@@ -10,10 +10,13 @@ members and their group ranks), so a call resolves its group with a few attribut
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import importlib
 import importlib.util
 import os
+import threading
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +25,7 @@ from cupy_parallel._src.cuda.nccl_runtime import is_available as nccl_is_availab
 from cupy_parallel._src.enums import Backend, ReduceOp
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Iterator
 
     from cupy_parallel._src.distributed.backend import ProcessGroupBackend
     from cupy_parallel._src.distributed.store import Store
@@ -71,15 +74,35 @@ class _Sentinel:
         return self._name
 
 
+class _World(_Sentinel):
+    """``group.WORLD``: names the default group, and acts as its :class:`ProcessGroup`.
+
+    torch's ``group.WORLD`` is the default ``ProcessGroup`` itself
+    (``group.WORLD.allreduce([t])``, ``group.WORLD.rank()``); here it stays one object for
+    every context (each thread rank has a world of its own) and hands every attribute to the
+    calling context's default group, so that it works as torch's does.
+    """
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy/pickle probing: not the group's
+            raise AttributeError(name)
+        return getattr(_world_group(), name)
+
+
 class group:  # noqa: N801 - torch's spelling: ``group.WORLD``
     """Namespace of ``group.WORLD``, the default group (``group=None`` means it too).
+
+    ``group.WORLD`` also acts as the default :class:`ProcessGroup` object, as torch's does:
+    ``group.WORLD.allreduce([x]).wait()``, ``group.WORLD.rank()``, ``group.WORLD.size()``.
 
     Example:
         >>> group.WORLD
         group.WORLD
     """
 
-    WORLD: Any = _Sentinel("group.WORLD")
+    WORLD: Any = _World("group.WORLD")
 
 
 class GroupMember:
@@ -221,10 +244,50 @@ class GroupState:
 
 
 # The default is the process's state, shared by every context that did not set its own.
+_PROCESS_STATE = GroupState()
 _STATE: contextvars.ContextVar[GroupState] = contextvars.ContextVar(
     "cupy_parallel_groups",
-    default=GroupState(),  # noqa: B039 - one mutable state per process, on purpose
+    default=_PROCESS_STATE,  # one mutable state per process, on purpose
 )
+_SPAWN_RUNS: dict[int, frozenset[int]] = {}
+"""Running spawns: ``id(run) ->`` the idents of the threads alive when it started (see
+:func:`_current`); written under the GIL by :func:`spawn_running`."""
+
+
+@contextlib.contextmanager
+def spawn_running(run: object, /) -> Iterator[None]:
+    """While ``spawn`` runs thread ranks: threads started meanwhile belong to no rank."""
+    _SPAWN_RUNS[id(run)] = frozenset(t.ident for t in threading.enumerate() if t.ident)
+    try:
+        yield
+    finally:
+        del _SPAWN_RUNS[id(run)]
+
+
+def _current() -> GroupState:
+    """The calling context's state; refuses a thread that a thread rank started plainly.
+
+    ``threading.Thread(target=f)`` inside a thread rank runs ``f`` in a fresh context, which
+    sees the process's state: the caller's own world, if it has one, so that ``f``'s
+    collectives would silently run on another world (rank 0 of 1, its all_reduce the local
+    value). While a spawn runs and the process has a world, a thread that uses the process's
+    state and was started after the spawn began (not the caller's, not a rank's) is taken for
+    such a thread and refused. (Without a world of the process's, it is told that none is
+    initialized, as before.)
+    (Threads that existed before, such as a thread pool's, cannot be told apart.)
+    """
+    current = _STATE.get()
+    if current is _PROCESS_STATE and _SPAWN_RUNS and current.world is not None:
+        me = threading.get_ident()
+        if all(me not in alive for alive in list(_SPAWN_RUNS.values())):
+            raise RuntimeError(
+                f"Thread {threading.current_thread().name!r} belongs to no rank: it was started "
+                "while spawn runs thread ranks, without a rank's context, so it would use the "
+                "process's own process group (another world). Start it in the rank's context: "
+                "threading.Thread(target=contextvars.copy_context().run, args=(f,)) inside the "
+                "rank (see spawn)."
+            )
+    return current
 
 
 def state() -> GroupState:
@@ -234,7 +297,7 @@ def state() -> GroupState:
         >>> state().world is None
         True
     """
-    return _STATE.get()
+    return _current()
 
 
 def use_state(fresh: GroupState, /) -> None:
@@ -269,7 +332,7 @@ _NON_MEMBER = GroupMember.NON_GROUP_MEMBER
 
 
 def _world_group() -> ProcessGroup:
-    world = _STATE.get().world
+    world = _current().world
     if world is None:
         raise _not_initialized()
     return world
@@ -323,7 +386,7 @@ def is_initialized() -> bool:
         >>> is_initialized()
         False
     """
-    return _STATE.get().world is not None
+    return _current().world is not None
 
 
 def is_mpi_available() -> bool:
@@ -406,7 +469,7 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
         ...
         ValueError: backend must be 'nccl' or 'mpi', got 'gloo'. Use Backend.MPI ('mpi') ...
     """
-    current = _STATE.get()
+    current = _current()
     if current.world is not None and current.spawned:  # first: whatever the arguments
         raise RuntimeError(
             "init_process_group was called in a function run by cupy_parallel.distributed."
@@ -471,6 +534,38 @@ def init_process_group(  # noqa: PLR0917 - torch's signature
     world.detail = detail
     current.world = ProcessGroup(world, tuple(range(world.size)), name)
     current.group_count = 1
+    if world.size == 1 and world_size == -1 and store is None and init_method is None:
+        _warn_alone()
+
+
+_warned_alone = False
+
+
+def _warn_alone() -> None:
+    """Warn, once per process, of a world of one that nothing asked for (a forgotten launcher).
+
+    ``init_process_group()`` in a script started with plain ``python`` makes a world of one
+    and trains alone, silently. Not when ``world_size=1`` is explicit, a launcher's or
+    torchrun's environment says so (``WORLD_SIZE``, ``mpiexec``'s, Slurm's), or on a thread
+    rank of ``spawn``.
+    """
+    global _warned_alone
+    from cupy_parallel._src.distributed.env import detect_launch_env
+    from cupy_parallel._src.distributed.mpi_job import thread_rank
+
+    if _warned_alone or "WORLD_SIZE" in os.environ or thread_rank() is not None:
+        return
+    if detect_launch_env():
+        return
+    _warned_alone = True
+    warnings.warn(
+        "init_process_group() made a world of one process: this script was not started by a "
+        "launcher, so it trains alone. Start N ranks with `cupy-parallel launch "
+        "--nproc-per-node N script.py` or `mpiexec -n N python script.py`; pass world_size=1 "
+        "to mean a world of one (no warning).",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def new_group(
@@ -502,7 +597,7 @@ def new_group(
         ...
         RuntimeError: The default process group is not initialized; call ...
     """
-    current = _STATE.get()
+    current = _current()
     world = _world_group()
     world_backend = world.live_backend()
     size = world.size()
@@ -559,7 +654,7 @@ def destroy_process_group(group: Any = None) -> None:
     """
     if group is _NON_MEMBER:
         return
-    current = _STATE.get()
+    current = _current()
     pg = _world_group() if group is None or group is _WORLD else resolve_group(group)
     if pg is None:
         return

@@ -85,6 +85,7 @@ from cupy_parallel._src.distributed.mpi_job import (
 )
 from cupy_parallel._src.distributed.mpi_reductions import Plan, make_plan
 from cupy_parallel._src.distributed.mpi_staging import staged
+from cupy_parallel._src.distributed.store.interface import DistTimeoutError
 from cupy_parallel._src.distributed.work import Work
 from cupy_parallel._src.enums import Backend, ReduceOp
 from cupy_parallel._src.hostarray import plain_buffer
@@ -437,7 +438,7 @@ class _MPIWork(Work):
         self._request.Cancel()
         self._request.Wait(status)
         if status.Is_cancelled():
-            self.fail(TimeoutError(f"{self.description} was cancelled."))
+            self.fail(DistTimeoutError(f"{self.description} was cancelled."))
             return True
         try:
             self._received(status)

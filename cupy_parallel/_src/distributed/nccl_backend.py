@@ -102,6 +102,7 @@ from cupy_parallel._src.cuda.streams import current_stream, record_event, wait_s
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend
 from cupy_parallel._src.distributed.mpi_job import thread_rank
+from cupy_parallel._src.distributed.store.interface import DistTimeoutError
 from cupy_parallel._src.distributed.work import Work
 from cupy_parallel._src.enums import Backend, ReduceOp
 
@@ -204,7 +205,7 @@ def _share_unique_id(
         try:
             store.wait([key], timedelta(seconds=timeout))
         except TimeoutError as error:
-            raise TimeoutError(
+            raise DistTimeoutError(
                 f"NCCL set-up: rank 0 of the group did not publish the unique id {key!r} within "
                 f"{timeout:g} s (it did not reach the same collective, or died)."
             ) from error
@@ -540,7 +541,7 @@ class NCCLBackend(ProcessGroupBackend):
                 if work._events_done():
                     work.complete()
                 elif work is culprit:
-                    work.fail(TimeoutError(reason))
+                    work.fail(DistTimeoutError(reason))
                 else:
                     work.fail(RuntimeError(f"{work.description} cannot complete: {reason}"))
             comms = self._comms.take_all()
@@ -676,7 +677,7 @@ class NCCLBackend(ProcessGroupBackend):
             )
             if self.failure is None:
                 self.failure = reason
-            raise TimeoutError(reason)
+            raise DistTimeoutError(reason)
         if errors:
             raise errors[0]
         return made
@@ -992,7 +993,7 @@ class NCCLBackend(ProcessGroupBackend):
             )
             if self.failure is None:
                 self.failure = reason
-            raise TimeoutError(reason) from None
+            raise DistTimeoutError(reason) from None
         records: list[bytes] = store.multi_get(keys)
         if store.add(f"{prefix}/read", 1) == self.size:
             for key in [*keys, f"{prefix}/read"]:

@@ -47,7 +47,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from cupy_parallel._src.arguments import read_int, read_sequence
-from cupy_parallel._src.arrays import is_array
+from cupy_parallel._src.arrays import device_of, empty, is_array
 from cupy_parallel._src.compute import compute, cuda_device, on_device_of, run_kernel, zeros_like
 from cupy_parallel._src.distributed import exchanges, reductions, rooted
 from cupy_parallel._src.distributed.dispatch import (
@@ -194,6 +194,23 @@ def _refused(name: str, op: ReduceOp) -> RuntimeError:
 _DIFFERENTIABLE = frozenset({ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.MAX})
 
 
+def _refused_vjp(gs: list[Any], xs: Args, needs: Needs, ys: Args, aux: Any) -> Args:
+    """The vjp of a reduction with no gradient: raises on every rank if any rank's gradient came.
+
+    Given ``None`` where no gradient reached the output (``mark_collective(zeros=False)``):
+    an output the loss does not use (kept for logging) is never differentiated (torch never
+    visits it), and one that some rank's loss uses raises on every rank (the ranks tell one
+    another, so none goes on alone into the backward collectives that follow).
+    """
+    name, op, pg = aux
+    flag = empty((1,), ys[0].dtype, device_of(ys[0]))
+    on_device_of(flag, flag.fill, any(g is not None for g in gs))
+    reductions.all_reduce(flag, ReduceOp.MAX, pg)
+    if float(flag[0]):
+        raise _refused(name, op)
+    return (None,) * len(xs)
+
+
 def _mask_kernel(xp: Any, x: Any, extremum: Any, *, largest: bool, dtype: Any) -> Any:
     """1 where ``x`` holds the extremum (ties and NaN included), else 0, as ``dtype``."""
     return (~(x < extremum) if largest else ~(extremum < x)).astype(dtype)
@@ -250,7 +267,10 @@ def all_reduce(x: Array, /, op: ReduceOp = ReduceOp.SUM, group: Any = None) -> A
     check_reduction(backend, _dtype(x, "x"), op)
     y = _input(backend, x, "x")
     reductions.all_reduce(y, op, pg)
-    _record(_all_reduce_vjp, (x,), (y,), (op, pg))
+    if op in _DIFFERENTIABLE:
+        _record(_all_reduce_vjp, (x,), (y,), (op, pg))
+    else:
+        _record(_refused_vjp, (x,), (y,), ("all_reduce", op, pg))
     return y
 
 
@@ -258,8 +278,6 @@ def _all_reduce_vjp(gs: list[Any], xs: Args, needs: Needs, ys: Args, aux: Any) -
     op, pg = aux
     if op is ReduceOp.SUM or op is ReduceOp.AVG:
         return (all_reduce(gs[0], op, pg),)
-    if op not in _DIFFERENTIABLE:
-        raise _refused("all_reduce", op)
     (weights,) = _extremum_weights(xs, ys, op, pg)
     return (multiply(all_reduce(gs[0], ReduceOp.SUM, pg), weights),)
 
@@ -320,14 +338,15 @@ def reduce(x: Array, /, dst: int, op: ReduceOp = ReduceOp.SUM, group: Any = None
     rooted.reduce(y, dst, op, pg)
     if pg.rank() != root:
         y = zeros_like(y)
-    _record(_reduce_vjp, (x,), (y,), (dst, op, pg))
+    if op in _DIFFERENTIABLE:
+        _record(_reduce_vjp, (x,), (y,), (dst, op, pg))
+    else:
+        _record(_refused_vjp, (x,), (y,), ("reduce", op, pg))
     return y
 
 
 def _reduce_vjp(gs: list[Any], xs: Args, needs: Needs, ys: Args, aux: Any) -> Args:
     dst, op, pg = aux
-    if op not in _DIFFERENTIABLE:
-        raise _refused("reduce", op)
     g = broadcast(gs[0], dst, pg)
     if op is ReduceOp.SUM:
         return (g,)
@@ -393,14 +412,15 @@ def reduce_scatter(
     check_reduction(backend, sends[0].dtype, op)
     y = zeros_like(sends[0])
     reductions.reduce_scatter(y, sends, op, pg)
-    _record(_reduce_scatter_vjp, tuple(inputs), (y,), (op, pg))
+    if op in _DIFFERENTIABLE:
+        _record(_reduce_scatter_vjp, tuple(inputs), (y,), (op, pg))
+    else:
+        _record(_refused_vjp, tuple(inputs), (y,), ("reduce_scatter", op, pg))
     return y
 
 
 def _reduce_scatter_vjp(gs: list[Any], xs: Args, needs: Needs, ys: Args, aux: Any) -> Args:
     op, pg = aux
-    if op not in _DIFFERENTIABLE:
-        raise _refused("reduce_scatter", op)
     gathered = all_gather(gs[0], pg)
     if op is ReduceOp.SUM:
         return gathered
@@ -582,3 +602,4 @@ for _vjp in (
     _scatter_vjp,
 ):
     mark_collective(_vjp)
+mark_collective(_refused_vjp, zeros=False)

@@ -19,11 +19,14 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from cupy_parallel._src.arguments import read_bool, read_callable, read_int, read_timeout
+from cupy_parallel._src.arrays import is_array
+from cupy_parallel._src.compute import on_device_of
 from cupy_parallel._src.devices import cuda_device_count, cupy_module
 from cupy_parallel._src.distributed import groups
 from cupy_parallel._src.distributed.barriers import barrier
 from cupy_parallel._src.distributed.mpi_job import enter_thread_rank
 from cupy_parallel._src.distributed.thread_mpi import RankFailedError, ThreadRank, ThreadWorld
+from cupy_parallel._src.tree import tree_map
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -51,13 +54,13 @@ class _Run:
         /,
         *,
         fn: Callable[..., Any],
-        args: tuple[Any, ...],
+        args: list[tuple[Any, ...]],
         backend: str,
         timeout: float,
         store: Any,
     ) -> None:
         self.fn = fn
-        self.args = args
+        self.args = args  # each rank's own copy
         self.backend = backend
         self.timeout = timeout
         self.store = store
@@ -136,7 +139,7 @@ def _rank_body(run: _Run, rank: int) -> None:
                 # failed rank never joins could not be aborted (its set-up waits for the
                 # timeout), a made one can.
                 barrier()
-            run.results[rank] = run.fn(rank, *run.args)
+            run.results[rank] = run.fn(rank, *run.args[rank])
         except BaseException as error:
             if not _exit_is_success(error):
                 raise
@@ -202,8 +205,20 @@ def spawn(
     for it fails after 2 s, as under ``mpiexec``. Ctrl-C while spawn waits ends the run: the
     ranks' calls fail, their threads are joined, and ``KeyboardInterrupt`` propagates.
 
+    Each rank gets its own copy of ``args``, as a process would (``torch.multiprocessing.spawn``
+    pickles them): every array (a leaf of the pytrees in ``args``: NumPy, host and CuPy arrays)
+    is copied on its device, and the containers holding them (lists, tuples, dicts, the
+    pytree nodes registered with :mod:`cupy_parallel._src.tree`) are rebuilt, so that a rank
+    that writes its arrays in place (``x += rank``, a training step's update) changes neither
+    the caller's nor another rank's. Other objects (a queue, a lock, a model object that is no
+    pytree node) are passed as they are, shared by the ranks: return results instead of
+    writing them there.
+
     Threads a rank starts that call the collectives must run in the rank's context
-    (``threading.Thread(target=contextvars.copy_context().run, args=(f,))``) and, if two of
+    (``threading.Thread(target=contextvars.copy_context().run, args=(f,))``): a plain
+    ``threading.Thread`` started while spawn runs belongs to no rank, and its first call of
+    :mod:`cupy_parallel.distributed` raises ``RuntimeError`` saying so (it would otherwise see
+    the caller's own process group, another world); and, if two of
     them issue on one group, have names that are the same on every rank (``name=...``): the
     ranks compare the issuing thread's name, as MPI processes do (a rank's own thread compares
     as ``"MainThread"``).
@@ -277,7 +292,8 @@ def spawn(
                 f"of GPUs ({gpus}), got nprocs={size}."
             )
         store = HashStore()
-    run = _Run(size, fn=function, args=tuple(args), backend=backend, timeout=limit, store=store)
+    copies = [_copied(tuple(args)) for _ in range(size)]
+    run = _Run(size, fn=function, args=copies, backend=backend, timeout=limit, store=store)
     run.states = [groups.GroupState() for _ in range(size)]
     for rank in range(size):
         context = contextvars.copy_context()
@@ -288,16 +304,19 @@ def spawn(
             daemon=True,
         )
         run.threads.append(thread)
-    for thread in run.threads:
-        thread.start()
-    try:
-        _wait(run)
-    except KeyboardInterrupt as interrupt:
-        run.fail(-1, interrupt, "spawn was interrupted (KeyboardInterrupt)")
+    with groups.spawn_running(run):  # threads started meanwhile belong to no rank
+        for thread in run.threads:
+            thread.start()
+        try:
+            _wait(run)
+        except KeyboardInterrupt as interrupt:
+            run.fail(-1, interrupt, "spawn was interrupted (KeyboardInterrupt)")
+            _end(run)
+            raise
         _end(run)
-        raise
-    _end(run)
     if run.failure is not None:
+        if run.backend == "nccl":
+            _settle_devices(size)
         rank, error, said = run.failure
         raise RuntimeError(
             f"spawn: rank {rank} failed ({said}); the other ranks were stopped."
@@ -321,6 +340,28 @@ def _read_torch_options(join: object, daemon: object, start_method: object) -> N
             "of this process, started by no multiprocessing method; leave it out (to start "
             "processes, use cupy-parallel launch)."
         )
+
+
+def _copied(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with every array copied on its device and every container rebuilt.
+
+    A rank must not share the caller's arrays (nor another rank's), as a process would not:
+    ``torch.multiprocessing.spawn`` pickles its ``args`` into each process.
+    """
+    return tree_map(lambda leaf: on_device_of(leaf, leaf.copy) if is_array(leaf) else leaf, args)
+
+
+def _settle_devices(size: int) -> None:
+    """After a failed NCCL run: wait for every GPU of the run, so that nothing is left pending.
+
+    The failed ranks' last operations (a collective that ran on a group's internal stream,
+    which no rank waited for) may still write their buffers when the next run allocates the
+    same memory; the communicators are aborted, so their kernels have exited or will.
+    """
+    cupy: Any = cupy_module()
+    for device in range(size):
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.deviceSynchronize()
 
 
 def _wait(run: _Run) -> None:

@@ -24,6 +24,7 @@ from cupy_parallel._src.cuda.streams import (
     record_event,
 )
 from cupy_parallel._src.devices import cupy_arrays_may_exist, cupy_module, is_cupy_array
+from cupy_parallel._src.distributed.store.interface import DistTimeoutError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -385,12 +386,12 @@ class Work:
             f"{limit:g} s"
         )
         if explicit and not self._abandon_on_wait_timeout:
-            return TimeoutError(
+            return DistTimeoutError(
                 f"{head} (the timeout given to wait()). It is still running and the process "
                 "group stays usable: wait() again to complete it."
             )
         if not explicit and self._cancel():  # settled: cancelled, or it finished meanwhile
-            cancelled = TimeoutError(
+            cancelled = DistTimeoutError(
                 f"{head} (a peer did not join, died, or is far behind). It was cancelled; the "
                 "process group stays usable."
             )
@@ -398,7 +399,7 @@ class Work:
                 self._exception = cancelled
             return cancelled
         self._on_timeout()
-        return TimeoutError(
+        return DistTimeoutError(
             f"{head} (a peer did not join, died, or is far behind). A started collective cannot "
             "be cancelled, so this process group is unusable now."
         )

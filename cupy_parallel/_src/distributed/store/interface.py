@@ -39,9 +39,11 @@ __all__ = [
     "MAX_KEY_BYTES",
     "MAX_VALUE_BYTES",
     "MAX_WAIT_KEYS",
+    "DistBackendError",
     "DistError",
     "DistNetworkError",
     "DistStoreError",
+    "DistTimeoutError",
     "Missing",
     "QueueEmptyError",
     "Store",
@@ -107,6 +109,34 @@ class DistNetworkError(DistError, ConnectionError):
         ... except ConnectionError as error:  # or RuntimeError, as torch code catches it
         ...     print(type(error).__name__)
         DistNetworkError
+    """
+
+
+class DistBackendError(DistError):
+    """An error of a process group's backend (``torch.distributed.DistBackendError``).
+
+    torch raises it where a collective or a ``wait()`` timed out in its backend; here
+    :class:`DistTimeoutError` is one, so that ``except RuntimeError`` (torch users' catch) and
+    ``except TimeoutError`` (this library's before) both take a timed-out call.
+
+    Example:
+        >>> from cupy_parallel.distributed import DistBackendError, DistTimeoutError
+        >>> issubclass(DistTimeoutError, DistBackendError)
+        True
+        >>> issubclass(DistBackendError, RuntimeError)
+        True
+    """
+
+
+class DistTimeoutError(DistBackendError, TimeoutError):
+    """A collective, a point-to-point operation or a ``wait()`` that timed out.
+
+    A ``TimeoutError`` and torch's ``DistBackendError`` (so a ``RuntimeError``).
+
+    Example:
+        >>> from cupy_parallel.distributed import DistTimeoutError
+        >>> issubclass(DistTimeoutError, TimeoutError), issubclass(DistTimeoutError, RuntimeError)
+        (True, True)
     """
 
 
