@@ -184,13 +184,15 @@ def test_data_movement_is_bit_exact(world: Any, dtype: str) -> None:
 @pytest.mark.parametrize("dtype", REDUCED)
 def test_reductions_of_one_participant(world: Any, dtype: str, op: ReduceOp) -> None:
     if _refusal(dtype, op) is not None:
-        # MIN/MAX of complex numbers are refused for every backend first (no order; torch's
-        # ValueError, also a TypeError), other NCCL refusals by the backend's dtype tables.
-        message = (
-            rf"ReduceOp\.{op.name} is not defined for complex dtype {dtype}"
-            if dtype.startswith("complex") and op in (ReduceOp.MIN, ReduceOp.MAX)
-            else rf"NCCL cannot reduce {dtype} arrays with"
-        )
+        # MIN/MAX (no order) and PRODUCT (torch's refusal) of complex numbers are refused for
+        # every backend first (torch's ValueError, also a TypeError), other NCCL refusals by the
+        # backend's dtype tables.
+        if dtype.startswith("complex") and op in (ReduceOp.MIN, ReduceOp.MAX):
+            message = rf"ReduceOp\.{op.name} is not defined for complex dtype {dtype}"
+        elif dtype.startswith("complex") and op is ReduceOp.PRODUCT:  # torch refuses it too
+            message = rf"ReduceOp\.PRODUCT is not supported on complex dtype {dtype}"
+        else:
+            message = rf"NCCL cannot reduce {dtype} arrays with"
         with pytest.raises(TypeError, match=message):
             dist.all_reduce(cupy.zeros(2, dtype), op=op)
         return

@@ -94,8 +94,9 @@ def valid(dtype: type, op: ReduceOp) -> bool:
     kind = np.dtype(dtype).kind
     if op in BITWISE:
         return kind in "biu"
+    # complex: MIN/MAX have no order, and PRODUCT is refused as torch refuses it
     return not (kind == "b" and op is ReduceOp.AVG) and not (
-        kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX)
+        kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
     )
 
 

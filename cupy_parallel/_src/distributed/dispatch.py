@@ -337,8 +337,12 @@ def check_reduction(backend: ProcessGroupBackend, dtype: Any, op: Any) -> None:
     if op in _NOT_ON_COMPLEX and np.dtype(dtype).kind == "c":
         raise ArgumentError(  # a TypeError, and torch's ValueError
             f"ReduceOp.{op.name} is not supported on complex dtype {dtype}, as in torch (which "
-            f"refuses it: 'does not support RedOpType.{op.name} on complex tensors'); reduce "
-            "the real and imaginary parts separately (as pairs of reals, view(float))."
+            f"refuses it: 'does not support RedOpType.{op.name} on complex tensors'); "
+            + (
+                "gather the arrays (all_gather) and multiply them on each rank."
+                if op is ReduceOp.PRODUCT
+                else "reduce an integer view of the bits (x.view(np.int32 or np.int64))."
+            )
         )
     backend.check_dtype(dtype, op)
 
