@@ -783,11 +783,136 @@ all-gather. `benchmarks/bench_sharded.py` measures the same on 4 MPI processes, 
 """),
 ]
 
+
+TRAINING_STATE = [
+    md("""
+# Training state: optimizer, schedule, clipping, and a checkpoint that survives a crash
+
+`DistributedDataParallel` gives each rank the averaged gradient; what turns it into training is
+the state around it. Here two thread ranks train a small MLP with torch's recipe, in our names:
+`cupy_parallel.optim.Adam`, a warm-up then cosine schedule (`optim.lr_scheduler.SequentialLR`),
+`cupy_parallel.clip_grad_norm`, and a checkpoint of the whole state (`cupy_parallel.save`:
+parameters, optimizer, schedule, step) every 5 steps. Then rank 1 crashes at step 13, the job
+is started again, resumes from the checkpoint of step 10, and ends with exactly the parameters
+of a run that never crashed.
+"""),
+    code('''import os
+import tempfile
+
+import numpy as np
+
+import cupy_parallel as cp
+from cupy_parallel import distributed as dist
+from cupy_parallel import ops
+from cupy_parallel.optim import Adam
+from cupy_parallel.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+
+STEPS, EVERY, BATCH, FEATURES, HIDDEN, WORLD = 20, 5, 32, 8, 16, 2
+
+
+def mlp(params, x):
+    hidden = ops.tanh(ops.add(ops.matmul(x, params["w1"]), params["b1"]))
+    return ops.add(ops.matmul(hidden, params["w2"]), params["b2"])
+
+
+def initial_params():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": rng.standard_normal((FEATURES, HIDDEN)) / np.sqrt(FEATURES),
+        "b1": np.zeros(HIDDEN),
+        "w2": rng.standard_normal((HIDDEN, 1)) / np.sqrt(HIDDEN),
+        "b2": np.zeros(1),
+    }
+
+
+def batch(step, rank):
+    """This rank's rows of step `step`'s batch: a function of the step alone."""
+    rng = np.random.default_rng(1000 + step)
+    x = rng.standard_normal((BATCH, FEATURES))
+    y = np.sin(x.sum(axis=1, keepdims=True))
+    rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    return x[rows], y[rows]'''),
+    md("""
+One rank's training. The optimizer updates the parameter arrays in place (the arrays DDP holds),
+so a resumed run loads the parameters first, builds DDP and the optimizer over them, and then
+loads the optimizer's and the schedule's state. Rank 0 writes the checkpoint; `cupy_parallel.save`
+writes a temporary file and renames it, so a crash in the middle of a save leaves the previous
+checkpoint whole.
+"""),
+    code('''def train(rank, path=None, die_at=None):
+    """One rank's run: resume from `path` if a checkpoint is there, save to it every EVERY steps."""
+    state = cp.load(path) if path and os.path.exists(path) else None
+    ddp = cp.DistributedDataParallel(mlp, state["params"] if state else initial_params())
+    opt = Adam(ddp.params, lr=1e-2, weight_decay=1e-4)
+    warmup = LinearLR(opt, start_factor=0.1, total_iters=5)
+    schedule = SequentialLR(opt, [warmup, CosineAnnealingLR(opt, T_max=STEPS - 5)], [5])
+    first = 0
+    if state:  # the optimizer's and the schedule's state, then where we were
+        opt.load_state_dict(state["optim"])
+        schedule.load_state_dict(state["schedule"])
+        first = state["step"]
+    losses = {}
+    for step in range(first, STEPS):
+        if step == die_at and rank == 1:
+            raise RuntimeError(f"rank 1 crashed at step {step}")
+        x, y = batch(step, rank)
+        with cp.Tape() as tape:
+            loss = ops.mean(ops.square(ops.subtract(ddp(x), y)))
+        grads, _ = cp.clip_grad_norm(tape.gradient(loss, ddp.params), max_norm=1.0)
+        opt.step(grads)
+        schedule.step()
+        losses[step] = float(loss)
+        if path and (step + 1) % EVERY == 0 and rank == 0:
+            cp.save(
+                {"params": ddp.params, "optim": opt.state_dict(),
+                 "schedule": schedule.state_dict(), "step": step + 1},
+                path,
+            )
+        dist.barrier()  # no rank runs ahead of a checkpoint being written
+    return {k: v.copy() for k, v in ddp.params.items()}, losses, first'''),
+    md("""
+The uninterrupted run, then a run in which rank 1 crashes at step 13: `spawn` stops the other
+rank and raises, as a launcher stops a job whose rank died. The checkpoint on disk is step 10's.
+"""),
+    code("""whole = dist.spawn(train, WORLD)
+print(f"uninterrupted: loss {whole[0][1][0]:.4f} at step 0, {whole[0][1][STEPS - 1]:.4f} at step {STEPS - 1}")
+
+path = os.path.join(tempfile.mkdtemp(), "state.safetensors")
+try:
+    dist.spawn(train, WORLD, args=(path, 13))
+except RuntimeError as failure:
+    print("the job died:", str(failure).splitlines()[0])
+print("the checkpoint on disk is step", cp.load(path)["step"])"""),
+    md("""
+Start the job again: every rank loads step 10's state and goes on. Why it is exact: the batch
+of a step is a function of the step alone (with a `DistributedSampler`, `shard_indices(...,
+epoch=e)` gives each epoch's order from its number), and every piece of state the update reads
+— the parameters, Adam's moments and step count, the schedule's position — is in the
+checkpoint, bit for bit.
+"""),
+    code("""resumed = dist.spawn(train, WORLD, args=(path,))
+print("resumed from step", resumed[0][2])
+same = all(
+    np.array_equal(resumed[r][0][k], whole[r][0][k]) for r in range(WORLD) for k in whole[r][0]
+)
+print("bit for bit the parameters of the uninterrupted run:", same)
+print("same losses after the restart:", all(resumed[0][1][s] == whole[0][1][s] for s in resumed[0][1]))"""),
+    md("""
+With processes, the same loop runs under the launcher, which restarts a job whose rank died:
+`cupy-parallel launch --nproc-per-node 2 --max-restarts 1 examples/train_resume.py OUT
+--kill-at 13` (rank 1 kills itself with `SIGKILL`; the restarted job sees
+`TORCHELASTIC_RESTART_COUNT=1`). `tests/test_examples.py` checks that it ends with the
+uninterrupted run's parameters, bit for bit. For sharded state (FSDP, ZeRO) saved on one number
+of ranks and loaded on another, see `cupy_parallel.distributed.checkpoint` and notebook 06.
+"""),
+]
+
 NOTEBOOKS = {
     "01_tour.ipynb": TOUR,
     "02_data_parallel_training.ipynb": TRAINING,
     "03_property_testing.ipynb": PROPERTIES,
     "04_distributed_training.ipynb": DISTRIBUTED,
+    "05_training_state.ipynb": TRAINING_STATE,
     "06_sharded_training.ipynb": SHARDED,
 }
 

@@ -140,6 +140,17 @@ def test_notebooks_are_stored_without_outputs(path: Path) -> None:
             assert cell.execution_count is None
 
 
+def test_training_state(tmp_path: Path) -> None:
+    text, _ = execute("05_training_state.ipynb", tmp_path)
+    assert "the job died: spawn: rank 1 failed" in text
+    assert "the checkpoint on disk is step 10" in text
+    assert "resumed from step 10" in text
+    assert "bit for bit the parameters of the uninterrupted run: True" in text
+    assert "same losses after the restart: True" in text
+    first, last = map(float, re.search(r"loss (\S+) at step 0, (\S+) at step", text).groups())
+    assert last < first
+
+
 def test_sharded_training(tmp_path: Path) -> None:
     text, outputs = execute("06_sharded_training.ipynb", tmp_path)
     assert "loss curves equal: True" in text
