@@ -27,28 +27,23 @@ environment, run it with that environment's Python.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from cupy_parallel._tools.benchmarking import Timing, result, script_main
-from cupy_parallel._tools.launch import find_mpiexec
+from cupy_parallel._tools.benchmarking import (
+    Timing,
+    mpi_script_main,
+    result,
+    run_ranks,
+)
 
 SIZES = [512, 1024, 1024, 1024, 1024, 512, 16]
 BATCH = 64  # per rank
 RANKS = 2
 BUCKET_CAP_MB = 4.0  # both DDPs: about 5 buckets, so that most all-reduces can overlap
-
-
-def _under_mpiexec() -> bool:
-    return any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
 
 
 def _weights() -> list[tuple[np.ndarray, np.ndarray]]:
@@ -285,39 +280,11 @@ def _rows(times: dict[str, list[float]], ranks: int) -> list[dict[str, Any]]:
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
     """Measure on 2 ranks (launching mpiexec) and return the rows."""
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
-        raise RuntimeError("bench_ddp needs mpiexec (pip install mpich).")
-    command = [mpiexec, "-n", str(RANKS), sys.executable, str(Path(__file__).resolve()), "--worker"]
-    if quick:
-        command.append("--quick")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"mpiexec -n {RANKS} failed:\n{done.stderr[-3000:]}")
-    marker = next(line for line in done.stdout.splitlines() if line.startswith("ROWS "))
-    return json.loads(marker[5:])
+    return run_ranks(__file__, RANKS, quick=quick, timeout=600)
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    quick = "--quick" in argv
-    if "--worker" in argv:
-        rows = _measure(quick)
-        if rows:
-            print("ROWS " + json.dumps(rows), flush=True)
-        return
-    if _under_mpiexec():
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.Get_rank() != 0:
-            _measure(quick)
-            return
-    script_main(
-        _measure if _under_mpiexec() else run,
-        "bench_ddp",
-        __doc__.splitlines()[0],
-        quick_help="fewer rounds",
-    )
+    mpi_script_main(_measure, run, "bench_ddp", __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

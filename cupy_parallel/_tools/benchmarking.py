@@ -19,8 +19,10 @@ import datetime
 import importlib.util
 import json
 import math
+import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -678,3 +680,62 @@ def script_main(
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
     return rows
+
+
+def under_mpiexec() -> bool:
+    """Whether this process is a rank that ``mpiexec`` started (MPICH's, Open MPI's, PMIx's)."""
+    return any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+
+
+def run_ranks(script: str, ranks: int, /, *, quick: bool, timeout: float = 900) -> list[Any]:
+    """Run ``script --worker`` on ``ranks`` MPI processes; the rows its first rank printed.
+
+    The script's worker mode (:func:`mpi_script_main`) prints them on a line ``ROWS <json>``.
+    """
+    from cupy_parallel._tools.launch import find_mpiexec
+
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise RuntimeError(f"{Path(script).stem} needs mpiexec (pip install mpich).")
+    command = [mpiexec, "-n", str(ranks), sys.executable, str(Path(script).resolve()), "--worker"]
+    if quick:
+        command.append("--quick")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"mpiexec -n {ranks} failed:\n{done.stderr[-3000:]}{done.stdout[-3000:]}"
+        )
+    marker = next(line for line in done.stdout.splitlines() if line.startswith("ROWS "))
+    rows: list[Any] = json.loads(marker[5:])
+    return rows
+
+
+def mpi_script_main(
+    measure: Callable[[bool], Sequence[dict[str, Any]]],
+    run: Callable[[bool], Sequence[dict[str, Any]]],
+    name: str,
+    description: str,
+    /,
+    *,
+    quick_help: str = "fewer rounds",
+) -> None:
+    """The command line of a benchmark whose ranks are MPI processes.
+
+    ``python bench_x.py`` starts the ranks (``run``, through :func:`run_ranks`) and prints their
+    rows as :func:`script_main` does; under ``mpiexec`` every rank measures (``measure``) and the
+    first prints; ``--worker`` is the mode :func:`run_ranks` starts, which prints ``ROWS <json>``.
+    """
+    argv = sys.argv[1:]
+    quick = "--quick" in argv
+    if "--worker" in argv:
+        rows = measure(quick)
+        if rows:
+            print("ROWS " + json.dumps(rows), flush=True)
+        return
+    if under_mpiexec():
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() != 0:
+            measure(quick)
+            return
+    script_main(measure if under_mpiexec() else run, name, description, quick_help=quick_help)
