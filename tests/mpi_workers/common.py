@@ -7,6 +7,7 @@ tests/thread_ranks.py) the ranks are threads of one process, so each thread keep
 from __future__ import annotations
 
 import threading
+import traceback
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,7 +15,7 @@ import numpy as np
 from cupy_parallel import distributed as dist
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
 
 class Tally:
@@ -57,3 +58,32 @@ def each_on_its_group(calls: dict[str, Callable[[Any], Any]], members: list[int]
     x = np.ones(2)
     dist.all_reduce(x)
     print(f"OK world after: {x.tolist()}", flush=True)
+
+
+def run_checks(
+    checks: Callable[[], Sequence[tuple[Callable[..., object], tuple[Any, ...]]]],
+) -> int:
+    """Run a worker's checks on this rank (``check(*args)`` each), then leave the world.
+
+    The world is MPI's, or the one ``spawn`` made already. A failing check prints its traceback
+    and the others still run; the exit status is 1 then, else 0 after "N checks passed".
+    """
+    if not dist.is_initialized():
+        dist.init_process_group("mpi")
+    rank = dist.get_rank()
+    todo = checks()
+    failed = 0
+    for check, args in todo:
+        try:
+            check(*args)
+        except Exception:  # noqa: BLE001, PERF203 - each check reported, the exit status says so
+            failed += 1
+            print(
+                f"rank {rank}: FAILED {check.__name__}{args}\n{traceback.format_exc()}", flush=True
+            )
+    dist.barrier()
+    dist.destroy_process_group()
+    if failed:
+        return 1
+    print(f"rank {rank}: {len(todo)} checks passed", flush=True)
+    return 0

@@ -17,10 +17,10 @@ NCCL thread ranks under ``simulated_cuda``). ``main()`` is ``rank_main`` under `
 from __future__ import annotations
 
 import sys
-import traceback
 from typing import Any, NamedTuple
 
 import numpy as np
+from common import run_checks  # this directory: the worker runs as a script
 
 import cupy_parallel as cp
 from cupy_parallel import distributed as dist
@@ -599,26 +599,7 @@ def main() -> int:
 def rank_main(rank: int, argv: list[str]) -> int:
     """One rank's program (``rank`` is unused: the world says); see the module."""
     mode = argv[0] if argv else "all"
-    if not dist.is_initialized():  # spawn made the world already
-        dist.init_process_group("mpi")
-    rank = dist.get_rank()
-    checks = CHECKS if mode == "all" else CUPY_CHECKS
-    failed = 0
-    for check, setting in checks:
-        try:
-            check(setting)
-        except Exception:  # noqa: BLE001, PERF203 - each check reported, the exit status says so
-            failed += 1
-            print(
-                f"rank {rank}: FAILED {check.__name__}({setting})\n{traceback.format_exc()}",
-                flush=True,
-            )
-    dist.barrier()
-    dist.destroy_process_group()
-    if failed:
-        return 1
-    print(f"rank {rank}: {len(checks)} checks passed", flush=True)
-    return 0
+    return run_checks(lambda: [(c, (s,)) for c, s in (CHECKS if mode == "all" else CUPY_CHECKS)])
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import copy
 import sys
-import traceback
 from typing import Any
 
 import numpy as np
+from common import run_checks  # this directory: the worker runs as a script
 from ddp_worker import (
     F64,
     Setting,
@@ -256,25 +256,7 @@ def main() -> int:
 def rank_main(rank: int, argv: list[str]) -> int:
     """One rank's program (``rank`` is unused: the world says); see the module."""
     mode = argv[0] if argv else "all"
-    if not dist.is_initialized():  # spawn made the world already
-        dist.init_process_group("mpi")
-    rank = dist.get_rank()
-    todo = checks() if mode == "all" else cupy_checks()
-    failed = 0
-    for check, args in todo:
-        try:
-            check(*args)
-        except Exception:  # noqa: BLE001, PERF203 - each check reported, the exit status says so
-            failed += 1
-            print(
-                f"rank {rank}: FAILED {check.__name__}{args}\n{traceback.format_exc()}", flush=True
-            )
-    dist.barrier()
-    dist.destroy_process_group()
-    if failed:
-        return 1
-    print(f"rank {rank}: {len(todo)} checks passed", flush=True)
-    return 0
+    return run_checks(checks if mode == "all" else cupy_checks)
 
 
 if __name__ == "__main__":
