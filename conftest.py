@@ -44,8 +44,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Start tests/test_typing.py's mypy run in the background when its tests are selected.
 
     A process of its own (about 20 s of CPU from a cold cache): on 2 cores it checks while the
-    tests before it run, instead of after them.
+    tests before it run, instead of after them. Not in pytest-xdist's workers: each collects every
+    test but runs only some, so each would start its own run; there the other worker's tests
+    overlap the run that ``mypy_output`` starts.
     """
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
     for item in session.items:
         if item.path.name == "test_typing.py" and "mypy_output" in getattr(
             item, "fixturenames", ()

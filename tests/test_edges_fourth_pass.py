@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import threading
 from typing import Any
 
 import numpy as np
@@ -347,16 +348,21 @@ def test_complex_refusals_match_torchs() -> None:
         tdist.destroy_process_group()
 
 
+_rank_0_left = threading.Event()
+
+
 def _monitored_at_once(rank: int) -> str:
     import datetime
-    import time
 
-    if rank == 1:
-        time.sleep(0.5)  # rank 0 is in the barrier well before
+    if rank == 1:  # arrives only once rank 0 has left its barrier, however loaded the machine
+        assert _rank_0_left.wait(timeout=60)
     try:
         dist.monitored_barrier(timeout=datetime.timedelta(0))
     except RuntimeError as error:
         return str(error)
+    finally:
+        if rank == 0:
+            _rank_0_left.set()
     return "no error"
 
 
@@ -368,6 +374,7 @@ def test_monitored_barrier_with_a_zero_timeout_times_out_at_once() -> None:
         dist.monitored_barrier(timeout=datetime.timedelta(0))  # a world of one: nothing to wait
     finally:
         dist.destroy_process_group()
+    _rank_0_left.clear()
     messages = dist.spawn(_monitored_at_once, 2)
     assert "rank 1 did not arrive within 0 s" in messages[0]
 

@@ -211,7 +211,7 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize(("options", "error", "message"), REFUSED, ids=str)
+@pytest.mark.parametrize(("options", "error", "message"), REFUSED, ids=[m for _, _, m in REFUSED])
 def test_ddp_refuses_torchs_keywords_that_mean_otherwise_here(
     options: dict[str, Any], error: type[Exception], message: str
 ) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import os
 import random
-import signal
 import subprocess
 import sys
 import textwrap
@@ -277,16 +276,27 @@ def test_saving_over_a_file_replaces_it_and_leaves_no_temporary(tmp_path):
 # ------------------------------------------------------------------------------------------
 # Atomicity: a child process saves ~200 MB versions in a loop and is killed at random moments
 
-CHILD = textwrap.dedent(
+# Forks each child from one process that has imported the library already, so that a trial costs
+# its save and its kill, not an interpreter start. A line "N" starts a child that saves versions
+# N+1, N+2, ... in a loop; the next line kills it (SIGKILL), reaps it and answers "gone".
+# Single-threaded, so fork is safe here.
+ZYGOTE = textwrap.dedent(
     """
-    import sys, numpy as np, cupy_parallel as cp
+    import os, signal, sys, numpy as np, cupy_parallel as cp
     path = sys.argv[1]
-    version = 0
     print("ready", flush=True)
-    while True:
-        version += 1
-        cp.save({"version": version, "w": np.full(25_000_000, float(version))}, path)
-        print(version, flush=True)
+    for line in sys.stdin:
+        child = os.fork()
+        if child == 0:
+            version = int(line)
+            while True:
+                version += 1
+                cp.save({"version": version, "w": np.full(25_000_000, float(version))}, path)
+        print("started", flush=True)
+        sys.stdin.readline()
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        print("gone", flush=True)
     """
 )
 
@@ -299,24 +309,37 @@ def test_a_save_killed_at_any_moment_leaves_a_complete_version(tmp_path):
     one_save = time.perf_counter() - start  # as slow as this machine is now (a loaded CI too)
     rng = random.Random(1234)
     seen = set()
-    for _trial in range(20):
-        child = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(path)],
-            stdout=subprocess.PIPE,
-            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
-        )
-        assert child.stdout is not None
-        assert child.stdout.readline() == b"ready\n"  # imported: the kill lands in the saves
-        time.sleep(rng.uniform(0.0, 2.5 * one_save))  # somewhere in the first few saves
-        child.send_signal(signal.SIGKILL)
-        child.communicate()  # reaped, its pipe closed
-        state = cp.load(path)
-        version = state["version"]
-        seen.add(version)
-        w = state["w"]
-        assert w.shape == (25_000_000,)
-        assert w[0] == w[-1] == float(version)  # one whole version, never a mix
-        assert np.all(w == float(version))
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", ZYGOTE, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )
+    assert zygote.stdin is not None
+    assert zygote.stdout is not None
+
+    def say(line: str, answer: str) -> None:
+        zygote.stdin.write(line + "\n")
+        zygote.stdin.flush()
+        assert zygote.stdout.readline() == answer + "\n"
+
+    try:
+        assert zygote.stdout.readline() == "ready\n"
+        for trial in range(20):
+            say(str(1000 * (trial + 1)), "started")
+            time.sleep(rng.uniform(0.0, 2.0 * one_save))  # in its first save or its second
+            say("kill", "gone")
+            state = cp.load(path)
+            version = state["version"]
+            seen.add(version)
+            w = state["w"]
+            assert w.shape == (25_000_000,)
+            assert w[0] == w[-1] == float(version)  # one whole version, never a mix
+            assert np.all(w == float(version))
+    finally:
+        zygote.kill()
+        zygote.communicate()
     assert len(seen) > 1  # the kills landed at different points
 
 

@@ -422,8 +422,9 @@ _WRITER = """
 import os, sys
 from cupy_parallel.distributed import FileStore
 store = FileStore(sys.argv[1])
-print("ready", flush=True)
 value = os.urandom(8 << 20)
+store.set("big", value)  # one whole value before any kill, however slow the machine
+print("ready", flush=True)
 while True:
     store.set("big", value)
     store.add("count", 1)
