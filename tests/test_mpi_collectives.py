@@ -601,6 +601,27 @@ def test_threads_racing_in_the_debug_mode_mix_no_result_silently(via: str) -> No
     assert f"rank 1: held b9: {debug} in the thread that issued it (rank 0: thread 'a'; " in out
 
 
+def test_a_threads_second_async_call_meeting_its_first_raises_on_both_ranks() -> None:
+    """Without the debug mode: thread a starts two all_reduce calls (async_op=True) and thread
+    b one, b first on rank 1. a0 meets b0 (an error on both ranks), then a1 on rank 0 met a0
+    on rank 1: the same thread and arrays, so their comparisons agreed, and both returned the
+    other's sum (rank 0: ``WRONG 103.0 (want 203.0)``, rank 1: ``WRONG 103.0 (want 3.0)``), no
+    error. Now the ranks' histories differ there (a, a against b, a) and both raise."""
+    result = launch_agreement(2, "async-race", "threads")
+    out = result.stdout
+    assert "WRONG" not in out, out
+    assert "right" not in out, out  # every call here met another: none may return
+    history = (
+        "ERROR ValueError: all_reduce on process group '1': ranks [0, 1] disagree (no majority) "
+        "in the calls they had issued on this group before this one (the threads and "
+        "collectives of those calls, in order), so this call met another call"
+    )
+    assert f"rank 0: async a1: {history}" in out, out + result.stderr[-3000:]
+    assert f"rank 1: async a0: {history}" in out, out
+    thread = "disagree (no majority) in the thread that issued it"
+    assert out.count(thread) == 4, out  # a0 and b0 on rank 0, a1 and b0 on rank 1
+
+
 @pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
 def test_a_thread_ended_and_made_again_under_its_name_on_one_rank_is_no_error(ranks: int) -> None:
     """The calls meet in the same order from threads of the same name on every rank, though on

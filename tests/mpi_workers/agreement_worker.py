@@ -17,12 +17,14 @@ Modes:
   prints ``rank r: SCENARIO CALL: right``, ``WRONG ...`` or ``ERROR Type: ...``. ``async``:
   thread ``a`` starts calls ``a0`` and ``a1`` (``async_op=True``) and ``b`` one call, ``b``
   first on rank 1: ``a0``'s digest meets ``b0``'s (an error on both ranks), then ``a1`` on
-  rank 0 met ``a0`` on rank 1, whose comparisons agreed (the same thread, call and arrays):
+  rank 0 met ``a0`` on rank 1, whose comparisons agreed (the same thread and arrays):
   both returned the other's sum. ``held``: the debug mode compares a call's digest before its
   collective starts, so another thread's call can come between them: rank 1's thread ``a`` is
   held there, while rank 0's ``a0`` started its collective; rank 1's ``b9`` then meets it
   (an error on both ranks, but data started on rank 0 only), and ``b0`` on both ranks compared
   alike while MPI summed rank 1's ``b0`` with rank 0's ``a0``.
+- ``async-race`` (2 ranks): ``debug-race``'s ``async`` without the debug mode (``a0`` meets
+  ``b0``'s collective; ``a1`` on rank 0 met ``a0`` on rank 1 as there).
 """
 
 from __future__ import annotations
@@ -137,17 +139,21 @@ class Race:
                 self.said(name, self.checked(name))
 
 
-def debug_race(rank: int) -> None:
-    assert os.environ.get("CUPY_PARALLEL_DISTRIBUTED_DEBUG") == "DETAIL"
-    # Thread a's two calls, b's one, in other orders on the ranks: a1 on rank 0 met a0 on rank 1.
+def async_race(rank: int) -> None:
+    """Thread a's two calls, b's one, in other orders on the ranks: a1 on rank 0 met a0."""
     race = Race(rank, "async")
     if rank == 0:
-        race.call("a0", "a1", async_op=True).join()  # a0's digest meets b0's: an error on both
+        race.call("a0", "a1", async_op=True).join()  # a0 meets b0: an error on both ranks
         race.call("b0", async_op=True).join()
     else:
         race.call("b0", async_op=True).join()
         race.call("a0", "a1", async_op=True).join()
     race.wait("a1", "a0", "b0")
+
+
+def debug_race(rank: int) -> None:
+    assert os.environ.get("CUPY_PARALLEL_DISTRIBUTED_DEBUG") == "DETAIL"
+    async_race(rank)  # here a0's digest meets b0's
 
     # Rank 1's thread a held between its digest and its collective, which started on rank 0.
     race = Race(rank, "held")
@@ -231,6 +237,8 @@ def rank_main(_: int, argv: list[str]) -> int:
         mismatch(rank, size)
     elif mode == "debug-race":
         debug_race(rank)
+    elif mode == "async-race":
+        async_race(rank)
     dist.destroy_process_group()
     return 0
 
