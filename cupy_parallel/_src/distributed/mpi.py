@@ -81,6 +81,7 @@ from cupy_parallel._src.distributed.mpi_checks import (
     compare_digest,
     compare_new_group,
     followed,
+    history_token,
     stamp,
 )
 from cupy_parallel._src.distributed.mpi_job import (
@@ -110,6 +111,8 @@ if TYPE_CHECKING:
     _SideCheck = tuple[Any, bytes, bytearray, Verify]
 
 __all__ = ["MPIBackend"]
+
+_TOKENS_KEPT = 1024  # history tokens a group keeps, by row (cleared when full)
 
 # ---------------------------------------------------------------------------------------------
 # Buffers
@@ -557,6 +560,7 @@ class MPIBackend(ProcessGroupBackend):
         # calls, Split too) and the history of the rows sent.
         self._posted = 0
         self._history = 0
+        self._tokens: dict[bytes, int] = {}  # history_token by row (rows are made once, kept)
         self._thread = threading.local()  # per thread: its Caller
 
     # --------------------------------------------------------------------------- life cycle
@@ -705,8 +709,13 @@ class MPIBackend(ProcessGroupBackend):
         with the operation and the row's exchange started under the same hold.
         """
         posted, history = self._posted, self._history
+        token = self._tokens.get(row)
+        if token is None:  # a row met first (a bytes object hashes once)
+            if len(self._tokens) >= _TOKENS_KEPT:
+                self._tokens.clear()
+            token = self._tokens[row] = history_token(row)
         self._posted = posted + collectives
-        self._history = followed(history, row)
+        self._history = followed(history, token)
         return stamp(row, posted, history)
 
     def shutdown(self) -> None:

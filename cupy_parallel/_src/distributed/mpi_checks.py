@@ -72,7 +72,7 @@ target before any code of ours runs.
 from __future__ import annotations
 
 import functools
-import sys
+import struct
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -106,6 +106,7 @@ __all__ = [
     "dtype_row",
     "dtype_said",
     "followed",
+    "history_token",
     "stamp",
 ]
 
@@ -391,31 +392,40 @@ def stamp(row: bytes, posted: int, history: int, /) -> bytes:
         >>> np.frombuffer(stamp(b"", 7, 5), np.int64)
         array([7, 5])
     """
-    order = sys.byteorder
-    return row + posted.to_bytes(8, order, signed=True) + history.to_bytes(8, order)
+    return row + _STAMP.pack(posted, history)
 
 
-def followed(history: int, row: bytes, /) -> int:
-    """``history`` once ``row`` was sent after it: extended by the row's operation and thread.
+def history_token(row: bytes, /) -> int:
+    """What ``row`` adds to a history (:func:`followed`): a checksum of its operation and thread.
 
-    A polynomial hash modulo the prime ``2**61 - 1`` of the sequence of the rows' operations
-    and threads (each a 64-bit checksum of those fields): two ranks that sent different
-    sequences have different histories but with a probability of about ``2**-61`` per call.
-    Only the operation and the thread enter it: rows that differ in another field raise on
-    every rank alike, which moves no rank's calls against another's, and the debug mode's
-    refusal of arguments that differ leaves the group usable (a history of every field would
-    make every later call raise).
+    64 bits (CRC-32 and Adler-32 of those fields). Only the operation and the thread enter the
+    history: rows that differ in another field raise on every rank alike, which moves no rank's
+    calls against another's, and the debug mode's refusal of arguments that differ leaves the
+    group usable (a history of every field would make every later call raise).
 
     Example:
-        >>> row = _row(0, Caller("t"))
-        >>> followed(0, row) == followed(0, _row(0, Caller("u"))), 0 <= followed(0, row) < 2**61
-        (False, True)
+        >>> history_token(_row(0, Caller("t"))) == history_token(_row(0, Caller("u")))
+        False
     """
     head = row[: _START * 8]  # the operation and the caller
-    token = zlib.crc32(head) << 32 | zlib.adler32(head)
+    return zlib.crc32(head) << 32 | zlib.adler32(head)
+
+
+def followed(history: int, token: int, /) -> int:
+    """``history`` once a row of :func:`history_token` ``token`` was sent after it.
+
+    A polynomial hash modulo the prime ``2**61 - 1`` of the sequence of the rows' tokens: two
+    ranks that sent different sequences have different histories but with a probability of
+    about ``2**-61`` per call.
+
+    Example:
+        >>> followed(followed(0, 1), 2) != followed(followed(0, 2), 1)
+        True
+    """
     return (history * _HISTORY_BASE + token) % _HISTORY_PRIME
 
 
+_STAMP = struct.Struct("=qq")  # posted and history, native int64 as the rows
 _HISTORY_PRIME = (1 << 61) - 1
 _HISTORY_BASE = 0x2545F4914F6CDD1D % _HISTORY_PRIME  # any number in (1, prime) would do
 
