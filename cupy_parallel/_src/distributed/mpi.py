@@ -328,10 +328,9 @@ class _MPIWork(Work):
         The ranks exchange them (``mine``: a row of ``int64``, of one size for every
         comparison, stamped with what this rank issued on the group before; ``Iallgather`` on
         the group's control communicator, overlapping the operation). ``verify`` gets every
-        rank's row and says what they disagree on; then every
-        rank raises ``ValueError`` with that message, and the group is unusable (the operation
-        may have written the arrays already, and the job is aborted at exit in case it never
-        finishes).
+        rank's row and says what they disagree on; then every rank raises ``ValueError`` with
+        that message, and the group is unusable (the operation may have written the arrays
+        already, and the job is aborted at exit in case it never finishes).
         """
         backend = self._backend
         mine = backend._stamp(mine, len(self._request) if type(self._request) is list else 1)
