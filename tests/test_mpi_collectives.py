@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from thread_ranks import MPIEXEC, printed, run_mpiexec, run_threads
 
 from cupy_parallel import distributed as dist
-from cupy_parallel._src.distributed.mpi_checks import Caller, compare_counts
+from cupy_parallel._src.distributed.mpi_checks import Caller, compare_counts, stamp
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -524,12 +524,12 @@ def test_a_late_rank_does_not_let_the_next_monitored_barrier_pass_early(
 
 
 def launch_agreement(
-    ranks: int, mode: str, via: str = "mpiexec"
+    ranks: int, mode: str, via: str = "mpiexec", env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     if via == "threads":
-        ran = run_threads("agreement_worker", ranks, mode, timeout=20)
+        ran = run_threads("agreement_worker", ranks, mode, timeout=20, env=env)
         return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr)
-    ran = run_mpiexec("agreement_worker", ranks, mode, timeout=120)
+    ran = run_mpiexec("agreement_worker", ranks, mode, timeout=120, env=env)
     return subprocess.CompletedProcess([], ran.returncode, ran.stdout, ran.stderr)
 
 
@@ -561,6 +561,65 @@ def test_threads_racing_on_one_group_raise_on_every_rank(ranks: int, via: str) -
         "MPI pairs a group's collectives in the order each rank issues them, and threads issuing "
         "on one group at once issue in no set order across the ranks" in out
     )
+
+
+@VIA
+def test_threads_racing_in_the_debug_mode_mix_no_result_silently(via: str) -> None:
+    """Issue 34, row 11: two threads racing on one group in the debug mode left 2 of 4,000
+    results mixed without an error (2 ranks; in 4 of 24 runs of 2,000 calls per thread, and in
+    none of 24 without the debug mode). The worker makes the two interleavings behind it happen
+    every time (see agreement_worker.py): ``async``, where thread a's second call met its first
+    on the other rank, both comparisons alike (``a1``: ``WRONG 103.0 (want 203.0)``), and
+    ``held``, where data started on one rank only and ``b0`` summed a0's data on both ranks
+    (``WRONG 13.0 (want 23.0)``). Now every comparison carries how many collectives the rank had
+    started on the group and a digest of the threads and operations of its earlier comparisons,
+    and every one of these calls raises on both ranks."""
+    result = launch_agreement(
+        2, "debug-race", via, env={"CUPY_PARALLEL_DISTRIBUTED_DEBUG": "DETAIL"}
+    )
+    out = result.stdout
+    assert "WRONG" not in out, out
+    assert "right" not in out, out  # every call here met another: none may return
+    calls = {0: ["async a0", "async a1", "async b0", "held a0", "held b0"]}
+    calls[1] = ["async a0", "async a1", "async b0", "held b9", "held b0"]
+    for rank, names in calls.items():
+        for name in names:
+            assert f"rank {rank}: {name}: ERROR ValueError: " in out, (name, out + result.stderr)
+    debug = "ERROR ValueError: the debug mode's comparison: ranks [0, 1] disagree (no majority)"
+    earlier = (
+        f"{debug} in the calls they had issued on this group before this one (the threads and "
+        "collectives of those calls, in order), so this call met another call"
+    )
+    assert f"rank 0: async a1: {earlier}" in out, out
+    assert f"rank 1: async a0: {earlier}" in out, out
+    started = (
+        f"{debug} in how many collectives they had started on this group before this one "
+        "(rank 0: 1; rank 1: 0), so MPI pairs this call's data with another call's"
+    )
+    assert f"rank 0: held b0: {started}" in out, out
+    assert f"rank 1: held b0: {started}" in out, out
+    assert f"rank 1: held b9: {debug} in the thread that issued it (rank 0: thread 'a'; " in out
+
+
+def test_a_threads_second_async_call_meeting_its_first_raises_on_both_ranks() -> None:
+    """Without the debug mode: thread a starts two all_reduce calls (async_op=True) and thread
+    b one, b first on rank 1. a0 meets b0 (an error on both ranks), then a1 on rank 0 met a0
+    on rank 1: the same thread and arrays, so their comparisons agreed, and both returned the
+    other's sum (rank 0: ``WRONG 103.0 (want 203.0)``, rank 1: ``WRONG 103.0 (want 3.0)``), no
+    error. Now the ranks' histories differ there (a, a against b, a) and both raise."""
+    result = launch_agreement(2, "async-race", "threads")
+    out = result.stdout
+    assert "WRONG" not in out, out
+    assert "right" not in out, out  # every call here met another: none may return
+    history = (
+        "ERROR ValueError: all_reduce on process group '1': ranks [0, 1] disagree (no majority) "
+        "in the calls they had issued on this group before this one (the threads and "
+        "collectives of those calls, in order), so this call met another call"
+    )
+    assert f"rank 0: async a1: {history}" in out, out + result.stderr[-3000:]
+    assert f"rank 1: async a0: {history}" in out, out
+    thread = "disagree (no majority) in the thread that issued it"
+    assert out.count(thread) == 4, out  # a0 and b0 on rank 0, a1 and b0 on rank 1
 
 
 @pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"{n}ranks")
@@ -736,7 +795,8 @@ def test_all_to_all_fingerprints_agree_exactly_when_every_pair_does(
     comparisons = [
         compare_counts(caller, sizes[k], expects[k], dtype, range(n), rank=k) for k in range(n)
     ]
-    every = np.frombuffer(b"".join(row for row, _ in comparisons), np.int64).reshape(n, -1)
+    rows = b"".join(stamp(row, 0, 0) for row, _ in comparisons)  # as the backend sends them
+    every = np.frombuffer(rows, np.int64).reshape(n, -1)
     asked: list[np.ndarray] = []
 
     def exchange(mine: np.ndarray) -> np.ndarray:  # what every rank would send: the oracle's

@@ -12,19 +12,35 @@ Modes:
   another dtype (of another or of the same item size) or another size; every rank prints what
   it caught (``CAUGHT ...``) or ``NO ERROR name: result``; then a collective on the world group
   shows it unharmed.
+- ``debug-race`` (2 ranks, the debug mode on): what two threads racing on one group did about
+  one run in six (2 of 4,000 results mixed, no error), made to happen every time. Each rank
+  prints ``rank r: SCENARIO CALL: right``, ``WRONG ...`` or ``ERROR Type: ...``. ``async``:
+  thread ``a`` starts calls ``a0`` and ``a1`` (``async_op=True``) and ``b`` one call, ``b``
+  first on rank 1: ``a0``'s digest meets ``b0``'s (an error on both ranks), then ``a1`` on
+  rank 0 met ``a0`` on rank 1, whose comparisons agreed (the same thread and arrays):
+  both returned the other's sum. ``held``: the debug mode compares a call's digest before its
+  collective starts, so another thread's call can come between them: rank 1's thread ``a`` is
+  held there, while rank 0's ``a0`` started its collective; rank 1's ``b9`` then meets it
+  (an error on both ranks, but data started on rank 0 only), and ``b0`` on both ranks compared
+  alike while MPI summed rank 1's ``b0`` with rank 0's ``a0``.
+- ``async-race`` (2 ranks): ``debug-race``'s ``async`` without the debug mode (``a0`` meets
+  ``b0``'s collective; ``a1`` on rank 0 met ``a0`` on rank 1 as there).
 """
 
 from __future__ import annotations
 
 import contextvars
+import os
 import sys
 import threading
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 from common import each_on_its_group  # this directory: the worker runs as a script
 
 from cupy_parallel import distributed as dist
+from cupy_parallel._src.distributed import dispatch
 from cupy_parallel.distributed import ReduceOp
 
 CALLS = 2000
@@ -66,6 +82,105 @@ def threads(rank: int, size: int) -> None:
     lines += [f"rank {rank}: ERROR {error}" for error in errors]
     print("\n".join(lines), flush=True)
     dist.barrier()  # every rank has printed before any exits (and aborts the job)
+
+
+class Race:
+    """Calls of named threads on a group of ranks 0 and 1, each all_reduce of values saying
+    which rank, thread and call they come from (``"b0"``: thread ``b``, its call 0); every rank
+    prints ``rank r: SCENARIO CALL: right``, ``WRONG ...`` or ``ERROR Type: message``."""
+
+    def __init__(self, rank: int, scenario: str) -> None:
+        self.rank, self.scenario = rank, scenario
+        self.group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+        self.arrays: dict[str, np.ndarray] = {}
+        self.works: dict[str, dist.Work] = {}
+
+    def value(self, name: str, rank: int) -> float:
+        return 1.0 + rank + 10 * (ord(name[0]) - ord("a")) + 100 * int(name[1:])
+
+    def call(self, *names: str, async_op: bool = False) -> threading.Thread:
+        """Start thread ``names[0][0]`` (named as on the peer) making the calls ``names``."""
+
+        def body() -> None:
+            for name in names:
+                x = self.arrays[name] = np.full(4, self.value(name, self.rank))
+                try:
+                    if async_op:  # started here, waited on in wait()
+                        self.works[name] = dist.all_reduce(x, group=self.group, async_op=True)
+                        continue
+                    dist.all_reduce(x, group=self.group)
+                except (ValueError, RuntimeError, TimeoutError) as error:
+                    self.said(name, f"ERROR {type(error).__name__}: {error}")
+                    continue
+                self.said(name, self.checked(name))
+
+        # in this rank's context (a thread rank's own, under spawn)
+        runner = contextvars.copy_context().run
+        thread = threading.Thread(target=runner, args=(body,), name=names[0][0])
+        thread.start()
+        return thread
+
+    def checked(self, name: str) -> str:
+        x, expected = self.arrays[name], self.value(name, 0) + self.value(name, 1)
+        return "right" if (x == expected).all() else f"WRONG {x[0]} (want {expected})"
+
+    def said(self, name: str, outcome: str) -> None:
+        print(f"rank {self.rank}: {self.scenario} {name}: {outcome}", flush=True)
+
+    def wait(self, *names: str) -> None:
+        """Wait on the calls ``names`` that started (the others raised, and said so)."""
+        for name in names:
+            if name in self.works:
+                try:
+                    self.works[name].wait()
+                except (ValueError, RuntimeError, TimeoutError) as error:
+                    self.said(name, f"ERROR {type(error).__name__}: {error}")
+                    continue
+                self.said(name, self.checked(name))
+
+
+def async_race(rank: int) -> None:
+    """Thread a's two calls, b's one, in other orders on the ranks: a1 on rank 0 met a0."""
+    race = Race(rank, "async")
+    if rank == 0:
+        race.call("a0", "a1", async_op=True).join()  # a0 meets b0: an error on both ranks
+        race.call("b0", async_op=True).join()
+    else:
+        race.call("b0", async_op=True).join()
+        race.call("a0", "a1", async_op=True).join()
+    race.wait("a1", "a0", "b0")
+
+
+def debug_race(rank: int) -> None:
+    assert os.environ.get("CUPY_PARALLEL_DISTRIBUTED_DEBUG") == "DETAIL"
+    async_race(rank)  # here a0's digest meets b0's
+
+    # Rank 1's thread a held between its digest and its collective, which started on rank 0.
+    race = Race(rank, "held")
+    if rank == 0:
+        race.call("a0", async_op=True).join()  # its digest, then its collective: started
+        race.call("b0").join()  # before: its collective met no other call of thread b
+        race.wait("a0")
+        return
+    compared, go = threading.Event(), threading.Event()
+    unpatched = dispatch._compare
+
+    def compare_then_hold(*args: Any) -> None:
+        unpatched(*args)
+        if dist.get_rank() == 1 and threading.current_thread().name == "a":
+            compared.set()
+            go.wait()
+
+    dispatch._compare = compare_then_hold
+    try:
+        held = race.call("a0")
+        compared.wait()
+        race.call("b9").join()  # its digest meets a0's collective on rank 0
+        race.call("b0").join()
+    finally:
+        dispatch._compare = unpatched
+        go.set()
+    held.join()  # a0 started on rank 1 only now: no call of rank 0 meets its comparison
 
 
 def mismatch(rank: int, size: int) -> None:
@@ -120,6 +235,10 @@ def rank_main(_: int, argv: list[str]) -> int:
         threads(rank, size)
     elif mode == "mismatch":
         mismatch(rank, size)
+    elif mode == "debug-race":
+        debug_race(rank)
+    elif mode == "async-race":
+        async_race(rank)
     dist.destroy_process_group()
     return 0
 

@@ -41,10 +41,17 @@
   on their own), so such a pairing is an error instead: the ranks compare the name of the
   issuing thread, and the first mixed pair raises
   ``ValueError`` on every rank naming both threads (the group is unusable after). A thread's
-  collective and its comparison are issued under one lock, so each rank's ``k``-th collective
-  meets the ``k``-th comparison. Issue a group's collectives from one thread at a time (in the
-  same order on every rank), or give each thread a group of its own. Threads of one process
-  that issue on one group must have different names (Python's default names are).
+  collective and its comparison are issued under one lock, and the comparison carries what
+  the rank issued on the group before it (how many collectives, and a digest of the threads
+  and operations of its earlier comparisons), which the ranks compare too: a call whose ranks'
+  rows agree is the same call of the same thread on every rank, and the ``k``-th collective of
+  every rank, so MPI pairs its data with itself, even after an earlier call met another (its
+  thread's next ``async_op=True`` call, or a debug-mode comparison, exchanged before its
+  collective starts, that met another thread's collective: data started on one rank only).
+  Every call whose data met another call's raises on every rank that made it: no result is
+  mixed silently. Issue a group's collectives from one thread at a time (in the same order on
+  every rank), or give each thread a group of its own. Threads of one process that issue on one
+  group must have different names (Python's default names are).
 """
 
 from __future__ import annotations
@@ -73,6 +80,9 @@ from cupy_parallel._src.distributed.mpi_checks import (
     compare_counts,
     compare_digest,
     compare_new_group,
+    followed,
+    history_token,
+    stamp,
 )
 from cupy_parallel._src.distributed.mpi_job import (
     DEPARTURE_GRACE_S,
@@ -101,6 +111,8 @@ if TYPE_CHECKING:
     _SideCheck = tuple[Any, bytes, bytearray, Verify]
 
 __all__ = ["MPIBackend"]
+
+_TOKENS_KEPT = 1024  # history tokens a group keeps, by row (cleared when full)
 
 # ---------------------------------------------------------------------------------------------
 # Buffers
@@ -314,13 +326,14 @@ class _MPIWork(Work):
         reduction reads another dtype's bytes, or both wait forever), the byte counts and dtype
         of ``all_to_all`` (a receiver expecting more gets zeros).
         The ranks exchange them (``mine``: a row of ``int64``, of one size for every
-        comparison; ``Iallgather`` on the group's control communicator, overlapping the
-        operation). ``verify`` gets every rank's row and says what they disagree on; then every
-        rank raises ``ValueError`` with that message, and the group is unusable (the operation
-        may have written the arrays already, and the job is aborted at exit in case it never
-        finishes).
+        comparison, stamped with what this rank issued on the group before; ``Iallgather`` on
+        the group's control communicator, overlapping the operation). ``verify`` gets every
+        rank's row and says what they disagree on; then every rank raises ``ValueError`` with
+        that message, and the group is unusable (the operation may have written the arrays
+        already, and the job is aborted at exit in case it never finishes).
         """
         backend = self._backend
+        mine = backend._stamp(mine, len(self._request) if type(self._request) is list else 1)
         every = bytearray(len(mine) * backend.size)
         request = backend._control.Iallgather([mine, backend._int64], [every, backend._int64])
         self._side = (request, mine, every, verify)
@@ -498,9 +511,10 @@ class _MPIWork(Work):
 def _in_issue_order(primitive: Callable[..., Work]) -> Callable[..., Work]:
     """Start the collective and its comparison with no other thread's between them.
 
-    Each rank's ``k``-th collective on the group's communicator then meets the ``k``-th
-    comparison on the control communicator, whichever threads issue them (see
-    :func:`~cupy_parallel._src.distributed.mpi_checks.caller_fields`).
+    The comparison carries what this rank issued on the group before it
+    (:func:`~cupy_parallel._src.distributed.mpi_checks.stamp`), read and advanced here, so that
+    rows that agree say that MPI pairs this call with itself on every rank, whichever threads
+    issue them (see :func:`~cupy_parallel._src.distributed.mpi_checks.caller_fields`).
     """
 
     @functools.wraps(primitive)
@@ -541,6 +555,11 @@ class MPIBackend(ProcessGroupBackend):
         self._int64 = mpi.INT64_T
         self.max_tag = int(comm.Get_attr(mpi.TAG_UB)) - 1  # TAG_UB: monitored_barrier's
         self._issuing = threading.Lock()  # see _in_issue_order
+        # What every row carries (see _stamp): the collectives started on _comm so far (MPI_I*
+        # calls, Split too) and the history of the rows sent.
+        self._posted = 0
+        self._history = 0
+        self._tokens: dict[bytes, int] = {}  # history_token by row (rows are made once, kept)
         self._thread = threading.local()  # per thread: its Caller
 
     # --------------------------------------------------------------------------- life cycle
@@ -620,7 +639,9 @@ class MPIBackend(ProcessGroupBackend):
         mpi = self.mpi
         color = 0 if member else mpi.UNDEFINED
         key = list(ranks).index(self.rank) if member else 0
-        comm = self._comm.Split(color, key)
+        with self._issuing:  # a collective on _comm: counted as the comparisons count them
+            self._posted += 1
+            comm = self._comm.Split(color, key)
         if not member:
             return None
         sub = MPIBackend(comm, comm.Dup(), timeout=timeout, group_name=group_name)
@@ -678,6 +699,23 @@ class MPIBackend(ProcessGroupBackend):
         if caller is None:
             caller = thread.caller = Caller(thread_name())
         return caller
+
+    def _stamp(self, row: bytes, collectives: int) -> bytes:
+        """``row`` stamped with what this rank issued on the group before it; then count it.
+
+        See :func:`~cupy_parallel._src.distributed.mpi_checks.stamp`. ``collectives``: how
+        many this row's operation starts on the group's communicator. Call under ``_issuing``,
+        with the operation and the row's exchange started under the same hold.
+        """
+        posted, history = self._posted, self._history
+        token = self._tokens.get(row)
+        if token is None:  # a row met first (a bytes object hashes once)
+            if len(self._tokens) >= _TOKENS_KEPT:
+                self._tokens.clear()
+            token = self._tokens[row] = history_token(row)
+        self._posted = posted + collectives
+        self._history = followed(history, token)
+        return stamp(row, posted, history)
 
     def shutdown(self) -> None:
         """Free the communicators (left alone when a timed-out operation may still use them)."""
@@ -890,6 +928,7 @@ class MPIBackend(ProcessGroupBackend):
         """
         with self._issuing:
             mine, verify = make(self.caller(), self.world_ranks)
+            mine = self._stamp(mine, 0)  # beside no collective on _comm
             every = bytearray(len(mine) * self.size)
             request = self._control.Iallgather([mine, self._int64], [every, self._int64])
         waited = f"{description} {waiting}" if waiting else description

@@ -10,6 +10,18 @@ passed, beside the operation, and finishes only once they agree:
 * the thread that issued it (its name): two threads issuing on one group at once issue in no
   set order across the ranks, so one rank's call from thread A pairs with another's from
   thread B (see :func:`caller_fields`);
+* what came before it on the rank (:func:`stamp`): how many collectives the rank had started
+  on the group's communicator (MPI pairs each rank's ``k``-th), and a digest of the thread and
+  operation of every comparison it had sent on the group. Comparing the thread of the call
+  alone is not enough once the ranks' orders differed: after a call that met another thread's
+  (an error on every rank), a later call of thread A could still meet a call of thread A, but
+  not the same one (A's second ``async_op=True`` call met A's first), or MPI could pair its
+  data with another call's (a debug-mode comparison met another thread's collective: data
+  started on one rank only); both gave wrong sums without an error (2 of 4,000 results on 2
+  ranks, 6 of 6,000 on 3, two threads racing in the debug mode). Rows that agree in these say
+  that every rank sent the same threads' comparisons in the same order before this one, so
+  this call is the same call of the same thread on every rank, and MPI pairs its data with
+  itself;
 * the operation (an ``all_reduce`` never pairs with a ``broadcast``, nor with a ``barrier``: a
   barrier that compared nothing would shift the ranks' comparisons by one, so that one rank's
   next collective met another's comparison of the collective the barrier met, and returned
@@ -25,7 +37,7 @@ torch's gloo refuses a size mismatch the same way ("Received data size doesn't m
 
 The backend's work runs the exchange: an ``Iallgather`` of one row per rank (:class:`Comparison`'s
 first item) on the group's control communicator, overlapping the operation; this module says
-what each rank sends and what the rows of every rank mean. Every row is 18 ``int64``, whatever
+what each rank sends and what the rows of every rank mean. Every row is 20 ``int64``, whatever
 the collective: ranks at different collectives still exchange rows of one size, which MPI pairs
 (rows of two sizes make the exchange itself undefined: on 4 ranks an ``all_to_all``'s longer row
 was read as garbage, and the error named a thread instead of the collective). ``all_to_all``'s
@@ -60,6 +72,7 @@ target before any code of ours runs.
 from __future__ import annotations
 
 import functools
+import struct
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +90,8 @@ if TYPE_CHECKING:
     Exchange = Callable[[np.ndarray], np.ndarray]
     # What says how every rank's rows (one per row of the array) disagree, or None.
     Verify = Callable[[np.ndarray, Exchange], str | None]
-    # What a rank sends (a row: _ROW_FIELDS native int64), and its Verify.
+    # What a rank sends (a row: _ROW_FIELDS native int64, the last two the backend's stamp),
+    # and its Verify.
     Comparison = tuple[bytes, Verify]
 
 __all__ = [
@@ -91,6 +105,9 @@ __all__ = [
     "compare_new_group",
     "dtype_row",
     "dtype_said",
+    "followed",
+    "history_token",
+    "stamp",
 ]
 
 # The collectives the ranks compare, by number (the first field of every row).
@@ -125,8 +142,8 @@ def caller_fields(name: str, /) -> tuple[int, ...]:
     are made); when threads race, the first call that pairs two threads' calls has different
     names. Threads of one process that issue on one group must have different names. (The
     ranks do not compare how many calls each thread made: where the names agree call by call,
-    so do those counts, and a thread that ended and a new one of its name, on one rank only,
-    made the counts differ in a program without fault.)
+    which the history of :func:`stamp` says, so do those counts, and a thread that ended and a
+    new one of its name, on one rank only, made the counts differ in a program without fault.)
 
     Example:
         >>> caller_fields("MainThread")[1]
@@ -188,7 +205,30 @@ def _verify_call(every: np.ndarray, world: Sequence[int]) -> str | None:
             f"{disagreeing(operations, world)} in the collective they called ({said}). Every "
             "rank must call a group's collectives in the same order."
         )
+    posted = every[:, _POSTED].tolist()
+    if posted.count(posted[0]) != len(posted):
+        said = per_rank(posted, world)
+        return (
+            f"{disagreeing(posted, world)} in how many collectives they had started on this "
+            f"group before this one ({said}), so MPI pairs this call's data with another "
+            f"call's: {_EARLIER}"
+        )
+    histories = every[:, _HISTORY].tolist()
+    if histories.count(histories[0]) != len(histories):
+        return (
+            f"{disagreeing(histories, world)} in the calls they had issued on this group "
+            "before this one (the threads and collectives of those calls, in order), so this "
+            f"call met another call: {_EARLIER}"
+        )
     return None
+
+
+_EARLIER = (
+    "an earlier collective of the group met another call on some ranks (and raised there), as "
+    "when threads issuing on one group at once met each other's calls. Issue a group's "
+    "collectives from one thread at a time, in the same order on every rank, or give each "
+    "thread a group of its own (new_group)."
+)
 
 
 class Caller:
@@ -300,14 +340,17 @@ def compare_digest(caller: Caller, world: Sequence[int], /, *, digest: bytes) ->
 
 _ROWS_KEPT = 1024  # rows a caller keeps (one per call signature; cleared when full)
 _START = 1 + _CALLER_SIZE  # a row's first field after the operation and the caller
-# A row's fields after the caller: root, op, the arrays' seven (see _call_fields), then the
-# fingerprints of the bytes an all_to_all sends and expects (see compare_counts).
+# A row's fields after the caller: root, op, the arrays' seven (see _call_fields), the
+# fingerprints of the bytes an all_to_all sends and expects (see compare_counts), then the
+# backend's stamp (see stamp).
 _ROOT = _START
 _OP = _START + 1
 _ARRAYS = _START + 2
 _SENT = _ARRAYS + 7
 _EXPECTED = _SENT + 1
-_ROW_FIELDS = _EXPECTED + 1
+_POSTED = _EXPECTED + 1
+_HISTORY = _POSTED + 1
+_ROW_FIELDS = _HISTORY + 1
 
 
 def _row(
@@ -323,14 +366,68 @@ def _row(
     """A row (as MPI's ``INT64_T``): the operation, the caller, then the call's fields.
 
     ``arrays``: up to the seven fields of :func:`_call_fields`' arrays, the rest zero; every
-    row has one size, so that any two ranks' rows pair in MPI.
+    row has one size, so that any two ranks' rows pair in MPI (once :func:`stamp` added its
+    last two fields).
     """
     padding = (0,) * (_SENT - _ARRAYS - len(arrays))
     row = np.array(
         (operation, *caller.fields, root, op, *arrays, *padding, sent, expected), np.int64
     )
-    assert row.size == _ROW_FIELDS  # every row has one size: any two ranks' rows pair in MPI
+    assert row.size == _POSTED  # every row has one size: any two ranks' rows pair in MPI
     return row.tobytes()
+
+
+def stamp(row: bytes, posted: int, history: int, /) -> bytes:
+    """``row`` as a rank sends it: with what came before it on the rank, its last two fields.
+
+    ``posted``: how many collectives the rank had started on the group's communicator before
+    this call (as MPI counts them: each ``MPI_I*`` call, ``Split`` too); ``history``: the
+    :func:`followed` digest of every row the rank had sent on the group before this one. Rows
+    that agree in both say that MPI pairs the call with the same call on every rank. The
+    backend reads and advances both under the lock it starts the collective and sends the row
+    under (see ``mpi._in_issue_order``). Rows are made once per call signature
+    (:class:`Caller`); the stamp, which changes every call, is added to them as bytes.
+
+    Example:
+        >>> np.frombuffer(stamp(b"", 7, 5), np.int64)
+        array([7, 5])
+    """
+    return row + _STAMP.pack(posted, history)
+
+
+def history_token(row: bytes, /) -> int:
+    """What ``row`` adds to a history (:func:`followed`): a checksum of its operation and thread.
+
+    64 bits (CRC-32 and Adler-32 of those fields). Only the operation and the thread enter the
+    history: rows that differ in another field raise on every rank alike, which moves no rank's
+    calls against another's, and the debug mode's refusal of arguments that differ leaves the
+    group usable (a history of every field would make every later call raise).
+
+    Example:
+        >>> history_token(_row(0, Caller("t"))) == history_token(_row(0, Caller("u")))
+        False
+    """
+    head = row[: _START * 8]  # the operation and the caller
+    return zlib.crc32(head) << 32 | zlib.adler32(head)
+
+
+def followed(history: int, token: int, /) -> int:
+    """``history`` once a row of :func:`history_token` ``token`` was sent after it.
+
+    A polynomial hash modulo the prime ``2**61 - 1`` of the sequence of the rows' tokens: two
+    ranks that sent different sequences have different histories but with a probability of
+    about ``2**-61`` per call.
+
+    Example:
+        >>> followed(followed(0, 1), 2) != followed(followed(0, 2), 1)
+        True
+    """
+    return (history * _HISTORY_BASE + token) % _HISTORY_PRIME
+
+
+_STAMP = struct.Struct("=qq")  # posted and history, native int64 as the rows
+_HISTORY_PRIME = (1 << 61) - 1
+_HISTORY_BASE = 0x2545F4914F6CDD1D % _HISTORY_PRIME  # any number in (1, prime) would do
 
 
 def _verify_arrays(world: Sequence[int], every: np.ndarray, exchange: Exchange) -> str | None:
