@@ -43,6 +43,7 @@ import numpy as np
 from cupy_parallel._src.arguments import read_bool, read_callable, read_real
 from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array, move
 from cupy_parallel._src.arraytypes import Output, Params
+from cupy_parallel._src.bindings import rebind
 from cupy_parallel._src.compute import cuda_device, on_device_of
 from cupy_parallel._src.devices import CPU, as_device
 from cupy_parallel._src.distributed.comm_hooks import (
@@ -906,6 +907,9 @@ class DistributedDataParallel(Generic[Params, Output]):
         of its dtype is taken, as ``numpy.asarray(scalar)`` (lossless), because NumPy returns
         scalars from arithmetic on 0-d arrays, so the functional update ``{k: p[k] - lr * g[k]}``
         makes one; ``ddp.params`` is then a copy of the pytree assigned holding that array.
+        An optimizer built over arrays the new pytree no longer holds raises ``ValueError`` at
+        its next step (it would move arrays this DDP no longer reads): build it over the new
+        ``ddp.params``, or update the parameters in place.
         """
         return self._params
 
@@ -937,7 +941,8 @@ class DistributedDataParallel(Generic[Params, Output]):
                     f"{bucket.device}; move it back with cupy_parallel.to_device."
                 )
         with self._lock:  # a forward in another thread sees the old pair or the new one
-            self._params, self._arrays = params, arrays
+            old, self._params, self._arrays = self._arrays, params, arrays
+        rebind(old, arrays, "ddp.params")  # an optimizer over the old arrays raises at its step
 
     def _scalars_as_arrays(self, leaves: list[Any]) -> bool:
         """Turn NumPy scalars at the old 0-d NumPy arrays' places, of their dtype, into arrays.
