@@ -711,3 +711,31 @@ def test_a_target_that_reaches_no_source_on_any_rank_is_the_tapes_error() -> Non
     for message in dist.spawn(_caught, 2, (_only_unused_source, "zero")):
         assert message == f"{type(caught.value).__name__}: {caught.value}"
     assert dist.spawn(_only_unused_source, 2, ("none",)) == [None, None]
+
+
+def _unused_steps_on_gpus(rank: int) -> list[Any]:
+    gpu = f"cuda:{rank}"
+    params = {name: cp.to_device(np.ones(3), gpu) for name in "abc"}
+    ddp = cp.DistributedDataParallel(_unused_model, params, find_unused_parameters=True)
+    grads = []
+    for step in range(_STEPS):
+        with cp.Tape() as tape:
+            loss = ddp(cp.to_device(np.arange(3.0) + rank + step, gpu), rank, step)
+        g = tape.gradient(loss, ddp.params, unconnected_gradients="none")
+        grads.append({k: None if v is None else cp.to_device(v, "cpu") for k, v in g.items()})
+    return grads
+
+
+def test_the_used_parameters_are_exchanged_on_the_buckets_gpus_over_nccl() -> None:
+    from cupy_parallel.testing import simulated_cuda
+
+    with simulated_cuda(2):
+        results = dist.spawn(_unused_steps_on_gpus, 2, backend="nccl")
+    for step in range(_STEPS):
+        want = _whole_batch(2, step, "none")
+        for grads in results:
+            for name in "abc":
+                if want[name] is None:
+                    assert grads[step][name] is None, (step, name)
+                else:
+                    np.testing.assert_allclose(grads[step][name], want[name], rtol=1e-15, atol=0)
