@@ -505,9 +505,9 @@ def pullback(
     meanwhile; the other active tapes record the vjps' recorded operations (higher order).
     Collective nodes run even when no gradient reached them (:func:`mark_collective`), and the
     gradient-ready hooks are called as the leaves' gradients become final (:func:`add_ready_hook`).
-    ``unconnected_none`` says what the caller makes of a ``None`` (``None``, not zeros), for the
-    hooks to read (:func:`unconnected_as_none`); a leaf :func:`unreach`-ed in the pass gets
-    ``None``, whatever its hooks returned.
+    ``unconnected_none``: the caller returns ``None``, not zeros, where ``None`` comes back (its
+    ``unconnected_gradients="none"``), which the hooks may read (:func:`unconnected_as_none`).
+    A leaf :func:`unreach`-ed in the pass gets ``None``, whatever its hooks returned.
     """
     grads: dict[int, Any] = {}  # id(array) -> gradient accumulated so far
     for t, s in zip(targets, seeds, strict=True):
@@ -563,6 +563,7 @@ def pullback(
                     i += 1  # noqa: SIM113 - see above
             if ready and index in ready:
                 _call_ready_hooks(tape, grads, ready.pop(index))
+
     kept.update(grads)
     return [kept.get(id(x)) for x in sources]
 
