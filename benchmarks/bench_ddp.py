@@ -11,6 +11,9 @@ variants are timed round by round, alternating, each round's figure the slowest 
   once the backward pass ends, in both libraries);
 - ``torch``: ``torch.nn.parallel.DistributedDataParallel`` over gloo on the same model, weights
   and data (when torch is installed; torch pinned to one thread, as BLAS is);
+- ``ddp find_unused``: the same DDP with ``find_unused_parameters=True``, which exchanges
+  which parameters each rank used (one all-reduce of ``len(params) + 1`` int32 per pass,
+  after the buckets: what lets a parameter no rank used get ``None``), as torch's does;
 - ``serial``: our backward pass, then one ``all_reduce`` of all gradients flattened in one
   buffer (no overlap);
 - ``local``: our backward pass with no communication (and ``torch local``, torch's, for
@@ -84,6 +87,10 @@ def _ours(rank: int) -> dict[str, Any]:
     world = dist.get_world_size()
     params = [{"w": w.copy(), "b": b.copy()} for w, b in _weights()]
     ddp = cp.DistributedDataParallel(_mlp, params, bucket_cap_mb=BUCKET_CAP_MB)
+    find_params = [{"w": w.copy(), "b": b.copy()} for w, b in _weights()]
+    find = cp.DistributedDataParallel(
+        _mlp, find_params, bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True
+    )
     local_params = [{"w": w.copy(), "b": b.copy()} for w, b in _weights()]
 
     def loss(out: Any) -> Any:
@@ -93,6 +100,11 @@ def _ours(rank: int) -> dict[str, Any]:
         with cp.Tape() as tape:
             value = loss(ddp(x))
         return tape.gradient(value, ddp.params)
+
+    def find_unused_step() -> Any:
+        with cp.Tape() as tape:
+            value = loss(find(x))
+        return tape.gradient(value, find.params, unconnected_gradients="none")
 
     def local_grads() -> Any:
         with cp.Tape() as tape:
@@ -108,7 +120,12 @@ def _ours(rank: int) -> dict[str, Any]:
         buffer /= world
         return buffer
 
-    return {"ddp": ddp_step, "serial": serial_step, "local": local_grads}
+    return {
+        "ddp": ddp_step,
+        "ddp find_unused": find_unused_step,
+        "serial": serial_step,
+        "local": local_grads,
+    }
 
 
 def _torch_step(rank: int, port: int) -> Any:
@@ -213,6 +230,7 @@ def _rows(times: dict[str, list[float]], ranks: int) -> list[dict[str, Any]]:
     params = sum(w.size + b.size for w, b in _weights())
     common = {"ranks": ranks, "parameters": params, "bytes": 4 * params}
     rows = []
+    find_unused = Timing.of(times["ddp find_unused"], times["ddp"])
     if "torch" in median:
         timing = Timing.of(times["ddp"], times["torch"])
         rows.append(
@@ -247,6 +265,20 @@ def _rows(times: dict[str, list[float]], ranks: int) -> list[dict[str, Any]]:
                 **common,
             }
         )
+    rows.append(
+        {
+            **result(
+                f"DDP step with find_unused_parameters=True vs without, {ranks} ranks",
+                median["ddp find_unused"],
+                median["ddp"],
+                None,
+            ),
+            "goal": "reported: the cost of exchanging which parameters each rank used",
+            "paired_median_ratio": find_unused.ratio,
+            "spread": find_unused.spread,
+            **common,
+        }
+    )
     rows.append(
         {
             **result(

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import copy
 import pickle
+import subprocess
+import sys
 import threading
 from typing import Any
 
 import numpy as np
 import pytest
+from thread_ranks import WORKERS, worker
 
 import cupy_parallel as cp
 from cupy_parallel import distributed as dist
@@ -566,3 +569,180 @@ def test_nccl_spawns_after_failed_ones_never_race() -> None:
             with pytest.raises(RuntimeError, match=r"spawn: rank 1 failed \(ValueError"):
                 dist.spawn(_fails_on_rank_one, 2, backend="nccl")
             assert dist.spawn(_sums, 2, backend="nccl") == [2.0, 2.0]
+
+
+# -- row 10: a parameter no rank used gets the tape's unconnected value (PyTorch parity) ---------
+#
+# Before the fix every such parameter got zeros, whatever unconnected_gradients said (the test
+# with "none" failed: 'c' was array([0., 0., 0.]), not None); "zero" gave zeros already.
+
+_uses = worker("torch_ddp_unused_oracle").uses  # the pattern torch's oracle runs too
+_STEPS = worker("torch_ddp_unused_oracle").STEPS
+
+
+def _unused_model(params: dict[str, Any], x: Any, rank: int, step: int) -> Any:
+    loss = ops.sum(ops.multiply(params["a"], x))
+    for power, name in ((2, "b"), (3, "c")):
+        if _uses(name, rank, step):
+            loss = ops.add(loss, ops.sum(ops.multiply(params[name], x**power)))
+    return loss
+
+
+def _unused_steps(rank: int, mode: str, find: bool = True) -> list[Any]:
+    params = {name: np.ones(3) for name in "abc"}
+    ddp = cp.DistributedDataParallel(_unused_model, params, find_unused_parameters=find)
+    grads = []
+    for step in range(_STEPS):
+        with cp.Tape() as tape:
+            loss = ddp(np.arange(3.0) + rank + step, rank, step)
+        grads.append(tape.gradient(loss, ddp.params, unconnected_gradients=mode))
+    return grads
+
+
+def _whole_batch(world: int, step: int, mode: str) -> dict[str, Any]:
+    """The oracle: one process, one tape, the mean of every rank's loss."""
+    params = {name: np.ones(3) for name in "abc"}
+    with cp.Tape() as tape:
+        tape.watch(params)
+        losses = [_unused_model(params, np.arange(3.0) + r + step, r, step) for r in range(world)]
+        loss = ops.mean(ops.stack(losses))
+    return tape.gradient(loss, params, unconnected_gradients=mode)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["none", "zero"])
+def test_a_parameter_no_rank_used_gets_the_unconnected_value(world: int, mode: str) -> None:
+    results = dist.spawn(_unused_steps, world, (mode,))
+    for step in range(_STEPS):
+        want = _whole_batch(world, step, mode)
+        assert (want["c"] is None) == (mode == "none" and step == 0)  # the oracle's own answer
+        for grads in results:
+            for name in "abc":
+                got = grads[step][name]
+                if want[name] is None:
+                    assert got is None, (step, name)
+                else:
+                    np.testing.assert_allclose(got, want[name], rtol=1e-15, atol=0)
+    # used on some ranks only: the average on every rank, those that did not use it included
+    assert all(grads[0]["b"] is not None for grads in results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_unused_parameters_match_torchs_ddp_on_gloo(world: int, tmp_path: Any) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "out.npz"
+    oracle = str(WORKERS / "torch_ddp_unused_oracle.py")
+    done = subprocess.run(
+        [sys.executable, oracle, str(world), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    theirs = dict(np.load(out))
+    assert "c_0_0" not in theirs  # torch: .grad is None where no rank used the parameter
+    for rank, grads in enumerate(dist.spawn(_unused_steps, world, ("none",))):
+        for step in range(_STEPS):
+            for name in "abc":
+                key, got = f"{name}_{step}_{rank}", grads[step][name]
+                if key not in theirs:
+                    assert got is None, key
+                else:
+                    np.testing.assert_allclose(got, theirs[key], rtol=1e-15, atol=0)
+
+
+def _caught(rank: int, program: Any, *args: Any) -> Any:
+    try:
+        return program(rank, *args)
+    except ValueError as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def test_none_without_find_unused_parameters_raises_where_a_parameter_got_no_gradient() -> None:
+    # nothing is exchanged, so a rank cannot tell "unused here" from "unused everywhere"
+    messages = dist.spawn(_caught, 2, (_unused_steps, "none", False))
+    for message, name in zip(messages, ["c", "b"], strict=True):  # rank 1 used no 'b' either
+        assert isinstance(message, str)
+        assert f"params['{name}'] got no gradient on this rank" in message
+        assert "construct it with find_unused_parameters=True" in message
+    # "zero" needs no exchange: the reduced value, zeros where no rank used it (the oracle's)
+    for grads in dist.spawn(_unused_steps, 2, ("zero", False)):
+        for step in range(_STEPS):
+            want = _whole_batch(2, step, "zero")
+            for name in "abc":
+                np.testing.assert_allclose(grads[step][name], want[name], rtol=1e-15, atol=0)
+
+
+def _asking(rank: int, modes: tuple[str, ...]) -> Any:
+    return _unused_steps(rank, modes[rank])
+
+
+def test_ranks_asking_different_unconnected_values_raise_on_every_rank() -> None:
+    for message in dist.spawn(_caught, 2, (_asking, ("none", "zero"))):
+        assert isinstance(message, str)
+        assert 'The ranks\' gradient() calls differ: 1 of 2 take unconnected_gradients="none"' in (
+            message
+        )
+
+
+def _find_on_rank_zero(rank: int) -> Any:
+    return cp.DistributedDataParallel(
+        _model, {"w": np.ones((3, 2))}, find_unused_parameters=rank == 0
+    )
+
+
+def test_find_unused_parameters_must_agree_across_ranks() -> None:
+    for message in dist.spawn(_caught, 2, (_find_on_rank_zero,)):
+        assert isinstance(message, str)
+        assert "differ across the ranks" in message
+
+
+def _only_unused_source(rank: int, mode: str) -> Any:
+    ddp = cp.DistributedDataParallel(
+        _unused_model, {name: np.ones(3) for name in "abc"}, find_unused_parameters=True
+    )
+    with cp.Tape() as tape:
+        loss = ddp(np.arange(3.0) + rank, rank, 0)
+    return tape.gradient(loss, ddp.params["c"], unconnected_gradients=mode)
+
+
+def test_a_target_that_reaches_no_source_on_any_rank_is_the_tapes_error() -> None:
+    params = {name: np.ones(3) for name in "abc"}
+    with cp.Tape() as tape:  # the one-process oracle
+        tape.watch(params)
+        loss = _unused_model(params, np.arange(3.0), 0, 0)
+    with pytest.raises(ValueError, match="does not depend on any of the sources") as caught:
+        tape.gradient(loss, params["c"])
+    for message in dist.spawn(_caught, 2, (_only_unused_source, "zero")):
+        assert message == f"{type(caught.value).__name__}: {caught.value}"
+    assert dist.spawn(_only_unused_source, 2, ("none",)) == [None, None]
+
+
+def _unused_steps_on_gpus(rank: int) -> list[Any]:
+    gpu = f"cuda:{rank}"
+    params = {name: cp.to_device(np.ones(3), gpu) for name in "abc"}
+    ddp = cp.DistributedDataParallel(_unused_model, params, find_unused_parameters=True)
+    grads = []
+    for step in range(_STEPS):
+        with cp.Tape() as tape:
+            loss = ddp(cp.to_device(np.arange(3.0) + rank + step, gpu), rank, step)
+        g = tape.gradient(loss, ddp.params, unconnected_gradients="none")
+        grads.append({k: None if v is None else cp.to_device(v, "cpu") for k, v in g.items()})
+    return grads
+
+
+def test_the_used_parameters_are_exchanged_on_the_buckets_gpus_over_nccl() -> None:
+    from cupy_parallel.testing import simulated_cuda
+
+    with simulated_cuda(2):
+        results = dist.spawn(_unused_steps_on_gpus, 2, backend="nccl")
+    for step in range(_STEPS):
+        want = _whole_batch(2, step, "none")
+        for grads in results:
+            for name in "abc":
+                if want[name] is None:
+                    assert grads[step][name] is None, (step, name)
+                else:
+                    np.testing.assert_allclose(grads[step][name], want[name], rtol=1e-15, atol=0)

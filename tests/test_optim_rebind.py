@@ -179,3 +179,86 @@ def test_an_optimizer_over_fsdp_params_refuses_a_replaced_shard() -> None:
 
     for shard in dist.spawn(program, 2, timeout=60):
         np.testing.assert_array_equal(shard, [1.0, 1.0])
+
+
+# -- a whole new tree bound to ddp.params --------------------------------------------------------
+#
+# Before: the first two tests failed (DID NOT RAISE): the optimizer moved the old arrays while
+# ddp.params, the new tree, kept its values. The third passed and pins that a new tree holding
+# the optimizer's own arrays is no rebinding.
+
+LET_GO = r"params\['w'\] is an array ddp\.params no longer holds.*Build the {0} over the new"
+
+
+def _ddp() -> Any:
+    return cp.DistributedDataParallel(
+        lambda p, x: ops.sum(ops.multiply(p["w"], x)), {"w": np.array([2.0, 2.0])}
+    )
+
+
+def _step(ddp: Any, opt: Any, rank: int) -> None:
+    with cp.Tape() as tape:
+        loss = ddp(np.array([1.0, 2.0 + rank]))  # averaged gradient: [1, 2.5]
+    opt.step(tape.gradient(loss, ddp.params))
+
+
+def test_a_new_tree_bound_to_ddp_params_is_refused_at_the_step_on_every_rank() -> None:
+    def program(rank: int) -> Any:
+        ddp = _ddp()
+        opt = Adam(ddp.params, lr=0.1)
+        _step(ddp, opt, rank)
+        old = opt.param_groups[0]["params"][0]
+        after_one = old.copy()
+        ddp.params = {"w": ddp.params["w"] - 0.0}  # a functional update of the whole tree
+        with pytest.raises(ValueError, match=LET_GO.format("Adam")):
+            _step(ddp, opt, rank)
+        np.testing.assert_array_equal(old, after_one)  # nothing written
+        assert opt.state[0]["step"] == 1.0
+        fresh = Adam(ddp.params, lr=0.1)  # the way out the message names
+        fresh.load_state_dict(opt.state_dict())
+        _step(ddp, fresh, rank)
+        return ddp.params["w"]
+
+    plain = {"w": np.array([2.0, 2.0])}
+    oracle = Adam(plain, lr=0.1)
+    for _ in range(2):
+        oracle.step({"w": np.array([1.0, 2.5])})
+    for w in dist.spawn(program, 2, timeout=60):
+        np.testing.assert_allclose(w, plain["w"], rtol=0, atol=1e-15)
+
+
+def test_an_optimizer_built_before_the_ddp_or_over_a_subtree_is_refused_too() -> None:
+    def program(rank: int) -> Any:
+        params = {"w": np.array([2.0, 2.0])}
+        before = SGD(params, lr=0.5)  # built over the tree the DDP then takes
+        ddp = cp.DistributedDataParallel(lambda p, x: ops.sum(ops.multiply(p["w"], x)), params)
+        subtree = SGD([ddp.params["w"]], lr=0.5)
+        ddp.params = {"w": np.zeros(2)}
+        with pytest.raises(ValueError, match=LET_GO.format("SGD")):
+            before.step({"w": np.ones(2)})
+        with pytest.raises(ValueError, match=r"params\[0\] is an array ddp\.params no longer"):
+            subtree.step([np.ones(2)])
+        ddp.params = params  # bound back: its arrays are read again, the steps are fine
+        before.step({"w": np.ones(2)})
+        subtree.step([np.ones(2)])
+        return ddp.params["w"]
+
+    for w in dist.spawn(program, 2, timeout=60):
+        np.testing.assert_array_equal(w, [1.0, 1.0])  # two SGD steps of 0.5
+
+
+def test_a_new_tree_holding_the_same_arrays_is_no_rebinding() -> None:
+    def program(rank: int) -> Any:
+        ddp = _ddp()
+        opt = Adam(ddp.params, lr=0.1)
+        _step(ddp, opt, rank)
+        ddp.params = dict(ddp.params)  # a new dict, the optimizer's arrays: still read
+        _step(ddp, opt, rank)
+        return ddp.params["w"]
+
+    plain = {"w": np.array([2.0, 2.0])}
+    oracle = Adam(plain, lr=0.1)
+    for _ in range(2):
+        oracle.step({"w": np.array([1.0, 2.5])})
+    for w in dist.spawn(program, 2, timeout=60):
+        np.testing.assert_allclose(w, plain["w"], rtol=0, atol=1e-15)

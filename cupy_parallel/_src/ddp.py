@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic
 import numpy as np
 
 from cupy_parallel._src.arguments import read_bool, read_callable, read_real
-from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array
+from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array, move
 from cupy_parallel._src.arraytypes import Output, Params
+from cupy_parallel._src.bindings import rebind
 from cupy_parallel._src.compute import cuda_device, on_device_of
 from cupy_parallel._src.devices import CPU, as_device
 from cupy_parallel._src.distributed.comm_hooks import (
@@ -70,6 +71,8 @@ from cupy_parallel._src.recording import (
     at_pass_end,
     note_overwritten,
     pause_recording,
+    unconnected_as_none,
+    unreach,
 )
 from cupy_parallel._src.tape import Tape
 from cupy_parallel._src.tree import flatten, flatten_with_names
@@ -311,7 +314,17 @@ class _Reduction:
     buckets ``0..k-1`` have started. :meth:`finish` starts what is left and waits for everything.
     """
 
-    __slots__ = ("_ddp", "buffers", "divisor", "futures", "hook", "next", "pending", "state")
+    __slots__ = (
+        "_ddp",
+        "buffers",
+        "divisor",
+        "futures",
+        "hook",
+        "next",
+        "pending",
+        "state",
+        "used",
+    )
 
     def __init__(self, ddp: DistributedDataParallel[Any, Any]) -> None:
         self._ddp = ddp
@@ -320,6 +333,7 @@ class _Reduction:
         self.pending = [len(b.members) for b in buckets]
         self.futures: list[tuple[Future[Any], Any, Any]] = []  # future, hook's buffer, bucket
         self.next = 0
+        self.used = [False] * len(ddp._arrays)  # which parameters a gradient reached (the tape's)
         with ddp._lock:  # one hook for the whole reduction, even if one is registered meanwhile
             ddp._backward_ran = True
             self.hook, self.state = ddp._comm_hook, ddp._comm_state
@@ -342,6 +356,7 @@ class _Reduction:
             problem = _placement_problem(f"The gradient of {ddp._names[i]}", "", bucket, grad)
             if problem is not None:
                 raise _ERRORS[problem[0]](problem[1])
+            self.used[i] = True
         return self.put(i, grad)
 
     def put(self, i: int, grad: Any) -> Any:
@@ -396,8 +411,8 @@ class _Reduction:
             )
         self.futures.append((future, self.buffers[k], self.buffers[k]))
 
-    def finish(self) -> list[Any]:
-        """Start the buckets left (all complete by now), wait for all; the reduced buffers."""
+    def _start_rest(self) -> None:
+        """Start the buckets left (all complete by now)."""
         for k in range(self.next, len(self.buffers)):
             if self.buffers[k] is None:  # a bucket no gradient reached (reduce_gradients)
                 b = self._ddp._buckets[k]
@@ -405,6 +420,58 @@ class _Reduction:
                 _write(self.buffers[k], 0, b.size, None)
             self._start(k)
         self.next = len(self.buffers)
+
+    def end_pass(self) -> None:
+        """:meth:`finish` a backward pass; parameters no rank's gradient reached get none.
+
+        With ``find_unused_parameters``, the ranks sum which parameters a gradient reached on
+        each (and how many ranks' callers take ``None`` for no gradient) in one all-reduce of
+        ``len(params) + 1`` int32 on the buckets' communicator, started after the last bucket
+        and waited for with them: a parameter no rank used is then :func:`unreach`-ed on every
+        rank (its caller's ``unconnected_gradients`` value), and callers that differ raise on
+        every rank. Without it nothing is exchanged: every parameter keeps its reduced
+        gradient (zeros where no rank used it), which a caller asking ``None`` for no gradient
+        cannot take where this rank used not every parameter (``ValueError``, after the
+        buckets, so that no peer waits).
+        """
+        ddp = self._ddp
+        none = unconnected_as_none()
+        self._start_rest()
+        counts = None
+        if ddp.find_unused_parameters:
+            local = np.array([*self.used, none], dtype=np.int32)
+            counts = move(local, ddp._buckets[0].device)
+            work = all_reduce(counts, group=ddp._bucket_group, async_op=True)
+            self.futures.append((PolledFuture.of_work(work), None, counts))
+        self.finish()
+        if counts is None:
+            if none and not all(self.used):
+                name = ddp._names[self.used.index(False)]
+                raise ValueError(
+                    'unconnected_gradients="none" gives None to a parameter no rank used, but '
+                    f"{name} got no gradient on this rank, and this DistributedDataParallel "
+                    "does not learn whether another rank's did: construct it with "
+                    "find_unused_parameters=True (one small all-reduce per backward pass, as "
+                    'torch\'s), or take unconnected_gradients="zero" (zeros for a parameter no '
+                    "rank used)."
+                )
+            return
+        total = plain_buffer(move(counts, CPU)).tolist()
+        asking = total.pop()
+        if 0 < asking < ddp._world:
+            raise ValueError(
+                f"The ranks' gradient() calls differ: {asking} of {ddp._world} take "
+                'unconnected_gradients="none", the others "zero", so a parameter no rank used '
+                "would get None on some ranks and zeros on others. Pass the same "
+                "unconnected_gradients on every rank."
+            )
+        for array, count in zip(ddp._arrays, total, strict=True):
+            if count == 0:
+                unreach(array)
+
+    def finish(self) -> list[Any]:
+        """Start the buckets left (all complete by now), wait for all; the reduced buffers."""
+        self._start_rest()
         for k, (future, buffer, on) in enumerate(self.futures):
             with pause_recording(), _on_gpu_of(on):  # then() callbacks run in this wait
                 result = future.wait()
@@ -474,8 +541,8 @@ class _TapeReduction:
                 self._reduction, self._seen, self._received = None, set(), {}
             # wait once the pass has issued all its collectives (torch's queue_callback): a
             # peer may wait for this rank in a backward collective still to come
-            if not at_pass_end(reduction.finish):
-                reduction.finish()
+            if not at_pass_end(reduction.end_pass):
+                reduction.end_pass()
         return view
 
     def _begin(self) -> _Reduction:
@@ -634,10 +701,21 @@ class DistributedDataParallel(Generic[Params, Output]):
       is the object's (as torch's), seen by every thread. One tape's ``gradient()`` passes
       must run one at a time: a pass started in a second thread while another thread's runs
       raises ``RuntimeError``.
-    - Every parameter gets a gradient, even one that no rank's step used (zeros then), and the
-      ranks reduce every bucket in every pass, whatever each used (so none waits for another).
-      ``unconnected_gradients="none"`` does not apply to the parameters. A parameter no
-      recorded operation consumed is final at the start of the pass (torch's
+    - The ranks reduce every bucket in every pass, whatever each used (a parameter no gradient
+      reached counts as zeros, so no rank waits for another): a parameter used on some ranks
+      gets the average on every rank, the ranks that did not use it included (torch's
+      answer). A parameter no rank used gets the tape's ``unconnected_gradients`` value, as
+      torch's DDP with ``find_unused_parameters=True`` leaves its ``.grad`` ``None``: with
+      ``find_unused_parameters=True`` the ranks learn which parameters any rank used (one
+      all-reduce of ``len(params) + 1`` int32 per backward pass, after the buckets, as
+      torch's ``local_used_map``), and ``gradient(..., unconnected_gradients="none")`` gives
+      ``None`` there on every rank (``"zero"``, the default: zeros, and the tape's
+      ``ValueError`` when the target reaches no source on any rank). Ranks whose calls ask
+      differently raise ``ValueError`` on every rank. Decision: without it (the default, at
+      no cost) nothing is exchanged and such a parameter gets zeros, the reduced value; a
+      pass asking ``"none"`` raises ``ValueError`` at its end on a rank where a parameter got
+      no gradient (torch without ``find_unused_parameters`` raises for an unused parameter
+      too). A parameter no recorded operation consumed is final at the start of the pass (torch's
       ``find_unused_parameters`` marks it ready at once); one consumed only off the loss's
       path holds its bucket back until the pass reaches that operation. Every rank must run
       the same backward passes (a rank whose tape does not reduce makes its peers wait, as in
@@ -702,8 +780,10 @@ class DistributedDataParallel(Generic[Params, Output]):
             torch refuses a CPU module given device ids).
         output_device: torch's ``output_device``: ``None`` or the parameters' device, checked
             the same way (the output is wherever ``fn`` computes it).
-        find_unused_parameters: Accepted, either way: unused parameters are always handled
-            (they get zero gradients, reduced with the others, so no rank waits), at no cost.
+        find_unused_parameters: Whether each backward pass exchanges which parameters the
+            ranks used, so that one no rank used gets the tape's ``unconnected_gradients``
+            value (``None`` for ``"none"``) rather than zeros. Unused parameters are reduced
+            with the others either way, so no rank waits (see the decisions above).
         **torch_options: torch's other keywords. Accepted where the behaviour here is theirs
             anyway: ``gradient_as_bucket_view`` (the gradients are always views of the
             buckets), ``static_graph`` and ``check_reduction`` (every pass reduces every
@@ -752,7 +832,7 @@ class DistributedDataParallel(Generic[Params, Output]):
         **torch_options: Any,
     ) -> None:
         read_callable(fn, "fn", call="fn(params, *inputs)")
-        read_bool(find_unused_parameters, "find_unused_parameters")  # always handled here
+        find_unused_parameters = read_bool(find_unused_parameters, "find_unused_parameters")
         _read_torch_options(torch_options)
         cap = read_real(bucket_cap_mb, "bucket_cap_mb")
         if not cap > 0:
@@ -766,9 +846,10 @@ class DistributedDataParallel(Generic[Params, Output]):
         names, leaves, spec = flatten_with_names(params, "params")
         _check_placement(device_ids, output_device, [leaf for leaf in leaves if is_array(leaf)])
         spec_text, entries, problems = _describe(names, leaves, spec)
-        description = (spec_text, entries, cap, broadcast_params)
+        description = (spec_text, entries, cap, broadcast_params, find_unused_parameters)
         _agree("The parameters of DistributedDataParallel", description, problems, process_group)
         self.fn = fn
+        self.find_unused_parameters = find_unused_parameters
         self.process_group = process_group
         self.bucket_cap_mb = cap
         self._spec = spec
@@ -826,6 +907,9 @@ class DistributedDataParallel(Generic[Params, Output]):
         of its dtype is taken, as ``numpy.asarray(scalar)`` (lossless), because NumPy returns
         scalars from arithmetic on 0-d arrays, so the functional update ``{k: p[k] - lr * g[k]}``
         makes one; ``ddp.params`` is then a copy of the pytree assigned holding that array.
+        An optimizer built over arrays the new pytree no longer holds raises ``ValueError`` at
+        its next step (it would move arrays this DDP no longer reads): build it over the new
+        ``ddp.params``, or update the parameters in place.
         """
         return self._params
 
@@ -857,7 +941,8 @@ class DistributedDataParallel(Generic[Params, Output]):
                     f"{bucket.device}; move it back with cupy_parallel.to_device."
                 )
         with self._lock:  # a forward in another thread sees the old pair or the new one
-            self._params, self._arrays = params, arrays
+            old, self._params, self._arrays = self._arrays, params, arrays
+        rebind(old, arrays, "ddp.params")  # an optimizer over the old arrays raises at its step
 
     def _scalars_as_arrays(self, leaves: list[Any]) -> bool:
         """Turn NumPy scalars at the old 0-d NumPy arrays' places, of their dtype, into arrays.

@@ -98,6 +98,8 @@ __all__ = [
     "tapes_exist",
     "tapes_tracking",
     "track_leaves",
+    "unconnected_as_none",
+    "unreach",
 ]
 
 
@@ -488,7 +490,13 @@ def _cast_vjp(gs: list[Any], xs: tuple[Any, ...], needs: Any, zs: Any, aux: None
 
 
 def pullback(
-    tape: Records, targets: Sequence[Any], seeds: Sequence[Any], sources: Sequence[Any], /
+    tape: Records,
+    targets: Sequence[Any],
+    seeds: Sequence[Any],
+    sources: Sequence[Any],
+    /,
+    *,
+    unconnected_none: bool = False,
 ) -> list[Any]:
     """Reverse accumulation on ``tape``: each source's gradient, ``None`` where none arrives.
 
@@ -497,6 +505,9 @@ def pullback(
     meanwhile; the other active tapes record the vjps' recorded operations (higher order).
     Collective nodes run even when no gradient reached them (:func:`mark_collective`), and the
     gradient-ready hooks are called as the leaves' gradients become final (:func:`add_ready_hook`).
+    ``unconnected_none``: the caller returns ``None``, not zeros, where ``None`` comes back (its
+    ``unconnected_gradients="none"``), which the hooks may read (:func:`unconnected_as_none`).
+    A leaf :func:`unreach`-ed in the pass gets ``None``, whatever its hooks returned.
     """
     grads: dict[int, Any] = {}  # id(array) -> gradient accumulated so far
     for t, s in zip(targets, seeds, strict=True):
@@ -509,7 +520,7 @@ def pullback(
     collectives = _COLLECTIVE_VJPS
     ready = _ready_at(tape)  # node index -> ids of the hooked leaves final once it ran
     nodes = tape._nodes
-    with pause_recording(tape), _Backward():
+    with pause_recording(tape), _Backward(unconnected_none, grads):
         if -1 in ready:  # hooked leaves no node consumed: final from the start
             _call_ready_hooks(tape, grads, ready.pop(-1))
         for index in range(len(nodes) - 1, -1, -1):
@@ -590,10 +601,21 @@ def _call_ready_hooks(tape: Records, grads: dict[int, Any], leaves: list[int]) -
                 grads[k] = replacement
 
 
-_PASS_END: contextvars.ContextVar[list[Callable[[], object]] | None] = contextvars.ContextVar(
-    "cupy_parallel_pass_end", default=None
+class _Pass:
+    """The reverse pass in progress in a context: what its caller asked, what its hooks queued."""
+
+    __slots__ = ("ends", "none", "unreached")
+
+    def __init__(self, none: bool) -> None:
+        self.none = none  # the caller takes None (not zeros) where no gradient arrived
+        self.ends: list[Callable[[], object]] = []  # at_pass_end's callbacks, in order
+        self.unreached: list[Any] = []  # unreach's leaves
+
+
+_PASS: contextvars.ContextVar[_Pass | None] = contextvars.ContextVar(
+    "cupy_parallel_pass", default=None
 )
-"""The callbacks to run when the reverse pass in progress in this context ends."""
+"""The reverse pass in progress in this context (``None``: none)."""
 
 
 def at_pass_end(callback: Callable[[], object], /) -> bool:
@@ -604,33 +626,70 @@ def at_pass_end(callback: Callable[[], object], /) -> bool:
     not in the middle of the pass, where a peer may first wait for this rank in a collective
     of the pass still to come. Returns ``False`` (and runs nothing) outside a reverse pass.
     """
-    pending = _PASS_END.get()
-    if pending is None:
+    current = _PASS.get()
+    if current is None:
         return False
-    pending.append(callback)
+    current.ends.append(callback)
     return True
+
+
+def unconnected_as_none() -> bool:
+    """Whether the pass in progress here ends in ``None``, not zeros, where no gradient arrived.
+
+    The caller's ``unconnected_gradients="none"`` (``False`` outside a reverse pass): a hook
+    that decides between a reduced gradient and none (DDP) learns what "none" will become.
+    """
+    current = _PASS.get()
+    return current is not None and current.none
+
+
+def unreach(leaf: Any, /) -> None:
+    """Have the pass in progress here give no gradient to the watched ``leaf``, as if none came.
+
+    Whatever ``leaf``'s gradient-ready hooks returned, :func:`pullback` then returns ``None``
+    for it, which its caller turns into its ``unconnected_gradients`` value (zeros or
+    ``None``). For a hook, or an :func:`at_pass_end` callback, that learns only at the end of
+    the pass that no rank's gradient reached a parameter (DDP's ``find_unused_parameters``).
+
+    Raises:
+        RuntimeError: No reverse pass is in progress here.
+    """
+    current = _PASS.get()
+    if current is None:
+        raise RuntimeError(
+            "unreach() needs a reverse pass in progress: call it from a gradient-ready hook or "
+            "an at_pass_end callback."
+        )
+    current.unreached.append(leaf)
 
 
 class _Backward:
     """Inside the block a :func:`pullback` runs (the guard's message says so).
 
     When the pass completes without an error, the callbacks of :func:`at_pass_end` run, in
-    the order queued (one queued meanwhile runs too). A class, as :class:`_Setting`.
+    the order queued (one queued meanwhile runs too), then the leaves :func:`unreach`-ed leave
+    ``grads`` (the pass's gradients, by ``id``). A class, as :class:`_Setting`.
     """
 
-    __slots__ = ("_ends", "_token")
+    __slots__ = ("_grads", "_pass", "_pass_token", "_token")
+
+    def __init__(self, none: bool, grads: dict[int, Any]) -> None:
+        self._pass = _Pass(none)
+        self._grads = grads
 
     def __enter__(self) -> None:
         self._token = _IN_BACKWARD.set(True)
-        self._ends = _PASS_END.set([])
+        self._pass_token = _PASS.set(self._pass)
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
         try:
             if exc_type is None:
-                for callback in _PASS_END.get() or ():
+                for callback in self._pass.ends:
                     callback()
+                for leaf in self._pass.unreached:
+                    self._grads.pop(id(leaf), None)
         finally:
-            _PASS_END.reset(self._ends)
+            _PASS.reset(self._pass_token)
             _IN_BACKWARD.reset(self._token)
 
 

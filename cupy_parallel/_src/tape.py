@@ -397,8 +397,8 @@ class Tape(Records):
                         "gradient. Call tape.watch(source) inside the `with tape:` block before "
                         "computing the target from it."
                     )
-        grads = pullback(self, targets, seeds, arrays)
         fill = _UNCONNECTED[unconnected_gradients]
+        grads = pullback(self, targets, seeds, arrays, unconnected_none=not fill)
         if fill and arrays and all(g is None for g in grads):
             raise DisconnectedError(
                 "The target does not depend on any of the sources on this tape: no recorded "

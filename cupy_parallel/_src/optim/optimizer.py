@@ -27,6 +27,7 @@ from cupy_parallel._src.arrays import (
     shares_memory,
     to_device,
 )
+from cupy_parallel._src.bindings import let_go, track
 from cupy_parallel._src.optim.updates import Workspace
 from cupy_parallel._src.recording import note_overwritten, tapes_exist
 
@@ -116,9 +117,12 @@ class Optimizer:
       then, and the new one never moves. Update parameters in place (``params["w"][...] =
       new``, ``params["w"] -= lr * g``) or build a new optimizer over the new arrays (loading
       the old one's :meth:`state_dict` keeps the state; :meth:`state_dict` does not check,
-      for that). The check flattens each tree once per step and compares identities. Only
-      what the tree holds is seen: binding a name to a new tree (``params = {...}``,
-      ``ddp.params = new_tree``) leaves the optimizer with the old tree, which it cannot tell.
+      for that). The check flattens each tree once per step and compares identities. A
+      model object that lets the arrays go is seen too: after ``ddp.params = new_tree`` (a
+      :class:`~cupy_parallel.DistributedDataParallel`'s tree replaced whole, by arrays
+      other than the optimizer's), the step raises ``ValueError`` naming the parameter,
+      whichever tree the optimizer was given. Only binding a plain name to a new tree
+      (``params = {...}``) stays unseen: nothing holds the old one but the optimizer.
 
     Example:
         >>> import numpy as np
@@ -233,6 +237,7 @@ class Optimizer:
             group.setdefault(key, self.defaults[key])
         group.update(self._read_hyper(group))
         group["params"] = leaves
+        track(self, leaves)
         self.param_groups.append(group)
         self._roots.append(param_group["params"])
         self._specs.append(spec)
@@ -255,6 +260,7 @@ class Optimizer:
         and its parameter leaves compared by identity with the arrays the step writes: a leaf
         replaced by another array (``params["w"] = w - lr * g``) would leave the step moving the
         old array, which nothing reads any more. Costs one flatten per group (no array is read).
+        A parameter a model object let go (``ddp.params = new_tree``) is refused too.
         """
         for i, (root, spec, mask, group) in enumerate(
             zip(self._roots, self._specs, self._masks, self.param_groups, strict=True)
@@ -268,6 +274,30 @@ class Optimizer:
                     if not any(map(is_parameter, others)):
                         continue
             self._refuse_rebound(i, leaves, now)
+        gone = let_go(self)
+        if gone:
+            self._refuse_let_go(gone)
+
+    def _refuse_let_go(self, gone: dict[int, str]) -> None:
+        """The error for parameters a model object no longer reads (``gone``: id -> its name)."""
+        name = type(self).__name__
+        for i, (spec, mask, group) in enumerate(
+            zip(self._specs, self._masks, self.param_groups, strict=True)
+        ):
+            root = f"param_groups[{i}]['params']" if self._grouped else "params"
+            paths = itertools.compress(tree.leaf_names(spec, root), mask)
+            for path, param in zip(paths, group["params"], strict=True):
+                holder = gone.get(id(param))
+                if holder is None:
+                    continue
+                raise ValueError(
+                    f"{path} is an array {holder} no longer holds: a new tree was bound to "
+                    f"{holder} after this {name} was built, so the step would move the old "
+                    "array, which the model no longer reads, and never the new one. Build the "
+                    f"{name} over the new parameters ({name}({holder}, ...); load the old one's "
+                    "state_dict into it to keep the state), or update the parameters in place "
+                    f"({holder}['w'][...] = new) instead of binding a new tree."
+                )
 
     def _refuse_rebound(self, group: int, leaves: list[Any], now: PyTreeSpec) -> None:
         """The error for :meth:`_check_bound`'s group ``group``, naming the first leaf replaced."""

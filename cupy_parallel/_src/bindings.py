@@ -1,0 +1,89 @@
+"""Which arrays a model object reads as its parameters, told to the optimizers updating them.
+
+A :class:`~cupy_parallel.DistributedDataParallel` reads the arrays of ``ddp.params``; binding
+a new tree (``ddp.params = new_tree``) lets the old arrays go. An optimizer built over them
+updates them in place, so its steps would move arrays the model no longer reads, and the new
+ones would never move: no error, no training. The holder says what it lets go and what it takes
+up (:func:`rebind`); each optimizer registers the arrays it updates (:func:`track`) and asks,
+before every step, which of them were let go since (:func:`let_go`).
+
+This module sits at the bottom of the package and imports nothing from it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["let_go", "rebind", "track"]
+
+_TRACKED: weakref.WeakKeyDictionary[Any, tuple[set[int], dict[int, str]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Each user (an optimizer): the ids of the arrays it updates, and those let go (by whom).
+
+The user holds its arrays, so their ids stay theirs while it lives.
+"""
+_LOCK = threading.Lock()
+
+
+def track(user: Any, arrays: Iterable[Any], /) -> None:
+    """Have ``user`` (an optimizer, which keeps ``arrays`` alive) told when they are let go.
+
+    Example:
+        >>> import numpy as np
+        >>> class Optimizer: ...
+        >>> opt, w = Optimizer(), np.ones(2)
+        >>> track(opt, [w])
+        >>> rebind([w], [np.ones(2)], "ddp.params")
+        >>> let_go(opt) == {id(w): "ddp.params"}
+        True
+    """
+    with _LOCK:
+        ids, _ = _TRACKED.setdefault(user, (set(), {}))
+        ids.update(id(a) for a in arrays)
+
+
+def rebind(old: Iterable[Any], new: Iterable[Any], holder: str, /) -> None:
+    """``holder`` (named in the caller's words) reads the arrays ``new`` instead of ``old``.
+
+    Each user's array among ``old`` and not among ``new`` is let go by ``holder``; one among
+    ``new`` is held again (a tree bound back).
+
+    Example:
+        >>> import numpy as np
+        >>> class Optimizer: ...
+        >>> opt, w, v = Optimizer(), np.ones(2), np.ones(2)
+        >>> track(opt, [w])
+        >>> rebind([w], [v], "ddp.params")
+        >>> rebind([v], [w], "ddp.params")  # bound back: w is read again
+        >>> let_go(opt)
+        {}
+    """
+    if not _TRACKED:
+        return
+    taken = {id(a) for a in new}
+    gone = {id(a) for a in old} - taken
+    with _LOCK:
+        for ids, released in _TRACKED.values():
+            for key in gone & ids:
+                released[key] = holder
+            for key in taken & released.keys():
+                del released[key]
+
+
+def let_go(user: Any, /) -> dict[int, str]:
+    """The ids of ``user``'s arrays a holder let go since it tracked them, each with the holder.
+
+    Example:
+        >>> class Optimizer: ...
+        >>> let_go(Optimizer())
+        {}
+    """
+    with _LOCK:
+        found = _TRACKED.get(user)
+        return {} if found is None else dict(found[1])
