@@ -191,9 +191,12 @@ def _pack(buffer: Any, group: _Group, arrays: list[Any], world: int, divisor: in
                 if src is None or n == 0:
                     blocks[r] = 0
                     continue
-                rows = src[r * p.c : r * p.c + n]
-                blocks[r, :n] = rows if divisor is None else rows / divisor
-                blocks[r, n:] = 0
+                block = blocks[r]
+                block[:n] = src[r * p.c : r * p.c + n]
+                if divisor is not None:  # in place: no temporary of the rows
+                    block[:n] /= divisor
+                if n < p.c:
+                    block[n:] = 0
 
     on_device_of(raw, write)
 
