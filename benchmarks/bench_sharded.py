@@ -1,4 +1,4 @@
-"""Sharded data parallelism on 4 MPI ranks: memory per rank and step time, DDP vs ZeRO-1 vs FSDP.
+"""Sharded data parallelism on 2 and 4 MPI ranks: memory and step time, DDP vs ZeRO-1 vs FSDP.
 
 One model: an MLP of 8 units (each a ``D x D`` float32 weight and a bias, tanh between; D = 512,
 8.4 MB of parameters), 32 samples per rank, a mean squared error, Adam (lr 1e-3). A *step* is
@@ -25,13 +25,34 @@ one prefetched).
 variants alternating within each round; ratio against ``ddp``; targets ZeRO-1 1.1x, FSDP 1.2x.
 The losses of the first steps agree across the variants (checked, 1e-5 relative: float32).
 
-Run ``python benchmarks/bench_sharded.py [--quick]``: it starts ``mpiexec -n 4`` itself (or,
-under ``mpiexec``, measures that world).
+**Floor** (rows ``raw comm ...`` and ``step floor ...``): the same bytes moved by mpi4py alone,
+no library code (non-blocking calls on NumPy buffers, polled with ``Test`` and ``sched_yield``
+as the library's MPI backend polls): DDP's one all-reduce of the gradients against FSDP's
+all-gather per unit (two per unit with FULL_SHARD: forward and backward) and reduce-scatter per
+unit, in the order and overlap of FSDP's schedule (a gather ahead in the forward pass; one
+reduce-scatter in flight while the next unit is gathered again), and ZeRO-1's all-reduce plus
+a broadcast per unit from its owner (or one all-gather of every rank's partition). ``raw comm``
+rows: those times and their ratio to DDP's. ``step floor`` rows: ``(ddp step - ddp raw comm +
+variant raw comm) / ddp step``, the ratio a variant would reach if everything but its
+communication cost what DDP's step does (it leaves out the optimizer work sharding saves and the
+copies into and out of flat buffers it adds): a step ratio near its floor is set by the
+collectives, not by the library; a floor above the target means the target is out of reach on
+this machine (with more ranks than cores, every collective waits for ranks that share a core).
+
+The machine's other load moves all of these: each row's figures come from rounds that time the
+variants back to back, and repeated runs (medians) are what to compare.
+
+Run ``python benchmarks/bench_sharded.py [--quick] [--ranks N ...]``: it starts ``mpiexec -n N``
+for each ``N`` (default 2 and 4: one rank per core of a 2-core machine, and two per core) and
+names each row with its world size; under ``mpiexec`` it measures that world.
 """
 
 from __future__ import annotations
 
 import gc
+import os
+import statistics
+import sys
 import time
 from typing import Any
 
@@ -42,7 +63,7 @@ from cupy_parallel._tools.benchmarking import Timing, mpi_script_main, run_ranks
 D = 512
 UNITS = 8
 BATCH = 32  # per rank
-RANKS = 4
+RANKS = (2, 4)  # worlds measured by default (--ranks N ... chooses)
 LR = 1e-3
 
 
@@ -147,18 +168,98 @@ def _step(module: Any, optimizer: Any, x: Any, y: Any) -> float:
     return float(loss)
 
 
-def _measure(quick: bool) -> list[dict[str, Any]]:
+def _raw_patterns(world: int) -> dict[str, Any]:
+    """name -> a function moving a variant's bytes with mpi4py alone (see the module's Floor)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    unit = D * D + D
+    shard = -(-D // world) * (D + 1)  # a rank's flat shard of a unit: ceil(D / W) rows of w, b
+    grads = np.ones(UNITS * unit, np.float32)
+    full = np.zeros(world * shard, np.float32)
+    mine = np.ones(shard, np.float32)
+    partition = np.ones(-(-UNITS * unit // world), np.float32)
+    everything = np.zeros(world * partition.size, np.float32)
+
+    # the library's polling: Test a few times, then yield the core (4 when ranks share cores)
+    polls = range(4 if world > (os.cpu_count() or 1) else 64)
+
+    def wait(request: Any) -> None:
+        while True:
+            for _ in polls:
+                if request.Test():
+                    return
+            os.sched_yield()
+
+    def ddp() -> None:
+        wait(comm.Iallreduce(MPI.IN_PLACE, grads))
+
+    def fsdp(gathers: int) -> None:
+        """FSDP's schedule without its compute: the next gather (or the reduce-scatter in
+        flight) runs while the one needed now is waited for, as its prefetch does."""
+        fulls = [np.zeros_like(full) for _ in range(2)]
+        ahead = comm.Iallgather(mine, fulls[0])
+        for k in range(UNITS):  # forward: unit k + 1's gather issued before k's is waited
+            current, ahead = ahead, None
+            if k + 1 < UNITS:
+                ahead = comm.Iallgather(mine, fulls[(k + 1) % 2])
+            wait(current)
+        scattering = None
+        for k in range(UNITS):  # backward: regather (FULL_SHARD), then the reduce-scatter
+            if gathers == 2:
+                regather = comm.Iallgather(mine, fulls[k % 2])
+                if scattering is not None:
+                    wait(scattering)
+                    scattering = None
+                wait(regather)
+            sending = comm.Ireduce_scatter_block(fulls[k % 2], mine)
+            if scattering is not None:
+                wait(scattering)
+            scattering = sending
+        wait(scattering)
+
+    def zero(broadcast: bool) -> None:
+        ddp()
+        if broadcast:
+            for k in range(UNITS):
+                wait(comm.Ibcast(grads[k * unit : (k + 1) * unit], k % world))
+        else:
+            wait(comm.Iallgather(partition, everything))
+
+    return {
+        "ddp": ddp,
+        "zero1": lambda: zero(broadcast=False),
+        "zero1 broadcast": lambda: zero(broadcast=True),
+        "fsdp": lambda: fsdp(2),
+        "fsdp grad_op": lambda: fsdp(1),
+    }
+
+
+def _raw_times(world: int, rounds: int) -> dict[str, list[float]]:
+    """Each raw pattern's slowest-rank seconds, round by round (the patterns alternating)."""
     from cupy_parallel import distributed as dist
 
-    dist.init_process_group("mpi")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = _data(rank)
-    peak = _Peak()
-    # step time: every variant built, the variants alternating within each round
+    patterns = _raw_patterns(world)
+    times: dict[str, list[float]] = {name: [] for name in patterns}
+    for _ in range(1 + rounds):  # the first round warms up
+        for name, pattern in patterns.items():
+            dist.barrier()
+            start = time.perf_counter()
+            pattern()
+            elapsed = np.array([time.perf_counter() - start])
+            dist.all_reduce(elapsed, dist.ReduceOp.MAX)
+            times[name].append(float(elapsed[0]))
+    return {name: t[1:] for name, t in times.items()}
+
+
+def _step_times(x: Any, y: Any, rounds: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every variant built, alternating within each round: losses and slowest-rank seconds."""
+    from cupy_parallel import distributed as dist
+
     made = {name: make() for name, make in _variants().items()}
     losses: dict[str, list[float]] = {name: [] for name in made}
     times: dict[str, list[float]] = {name: [] for name in made}
-    for _ in range(1 + (3 if quick else 10)):  # the first round warms up (Adam's state made)
+    for _ in range(1 + rounds):  # the first round warms up (Adam's state made)
         for name, (module, optimizer) in made.items():
             dist.barrier()
             start = time.perf_counter()
@@ -166,8 +267,46 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
             elapsed = np.array([time.perf_counter() - start])
             dist.all_reduce(elapsed, dist.ReduceOp.MAX)  # the slowest rank's step
             times[name].append(float(elapsed[0]))
-    times = {name: t[1:] for name, t in times.items()}
-    made.clear()
+    return losses, {name: t[1:] for name, t in times.items()}
+
+
+def _step_rows(times: dict[str, Any], raw: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The rows ``step``, ``raw comm`` and ``step floor`` of each variant against DDP."""
+    step_targets = {"zero1": 1.1, "zero1 broadcast": 1.1, "fsdp": 1.2, "fsdp grad_op": 1.2}
+    ddp_step = statistics.median(times["ddp"])
+    ddp_comm = statistics.median(raw["ddp"])
+    rows = []
+    for name, seconds in times.items():
+        if name == "ddp":
+            continue
+        timing = Timing.of(seconds, times["ddp"])
+        rows.append(timing.row(f"step {name} / ddp+adam", step_targets[name], ranks=n))
+        comm = Timing.of(raw[name], raw["ddp"])
+        rows.append(comm.row(f"raw comm {name} / ddp", None, ranks=n))
+        floor = ddp_step - ddp_comm + comm.seconds
+        rows.append(
+            {
+                "name": f"step floor {name} / ddp+adam",
+                "seconds": floor,
+                "baseline_seconds": ddp_step,
+                "ratio": floor / ddp_step,
+                "target": None,
+                "ranks": n,
+                "note": "ddp step - ddp raw comm + this variant's raw comm",
+            }
+        )
+    return rows
+
+
+def _measure(quick: bool) -> list[dict[str, Any]]:
+    from cupy_parallel import distributed as dist
+
+    dist.init_process_group("mpi")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = _data(rank)
+    peak = _Peak()
+    losses, times = _step_times(x, y, 3 if quick else 10)
+    raw = _raw_times(world, 5 if quick else 15)
     # memory: each variant alone (the others' arrays gone), its second step's peak
     memory: dict[str, int] = {}
     for name, make in _variants().items():
@@ -217,12 +356,7 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
                 "ranks": n,
             }
         )
-    step_targets = {"zero1": 1.1, "zero1 broadcast": 1.1, "fsdp": 1.2, "fsdp grad_op": 1.2}
-    for name in times:
-        if name == "ddp":
-            continue
-        timing = Timing.of(times[name], times["ddp"])
-        rows.append(timing.row(f"step {name} / ddp+adam", step_targets[name], ranks=n))
+    rows.extend(_step_rows(times, raw, n))
     rows.append(
         {
             "name": "memory ddp (bytes per rank)",
@@ -243,16 +377,41 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
             "losses": losses,
         }
     )
+    for row in rows:  # one run measures several worlds: each row says which
+        row["name"] = f"{row['name']} ({n} ranks)"
     return rows
 
 
-def run(quick: bool = False) -> list[dict[str, Any]]:
-    """Measure on 4 ranks (launching mpiexec) and return the rows."""
-    return run_ranks(__file__, RANKS, quick=quick, timeout=900)
+def run(quick: bool = False, ranks: tuple[int, ...] = RANKS) -> list[dict[str, Any]]:
+    """Measure on each world size of ``ranks`` (launching mpiexec) and return the rows."""
+    rows: list[dict[str, Any]] = []
+    for n in ranks:
+        rows.extend(run_ranks(__file__, n, quick=quick, timeout=900))
+    return rows
+
+
+def _take_ranks(argv: list[str]) -> tuple[int, ...]:
+    """The world sizes of ``--ranks N [N ...]`` (removed from ``argv``), else :data:`RANKS`."""
+    if "--ranks" not in argv:
+        return RANKS
+    at = argv.index("--ranks")
+    values = []
+    while at + 1 < len(argv) and argv[at + 1].isdigit():
+        values.append(int(argv.pop(at + 1)))
+    argv.pop(at)
+    if not values or min(values) < 1:
+        raise SystemExit("--ranks takes one or more world sizes (positive integers)")
+    return tuple(values)
 
 
 def main() -> None:
-    mpi_script_main(_measure, run, "bench_sharded", __doc__.splitlines()[0])
+    ranks = _take_ranks(sys.argv)
+    mpi_script_main(
+        _measure,
+        lambda quick: run(quick, ranks),
+        "bench_sharded",
+        __doc__.splitlines()[0],
+    )
 
 
 if __name__ == "__main__":

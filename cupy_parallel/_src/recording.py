@@ -149,6 +149,7 @@ class Records:
         # the memory keys of the nodes' arrays, gathered by note_overwritten up to node _scanned
         self._held: set[Any] = set()
         self._scanned = 0
+        self._leaf_keys: set[Any] = set()  # the memory keys of the watched leaves (track_leaves)
         # id(watched leaf) -> its gradient-ready hooks, in registration order (add_ready_hook)
         self._ready_hooks: dict[int, list[ReadyHook]] = {}
         self._lock = threading.Lock()
@@ -261,12 +262,13 @@ def track_leaves(tape: Records, arrays: Sequence[Any], /) -> None:
             if id(leaf) not in tape._tracked:
                 tape._leaves.add(id(leaf))
                 tape._tracked[id(leaf)] = leaf
+                tape._leaf_keys.add(_memory_key(leaf))
 
 
 def release(tape: Records, /) -> None:
     """Drop everything ``tape`` recorded (a non-persistent tape, once it computed gradients)."""
     tape._nodes, tape._tracked, tape._leaves, tape._versions = [], {}, set(), {}
-    tape._overwritten, tape._held, tape._scanned = {}, set(), 0
+    tape._overwritten, tape._held, tape._scanned, tape._leaf_keys = {}, set(), 0, set()
     tape._ready_hooks = {}
 
 
@@ -350,7 +352,7 @@ def note_overwritten(arrays: Sequence[Any], operation: str, /) -> None:
             for node in tape._nodes[tape._scanned :]:
                 held.update(_memory_key(a) for a in (*node[1], *node[3]) if is_array(a))
             tape._scanned = len(tape._nodes)
-            leaves = {_memory_key(tape._tracked[k]) for k in tape._leaves if k in tape._tracked}
+            leaves = tape._leaf_keys
             for key, array in written.items():
                 if (key in held or key in leaves) and key not in tape._overwritten:
                     tape._overwritten[key] = (array, operation)
@@ -907,7 +909,7 @@ def swap_out(
     swap = Swap(tape, restore, owners)
     keys = {key: j for j, key in enumerate(swap.keys)}
     with tape._lock:
-        if any(_memory_key(tape._tracked[k]) in keys for k in tape._leaves if k in tape._tracked):
+        if not tape._leaf_keys.isdisjoint(keys):
             return None
         nodes = tape._nodes
         for index in range(first, len(nodes)):

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from common import tally  # this directory: the worker runs as a script
 
+import cupy_parallel
 from cupy_parallel import distributed as dist
 from cupy_parallel.distributed import ReduceOp
 
@@ -63,6 +64,32 @@ def api(rank: int, size: int) -> None:
         dist.reduce_scatter_tensor(out, data[rank], op=op)
         expected = ufunc.reduce(np.stack(data), axis=0, dtype=np.int32)[2 * rank : 2 * rank + 2]
         check(f"reduce_scatter_tensor {op.name}", out, expected)
+    # the chunks an MPI rank receives into or sends from in place (one array, end to end), and
+    # the forms it must copy for: the input inside the output (or the output inside the input),
+    # a pooled host array
+    every = np.stack([row(r) for r in ranks]).reshape(-1)
+    out = np.zeros(size * 3)
+    out[3 * rank : 3 * rank + 3] = row(rank)
+    dist.all_gather_into_tensor(out, out[3 * rank : 3 * rank + 3])
+    check("all_gather_into_tensor, input inside output", out, every)
+    pooled = cupy_parallel.empty((size, 3), np.float64, "cpu")
+    dist.all_gather_into_tensor(pooled, row(rank)[::-1].copy())
+    flipped = np.stack([row(r)[::-1] for r in ranks])
+    check("all_gather_into_tensor, pooled output", np.asarray(pooled), flipped)
+    data = [np.arange(size * 2, dtype=np.float64) * (r + 1) + 0.5 for r in ranks]
+    total = np.sum(np.stack(data), axis=0)
+    mine = data[rank].copy()
+    dist.reduce_scatter_tensor(mine[2 * rank : 2 * rank + 2], mine)
+    check(
+        "reduce_scatter_tensor, output inside input",
+        mine[2 * rank : 2 * rank + 2],
+        total[2 * rank : 2 * rank + 2],
+    )
+    source = cupy_parallel.empty((size * 2,), np.float64, "cpu")
+    source[...] = data[rank]
+    out = np.zeros(2)
+    dist.reduce_scatter_tensor(out, source, op=ReduceOp.AVG)
+    check("reduce_scatter_tensor AVG, pooled input", out, total[2 * rank : 2 * rank + 2] / size)
     # BAND/BOR/BXOR on all_reduce, ints and bools
     for op, ufunc in (
         (ReduceOp.BAND, np.bitwise_and),

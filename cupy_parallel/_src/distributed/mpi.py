@@ -99,6 +99,7 @@ from cupy_parallel._src.distributed.store.interface import DistTimeoutError
 from cupy_parallel._src.distributed.work import Work
 from cupy_parallel._src.enums import Backend, ReduceOp
 from cupy_parallel._src.hostarray import plain_buffer
+from cupy_parallel._src.versions import root_buffer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -130,6 +131,35 @@ def _temp(shape: tuple[int, ...], dtype: Any, like: Any) -> Any:
     cupy: Any = cupy_module()
     with like.device:
         return cupy.zeros(shape, dtype)
+
+
+def _span(chunks: Sequence[Any], nbytes: int, *, receive: bool) -> Any:
+    """The bytes of host ``chunks`` as one flat view if they lie end to end in one array.
+
+    They do for the chunks of a ``*_tensor`` collective (``x.reshape(count, ...)[r]``); else
+    ``None``. A collective then receives into (or sends from) that memory itself rather than
+    a temporary buffer copied chunk by chunk (FSDP's all-gathers and reduce-scatters, every
+    step).
+    ``nbytes``: what each chunk must hold; ``receive``: the view is written (so it must be).
+    """
+    first = chunks[0]
+    if not isinstance(first, np.ndarray) or not nbytes:
+        return None
+    root = root_buffer(first)
+    if not root.flags.c_contiguous or (receive and not root.flags.writeable):
+        return None
+    start = first.__array_interface__["data"][0]
+    for r, chunk in enumerate(chunks):
+        if not (
+            isinstance(chunk, np.ndarray)
+            and chunk.nbytes == nbytes
+            and chunk.flags.c_contiguous
+            and chunk.__array_interface__["data"][0] == start + r * nbytes
+            and root_buffer(chunk) is root
+        ):
+            return None
+    offset = start - root.__array_interface__["data"][0]
+    return _bytes(root)[offset : offset + nbytes * len(chunks)]
 
 
 def _on(x: Any) -> Any:
@@ -810,6 +840,12 @@ class MPIBackend(ProcessGroupBackend):
         """Iallgather of the packed local inputs into one buffer, unpacked on completion."""
         local = len(inputs)
         first = plain_buffer(inputs[0])
+        if local == 1 and len(outputs) == 1:  # all_gather_into_tensor: its output's chunks
+            span = _span([plain_buffer(x) for x in outputs[0]], first.nbytes, receive=True)
+            if span is not None and not np.may_share_memory(span, first):
+                request = self._comm.Iallgather([first, self._byte], [span, self._byte])
+                work = _MPIWork("all_gather", self, request, keep=(first, span))
+                return work._check_call(inputs)
         send = first if local == 1 else _pack(inputs)
         received = _temp((self.size * local * first.nbytes,), np.uint8, first)
         request = self._comm.Iallgather([send, self._byte], [received, self._byte])
@@ -859,11 +895,18 @@ class MPIBackend(ProcessGroupBackend):
         chunks = len(inputs[0])
         count = self.size * local
         shape = first.shape if plan.parts == 1 else (plan.parts, *first.shape)
-        acc = _temp((chunks, *shape), dtype, first)
-        for k in range(chunks):
-            column = [plain_buffer(row[k]) for row in inputs]
-            _copy(acc[k, ...], _accumulate(column, plan, count))
         direct = local == 1 and plan.work_dtype is None
+        span = None
+        if direct and plan.parts == 1 and len(inputs) == 1 and inputs[0][0].dtype == dtype:
+            # reduce_scatter_tensor: its input's chunks, sent as they are (nothing to convert)
+            span = _span([plain_buffer(x) for x in inputs[0]], first.nbytes, receive=False)
+        if span is not None and not np.may_share_memory(span, first):
+            acc = span.view(dtype)
+        else:
+            acc = _temp((chunks, *shape), dtype, first)
+            for k in range(chunks):
+                column = [plain_buffer(row[k]) for row in inputs]
+                _copy(acc[k, ...], _accumulate(column, plan, count))
         received = first if direct else _temp((local, *shape), dtype, first)
         request = self._comm.Ireduce_scatter_block(
             [acc, plan.mpi_type], [received, plan.mpi_type], plan.mpi_op

@@ -28,6 +28,7 @@ one dtype (and device) are views of one flat buffer, which is what the all-gathe
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 import threading
@@ -48,7 +49,7 @@ from cupy_parallel._src.distributed.groups import (
     get_world_size,
     resolve_group,
 )
-from cupy_parallel._src.distributed.objects import all_gather_object
+from cupy_parallel._src.distributed.objects import _buffer, _host, all_gather_object
 from cupy_parallel._src.distributed.reductions import reduce_scatter_tensor
 from cupy_parallel._src.distributed.rooted import gather, scatter
 from cupy_parallel._src.enums import ReduceOp
@@ -191,9 +192,12 @@ def _pack(buffer: Any, group: _Group, arrays: list[Any], world: int, divisor: in
                 if src is None or n == 0:
                     blocks[r] = 0
                     continue
-                rows = src[r * p.c : r * p.c + n]
-                blocks[r, :n] = rows if divisor is None else rows / divisor
-                blocks[r, n:] = 0
+                block = blocks[r]
+                block[:n] = src[r * p.c : r * p.c + n]
+                if divisor is not None:  # in place: no temporary of the rows
+                    block[:n] /= divisor
+                if n < p.c:
+                    block[n:] = 0
 
     on_device_of(raw, write)
 
@@ -960,7 +964,20 @@ class FullyShardedDataParallel(Generic[Params, Output]):
         point: two units of one layout read by different ranks would exchange each other's
         shards without any error (the loss and gradients silently wrong), so the ranks compare
         the order of their reads before ``fn``'s output is returned.
+
+        Every call: one all-gather of a 16-byte digest of the reads (a collective of fixed
+        size, rather than an object all-gather's two, with their pickling); the reads
+        themselves travel only when the digests differ, for the message.
         """
+        if self._world == 1:
+            return
+        digest = hashlib.blake2b(repr(gathers).encode(), digest_size=16).digest()
+        pg = resolve_group(self.process_group)
+        assert pg is not None
+        every = _buffer(pg, self._world * len(digest))
+        all_gather_into_tensor(every, _buffer(pg, digest), self.process_group)
+        if _host(every).tobytes() == digest * self._world:
+            return
         names = [self._units[u].name for u in gathers]
         seen: list[Any] = [None] * self._world
         all_gather_object(seen, names, group=self.process_group)

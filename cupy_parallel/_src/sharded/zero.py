@@ -27,8 +27,10 @@ runs one ``all_gather_into_tensor``: the whole model once more in buffers during
 Measured (``benchmarks/bench_zero.py``; the 4.2 M-parameter float32 MLP, 2 MPI processes on
 2 shared cores): the broadcasts took 9.4 ms, the all-gather 31 ms (an earlier version that
 packed every partition for the broadcasts: 9.6 against 18.5 ms; on thread ranks 26 against
-66-143 ms with 2 ranks, 22-68 against 168-308 ms with 4). The MPI backend's all-gather of the
-same bytes is itself 2-4x slower than broadcasts here. In place, the broadcasts also keep
+66-143 ms with 2 ranks, 22-68 against 168-308 ms with 4). Since the MPI backend receives an
+all-gather straight into its output (no buffer copied out), the all-gather takes 26-32 ms against
+the broadcasts' 15-19 ms (two runs each, the machine loaded by others), 1.8x where it was 2.7-3.5x
+in the same runs before: still the slower. In place, the broadcasts also keep
 ZeRO-1's memory at parameters + gradients + state/N (``benchmarks/bench_sharded.py``, 4 ranks:
 0.625 of DDP's, where packing every partition measured 0.876), so they are the default. NCCL
 is unmeasured without a GPU; ``param_sync="all_gather"`` is one switch.
