@@ -684,7 +684,8 @@ def test_non_rooted_collectives_with_other_sizes_or_dtypes_raise_on_every_rank(v
     """all_reduce of float32[4] with float64[4] on one rank (or int32[4], or float32[6]) gave
     garbage, stale pool bytes included, and exit code 0; as every non-rooted collective. Now
     every rank raises ValueError naming the rank that differs, as gloo refuses ("Received data
-    size doesn't match"); the world group stays usable."""
+    size doesn't match"); the world group stays usable. Also a shape that differs after calls
+    that agreed on the group (whose comparison the backend made once and keeps)."""
     result = launch_agreement(3, "mismatch", via)
     out = result.stdout
     assert "NO ERROR" not in out, out
@@ -720,6 +721,13 @@ def test_non_rooted_collectives_with_other_sizes_or_dtypes_raise_on_every_rank(v
             "same dtype and shape. The arrays' contents are undefined now"
         )
         assert out.count(message) == 3, (message, out)
+    shapes = arrays(*["float32, 6 elements, 2-d"] * 2)  # after agreeing calls on that group
+    message = (
+        "CAUGHT ValueError: all_reduce on process group '12': ranks [2] differ from the rest in "
+        "the array they passed (the same dtype and size: their shapes or byte orders differ; the "
+        f"debug mode CUPY_PARALLEL_DISTRIBUTED_DEBUG=DETAIL names the shapes) ({shapes})."
+    )
+    assert out.count(message) == 3, (message, out)
     message = (
         "CAUGHT ValueError: all_reduce on process group '4': ranks [2] differ from the rest in "
         "the reduction they passed (rank 0: ReduceOp.SUM; rank 1: ReduceOp.SUM; rank 2: "

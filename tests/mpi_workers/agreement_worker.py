@@ -217,8 +217,20 @@ def mismatch(rank: int, size: int) -> None:
         "async all_reduce, size": lambda g: dist.all_reduce(
             np.ones(n, np.float32), group=g, async_op=True
         ).wait(),
+        "all_reduce, shape after agreeing calls": lambda g: shape_after_agreeing(g, last),
     }
     each_on_its_group(calls, others)
+
+
+def shape_after_agreeing(group: object, last: bool) -> None:
+    """Calls that agree (the backend keeps what their signature needs), then one that does not.
+
+    The last rank's array has the same dtype and size but another shape: what the backend made
+    ready for the agreeing calls must not be taken for it.
+    """
+    for _ in range(3):
+        dist.all_reduce(np.ones((2, 3), np.float32), group=group)
+    dist.all_reduce(np.ones((3, 2) if last else (2, 3), np.float32), group=group)
 
 
 def main() -> int:

@@ -74,6 +74,7 @@ from cupy_parallel._src.cuda import copies
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend
 from cupy_parallel._src.distributed.mpi_checks import (
+    ROWS_KEPT,
     Caller,
     compare_barrier,
     compare_call,
@@ -108,8 +109,9 @@ if TYPE_CHECKING:
 
     # An exchange of a few integers that runs beside an operation (see _MPIWork._check): its
     # request, this rank's row (MPI reads it until the exchange completes), every rank's rows
-    # (in rank order), and what says what the ranks disagree on.
-    _SideCheck = tuple[Any, bytes, bytearray, Verify]
+    # (in rank order), what they are when all alike (this rank's row, size times) and what
+    # says what the ranks disagree on.
+    _SideCheck = tuple[Any, bytes, bytearray, bytes, Verify]
 
 __all__ = ["MPIBackend"]
 
@@ -366,14 +368,14 @@ class _MPIWork(Work):
         mine = backend._stamp(mine, len(self._request) if type(self._request) is list else 1)
         every = bytearray(len(mine) * backend.size)
         request = backend._control.Iallgather([mine, backend._int64], [every, backend._int64])
-        self._side = (request, mine, every, verify)
+        self._side = (request, mine, every, mine * backend.size, verify)
         return self
 
     def _settle(self, side: _SideCheck) -> None:
         """The side check finished: go on if the ranks agree, else fail every rank's call."""
         self._side = None
-        _, mine, every, verify = side
-        if every == mine * self._backend.size:  # all alike: the common case
+        _, _, every, alike, verify = side
+        if every == alike:  # the common case
             return
         problem = self._disagreement(every, verify)
         if problem is None:  # rows may differ yet agree (all_to_all's sizes)
@@ -782,18 +784,55 @@ class MPIBackend(ProcessGroupBackend):
         return work
 
     @staged(0)
-    @_in_issue_order
     def all_reduce(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
-        """Iallreduce in place (one array) or of the local reduction (several)."""
+        """Iallreduce in place (one array) or of the local reduction (several).
+
+        One array reduced in its own dtype, the common case, is issued with the least Python
+        before MPI starts (a loop's call: the plan's lookup). What its comparison needs was
+        made once per thread and call signature (:meth:`_ready`) and is looked up while the
+        ``Iallreduce`` is under way, ``_issuing`` held so that the row's ``Iallgather`` follows
+        it with no other thread's collective between them (as :func:`_in_issue_order` holds it
+        for the other collectives).
+        """
+        first = arrays[0]
+        plan = self._plans.get((first.dtype, op)) or self._plan(first.dtype, op)
+        if len(arrays) != 1 or plan.work_dtype is not None:
+            with self._issuing:
+                return self._all_reduce_local(arrays, op)
+        buffer = plain_buffer(first)
+        with self._issuing:
+            request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
+            caller = self.caller()
+            ready = caller.ready.get((first.dtype, first.shape, op)) or self._ready(
+                caller, first, op
+            )
+            mine, alike, verify = ready
+            every = bytearray(len(alike))
+            side = self._control.Iallgather([mine, self._int64], [every, self._int64])
+        work = _MPIWork("all_reduce", self, request, keep=buffer)
+        work._side = (side, mine, every, alike, verify)
+        if plan.average:
+            work.add_finalizer(functools.partial(_mean, buffer, plan, self.size))
+        return work
+
+    def _ready(self, caller: Caller, x: Any, op: ReduceOp) -> tuple[bytes, bytes, Verify]:
+        """What the comparison of an ``all_reduce`` of one array like ``x`` needs, made once.
+
+        This rank's row and its verification (:func:`compare_call`'s), and every rank's rows
+        when all are alike (the row ``size`` times): kept in ``caller.ready`` by dtype, shape
+        and op, which is cleared when it holds as many signatures as a caller keeps rows.
+        """
+        mine, verify = compare_call("all_reduce", caller, [x], self.world_ranks, op=op)
+        ready = mine, mine * self.size, verify
+        if len(caller.ready) >= ROWS_KEPT:
+            caller.ready.clear()
+        caller.ready[x.dtype, x.shape, op] = ready
+        return ready
+
+    def _all_reduce_local(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
+        """``all_reduce`` of the local reduction of ``arrays``, in the plan's working form."""
         first = arrays[0]
         plan = self._plan(first.dtype, op)
-        if len(arrays) == 1 and plan.work_dtype is None:
-            buffer = plain_buffer(first)
-            request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
-            work = _MPIWork("all_reduce", self, request, keep=buffer)._check_call(arrays, op=op)
-            if plan.average:
-                work.add_finalizer(functools.partial(_mean, buffer, plan, self.size))
-            return work
         outputs = [plain_buffer(x) for x in arrays]
         count = self.size * len(arrays)
         acc = _accumulate(outputs, plan, count)

@@ -67,6 +67,21 @@ before, 7.6 after). And what no Python over mpi4py can go below on 4 ranks shari
 (mpi4py alone, polling ``Test`` and yielding the core as the backend does): an ``Iallreduce`` + 4
 to 10 us over ``Allreduce``, with an ``Iallgather`` of a row beside it + 20 to 26 us, twice the
 target before any code of ours runs.
+
+Issue 35 (2026-11-28, 2 ranks, the 4 KiB ``all_reduce``, medians of single calls after a
+barrier against mpi4py's ``Allreduce`` in the same run, the 2-core machine loaded by other
+jobs): one message instead of two is no cheaper from Python. The rows' ``Iallgather`` beside
+the ``Iallreduce`` (this design, mpi4py alone) 1.39-1.53x; a 16-byte ``Iallreduce(MIN)`` of a
+fingerprint instead 1.46-1.47x; one ``Iallgather`` of each rank's row and data, summed in
+NumPy (no second collective) 1.57-1.60x, the local sum and copies costing more than the
+second collective's round. What stays above that floor is Python: the backend's
+``all_reduce`` and its wait took 3.6-3.8 us a call on a world of one (1.5 of them the two MPI
+calls), the public layer's runner and checks 1.6 us more; 2.6-2.8x in all (three
+``bench_collectives`` runs alternated with the code before the row, the verification and
+every rank's rows when alike were kept per call signature: 2.81-2.98x before; fastest rounds
+3.18-3.26x before, 3.00-3.09x after). The same checks, row and calls with none of the layers
+between them (no runner, staging wrapper or ``Work``: a script, not the library, and without
+timeouts) measured 1.89-1.90x.
 """
 
 from __future__ import annotations
@@ -96,6 +111,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OPERATIONS",
+    "ROWS_KEPT",
     "Caller",
     "caller_fields",
     "compare_barrier",
@@ -236,14 +252,16 @@ class Caller:
 
     ``fields``: :func:`caller_fields` of its name; ``rows``: :func:`compare_call`'s rows made for
     it, by call signature (the group's world and this thread fixed, two calls alike have one
-    row).
+    row); ``ready``: the backend's own, what it made ready for a call signature's comparison
+    (at most :data:`ROWS_KEPT` signatures, as ``rows``).
     """
 
-    __slots__ = ("fields", "rows")
+    __slots__ = ("fields", "ready", "rows")
 
     def __init__(self, name: str, /) -> None:
         self.fields = caller_fields(name)
         self.rows: dict[Any, Comparison] = {}
+        self.ready: dict[Any, Any] = {}
 
 
 def compare_call(
@@ -273,7 +291,7 @@ def compare_call(
         row = _row(number, caller, root=root_field, op=op_field, arrays=fields)
         made = row, functools.partial(_verify_arrays, world)
         if key is not None:
-            if len(caller.rows) >= _ROWS_KEPT:
+            if len(caller.rows) >= ROWS_KEPT:
                 caller.rows.clear()
             caller.rows[key] = made
     return made
@@ -338,7 +356,8 @@ def compare_digest(caller: Caller, world: Sequence[int], /, *, digest: bytes) ->
     return row, verify
 
 
-_ROWS_KEPT = 1024  # rows a caller keeps (one per call signature; cleared when full)
+#: Rows a caller keeps (one per call signature; cleared when full).
+ROWS_KEPT = 1024
 _START = 1 + _CALLER_SIZE  # a row's first field after the operation and the caller
 # A row's fields after the caller: root, op, the arrays' seven (see _call_fields), the
 # fingerprints of the bytes an all_to_all sends and expects (see compare_counts), then the
