@@ -806,24 +806,24 @@ class MPIBackend(ProcessGroupBackend):
             ready = caller.ready.get((first.dtype, first.shape, op)) or self._ready(
                 caller, first, op
             )
-            mine, alike, verify = ready
-            every = bytearray(len(alike))
+            row, verify = ready
+            mine = self._stamp(row, 1)  # per call: what this rank issued before it
+            every = bytearray(len(mine) * self.size)
             side = self._control.Iallgather([mine, self._int64], [every, self._int64])
         work = _MPIWork("all_reduce", self, request, keep=buffer)
-        work._side = (side, mine, every, alike, verify)
+        work._side = (side, mine, every, mine * self.size, verify)
         if plan.average:
             work.add_finalizer(functools.partial(_mean, buffer, plan, self.size))
         return work
 
-    def _ready(self, caller: Caller, x: Any, op: ReduceOp) -> tuple[bytes, bytes, Verify]:
+    def _ready(self, caller: Caller, x: Any, op: ReduceOp) -> tuple[bytes, Verify]:
         """What the comparison of an ``all_reduce`` of one array like ``x`` needs, made once.
 
-        This rank's row and its verification (:func:`compare_call`'s), and every rank's rows
-        when all are alike (the row ``size`` times): kept in ``caller.ready`` by dtype, shape
-        and op, which is cleared when it holds as many signatures as a caller keeps rows.
+        This rank's row before its stamp (:meth:`_stamp`, made per call) and its verification
+        (:func:`compare_call`'s): kept in ``caller.ready`` by dtype, shape and op, which is
+        cleared when it holds as many signatures as a caller keeps rows.
         """
-        mine, verify = compare_call("all_reduce", caller, [x], self.world_ranks, op=op)
-        ready = mine, mine * self.size, verify
+        ready = compare_call("all_reduce", caller, [x], self.world_ranks, op=op)
         if len(caller.ready) >= ROWS_KEPT:
             caller.ready.clear()
         caller.ready[x.dtype, x.shape, op] = ready
