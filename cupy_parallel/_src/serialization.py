@@ -326,12 +326,11 @@ def replace_atomically(path: str, write: Any) -> None:
 
     The file being replaced is first dropped from the page cache (:func:`drop_cached_pages`;
     its bytes stay on disk, and at ``path``, until the rename), so that the new file's pages
-    reuse its memory instead of taking fresh memory. Memory the kernel has not touched lately
-    is slow to take where it was handed back to a hypervisor (free page reporting): on this
-    project's virtual machine a 1 GiB save over the previous 1 GiB file took 1.29 s of CPU
-    (6.3 s wall) without the drop, 0.30 s (2.5 s) with it, and ``numpy.save`` + ``fsync``,
-    which truncates its previous file before writing, 0.34 s (2.2 s) (medians of 9 rounds,
-    machine shared).
+    reuse its memory instead of taking fresh memory. Fresh memory can be slow to take: on this
+    project's virtual machine (whose balloon device reports free pages to the hypervisor, the
+    likely cause) a 1 GiB save over the previous 1 GiB file took 1.29 s of CPU (6.3 s wall)
+    without the drop, 0.30 s (2.5 s) with it, and ``numpy.save`` + ``fsync``, which truncates
+    its previous file before writing, 0.34 s (2.2 s) (medians of 9 rounds, machine shared).
     """
     if not path:
         raise FileNotFoundError("the path to save to is empty ('').")
