@@ -162,6 +162,33 @@ def test_other_tools_read_the_arrays_by_key_path(tmp_path):
     assert all(same_bits(theirs[k], arrays[k]) for k in arrays)
 
 
+def test_safetensors_reads_every_dtype_we_write_bit_exactly(tmp_path):
+    """safetensors' own readers (load_file, safe_open) are the oracle of the layout we write:
+    each dtype it has comes back as itself, each other one as its bytes (uint8, last axis the
+    item size), 0-d, empty and non-contiguous arrays included."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    arrays = {f"{c}{shape}": values(c, shape) for c in DTYPES for shape in [(), (0, 2), (3, 4)]}
+    arrays["strided"] = values("f8", (6, 4))[::2, ::-1]
+    arrays["fortran"] = np.asfortranarray(values("c16", (3, 5)))
+    cp.save(arrays, tmp_path / "all")
+    theirs = load_file(tmp_path / "all")
+    with safe_open(tmp_path / "all", framework="np") as handle:
+        mapped = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    assert sorted(theirs) == sorted(mapped) == sorted(arrays)
+    native = {np.dtype(c) for c in ("?", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8")}
+    native |= {np.dtype(c) for c in ("f2", "f4", "f8", "c8")}
+    for name, array in arrays.items():
+        for got in (theirs[name], mapped[name]):
+            if array.dtype in native:
+                assert same_bits(got, array), name
+            else:
+                assert got.dtype == np.uint8, name
+                assert got.shape == (*array.shape, array.dtype.itemsize), name
+                assert got.tobytes() == np.ascontiguousarray(array).tobytes(), name
+
+
 def test_key_paths_that_read_alike_get_tensors_of_their_own(tmp_path):
     tree = {"a.b#1": np.zeros(1), "a.b": np.ones(1), "a": {"b": np.full(1, 2.0)}, "__x": np.ones(2)}
     cp.save(tree, tmp_path / "names")
@@ -271,6 +298,53 @@ def test_saving_over_a_file_replaces_it_and_leaves_no_temporary(tmp_path):
     cp.save({"v": 2}, path)
     assert cp.load(path) == {"v": 2}
     assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def _resident_pages(fd, size):
+    """How many of the file's pages are in the page cache (Linux ``mincore`` of a mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    try:
+        pages = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+        assert libc.mincore(address, size, pages) == 0, ctypes.get_errno()
+        return sum(page & 1 for page in pages)
+    finally:
+        libc.munmap(address, size)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore and posix_fadvise as on Linux")
+def test_saving_over_a_file_first_drops_its_cached_pages(tmp_path):
+    # so that the new file's pages reuse the old one's memory (benchmarks/bench_save.py)
+    path = tmp_path / "ckpt"
+    cp.save({"w": np.full(1 << 20, 1.0)}, path)
+    fd = os.open(path, os.O_RDONLY)  # the previous version's inode, after the rename too
+    try:
+        size = os.fstat(fd).st_size
+        before = _resident_pages(fd, size)
+        if before == 0:
+            pytest.skip("this file system keeps no written pages in the cache")
+        cp.save({"w": np.full(1 << 20, 2.0)}, path)
+        assert _resident_pages(fd, size) == 0
+        assert os.pread(fd, 16, size - 16) == np.full(2, 1.0).tobytes()  # its bytes are intact
+    finally:
+        os.close(fd)
+    assert cp.load(path)["w"][0] == 2.0
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_saving_over_a_fifo_replaces_it_without_opening_it(tmp_path):
+    os.mkfifo(tmp_path / "pipe")  # opening it to read would wait for a writer forever
+    cp.save({"v": 1}, tmp_path / "pipe")
+    assert cp.load(tmp_path / "pipe") == {"v": 1}
 
 
 # ------------------------------------------------------------------------------------------
