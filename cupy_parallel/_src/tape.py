@@ -387,9 +387,11 @@ class Tape(Records):
             )
         targets, seeds = self._check_targets(target, output_gradients)
         leaves, source_def = flatten_leaves(sources)
-        arrays = [leaf for leaf in leaves if is_array(leaf)]
         tracked = self._tracked
-        if not all(id(a) in tracked for a in arrays):
+        if all(id(leaf) in tracked for leaf in leaves):  # tracked, so arrays: the common case
+            arrays = leaves
+        else:
+            arrays = [leaf for leaf in leaves if is_array(leaf)]
             for name, leaf in zip(leaf_names(source_def, "sources"), leaves, strict=True):
                 if is_array(leaf) and not self.tracks(leaf):
                     raise ValueError(
