@@ -430,7 +430,7 @@ class Tape(Records):
         Zeros (or ``None``) where none arrived, the sources' dtypes, never an array the caller
         passed in or one array twice. ``names()`` names the sources, for the errors.
         """
-        seen = {id(s) for s in seeds}
+        seen = set(map(id, seeds))
         result = []
         with pause_recording(self):
             for i, (leaf, grad) in enumerate(zip(sources, grads, strict=True)):
