@@ -105,7 +105,10 @@ def _broadcast_to_kernel(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
 
 
 def _broadcast_to(x: Any, shape: tuple[int, ...], /) -> Any:
-    z = run_kernel(_broadcast_to_kernel, x, x, shape)
+    if type(x) is np.ndarray:  # as sum: run_kernel's first branch, without its checks
+        z = _broadcast_to_kernel(np, x, shape)
+    else:
+        z = run_kernel(_broadcast_to_kernel, x, x, shape)
     if active_tapes():
         record_unary(_broadcast_to_vjp, x, z, None)
     return z
@@ -151,7 +154,11 @@ def sum(x: Array, /, axis: int | tuple[int, ...] | None = None, *, keepdims: boo
     """
     require_array(x, "sum")
     axes = read_axes(x, axis)
-    z = run_kernel(_sum_kernel, x, x, axis=axes, keepdims=keepdims)
+    if type(x) is np.ndarray:  # what run_kernel does, without its checks (0.6 us of 1.9)
+        z = _sum_kernel(np, x, axes, keepdims)
+        z = z if type(z) is np.ndarray else np.asarray(z)  # NumPy's 0-d result
+    else:
+        z = run_kernel(_sum_kernel, x, x, axes, keepdims)
     if active_tapes():
         record_unary(_sum_vjp, x, z, (axes, keepdims))
     return z
