@@ -143,7 +143,7 @@ def mean(
         raise ValueError(
             f"ops.mean over axis {axis} of an array of shape {x.shape} averages no elements."
         )
-    z = run_kernel(_mean_kernel, x, x, axis=axes, keepdims=keepdims)
+    z = run_kernel(_mean_kernel, x, x, axes, keepdims)  # positional: no keyword dicts (0.2 us)
     if active_tapes():
         record_unary(_mean_vjp, x, z, (axes, keepdims, count))
     return z
