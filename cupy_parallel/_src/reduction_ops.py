@@ -76,8 +76,10 @@ def matmul(a: Array, b: Array, /) -> Array:
     if type(a) is np.ndarray:
         z = np.matmul(a, b)
         z = z if type(z) is np.ndarray else np.asarray(z)
-    elif type(a) is HostArray and type(b) is HostArray and a.device == b.device:
-        z = np.matmul(host_buffer(a), host_buffer(b))  # what run_kernel does, without its checks
+    elif type(a) is HostArray and type(b) is HostArray and a.device is b.device:
+        # what run_kernel does, without its checks: one device object (devices are interned;
+        # another equal one takes run_kernel's path), as Device's == is a Python call (0.15 us)
+        z = np.matmul(host_buffer(a), host_buffer(b))
         z = host_array(z if type(z) is np.ndarray else np.asarray(z), a.device)
     else:
         z = run_kernel(_matmul_kernel, a, a, b)
@@ -141,7 +143,7 @@ def mean(
         raise ValueError(
             f"ops.mean over axis {axis} of an array of shape {x.shape} averages no elements."
         )
-    z = run_kernel(_mean_kernel, x, x, axis=axes, keepdims=keepdims)
+    z = run_kernel(_mean_kernel, x, x, axes, keepdims)  # positional: no keyword dicts (0.2 us)
     if active_tapes():
         record_unary(_mean_vjp, x, z, (axes, keepdims, count))
     return z

