@@ -64,7 +64,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cupy_parallel._tools.benchmarking import Timing, result, script_main
+from cupy_parallel._tools.benchmarking import (
+    Timing,
+    polled_as_the_backend_polls,
+    result,
+    script_main,
+)
 from cupy_parallel._tools.launch import find_mpiexec
 
 if TYPE_CHECKING:
@@ -217,16 +222,7 @@ def _medians(comm: Any, ranks: int, quick: bool) -> list[dict[str, Any]]:
     def ours() -> None:
         dist.all_reduce(buf)
 
-    # polled as the backend polls: the core yielded every few tests (4 when the ranks outnumber
-    # the cores, else 64: MPIBackend.create_world)
-    per_yield = range(4 if ranks > (os.cpu_count() or 1) else 64)
-
-    def poll(request: Any) -> None:
-        while True:
-            for _ in per_yield:
-                if request.Test():
-                    return
-            os.sched_yield()
+    poll = polled_as_the_backend_polls(ranks)
 
     def floor() -> None:  # the data and one comparison row per rank, polled as ours are
         data = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)

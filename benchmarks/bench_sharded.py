@@ -50,7 +50,6 @@ names each row with its world size; under ``mpiexec`` it measures that world.
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 import sys
 import time
@@ -58,7 +57,12 @@ from typing import Any
 
 import numpy as np
 
-from cupy_parallel._tools.benchmarking import Timing, mpi_script_main, run_ranks
+from cupy_parallel._tools.benchmarking import (
+    Timing,
+    mpi_script_main,
+    polled_as_the_backend_polls,
+    run_ranks,
+)
 
 D = 512
 UNITS = 8
@@ -181,15 +185,7 @@ def _raw_patterns(world: int) -> dict[str, Any]:
     partition = np.ones(-(-UNITS * unit // world), np.float32)
     everything = np.zeros(world * partition.size, np.float32)
 
-    # the library's polling: Test a few times, then yield the core (4 when ranks share cores)
-    polls = range(4 if world > (os.cpu_count() or 1) else 64)
-
-    def wait(request: Any) -> None:
-        while True:
-            for _ in polls:
-                if request.Test():
-                    return
-            os.sched_yield()
+    wait = polled_as_the_backend_polls(world)
 
     def ddp() -> None:
         wait(comm.Iallreduce(MPI.IN_PLACE, grads))

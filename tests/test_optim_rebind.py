@@ -219,12 +219,9 @@ def test_a_new_tree_bound_to_ddp_params_is_refused_at_the_step_on_every_rank() -
         _step(ddp, fresh, rank)
         return ddp.params["w"]
 
-    plain = {"w": np.array([2.0, 2.0])}
-    oracle = Adam(plain, lr=0.1)
-    for _ in range(2):
-        oracle.step({"w": np.array([1.0, 2.5])})
+    want = _two_adam_steps_in_one_process()
     for w in dist.spawn(program, 2, timeout=60):
-        np.testing.assert_allclose(w, plain["w"], rtol=0, atol=1e-15)
+        np.testing.assert_allclose(w, want, rtol=0, atol=1e-15)
 
 
 def test_an_optimizer_built_before_the_ddp_or_over_a_subtree_is_refused_too() -> None:
@@ -256,9 +253,15 @@ def test_a_new_tree_holding_the_same_arrays_is_no_rebinding() -> None:
         _step(ddp, opt, rank)
         return ddp.params["w"]
 
+    want = _two_adam_steps_in_one_process()
+    for w in dist.spawn(program, 2, timeout=60):
+        np.testing.assert_allclose(w, want, rtol=0, atol=1e-15)
+
+
+def _two_adam_steps_in_one_process() -> Any:
+    """The oracle: the parameter after two of ``_step``'s Adam steps, taken in one process."""
     plain = {"w": np.array([2.0, 2.0])}
     oracle = Adam(plain, lr=0.1)
     for _ in range(2):
         oracle.step({"w": np.array([1.0, 2.5])})
-    for w in dist.spawn(program, 2, timeout=60):
-        np.testing.assert_allclose(w, plain["w"], rtol=0, atol=1e-15)
+    return plain["w"]

@@ -682,6 +682,25 @@ def script_main(
     return rows
 
 
+def polled_as_the_backend_polls(ranks: int, /) -> Callable[[Any], None]:
+    """A ``wait(request)`` for raw mpi4py baselines that polls as the library's MPI backend does.
+
+    ``request.Test()`` a few times, then the core yielded: every 4 tests when ``ranks`` outnumber
+    this machine's cores, else every 64 (``MPIBackend.create_world``), so that a baseline and
+    the library share the cores alike.
+    """
+    per_yield = range(4 if ranks > (os.cpu_count() or 1) else 64)
+
+    def wait(request: Any) -> None:
+        while True:
+            for _ in per_yield:
+                if request.Test():
+                    return
+            os.sched_yield()
+
+    return wait
+
+
 def under_mpiexec() -> bool:
     """Whether this process is a rank that ``mpiexec`` started (MPICH's, Open MPI's, PMIx's)."""
     return any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
