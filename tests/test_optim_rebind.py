@@ -262,3 +262,30 @@ def test_a_new_tree_holding_the_same_arrays_is_no_rebinding() -> None:
         oracle.step({"w": np.array([1.0, 2.5])})
     for w in dist.spawn(program, 2, timeout=60):
         np.testing.assert_allclose(w, plain["w"], rtol=0, atol=1e-15)
+
+
+def test_a_new_tree_holding_the_same_arrays_at_swapped_leaves_is_refused() -> None:
+    # Before: no error, and the step moved the wrong arrays: the optimizer, built over
+    # {"a": a, "b": b}, applied the gradient of the model's leaf "a" (now the array b) to a,
+    # so a moved by b's gradient and b by a's (here a=[-1, -1], b=[1, 1], both wrong).
+    def model(p: Any, x: Any) -> Any:
+        return ops.add(ops.sum(ops.multiply(p["a"], x)), ops.sum(ops.multiply(p["b"], 0.0 * x)))
+
+    def program(rank: int) -> Any:
+        ddp = cp.DistributedDataParallel(model, {"a": np.ones(2), "b": np.ones(2)})
+        opt = SGD(ddp.params, lr=1.0)
+        a, b = ddp.params["a"], ddp.params["b"]
+        ddp.params = {"a": b, "b": a}  # the same arrays, each at the other's leaf
+        with cp.Tape() as tape:
+            loss = ddp(np.array([2.0, 2.0]))
+        grads = tape.gradient(loss, ddp.params)  # "a" (the array b): [2, 2]; "b": zeros
+        with pytest.raises(ValueError, match=LET_GO.format("SGD").replace("'w'", "'a'")):
+            opt.step(grads)
+        np.testing.assert_array_equal(a, [1.0, 1.0])  # nothing written
+        ddp.params = {"a": a, "b": b}  # bound back, each at its own leaf: held again
+        opt.step({"a": np.array([2.0, 2.0]), "b": np.zeros(2)})
+        return a, b
+
+    for a, b in dist.spawn(program, 2, timeout=60):  # the oracle: SGD's arithmetic, lr 1
+        np.testing.assert_array_equal(a, [-1.0, -1.0])
+        np.testing.assert_array_equal(b, [1.0, 1.0])

@@ -907,9 +907,10 @@ class DistributedDataParallel(Generic[Params, Output]):
         of its dtype is taken, as ``numpy.asarray(scalar)`` (lossless), because NumPy returns
         scalars from arithmetic on 0-d arrays, so the functional update ``{k: p[k] - lr * g[k]}``
         makes one; ``ddp.params`` is then a copy of the pytree assigned holding that array.
-        An optimizer built over arrays the new pytree no longer holds raises ``ValueError`` at
-        its next step (it would move arrays this DDP no longer reads): build it over the new
-        ``ddp.params``, or update the parameters in place.
+        An optimizer built over arrays the new pytree no longer holds, or holds at another
+        leaf (the same arrays swapped), raises ``ValueError`` at its next step (it would move
+        arrays this DDP no longer reads there): build it over the new ``ddp.params``, or
+        update the parameters in place.
         """
         return self._params
 
