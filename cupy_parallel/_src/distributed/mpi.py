@@ -191,6 +191,10 @@ def _copy(dst: Any, src: Any) -> None:
         copies.peer(target, dst.device.id, source, src.device.id, None)
 
 
+_CALLER_NAMES_KEPT = 64
+"""How many thread names a group keeps before it drops those whose threads all ended."""
+
+
 def _alive(thread: threading.Thread | None) -> bool:
     return thread is not None and thread.is_alive()
 
@@ -770,6 +774,12 @@ class MPIBackend(ProcessGroupBackend):
                     each.fields = marked
                     each.rows.clear()
                     each.ready.clear()
+            if len(self._callers) >= _CALLER_NAMES_KEPT:  # a thread per task: drop the ended
+                self._callers = {
+                    key: live
+                    for key, entries in self._callers.items()
+                    if (live := [(ref, c) for ref, c in entries if _alive(ref())])
+                }
             self._callers[name] = [*known, (weakref.ref(current), caller)]
         return caller
 
