@@ -289,3 +289,28 @@ def test_a_new_tree_holding_the_same_arrays_at_swapped_leaves_is_refused() -> No
     for a, b in dist.spawn(program, 2, timeout=60):  # the oracle: SGD's arithmetic, lr 1
         np.testing.assert_array_equal(a, [-1.0, -1.0])
         np.testing.assert_array_equal(b, [1.0, 1.0])
+
+
+def test_a_leaf_replaced_in_place_is_refused_before_the_next_forward_call() -> None:
+    # Before: the step right after ddp.params["w"] = new (no forward call between, which is
+    # where the DDP read its tree again) moved the old array, no error: the model read [1, 1]
+    # while the optimizer's array went to [0.5, 0]; only the step after raised.
+    def program(rank: int) -> Any:
+        ddp = cp.DistributedDataParallel(
+            lambda p, x: ops.sum(ops.multiply(p["w"], x)), {"w": np.ones(2)}
+        )
+        opt = SGD([ddp.params["w"]], lr=0.5)  # over the arrays, not the tree
+        old = ddp.params["w"]
+        with cp.Tape() as tape:
+            loss = ddp(np.array([1.0, 2.0]))
+        grads = tape.gradient(loss, ddp.params)
+        ddp.params["w"] = ddp.params["w"].copy()  # the model reads another array now
+        with pytest.raises(ValueError, match=r"params\[0\] is an array ddp\.params no longer"):
+            opt.step([grads["w"]])
+        np.testing.assert_array_equal(old, [1.0, 1.0])  # nothing written
+        fresh = SGD([ddp.params["w"]], lr=0.5)
+        fresh.step([grads["w"]])
+        return ddp.params["w"]
+
+    for w in dist.spawn(program, 2, timeout=60):  # the oracle: SGD's arithmetic
+        np.testing.assert_array_equal(w, np.ones(2) - 0.5 * np.array([1.0, 2.0]))

@@ -5,7 +5,9 @@ a new tree (``ddp.params = new_tree``) lets the old arrays go. An optimizer buil
 updates them in place, so its steps would move arrays the model no longer reads, and the new
 ones would never move: no error, no training. The holder says what it lets go and what it takes
 up (:func:`rebind`); each optimizer registers the arrays it updates (:func:`track`) and asks,
-before every step, which of them were let go since (:func:`let_go`).
+before every step, which of them were let go since (:func:`let_go`). A holder whose tree can
+change in place (``ddp.params["w"] = new``, which it reads again at its next call) registers
+with :func:`hold`, so that it reads its tree again before an optimizer over its arrays steps.
 
 This module sits at the bottom of the package and imports nothing from it.
 """
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-__all__ = ["let_go", "rebind", "track"]
+__all__ = ["hold", "let_go", "rebind", "track"]
 
 _TRACKED: weakref.WeakKeyDictionary[Any, tuple[set[int], dict[int, tuple[str, int]]]] = (
     weakref.WeakKeyDictionary()
@@ -30,6 +32,38 @@ which of the holder's places).
 The user holds its arrays, so their ids stay theirs while it lives.
 """
 _LOCK = threading.Lock()
+_HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The holders that read their tree again on request (:func:`hold`)."""
+
+
+def hold(holder: Any, /) -> None:
+    """Have ``holder`` asked to read its tree again before a user of its arrays steps.
+
+    ``holder._reread_binding(ids)``: if the holder holds an array whose id is in ``ids`` and its
+    tree changed in place since it last read it, it reads it again (and calls :func:`rebind`).
+    Kept weakly.
+
+    Example:
+        >>> import numpy as np
+        >>> class Optimizer: ...
+        >>> class Holder:
+        ...     def __init__(self, tree):
+        ...         self.tree, self.arrays = tree, list(tree.values())
+        ...
+        ...     def _reread_binding(self, ids):
+        ...         if ids & {id(a) for a in self.arrays}:
+        ...             old, self.arrays = self.arrays, list(self.tree.values())
+        ...             rebind(old, self.arrays, "holder.tree")
+        >>> opt, tree = Optimizer(), {"w": np.ones(2)}
+        >>> holder = Holder(tree)
+        >>> hold(holder)
+        >>> track(opt, [tree["w"]])
+        >>> tree["w"] = np.zeros(2)  # replaced in place, not yet read again
+        >>> list(let_go(opt).values())
+        ['holder.tree']
+    """
+    with _LOCK:
+        _HOLDERS.add(holder)
 
 
 def track(user: Any, arrays: Iterable[Any], /) -> None:
@@ -97,4 +131,10 @@ def let_go(user: Any, /) -> dict[int, str]:
     """
     with _LOCK:
         found = _TRACKED.get(user)
-        return {} if found is None else {key: who for key, (who, _) in found[1].items()}
+        holders = list(_HOLDERS)
+    if found is None:
+        return {}
+    for holder in holders:  # outside the lock: a holder that reads again calls rebind
+        holder._reread_binding(found[0])
+    with _LOCK:
+        return {key: who for key, (who, _) in found[1].items()}
