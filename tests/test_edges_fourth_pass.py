@@ -749,3 +749,75 @@ def test_the_used_parameters_are_exchanged_on_the_buckets_gpus_over_nccl() -> No
                     assert grads[step][name] is None, (step, name)
                 else:
                     np.testing.assert_allclose(grads[step][name], want[name], rtol=1e-15, atol=0)
+
+
+# The same question on a nested tree, as users build them: a dict of lists holding a
+# zero-size parameter (used from step 1 on) and one read only through stop_gradient (never
+# reached), each parameter a bucket of its own, with and without fp16_compress_hook, asked on
+# a persistent tape twice, and for a subtree. torch's DDP (gloo, find_unused_parameters=True,
+# checked by hand on the same pattern) gives the zero-size parameter None in step 0 and an
+# empty gradient in step 1, and None to the detached one in every step: the oracle here is the
+# one-process tape over the mean of the ranks' losses. (These passed when written: they pin
+# the pattern.)
+
+
+def _nested_model(p: dict[str, Any], x: Any, rank: int, step: int) -> Any:
+    loss = ops.sum(ops.multiply(p["l"][0], x))
+    loss = ops.add(loss, ops.sum(ops.multiply(cp.stop_gradient(p["d"]["s"]), x)))
+    if rank % 2 == 0:
+        loss = ops.add(loss, ops.sum(ops.multiply(p["l"][1], x**2)))
+    if step == 1 and rank == 1:
+        loss = ops.add(loss, ops.sum(ops.multiply(p["d"]["c"], x**3)))
+    if step >= 1:
+        loss = ops.add(loss, ops.sum(ops.multiply(p["d"]["z"], np.ones(0))))
+    return loss
+
+
+def _nested_params() -> dict[str, Any]:
+    return {"l": [np.ones(3), np.ones(3)], "d": {"c": np.ones(3), "s": np.ones(3), "z": np.ones(0)}}
+
+
+def _nested_steps(rank: int, mode: str, hook: bool) -> list[Any]:
+    from cupy_parallel.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = cp.DistributedDataParallel(
+        _nested_model, _nested_params(), find_unused_parameters=True, bucket_cap_mb=1e-6
+    )
+    if hook:
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    found = []
+    for step in range(2):
+        with cp.Tape(persistent=True) as tape:
+            loss = ddp(np.arange(3.0) + rank + step, rank, step)
+        found.append(tape.gradient(loss, ddp.params, unconnected_gradients=mode))
+        subtree = [ddp.params["l"][1], ddp.params["d"]]  # "d" alone reaches nothing in step 0
+        found.append(tape.gradient(loss, subtree, unconnected_gradients=mode))
+    return found
+
+
+@pytest.mark.parametrize("hook", [False, True])
+@pytest.mark.parametrize("mode", ["none", "zero"])
+def test_unused_parameters_of_a_nested_tree_in_buckets_of_one(mode: str, hook: bool) -> None:
+    world = 2
+    results = dist.spawn(_nested_steps, world, (mode, hook))
+    for step in range(2):
+        params = _nested_params()
+        with cp.Tape() as tape:
+            tape.watch(params)
+            losses = [
+                _nested_model(params, np.arange(3.0) + r + step, r, step) for r in range(world)
+            ]
+            want = tape.gradient(ops.mean(ops.stack(losses)), params, unconnected_gradients=mode)
+        assert (want["d"]["s"] is None) == (mode == "none")
+        assert (want["d"]["z"] is None) == (mode == "none" and step == 0)
+        for found in results:
+            whole, subtree = found[2 * step], found[2 * step + 1]
+            assert subtree[1].keys() == want["d"].keys()
+            pairs = [(whole["l"][0], want["l"][0])]
+            pairs += [(got, want["l"][1]) for got in (whole["l"][1], subtree[0])]
+            pairs += [(got[k], want["d"][k]) for got in (whole["d"], subtree[1]) for k in "csz"]
+            for got, expected in pairs:
+                if expected is None:
+                    assert got is None, (step, mode)
+                else:
+                    np.testing.assert_allclose(got, expected, rtol=1e-3 if hook else 1e-15)

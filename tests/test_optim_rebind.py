@@ -265,3 +265,55 @@ def _two_adam_steps_in_one_process() -> Any:
     for _ in range(2):
         oracle.step({"w": np.array([1.0, 2.5])})
     return plain["w"]
+
+
+def test_a_new_tree_holding_the_same_arrays_at_swapped_leaves_is_refused() -> None:
+    # Before: no error, and the step moved the wrong arrays: the optimizer, built over
+    # {"a": a, "b": b}, applied the gradient of the model's leaf "a" (now the array b) to a,
+    # so a moved by b's gradient and b by a's (here a=[-1, -1], b=[1, 1], both wrong).
+    def model(p: Any, x: Any) -> Any:
+        return ops.add(ops.sum(ops.multiply(p["a"], x)), ops.sum(ops.multiply(p["b"], 0.0 * x)))
+
+    def program(rank: int) -> Any:
+        ddp = cp.DistributedDataParallel(model, {"a": np.ones(2), "b": np.ones(2)})
+        opt = SGD(ddp.params, lr=1.0)
+        a, b = ddp.params["a"], ddp.params["b"]
+        ddp.params = {"a": b, "b": a}  # the same arrays, each at the other's leaf
+        with cp.Tape() as tape:
+            loss = ddp(np.array([2.0, 2.0]))
+        grads = tape.gradient(loss, ddp.params)  # "a" (the array b): [2, 2]; "b": zeros
+        with pytest.raises(ValueError, match=LET_GO.format("SGD").replace("'w'", "'a'")):
+            opt.step(grads)
+        np.testing.assert_array_equal(a, [1.0, 1.0])  # nothing written
+        ddp.params = {"a": a, "b": b}  # bound back, each at its own leaf: held again
+        opt.step({"a": np.array([2.0, 2.0]), "b": np.zeros(2)})
+        return a, b
+
+    for a, b in dist.spawn(program, 2, timeout=60):  # the oracle: SGD's arithmetic, lr 1
+        np.testing.assert_array_equal(a, [-1.0, -1.0])
+        np.testing.assert_array_equal(b, [1.0, 1.0])
+
+
+def test_a_leaf_replaced_in_place_is_refused_before_the_next_forward_call() -> None:
+    # Before: the step right after ddp.params["w"] = new (no forward call between, which is
+    # where the DDP read its tree again) moved the old array, no error: the model read [1, 1]
+    # while the optimizer's array went to [0.5, 0]; only the step after raised.
+    def program(rank: int) -> Any:
+        ddp = cp.DistributedDataParallel(
+            lambda p, x: ops.sum(ops.multiply(p["w"], x)), {"w": np.ones(2)}
+        )
+        opt = SGD([ddp.params["w"]], lr=0.5)  # over the arrays, not the tree
+        old = ddp.params["w"]
+        with cp.Tape() as tape:
+            loss = ddp(np.array([1.0, 2.0]))
+        grads = tape.gradient(loss, ddp.params)
+        ddp.params["w"] = ddp.params["w"].copy()  # the model reads another array now
+        with pytest.raises(ValueError, match=r"params\[0\] is an array ddp\.params no longer"):
+            opt.step([grads["w"]])
+        np.testing.assert_array_equal(old, [1.0, 1.0])  # nothing written
+        fresh = SGD([ddp.params["w"]], lr=0.5)
+        fresh.step([grads["w"]])
+        return ddp.params["w"]
+
+    for w in dist.spawn(program, 2, timeout=60):  # the oracle: SGD's arithmetic
+        np.testing.assert_array_equal(w, np.ones(2) - 0.5 * np.array([1.0, 2.0]))

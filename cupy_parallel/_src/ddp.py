@@ -43,7 +43,7 @@ import numpy as np
 from cupy_parallel._src.arguments import read_bool, read_callable, read_real
 from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array, move
 from cupy_parallel._src.arraytypes import Output, Params
-from cupy_parallel._src.bindings import rebind
+from cupy_parallel._src.bindings import hold, rebind
 from cupy_parallel._src.compute import cuda_device, on_device_of
 from cupy_parallel._src.devices import CPU, as_device
 from cupy_parallel._src.distributed.comm_hooks import (
@@ -895,6 +895,7 @@ class DistributedDataParallel(Generic[Params, Output]):
         self._tapes: weakref.WeakKeyDictionary[Tape, _TapeReduction] = weakref.WeakKeyDictionary()
         if broadcast_params:
             self._broadcast()
+        hold(self)  # an optimizer over the arrays has ddp.params read again before its steps
 
     # -- parameters ----------------------------------------------------------------------
 
@@ -907,9 +908,10 @@ class DistributedDataParallel(Generic[Params, Output]):
         of its dtype is taken, as ``numpy.asarray(scalar)`` (lossless), because NumPy returns
         scalars from arithmetic on 0-d arrays, so the functional update ``{k: p[k] - lr * g[k]}``
         makes one; ``ddp.params`` is then a copy of the pytree assigned holding that array.
-        An optimizer built over arrays the new pytree no longer holds raises ``ValueError`` at
-        its next step (it would move arrays this DDP no longer reads): build it over the new
-        ``ddp.params``, or update the parameters in place.
+        An optimizer built over arrays the new pytree no longer holds, or holds at another
+        leaf (the same arrays swapped), raises ``ValueError`` at its next step (it would move
+        arrays this DDP no longer reads there): build it over the new ``ddp.params``, or
+        update the parameters in place.
         """
         return self._params
 
@@ -1061,6 +1063,18 @@ class DistributedDataParallel(Generic[Params, Output]):
         ):
             return
         self.params = params
+
+    def _reread_binding(self, ids: set[int], /) -> None:
+        """:meth:`_reread_params` if one of the parameters is an array of id in ``ids``.
+
+        Asked by an optimizer over those arrays before its step (``bindings.hold``), so that a
+        leaf of ``ddp.params`` replaced since the last forward call lets its array go now, not
+        after one more step moved it unread.
+        """
+        with self._lock:
+            arrays = self._arrays
+        if any(id(a) in ids for a in arrays):
+            self._reread_params()
 
     def _hook(self, tape: Tape, arrays: list[Any]) -> None:
         """Register the gradient-ready hooks of ``arrays`` on ``tape``, once.

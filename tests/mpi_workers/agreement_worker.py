@@ -8,6 +8,7 @@ Modes:
   ``1000 * t + i + 10**6 * r``). Each thread stops at its first error.
   Every rank prints ``rank r: RESULTS right=R wrong=W`` and ``rank r: ERROR ...`` with the
   first error of each thread. They run on a group of their own; the world group stays usable.
+- ``threads-one-name``: ``threads`` with both threads named ``summer``.
 - ``mismatch``: each non-rooted collective, on a group of its own, with the last rank passing
   another dtype (of another or of the same item size) or another size; every rank prints what
   it caught (``CAUGHT ...``) or ``NO ERROR name: result``; then a collective on the world group
@@ -46,7 +47,7 @@ from cupy_parallel.distributed import ReduceOp
 CALLS = 2000
 
 
-def threads(rank: int, size: int) -> None:
+def threads(rank: int, size: int, names: tuple[str, str] = ("summer-0", "summer-1")) -> None:
     right = [0, 0]
     wrong = [0, 0]
     errors: list[str] = []
@@ -71,7 +72,7 @@ def threads(rank: int, size: int) -> None:
 
     # Each in this rank's context (a thread rank's own, under spawn).
     workers = [
-        threading.Thread(target=contextvars.copy_context().run, args=(work, t), name=f"summer-{t}")
+        threading.Thread(target=contextvars.copy_context().run, args=(work, t), name=names[t])
         for t in (0, 1)
     ]
     for worker in workers:
@@ -245,6 +246,8 @@ def rank_main(_: int, argv: list[str]) -> int:
     rank, size = dist.get_rank(), dist.get_world_size()
     if mode == "threads":
         threads(rank, size)
+    elif mode == "threads-one-name":
+        threads(rank, size, ("summer", "summer"))
     elif mode == "mismatch":
         mismatch(rank, size)
     elif mode == "debug-race":

@@ -51,7 +51,8 @@
   Every call whose data met another call's raises on every rank that made it: no result is
   mixed silently. Issue a group's collectives from one thread at a time (in the same order on
   every rank), or give each thread a group of its own. Threads of one process that issue on one
-  group must have different names (Python's default names are).
+  group must have different names (Python's default names are): two live threads of one name
+  issuing on one group are refused, every call of either raising on every rank.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 import zlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -76,6 +78,7 @@ from cupy_parallel._src.distributed.backend import ProcessGroupBackend
 from cupy_parallel._src.distributed.mpi_checks import (
     ROWS_KEPT,
     Caller,
+    caller_fields,
     compare_barrier,
     compare_call,
     compare_counts,
@@ -186,6 +189,14 @@ def _copy(dst: Any, src: Any) -> None:
         with dst.device:
             target = _bytes(dst)
         copies.peer(target, dst.device.id, source, src.device.id, None)
+
+
+_CALLER_NAMES_KEPT = 64
+"""How many thread names a group keeps before it drops those whose threads all ended."""
+
+
+def _alive(thread: threading.Thread | None) -> bool:
+    return thread is not None and thread.is_alive()
 
 
 def _copy_each(targets: Sequence[Any], src: Any) -> None:
@@ -593,6 +604,9 @@ class MPIBackend(ProcessGroupBackend):
         self._history = 0
         self._tokens: dict[bytes, int] = {}  # history_token by row (rows are made once, kept)
         self._thread = threading.local()  # per thread: its Caller
+        # the threads that issued on the group, by the name the ranks compare (see caller)
+        self._callers: dict[str, list[tuple[weakref.ref[threading.Thread], Caller]]] = {}
+        self._naming = threading.Lock()
 
     # --------------------------------------------------------------------------- life cycle
 
@@ -729,7 +743,44 @@ class MPIBackend(ProcessGroupBackend):
         thread = self._thread
         caller = getattr(thread, "caller", None)
         if caller is None:
-            caller = thread.caller = Caller(thread_name())
+            caller = thread.caller = self._new_caller()
+        return caller
+
+    def _new_caller(self) -> Caller:
+        """The calling thread's :class:`Caller`, made at its first call on the group.
+
+        The ranks tell threads apart by name, so two live threads of one name issuing on one
+        group would pair each other's calls with no error. Both are marked instead: their rows
+        carry a name that holds this rank, which no other rank's row matches, so each of their
+        calls raises on every rank (naming the clash). Checked against the threads that issued
+        on the group before and are alive and, in a process of its own, every live thread of
+        the process: two threads started together are refused from their first call. (A
+        thread rank cannot tell its threads from the other ranks': there, a clash is found
+        at the second thread's first call, and the calls before it are not covered.)
+        """
+        name = thread_name()
+        current = threading.current_thread()
+        caller = Caller(name)
+        with self._naming:
+            known = [(ref, c) for ref, c in self._callers.get(name, ()) if _alive(ref())]
+            clash = [c for _, c in known]
+            if thread_rank() is None and any(
+                t is not current and t.name == name for t in threading.enumerate()
+            ):
+                clash.append(caller)
+            if clash:
+                marked = caller_fields(f"2 threads named {name!r}, rank {self.rank}")
+                for each in {id(c): c for c in [*clash, caller]}.values():
+                    each.fields = marked
+                    each.rows.clear()
+                    each.ready.clear()
+            if len(self._callers) >= _CALLER_NAMES_KEPT:  # a thread per task: drop the ended
+                self._callers = {
+                    key: live
+                    for key, entries in self._callers.items()
+                    if (live := [(ref, c) for ref, c in entries if _alive(ref())])
+                }
+            self._callers[name] = [*known, (weakref.ref(current), caller)]
         return caller
 
     def _stamp(self, row: bytes, collectives: int) -> bytes:
