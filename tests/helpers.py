@@ -16,9 +16,16 @@ from cupy_parallel import is_array, to_device
 from cupy_parallel._src.testing import DTYPES
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
-__all__ = ["DTYPES", "assert_bits_equal", "random_bits", "stream_environment", "to_numpy"]
+__all__ = [
+    "DTYPES",
+    "assert_bits_equal",
+    "on_each_kind_of_stream",
+    "random_bits",
+    "stream_environment",
+    "to_numpy",
+]
 
 
 def random_bits(shape: tuple[int, ...], dtype: Any, seed: int = 0) -> np.ndarray:
@@ -61,3 +68,18 @@ def stream_environment(kind: str) -> Iterator[str]:
         elif kind == "per-thread":
             patch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "1")
         yield kind
+
+
+def on_each_kind_of_stream(test: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a ``test(ranks)`` of NCCL thread ranks on each kind of current stream.
+
+    3 ranks on the legacy stream, 2 on a non-blocking stream per thread and 2 on CuPy's
+    per-thread default stream (conftest's ``simulated_streams`` fixture sets the environment).
+    """
+    test = pytest.mark.usefixtures("simulated_streams")(test)
+    return pytest.mark.parametrize(
+        ("ranks", "simulated_streams"),
+        [(3, "legacy"), (2, "non-blocking"), (2, "per-thread")],
+        ids=["3ranks", "2ranks-non-blocking", "2ranks-per-thread"],
+        indirect=["simulated_streams"],
+    )(test)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+from helpers import on_each_kind_of_stream
 from thread_ranks import MPIEXEC, ROOT, printed, run_mpiexec, run_threads, worker
 
 import cupy_parallel as cp
@@ -64,13 +65,7 @@ def test_ddp_on_thread_ranks(ranks: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("ranks", "simulated_streams"),
-    [(3, "legacy"), (2, "non-blocking"), (2, "per-thread")],
-    ids=["3ranks", "2ranks-non-blocking", "2ranks-per-thread"],
-    indirect=["simulated_streams"],
-)
-@pytest.mark.usefixtures("simulated_streams")
+@on_each_kind_of_stream
 def test_ddp_on_nccl_thread_ranks_with_cupy_arrays(ranks: int) -> None:
     """CuPy arrays over NCCL, rank r on simulated GPU r (race checker on), float64/32/16; on 3
     ranks on the legacy stream (the MPI thread ranks above run 2 and 3 through the same worker; a

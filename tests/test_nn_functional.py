@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+from helpers import on_each_kind_of_stream
 from thread_ranks import MPIEXEC, Outcome, printed, run_mpiexec, run_threads
 from thread_ranks import worker as load_worker
 
@@ -80,13 +81,7 @@ def test_a_thread_rank_ignoring_the_outputs_still_takes_part_in_the_backward_pas
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("ranks", "simulated_streams"),
-    [(3, "legacy"), (2, "non-blocking"), (2, "per-thread")],
-    ids=["3ranks", "2ranks-non-blocking", "2ranks-per-thread"],
-    indirect=["simulated_streams"],
-)
-@pytest.mark.usefixtures("simulated_streams")
+@on_each_kind_of_stream
 def test_cupy_arrays_on_nccl_thread_ranks(ranks: int) -> None:
     """First and second derivatives with CuPy arrays, rank r on simulated GPU r (race checker
     on), against the one-process NumPy oracle; on 3 ranks (the MPI thread ranks above run 2, 3
