@@ -76,7 +76,6 @@ from cupy_parallel._src.cuda import copies
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend
 from cupy_parallel._src.distributed.mpi_checks import (
-    ROWS_KEPT,
     Caller,
     caller_fields,
     compare_barrier,
@@ -773,7 +772,6 @@ class MPIBackend(ProcessGroupBackend):
                 for each in {id(c): c for c in [*clash, caller]}.values():
                     each.fields = marked
                     each.rows.clear()
-                    each.ready.clear()
             if len(self._callers) >= _CALLER_NAMES_KEPT:  # a thread per task: drop the ended
                 self._callers = {
                     key: live
@@ -839,8 +837,8 @@ class MPIBackend(ProcessGroupBackend):
         """Iallreduce in place (one array) or of the local reduction (several).
 
         One array reduced in its own dtype, the common case, is issued with the least Python
-        before MPI starts (a loop's call: the plan's lookup). What its comparison needs was
-        made once per thread and call signature (:meth:`_ready`) and is looked up while the
+        before MPI starts (a loop's call: the plan's lookup). Its comparison's row, made once per
+        thread and call signature (:func:`compare_call`), is looked up and stamped while the
         ``Iallreduce`` is under way, ``_issuing`` held so that the row's ``Iallgather`` follows
         it with no other thread's collective between them (as :func:`_in_issue_order` holds it
         for the other collectives).
@@ -853,11 +851,7 @@ class MPIBackend(ProcessGroupBackend):
         buffer = plain_buffer(first)
         with self._issuing:
             request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
-            caller = self.caller()
-            ready = caller.ready.get((first.dtype, first.shape, op)) or self._ready(
-                caller, first, op
-            )
-            row, verify = ready
+            row, verify = compare_call("all_reduce", self.caller(), arrays, self.world_ranks, op=op)
             mine = self._stamp(row, 1)  # per call: what this rank issued before it
             every = bytearray(len(mine) * self.size)
             side = self._control.Iallgather([mine, self._int64], [every, self._int64])
@@ -866,19 +860,6 @@ class MPIBackend(ProcessGroupBackend):
         if plan.average:
             work.add_finalizer(functools.partial(_mean, buffer, plan, self.size))
         return work
-
-    def _ready(self, caller: Caller, x: Any, op: ReduceOp) -> tuple[bytes, Verify]:
-        """What the comparison of an ``all_reduce`` of one array like ``x`` needs, made once.
-
-        This rank's row before its stamp (:meth:`_stamp`, made per call) and its verification
-        (:func:`compare_call`'s): kept in ``caller.ready`` by dtype, shape and op, which is
-        cleared when it holds as many signatures as a caller keeps rows.
-        """
-        ready = compare_call("all_reduce", caller, [x], self.world_ranks, op=op)
-        if len(caller.ready) >= ROWS_KEPT:
-            caller.ready.clear()
-        caller.ready[x.dtype, x.shape, op] = ready
-        return ready
 
     def _all_reduce_local(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
         """``all_reduce`` of the local reduction of ``arrays``, in the plan's working form."""

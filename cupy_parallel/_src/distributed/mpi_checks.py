@@ -111,7 +111,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OPERATIONS",
-    "ROWS_KEPT",
     "Caller",
     "caller_fields",
     "compare_barrier",
@@ -252,16 +251,14 @@ class Caller:
 
     ``fields``: :func:`caller_fields` of its name; ``rows``: :func:`compare_call`'s rows made for
     it, by call signature (the group's world and this thread fixed, two calls alike have one
-    row); ``ready``: the backend's own, what it made ready for a call signature's comparison
-    (at most :data:`ROWS_KEPT` signatures, as ``rows``).
+    row).
     """
 
-    __slots__ = ("fields", "ready", "rows")
+    __slots__ = ("fields", "rows")
 
     def __init__(self, name: str, /) -> None:
         self.fields = caller_fields(name)
         self.rows: dict[Any, Comparison] = {}
-        self.ready: dict[Any, Any] = {}
 
 
 def compare_call(
@@ -291,7 +288,7 @@ def compare_call(
         row = _row(number, caller, root=root_field, op=op_field, arrays=fields)
         made = row, functools.partial(_verify_arrays, world)
         if key is not None:
-            if len(caller.rows) >= ROWS_KEPT:
+            if len(caller.rows) >= _ROWS_KEPT:
                 caller.rows.clear()
             caller.rows[key] = made
     return made
@@ -357,7 +354,7 @@ def compare_digest(caller: Caller, world: Sequence[int], /, *, digest: bytes) ->
 
 
 #: Rows a caller keeps (one per call signature; cleared when full).
-ROWS_KEPT = 1024
+_ROWS_KEPT = 1024
 _START = 1 + _CALLER_SIZE  # a row's first field after the operation and the caller
 # A row's fields after the caller: root, op, the arrays' seven (see _call_fields), the
 # fingerprints of the bytes an all_to_all sends and expects (see compare_counts), then the
