@@ -129,6 +129,49 @@ def test_a_gathered_parameter_returned_by_fn_keeps_its_gradient() -> None:
     np.testing.assert_allclose(got, want["a"]["w"], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["one_pass", "two_passes"])
+def test_a_unit_one_rank_keeps_is_gathered_again_by_every_rank(persistent: bool) -> None:
+    """Rank 0's fn keeps a's arrays (its swap is undone there), the other ranks' let go.
+
+    Seen before (CI, under load: a reference cycle not yet collected on one rank did the same):
+    the ranks that had swapped a out gathered it again in the backward pass while rank 0 went
+    on to reduce-scatter, a collective against another (simulated NCCL: "reduceScatter by rank
+    0 meets allGather by rank 1"; a real GPU hangs or mixes the buffers). Also a node holding
+    both units' arrays (wrapped by both swaps) gives a's take-back an inner wrapper to remove.
+    """
+
+    def fn(units: Any, x: Any, kept: list[Any] | None) -> Any:
+        a = units["a"]
+        if kept is not None:
+            kept.append(a["w"])  # held past the call, used by nothing recorded
+        h = ops.tanh(ops.add(ops.matmul(x, a["w"]), a["b"]))
+        b = units["b"]["w"]
+        both = ops.sum(ops.multiply(a["b"], b[:, 0]))  # one node, arrays of a and b
+        return ops.add(ops.sum(ops.matmul(h, b)), both)
+
+    want = _plain_gradient(lambda p, x: fn(p, x, None), PARAMS)
+
+    def rank(r: int) -> Any:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(PARAMS))
+        fsdp._trace = []
+        kept: list[Any] | None = [] if r == 0 else None
+        with cp.Tape(persistent=persistent) as tape:
+            loss = fsdp(XS[r], kept)
+        grads = [tape.gradient(loss, fsdp.params) for _ in range(1 + persistent)]
+        events = [e for e in fsdp._trace if "regather" in e[0]]
+        return grads, events
+
+    results = dist.spawn(rank, WORLD, timeout=60)
+    for r, (_, events) in enumerate(results):  # a: taken back by all; b: swapped out by all
+        passes = [("regather issued", 1)] * (2 if persistent else 1)
+        assert events == [("regather to agree issued", 0), *passes], (r, events)
+    for k in ("a", "b"):
+        for i, like in enumerate(_leaves(want[k])):
+            for p in range(1 + persistent):
+                got = _whole([_leaves(res[0][p][k])[i] for res in results], like)
+                np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("reshard", [True, False], ids=["full_shard", "shard_grad_op"])
 def test_micro_batches_in_one_tape_add_up(reshard: bool) -> None:
     """Two forward calls before one gradient (accumulation), units read in a loop."""

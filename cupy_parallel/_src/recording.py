@@ -853,6 +853,7 @@ class Swap:
         # id(original) -> the host version the tape noted (the entry holds no array: a swap's
         # references are counted by its caller); put back by undo
         self.versions: dict[int, int | None] = {}
+        self.committed = False
 
     def commit(self) -> None:
         """Drop the originals: from now on only :meth:`restore` gives the arrays back.
@@ -866,19 +867,28 @@ class Swap:
         for rebuild in self.rebuilds.values():
             rebuild.original = None
         self.versions = {}
+        self.committed = True
 
     def undo(self, owners: Sequence[Any]) -> None:
-        """Put the original arrays back in the nodes (``owners`` are the arrays' live owners)."""
+        """Put the arrays back in the nodes (``owners`` are the arrays' live owners).
+
+        Before :meth:`commit`, the original arrays go back. After it, the nodes get views of
+        ``owners`` (the memory gathered again, same layout), and the tape watches their memory
+        for in-place writes from then on; a later swap may have wrapped a node again, and
+        keeps its own wrapper.
+        """
         tape = self.tape
         back = {
             id(r.stand_in): (r.original if r.original is not None else r.view(owners))
             for r in self.rebuilds.values()
         }
         with tape._lock:
+            if self.committed:
+                tape._held.update(_memory_key(o) for o in owners)
             for index, wrapped in self.changed:
                 vjp, inputs, needs, outputs, aux, cuda = tape._nodes[index]
                 if wrapped:
-                    vjp, aux = aux[0], aux[1]
+                    vjp, aux = _unwrap(vjp, aux, self)
                 inputs = tuple(back.get(id(a), a) for a in inputs)
                 outputs = tuple(back.get(id(a), a) for a in outputs)
                 tape._nodes[index] = (vjp, inputs, needs, outputs, aux, cuda)
@@ -889,6 +899,15 @@ class Swap:
                 if id(r.original) in self.versions:  # the host versions noted before the swap
                     tape._versions[id(r.original)] = (r.original, self.versions[id(r.original)])
         self.rebuilds, self.changed, self.versions = {}, [], {}
+
+
+def _unwrap(vjp: Vjp, aux: Any, swap: Swap) -> tuple[Vjp, Any]:
+    """A swapped node's ``vjp`` and ``aux`` without ``swap``'s wrapper (outer ones stay)."""
+    inner_vjp, inner_aux, positions, owner = aux
+    if owner is swap:
+        return inner_vjp, inner_aux
+    inner_vjp, inner_aux = _unwrap(inner_vjp, inner_aux, swap)
+    return vjp, (inner_vjp, inner_aux, positions, owner)
 
 
 def swap_out(

@@ -418,6 +418,8 @@ class _Call:
         self.pending = [_Pending(fsdp._world) for _ in range(n)]
         self.aliases: list[list[Any] | None] = [None] * n
         self.live: list[_Gathered] = []  # gathers whose arrays are not swapped out yet
+        self.recorded: list[_Gathered] = []  # every gather recorded, in order (ranks compare)
+        self.swaps: dict[int, list[Swap]] = {}  # id(gathered) -> its committed swaps
         self.closed = False
         self.lock = threading.RLock()
         if tapes:  # every unit's alias node first: the pass runs them after all gathers
@@ -473,6 +475,7 @@ class _Call:
         self.pending[u].gathers += 1
         record(_gather_vjp, tuple(aliases), tuple(fulls), gathered)
         self.live.append(gathered)
+        self.recorded.append(gathered)
         return gathered
 
     def _prefetch_after(self, u: int) -> None:
@@ -514,6 +517,7 @@ class _Call:
             return False
         for swap in swaps:
             swap.commit()
+        self.swaps[id(gathered)] = swaps
         if self.fsdp._trace is not None:
             self.fsdp._trace.append(("resharded", gathered.unit))
         return True
@@ -952,32 +956,65 @@ class FullyShardedDataParallel(Generic[Params, Output]):
         finally:
             del units
             call.close()
-        self._compare_reads(call.gathers)
+        self._compare_calls(call)
         if call.order:
             self._order = list(call.order)
         return out
 
-    def _compare_reads(self, gathers: list[int]) -> None:
-        """Have the ranks compare the units ``fn`` read (one object all-gather), raise alike.
+    def _compare_calls(self, call: _Call) -> None:
+        """Have the ranks compare the units ``fn`` read and the gathers they swapped out.
 
         Each read is an all-gather that pairs up with whatever the other ranks gather at that
         point: two units of one layout read by different ranks would exchange each other's
         shards without any error (the loss and gradients silently wrong), so the ranks compare
-        the order of their reads before ``fn``'s output is returned.
+        the order of their reads before ``fn``'s output is returned, and raise alike.
 
-        Every call: one all-gather of a 16-byte digest of the reads (a collective of fixed
-        size, rather than an object all-gather's two, with their pickling); the reads
-        themselves travel only when the digests differ, for the message.
+        A swapped-out gather is gathered again in the backward pass; one that something else
+        still held (``fn`` kept the array, or a reference cycle the collector has not freed
+        yet) stays in the tape. That is each rank's own finding, so the ranks compare it too:
+        where they differ, every rank gathers the unit once more now and the ranks that had
+        swapped it out take it back, so the backward passes make the same collectives (not
+        one rank's re-gather against another's reduce-scatter).
+
+        Every call: one all-gather of two 16-byte digests (a collective of fixed size, rather
+        than an object all-gather's two, with their pickling); the reads or swaps themselves
+        travel only when the digests differ.
         """
         if self._world == 1:
             return
-        digest = hashlib.blake2b(repr(gathers).encode(), digest_size=16).digest()
+        swapped = bytes(g.owners is None for g in call.recorded)
+        mine = _digest(repr(call.gathers).encode()) + _digest(swapped)
         pg = resolve_group(self.process_group)
         assert pg is not None
-        every = _buffer(pg, self._world * len(digest))
-        all_gather_into_tensor(every, _buffer(pg, digest), self.process_group)
-        if _host(every).tobytes() == digest * self._world:
+        gathered = _buffer(pg, self._world * len(mine))
+        all_gather_into_tensor(gathered, _buffer(pg, mine), self.process_group)
+        every = _host(gathered).tobytes()
+        if every == mine * self._world:
             return
+        size = len(mine)
+        reads = {every[r * size : r * size + size // 2] for r in range(self._world)}
+        if len(reads) > 1:
+            self._refuse_reads(call.gathers)
+        seen: list[Any] = [None] * self._world
+        all_gather_object(seen, swapped, group=self.process_group)
+        if len({len(flags) for flags in seen}) > 1:
+            raise ValueError(
+                "FullyShardedDataParallel was called under a Tape on some ranks only (rank "
+                f"gathers recorded: {[len(flags) for flags in seen]}): its backward pass "
+                "reduce-scatters with every rank, so record the call on every rank or on none."
+            )
+        for g, flags in zip(call.recorded, zip(*seen, strict=True), strict=True):
+            if len(set(flags)) == 1:
+                continue
+            owners = _wait_and_unpack(
+                self._units[g.unit], self._issue(g.unit, "regather to agree"), self._world
+            )[1]
+            for swap in call.swaps.pop(id(g), []):
+                swap.undo(owners)
+            del owners
+
+    def _refuse_reads(self, gathers: list[int]) -> None:
+        """Raise, on every rank alike, the units each rank read (one object all-gather)."""
         names = [self._units[u].name for u in gathers]
         seen: list[Any] = [None] * self._world
         all_gather_object(seen, names, group=self.process_group)
@@ -1011,6 +1048,10 @@ class FullyShardedDataParallel(Generic[Params, Output]):
             f"FullyShardedDataParallel({name}, units={len(self._units)}, world_size="
             f"{self._world}, reshard_after_forward={self.reshard_after_forward})"
         )
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 class _ZerosFor:
