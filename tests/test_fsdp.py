@@ -236,6 +236,36 @@ def test_swap_out_rebuilds_views_and_undo_puts_the_originals_back() -> None:
         assert restored == ([] if undo else [1, 1, 1])  # once a node: the caller caches, not here
 
 
+@pytest.mark.parametrize("commit", [False, True], ids=["undone", "committed_then_undone"])
+def test_an_undone_swap_leaves_the_tape_watching_the_memory_its_nodes_hold(commit: bool) -> None:
+    """Seen before: another thread rank's collective scanned the tape between a swap and its
+    undo. The arrays put back were not watched for in-place writes (a write into them left the
+    gradient silently wrong), and the freed stand-ins' memory was (a new buffer reusing it was
+    refused as "modified in place", a false error on some ranks). The oracles: the nodes'
+    memory recomputed from scratch, and the gradient with and without a write."""
+    from cupy_parallel._src.recording import _memory_key, note_overwritten
+
+    w = np.arange(6.0).reshape(2, 3)
+    with cp.Tape(persistent=True) as tape:
+        tape.watch(w)
+        full = ops.multiply(w, 1.0)
+        loss = ops.sum(ops.matmul(ops.transpose(full), np.ones((2, 2))))
+    swap = swap_out(tape, 0, [full], lambda: [full.copy()])
+    assert swap is not None
+    note_overwritten([np.zeros(1)], "another rank's write")  # scans the nodes (stand-ins)
+    if commit:
+        swap.commit()
+    again = full.copy() if commit else full  # committed: the memory gathered once more
+    swap.undo([again])
+    note_overwritten([np.zeros(1)], "another rank's write")
+    held = {_memory_key(a) for node in tape._nodes for a in (*node[1], *node[3]) if cp.is_array(a)}
+    assert tape._held == held
+    np.testing.assert_array_equal(tape.gradient(loss, w), np.full((2, 3), 2.0))
+    note_overwritten([again], "dist.all_reduce")
+    with pytest.raises(RuntimeError, match=r"modified in place after ops\.matmul was rec"):
+        tape.gradient(loss, w)
+
+
 # -- against torch's FSDP2 ------------------------------------------------------------------------
 
 

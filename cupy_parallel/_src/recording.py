@@ -853,7 +853,6 @@ class Swap:
         # id(original) -> the host version the tape noted (the entry holds no array: a swap's
         # references are counted by its caller); put back by undo
         self.versions: dict[int, int | None] = {}
-        self.committed = False
 
     def commit(self) -> None:
         """Drop the originals: from now on only :meth:`restore` gives the arrays back.
@@ -867,14 +866,14 @@ class Swap:
         for rebuild in self.rebuilds.values():
             rebuild.original = None
         self.versions = {}
-        self.committed = True
 
     def undo(self, owners: Sequence[Any]) -> None:
         """Put the arrays back in the nodes (``owners`` are the arrays' live owners).
 
         Before :meth:`commit`, the original arrays go back. After it, the nodes get views of
-        ``owners`` (the memory gathered again, same layout), and the tape watches their memory
-        for in-place writes from then on; a later swap may have wrapped a node again, and
+        ``owners`` (the memory gathered again, same layout). Either way the tape watches the
+        owners' memory for in-place writes again (another thread's write may have scanned the
+        nodes while they held the stand-ins); a later swap may have wrapped a node again, and
         keeps its own wrapper.
         """
         tape = self.tape
@@ -883,8 +882,10 @@ class Swap:
             for r in self.rebuilds.values()
         }
         with tape._lock:
-            if self.committed:
-                tape._held.update(_memory_key(o) for o in owners)
+            # what a scan since the swap noted: the stand-ins (freed now, their memory reused)
+            # in place of the arrays coming back
+            tape._held.difference_update(_memory_key(r.stand_in) for r in self.rebuilds.values())
+            tape._held.update(_memory_key(o) for o in owners)
             for index, wrapped in self.changed:
                 vjp, inputs, needs, outputs, aux, cuda = tape._nodes[index]
                 if wrapped:
