@@ -76,6 +76,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Call",
+    "all_reduce_now",
     "backend_of",
     "check_array",
     "check_arrays",
@@ -140,6 +141,42 @@ def run(
         return work
     work.wait()
     return None
+
+
+def all_reduce_now(tensor: Any, op: Any, group: Any) -> bool:
+    """``all_reduce(tensor, op, group)`` with ``async_op=False``, if ``tensor`` is a host array.
+
+    ``False`` for any other array, and on a group that failed or runs the debug mode (the
+    caller then goes through :func:`run`, which says so, or compares). What :func:`run` does
+    for the call, in its order (resolve the group, check the array and the reduction, tell
+    the tapes, finish the call), without the closure, :class:`Call` and
+    :class:`~cupy_parallel.distributed.Work` it builds for every collective; the checks of a
+    reduction the group's backend passed before (a loop's calls) are a set lookup. The
+    backend finishes the call (:meth:`ProcessGroupBackend.all_reduce_now`; issue 35).
+    """
+    kind = _KIND_OF_TYPE.get(type(tensor))
+    if kind is None:
+        return False
+    pg = resolve_group(group)
+    if pg is None:
+        _warn_not_member("all_reduce")
+        return True
+    backend = pg.live_backend()
+    if backend.failure is not None or backend.detail:
+        return False
+    flags = tensor.flags
+    if not (
+        kind in backend.array_kinds
+        and flags.c_contiguous
+        and flags.writeable
+        and (tensor.dtype, op) in backend.reductions_passed
+    ):  # check_array and check_reduction say what is wrong
+        check_array(backend, tensor, "tensor")
+        check_reduction(backend, tensor.dtype, op)
+    if tapes_exist():  # before it starts: what it may write, even if it fails
+        note_overwritten([tensor], "dist.all_reduce")
+    backend.all_reduce_now(tensor, op)
+    return True
 
 
 def backend_of(group: Any, operation: str) -> tuple[ProcessGroup, ProcessGroupBackend] | None:
@@ -318,7 +355,13 @@ def check_same_device(xs: Sequence[Any], ref: Any, name: str, ref_name: str) -> 
 
 
 def check_reduction(backend: ProcessGroupBackend, dtype: Any, op: Any) -> None:
-    """Check ``op`` (a ``ReduceOp`` the backend has) and that it can reduce ``dtype``."""
+    """Check ``op`` (a ``ReduceOp`` the backend has) and that it can reduce ``dtype``.
+
+    A pair that passed is remembered by the backend (``reductions_passed``): the checks
+    depend on nothing else, and a loop's calls pass the same pair.
+    """
+    if type(op) is ReduceOp and (dtype, op) in backend.reductions_passed:
+        return
     if type(op) is not ReduceOp:
         raise TypeError(
             f"op must be a ReduceOp ({', '.join(o.name for o in ReduceOp)}), got "
@@ -345,6 +388,7 @@ def check_reduction(backend: ProcessGroupBackend, dtype: Any, op: Any) -> None:
             )
         )
     backend.check_dtype(dtype, op)
+    backend.reductions_passed.add((dtype, op))
 
 
 _ORDERED = frozenset({ReduceOp.MIN, ReduceOp.MAX})

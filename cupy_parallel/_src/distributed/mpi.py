@@ -76,6 +76,7 @@ from cupy_parallel._src.cuda import copies
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend
 from cupy_parallel._src.distributed.mpi_checks import (
+    ROW_BYTES,
     Caller,
     caller_fields,
     compare_barrier,
@@ -99,7 +100,7 @@ from cupy_parallel._src.distributed.mpi_job import (
 from cupy_parallel._src.distributed.mpi_reductions import Plan, make_plan
 from cupy_parallel._src.distributed.mpi_staging import staged
 from cupy_parallel._src.distributed.store.interface import DistTimeoutError
-from cupy_parallel._src.distributed.work import Work
+from cupy_parallel._src.distributed.work import Work, spun
 from cupy_parallel._src.enums import Backend, ReduceOp
 from cupy_parallel._src.hostarray import plain_buffer
 from cupy_parallel._src.versions import root_buffer
@@ -109,11 +110,11 @@ if TYPE_CHECKING:
 
     from cupy_parallel._src.distributed.mpi_checks import Comparison, Verify
 
-    # An exchange of a few integers that runs beside an operation (see _MPIWork._check): its
-    # request, this rank's row (MPI reads it until the exchange completes), every rank's rows
-    # (in rank order), what they are when all alike (this rank's row, size times) and what
-    # says what the ranks disagree on.
-    _SideCheck = tuple[Any, bytes, bytearray, bytes, Verify]
+    # An exchange of a few integers that runs beside an operation (see _MPIWork._check): what
+    # tests whether it finished (MPIBackend._rows), this rank's row (MPI reads it until the
+    # exchange completes), every rank's rows (in rank order), what they are when all alike
+    # (this rank's row, size times) and what says what the ranks disagree on.
+    _SideCheck = tuple[Callable[[], bool], bytes, bytearray, bytes, Verify]
 
 __all__ = ["MPIBackend"]
 
@@ -309,7 +310,7 @@ class _MPIWork(Work):
         side = self._side
         if side is not None:
             try:
-                if not side[0].Test():
+                if not side[0]():
                     return False
             except self._backend.mpi.Exception as error:
                 raise self._mpi_error(error) from None
@@ -349,7 +350,7 @@ class _MPIWork(Work):
         request = self._request
         try:  # the requests' own Test polled (see Work._poll): the rows first, then the operation
             if side is not None:
-                test = side[0].Test
+                test = side[0]
                 if not (test() or self._poll(test, deadline)):
                     return False
                 self._settle(side)
@@ -368,17 +369,17 @@ class _MPIWork(Work):
         reduction reads another dtype's bytes, or both wait forever), the byte counts and dtype
         of ``all_to_all`` (a receiver expecting more gets zeros).
         The ranks exchange them (``mine``: a row of ``int64``, of one size for every
-        comparison, stamped with what this rank issued on the group before; ``Iallgather`` on
-        the group's control communicator, overlapping the operation). ``verify`` gets every
-        rank's row and says what they disagree on; then every rank raises ``ValueError`` with
-        that message, and the group is unusable (the operation may have written the arrays
-        already, and the job is aborted at exit in case it never finishes).
+        comparison, stamped with what this rank issued on the group before; sent on the
+        group's control communicator, overlapping the operation: :meth:`MPIBackend._rows`).
+        ``verify`` gets every rank's row and says what they disagree on; then every rank
+        raises ``ValueError`` with that message, and the group is unusable (the operation may
+        have written the arrays already, and the job is aborted at exit in case it never
+        finishes).
         """
         backend = self._backend
         mine = backend._stamp(mine, len(self._request) if type(self._request) is list else 1)
-        every = bytearray(len(mine) * backend.size)
-        request = backend._control.Iallgather([mine, backend._int64], [every, backend._int64])
-        self._side = (request, mine, every, mine * backend.size, verify)
+        test, _, every = backend._rows(mine)
+        self._side = (test, mine, every, mine * backend.size, verify)
         return self
 
     def _settle(self, side: _SideCheck) -> None:
@@ -546,6 +547,47 @@ class _MPIWork(Work):
         raise RuntimeError(message + " This process group is unusable now.")
 
 
+def _finished() -> bool:
+    return True
+
+
+class _RowsPair:
+    """A group of two's persistent send and receive of rows, for :meth:`MPIBackend.all_reduce_now`.
+
+    ``Send_init``/``Recv_init`` on the control communicator, tagged as every row of the group
+    (:meth:`MPIBackend._rows`): MPI pairs a started persistent request with the peer's
+    messages in the order posted, as any other, so a call may take the pair or not (another
+    thread's call holds it, or one that raised left it taken) without the ranks agreeing on
+    it. Started once per call, it saves what building an ``Isend`` and an ``Irecv`` costs
+    (issue 35). ``every``: both rows by rank, this rank's sent from where it lies. ``free``:
+    no call holds it (taken under ``_issuing``; given back by the holder once its exchange
+    finished).
+    """
+
+    __slots__ = ("every", "free", "own", "requests", "startall", "test")
+
+    def __init__(self, backend: MPIBackend) -> None:
+        size = ROW_BYTES
+        rank, peer, tag = backend.rank, 1 - backend.rank, backend._rows_tag
+        self.every = bytearray(2 * size)
+        view = memoryview(self.every)
+        self.own = view[rank * size : (rank + 1) * size]
+        control, int64 = backend._control, backend._int64
+        self.requests = [
+            control.Recv_init([view[peer * size : (peer + 1) * size], int64], peer, tag),
+            control.Send_init([self.own, int64], peer, tag),
+        ]
+        self.startall = backend.mpi.Prequest.Startall
+        self.test = functools.partial(backend.mpi.Request.Testall, self.requests)
+        self.free = True
+
+    def start(self, mine: bytes) -> Callable[[], bool]:
+        """Send ``mine`` and receive the peer's row into :attr:`every`; what tests the pair."""
+        self.own[:] = mine
+        self.startall(self.requests)
+        return self.test
+
+
 # ---------------------------------------------------------------------------------------------
 # The backend
 
@@ -606,6 +648,11 @@ class MPIBackend(ProcessGroupBackend):
         # the threads that issued on the group, by the name the ranks compare (see caller)
         self._callers: dict[str, list[tuple[weakref.ref[threading.Thread], Caller]]] = {}
         self._naming = threading.Lock()
+        # The rows of a group of two travel point to point (see _rows), tagged below
+        # _exchange's max_tag (new_group's greetings are tagged below this one).
+        self._rows_tag = self.max_tag - 1
+        self._pair: _RowsPair | None = None  # all_reduce_now's persistent pair, once made
+        self._polls = range(_MPIWork._polls_per_yield)  # all_reduce_now's tests between yields
 
     # --------------------------------------------------------------------------- life cycle
 
@@ -655,6 +702,7 @@ class MPIBackend(ProcessGroupBackend):
         if thread_rank() is None:
             node = comm.Split_type(backend.mpi.COMM_TYPE_SHARED)
             _MPIWork._polls_per_yield = 4 if node.Get_size() > (os.cpu_count() or 1) else 64
+            backend._polls = range(_MPIWork._polls_per_yield)
             node.Free()
         if backend.size > 1:
             guard_job(world)
@@ -707,7 +755,7 @@ class MPIBackend(ProcessGroupBackend):
         if self.rank not in ranks:
             return None
         mpi = self.mpi
-        tag = zlib.crc32(group_name.encode()) % max(self.max_tag, 1)  # max_tag: _exchange's
+        tag = zlib.crc32(group_name.encode()) % max(self._rows_tag, 1)  # below the rows' tag
         mine = np.array([zlib.crc32(np.asarray(ranks, np.int64).tobytes())], np.int64)
         peers = [r for r in ranks if r != self.rank]
         theirs = np.zeros(len(peers), np.int64)
@@ -798,9 +846,41 @@ class MPIBackend(ProcessGroupBackend):
         self._history = followed(history, token)
         return stamp(row, posted, history)
 
+    def _rows(self, mine: bytes) -> tuple[Callable[[], bool], Any, bytearray]:
+        """Start exchanging this rank's row for every rank's; call under ``_issuing``.
+
+        Returns what tests whether the exchange finished, its request (or list of them) and
+        the bytes of every rank's row, by rank, once it did. On the control communicator, in
+        the order the rows are made (under the lock): each rank's ``k``-th row meets every
+        other rank's ``k``-th. A group of more than two ranks gathers them (``Iallgather``);
+        a group of two sends them point to point (an ``Isend`` and an ``Irecv`` tagged
+        ``_rows_tag``, which MPI pairs in the order they are posted, as it pairs the
+        collectives: cheaper from Python than a collective, and it lets
+        :meth:`all_reduce_now` post its rows through persistent requests (``Send_init``),
+        which pair with the others message by message). A group of one has nothing to send.
+        """
+        if self.size == 1:
+            return _finished, [], bytearray(mine)
+        every = bytearray(len(mine) * self.size)
+        if self.size > 2:
+            request = self._control.Iallgather([mine, self._int64], [every, self._int64])
+            return request.Test, request, every
+        size, peer, tag = len(mine), 1 - self.rank, self._rows_tag
+        view = memoryview(every)
+        view[self.rank * size : (self.rank + 1) * size] = mine
+        requests = [
+            self._control.Irecv([view[peer * size : (peer + 1) * size], self._int64], peer, tag),
+            self._control.Isend([mine, self._int64], peer, tag),
+        ]
+        return functools.partial(self.mpi.Request.Testall, requests), requests, every
+
     def shutdown(self) -> None:
         """Free the communicators (left alone when a timed-out operation may still use them)."""
         if self.failure is None:
+            if self._pair is not None and self._pair.free:
+                self._pair.free = False
+                for request in self._pair.requests:
+                    request.Free()
             self._comm.Free()
             self._control.Free()
 
@@ -837,11 +917,7 @@ class MPIBackend(ProcessGroupBackend):
         """Iallreduce in place (one array) or of the local reduction (several).
 
         One array reduced in its own dtype, the common case, is issued with the least Python
-        before MPI starts (a loop's call: the plan's lookup). Its comparison's row, made once per
-        thread and call signature (:func:`compare_call`), is looked up and stamped while the
-        ``Iallreduce`` is under way, ``_issuing`` held so that the row's ``Iallgather`` follows
-        it with no other thread's collective between them (as :func:`_in_issue_order` holds it
-        for the other collectives).
+        before MPI starts (:meth:`_all_reduce_one`).
         """
         first = arrays[0]
         plan = self._plans.get((first.dtype, op)) or self._plan(first.dtype, op)
@@ -849,17 +925,83 @@ class MPIBackend(ProcessGroupBackend):
             with self._issuing:
                 return self._all_reduce_local(arrays, op)
         buffer = plain_buffer(first)
-        with self._issuing:
-            request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
-            row, verify = compare_call("all_reduce", self.caller(), arrays, self.world_ranks, op=op)
-            mine = self._stamp(row, 1)  # per call: what this rank issued before it
-            every = bytearray(len(mine) * self.size)
-            side = self._control.Iallgather([mine, self._int64], [every, self._int64])
+        request, side = self._all_reduce_one(buffer, op, plan)
         work = _MPIWork("all_reduce", self, request, keep=buffer)
-        work._side = (side, mine, every, mine * self.size, verify)
+        work._side = side
         if plan.average:
             work.add_finalizer(functools.partial(_mean, buffer, plan, self.size))
         return work
+
+    def all_reduce_now(self, x: Any, op: ReduceOp, /) -> None:
+        """``all_reduce([x], op)`` waited on, without a :class:`Work` while it goes well.
+
+        The synchronous call of one host array (the public layer checked it), started as
+        :meth:`all_reduce` starts it, its rows in a group of two posted through the group's
+        persistent pair (:class:`_RowsPair`) when no other call holds it; then the rows'
+        exchange and the operation are tested here, one stretch of spinning each
+        (:func:`~.work.spun`), and ``AVG``'s mean taken. Anything else (not finished within
+        that stretch, rows that differ, an error MPI reports, a reduction in a working dtype)
+        is handed to the :class:`_MPIWork` that :meth:`all_reduce` would have returned, in the
+        state reached: the group's timeout, a departed peer, the disagreement's ``ValueError``
+        on every rank, as on the general path. Measured on 2 ranks: see ``mpi_checks``' issue
+        35 note.
+        """
+        buffer = x if type(x) is np.ndarray else plain_buffer(x)
+        plan = self._plans.get((buffer.dtype, op)) or self._plan(buffer.dtype, op)
+        if plan.work_dtype is not None:
+            self.all_reduce([buffer], op).wait()
+            return
+        pair = self._pair
+        if pair is None and self.size == 2 and hasattr(self._control, "Send_init"):
+            pair = self._pair = _RowsPair(self)
+        row, verify = compare_call("all_reduce", self.caller(), (buffer,), self.world_ranks, op=op)
+        with self._issuing:
+            request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
+            mine = self._stamp(row, 1)  # per call: what this rank issued before it
+            if pair is not None and pair.free:
+                pair.free = False
+                test, every = pair.start(mine), pair.every
+            else:
+                pair = None
+                test, _, every = self._rows(mine)
+        alike = mine * self.size
+        try:
+            settled = spun(test, self._polls)
+            done = (
+                settled and every == alike and (request.Test() or spun(request.Test, self._polls))
+            )
+        except self.mpi.Exception as error:
+            raise _MPIWork("all_reduce", self, request, keep=buffer)._mpi_error(error) from None
+        if not done:
+            work = _MPIWork("all_reduce", self, request, keep=buffer)
+            side = (test, mine, every, alike, verify)
+            if settled:
+                work._settle(side)  # rows that differ: ValueError on every rank
+            else:
+                work._side = side
+            work.wait()
+        if pair is not None:  # its exchange finished (else the pair stays taken)
+            pair.free = True
+        if plan.average:
+            _mean(buffer, plan, self.size)
+
+    def _all_reduce_one(self, buffer: Any, op: ReduceOp, plan: Plan) -> tuple[Any, _SideCheck]:
+        """Start the ``Iallreduce`` of one host array in place, and its comparison's exchange.
+
+        The comparison's row, made once per thread and call signature (:func:`compare_call`),
+        is looked up and stamped while the ``Iallreduce`` is under way, ``_issuing`` held so
+        that the row's exchange follows it with no other thread's collective between them (as
+        :func:`_in_issue_order` holds it for the other collectives). Returns the operation's
+        request and the side check (:meth:`_MPIWork._check`'s).
+        """
+        with self._issuing:
+            request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
+            row, verify = compare_call(
+                "all_reduce", self.caller(), (buffer,), self.world_ranks, op=op
+            )
+            mine = self._stamp(row, 1)  # per call: what this rank issued before it
+            test, _, every = self._rows(mine)
+        return request, (test, mine, every, mine * self.size, verify)
 
     def _all_reduce_local(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
         """``all_reduce`` of the local reduction of ``arrays``, in the plan's working form."""
@@ -1043,8 +1185,7 @@ class MPIBackend(ProcessGroupBackend):
         with self._issuing:
             mine, verify = make(self.caller(), self.world_ranks)
             mine = self._stamp(mine, 0)  # beside no collective on _comm
-            every = bytearray(len(mine) * self.size)
-            request = self._control.Iallgather([mine, self._int64], [every, self._int64])
+            _, request, every = self._rows(mine)
         waited = f"{description} {waiting}" if waiting else description
         work = _MPIWork(waited, self, request, keep=(mine, every), timeout=timeout)
         work.wait()

@@ -111,6 +111,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OPERATIONS",
+    "ROW_BYTES",
     "Caller",
     "caller_fields",
     "compare_barrier",
@@ -367,6 +368,8 @@ _EXPECTED = _SENT + 1
 _POSTED = _EXPECTED + 1
 _HISTORY = _POSTED + 1
 _ROW_FIELDS = _HISTORY + 1
+#: The bytes of every row a rank sends (stamped): one size for every comparison.
+ROW_BYTES = _ROW_FIELDS * 8
 
 
 def _row(
