@@ -62,7 +62,12 @@ from cupy_parallel._src.arguments import (
 )
 from cupy_parallel._src.arrays import check_outs, device_of, is_array
 from cupy_parallel._src.distributed.backend import disagreeing, per_rank
-from cupy_parallel._src.distributed.groups import get_rank, is_initialized, resolve_group
+from cupy_parallel._src.distributed.groups import (
+    get_rank,
+    is_initialized,
+    resolve_group,
+    world_backend,
+)
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray
 from cupy_parallel._src.recording import note_overwritten, tapes_exist
@@ -157,11 +162,12 @@ def all_reduce_now(tensor: Any, op: Any, group: Any) -> bool:
     kind = _KIND_OF_TYPE.get(type(tensor))
     if kind is None:
         return False
-    pg = resolve_group(group)
-    if pg is None:
-        _warn_not_member("all_reduce")
-        return True
-    backend = pg.live_backend()
+    backend = world_backend() if group is None else None
+    if backend is None:
+        resolved = backend_of(group, "all_reduce")
+        if resolved is None:
+            return True
+        backend = resolved[1]
     if backend.failure is not None or backend.detail:
         return False
     flags = tensor.flags

@@ -113,8 +113,9 @@ if TYPE_CHECKING:
     # An exchange of a few integers that runs beside an operation (see _MPIWork._check): what
     # tests whether it finished (MPIBackend._rows), this rank's row (MPI reads it until the
     # exchange completes), every rank's rows (in rank order), what they are when all alike
-    # (this rank's row, size times) and what says what the ranks disagree on.
-    _SideCheck = tuple[Callable[[], bool], bytes, bytearray, bytes, Verify]
+    # (this rank's row, size times), what says what the ranks disagree on, and the persistent
+    # pair it runs on (given back once settled), if any.
+    _SideCheck = tuple[Callable[[], bool], bytes, bytearray, bytes, Verify, "_RowsPair | None"]
 
 __all__ = ["MPIBackend"]
 
@@ -378,17 +379,19 @@ class _MPIWork(Work):
         """
         backend = self._backend
         mine = backend._stamp(mine, len(self._request) if type(self._request) is list else 1)
-        test, _, every = backend._rows(mine)
-        self._side = (test, mine, every, mine * backend.size, verify)
+        test, _, every, pair = backend._rows(mine)
+        self._side = (test, mine, every, mine * backend.size, verify, pair)
         return self
 
     def _settle(self, side: _SideCheck) -> None:
         """The side check finished: go on if the ranks agree, else fail every rank's call."""
         self._side = None
-        _, _, every, alike, verify = side
+        _, _, every, alike, verify, pair = side
         if every == alike:  # the common case
+            self._backend._give_back(pair)
             return
         problem = self._disagreement(every, verify)
+        self._backend._give_back(pair)  # the rows read
         if problem is None:  # rows may differ yet agree (all_to_all's sizes)
             return
         message = (
@@ -551,20 +554,21 @@ def _finished() -> bool:
     return True
 
 
-class _RowsPair:
-    """A group of two's persistent send and receive of rows, for :meth:`MPIBackend.all_reduce_now`.
+_PAIRS_KEPT = 64  # persistent pairs a group of two makes at most (see MPIBackend._rows)
 
-    ``Send_init``/``Recv_init`` on the control communicator, tagged as every row of the group
-    (:meth:`MPIBackend._rows`): MPI pairs a started persistent request with the peer's
-    messages in the order posted, as any other, so a call may take the pair or not (another
-    thread's call holds it, or one that raised left it taken) without the ranks agreeing on
-    it. Started once per call, it saves what building an ``Isend`` and an ``Irecv`` costs
-    (issue 35). ``every``: both rows by rank, this rank's sent from where it lies. ``free``:
-    no call holds it (taken under ``_issuing``; given back by the holder once its exchange
-    finished).
+
+class _RowsPair:
+    """A persistent send and receive of rows between the two ranks of a group (see ``_rows``).
+
+    ``Send_init``/``Recv_init`` on the control communicator, tagged as every row of the group:
+    MPI pairs a started persistent request with the peer's messages in the order posted, as
+    any other, so a comparison may run on a pair or on an ``Isend``/``Irecv`` (all the pairs
+    taken) without the ranks agreeing on which. Started once per comparison, it saves what
+    building an ``Isend`` and an ``Irecv`` costs (issue 35). ``every``: both rows by rank, this
+    rank's sent from where it lies.
     """
 
-    __slots__ = ("every", "free", "own", "requests", "startall", "test")
+    __slots__ = ("every", "own", "requests", "startall", "test")
 
     def __init__(self, backend: MPIBackend) -> None:
         size = ROW_BYTES
@@ -579,7 +583,6 @@ class _RowsPair:
         ]
         self.startall = backend.mpi.Prequest.Startall
         self.test = functools.partial(backend.mpi.Request.Testall, self.requests)
-        self.free = True
 
     def start(self, mine: bytes) -> Callable[[], bool]:
         """Send ``mine`` and receive the peer's row into :attr:`every`; what tests the pair."""
@@ -649,9 +652,12 @@ class MPIBackend(ProcessGroupBackend):
         self._callers: dict[str, list[tuple[weakref.ref[threading.Thread], Caller]]] = {}
         self._naming = threading.Lock()
         # The rows of a group of two travel point to point (see _rows), tagged below
-        # _exchange's max_tag (new_group's greetings are tagged below this one).
+        # _exchange's max_tag (new_group's greetings are tagged below this one), through the
+        # persistent pairs no comparison holds (None: not point to point).
         self._rows_tag = self.max_tag - 1
-        self._pair: _RowsPair | None = None  # all_reduce_now's persistent pair, once made
+        two = self.size == 2 and hasattr(control, "Send_init")  # thread ranks' MPI has none
+        self._pairs: list[_RowsPair] | None = [] if two else None
+        self._pairs_made = 0
         self._polls = range(_MPIWork._polls_per_yield)  # all_reduce_now's tests between yields
 
     # --------------------------------------------------------------------------- life cycle
@@ -820,6 +826,7 @@ class MPIBackend(ProcessGroupBackend):
                 for each in {id(c): c for c in [*clash, caller]}.values():
                     each.fields = marked
                     each.rows.clear()
+                    each.ready.clear()
             if len(self._callers) >= _CALLER_NAMES_KEPT:  # a thread per task: drop the ended
                 self._callers = {
                     key: live
@@ -829,15 +836,17 @@ class MPIBackend(ProcessGroupBackend):
             self._callers[name] = [*known, (weakref.ref(current), caller)]
         return caller
 
-    def _stamp(self, row: bytes, collectives: int) -> bytes:
+    def _stamp(self, row: bytes, collectives: int, token: int | None = None) -> bytes:
         """``row`` stamped with what this rank issued on the group before it; then count it.
 
         See :func:`~cupy_parallel._src.distributed.mpi_checks.stamp`. ``collectives``: how
-        many this row's operation starts on the group's communicator. Call under ``_issuing``,
-        with the operation and the row's exchange started under the same hold.
+        many this row's operation starts on the group's communicator; ``token``: the row's
+        :func:`history_token`, if known. Call under ``_issuing``, with the operation and the
+        row's exchange started under the same hold.
         """
         posted, history = self._posted, self._history
-        token = self._tokens.get(row)
+        if token is None:
+            token = self._tokens.get(row)
         if token is None:  # a row met first (a bytes object hashes once)
             if len(self._tokens) >= _TOKENS_KEPT:
                 self._tokens.clear()
@@ -846,25 +855,34 @@ class MPIBackend(ProcessGroupBackend):
         self._history = followed(history, token)
         return stamp(row, posted, history)
 
-    def _rows(self, mine: bytes) -> tuple[Callable[[], bool], Any, bytearray]:
+    def _rows(self, mine: bytes) -> tuple[Callable[[], bool], Any, bytearray, _RowsPair | None]:
         """Start exchanging this rank's row for every rank's; call under ``_issuing``.
 
-        Returns what tests whether the exchange finished, its request (or list of them) and
-        the bytes of every rank's row, by rank, once it did. On the control communicator, in
-        the order the rows are made (under the lock): each rank's ``k``-th row meets every
-        other rank's ``k``-th. A group of more than two ranks gathers them (``Iallgather``);
-        a group of two sends them point to point (an ``Isend`` and an ``Irecv`` tagged
-        ``_rows_tag``, which MPI pairs in the order they are posted, as it pairs the
-        collectives: cheaper from Python than a collective, and it lets
-        :meth:`all_reduce_now` post its rows through persistent requests (``Send_init``),
-        which pair with the others message by message). A group of one has nothing to send.
+        Returns what tests whether the exchange finished, its request (or list of them), the
+        bytes of every rank's row, by rank, once it did, and the persistent pair it runs on,
+        if any, which the caller gives back (``_pairs``) once it read the rows. On the control
+        communicator, in the order the rows are made (under the lock): each rank's ``k``-th
+        row meets every other rank's ``k``-th. A group of more than two ranks gathers them
+        (``Iallgather``). A group of two sends them point to point, tagged ``_rows_tag``,
+        which MPI pairs in the order they are posted, as it pairs the collectives, through a
+        persistent pair (:class:`_RowsPair`) that no other comparison holds, else an
+        ``Isend`` and an ``Irecv``: what starts faster from Python than a collective (issue
+        35). A group of one has nothing to send.
         """
         if self.size == 1:
-            return _finished, [], bytearray(mine)
+            return _finished, [], bytearray(mine), None
+        pairs = self._pairs
+        if pairs is not None and (pairs or self._pairs_made < _PAIRS_KEPT):
+            if pairs:
+                pair = pairs.pop()
+            else:
+                pair = _RowsPair(self)
+                self._pairs_made += 1
+            return pair.start(mine), pair.requests, pair.every, pair
         every = bytearray(len(mine) * self.size)
-        if self.size > 2:
+        if pairs is None:  # more than two ranks (or two thread ranks, whose MPI has no pairs)
             request = self._control.Iallgather([mine, self._int64], [every, self._int64])
-            return request.Test, request, every
+            return request.Test, request, every, None
         size, peer, tag = len(mine), 1 - self.rank, self._rows_tag
         view = memoryview(every)
         view[self.rank * size : (self.rank + 1) * size] = mine
@@ -872,15 +890,21 @@ class MPIBackend(ProcessGroupBackend):
             self._control.Irecv([view[peer * size : (peer + 1) * size], self._int64], peer, tag),
             self._control.Isend([mine, self._int64], peer, tag),
         ]
-        return functools.partial(self.mpi.Request.Testall, requests), requests, every
+        return functools.partial(self.mpi.Request.Testall, requests), requests, every, None
+
+    def _give_back(self, pair: _RowsPair | None) -> None:
+        """``pair``'s exchange finished and its rows were read: another comparison may take it."""
+        pairs = self._pairs
+        if pair is not None and pairs is not None:  # (None: the group was shut down)
+            pairs.append(pair)
 
     def shutdown(self) -> None:
         """Free the communicators (left alone when a timed-out operation may still use them)."""
         if self.failure is None:
-            if self._pair is not None and self._pair.free:
-                self._pair.free = False
-                for request in self._pair.requests:
+            for pair in self._pairs or ():  # those no comparison holds
+                for request in pair.requests:
                     request.Free()
+            self._pairs = None
             self._comm.Free()
             self._control.Free()
 
@@ -936,34 +960,37 @@ class MPIBackend(ProcessGroupBackend):
         """``all_reduce([x], op)`` waited on, without a :class:`Work` while it goes well.
 
         The synchronous call of one host array (the public layer checked it), started as
-        :meth:`all_reduce` starts it, its rows in a group of two posted through the group's
-        persistent pair (:class:`_RowsPair`) when no other call holds it; then the rows'
-        exchange and the operation are tested here, one stretch of spinning each
-        (:func:`~.work.spun`), and ``AVG``'s mean taken. Anything else (not finished within
-        that stretch, rows that differ, an error MPI reports, a reduction in a working dtype)
-        is handed to the :class:`_MPIWork` that :meth:`all_reduce` would have returned, in the
-        state reached: the group's timeout, a departed peer, the disagreement's ``ValueError``
-        on every rank, as on the general path. Measured on 2 ranks: see ``mpi_checks``' issue
-        35 note.
+        :meth:`all_reduce` starts it, from what the calling thread keeps for the call's
+        signature (:meth:`_ready`: the row, its verification and history token, the MPI
+        datatype and operation); a group of two sends the row through a persistent pair
+        (:meth:`_rows`). Then the rows' exchange and the operation are tested here, one
+        stretch of spinning each (:func:`~.work.spun`), and ``AVG``'s mean taken. Anything
+        else (not finished within that stretch, rows that differ, an error MPI reports, a
+        reduction in a working dtype) is handed to the :class:`_MPIWork` that :meth:`all_reduce`
+        would have returned, in the state reached: the group's timeout, a departed peer, the
+        disagreement's ``ValueError`` on every rank, as on the general path. Measured: see
+        ``mpi_checks``' issue 35 note.
         """
         buffer = x if type(x) is np.ndarray else plain_buffer(x)
-        plan = self._plans.get((buffer.dtype, op)) or self._plan(buffer.dtype, op)
-        if plan.work_dtype is not None:
+        caller = self.caller()
+        ready = caller.ready.get((buffer.dtype, buffer.shape, op)) or self._ready(
+            caller, buffer, op
+        )
+        if ready is None:  # reduced in a working dtype
             self.all_reduce([buffer], op).wait()
             return
-        pair = self._pair
-        if pair is None and self.size == 2 and hasattr(self._control, "Send_init"):
-            pair = self._pair = _RowsPair(self)
-        row, verify = compare_call("all_reduce", self.caller(), (buffer,), self.world_ranks, op=op)
+        row, verify, token, mpi_type, mpi_op, average = ready
+        pairs = self._pairs
         with self._issuing:
-            request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
-            mine = self._stamp(row, 1)  # per call: what this rank issued before it
-            if pair is not None and pair.free:
-                pair.free = False
-                test, every = pair.start(mine), pair.every
+            request = self._comm.Iallreduce(self._in_place, [buffer, mpi_type], mpi_op)
+            mine = self._stamp(row, 1, token)  # per call: what this rank issued before it
+            if pairs:  # _rows' common case, inline
+                pair = pairs.pop()
+                pair.own[:] = mine
+                pair.startall(pair.requests)
+                test, every = pair.test, pair.every
             else:
-                pair = None
-                test, _, every = self._rows(mine)
+                test, _, every, pair = self._rows(mine)
         alike = mine * self.size
         try:
             settled = spun(test, self._polls)
@@ -972,36 +999,52 @@ class MPIBackend(ProcessGroupBackend):
             )
         except self.mpi.Exception as error:
             raise _MPIWork("all_reduce", self, request, keep=buffer)._mpi_error(error) from None
-        if not done:
+        if done:
+            if pair is not None:
+                pairs.append(pair)  # type: ignore[union-attr]
+        else:
             work = _MPIWork("all_reduce", self, request, keep=buffer)
-            side = (test, mine, every, alike, verify)
+            side = (test, mine, every, alike, verify, pair)
             if settled:
                 work._settle(side)  # rows that differ: ValueError on every rank
             else:
                 work._side = side
             work.wait()
-        if pair is not None:  # its exchange finished (else the pair stays taken)
-            pair.free = True
-        if plan.average:
-            _mean(buffer, plan, self.size)
+        if average:
+            _mean(buffer, self._plans[buffer.dtype, op], self.size)  # type: ignore[arg-type]
+
+    def _ready(self, caller: Caller, buffer: Any, op: ReduceOp) -> tuple[Any, ...] | None:
+        """What :meth:`all_reduce_now` needs for a call's signature, kept by its thread.
+
+        The row and its verification (:func:`compare_call`), the row's history token, the
+        plan's MPI datatype and operation, and whether it averages; ``None`` for a reduction
+        in a working dtype (not kept: :meth:`all_reduce`'s general path).
+        """
+        plan = self._plan(buffer.dtype, op)
+        if plan.work_dtype is not None:
+            return None
+        row, verify = compare_call("all_reduce", caller, (buffer,), self.world_ranks, op=op)
+        ready = (row, verify, history_token(row), plan.mpi_type, plan.mpi_op, plan.average)
+        if len(caller.ready) >= _TOKENS_KEPT:
+            caller.ready.clear()
+        caller.ready[buffer.dtype, buffer.shape, op] = ready
+        return ready
 
     def _all_reduce_one(self, buffer: Any, op: ReduceOp, plan: Plan) -> tuple[Any, _SideCheck]:
         """Start the ``Iallreduce`` of one host array in place, and its comparison's exchange.
 
-        The comparison's row, made once per thread and call signature (:func:`compare_call`),
-        is looked up and stamped while the ``Iallreduce`` is under way, ``_issuing`` held so
-        that the row's exchange follows it with no other thread's collective between them (as
+        The comparison's row is made once per thread and call signature (:func:`compare_call`),
+        and stamped while the ``Iallreduce`` is under way, ``_issuing`` held so that the row's
+        exchange follows it with no other thread's collective between them (as
         :func:`_in_issue_order` holds it for the other collectives). Returns the operation's
         request and the side check (:meth:`_MPIWork._check`'s).
         """
+        row, verify = compare_call("all_reduce", self.caller(), (buffer,), self.world_ranks, op=op)
         with self._issuing:
             request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
-            row, verify = compare_call(
-                "all_reduce", self.caller(), (buffer,), self.world_ranks, op=op
-            )
             mine = self._stamp(row, 1)  # per call: what this rank issued before it
-            test, _, every = self._rows(mine)
-        return request, (test, mine, every, mine * self.size, verify)
+            test, _, every, pair = self._rows(mine)
+        return request, (test, mine, every, mine * self.size, verify, pair)
 
     def _all_reduce_local(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
         """``all_reduce`` of the local reduction of ``arrays``, in the plan's working form."""
@@ -1185,13 +1228,15 @@ class MPIBackend(ProcessGroupBackend):
         with self._issuing:
             mine, verify = make(self.caller(), self.world_ranks)
             mine = self._stamp(mine, 0)  # beside no collective on _comm
-            _, request, every = self._rows(mine)
+            _, request, every, pair = self._rows(mine)
         waited = f"{description} {waiting}" if waiting else description
         work = _MPIWork(waited, self, request, keep=(mine, every), timeout=timeout)
         work.wait()
-        if every == mine * self.size:
+        alike = every == mine * self.size
+        problem = None if alike else work._disagreement(every, verify)
+        self._give_back(pair)
+        if alike:
             return True
-        problem = work._disagreement(every, verify)
         if problem is not None:
             raise ValueError(f"{description}: {problem}")
         return False

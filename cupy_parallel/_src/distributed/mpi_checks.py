@@ -252,14 +252,16 @@ class Caller:
 
     ``fields``: :func:`caller_fields` of its name; ``rows``: :func:`compare_call`'s rows made for
     it, by call signature (the group's world and this thread fixed, two calls alike have one
-    row).
+    row); ``ready``: what a backend keeps beside such a row, by a key of its own (its entries
+    hold rows: whoever changes ``fields`` clears both).
     """
 
-    __slots__ = ("fields", "rows")
+    __slots__ = ("fields", "ready", "rows")
 
     def __init__(self, name: str, /) -> None:
         self.fields = caller_fields(name)
         self.rows: dict[Any, Comparison] = {}
+        self.ready: dict[Any, Any] = {}
 
 
 def compare_call(
