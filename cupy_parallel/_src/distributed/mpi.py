@@ -6,6 +6,8 @@
 * Every primitive starts an ``MPI_I*`` call and returns an :class:`_MPIWork`, which polls
   ``Request.Test`` (spin, then sleep with backoff) until done or the group's deadline. Polling is
   also the fast path: a spinning ``Test`` loop answers sooner than a blocking MPI call does.
+  A synchronous ``all_reduce`` of a host array (:meth:`MPIBackend.all_reduce_now`) polls its
+  requests itself for one stretch and builds the :class:`_MPIWork` only for what is left.
 * Buffers: NumPy and HostArray arrays are passed in place as plain ndarray views. Data movement
   uses ``MPI.BYTE`` (every dtype, float16 included, travels bit-exactly); reductions use the dtype's
   MPI datatype (``float16`` in ``float32``, ``MIN``/``MAX`` of floats in a total order: see
