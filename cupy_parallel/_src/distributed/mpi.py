@@ -974,7 +974,7 @@ class MPIBackend(ProcessGroupBackend):
         ``mpi_checks``' issue 35 note.
         """
         buffer = x if type(x) is np.ndarray else plain_buffer(x)
-        caller = self.caller()
+        caller = getattr(self._thread, "caller", None) or self.caller()
         ready = caller.ready.get((buffer.dtype, buffer.shape, op)) or self._ready(
             caller, buffer, op
         )
@@ -983,6 +983,8 @@ class MPIBackend(ProcessGroupBackend):
             return
         row, verify, token, mpi_type, mpi_op, average = ready
         pairs = self._pairs
+        pair: _RowsPair | None
+        test: Callable[[], bool]
         with self._issuing:
             request = self._comm.Iallreduce(self._in_place, [buffer, mpi_type], mpi_op)
             mine = self._stamp(row, 1, token)  # per call: what this rank issued before it
