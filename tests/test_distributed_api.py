@@ -310,6 +310,8 @@ def test_a_waited_all_reduce_checks_every_call_once_its_reduction_passed(world: 
         dist.all_reduce(frozen)
     with pytest.raises(TypeError, match=r"op must be a ReduceOp .* got str 'sum'"):
         dist.all_reduce(np.zeros(1), op="sum")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"op must be a ReduceOp .* got list \[<ReduceOp.SUM"):
+        dist.all_reduce(np.zeros(1), op=[ReduceOp.SUM])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"ReduceOp.MAX is not defined for complex dtype"):
         dist.all_reduce(np.zeros(1, complex), op=ReduceOp.MAX)
     with pytest.raises(TypeError, match=r"tensor must be an array .* got list"):

@@ -175,6 +175,7 @@ def all_reduce_now(tensor: Any, op: Any, group: Any) -> bool:
         kind in backend.array_kinds
         and flags.c_contiguous
         and flags.writeable
+        and type(op) is ReduceOp  # (before hashing it: an op in a list says so)
         and (tensor.dtype, op) in backend.reductions_passed
     ):  # check_array and check_reduction say what is wrong
         check_array(backend, tensor, "tensor")

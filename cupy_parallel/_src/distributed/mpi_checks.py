@@ -84,24 +84,26 @@ every rank's rows when alike were kept per call signature: 2.81-2.98x before; fa
 between them (no runner, staging wrapper or ``Work``: a script, not the library, and without
 timeouts) measured 1.89-1.90x.
 
-Then (issue 35, same machine and estimators): a synchronous ``all_reduce`` of a host array
-waits without a ``Work`` (``dispatch.all_reduce_now``, ``MPIBackend.all_reduce_now``: the same
-checks, tape note, stamp and comparison, a ``Work`` only for what does not finish within one
-stretch of spinning, so that timeouts and disagreements are as before), and a group of two
-sends its rows point to point through persistent requests (``Send_init``/``Recv_init``, any
-free one of a pool; an ``Isend``/``Irecv`` when none is, which MPI pairs alike). The floor of
-that exchange, mpi4py alone: 1.25-1.27x (against 1.47-1.54x for the ``Iallgather``); a plain
-``Isend``/``Irecv`` 1.43x, and from the library's Python no faster than the ``Iallgather``
-(async ``all_reduce``, ``broadcast`` and ``barrier`` measured 3.6x, 3.0x and 2.3x with it,
-3.2x, 2.7x and 1.9x before; with the pool 3.3x, 2.6-2.8x and 1.9x). Where the microseconds of
-a call went, on 2 ranks (rank 0, timed in the loop, each phase with one clock read): the
-caller's loop and the public layer 0.9, the row's lookup 0.65, the ``Iallreduce`` 1.6, the
-stamp 0.55, starting the rows' exchange 1.0, waiting for the rows 2.2 and for the data 1.2;
-about 8.5 us a call against mpi4py's 3.6-3.9. Measured with raw and ours in the same run:
-from 3.3-3.4x (back to back) and 3.1-3.5x (single calls after a barrier) to about 2.1x and
-1.9x; the remainder is Python, about 0.6 us of it what a script with every layer flattened
-into one function still saves (the backend's part 0.4-0.5 us: the calls to ``caller``,
-``_stamp``, ``followed`` and ``stamp`` a call).
+Then (issue 35, same machine and estimators): a synchronous ``all_reduce`` of a host array waits
+without a ``Work`` (``dispatch.all_reduce_now``, ``MPIBackend.all_reduce_now``: the same checks,
+tape note, stamp and comparison, from what its thread keeps per call signature, and a ``Work`` only
+for what does not finish within one stretch of spinning, so that timeouts and disagreements are as
+before), and a group of two sends its rows point to point through persistent requests
+(``Send_init``/``Recv_init``, any free pair of a pool; an ``Isend``/``Irecv`` when none is, which
+MPI pairs alike). The floor of that exchange, mpi4py alone: 1.27-1.38x back to back, 1.21-1.23x
+single calls (the ``Iallgather``'s 1.49-1.62x and 1.38-1.47x in the same runs); a plain
+``Isend``/``Irecv`` 1.43x, and from the library's Python no faster than the ``Iallgather`` (async
+``all_reduce``, ``broadcast`` and ``barrier`` measured 3.6x, 3.0x and 2.3x with it, 3.2x, 2.7x and
+1.9x before; with the pool 3.2-3.4x, 2.5-2.8x and 1.7-2.0x). Where the microseconds of a call went,
+on 2 ranks before the last trims (rank 0, timed in the loop, a clock read per phase): the caller's
+loop and the public layer 0.9, the row's lookup 0.65, the ``Iallreduce`` 1.6, the stamp 0.55,
+starting the rows' exchange 1.0, waiting for the rows 2.2 and for the data 1.2; about 8.5 us a call
+against mpi4py's 3.6-3.9. ``mpiexec -n 2 python benchmarks/bench_collectives.py``, six runs
+alternated with the code before (its medians 3.15-3.46x back to back, 2.89-3.69x single calls, two
+outliers of a loaded machine aside): 1.89-2.10x back to back (median 2.00x) and 1.81-1.96x single
+calls (one run 2.59x under load), the fastest rounds 1.91-2.01x (before 3.07-3.40x). What is left
+is Python: a script with every layer flattened into one function (no checks skipped, no timeouts)
+still saves about 0.3-0.6 us a call (0.1-0.2x).
 """
 
 from __future__ import annotations
