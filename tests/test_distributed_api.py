@@ -18,7 +18,7 @@ import pytest
 import cupy_parallel
 from cupy_parallel import distributed as dist
 from cupy_parallel._src.averages import average_in_place
-from cupy_parallel._src.distributed import groups
+from cupy_parallel._src.distributed import dispatch, groups
 from cupy_parallel._src.distributed.work import CompletedWork, Work
 from cupy_parallel.distributed import Backend, ReduceOp
 
@@ -288,6 +288,52 @@ def test_array_checks(world: None) -> None:
         dist.broadcast(np.zeros(1), src="0")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"async_op must be a bool, got str"):
         dist.all_reduce(np.zeros(1), async_op="yes")  # type: ignore[arg-type]
+
+
+def test_a_waited_all_reduce_checks_every_call_once_its_reduction_passed(world: None) -> None:
+    """A synchronous all_reduce of a host array takes the quick path (dispatch.all_reduce_now:
+    no Work), and a dtype and op that passed their checks on a group are a set lookup there
+    after; what can change from call to call is still checked at every call, in run()'s
+    words. Oracle: a world of one sums to the array itself (NumPy's copy)."""
+    x = np.arange(4.0)
+    dist.all_reduce(x)  # float64 and SUM pass here
+    dist.all_reduce(np.zeros(2, complex))  # complex and SUM too
+    _, backend = dispatch.backend_of(None, "all_reduce")  # type: ignore[misc]
+    assert {(np.dtype(float), ReduceOp.SUM), (np.dtype(complex), ReduceOp.SUM)} <= (
+        backend.reductions_passed
+    )
+    with pytest.raises(ValueError, match=r"tensor must be C-contiguous"):
+        dist.all_reduce(np.zeros((4, 4))[:, 0])
+    frozen = np.zeros(3)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"tensor receives data in place but is read-only"):
+        dist.all_reduce(frozen)
+    with pytest.raises(TypeError, match=r"op must be a ReduceOp .* got str 'sum'"):
+        dist.all_reduce(np.zeros(1), op="sum")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"op must be a ReduceOp .* got list \[<ReduceOp.SUM"):
+        dist.all_reduce(np.zeros(1), op=[ReduceOp.SUM])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"ReduceOp.MAX is not defined for complex dtype"):
+        dist.all_reduce(np.zeros(1, complex), op=ReduceOp.MAX)
+    with pytest.raises(TypeError, match=r"tensor must be an array .* got list"):
+        dist.all_reduce([1.0])  # type: ignore[arg-type]
+    expected = x.copy()
+    dist.all_reduce(x)
+    np.testing.assert_array_equal(x, expected)
+    h = cupy_parallel.to_device(np.arange(3.0), "host:0")
+    dist.all_reduce(h, op=ReduceOp.AVG)  # a host array: the same path, its mean taken
+    np.testing.assert_array_equal(cupy_parallel.to_device(h, "cpu"), np.arange(3.0))
+    work = dist.all_reduce(x, async_op=True)  # async_op=True: a Work, as ever
+    assert isinstance(work, Work)
+    assert work.result() == [x]
+    sub = dist.new_group([0])
+    dist.all_reduce(x, group=sub)
+    dist.destroy_process_group(sub)
+    with pytest.raises(ValueError, match=r"process group '1' was destroyed"):
+        dist.all_reduce(x, group=sub)
+    backend.failure = "a call timed out (this test says so)."
+    with pytest.raises(RuntimeError, match=r"process group '0' is unusable: a call timed out"):
+        dist.all_reduce(x)
+    backend.failure = None
 
 
 def test_list_checks(world: None) -> None:

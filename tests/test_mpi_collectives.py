@@ -782,6 +782,38 @@ def test_non_rooted_collectives_with_other_sizes_or_dtypes_raise_on_every_rank(v
     assert ENDED[via] in result.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
+def test_rows_through_persistent_pairs_or_not_meet_call_by_call_on_two_ranks() -> None:
+    """Issue 35: a group of two sends its comparison rows point to point, through a persistent
+    pair (Send_init/Recv_init) where the rank has one free, else an Isend/Irecv, which MPI
+    pairs message by message all the same, so the ranks need not agree on which. Rank 0 has
+    no pair here, rank 1 its pool: 600 all_reduce calls (synchronous, the quick path without
+    a Work, and async_op=True ones held six at a time) all sum right (oracle: the sum of the
+    ranks' values), and the quick path still raises on both ranks when they differ in dtype,
+    size, op or shape (processes only: thread ranks' MPI has no persistent requests)."""
+    result = launch_agreement(2, "pairs")
+    out = result.stdout
+    assert out.count("PAIRS right=600 wrong=0") == 2, out + result.stderr[-3000:]
+    assert "NO ERROR" not in out, out
+    f32, f64 = (f"{d}, 4 elements, 1-d" for d in ("float32", "float64"))
+    for number, what in [
+        (1, f"in the array they passed (rank 0: {f32}; rank 1: {f64})"),
+        (2, f"in the array they passed (rank 0: {f64}; rank 1: float64, 6 elements, 1-d)"),
+        (3, "in the reduction they passed (rank 0: ReduceOp.SUM; rank 1: ReduceOp.MAX)"),
+        (4, "in the array they passed (the same dtype and size: their shapes or byte orders"),
+    ]:
+        message = (
+            f"CAUGHT ValueError: all_reduce on process group '{number}': ranks [0, 1] disagree "
+            f"(no majority) {what}"
+        )
+        assert out.count(message) == 2, (message, out)
+    assert out.count("OK world after: [2.0, 2.0]") == 2, out
+    assert result.returncode != 0  # the mismatched collectives: the job is aborted at exit
+    assert ENDED["mpiexec"] in result.stderr
+
+
 # One world size per worker mode (the thread-rank tests above run every size): each run
 # starts a world of processes and its twin on thread ranks, seconds each.
 SAME_OUTPUT = [

@@ -26,6 +26,11 @@ Modes:
   alike while MPI summed rank 1's ``b0`` with rank 0's ``a0``.
 - ``async-race`` (2 ranks): ``debug-race``'s ``async`` without the debug mode (``a0`` meets
   ``b0``'s collective; ``a1`` on rank 0 met ``a0`` on rank 1 as there).
+- ``pairs`` (2 processes): the rows of a group of two travel through persistent pairs where a
+  rank has one free, else through an ``Isend``/``Irecv``; here rank 0 has none (its pool held),
+  rank 1 its pool: 600 calls, synchronous and ``async_op=True`` ones held six at a time, sum
+  right (``rank r: PAIRS right=R wrong=W``); then ``mismatch``'s all_reduce cases on 2 ranks,
+  each on a group of its own.
 """
 
 from __future__ import annotations
@@ -223,6 +228,40 @@ def mismatch(rank: int, size: int) -> None:
     each_on_its_group(calls, others)
 
 
+def pairs(rank: int, size: int) -> None:
+    _, backend = dispatch.backend_of(None, "pairs")  # type: ignore[misc]
+    if rank == 0 and backend._pairs is not None:  # every pair held: Isend/Irecv only
+        backend._pairs_made, backend._pairs[:] = 10**9, []
+    right = wrong = 0
+    held: list[tuple[np.ndarray, float, dist.Work]] = []
+    for i in range(600):
+        x = np.full(4, 10.0 * i + rank, np.float32)
+        expected = sum(10.0 * i + r for r in range(size))
+        if i % 2:
+            held.append((x, expected, dist.all_reduce(x, async_op=True)))
+        else:
+            dist.all_reduce(x)
+            right, wrong = (right + 1, wrong) if (x == expected).all() else (right, wrong + 1)
+        if len(held) > 6 or i == 599:
+            for y, want, work in held:
+                work.wait()
+                right, wrong = (right + 1, wrong) if (y == want).all() else (right, wrong + 1)
+            held.clear()
+    print(f"rank {rank}: PAIRS right={right} wrong={wrong}", flush=True)
+    last = rank == size - 1
+    calls = {
+        "all_reduce, dtype": lambda g: dist.all_reduce(
+            np.ones(4, np.float64 if last else np.float32), group=g
+        ),
+        "all_reduce, size": lambda g: dist.all_reduce(np.ones(6 if last else 4), group=g),
+        "all_reduce, op": lambda g: dist.all_reduce(
+            np.ones(4), op=ReduceOp.MAX if last else ReduceOp.SUM, group=g
+        ),
+        "all_reduce, shape after agreeing calls": lambda g: shape_after_agreeing(g, last),
+    }
+    each_on_its_group(calls, list(range(size)))
+
+
 def shape_after_agreeing(group: object, last: bool) -> None:
     """Calls that agree (the backend keeps what their signature needs), then one that does not.
 
@@ -254,6 +293,8 @@ def rank_main(_: int, argv: list[str]) -> int:
         debug_race(rank)
     elif mode == "async-race":
         async_race(rank)
+    elif mode == "pairs":
+        pairs(rank, size)
     dist.destroy_process_group()
     return 0
 

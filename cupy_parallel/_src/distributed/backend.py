@@ -130,6 +130,8 @@ class ProcessGroupBackend(abc.ABC):
         self.timeout = timeout
         self.group_name = group_name
         self.failure: str | None = None
+        #: The ``(dtype, op)`` pairs the public layer's reduction checks passed on this group.
+        self.reductions_passed: set[tuple[Any, ReduceOp]] = set()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} group {self.group_name!r}: rank {self.rank} of {self.size}>"
@@ -193,6 +195,15 @@ class ProcessGroupBackend(abc.ABC):
     @abc.abstractmethod
     def all_reduce(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
         """Every array of every rank receives the reduction over all participants' arrays."""
+
+    def all_reduce_now(self, x: Any, op: ReduceOp, /) -> None:
+        """``all_reduce([x], op)`` waited on: a synchronous call of one host array.
+
+        The public layer's quick path (``async_op=False``, a NumPy or host array, checked). A
+        backend may finish it without building the :class:`~.work.Work` the general path waits
+        on, keeping every check and the timeout; by default it is exactly that path.
+        """
+        self.all_reduce([x], op).wait()
 
     @abc.abstractmethod
     def reduce(self, arrays: Sequence[Any], root: int, root_index: int, op: ReduceOp, /) -> Work:

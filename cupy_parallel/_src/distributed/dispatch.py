@@ -62,7 +62,12 @@ from cupy_parallel._src.arguments import (
 )
 from cupy_parallel._src.arrays import check_outs, device_of, is_array
 from cupy_parallel._src.distributed.backend import disagreeing, per_rank
-from cupy_parallel._src.distributed.groups import get_rank, is_initialized, resolve_group
+from cupy_parallel._src.distributed.groups import (
+    get_rank,
+    is_initialized,
+    resolve_group,
+    world_backend,
+)
 from cupy_parallel._src.enums import ReduceOp
 from cupy_parallel._src.hostarray import HostArray
 from cupy_parallel._src.recording import note_overwritten, tapes_exist
@@ -76,6 +81,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Call",
+    "all_reduce_now",
     "backend_of",
     "check_array",
     "check_arrays",
@@ -140,6 +146,44 @@ def run(
         return work
     work.wait()
     return None
+
+
+def all_reduce_now(tensor: Any, op: Any, group: Any) -> bool:
+    """``all_reduce(tensor, op, group)`` with ``async_op=False``, if ``tensor`` is a host array.
+
+    ``False`` for any other array, and on a group that failed or runs the debug mode (the
+    caller then goes through :func:`run`, which says so, or compares). What :func:`run` does
+    for the call, in its order (resolve the group, check the array and the reduction, tell
+    the tapes, finish the call), without the closure, :class:`Call` and
+    :class:`~cupy_parallel.distributed.Work` it builds for every collective; the checks of a
+    reduction the group's backend passed before (a loop's calls) are a set lookup. The
+    backend finishes the call (:meth:`ProcessGroupBackend.all_reduce_now`; issue 35).
+    """
+    kind = _KIND_OF_TYPE.get(type(tensor))
+    if kind is None:
+        return False
+    backend = world_backend() if group is None else None
+    if backend is None:
+        resolved = backend_of(group, "all_reduce")
+        if resolved is None:
+            return True
+        backend = resolved[1]
+    if backend.failure is not None or backend.detail:
+        return False
+    flags = tensor.flags
+    if not (
+        kind in backend.array_kinds
+        and flags.c_contiguous
+        and flags.writeable
+        and type(op) is ReduceOp  # (before hashing it: an op in a list says so)
+        and (tensor.dtype, op) in backend.reductions_passed
+    ):  # check_array and check_reduction say what is wrong
+        check_array(backend, tensor, "tensor")
+        check_reduction(backend, tensor.dtype, op)
+    if tapes_exist():  # before it starts: what it may write, even if it fails
+        note_overwritten([tensor], "dist.all_reduce")
+    backend.all_reduce_now(tensor, op)
+    return True
 
 
 def backend_of(group: Any, operation: str) -> tuple[ProcessGroup, ProcessGroupBackend] | None:
@@ -318,7 +362,13 @@ def check_same_device(xs: Sequence[Any], ref: Any, name: str, ref_name: str) -> 
 
 
 def check_reduction(backend: ProcessGroupBackend, dtype: Any, op: Any) -> None:
-    """Check ``op`` (a ``ReduceOp`` the backend has) and that it can reduce ``dtype``."""
+    """Check ``op`` (a ``ReduceOp`` the backend has) and that it can reduce ``dtype``.
+
+    A pair that passed is remembered by the backend (``reductions_passed``): the checks
+    depend on nothing else, and a loop's calls pass the same pair.
+    """
+    if type(op) is ReduceOp and (dtype, op) in backend.reductions_passed:
+        return
     if type(op) is not ReduceOp:
         raise TypeError(
             f"op must be a ReduceOp ({', '.join(o.name for o in ReduceOp)}), got "
@@ -345,6 +395,7 @@ def check_reduction(backend: ProcessGroupBackend, dtype: Any, op: Any) -> None:
             )
         )
     backend.check_dtype(dtype, op)
+    backend.reductions_passed.add((dtype, op))
 
 
 _ORDERED = frozenset({ReduceOp.MIN, ReduceOp.MAX})

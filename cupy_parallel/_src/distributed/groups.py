@@ -52,6 +52,7 @@ __all__ = [
     "resolve_group",
     "state",
     "use_state",
+    "world_backend",
 ]
 
 # Backend -> (module, class) implementing it, imported on first use.
@@ -329,6 +330,24 @@ def resolve_group(group: Any) -> ProcessGroup | None:
 
 _WORLD = group.WORLD
 _NON_MEMBER = GroupMember.NON_GROUP_MEMBER
+
+
+def world_backend() -> ProcessGroupBackend | None:
+    """The backend of the calling context's world group, or ``None`` (none, or destroyed).
+
+    ``resolve_group(None).live_backend()`` for a collective's quick path, in one call (the
+    refusal of a thread that belongs to no thread rank included); ``None`` sends the caller
+    the general way, which says what is missing.
+
+    Example:
+        >>> world_backend() is None  # no init_process_group yet
+        True
+    """
+    current = _STATE.get()
+    if current is _PROCESS_STATE and _SPAWN_RUNS:
+        current = _current()
+    world = current.world
+    return None if world is None else world._backend
 
 
 def _world_group() -> ProcessGroup:

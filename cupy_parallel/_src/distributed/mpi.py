@@ -6,6 +6,8 @@
 * Every primitive starts an ``MPI_I*`` call and returns an :class:`_MPIWork`, which polls
   ``Request.Test`` (spin, then sleep with backoff) until done or the group's deadline. Polling is
   also the fast path: a spinning ``Test`` loop answers sooner than a blocking MPI call does.
+  A synchronous ``all_reduce`` of a host array (:meth:`MPIBackend.all_reduce_now`) polls its
+  requests itself for one stretch and builds the :class:`_MPIWork` only for what is left.
 * Buffers: NumPy and HostArray arrays are passed in place as plain ndarray views. Data movement
   uses ``MPI.BYTE`` (every dtype, float16 included, travels bit-exactly); reductions use the dtype's
   MPI datatype (``float16`` in ``float32``, ``MIN``/``MAX`` of floats in a total order: see
@@ -76,6 +78,7 @@ from cupy_parallel._src.cuda import copies
 from cupy_parallel._src.devices import cupy_module
 from cupy_parallel._src.distributed.backend import ProcessGroupBackend
 from cupy_parallel._src.distributed.mpi_checks import (
+    ROW_BYTES,
     Caller,
     caller_fields,
     compare_barrier,
@@ -99,7 +102,7 @@ from cupy_parallel._src.distributed.mpi_job import (
 from cupy_parallel._src.distributed.mpi_reductions import Plan, make_plan
 from cupy_parallel._src.distributed.mpi_staging import staged
 from cupy_parallel._src.distributed.store.interface import DistTimeoutError
-from cupy_parallel._src.distributed.work import Work
+from cupy_parallel._src.distributed.work import Work, spun
 from cupy_parallel._src.enums import Backend, ReduceOp
 from cupy_parallel._src.hostarray import plain_buffer
 from cupy_parallel._src.versions import root_buffer
@@ -109,11 +112,12 @@ if TYPE_CHECKING:
 
     from cupy_parallel._src.distributed.mpi_checks import Comparison, Verify
 
-    # An exchange of a few integers that runs beside an operation (see _MPIWork._check): its
-    # request, this rank's row (MPI reads it until the exchange completes), every rank's rows
-    # (in rank order), what they are when all alike (this rank's row, size times) and what
-    # says what the ranks disagree on.
-    _SideCheck = tuple[Any, bytes, bytearray, bytes, Verify]
+    # An exchange of a few integers that runs beside an operation (see _MPIWork._check): what
+    # tests whether it finished (MPIBackend._rows), this rank's row (MPI reads it until the
+    # exchange completes), every rank's rows (in rank order), what they are when all alike
+    # (this rank's row, size times), what says what the ranks disagree on, and the persistent
+    # pair it runs on (given back once settled), if any.
+    _SideCheck = tuple[Callable[[], bool], bytes, bytearray, bytes, Verify, "_RowsPair | None"]
 
 __all__ = ["MPIBackend"]
 
@@ -309,7 +313,7 @@ class _MPIWork(Work):
         side = self._side
         if side is not None:
             try:
-                if not side[0].Test():
+                if not side[0]():
                     return False
             except self._backend.mpi.Exception as error:
                 raise self._mpi_error(error) from None
@@ -344,19 +348,23 @@ class _MPIWork(Work):
             )
 
     def _block(self, deadline: float) -> bool:
-        """Poll the request's own ``Test`` (one request, no status: every collective's case)."""
+        """Poll the requests' own ``Test`` or ``Testall`` (no status: every collective's case)."""
         side = self._side
         request = self._request
         try:  # the requests' own Test polled (see Work._poll): the rows first, then the operation
             if side is not None:
-                test = side[0].Test
+                test = side[0]
                 if not (test() or self._poll(test, deadline)):
                     return False
                 self._settle(side)
-            if type(request) is list or self._status is not None:
+            if self._status is not None:
                 return super()._block(deadline)
+            if type(request) is list:  # (the rows of a group of two, waited alone: a pair)
+                test = functools.partial(self._backend.mpi.Request.Testall, request)
+            else:
+                test = request.Test
             # often done by the time the ranks' rows arrived: one Test, no poll set up
-            return bool(request.Test()) or self._poll(request.Test, deadline)
+            return bool(test()) or self._poll(test, deadline)
         except self._backend.mpi.Exception as error:
             raise self._mpi_error(error) from None
 
@@ -368,26 +376,28 @@ class _MPIWork(Work):
         reduction reads another dtype's bytes, or both wait forever), the byte counts and dtype
         of ``all_to_all`` (a receiver expecting more gets zeros).
         The ranks exchange them (``mine``: a row of ``int64``, of one size for every
-        comparison, stamped with what this rank issued on the group before; ``Iallgather`` on
-        the group's control communicator, overlapping the operation). ``verify`` gets every
-        rank's row and says what they disagree on; then every rank raises ``ValueError`` with
-        that message, and the group is unusable (the operation may have written the arrays
-        already, and the job is aborted at exit in case it never finishes).
+        comparison, stamped with what this rank issued on the group before; sent on the
+        group's control communicator, overlapping the operation: :meth:`MPIBackend._rows`).
+        ``verify`` gets every rank's row and says what they disagree on; then every rank
+        raises ``ValueError`` with that message, and the group is unusable (the operation may
+        have written the arrays already, and the job is aborted at exit in case it never
+        finishes).
         """
         backend = self._backend
         mine = backend._stamp(mine, len(self._request) if type(self._request) is list else 1)
-        every = bytearray(len(mine) * backend.size)
-        request = backend._control.Iallgather([mine, backend._int64], [every, backend._int64])
-        self._side = (request, mine, every, mine * backend.size, verify)
+        test, _, every, pair = backend._rows(mine)
+        self._side = (test, mine, every, mine * backend.size, verify, pair)
         return self
 
     def _settle(self, side: _SideCheck) -> None:
         """The side check finished: go on if the ranks agree, else fail every rank's call."""
         self._side = None
-        _, _, every, alike, verify = side
+        _, _, every, alike, verify, pair = side
         if every == alike:  # the common case
+            self._backend._give_back(pair)
             return
         problem = self._disagreement(every, verify)
+        self._backend._give_back(pair)  # the rows read
         if problem is None:  # rows may differ yet agree (all_to_all's sizes)
             return
         message = (
@@ -546,6 +556,52 @@ class _MPIWork(Work):
         raise RuntimeError(message + " This process group is unusable now.")
 
 
+def _finished() -> bool:
+    return True
+
+
+_PAIRS_KEPT = 64  # persistent pairs a group of two makes at most (see MPIBackend._rows)
+
+
+class _RowsPair:
+    """A persistent send and receive of rows between the two ranks of a group (see ``_rows``).
+
+    ``Send_init``/``Recv_init`` on the control communicator, tagged as every row of the group:
+    MPI pairs a started persistent request with the peer's messages in the order posted, as
+    any other, so a comparison may run on a pair or on an ``Isend``/``Irecv`` (all the pairs
+    taken) without the ranks agreeing on which. Started once per comparison, it saves what
+    building an ``Isend`` and an ``Irecv`` costs (issue 35). ``every``: both rows by rank, this
+    rank's sent from where it lies.
+    """
+
+    __slots__ = ("every", "own", "requests", "startall", "test")
+
+    def __init__(self, backend: MPIBackend) -> None:
+        size = ROW_BYTES
+        rank, peer, tag = backend.rank, 1 - backend.rank, backend._rows_tag
+        self.every = bytearray(2 * size)
+        view = memoryview(self.every)
+        self.own = view[rank * size : (rank + 1) * size]
+        control, int64 = backend._control, backend._int64
+        self.requests = [
+            control.Recv_init([view[peer * size : (peer + 1) * size], int64], peer, tag),
+            control.Send_init([self.own, int64], peer, tag),
+        ]
+        self.startall = backend.mpi.Prequest.Startall
+        received, sent = self.requests[0].Test, self.requests[1].Test
+
+        def test() -> bool:  # Testall's answer, in half its time (a finished request: True)
+            return received() and sent()
+
+        self.test = test
+
+    def start(self, mine: bytes) -> Callable[[], bool]:
+        """Send ``mine`` and receive the peer's row into :attr:`every`; what tests the pair."""
+        self.own[:] = mine
+        self.startall(self.requests)
+        return self.test
+
+
 # ---------------------------------------------------------------------------------------------
 # The backend
 
@@ -606,6 +662,14 @@ class MPIBackend(ProcessGroupBackend):
         # the threads that issued on the group, by the name the ranks compare (see caller)
         self._callers: dict[str, list[tuple[weakref.ref[threading.Thread], Caller]]] = {}
         self._naming = threading.Lock()
+        # The rows of a group of two travel point to point (see _rows), tagged below
+        # _exchange's max_tag (new_group's greetings are tagged below this one), through the
+        # persistent pairs no comparison holds (None: not point to point).
+        self._rows_tag = self.max_tag - 1
+        two = self.size == 2 and hasattr(control, "Send_init")  # thread ranks' MPI has none
+        self._pairs: list[_RowsPair] | None = [] if two else None
+        self._pairs_made = 0
+        self._polls = range(_MPIWork._polls_per_yield)  # all_reduce_now's tests between yields
 
     # --------------------------------------------------------------------------- life cycle
 
@@ -655,6 +719,7 @@ class MPIBackend(ProcessGroupBackend):
         if thread_rank() is None:
             node = comm.Split_type(backend.mpi.COMM_TYPE_SHARED)
             _MPIWork._polls_per_yield = 4 if node.Get_size() > (os.cpu_count() or 1) else 64
+            backend._polls = range(_MPIWork._polls_per_yield)
             node.Free()
         if backend.size > 1:
             guard_job(world)
@@ -707,7 +772,7 @@ class MPIBackend(ProcessGroupBackend):
         if self.rank not in ranks:
             return None
         mpi = self.mpi
-        tag = zlib.crc32(group_name.encode()) % max(self.max_tag, 1)  # max_tag: _exchange's
+        tag = zlib.crc32(group_name.encode()) % max(self._rows_tag, 1)  # below the rows' tag
         mine = np.array([zlib.crc32(np.asarray(ranks, np.int64).tobytes())], np.int64)
         peers = [r for r in ranks if r != self.rank]
         theirs = np.zeros(len(peers), np.int64)
@@ -772,6 +837,7 @@ class MPIBackend(ProcessGroupBackend):
                 for each in {id(c): c for c in [*clash, caller]}.values():
                     each.fields = marked
                     each.rows.clear()
+                    each.ready.clear()
             if len(self._callers) >= _CALLER_NAMES_KEPT:  # a thread per task: drop the ended
                 self._callers = {
                     key: live
@@ -781,15 +847,17 @@ class MPIBackend(ProcessGroupBackend):
             self._callers[name] = [*known, (weakref.ref(current), caller)]
         return caller
 
-    def _stamp(self, row: bytes, collectives: int) -> bytes:
+    def _stamp(self, row: bytes, collectives: int, token: int | None = None) -> bytes:
         """``row`` stamped with what this rank issued on the group before it; then count it.
 
         See :func:`~cupy_parallel._src.distributed.mpi_checks.stamp`. ``collectives``: how
-        many this row's operation starts on the group's communicator. Call under ``_issuing``,
-        with the operation and the row's exchange started under the same hold.
+        many this row's operation starts on the group's communicator; ``token``: the row's
+        :func:`history_token`, if known. Call under ``_issuing``, with the operation and the
+        row's exchange started under the same hold.
         """
         posted, history = self._posted, self._history
-        token = self._tokens.get(row)
+        if token is None:
+            token = self._tokens.get(row)
         if token is None:  # a row met first (a bytes object hashes once)
             if len(self._tokens) >= _TOKENS_KEPT:
                 self._tokens.clear()
@@ -798,9 +866,56 @@ class MPIBackend(ProcessGroupBackend):
         self._history = followed(history, token)
         return stamp(row, posted, history)
 
+    def _rows(self, mine: bytes) -> tuple[Callable[[], bool], Any, bytearray, _RowsPair | None]:
+        """Start exchanging this rank's row for every rank's; call under ``_issuing``.
+
+        Returns what tests whether the exchange finished, its request (or list of them), the
+        bytes of every rank's row, by rank, once it did, and the persistent pair it runs on,
+        if any, which the caller gives back (``_pairs``) once it read the rows. On the control
+        communicator, in the order the rows are made (under the lock): each rank's ``k``-th
+        row meets every other rank's ``k``-th. A group of more than two ranks gathers them
+        (``Iallgather``). A group of two sends them point to point, tagged ``_rows_tag``,
+        which MPI pairs in the order they are posted, as it pairs the collectives, through a
+        persistent pair (:class:`_RowsPair`) that no other comparison holds, else an
+        ``Isend`` and an ``Irecv``: what starts faster from Python than a collective (issue
+        35). A group of one has nothing to send.
+        """
+        if self.size == 1:
+            return _finished, [], bytearray(mine), None
+        pairs = self._pairs
+        if pairs is not None and (pairs or self._pairs_made < _PAIRS_KEPT):
+            if pairs:
+                pair = pairs.pop()
+            else:
+                pair = _RowsPair(self)
+                self._pairs_made += 1
+            return pair.start(mine), pair.requests, pair.every, pair
+        every = bytearray(len(mine) * self.size)
+        if pairs is None:  # more than two ranks (or two thread ranks, whose MPI has no pairs)
+            request = self._control.Iallgather([mine, self._int64], [every, self._int64])
+            return request.Test, request, every, None
+        size, peer, tag = len(mine), 1 - self.rank, self._rows_tag
+        view = memoryview(every)
+        view[self.rank * size : (self.rank + 1) * size] = mine
+        requests = [
+            self._control.Irecv([view[peer * size : (peer + 1) * size], self._int64], peer, tag),
+            self._control.Isend([mine, self._int64], peer, tag),
+        ]
+        return functools.partial(self.mpi.Request.Testall, requests), requests, every, None
+
+    def _give_back(self, pair: _RowsPair | None) -> None:
+        """``pair``'s exchange finished and its rows were read: another comparison may take it."""
+        pairs = self._pairs
+        if pair is not None and pairs is not None:  # (None: the group was shut down)
+            pairs.append(pair)
+
     def shutdown(self) -> None:
         """Free the communicators (left alone when a timed-out operation may still use them)."""
         if self.failure is None:
+            for pair in self._pairs or ():  # those no comparison holds
+                for request in pair.requests:
+                    request.Free()
+            self._pairs = None
             self._comm.Free()
             self._control.Free()
 
@@ -837,11 +952,7 @@ class MPIBackend(ProcessGroupBackend):
         """Iallreduce in place (one array) or of the local reduction (several).
 
         One array reduced in its own dtype, the common case, is issued with the least Python
-        before MPI starts (a loop's call: the plan's lookup). Its comparison's row, made once per
-        thread and call signature (:func:`compare_call`), is looked up and stamped while the
-        ``Iallreduce`` is under way, ``_issuing`` held so that the row's ``Iallgather`` follows
-        it with no other thread's collective between them (as :func:`_in_issue_order` holds it
-        for the other collectives).
+        before MPI starts (:meth:`_all_reduce_one`).
         """
         first = arrays[0]
         plan = self._plans.get((first.dtype, op)) or self._plan(first.dtype, op)
@@ -849,17 +960,104 @@ class MPIBackend(ProcessGroupBackend):
             with self._issuing:
                 return self._all_reduce_local(arrays, op)
         buffer = plain_buffer(first)
-        with self._issuing:
-            request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
-            row, verify = compare_call("all_reduce", self.caller(), arrays, self.world_ranks, op=op)
-            mine = self._stamp(row, 1)  # per call: what this rank issued before it
-            every = bytearray(len(mine) * self.size)
-            side = self._control.Iallgather([mine, self._int64], [every, self._int64])
+        request, side = self._all_reduce_one(buffer, op, plan)
         work = _MPIWork("all_reduce", self, request, keep=buffer)
-        work._side = (side, mine, every, mine * self.size, verify)
+        work._side = side
         if plan.average:
             work.add_finalizer(functools.partial(_mean, buffer, plan, self.size))
         return work
+
+    def all_reduce_now(self, x: Any, op: ReduceOp, /) -> None:
+        """``all_reduce([x], op)`` waited on, without a :class:`Work` while it goes well.
+
+        The synchronous call of one host array (the public layer checked it), started as
+        :meth:`all_reduce` starts it, from what the calling thread keeps for the call's
+        signature (:meth:`_ready`: the row, its verification and history token, the MPI
+        datatype and operation); a group of two sends the row through a persistent pair
+        (:meth:`_rows`). Then the rows' exchange and the operation are tested here, one
+        stretch of spinning each (:func:`~.work.spun`), and ``AVG``'s mean taken. Anything
+        else (not finished within that stretch, rows that differ, an error MPI reports, a
+        reduction in a working dtype) is handed to the :class:`_MPIWork` that :meth:`all_reduce`
+        would have returned, in the state reached: the group's timeout, a departed peer, the
+        disagreement's ``ValueError`` on every rank, as on the general path. Measured: see
+        ``mpi_checks``' issue 35 note.
+        """
+        buffer = x if type(x) is np.ndarray else plain_buffer(x)
+        caller = getattr(self._thread, "caller", None) or self.caller()
+        ready = caller.ready.get((buffer.dtype, buffer.shape, op)) or self._ready(
+            caller, buffer, op
+        )
+        if ready is None:  # reduced in a working dtype
+            self.all_reduce([buffer], op).wait()
+            return
+        row, verify, token, mpi_type, mpi_op, average = ready
+        pairs = self._pairs
+        pair: _RowsPair | None
+        test: Callable[[], bool]
+        with self._issuing:
+            request = self._comm.Iallreduce(self._in_place, [buffer, mpi_type], mpi_op)
+            mine = self._stamp(row, 1, token)  # per call: what this rank issued before it
+            if pairs:  # _rows' common case, inline
+                pair = pairs.pop()
+                pair.own[:] = mine
+                pair.startall(pair.requests)
+                test, every = pair.test, pair.every
+            else:
+                test, _, every, pair = self._rows(mine)
+        alike = mine * self.size
+        try:
+            settled = spun(test, self._polls)
+            done = (
+                settled and every == alike and (request.Test() or spun(request.Test, self._polls))
+            )
+        except self.mpi.Exception as error:
+            raise _MPIWork("all_reduce", self, request, keep=buffer)._mpi_error(error) from None
+        if done:
+            if pair is not None:
+                pairs.append(pair)  # type: ignore[union-attr]
+        else:
+            work = _MPIWork("all_reduce", self, request, keep=buffer)
+            side = (test, mine, every, alike, verify, pair)
+            if settled:
+                work._settle(side)  # rows that differ: ValueError on every rank
+            else:
+                work._side = side
+            work.wait()
+        if average:
+            _mean(buffer, self._plans[buffer.dtype, op], self.size)  # type: ignore[arg-type]
+
+    def _ready(self, caller: Caller, buffer: Any, op: ReduceOp) -> tuple[Any, ...] | None:
+        """What :meth:`all_reduce_now` needs for a call's signature, kept by its thread.
+
+        The row and its verification (:func:`compare_call`), the row's history token, the
+        plan's MPI datatype and operation, and whether it averages; ``None`` for a reduction
+        in a working dtype (not kept: :meth:`all_reduce`'s general path).
+        """
+        plan = self._plan(buffer.dtype, op)
+        if plan.work_dtype is not None:
+            return None
+        row, verify = compare_call("all_reduce", caller, (buffer,), self.world_ranks, op=op)
+        ready = (row, verify, history_token(row), plan.mpi_type, plan.mpi_op, plan.average)
+        if len(caller.ready) >= _TOKENS_KEPT:
+            caller.ready.clear()
+        caller.ready[buffer.dtype, buffer.shape, op] = ready
+        return ready
+
+    def _all_reduce_one(self, buffer: Any, op: ReduceOp, plan: Plan) -> tuple[Any, _SideCheck]:
+        """Start the ``Iallreduce`` of one host array in place, and its comparison's exchange.
+
+        The comparison's row is made once per thread and call signature (:func:`compare_call`),
+        and stamped while the ``Iallreduce`` is under way, ``_issuing`` held so that the row's
+        exchange follows it with no other thread's collective between them (as
+        :func:`_in_issue_order` holds it for the other collectives). Returns the operation's
+        request and the side check (:meth:`_MPIWork._check`'s).
+        """
+        row, verify = compare_call("all_reduce", self.caller(), (buffer,), self.world_ranks, op=op)
+        with self._issuing:
+            request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
+            mine = self._stamp(row, 1)  # per call: what this rank issued before it
+            test, _, every, pair = self._rows(mine)
+        return request, (test, mine, every, mine * self.size, verify, pair)
 
     def _all_reduce_local(self, arrays: Sequence[Any], op: ReduceOp, /) -> Work:
         """``all_reduce`` of the local reduction of ``arrays``, in the plan's working form."""
@@ -1043,14 +1241,15 @@ class MPIBackend(ProcessGroupBackend):
         with self._issuing:
             mine, verify = make(self.caller(), self.world_ranks)
             mine = self._stamp(mine, 0)  # beside no collective on _comm
-            every = bytearray(len(mine) * self.size)
-            request = self._control.Iallgather([mine, self._int64], [every, self._int64])
+            _, request, every, pair = self._rows(mine)
         waited = f"{description} {waiting}" if waiting else description
         work = _MPIWork(waited, self, request, keep=(mine, every), timeout=timeout)
         work.wait()
-        if every == mine * self.size:
+        alike = every == mine * self.size
+        problem = None if alike else work._disagreement(every, verify)
+        self._give_back(pair)
+        if alike:
             return True
-        problem = work._disagreement(every, verify)
         if problem is not None:
             raise ValueError(f"{description}: {problem}")
         return False

@@ -36,11 +36,12 @@ Ranks that disagree get ``ValueError`` naming them, on every rank, and the group
 torch's gloo refuses a size mismatch the same way ("Received data size doesn't match").
 
 The backend's work runs the exchange: an ``Iallgather`` of one row per rank (:class:`Comparison`'s
-first item) on the group's control communicator, overlapping the operation; this module says
-what each rank sends and what the rows of every rank mean. Every row is 20 ``int64``, whatever
-the collective: ranks at different collectives still exchange rows of one size, which MPI pairs
-(rows of two sizes make the exchange itself undefined: on 4 ranks an ``all_to_all``'s longer row
-was read as garbage, and the error named a thread instead of the collective). ``all_to_all``'s
+first item) on the group's control communicator, overlapping the operation (a group of two sends
+the row to the peer instead, which MPI pairs in the same order: ``mpi.MPIBackend._rows``); this
+module says what each rank sends and what the rows of every rank mean. Every row is 20 ``int64``,
+whatever the collective: ranks at different collectives still exchange rows of one size, which MPI
+pairs (rows of two sizes make the exchange itself undefined: on 4 ranks an ``all_to_all``'s longer
+row was read as garbage, and the error named a thread instead of the collective). ``all_to_all``'s
 sizes, one per rank, travel as two fingerprints (:func:`compare_counts`), and only when those
 differ do the ranks exchange the sizes themselves. A row is bytes, made once per thread and
 call signature and compared as bytes: rows that agree, the common case, never become an array.
@@ -82,6 +83,27 @@ every rank's rows when alike were kept per call signature: 2.81-2.98x before; fa
 3.18-3.26x before, 3.00-3.09x after). The same checks, row and calls with none of the layers
 between them (no runner, staging wrapper or ``Work``: a script, not the library, and without
 timeouts) measured 1.89-1.90x.
+
+Then (issue 35, same machine and estimators): a synchronous ``all_reduce`` of a host array waits
+without a ``Work`` (``dispatch.all_reduce_now``, ``MPIBackend.all_reduce_now``: the same checks,
+tape note, stamp and comparison, from what its thread keeps per call signature, and a ``Work`` only
+for what does not finish within one stretch of spinning, so that timeouts and disagreements are as
+before), and a group of two sends its rows point to point through persistent requests
+(``Send_init``/``Recv_init``, any free pair of a pool; an ``Isend``/``Irecv`` when none is, which
+MPI pairs alike). The floor of that exchange, mpi4py alone: 1.27-1.38x back to back, 1.21-1.23x
+single calls (the ``Iallgather``'s 1.49-1.62x and 1.38-1.47x in the same runs); a plain
+``Isend``/``Irecv`` 1.43x, and from the library's Python no faster than the ``Iallgather`` (async
+``all_reduce``, ``broadcast`` and ``barrier`` measured 3.6x, 3.0x and 2.3x with it, 3.2x, 2.7x and
+1.9x before; with the pool 3.2-3.4x, 2.5-2.8x and 1.7-2.0x). Where the microseconds of a call went,
+on 2 ranks before the last trims (rank 0, timed in the loop, a clock read per phase): the caller's
+loop and the public layer 0.9, the row's lookup 0.65, the ``Iallreduce`` 1.6, the stamp 0.55,
+starting the rows' exchange 1.0, waiting for the rows 2.2 and for the data 1.2; about 8.5 us a call
+against mpi4py's 3.6-3.9. ``mpiexec -n 2 python benchmarks/bench_collectives.py``, six runs
+alternated with the code before (its medians 3.15-3.46x back to back, 2.89-3.69x single calls, two
+outliers of a loaded machine aside): 1.89-2.10x back to back (median 2.00x) and 1.81-1.96x single
+calls (one run 2.59x under load), the fastest rounds 1.91-2.01x (before 3.07-3.40x). What is left
+is Python: a script with every layer flattened into one function (no checks skipped, no timeouts)
+still saves about 0.3-0.6 us a call (0.1-0.2x).
 """
 
 from __future__ import annotations
@@ -111,6 +133,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OPERATIONS",
+    "ROW_BYTES",
     "Caller",
     "caller_fields",
     "compare_barrier",
@@ -251,14 +274,16 @@ class Caller:
 
     ``fields``: :func:`caller_fields` of its name; ``rows``: :func:`compare_call`'s rows made for
     it, by call signature (the group's world and this thread fixed, two calls alike have one
-    row).
+    row); ``ready``: what a backend keeps beside such a row, by a key of its own (its entries
+    hold rows: whoever changes ``fields`` clears both).
     """
 
-    __slots__ = ("fields", "rows")
+    __slots__ = ("fields", "ready", "rows")
 
     def __init__(self, name: str, /) -> None:
         self.fields = caller_fields(name)
         self.rows: dict[Any, Comparison] = {}
+        self.ready: dict[Any, Any] = {}
 
 
 def compare_call(
@@ -367,6 +392,8 @@ _EXPECTED = _SENT + 1
 _POSTED = _EXPECTED + 1
 _HISTORY = _POSTED + 1
 _ROW_FIELDS = _HISTORY + 1
+#: The bytes of every row a rank sends (stamped): one size for every comparison.
+ROW_BYTES = _ROW_FIELDS * 8
 
 
 def _row(

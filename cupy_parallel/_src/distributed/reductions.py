@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal, overload
 
 from cupy_parallel._src.distributed.dispatch import (
     Call,
+    all_reduce_now,
     check_array,
     check_arrays,
     check_member_list,
@@ -80,6 +81,8 @@ def all_reduce(
         array([1., 2.])
         >>> dist.destroy_process_group()
     """
+    if async_op is False and all_reduce_now(tensor, op, group):  # host arrays, waited on
+        return None
 
     def prepare(pg: ProcessGroup, backend: ProcessGroupBackend) -> Call:
         check_array(backend, tensor, "tensor")

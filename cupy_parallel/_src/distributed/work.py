@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from datetime import timedelta
 
-__all__ = ["CompletedWork", "Future", "Work"]
+__all__ = ["CompletedWork", "Future", "Work", "spun"]
 
 _T = TypeVar("_T")
 
@@ -45,6 +45,22 @@ _MAX_SLEEP = 2e-3
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+def spun(test: Callable[[], object], polls: range, /) -> bool:
+    """Whether ``test()`` came true within one stretch of spinning (no clock read).
+
+    ``len(polls)`` tests between two yields of the core, ``len(_YIELDS_PER_CLOCK)`` yields: what
+    :meth:`Work._poll` runs between two reads of the clock. A backend's synchronous quick path
+    (one that waits without a :class:`Work`) spins this once, then hands what is left to a
+    :class:`Work` and its deadline.
+    """
+    for _ in _YIELDS_PER_CLOCK:
+        for _ in polls:
+            if test():
+                return True
+        _yield()
+    return False
 
 
 class Future(concurrent.futures.Future[_T]):
@@ -243,11 +259,8 @@ class Work:
         polls = range(self._polls_per_yield)
         spin_until = min(time.monotonic() + _YIELD_SECONDS, deadline)
         while True:
-            for _ in _YIELDS_PER_CLOCK:
-                for _ in polls:
-                    if test():
-                        return True
-                _yield()
+            if spun(test, polls):
+                return True
             now = time.monotonic()
             if now >= spin_until:
                 break
