@@ -357,6 +357,50 @@ def test_bad_sources_and_targets() -> None:
     tape.gradient(y, x, output_gradients=seed)  # none of the above consumed the tape
 
 
+@pytest.mark.parametrize("device", ["cpu", "host:0"])
+def test_flat_tuples_and_single_arrays_give_what_pytrees_give(device: str) -> None:
+    """A single array and a flat tuple of arrays (taken without flattening) are pytrees too.
+
+    Oracle: the same sources as a dict (the flattening path) and the closed form
+    d(sum(x * y))/dx = y.
+    """
+    x, y = to_device(rand(3), device), to_device(rand(3), device)
+    with Tape(persistent=True) as tape:
+        tape.watch((x, y))
+        z = ops.multiply(x, y)
+        loss = ops.sum(z)
+    as_tuple = tape.gradient(loss, (x, y))
+    as_list = tape.gradient(loss, [x, y])
+    as_dict = tape.gradient(loss, {"x": x, "y": y})
+    alone = tape.gradient(loss, x)
+    assert type(as_tuple) is tuple
+    assert type(as_list) is list
+    assert len(as_tuple) == 2
+    for got, want in ((as_tuple[0], y), (as_tuple[1], x), (as_list[0], y), (alone, y)):
+        np.testing.assert_array_equal(to_device(got, "cpu"), to_device(want, "cpu"))
+    np.testing.assert_array_equal(to_device(as_dict["y"], "cpu"), to_device(as_tuple[1], "cpu"))
+    assert tape.gradient(loss, ()) == ()
+    mixed = tape.gradient(loss, (x, "not an array", z))  # an intermediate result, and a string
+    assert mixed[1] is None
+    np.testing.assert_array_equal(to_device(mixed[2], "cpu"), np.ones(3))
+    one = to_device(np.ones(3), device)
+    twice = tape.gradient(z, (x, x), output_gradients=one)  # one array twice: two arrays
+    assert twice[0] is not twice[1]
+    assert twice[0] is not one
+    with pytest.raises(ValueError, match=r"sources\[1\] was never watched"):
+        tape.gradient(loss, (x, to_device(rand(3), device)))
+    with pytest.raises(ValueError, match=r"target has shape \(3,\).*output_gradients"):
+        tape.gradient(z, (x, y))
+    with pytest.raises(ValueError, match=r"output_gradients must have the target's structure"):
+        tape.gradient(z, x, output_gradients=[1.0, 1.0, 1.0])
+    with pytest.raises(TypeError, match=r"output_gradients must be an array, got float"):
+        tape.gradient(z, x, output_gradients=1.0)
+    with pytest.raises(TypeError, match=r"params\[1\] has dtype int64"):
+        Tape().watch((x, to_device(np.arange(3), device)))
+    with pytest.raises(TypeError, match=r"params has dtype int64"):
+        Tape().watch(to_device(np.arange(3), device))
+
+
 def test_non_array_leaves_of_params_are_skipped_like_replicate_skips_them() -> None:
     params = {"w": to_device(rand(2), "host:0"), "n": 3, "act": "tanh", "none": None}
     with Tape() as tape:

@@ -146,7 +146,10 @@ class Records:
         # the memory keys of the nodes' arrays, gathered by note_overwritten up to node _scanned
         self._held: set[Any] = set()
         self._scanned = 0
-        self._leaf_keys: set[Any] = set()  # the memory keys of the watched leaves (track_leaves)
+        # the memory keys of the watched leaves, and the leaves whose key is still to be added
+        # (computed when asked for, _leaf_memory: most tapes are never asked)
+        self._leaf_keys: set[Any] = set()
+        self._unkeyed: list[Any] = []
         # id(watched leaf) -> its gradient-ready hooks, in registration order (add_ready_hook)
         self._ready_hooks: dict[int, list[ReadyHook]] = {}
         self._lock = threading.Lock()
@@ -255,17 +258,29 @@ def append_node(tape: Records, node: Node, tracked: Sequence[Any], /) -> None:
 def track_leaves(tape: Records, arrays: Sequence[Any], /) -> None:
     """Track ``arrays`` on ``tape`` as watched leaves, those it does not track already."""
     with tape._lock:
+        tracked = tape._tracked
         for leaf in arrays:
-            if id(leaf) not in tape._tracked:
-                tape._leaves.add(id(leaf))
-                tape._tracked[id(leaf)] = leaf
-                tape._leaf_keys.add(_memory_key(leaf))
+            k = id(leaf)
+            if k not in tracked:
+                tape._leaves.add(k)
+                tracked[k] = leaf
+                tape._unkeyed.append(leaf)
+
+
+def _leaf_memory(tape: Records) -> set[Any]:
+    """The memory keys of ``tape``'s watched leaves (call under its lock)."""
+    unkeyed = tape._unkeyed
+    if unkeyed:
+        tape._leaf_keys.update(map(_memory_key, unkeyed))
+        unkeyed.clear()
+    return tape._leaf_keys
 
 
 def release(tape: Records, /) -> None:
     """Drop everything ``tape`` recorded (a non-persistent tape, once it computed gradients)."""
     tape._nodes, tape._tracked, tape._leaves, tape._versions = [], {}, set(), {}
     tape._overwritten, tape._held, tape._scanned, tape._leaf_keys = {}, set(), 0, set()
+    tape._unkeyed = []
     tape._ready_hooks = {}
 
 
@@ -348,7 +363,7 @@ def note_overwritten(arrays: Sequence[Any], operation: str, /) -> None:
             for node in tape._nodes[tape._scanned :]:
                 held.update(_memory_key(a) for a in (*node[1], *node[3]) if is_array(a))
             tape._scanned = len(tape._nodes)
-            leaves = tape._leaf_keys
+            leaves = _leaf_memory(tape)
             for key, array in written.items():
                 if (key in held or key in leaves) and key not in tape._overwritten:
                     tape._overwritten[key] = (array, operation)
@@ -507,19 +522,19 @@ def pullback(
     ``unconnected_gradients="none"``), which the hooks may read (:func:`unconnected_as_none`).
     A leaf :func:`unreach`-ed in the pass gets ``None``, whatever its hooks returned.
     """
-    grads: dict[int, Any] = {}  # id(array) -> gradient accumulated so far
-    for t, s in zip(targets, seeds, strict=True):
-        k = id(t)
-        grads[k] = s if k not in grads else _sum_pair(grads[k], s)
-    keep = set(map(id, sources)) - tape._leaves  # sources that are intermediate results
+    # id(array) -> gradient accumulated so far
+    grads = {id(targets[0]): seeds[0]} if len(targets) == 1 else _seeded(targets, seeds)
+    # sources that are intermediate results: their gradients are set aside as the pass goes
+    keep = _kept_sources(tape, sources)
     kept: dict[int, Any] = {}
-    written = _written(tape)  # ids of host arrays written in place since they were recorded
+    # ids of host arrays written in place since they were recorded
+    written = _written(tape) if tape._versions else None
     pop = grads.pop
-    collectives = _COLLECTIVE_VJPS
-    ready = _ready_at(tape)  # node index -> ids of the hooked leaves final once it ran
+    # node index -> ids of the hooked leaves final once it ran
+    ready = _ready_at(tape) if tape._ready_hooks else None
     nodes = tape._nodes
     with _Backward(tape, unconnected_none, grads):
-        if -1 in ready:  # hooked leaves no node consumed: final from the start
+        if ready and -1 in ready:  # hooked leaves no node consumed: final from the start
             _call_ready_hooks(tape, grads, ready.pop(-1))
         for index in range(len(nodes) - 1, -1, -1):
             node = nodes[index]
@@ -527,12 +542,12 @@ def pullback(
             if len(outputs) == 1:  # most nodes: no list comprehension (a frame each, in 3.11)
                 g = pop(id(outputs[0]), None)
                 out_grads = None if g is None else [g]  # complete: consumers came later
-                if g is None and vjp in collectives:
+                if g is None and vjp in _COLLECTIVE_VJPS:
                     out_grads = [_no_gradient(vjp, outputs[0])]
             else:
                 size = len(grads)
                 out_grads = [pop(id(y), None) for y in outputs]
-                if vjp in collectives and vjp not in _UNZEROED_VJPS:
+                if vjp in _COLLECTIVE_VJPS and vjp not in _UNZEROED_VJPS:
                     out_grads = [
                         zeros_like(y) if g is None else g
                         for y, g in zip(outputs, out_grads, strict=True)
@@ -562,8 +577,26 @@ def pullback(
             if ready and index in ready:
                 _call_ready_hooks(tape, grads, ready.pop(index))
 
-    kept.update(grads)
-    return [kept.get(id(x)) for x in sources]
+    if keep:
+        kept.update(grads)
+        grads = kept
+    one = len(sources) == 1  # then no comprehension (a frame)
+    return [grads.get(id(sources[0]))] if one else [grads.get(id(x)) for x in sources]
+
+
+def _kept_sources(tape: Records, sources: Sequence[Any]) -> set[int] | None:
+    """The ids of ``sources`` that are no watched leaf of ``tape``; ``None`` when all are."""
+    leaves = tape._leaves
+    return None if leaves.issuperset(map(id, sources)) else set(map(id, sources)) - leaves
+
+
+def _seeded(targets: Sequence[Any], seeds: Sequence[Any]) -> dict[int, Any]:
+    """The gradients a pass starts from: each target's seed, by ``id``, summed for a repeat."""
+    grads: dict[int, Any] = {}
+    for t, s in zip(targets, seeds, strict=True):
+        k = id(t)
+        grads[k] = s if k not in grads else _sum_pair(grads[k], s)
+    return grads
 
 
 def _ready_at(tape: Records) -> dict[int, list[int]]:
@@ -599,18 +632,7 @@ def _call_ready_hooks(tape: Records, grads: dict[int, Any], leaves: list[int]) -
                 grads[k] = replacement
 
 
-class _Pass:
-    """The reverse pass in progress in a context: what its caller asked, what its hooks queued."""
-
-    __slots__ = ("ends", "none", "unreached")
-
-    def __init__(self, none: bool) -> None:
-        self.none = none  # the caller takes None (not zeros) where no gradient arrived
-        self.ends: list[Callable[[], object]] = []  # at_pass_end's callbacks, in order
-        self.unreached: list[Any] = []  # unreach's leaves
-
-
-_PASS: contextvars.ContextVar[_Pass | None] = contextvars.ContextVar(
+_PASS: contextvars.ContextVar[_Backward | None] = contextvars.ContextVar(
     "cupy_parallel_pass", default=None
 )
 """The reverse pass in progress in this context (``None``: none).
@@ -673,14 +695,17 @@ class _Backward:
     completes without an error, the callbacks of :func:`at_pass_end` run, in the order queued
     (one queued meanwhile runs too), then the leaves :func:`unreach`-ed leave ``grads`` (the
     pass's gradients, by ``id``), before ``tape`` records again. One class for all of it (as
-    :class:`_Setting`): a second context manager cost each gradient 0.3 us.
+    :class:`_Setting`): a second context manager cost each gradient 0.3 us. It is also the
+    pass in progress here (:data:`_PASS`): what its caller asked, what its hooks queued.
     """
 
-    __slots__ = ("_grads", "_pass", "_paused", "_tape", "_token")
+    __slots__ = ("_grads", "_paused", "_tape", "_token", "ends", "none", "unreached")
 
     def __init__(self, tape: Records, none: bool, grads: dict[int, Any], /) -> None:
         self._tape = tape
-        self._pass = _Pass(none)
+        self.none = none  # the caller takes None (not zeros) where no gradient arrived
+        self.ends: list[Callable[[], object]] = []  # at_pass_end's callbacks, in order
+        self.unreached: list[Any] = []  # unreach's leaves
         self._grads = grads
 
     def __enter__(self) -> None:
@@ -689,14 +714,14 @@ class _Backward:
         self._paused = (
             _ACTIVE.set(tuple([t for t in active if t is not tape])) if tape in active else None
         )
-        self._token = _PASS.set(self._pass)
+        self._token = _PASS.set(self)
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
         try:
             if exc_type is None:
-                for callback in self._pass.ends:
+                for callback in self.ends:
                     callback()
-                for leaf in self._pass.unreached:
+                for leaf in self.unreached:
                     self._grads.pop(id(leaf), None)
         finally:
             _PASS.reset(self._token)
@@ -918,7 +943,7 @@ def swap_out(
     swap = Swap(tape, restore, owners)
     keys = {key: j for j, key in enumerate(swap.keys)}
     with tape._lock:
-        if not tape._leaf_keys.isdisjoint(keys):
+        if not _leaf_memory(tape).isdisjoint(keys):
             return None
         nodes = tape._nodes
         for index in range(first, len(nodes)):
