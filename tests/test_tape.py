@@ -843,6 +843,68 @@ def test_refilling_a_saved_input_buffer_raises(inside: bool) -> None:
         tape.gradient(loss, w)
 
 
+def test_versions_read_late_still_see_every_write_after_recording() -> None:
+    """The tape reads a host array's version at the first write counted after recording.
+
+    Oracle: torch's rule, a write after recording raises naming the version it expected (the one
+    the array had when recorded, written before or not), and no write leaves the gradient as
+    NumPy computes it.
+    """
+    seed = on_host(np.ones(3))
+    written_before = on_host(rand(3))
+    written_before += 1  # at version 1 when recorded
+    cases = {
+        "nothing written": (lambda x, y, other: None, None),
+        "another array written first": (lambda x, y, other: other.fill(0.0), None),
+        "x after another array": (lambda x, y, other: (other.fill(0.0), x.fill(1.0)), (0, 0)),
+        "x twice": (lambda x, y, other: (x.fill(1.0), x.fill(2.0)), (0, 0)),
+        "y by a view": (lambda x, y, other: y[1:].fill(0.0), (0, 0)),
+        "x written before recording": (lambda x, y, other: None, None),
+    }
+    for name, (write, expected) in cases.items():
+        x = written_before if name == "x written before recording" else on_host(rand(3, seed=2))
+        before = x.get()
+        other = on_host(rand(3, seed=3))
+        for persistent in (False, True):
+            tape = Tape(persistent=persistent)
+            with tape:
+                tape.watch(x)
+                y = ops.exp(x)
+            if persistent:  # a first gradient reads nothing, the write after it still counts
+                np.testing.assert_allclose(tape.gradient(y, x, seed).get(), np.exp(before))
+            write(x, y, other)
+            if expected is None:
+                np.testing.assert_allclose(tape.gradient(y, x, seed).get(), np.exp(before))
+            else:
+                with pytest.raises(RuntimeError, match=r"ops.exp needs was modified in place"):
+                    tape.gradient(y, x, seed)
+            x = on_host(before) if expected is not None else x
+    x = written_before
+    with Tape() as tape:
+        tape.watch(x)
+        y = ops.exp(x)
+    x.fill(0.5)  # from version 1 (when recorded) to 2
+    with pytest.raises(
+        RuntimeError,
+        match=r"input 0 \(shape \(3,\), on host:0\) is at version 2, "
+        r"expected 1",
+    ):
+        tape.gradient(y, x, seed)
+
+
+def test_a_write_in_another_thread_after_recording_is_seen() -> None:
+    """The thread that writes reads the recording thread's unread versions first (its lock)."""
+    x = on_host(rand(3))
+    with Tape() as tape:
+        tape.watch(x)
+        y = ops.multiply(ops.exp(x), x)
+    writer = threading.Thread(target=lambda: x.fill(0.0))
+    writer.start()
+    writer.join()
+    with pytest.raises(RuntimeError, match=r"ops.multiply needs was modified in place.*input 1"):
+        tape.gradient(y, x, on_host(np.ones(3)))
+
+
 def test_raw_numpy_on_a_recorded_host_array_is_refused() -> None:
     """Table row 5: ``np.sin(w)`` inside the tape used to drop the sin path (2w, not 2w + cos w)."""
     w = on_host(rand(3))

@@ -61,7 +61,12 @@ import numpy as np
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.compute import compute, cuda_device, zeros_like
 from cupy_parallel._src.hostarray import HostArray, host_array, plain_buffer, version
-from cupy_parallel._src.versions import listen_to_writes, root_buffer
+from cupy_parallel._src.versions import (
+    listen_to_writes,
+    read_before_writes,
+    root_buffer,
+    unread_versions,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -140,6 +145,7 @@ class Records:
         self._leaves: set[int] = set()  # ids of watched arrays no recorded operation produced
         self._nodes = nodes
         self._versions: dict[int, tuple[Any, int | None]] = {}  # id -> (host array, 1st version)
+        self._unread: list[Node] = []  # nodes of host arrays whose versions are still to be read
         # memory key -> (array, what wrote it): arrays the library's own code (a collective)
         # wrote in place while the tape held them (note_overwritten)
         self._overwritten: dict[Any, tuple[Any, str]] = {}
@@ -279,6 +285,7 @@ def _leaf_memory(tape: Records) -> set[Any]:
 def release(tape: Records, /) -> None:
     """Drop everything ``tape`` recorded (a non-persistent tape, once it computed gradients)."""
     tape._nodes, tape._tracked, tape._leaves, tape._versions = [], {}, set(), {}
+    tape._unread = []
     tape._overwritten, tape._held, tape._scanned, tape._leaf_keys = {}, set(), 0, set()
     tape._unkeyed = []
     tape._ready_hooks = {}
@@ -381,20 +388,46 @@ def _memory_key(x: Any) -> Any:
     return ("cuda", id(memory)) if memory is not None else id(data)
 
 
-def _cuda_or_note_versions(tape: Records, inputs: tuple[Any, ...], outputs: tuple[Any, ...]) -> Any:
-    """A node's last slot: the CUDA device its vjp runs on for CuPy, else ``None``.
+def _to_read(tape: Records, node: Node) -> None:
+    """Have ``tape`` note the versions of the host arrays of ``node``: call under its lock.
 
-    On host devices, it first notes on ``tape`` the version of each host array the node touches
-    that the tape has not seen yet (PyTorch's version-counter rule: :func:`pullback` refuses
-    nodes whose arrays were written in place since).
+    PyTorch's version-counter rule: :func:`pullback` refuses nodes whose host arrays were
+    written in place since the tape first saw them. The versions are read later, all at once:
+    before the next in-place write of any host array is counted (:func:`_read_all_versions`,
+    which the version counters call), or before a swap. Until then no count has moved, so an
+    array still to be read has the version it had when recorded, and the pass knows it was not
+    written (reading three versions cost a recorded host op 0.5 us, and the pass as much).
     """
-    if type(outputs[0]) is HostArray:
-        seen = tape._versions
-        for a in (*inputs, *outputs):
+    unread = tape._unread
+    unread.append(node)
+    if len(unread) == 1:  # after the append: a reader that ran meanwhile left the list empty
+        unread_versions()
+
+
+def _read_versions(tape: Records) -> None:
+    """Note the versions of the host arrays of ``tape``'s unread nodes: call under its lock.
+
+    Each array's first sighting counts (the nodes in the order recorded; one seen before keeps
+    its version).
+    """
+    seen = tape._versions
+    for node in tape._unread:
+        for a in (*node[1], *node[3]):
             if type(a) is HostArray and id(a) not in seen:
                 seen[id(a)] = (a, version(a))
-        return None
-    return cuda_device(outputs[0])
+    tape._unread.clear()
+
+
+def _read_all_versions() -> None:
+    """Every tape reads its unread versions (called before a write is counted)."""
+    for ref in list(_LIVE):
+        tape = ref()
+        if tape is not None and tape._unread:
+            with tape._lock:
+                _read_versions(tape)
+
+
+read_before_writes(_read_all_versions)
 
 
 def record(vjp: Vjp, inputs: tuple[Any, ...], outputs: tuple[Any, ...], aux: Any, /) -> None:
@@ -408,28 +441,30 @@ def record(vjp: Vjp, inputs: tuple[Any, ...], outputs: tuple[Any, ...], aux: Any
     if not tapes:
         return
     tracked = [y for y in outputs if is_array(y)]
+    host = bool(outputs) and type(outputs[0]) is HostArray  # the node's versions are noted
+    cuda = cuda_device(outputs[0]) if outputs and not host else None
     for tape in tapes:
         needs = tape._needs(inputs)
         if needs is not None:
-            extra = _cuda_or_note_versions(tape, inputs, outputs) if outputs else None
-            append_node(tape, (vjp, inputs, needs, outputs, aux, extra), tracked)
+            node = (vjp, inputs, needs, outputs, aux, cuda)
+            append_node(tape, node, tracked)
+            if host:
+                with tape._lock:
+                    _to_read(tape, node)
 
 
 def record_unary(vjp: Vjp, x: Any, z: Any, aux: Any, /) -> None:
     """:func:`record` for ``z = op(x)``, the fast path."""
     for tape in _ACTIVE.get():
         if id(x) in tape._tracked:
-            node = (
-                vjp,
-                (x,),
-                (True,),
-                (z,),
-                aux,
-                None if isinstance(z, np.ndarray) else _cuda_or_note_versions(tape, (x,), (z,)),
-            )
+            host = type(z) is HostArray
+            cuda = None if host or isinstance(z, np.ndarray) else cuda_device(z)
+            node = (vjp, (x,), (True,), (z,), aux, cuda)
             with tape._lock:
                 tape._nodes.append(node)
                 tape._tracked[id(z)] = z
+                if host:
+                    _to_read(tape, node)
 
 
 # needs of a binary op, indexed by [a is tracked][b is tracked]: constants, nothing to allocate
@@ -442,17 +477,14 @@ def record_binary(vjp: Vjp, a: Any, b: Any, z: Any, aux: Any, /) -> None:
         tracked = tape._tracked
         needs = _NEEDS[id(a) in tracked][id(b) in tracked]
         if needs is not None:
-            node = (
-                vjp,
-                (a, b),
-                needs,
-                (z,),
-                aux,
-                None if isinstance(z, np.ndarray) else _cuda_or_note_versions(tape, (a, b), (z,)),
-            )
+            host = type(z) is HostArray
+            cuda = None if host or isinstance(z, np.ndarray) else cuda_device(z)
+            node = (vjp, (a, b), needs, (z,), aux, cuda)
             with tape._lock:
                 tape._nodes.append(node)
                 tracked[id(z)] = z
+                if host:
+                    _to_read(tape, node)
 
 
 # Differentiable helpers the tape itself needs, so that a gradient computed under an outer tape
@@ -743,7 +775,10 @@ def _count_error(node: Node, count: int) -> ValueError:
 
 
 def _written(tape: Records) -> set[int]:
-    """Ids of the host arrays on ``tape`` whose version moved since the tape first saw them."""
+    """Ids of the host arrays on ``tape`` whose version moved since the tape first saw them.
+
+    Those still to be read (:func:`_to_read`) are not among them: no write was counted since.
+    """
     if not tape._versions:
         return set()
     return {k for k, (a, recorded) in tape._versions.items() if version(a) != recorded}
@@ -943,6 +978,7 @@ def swap_out(
     swap = Swap(tape, restore, owners)
     keys = {key: j for j, key in enumerate(swap.keys)}
     with tape._lock:
+        _read_versions(tape)  # the nodes change below: their arrays' versions first
         if not _leaf_memory(tape).isdisjoint(keys):
             return None
         nodes = tape._nodes
