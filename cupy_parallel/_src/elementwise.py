@@ -23,7 +23,7 @@ import numpy as np
 
 from cupy_parallel._src.arrays import is_array
 from cupy_parallel._src.compute import SCALARS, host_operand, named_kernel, run_kernel
-from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer
+from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, host_ufunc
 from cupy_parallel._src.recording import active_tapes, record, record_binary, record_unary
 from cupy_parallel._src.shape_ops import fit, refuse_complex, require_array
 
@@ -312,7 +312,9 @@ def _binary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Operand, 
         else:
             x = b if isinstance(a, SCALARS) else a
             if type(x) is HostArray:
-                z = _host_binary(ufunc, name, a, b)
+                z = host_ufunc(ufunc, a, b)  # one device object, or a scalar (else None)
+                if z is None:
+                    z = _host_binary(ufunc, name, a, b)
             elif type(x) is np.ndarray or isinstance(x, SCALARS):
                 z = ufunc(a, b)
                 z = z if type(z) is np.ndarray else np.asarray(z)

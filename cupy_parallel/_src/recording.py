@@ -60,7 +60,7 @@ import numpy as np
 
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.compute import compute, cuda_device, zeros_like
-from cupy_parallel._src.hostarray import HostArray, host_array, plain_buffer, version
+from cupy_parallel._src.hostarray import HostArray, host_array, host_ufunc, plain_buffer, version
 from cupy_parallel._src.versions import (
     listen_to_writes,
     read_before_writes,
@@ -496,7 +496,7 @@ def _sum_pair(total: Any, grad: Any) -> Any:
     if type(total) is np.ndarray:
         z = total + grad
         z = z if type(z) is np.ndarray else np.asarray(z)  # 0-d NumPy
-    else:
+    elif (z := host_ufunc(np.add, total, grad)) is None:  # two host arrays: their buffers
         z = compute(operator.add, total, grad)
     if _ACTIVE.get():
         record_binary(_sum_pair_vjp, total, grad, z, None)
