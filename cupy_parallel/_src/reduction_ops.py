@@ -100,6 +100,11 @@ def _swap_last(x: Any) -> Any:
 
 def _matmul_vjp(gs: list[Any], xs: Args, needs: Needs, zs: Args, aux: None) -> Grads:
     (g,), (a, b) = gs, xs
+    if a.ndim == 2 and b.ndim == 2:  # matrices (the common case): no reshape, no batch axes
+        return (
+            fit(matmul(g, transpose(conj_if_complex(b))), a) if needs[0] else None,
+            fit(matmul(transpose(conj_if_complex(a)), g), b) if needs[1] else None,
+        )
     # A 1-d ``a`` is a row matrix and a 1-d ``b`` a column matrix, as in matmul itself.
     a2 = reshape(a, (1, a.shape[0])) if a.ndim == 1 else a
     b2 = reshape(b, (b.shape[0], 1)) if b.ndim == 1 else b
