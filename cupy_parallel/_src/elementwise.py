@@ -23,7 +23,7 @@ import numpy as np
 
 from cupy_parallel._src.arrays import is_array
 from cupy_parallel._src.compute import SCALARS, host_operand, named_kernel, run_kernel
-from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, host_ufunc
+from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, host_ufunc, host_unary
 from cupy_parallel._src.recording import active_tapes, record, record_binary, record_unary
 from cupy_parallel._src.shape_ops import fit, refuse_complex, require_array
 
@@ -267,8 +267,7 @@ def _unary_op(name: str, ufunc: Any, vjp: Any, doc: str) -> Callable[[Operand], 
             if type(z) is not _ndarray:
                 z = np.asarray(z)  # NumPy's 0-d result
         elif type(x) is HostArray:
-            z = ufunc(host_buffer(x))
-            z = host_array(z if type(z) is np.ndarray else np.asarray(z), x.device)
+            z = host_unary(ufunc, x)
         else:
             z = run_kernel(slow, x, x)
         if active_tapes():

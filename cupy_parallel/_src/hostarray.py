@@ -73,6 +73,7 @@ __all__ = [
     "host_array",
     "host_buffer",
     "host_ufunc",
+    "host_unary",
     "plain_buffer",
     "read_method_argument",
     "read_out",
@@ -229,6 +230,21 @@ def host_ufunc(ufunc: np.ufunc, a: Any, b: Any, /) -> HostArray | None:
     h = _new(HostArray)
     h._data = r if type(r) is np.ndarray else np.asarray(r)
     h._device = device
+    return h
+
+
+def host_unary(ufunc: np.ufunc, x: HostArray, /) -> HostArray:
+    """``ufunc(x)`` on the host array ``x``'s buffer, on its device (as :func:`host_ufunc`).
+
+    Example:
+        >>> import numpy as np
+        >>> host_unary(np.negative, host_array(np.arange(2.0), Device("host", 0)))
+        HostArray([-0., -1.], device='host:0')
+    """
+    r = ufunc(x._data)
+    h = _new(HostArray)
+    h._data = r if type(r) is np.ndarray else np.asarray(r)
+    h._device = x._device
     return h
 
 
