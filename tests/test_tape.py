@@ -395,6 +395,16 @@ def test_flat_tuples_and_single_arrays_give_what_pytrees_give(device: str) -> No
         tape.gradient(z, x, output_gradients=[1.0, 1.0, 1.0])
     with pytest.raises(TypeError, match=r"output_gradients must be an array, got float"):
         tape.gradient(z, x, output_gradients=1.0)
+    with pytest.raises(
+        ValueError, match=r"must match its target: shape \(3,\) on .* got shape \(2,\)"
+    ):
+        tape.gradient(z, x, output_gradients=to_device(np.ones(2), device))
+    with pytest.raises(ValueError, match=r"must match its target: .* got shape \(3,\) on host:1"):
+        tape.gradient(z, x, output_gradients=to_device(np.ones(3), "host:1"))
+    with pytest.raises(
+        TypeError, match=r"output_gradients is complex \(complex128\) but its target"
+    ):
+        tape.gradient(z, x, output_gradients=to_device(np.ones(3, complex), device))
     with pytest.raises(TypeError, match=r"params\[1\] has dtype int64"):
         Tape().watch((x, to_device(np.arange(3), device)))
     with pytest.raises(TypeError, match=r"params has dtype int64"):

@@ -189,8 +189,10 @@ class Tape(Records):
     """
 
     def __init__(self, *, persistent: bool = False, check_writes: bool = False) -> None:
-        persistent = read_bool(persistent, "persistent")
-        check_writes = read_bool(check_writes, "check_writes")
+        if persistent is not False:  # the defaults need no reading (a tape per step)
+            persistent = read_bool(persistent, "persistent")
+        if check_writes is not False:
+            check_writes = read_bool(check_writes, "check_writes")
         super().__init__(FingerprintedNodes() if check_writes else [])
         self.persistent = persistent
         self._token: contextvars.Token[tuple[Records, ...]] | None = None
@@ -205,7 +207,8 @@ class Tape(Records):
     def __enter__(self) -> Tape:
         if self._token is not None:
             raise RuntimeError("This tape is already recording; a tape cannot be entered twice.")
-        self._check_unused("record")
+        if self._used:
+            self._check_unused("record")
         self._token = activate(self)
         count_entered(1)
         return self
@@ -548,6 +551,10 @@ def _seed_matches(target: Any, seed: Any) -> bool:
     if seed is None:
         return target.size == 1 and target.dtype.kind != "c"
     kind = type(seed)
+    if kind is type(target) and (
+        kind is np.ndarray or (kind is HostArray and seed.device is target.device)
+    ):  # one device: _seed_fits' other checks, without its calls
+        return seed.shape == target.shape and (seed.dtype.kind != "c" or target.dtype.kind == "c")
     return (kind is np.ndarray or kind is HostArray) and _seed_fits(target, seed)
 
 
