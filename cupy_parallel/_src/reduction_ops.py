@@ -71,11 +71,10 @@ def matmul(a: Array, b: Array, /) -> Array:
         >>> ops.matmul(np.eye(2), np.array([1.0, 2.0]))
         array([1., 2.])
     """
-    kind = type(a)
-    if kind is np.ndarray and type(b) is np.ndarray:
+    if type(a) is np.ndarray and type(b) is np.ndarray:
         z = np.matmul(a, b)
         z = z if type(z) is np.ndarray else np.asarray(z)
-    elif kind is HostArray and type(b) is HostArray and (device := a.device) is b.device:
+    elif type(a) is HostArray and type(b) is HostArray and (device := a.device) is b.device:
         # what run_kernel does, without its checks: one device object (devices are interned;
         # another equal one takes run_kernel's path), as Device's == is a Python call (0.15 us)
         z = np.matmul(host_buffer(a), host_buffer(b))
@@ -83,7 +82,7 @@ def matmul(a: Array, b: Array, /) -> Array:
     else:
         require_array(a, "matmul")
         require_array(b, "matmul")
-        if kind is np.ndarray:  # with a host array: NumPy's dispatch refuses it, as CuPy does
+        if type(a) is np.ndarray:  # with a host array: NumPy's dispatch refuses it, as CuPy does
             z = np.matmul(a, b)
             z = z if type(z) is np.ndarray else np.asarray(z)
         else:

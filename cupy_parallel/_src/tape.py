@@ -271,11 +271,12 @@ class Tape(Records):
         """
         if self._used:
             self._check_unused("watch")
-        kind = type(params)
+        given: Any = params
+        kind = type(given)
         if kind is np.ndarray or kind is HostArray:  # one array, or a flat tuple of them: what
             arrays: Any = (params,)  # a step watches, without flatten's structure (0.3 us)
-        elif kind is tuple and _PLAIN_ARRAYS.issuperset(map(type, params)):
-            arrays = params
+        elif kind is tuple and _PLAIN_ARRAYS.issuperset(map(type, given)):
+            arrays = given
         else:
             leaves, spec = flatten_leaves(params)
             arrays = [leaf for leaf in leaves if is_array(leaf)]
@@ -415,12 +416,13 @@ class Tape(Records):
             seeds = [ones_like(target) if output_gradients is None else output_gradients]
         else:
             targets, seeds = self._check_targets(target, output_gradients)
-        kind = type(sources)
+        given: Any = sources
+        kind = type(given)
         source_def: PyTreeSpec | None = None  # None: sources is one array, or a tuple of them
-        if id(sources) in tracked:
-            leaves: list[Any] = [sources]
-        elif kind is tuple and all(map(tracked.__contains__, map(id, sources))):  # type: ignore[arg-type]
-            leaves = list(sources)  # type: ignore[arg-type]
+        if id(given) in tracked:
+            leaves: list[Any] = [given]
+        elif kind is tuple and all(map(tracked.__contains__, map(id, given))):
+            leaves = list(given)
         else:
             leaves, source_def = flatten_leaves(sources)
         if source_def is None or all(map(tracked.__contains__, map(id, leaves))):
@@ -451,7 +453,7 @@ class Tape(Records):
             self._used = True
             release(self)
         if source_def is None:
-            return result[0] if kind is not tuple else tuple(result)
+            return result[0] if kind is not tuple else tuple(result)  # type: ignore[return-value]
         if len(arrays) < len(leaves):  # the leaves that are not arrays get None
             returned = iter(result)
             result = [next(returned) if is_array(leaf) else None for leaf in leaves]
