@@ -15,7 +15,8 @@ A recorded operation is a *node*, a plain tuple ``(vjp, inputs, needs, outputs, 
 
 On host devices the tape also notes the version of every host array a node touches when it
 first sees it; a node whose array was written in place since refuses to run (PyTorch's version
-counter).
+counter). It reads those versions only when a write is about to be counted (an array no write
+has hit since it was recorded still has its version), so most recorded ops read none.
 
 Operations record themselves with :func:`record` (or its fast paths :func:`record_unary` and
 :func:`record_binary`). Nodes are tuples and vjps module-level functions (no closures) because
