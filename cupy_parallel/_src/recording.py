@@ -458,14 +458,27 @@ def record_unary(vjp: Vjp, x: Any, z: Any, aux: Any, /) -> None:
     """:func:`record` for ``z = op(x)``, the fast path."""
     for tape in _ACTIVE.get():
         if id(x) in tape._tracked:
-            host = type(z) is HostArray
-            cuda = None if host or isinstance(z, np.ndarray) else cuda_device(z)
-            node = (vjp, (x,), (True,), (z,), aux, cuda)
+            if not isinstance(z, np.ndarray):  # a host or CuPy array
+                _append_on_device(tape, (vjp, (x,), (True,), (z,), aux), z)
+                continue
+            node = (vjp, (x,), (True,), (z,), aux, None)
             with tape._lock:
                 tape._nodes.append(node)
                 tape._tracked[id(z)] = z
-                if host:
-                    _to_read(tape, node)
+
+
+def _append_on_device(tape: Records, start: tuple[Any, ...], z: Any) -> None:
+    """Append the node ``(*start, cuda)`` of a host or CuPy result ``z`` (record's fast paths).
+
+    Its last slot is the CUDA device of a CuPy ``z``; a host node has its versions read later.
+    """
+    host = type(z) is HostArray
+    node: Node = (*start, None if host else cuda_device(z))
+    with tape._lock:
+        tape._nodes.append(node)
+        tape._tracked[id(z)] = z
+        if host:
+            _to_read(tape, node)
 
 
 # needs of a binary op, indexed by [a is tracked][b is tracked]: constants, nothing to allocate
@@ -478,14 +491,13 @@ def record_binary(vjp: Vjp, a: Any, b: Any, z: Any, aux: Any, /) -> None:
         tracked = tape._tracked
         needs = _NEEDS[id(a) in tracked][id(b) in tracked]
         if needs is not None:
-            host = type(z) is HostArray
-            cuda = None if host or isinstance(z, np.ndarray) else cuda_device(z)
-            node = (vjp, (a, b), needs, (z,), aux, cuda)
+            if not isinstance(z, np.ndarray):  # a host or CuPy array
+                _append_on_device(tape, (vjp, (a, b), needs, (z,), aux), z)
+                continue
+            node = (vjp, (a, b), needs, (z,), aux, None)
             with tape._lock:
                 tape._nodes.append(node)
                 tracked[id(z)] = z
-                if host:
-                    _to_read(tape, node)
 
 
 # Differentiable helpers the tape itself needs, so that a gradient computed under an outer tape
