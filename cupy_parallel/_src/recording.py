@@ -459,7 +459,7 @@ def record_unary(vjp: Vjp, x: Any, z: Any, aux: Any, /) -> None:
     for tape in _ACTIVE.get():
         if id(x) in tape._tracked:
             if not isinstance(z, np.ndarray):  # a host or CuPy array
-                _append_on_device(tape, (vjp, (x,), (True,), (z,), aux), z)
+                _append_on_device(tape, vjp, (x,), (True,), z, aux)
                 continue
             node = (vjp, (x,), (True,), (z,), aux, None)
             with tape._lock:
@@ -467,18 +467,23 @@ def record_unary(vjp: Vjp, x: Any, z: Any, aux: Any, /) -> None:
                 tape._tracked[id(z)] = z
 
 
-def _append_on_device(tape: Records, start: tuple[Any, ...], z: Any) -> None:
-    """Append the node ``(*start, cuda)`` of a host or CuPy result ``z`` (record's fast paths).
+def _append_on_device(  # noqa: PLR0917 - a node's slots, positional: the recording hot path
+    tape: Records, vjp: Vjp, inputs: tuple[Any, ...], needs: tuple[bool, ...], z: Any, aux: Any
+) -> None:
+    """Append the node of a host or CuPy result ``z`` (the fast paths of :func:`record`).
 
     Its last slot is the CUDA device of a CuPy ``z``; a host node has its versions read later.
     """
     host = type(z) is HostArray
-    node: Node = (*start, None if host else cuda_device(z))
+    node = (vjp, inputs, needs, (z,), aux, None if host else cuda_device(z))
     with tape._lock:
         tape._nodes.append(node)
         tape._tracked[id(z)] = z
-        if host:
-            _to_read(tape, node)
+        if host:  # _to_read, inline (one call less per recorded host op)
+            unread = tape._unread
+            unread.append(node)
+            if len(unread) == 1:
+                unread_versions()
 
 
 # needs of a binary op, indexed by [a is tracked][b is tracked]: constants, nothing to allocate
@@ -492,7 +497,7 @@ def record_binary(vjp: Vjp, a: Any, b: Any, z: Any, aux: Any, /) -> None:
         needs = _NEEDS[id(a) in tracked][id(b) in tracked]
         if needs is not None:
             if not isinstance(z, np.ndarray):  # a host or CuPy array
-                _append_on_device(tape, (vjp, (a, b), needs, (z,), aux), z)
+                _append_on_device(tape, vjp, (a, b), needs, z, aux)
                 continue
             node = (vjp, (a, b), needs, (z,), aux, None)
             with tape._lock:
