@@ -357,6 +357,60 @@ def test_bad_sources_and_targets() -> None:
     tape.gradient(y, x, output_gradients=seed)  # none of the above consumed the tape
 
 
+@pytest.mark.parametrize("device", ["cpu", "host:0"])
+def test_flat_tuples_and_single_arrays_give_what_pytrees_give(device: str) -> None:
+    """A single array and a flat tuple of arrays (taken without flattening) are pytrees too.
+
+    Oracle: the same sources as a dict (the flattening path) and the closed form
+    d(sum(x * y))/dx = y.
+    """
+    x, y = to_device(rand(3), device), to_device(rand(3), device)
+    with Tape(persistent=True) as tape:
+        tape.watch((x, y))
+        z = ops.multiply(x, y)
+        loss = ops.sum(z)
+    as_tuple = tape.gradient(loss, (x, y))
+    as_list = tape.gradient(loss, [x, y])
+    as_dict = tape.gradient(loss, {"x": x, "y": y})
+    alone = tape.gradient(loss, x)
+    assert type(as_tuple) is tuple
+    assert type(as_list) is list
+    assert len(as_tuple) == 2
+    for got, want in ((as_tuple[0], y), (as_tuple[1], x), (as_list[0], y), (alone, y)):
+        np.testing.assert_array_equal(to_device(got, "cpu"), to_device(want, "cpu"))
+    np.testing.assert_array_equal(to_device(as_dict["y"], "cpu"), to_device(as_tuple[1], "cpu"))
+    assert tape.gradient(loss, ()) == ()
+    mixed = tape.gradient(loss, (x, "not an array", z))  # an intermediate result, and a string
+    assert mixed[1] is None
+    np.testing.assert_array_equal(to_device(mixed[2], "cpu"), np.ones(3))
+    one = to_device(np.ones(3), device)
+    twice = tape.gradient(z, (x, x), output_gradients=one)  # one array twice: two arrays
+    assert twice[0] is not twice[1]
+    assert twice[0] is not one
+    with pytest.raises(ValueError, match=r"sources\[1\] was never watched"):
+        tape.gradient(loss, (x, to_device(rand(3), device)))
+    with pytest.raises(ValueError, match=r"target has shape \(3,\).*output_gradients"):
+        tape.gradient(z, (x, y))
+    with pytest.raises(ValueError, match=r"output_gradients must have the target's structure"):
+        tape.gradient(z, x, output_gradients=[1.0, 1.0, 1.0])
+    with pytest.raises(TypeError, match=r"output_gradients must be an array, got float"):
+        tape.gradient(z, x, output_gradients=1.0)
+    with pytest.raises(
+        ValueError, match=r"must match its target: shape \(3,\) on .* got shape \(2,\)"
+    ):
+        tape.gradient(z, x, output_gradients=to_device(np.ones(2), device))
+    with pytest.raises(ValueError, match=r"must match its target: .* got shape \(3,\) on host:1"):
+        tape.gradient(z, x, output_gradients=to_device(np.ones(3), "host:1"))
+    with pytest.raises(
+        TypeError, match=r"output_gradients is complex \(complex128\) but its target"
+    ):
+        tape.gradient(z, x, output_gradients=to_device(np.ones(3, complex), device))
+    with pytest.raises(TypeError, match=r"params\[1\] has dtype int64"):
+        Tape().watch((x, to_device(np.arange(3), device)))
+    with pytest.raises(TypeError, match=r"params has dtype int64"):
+        Tape().watch(to_device(np.arange(3), device))
+
+
 def test_non_array_leaves_of_params_are_skipped_like_replicate_skips_them() -> None:
     params = {"w": to_device(rand(2), "host:0"), "n": 3, "act": "tanh", "none": None}
     with Tape() as tape:
@@ -797,6 +851,68 @@ def test_refilling_a_saved_input_buffer_raises(inside: bool) -> None:
         batch[...] = 0
     with pytest.raises(RuntimeError, match=r"ops.multiply.*input 0 .* at version 1, expected 0"):
         tape.gradient(loss, w)
+
+
+def test_versions_read_late_still_see_every_write_after_recording() -> None:
+    """The tape reads a host array's version at the first write counted after recording.
+
+    Oracle: torch's rule, a write after recording raises naming the version it expected (the one
+    the array had when recorded, written before or not), and no write leaves the gradient as
+    NumPy computes it.
+    """
+    seed = on_host(np.ones(3))
+    written_before = on_host(rand(3))
+    written_before += 1  # at version 1 when recorded
+    cases = {
+        "nothing written": (lambda x, y, other: None, None),
+        "another array written first": (lambda x, y, other: other.fill(0.0), None),
+        "x after another array": (lambda x, y, other: (other.fill(0.0), x.fill(1.0)), (0, 0)),
+        "x twice": (lambda x, y, other: (x.fill(1.0), x.fill(2.0)), (0, 0)),
+        "y by a view": (lambda x, y, other: y[1:].fill(0.0), (0, 0)),
+        "x written before recording": (lambda x, y, other: None, None),
+    }
+    for name, (write, expected) in cases.items():
+        x = written_before if name == "x written before recording" else on_host(rand(3, seed=2))
+        before = x.get()
+        other = on_host(rand(3, seed=3))
+        for persistent in (False, True):
+            tape = Tape(persistent=persistent)
+            with tape:
+                tape.watch(x)
+                y = ops.exp(x)
+            if persistent:  # a first gradient reads nothing, the write after it still counts
+                np.testing.assert_allclose(tape.gradient(y, x, seed).get(), np.exp(before))
+            write(x, y, other)
+            if expected is None:
+                np.testing.assert_allclose(tape.gradient(y, x, seed).get(), np.exp(before))
+            else:
+                with pytest.raises(RuntimeError, match=r"ops.exp needs was modified in place"):
+                    tape.gradient(y, x, seed)
+            x = on_host(before) if expected is not None else x
+    x = written_before
+    with Tape() as tape:
+        tape.watch(x)
+        y = ops.exp(x)
+    x.fill(0.5)  # from version 1 (when recorded) to 2
+    with pytest.raises(
+        RuntimeError,
+        match=r"input 0 \(shape \(3,\), on host:0\) is at version 2, "
+        r"expected 1",
+    ):
+        tape.gradient(y, x, seed)
+
+
+def test_a_write_in_another_thread_after_recording_is_seen() -> None:
+    """The thread that writes reads the recording thread's unread versions first (its lock)."""
+    x = on_host(rand(3))
+    with Tape() as tape:
+        tape.watch(x)
+        y = ops.multiply(ops.exp(x), x)
+    writer = threading.Thread(target=lambda: x.fill(0.0))
+    writer.start()
+    writer.join()
+    with pytest.raises(RuntimeError, match=r"ops.multiply needs was modified in place.*input 1"):
+        tape.gradient(y, x, on_host(np.ones(3)))
 
 
 def test_raw_numpy_on_a_recorded_host_array_is_refused() -> None:

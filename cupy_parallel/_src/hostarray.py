@@ -72,6 +72,8 @@ __all__ = [
     "check_guard",
     "host_array",
     "host_buffer",
+    "host_ufunc",
+    "host_unary",
     "plain_buffer",
     "read_method_argument",
     "read_out",
@@ -193,6 +195,57 @@ def host_buffer(x: HostArray, /) -> np.ndarray:
         True
     """
     return x._data
+
+
+def host_ufunc(ufunc: np.ufunc, a: Any, b: Any, /) -> HostArray | None:
+    """``ufunc(a, b)`` on the buffers, on their device: no dispatch guard, no version counted.
+
+    For library internals (the ops' hot path): one operand is a host array and the other a host
+    array holding the same device object or a scalar CuPy takes. Anything else returns ``None``:
+    the caller's own checks then say what is wrong (or take the slower path a device equal but
+    not identical needs).
+
+    Example:
+        >>> import numpy as np
+        >>> h = host_array(np.arange(2.0), Device("host", 0))
+        >>> host_ufunc(np.add, h, 1.0), host_ufunc(np.add, h, np.ones(2))
+        (HostArray([1., 2.], device='host:0'), None)
+    """
+    if type(a) is HostArray:
+        device = a._device
+        ra = a._data
+        if type(b) is HostArray:
+            if b._device is not device:
+                return None
+            rb = b._data
+        elif type(b) in SCALAR_TYPES:
+            rb = b
+        else:
+            return None
+    elif type(b) is HostArray and type(a) in SCALAR_TYPES:
+        device, ra, rb = b._device, a, b._data
+    else:
+        return None
+    r = ufunc(ra, rb)
+    h = _new(HostArray)
+    h._data = r if type(r) is np.ndarray else np.asarray(r)
+    h._device = device
+    return h
+
+
+def host_unary(ufunc: np.ufunc, x: HostArray, /) -> HostArray:
+    """``ufunc(x)`` on the host array ``x``'s buffer, on its device (as :func:`host_ufunc`).
+
+    Example:
+        >>> import numpy as np
+        >>> host_unary(np.negative, host_array(np.arange(2.0), Device("host", 0)))
+        HostArray([-0., -1.], device='host:0')
+    """
+    r = ufunc(x._data)
+    h = _new(HostArray)
+    h._data = r if type(r) is np.ndarray else np.asarray(r)
+    h._device = x._device
+    return h
 
 
 def plain_buffer(x: Any, /) -> Any:

@@ -15,7 +15,8 @@ A recorded operation is a *node*, a plain tuple ``(vjp, inputs, needs, outputs, 
 
 On host devices the tape also notes the version of every host array a node touches when it
 first sees it; a node whose array was written in place since refuses to run (PyTorch's version
-counter).
+counter). It reads those versions only when a write is about to be counted (an array no write
+has hit since it was recorded still has its version), so most recorded ops read none.
 
 Operations record themselves with :func:`record` (or its fast paths :func:`record_unary` and
 :func:`record_binary`). Nodes are tuples and vjps module-level functions (no closures) because
@@ -60,8 +61,13 @@ import numpy as np
 
 from cupy_parallel._src.arrays import device_of, is_array
 from cupy_parallel._src.compute import compute, cuda_device, zeros_like
-from cupy_parallel._src.hostarray import HostArray, host_array, plain_buffer, version
-from cupy_parallel._src.versions import listen_to_writes, root_buffer
+from cupy_parallel._src.hostarray import HostArray, host_array, host_ufunc, plain_buffer, version
+from cupy_parallel._src.versions import (
+    listen_to_writes,
+    read_before_writes,
+    root_buffer,
+    unread_versions,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -140,13 +146,17 @@ class Records:
         self._leaves: set[int] = set()  # ids of watched arrays no recorded operation produced
         self._nodes = nodes
         self._versions: dict[int, tuple[Any, int | None]] = {}  # id -> (host array, 1st version)
+        self._unread: list[Node] = []  # nodes of host arrays whose versions are still to be read
         # memory key -> (array, what wrote it): arrays the library's own code (a collective)
         # wrote in place while the tape held them (note_overwritten)
         self._overwritten: dict[Any, tuple[Any, str]] = {}
         # the memory keys of the nodes' arrays, gathered by note_overwritten up to node _scanned
         self._held: set[Any] = set()
         self._scanned = 0
-        self._leaf_keys: set[Any] = set()  # the memory keys of the watched leaves (track_leaves)
+        # the memory keys of the watched leaves, and the leaves whose key is still to be added
+        # (computed when asked for, _leaf_memory: most tapes are never asked)
+        self._leaf_keys: set[Any] = set()
+        self._unkeyed: list[Any] = []
         # id(watched leaf) -> its gradient-ready hooks, in registration order (add_ready_hook)
         self._ready_hooks: dict[int, list[ReadyHook]] = {}
         self._lock = threading.Lock()
@@ -255,17 +265,30 @@ def append_node(tape: Records, node: Node, tracked: Sequence[Any], /) -> None:
 def track_leaves(tape: Records, arrays: Sequence[Any], /) -> None:
     """Track ``arrays`` on ``tape`` as watched leaves, those it does not track already."""
     with tape._lock:
+        tracked = tape._tracked
         for leaf in arrays:
-            if id(leaf) not in tape._tracked:
-                tape._leaves.add(id(leaf))
-                tape._tracked[id(leaf)] = leaf
-                tape._leaf_keys.add(_memory_key(leaf))
+            k = id(leaf)
+            if k not in tracked:
+                tape._leaves.add(k)
+                tracked[k] = leaf
+                tape._unkeyed.append(leaf)
+
+
+def _leaf_memory(tape: Records) -> set[Any]:
+    """The memory keys of ``tape``'s watched leaves (call under its lock)."""
+    unkeyed = tape._unkeyed
+    if unkeyed:
+        tape._leaf_keys.update(map(_memory_key, unkeyed))
+        unkeyed.clear()
+    return tape._leaf_keys
 
 
 def release(tape: Records, /) -> None:
     """Drop everything ``tape`` recorded (a non-persistent tape, once it computed gradients)."""
     tape._nodes, tape._tracked, tape._leaves, tape._versions = [], {}, set(), {}
+    tape._unread = []
     tape._overwritten, tape._held, tape._scanned, tape._leaf_keys = {}, set(), 0, set()
+    tape._unkeyed = []
     tape._ready_hooks = {}
 
 
@@ -348,7 +371,7 @@ def note_overwritten(arrays: Sequence[Any], operation: str, /) -> None:
             for node in tape._nodes[tape._scanned :]:
                 held.update(_memory_key(a) for a in (*node[1], *node[3]) if is_array(a))
             tape._scanned = len(tape._nodes)
-            leaves = tape._leaf_keys
+            leaves = _leaf_memory(tape)
             for key, array in written.items():
                 if (key in held or key in leaves) and key not in tape._overwritten:
                     tape._overwritten[key] = (array, operation)
@@ -366,20 +389,46 @@ def _memory_key(x: Any) -> Any:
     return ("cuda", id(memory)) if memory is not None else id(data)
 
 
-def _cuda_or_note_versions(tape: Records, inputs: tuple[Any, ...], outputs: tuple[Any, ...]) -> Any:
-    """A node's last slot: the CUDA device its vjp runs on for CuPy, else ``None``.
+def _to_read(tape: Records, node: Node) -> None:
+    """Have ``tape`` note the versions of the host arrays of ``node``: call under its lock.
 
-    On host devices, it first notes on ``tape`` the version of each host array the node touches
-    that the tape has not seen yet (PyTorch's version-counter rule: :func:`pullback` refuses
-    nodes whose arrays were written in place since).
+    PyTorch's version-counter rule: :func:`pullback` refuses nodes whose host arrays were
+    written in place since the tape first saw them. The versions are read later, all at once:
+    before the next in-place write of any host array is counted (:func:`_read_all_versions`,
+    which the version counters call), or before a swap. Until then no count has moved, so an
+    array still to be read has the version it had when recorded, and the pass knows it was not
+    written (reading three versions cost a recorded host op 0.5 us, and the pass as much).
     """
-    if type(outputs[0]) is HostArray:
-        seen = tape._versions
-        for a in (*inputs, *outputs):
+    unread = tape._unread
+    unread.append(node)
+    if len(unread) == 1:  # after the append: a reader that ran meanwhile left the list empty
+        unread_versions()
+
+
+def _read_versions(tape: Records) -> None:
+    """Note the versions of the host arrays of ``tape``'s unread nodes: call under its lock.
+
+    Each array's first sighting counts (the nodes in the order recorded; one seen before keeps
+    its version).
+    """
+    seen = tape._versions
+    for node in tape._unread:
+        for a in (*node[1], *node[3]):
             if type(a) is HostArray and id(a) not in seen:
                 seen[id(a)] = (a, version(a))
-        return None
-    return cuda_device(outputs[0])
+    tape._unread.clear()
+
+
+def _read_all_versions() -> None:
+    """Every tape reads its unread versions (called before a write is counted)."""
+    for ref in list(_LIVE):
+        tape = ref()
+        if tape is not None and tape._unread:
+            with tape._lock:
+                _read_versions(tape)
+
+
+read_before_writes(_read_all_versions)
 
 
 def record(vjp: Vjp, inputs: tuple[Any, ...], outputs: tuple[Any, ...], aux: Any, /) -> None:
@@ -393,28 +442,48 @@ def record(vjp: Vjp, inputs: tuple[Any, ...], outputs: tuple[Any, ...], aux: Any
     if not tapes:
         return
     tracked = [y for y in outputs if is_array(y)]
+    host = bool(outputs) and type(outputs[0]) is HostArray  # the node's versions are noted
+    cuda = cuda_device(outputs[0]) if outputs and not host else None
     for tape in tapes:
         needs = tape._needs(inputs)
         if needs is not None:
-            extra = _cuda_or_note_versions(tape, inputs, outputs) if outputs else None
-            append_node(tape, (vjp, inputs, needs, outputs, aux, extra), tracked)
+            node = (vjp, inputs, needs, outputs, aux, cuda)
+            append_node(tape, node, tracked)
+            if host:
+                with tape._lock:
+                    _to_read(tape, node)
 
 
 def record_unary(vjp: Vjp, x: Any, z: Any, aux: Any, /) -> None:
     """:func:`record` for ``z = op(x)``, the fast path."""
     for tape in _ACTIVE.get():
         if id(x) in tape._tracked:
-            node = (
-                vjp,
-                (x,),
-                (True,),
-                (z,),
-                aux,
-                None if isinstance(z, np.ndarray) else _cuda_or_note_versions(tape, (x,), (z,)),
-            )
+            if not isinstance(z, np.ndarray):  # a host or CuPy array
+                _append_on_device(tape, vjp, (x,), (True,), z, aux)
+                continue
+            node = (vjp, (x,), (True,), (z,), aux, None)
             with tape._lock:
                 tape._nodes.append(node)
                 tape._tracked[id(z)] = z
+
+
+def _append_on_device(  # noqa: PLR0917 - a node's slots, positional: the recording hot path
+    tape: Records, vjp: Vjp, inputs: tuple[Any, ...], needs: tuple[bool, ...], z: Any, aux: Any
+) -> None:
+    """Append the node of a host or CuPy result ``z`` (the fast paths of :func:`record`).
+
+    Its last slot is the CUDA device of a CuPy ``z``; a host node has its versions read later.
+    """
+    host = type(z) is HostArray
+    node = (vjp, inputs, needs, (z,), aux, None if host else cuda_device(z))
+    with tape._lock:
+        tape._nodes.append(node)
+        tape._tracked[id(z)] = z
+        if host:  # _to_read, inline (one call less per recorded host op)
+            unread = tape._unread
+            unread.append(node)
+            if len(unread) == 1:
+                unread_versions()
 
 
 # needs of a binary op, indexed by [a is tracked][b is tracked]: constants, nothing to allocate
@@ -427,14 +496,10 @@ def record_binary(vjp: Vjp, a: Any, b: Any, z: Any, aux: Any, /) -> None:
         tracked = tape._tracked
         needs = _NEEDS[id(a) in tracked][id(b) in tracked]
         if needs is not None:
-            node = (
-                vjp,
-                (a, b),
-                needs,
-                (z,),
-                aux,
-                None if isinstance(z, np.ndarray) else _cuda_or_note_versions(tape, (a, b), (z,)),
-            )
+            if not isinstance(z, np.ndarray):  # a host or CuPy array
+                _append_on_device(tape, vjp, (a, b), needs, z, aux)
+                continue
+            node = (vjp, (a, b), needs, (z,), aux, None)
             with tape._lock:
                 tape._nodes.append(node)
                 tracked[id(z)] = z
@@ -449,7 +514,7 @@ def _sum_pair(total: Any, grad: Any) -> Any:
     if type(total) is np.ndarray:
         z = total + grad
         z = z if type(z) is np.ndarray else np.asarray(z)  # 0-d NumPy
-    else:
+    elif (z := host_ufunc(np.add, total, grad)) is None:  # two host arrays: their buffers
         z = compute(operator.add, total, grad)
     if _ACTIVE.get():
         record_binary(_sum_pair_vjp, total, grad, z, None)
@@ -507,19 +572,19 @@ def pullback(
     ``unconnected_gradients="none"``), which the hooks may read (:func:`unconnected_as_none`).
     A leaf :func:`unreach`-ed in the pass gets ``None``, whatever its hooks returned.
     """
-    grads: dict[int, Any] = {}  # id(array) -> gradient accumulated so far
-    for t, s in zip(targets, seeds, strict=True):
-        k = id(t)
-        grads[k] = s if k not in grads else _sum_pair(grads[k], s)
-    keep = set(map(id, sources)) - tape._leaves  # sources that are intermediate results
+    # id(array) -> gradient accumulated so far
+    grads = {id(targets[0]): seeds[0]} if len(targets) == 1 else _seeded(targets, seeds)
+    # sources that are intermediate results: their gradients are set aside as the pass goes
+    keep = _kept_sources(tape, sources)
     kept: dict[int, Any] = {}
-    written = _written(tape)  # ids of host arrays written in place since they were recorded
+    # ids of host arrays written in place since they were recorded
+    written = _written(tape) if tape._versions else None
     pop = grads.pop
-    collectives = _COLLECTIVE_VJPS
-    ready = _ready_at(tape)  # node index -> ids of the hooked leaves final once it ran
+    # node index -> ids of the hooked leaves final once it ran
+    ready = _ready_at(tape) if tape._ready_hooks else None
     nodes = tape._nodes
     with _Backward(tape, unconnected_none, grads):
-        if -1 in ready:  # hooked leaves no node consumed: final from the start
+        if ready and -1 in ready:  # hooked leaves no node consumed: final from the start
             _call_ready_hooks(tape, grads, ready.pop(-1))
         for index in range(len(nodes) - 1, -1, -1):
             node = nodes[index]
@@ -527,12 +592,12 @@ def pullback(
             if len(outputs) == 1:  # most nodes: no list comprehension (a frame each, in 3.11)
                 g = pop(id(outputs[0]), None)
                 out_grads = None if g is None else [g]  # complete: consumers came later
-                if g is None and vjp in collectives:
+                if g is None and vjp in _COLLECTIVE_VJPS:
                     out_grads = [_no_gradient(vjp, outputs[0])]
             else:
                 size = len(grads)
                 out_grads = [pop(id(y), None) for y in outputs]
-                if vjp in collectives and vjp not in _UNZEROED_VJPS:
+                if vjp in _COLLECTIVE_VJPS and vjp not in _UNZEROED_VJPS:
                     out_grads = [
                         zeros_like(y) if g is None else g
                         for y, g in zip(outputs, out_grads, strict=True)
@@ -562,8 +627,26 @@ def pullback(
             if ready and index in ready:
                 _call_ready_hooks(tape, grads, ready.pop(index))
 
-    kept.update(grads)
-    return [kept.get(id(x)) for x in sources]
+    if keep:
+        kept.update(grads)
+        grads = kept
+    one = len(sources) == 1  # then no comprehension (a frame)
+    return [grads.get(id(sources[0]))] if one else [grads.get(id(x)) for x in sources]
+
+
+def _kept_sources(tape: Records, sources: Sequence[Any]) -> set[int] | None:
+    """The ids of ``sources`` that are no watched leaf of ``tape``; ``None`` when all are."""
+    leaves = tape._leaves
+    return None if leaves.issuperset(map(id, sources)) else set(map(id, sources)) - leaves
+
+
+def _seeded(targets: Sequence[Any], seeds: Sequence[Any]) -> dict[int, Any]:
+    """The gradients a pass starts from: each target's seed, by ``id``, summed for a repeat."""
+    grads: dict[int, Any] = {}
+    for t, s in zip(targets, seeds, strict=True):
+        k = id(t)
+        grads[k] = s if k not in grads else _sum_pair(grads[k], s)
+    return grads
 
 
 def _ready_at(tape: Records) -> dict[int, list[int]]:
@@ -599,18 +682,7 @@ def _call_ready_hooks(tape: Records, grads: dict[int, Any], leaves: list[int]) -
                 grads[k] = replacement
 
 
-class _Pass:
-    """The reverse pass in progress in a context: what its caller asked, what its hooks queued."""
-
-    __slots__ = ("ends", "none", "unreached")
-
-    def __init__(self, none: bool) -> None:
-        self.none = none  # the caller takes None (not zeros) where no gradient arrived
-        self.ends: list[Callable[[], object]] = []  # at_pass_end's callbacks, in order
-        self.unreached: list[Any] = []  # unreach's leaves
-
-
-_PASS: contextvars.ContextVar[_Pass | None] = contextvars.ContextVar(
+_PASS: contextvars.ContextVar[_Backward | None] = contextvars.ContextVar(
     "cupy_parallel_pass", default=None
 )
 """The reverse pass in progress in this context (``None``: none).
@@ -673,14 +745,17 @@ class _Backward:
     completes without an error, the callbacks of :func:`at_pass_end` run, in the order queued
     (one queued meanwhile runs too), then the leaves :func:`unreach`-ed leave ``grads`` (the
     pass's gradients, by ``id``), before ``tape`` records again. One class for all of it (as
-    :class:`_Setting`): a second context manager cost each gradient 0.3 us.
+    :class:`_Setting`): a second context manager cost each gradient 0.3 us. It is also the
+    pass in progress here (:data:`_PASS`): what its caller asked, what its hooks queued.
     """
 
-    __slots__ = ("_grads", "_pass", "_paused", "_tape", "_token")
+    __slots__ = ("_grads", "_paused", "_tape", "_token", "ends", "none", "unreached")
 
     def __init__(self, tape: Records, none: bool, grads: dict[int, Any], /) -> None:
         self._tape = tape
-        self._pass = _Pass(none)
+        self.none = none  # the caller takes None (not zeros) where no gradient arrived
+        self.ends: list[Callable[[], object]] = []  # at_pass_end's callbacks, in order
+        self.unreached: list[Any] = []  # unreach's leaves
         self._grads = grads
 
     def __enter__(self) -> None:
@@ -689,14 +764,14 @@ class _Backward:
         self._paused = (
             _ACTIVE.set(tuple([t for t in active if t is not tape])) if tape in active else None
         )
-        self._token = _PASS.set(self._pass)
+        self._token = _PASS.set(self)
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
         try:
             if exc_type is None:
-                for callback in self._pass.ends:
+                for callback in self.ends:
                     callback()
-                for leaf in self._pass.unreached:
+                for leaf in self.unreached:
                     self._grads.pop(id(leaf), None)
         finally:
             _PASS.reset(self._token)
@@ -718,7 +793,10 @@ def _count_error(node: Node, count: int) -> ValueError:
 
 
 def _written(tape: Records) -> set[int]:
-    """Ids of the host arrays on ``tape`` whose version moved since the tape first saw them."""
+    """Ids of the host arrays on ``tape`` whose version moved since the tape first saw them.
+
+    Those still to be read (:func:`_to_read`) are not among them: no write was counted since.
+    """
     if not tape._versions:
         return set()
     return {k for k, (a, recorded) in tape._versions.items() if version(a) != recorded}
@@ -938,7 +1016,8 @@ def swap_out(
     swap = Swap(tape, restore, owners)
     keys = {key: j for j, key in enumerate(swap.keys)}
     with tape._lock:
-        if not tape._leaf_keys.isdisjoint(keys):
+        _read_versions(tape)  # the nodes change below: their arrays' versions first
+        if not _leaf_memory(tape).isdisjoint(keys):
             return None
         nodes = tape._nodes
         for index in range(first, len(nodes)):

@@ -17,7 +17,7 @@ from numpy.lib.array_utils import normalize_axis_index, normalize_axis_tuple
 
 from cupy_parallel._src.arguments import read_axis, read_int
 from cupy_parallel._src.arrays import device_of, is_array
-from cupy_parallel._src.compute import host_operand, run_kernel, zeros_like
+from cupy_parallel._src.compute import host_operand, run_kernel, run_on, zeros_like
 from cupy_parallel._src.hostarray import HostArray
 from cupy_parallel._src.recording import active_tapes, cast, record, record_unary
 
@@ -105,10 +105,7 @@ def _broadcast_to_kernel(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
 
 
 def _broadcast_to(x: Any, shape: tuple[int, ...], /) -> Any:
-    if type(x) is np.ndarray:  # as sum: run_kernel's first branch, without its checks
-        z = _broadcast_to_kernel(np, x, shape)
-    else:
-        z = run_kernel(_broadcast_to_kernel, x, x, shape)
+    z = run_on(_broadcast_to_kernel, x, shape)  # shape: a tuple of ints (spread's)
     if active_tapes():
         record_unary(_broadcast_to_vjp, x, z, None)
     return z
@@ -159,6 +156,8 @@ def sum(x: Array, /, axis: int | tuple[int, ...] | None = None, *, keepdims: boo
     if type(x) is np.ndarray:  # what run_kernel does, without its checks (0.6 us of 1.9)
         z = _sum_kernel(np, x, axes, keepdims)
         z = z if type(z) is np.ndarray else np.asarray(z)  # NumPy's 0-d result
+    elif type(keepdims) is bool:  # axes: read_axes' tuple of ints
+        z = run_on(_sum_kernel, x, axes, keepdims)
     else:
         z = run_kernel(_sum_kernel, x, x, axes, keepdims)
     if active_tapes():
@@ -196,7 +195,11 @@ def reshape(x: Array, /, shape: int | tuple[int, ...]) -> Array:
                [2., 3.]])
     """
     require_array(x, "reshape")
-    z = run_kernel(_reshape_kernel, x, x, shape)
+    kind = type(shape)
+    if kind is tuple or kind is int:  # no array in it (NumPy reads the items)
+        z = run_on(_reshape_kernel, x, shape)
+    else:
+        z = run_kernel(_reshape_kernel, x, x, shape)
     if active_tapes():
         record_unary(_reshape_vjp, x, z, None)
     return z
@@ -217,7 +220,12 @@ def transpose(x: Array, /, axes: tuple[int, ...] | None = None) -> Array:
     """
     require_array(x, "transpose")
     # a NumPy array directly, as sum does (every matmul's vjp transposes twice)
-    z = x.transpose(axes) if type(x) is np.ndarray else run_kernel(_transpose_kernel, x, x, axes)
+    if type(x) is np.ndarray:
+        z = x.transpose(axes)
+    elif axes is None or type(axes) is tuple:
+        z = run_on(_transpose_kernel, x, axes)
+    else:
+        z = run_kernel(_transpose_kernel, x, x, axes)
     if active_tapes():
         record_unary(_transpose_vjp, x, z, None if axes is None else _inverse(axes, z.ndim))
     return z

@@ -95,6 +95,10 @@ def scalar_problem(t: Any, name: str) -> TypeError | ValueError | None:
 
 _UNCONNECTED = {"zero": True, "none": False}  # unconnected_gradients -> fill with zeros
 
+_PLAIN_ARRAYS = frozenset({np.ndarray, HostArray})
+"""The array types whose instances :meth:`Tape.watch` and :meth:`Tape.gradient` take as they come
+(a single one or a flat tuple of them: a step's usual arguments) without flattening a pytree."""
+
 
 class DisconnectedError(ValueError):
     """:meth:`Tape.gradient`'s ``ValueError`` when the target depends on none of the sources.
@@ -185,8 +189,10 @@ class Tape(Records):
     """
 
     def __init__(self, *, persistent: bool = False, check_writes: bool = False) -> None:
-        persistent = read_bool(persistent, "persistent")
-        check_writes = read_bool(check_writes, "check_writes")
+        if persistent is not False:  # the defaults need no reading (a tape per step)
+            persistent = read_bool(persistent, "persistent")
+        if check_writes is not False:
+            check_writes = read_bool(check_writes, "check_writes")
         super().__init__(FingerprintedNodes() if check_writes else [])
         self.persistent = persistent
         self._token: contextvars.Token[tuple[Records, ...]] | None = None
@@ -201,7 +207,8 @@ class Tape(Records):
     def __enter__(self) -> Tape:
         if self._token is not None:
             raise RuntimeError("This tape is already recording; a tape cannot be entered twice.")
-        self._check_unused("record")
+        if self._used:
+            self._check_unused("record")
         self._token = activate(self)
         count_entered(1)
         return self
@@ -262,11 +269,25 @@ class Tape(Records):
             >>> tape = cupy_parallel.Tape()
             >>> tape.watch({"w": np.ones(2), "b": np.zeros(1), "activation": "tanh"})
         """
-        self._check_unused("watch")
-        leaves, spec = flatten_leaves(params)
-        arrays = [leaf for leaf in leaves if is_array(leaf)]
-        if not all(a.dtype.kind in "fc" for a in arrays):
-            refuse_untrackable(leaf_names(spec, "params"), leaves, "watch() tracks")
+        if self._used:
+            self._check_unused("watch")
+        given: Any = params
+        kind = type(given)
+        if kind is np.ndarray or kind is HostArray:  # one array, or a flat tuple of them: what
+            arrays: Any = (params,)  # a step watches, without flatten's structure (0.3 us)
+        elif kind is tuple and _PLAIN_ARRAYS.issuperset(map(type, given)):
+            arrays = given
+        else:
+            leaves, spec = flatten_leaves(params)
+            arrays = [leaf for leaf in leaves if is_array(leaf)]
+            if not all(a.dtype.kind in "fc" for a in arrays):
+                refuse_untrackable(leaf_names(spec, "params"), leaves, "watch() tracks")
+            track_leaves(self, arrays)
+            return
+        for a in arrays:
+            if a.dtype.kind not in "fc":
+                leaves, spec = flatten_leaves(params)
+                refuse_untrackable(leaf_names(spec, "params"), leaves, "watch() tracks")
         track_leaves(self, arrays)
 
     def register_gradient_ready_hook(
@@ -379,17 +400,32 @@ class Tape(Records):
             >>> tape.gradient(z, {"x": x, "y": y})
             {'x': array(4.), 'y': array(3.)}
         """
-        self._check_unused("compute gradients")
-        if isinstance(self._nodes, FingerprintedNodes):
-            self._nodes.verify()
+        if self._used:
+            self._check_unused("compute gradients")
+        if type(self._nodes) is not list:  # check_writes: its FingerprintedNodes
+            self._nodes.verify()  # type: ignore[attr-defined]
         if not isinstance(unconnected_gradients, str) or unconnected_gradients not in _UNCONNECTED:
             raise ValueError(
                 f'unconnected_gradients must be "zero" or "none", got {unconnected_gradients!r}.'
             )
-        targets, seeds = self._check_targets(target, output_gradients)
-        leaves, source_def = flatten_leaves(sources)
         tracked = self._tracked
-        if all(id(leaf) in tracked for leaf in leaves):  # tracked, so arrays: the common case
+        # the common calls first: one recorded target, one array or a flat tuple of tracked
+        # sources (tracked, so arrays: they are the leaves), flattened by nothing
+        if id(target) in tracked and _seed_matches(target, output_gradients):
+            targets = [target]
+            seeds = [ones_like(target) if output_gradients is None else output_gradients]
+        else:
+            targets, seeds = self._check_targets(target, output_gradients)
+        given: Any = sources
+        kind = type(given)
+        source_def: PyTreeSpec | None = None  # None: sources is one array, or a tuple of them
+        if id(given) in tracked:
+            leaves: list[Any] = [given]
+        elif kind is tuple and all(map(tracked.__contains__, map(id, given))):
+            leaves = list(given)
+        else:
+            leaves, source_def = flatten_leaves(sources)
+        if source_def is None or all(map(tracked.__contains__, map(id, leaves))):
             arrays = leaves
         else:
             arrays = [leaf for leaf in leaves if is_array(leaf)]
@@ -402,16 +438,22 @@ class Tape(Records):
                     )
         fill = _UNCONNECTED[unconnected_gradients]
         grads = pullback(self, targets, seeds, arrays, unconnected_none=not fill)
-        if fill and arrays and all(g is None for g in grads):
-            raise DisconnectedError(
-                "The target does not depend on any of the sources on this tape: no recorded "
-                "operation leads from a source to the target. Check that the sources passed to "
-                "gradient() are the arrays the target was computed from."
-            )
-        result = self._finish(arrays, grads, seeds, fill, lambda: _array_names(leaves, source_def))
+        if fill and arrays:
+            for g in grads:
+                if g is not None:
+                    break
+            else:
+                raise DisconnectedError(
+                    "The target does not depend on any of the sources on this tape: no recorded "
+                    "operation leads from a source to the target. Check that the sources passed "
+                    "to gradient() are the arrays the target was computed from."
+                )
+        result = self._finish(arrays, grads, seeds, fill, sources)
         if not self.persistent:
             self._used = True
             release(self)
+        if source_def is None:
+            return result[0] if kind is not tuple else tuple(result)  # type: ignore[return-value]
         if len(arrays) < len(leaves):  # the leaves that are not arrays get None
             returned = iter(result)
             result = [next(returned) if is_array(leaf) else None for leaf in leaves]
@@ -423,25 +465,20 @@ class Tape(Records):
         grads: list[Any],
         seeds: list[Any],
         fill: bool,
-        names: Callable[[], list[str]],
+        given: Tree,
     ) -> list[Any]:
         """The gradients as returned, each recorded on the outer tapes that track its source.
 
         Zeros (or ``None``) where none arrived, the sources' dtypes, never an array the caller
-        passed in or one array twice. ``names()`` names the sources, for the errors.
+        passed in or one array twice. ``given`` is what the caller passed as ``sources`` (they
+        are its array leaves), to name them in the errors.
         """
-        seen = set(map(id, seeds))
-        result = []
+        active = active_tapes()
+        if not active:  # nothing records: no block to pause (the common case)
+            return _returned_all(sources, grads, seeds, fill, given)
         with pause_recording(self):
-            for i, (leaf, grad) in enumerate(zip(sources, grads, strict=True)):
-                g = grad
-                if g is None or g.dtype != leaf.dtype or g.shape != leaf.shape:
-                    g = _returned(names, i, leaf, g, fill)
-                if g is not None and id(g) in seen:
-                    g = _copy(g)
-                seen.add(id(g))
-                result.append(g)
-        for tape in active_tapes():  # on an outer tape, a gradient is a function of its source
+            result = _returned_all(sources, grads, seeds, fill, given)
+        for tape in active:  # on an outer tape, a gradient is a function of its source
             if tape is not self:
                 for leaf, g in zip(sources, result, strict=True):
                     if g is not None and tape.tracks(leaf) and not tape.tracks(g):
@@ -508,6 +545,40 @@ class Tape(Records):
         return targets, seeds
 
 
+def _seed_matches(target: Any, seed: Any) -> bool:
+    """Whether ``seed`` (``None`` included) is a valid output gradient of the array ``target``.
+
+    The fast path of :meth:`Tape._check_targets` for one target (``False`` means: check there).
+    """
+    if seed is None:
+        return target.size == 1 and target.dtype.kind != "c"
+    kind = type(seed)
+    if kind is type(target) and (
+        kind is np.ndarray or (kind is HostArray and seed.device is target.device)
+    ):  # one device: _seed_fits' other checks, without its calls
+        return seed.shape == target.shape and (seed.dtype.kind != "c" or target.dtype.kind == "c")
+    return (kind is np.ndarray or kind is HostArray) and _seed_fits(target, seed)
+
+
+def _returned_all(
+    sources: list[Any], grads: list[Any], seeds: list[Any], fill: bool, given: Tree
+) -> list[Any]:
+    """The gradients of :meth:`Tape._finish`, before the outer tapes hear of them."""
+    seen = set(map(id, seeds))
+    result = []
+    i = 0
+    for leaf, grad in zip(sources, grads, strict=True):
+        g = grad
+        if g is None or g.dtype != leaf.dtype or g.shape != leaf.shape:
+            g = _returned(given, i, leaf, g, fill)
+        if g is not None and id(g) in seen:
+            g = _copy(g)
+        seen.add(id(g))
+        result.append(g)
+        i += 1  # noqa: SIM113 - cheaper than enumerate (recording.pullback)
+    return result
+
+
 def _seed_fits(target: Any, seed: Any) -> bool:
     """Whether ``seed`` is a valid output gradient of ``target`` (the fast path of the checks).
 
@@ -522,8 +593,9 @@ def _seed_fits(target: Any, seed: Any) -> bool:
     return device is target_device or device == target_device
 
 
-def _array_names(leaves: list[Any], spec: PyTreeSpec) -> list[str]:
-    """The names of the array leaves among ``leaves`` (of structure ``spec``), for messages."""
+def _array_names(sources: Tree) -> list[str]:
+    """The names of the array leaves of ``sources`` (gradient's argument), for messages."""
+    leaves, spec = flatten_leaves(sources)
     names = leaf_names(spec, "sources")
     return [name for name, leaf in zip(names, leaves, strict=True) if is_array(leaf)]
 
@@ -552,21 +624,21 @@ class HookHandle:
         self._remove()
 
 
-def _returned(names: Callable[[], list[str]], i: int, source: Any, grad: Any, fill: bool) -> Any:
-    """``grad`` as :meth:`Tape.gradient` returns it for ``source`` (named ``names()[i]``)."""
+def _returned(given: Tree, i: int, source: Any, grad: Any, fill: bool) -> Any:
+    """``grad`` as :meth:`Tape.gradient` returns it for ``source``, leaf ``i`` of ``given``."""
     if grad is None:
         return zeros_like(source) if fill else None
     if grad.dtype != source.dtype:
         if grad.dtype.kind == "c" and source.dtype.kind != "c":
             raise TypeError(
-                f"The gradient of {names()[i]} is complex ({grad.dtype}) but the source is real "
-                f"({source.dtype}): take the real part of the target explicitly."
+                f"The gradient of {_array_names(given)[i]} is complex ({grad.dtype}) but the "
+                f"source is real ({source.dtype}): take the real part of the target explicitly."
             )
         grad = cast(grad, source.dtype)  # as PyTorch does
     if grad.shape != source.shape:
         raise ValueError(
-            f"The gradient of {names()[i]} has shape {grad.shape}, its source {source.shape}: a "
-            "recorded operation returned a wrongly shaped gradient."
+            f"The gradient of {_array_names(given)[i]} has shape {grad.shape}, its source "
+            f"{source.shape}: a recorded operation returned a wrongly shaped gradient."
         )
     return grad
 

@@ -25,7 +25,9 @@ __all__ = [
     "count_write",
     "listen_to_writes",
     "own_counter",
+    "read_before_writes",
     "root_buffer",
+    "unread_versions",
     "writes",
 ]
 
@@ -62,6 +64,44 @@ def root_buffer(data: np.ndarray, /) -> np.ndarray:
     return data
 
 
+_reader: Callable[[], None] | None = None
+"""Who reads the versions it was told to read later, before any count moves (the tapes)."""
+
+_unread = False
+"""Whether :func:`unread_versions` was called since the reader last ran."""
+
+
+def read_before_writes(reader: Callable[[], None], /) -> None:
+    """Have ``reader()`` called before the next write counts, once :func:`unread_versions` asks.
+
+    The tapes note the version of each host array a recorded operation touches. They defer the
+    reading: an array no write has hit since it was recorded still has the version it had then,
+    and most arrays of a training step are never written while a tape holds them. So a tape
+    lists what it has not read and calls :func:`unread_versions`; the first :func:`count_write`
+    after that calls ``reader()`` (which reads them all) before it counts. One reader (the
+    recording module registers itself when imported).
+    """
+    global _reader
+    _reader = reader
+
+
+def unread_versions() -> None:
+    """Say that versions wait to be read: the next :func:`count_write` calls the reader first.
+
+    Example:
+        >>> unread_versions()  # the reader (the tapes') runs before the next write counts
+    """
+    global _unread
+    _unread = True
+
+
+def _read_now() -> None:
+    global _unread
+    _unread = False  # before reading: a later unread_versions() must call the reader again
+    if _reader is not None:
+        _reader()
+
+
 def count_write(data: np.ndarray, /) -> None:
     """Count one in-place write into ``data``'s memory.
 
@@ -72,6 +112,8 @@ def count_write(data: np.ndarray, /) -> None:
         >>> writes(data)
         1
     """
+    if _unread:
+        _read_now()
     root = root_buffer(data)
     key = id(root)
     entry = _versions.get(key)
