@@ -7,6 +7,9 @@ expected medians, ratios and spreads exact numbers (the oracle), whatever the ma
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -123,3 +126,50 @@ def test_table_uses_one_unit_and_writes_large_values_without_exponents() -> None
     assert header.split()[2:5] == ["us", "baseline", "us"]
     assert small.split()[2:4] == ["2", "3"]
     assert large.split()[2:4] == ["36,700", "51,000"]
+
+
+_RANKS_SCRIPT = """
+import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_info
+
+from cupy_parallel._tools.benchmarking import mpi_script_main, run_ranks
+
+
+def measure(quick):
+    np.dot(np.ones((64, 64)), np.ones((64, 64)))
+    mine = max(pool["num_threads"] for pool in threadpool_info())
+    every = MPI.COMM_WORLD.allgather(mine)
+    if MPI.COMM_WORLD.Get_rank() != 0:  # the first rank reports, as the benchmarks do
+        return []
+    row = {"name": f"BLAS threads by rank: {every}", "seconds": 1.0, "baseline_seconds": 1.0}
+    return [{**row, "ratio": 1.0, "target": None, "every": every}]
+
+
+mpi_script_main(measure, lambda quick: run_ranks(__file__, 2, quick=quick), "pins", "pins")
+"""
+
+
+@pytest.mark.mpi
+def test_every_rank_of_an_mpi_benchmark_measures_with_one_blas_thread(tmp_path: Any) -> None:
+    """Seen before: only the first rank was pinned; ``bench_sharded``'s other ranks ran two
+    OpenBLAS threads each on a 2-core machine, which made every ``D = 512`` matmul about 20x
+    slower (a step of 0.52 s against 0.027 s) and every variant's ratio about 1.0."""
+    pytest.importorskip("threadpoolctl")
+    from thread_ranks import MPIEXEC
+
+    if MPIEXEC is None:
+        pytest.skip("needs mpiexec (pip install mpich)")
+    script = tmp_path / "bench_pins.py"
+    script.write_text(_RANKS_SCRIPT)
+    rows = benchmarking.run_ranks(str(script), 2, quick=True, timeout=120)  # --worker mode
+    assert rows[0]["every"] == [1, 1]
+    done = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, str(script), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "BLAS threads by rank: [1, 1]" in done.stdout, done.stdout
