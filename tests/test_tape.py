@@ -1409,3 +1409,36 @@ def test_ready_hooks_run_mid_pass_in_the_order_gradients_become_final() -> None:
     # consumer recorded between them, no gradient reaches it) gets None once that node is passed
     assert events == ["unused None", "w2 (3, 1)", "side None", "probe backward", "w1 (3, 3)"]
     np.testing.assert_array_equal(grads[2], np.zeros(2))
+
+
+@pytest.mark.parametrize(
+    ("name", "op"),
+    [
+        ("reshape to a list", lambda x: ops.reshape(x, [3, 2])),
+        ("transpose by a list", lambda x: ops.transpose(x, [1, 0])),
+        ("a scalar first", lambda x: ops.multiply(2.0, x)),
+        ("a power of 0", lambda x: ops.power(x, 0.0)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_host_ops_off_the_fast_paths_match_numpy(name: str, op: Any) -> None:
+    """The ops' general paths (a list where the fast path takes a tuple, a scalar operand
+    first): host arrays give NumPy's values and gradients."""
+    data = np.arange(1.0, 7.0).reshape(2, 3)
+    results = []
+    for x in (data.copy(), to_device(data.copy(), "host:0")):
+        with Tape() as tape:
+            tape.watch(x)
+            y = op(x)
+            loss = ops.sum(ops.multiply(y, y))
+        results.append((to_numpy(y), to_numpy(tape.gradient(loss, x))))
+    (want_y, want_g), (got_y, got_g) = results
+    np.testing.assert_array_equal(got_y, want_y)
+    np.testing.assert_array_equal(got_g, want_g)
+
+
+def test_a_unary_op_of_a_python_scalar_gives_numpy_s_0d_array() -> None:
+    got = ops.tanh(0.5)
+    assert type(got) is np.ndarray
+    assert got.shape == ()
+    assert got == np.tanh(0.5)
