@@ -16,8 +16,9 @@ rows of :class:`~cupy_parallel.DistributedDataParallel`'s averaged gradients.
 Memory (``reshard_after_forward=True``, FSDP's FULL_SHARD): once ``fn`` holds a unit no more (it
 reads another unit, or returns), the unit's gathered arrays are swapped out of the tape
 (:func:`~cupy_parallel._src.recording.swap_out`: the tape's nodes keep stand-ins, and the
-backward pass gathers the unit again, once, when its first node needs it), so a rank holds its
-shards plus the units in use (and the one prefetched). ``False`` (SHARD_GRAD_OP) keeps them until
+backward pass gathers the unit again, once, at the last node that holds its arrays, on every
+rank whether or not a gradient reached that node there), so a rank holds its shards plus the
+units in use (and the one prefetched). ``False`` (SHARD_GRAD_OP) keeps them until
 the tape is released.
 
 Layout (FSDP2's): a parameter of ``n`` rows on ``W`` ranks has shards of ``c = ceil(n / W)``
