@@ -463,3 +463,53 @@ def test_a_refused_reduction_of_a_swapped_unit_the_loss_does_not_use() -> None:
     for i, like in enumerate(_leaves(want["a"])):
         got = _whole([_leaves(res["a"])[i] for res in results], like)
         np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("where", ["before_c", "after_c"])
+def test_a_statistic_rank_0_logs_moves_no_gather_of_the_backward_pass(where: str) -> None:
+    """Rank 0 records the norm of unit a's weight (logged, unused by the loss) after a's and
+    b's last operations, before or after reading c: a's last node moves on rank 0 only.
+
+    Seen before (with each swap's last node run on every pass, before the ranks compared where
+    those nodes fall): no error and a's gradient off by 0.90 (before_c: rank 0 gathered a
+    again where the others gathered b, one layout), or "ranks differ in the array they passed"
+    (after_c: rank 0 gathered a where the others reduce-scattered c). Now the ranks take the
+    call's swaps back (a rank-divergent tape keeps its units gathered; the gradient is right).
+    """
+    rng = np.random.default_rng(5)
+    params = {"a": {"w": rng.normal(size=(4, 2))}, "b": {"w": rng.normal(size=(4, 2))}}
+    params["c"] = {"w": rng.normal(size=(4, 1))}
+    xs = [rng.normal(size=(3, 4)) for _ in range(WORLD)]
+
+    def fn(units: Any, x: Any, log: list[Any] | None) -> Any:
+        a, b = units["a"], units["b"]
+        h = ops.tanh(ops.matmul(x, a["w"]))
+        g = ops.tanh(ops.matmul(h, ops.transpose(b["w"])))
+        out = ops.add(ops.sum(g), ops.sum(ops.multiply(a["w"], 2.0)))  # a's last node
+        out = ops.add(out, ops.sum(ops.multiply(b["w"], 3.0)))  # b's last node
+        if log is not None and where == "before_c":
+            log.append(ops.sum(ops.square(a["w"])))
+        out = ops.add(out, ops.sum(ops.matmul(g, units["c"]["w"])))
+        if log is not None and where == "after_c":
+            log.append(ops.sum(ops.square(a["w"])))
+        return out
+
+    want = {k: np.zeros_like(v["w"]) for k, v in params.items()}
+    for x in xs:
+        p = _copy(params)
+        with cp.Tape() as tape:
+            tape.watch(p)
+            loss = fn(p, x, None)
+        for k, grad in tape.gradient(loss, p).items():
+            want[k] += grad["w"] / WORLD
+
+    def rank(r: int) -> Any:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(params))
+        with cp.Tape() as tape:
+            loss = fsdp(xs[r], [] if r == 0 else None)
+        return tape.gradient(loss, fsdp.params)
+
+    results = dist.spawn(rank, WORLD, timeout=60)
+    for k, like in want.items():
+        got = _whole([res[k]["w"] for res in results], like)
+        np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)

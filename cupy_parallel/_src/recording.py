@@ -80,6 +80,7 @@ __all__ = [
     "add_ready_hook",
     "append_node",
     "at_pass_end",
+    "backward_schedule",
     "cast",
     "deactivate",
     "in_backward",
@@ -863,6 +864,7 @@ class Swap:
         self.versions: dict[int, int | None] = {}
         self.committed = False
         self.first = 0  # the index of the tape's first node it looked at (set by swap_out)
+        self.last = -1  # the index of the last node it wrapped: the arrays are rebuilt there
 
     def commit(self) -> None:
         """Drop the originals: from now on only :meth:`restore` gives the arrays back.
@@ -898,6 +900,8 @@ class Swap:
                 vjp, inputs, needs, outputs, aux, cuda = tape._nodes[index]
                 if wrapped:
                     vjp, aux = _unwrap(vjp, aux, self)
+                    if vjp is _swapped_last_vjp and all(s.last != index for s in _chain(aux)):
+                        vjp = _swapped_vjp  # the last node of no swap left around it
                 inputs = tuple(back.get(id(a), a) for a in inputs)
                 outputs = tuple(back.get(id(a), a) for a in outputs)
                 tape._nodes[index] = (vjp, inputs, needs, outputs, aux, cuda)
@@ -978,6 +982,7 @@ def swap_out(
                 swap.changed.append((index, wrap))
         if last >= 0 and nodes[last][0] is _swapped_vjp:
             nodes[last] = (_swapped_last_vjp, *nodes[last][1:])
+        swap.last = last
         for k, rebuild in swap.rebuilds.items():
             if tape._tracked.pop(k, None) is not None:
                 tape._tracked[id(rebuild.stand_in)] = rebuild.stand_in
@@ -1000,6 +1005,17 @@ def _wrapper(vjp: Vjp) -> Vjp:
     return _swapped_collective_vjp if vjp in _COLLECTIVE_VJPS else _swapped_vjp
 
 
+def _chain(aux: Any) -> list[Swap]:
+    """The swaps whose wrappers are around a node, outermost first (``aux``: the outermost's)."""
+    swaps = []
+    while True:
+        vjp, inner, _, swap = aux
+        swaps.append(swap)
+        if vjp not in _WRAPPERS:
+            return swaps
+        aux = inner
+
+
 def _restore_in_order(aux: Any) -> None:
     """Rebuild the arrays of every swap around a node, in the order their gathers were recorded.
 
@@ -1009,15 +1025,34 @@ def _restore_in_order(aux: Any) -> None:
     ranks gather the units in different orders (two units of one layout exchanging their rows
     without an error). Their first nodes are the same on every rank.
     """
-    swaps = []
-    while True:
-        vjp, inner, _, swap = aux
-        swaps.append(swap)
-        if vjp not in _WRAPPERS:
-            break
-        aux = inner
-    for swap in sorted(swaps, key=lambda s: s.first):
+    for swap in sorted(_chain(aux), key=lambda s: s.first):
         swap.restore()
+
+
+def backward_schedule(
+    tape: Records, start: int, names: dict[int, Any], /
+) -> list[tuple[str, list[Any]]]:
+    """What a reverse pass over ``tape``'s nodes from ``start`` does that other ranks must match.
+
+    In the order the nodes were recorded: ``("collective", swaps)`` for a collective's node,
+    ``("restore", swaps)`` for a swap's last node (where the pass rebuilds the swapped arrays,
+    a collective for FSDP, whether or not a gradient arrives), ``swaps`` the names (from
+    ``names``, by ``id`` of the :class:`Swap`; others left out) of the swaps around the node,
+    sorted. Nodes of neither kind are left out: which of them a rank recorded (a statistic
+    logged on one rank) changes nothing the other ranks see, unless it moves a swap's last
+    node, which this shows.
+    """
+    schedule: list[tuple[str, list[Any]]] = []
+    with tape._lock:
+        for node in tape._nodes[start:]:
+            vjp, aux = node[0], node[4]
+            last = vjp is _swapped_last_vjp
+            if not last and vjp not in _COLLECTIVE_VJPS:
+                continue
+            swaps = _chain(aux) if vjp in _WRAPPERS else []
+            named = sorted(names[id(s)] for s in swaps if id(s) in names)
+            schedule.append(("restore" if last else "collective", named))
+    return schedule
 
 
 def _swapped_vjp(
