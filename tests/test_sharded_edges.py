@@ -321,3 +321,195 @@ def test_full_params_refuses_to_run_while_a_tape_records() -> None:
             np.testing.assert_array_equal(again, want)
 
     dist.spawn(rank, 2, timeout=60)
+
+
+def test_units_swapped_out_at_different_points_are_gathered_again_in_one_order() -> None:
+    """A node holds arrays of units a and b (one layout); rank 0's fn holds a while it reads c.
+
+    Seen before: no error, and gradients of a and b off by up to 2.10: rank 0 swapped a out
+    when fn returned, the others when it read c, so the node was wrapped by a's swap then b's
+    on one rank and the other way round on the others; the backward pass gathered a again on
+    rank 0 while the others gathered b, and the two all-gathers of one size swapped rows.
+    """
+    rng = np.random.default_rng(5)
+    params = {"a": {"w": rng.normal(size=(4, 2))}, "b": {"w": rng.normal(size=(4, 2))}}
+    params["c"] = {"w": rng.normal(size=(4, 1))}
+    xs = [rng.normal(size=(3, 4)) for _ in range(WORLD)]
+
+    def body(p: Any, x: Any) -> Any:
+        h = ops.tanh(ops.matmul(x, p["a"]["w"]))
+        out = ops.sum(ops.matmul(h, ops.transpose(p["b"]["w"])))
+        both = ops.multiply(p["a"]["w"], p["b"]["w"])  # the last node holding a's or b's arrays
+        return h, ops.add(out, ops.sum(both))
+
+    def fn(units: Any, x: Any, hold: bool) -> Any:
+        a, b = units["a"], units["b"]
+        h, out = body({"a": a, "b": b}, x)
+        held = a if hold else None  # rank 0 lets go of a only when fn returns
+        del a, b
+        out = ops.add(out, ops.sum(ops.multiply(h, ops.sum(units["c"]["w"]))))
+        del held
+        return out
+
+    want = {k: np.zeros_like(v["w"]) for k, v in params.items()}
+    for x in xs:  # the plain tape's gradient, averaged over the ranks' batches
+        p = _copy(params)
+        with cp.Tape() as tape:
+            tape.watch(p)
+            loss = fn(p, x, False)
+        for k, g in tape.gradient(loss, p).items():
+            want[k] += g["w"] / WORLD
+
+    def rank(r: int) -> Any:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(params))
+        with cp.Tape() as tape:
+            loss = fsdp(xs[r], r == 0)
+        return tape.gradient(loss, fsdp.params)
+
+    results = dist.spawn(rank, WORLD, timeout=60)
+    for k, like in want.items():
+        got = _whole([res[k]["w"] for res in results], like)
+        np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)
+
+
+class _Pair(cp.Function):
+    """Two new arrays of one input (a node of two outputs, neither a view of the input)."""
+
+    @staticmethod
+    def forward(ctx: Any, w: Any) -> Any:
+        return w * 2.0, w * 3.0
+
+    @staticmethod
+    def backward(ctx: Any, g: Any, h: Any) -> Any:
+        return sum(f * d for f, d in ((2.0, g), (3.0, h)) if d is not None)
+
+
+@pytest.mark.parametrize("last", ["one_output", "two_outputs"])
+def test_a_head_one_ranks_loss_leaves_out_is_gathered_again_by_every_rank(last: str) -> None:
+    """A second head on unit c whose loss rank 1 leaves out (no labels for it in its batch).
+
+    Seen before (FULL_SHARD): the ranks whose loss used the head gathered c again in the
+    backward pass (its first node a gradient reached) while rank 1, reached by none, went on
+    to reduce-scatter c: "rank 0: all_gather; rank 1: reduce_scatter" (a real GPU hangs or
+    mixes the buffers). Now a swap's last node gathers its unit again on every pass; with
+    two outputs, the reverse pass skipped that node where no gradient came.
+    """
+
+    def fn(units: Any, x: Any) -> Any:
+        a = units["a"]
+        h = ops.tanh(ops.add(ops.matmul(x, a["w"]), a["b"]))
+        del a
+        b = units["b"]
+        main = ops.sum(ops.multiply(ops.matmul(h, b["w"]), b["s"]))
+        del b
+        w = units["c"]["w"]
+        if last == "one_output":
+            return main, ops.sum(ops.matmul(h, w))
+        p, q = _Pair.apply(w)  # the last node holding c's array
+        return main, ops.add(ops.sum(p), ops.sum(ops.matmul(h, q)))
+
+    def loss_of(out: Any, r: int) -> Any:
+        main, side = out
+        return main if r == 1 else ops.add(main, side)
+
+    want = {k: [np.zeros_like(a) for a in _leaves(v)] for k, v in PARAMS.items()}
+    for r, x in enumerate(XS):
+        p = _copy(PARAMS)
+        with cp.Tape() as tape:
+            tape.watch(p)
+            loss = loss_of(fn(p, x), r)
+        for k, g in tape.gradient(loss, p).items():
+            for total, leaf in zip(want[k], _leaves(g), strict=True):
+                np.add(total, leaf / WORLD, out=total)
+
+    def rank(r: int) -> Any:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(PARAMS))
+        with cp.Tape() as tape:
+            loss = loss_of(fsdp(XS[r]), r)
+        return tape.gradient(loss, fsdp.params)
+
+    results = dist.spawn(rank, WORLD, timeout=60)
+    for k, likes in want.items():
+        for i, like in enumerate(likes):
+            got = _whole([_leaves(res[k])[i] for res in results], like)
+            np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)
+
+
+def test_a_refused_reduction_of_a_swapped_unit_the_loss_does_not_use() -> None:
+    """``functional.all_reduce(w, ReduceOp.PRODUCT)`` of a gathered weight, kept for logging only.
+
+    Seen before (FULL_SHARD): gradient() raised "all_reduce with ReduceOp.PRODUCT has no
+    gradient here" though the loss does not use the product (the plain tape and SHARD_GRAD_OP
+    do not raise): the swap's wrapper gave the refused reduction zeros, not "no gradient".
+    """
+    from cupy_parallel.distributed import ReduceOp
+    from cupy_parallel.distributed.nn import functional
+
+    logged: list[Any] = []
+
+    def fn(units: Any, x: Any) -> Any:
+        logged.append(functional.all_reduce(units["a"]["w"], ReduceOp.PRODUCT))
+        return _head(units, x, False)
+
+    want = _plain_gradient(lambda p, x: _head(p, x, False), PARAMS)
+
+    def rank(r: int) -> Any:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(PARAMS))
+        with cp.Tape() as tape:
+            loss = fsdp(XS[r])
+        return tape.gradient(loss, fsdp.params)
+
+    results = dist.spawn(rank, WORLD, timeout=60)
+    for i, like in enumerate(_leaves(want["a"])):
+        got = _whole([_leaves(res["a"])[i] for res in results], like)
+        np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("where", ["before_c", "after_c"])
+def test_a_statistic_rank_0_logs_moves_no_gather_of_the_backward_pass(where: str) -> None:
+    """Rank 0 records the norm of unit a's weight (logged, unused by the loss) after a's and
+    b's last operations, before or after reading c: a's last node moves on rank 0 only.
+
+    Seen before (with each swap's last node run on every pass, before the ranks compared where
+    those nodes fall): no error and a's gradient off by 0.90 (before_c: rank 0 gathered a
+    again where the others gathered b, one layout), or "ranks differ in the array they passed"
+    (after_c: rank 0 gathered a where the others reduce-scattered c). Now the ranks take the
+    call's swaps back (a rank-divergent tape keeps its units gathered; the gradient is right).
+    """
+    rng = np.random.default_rng(5)
+    params = {"a": {"w": rng.normal(size=(4, 2))}, "b": {"w": rng.normal(size=(4, 2))}}
+    params["c"] = {"w": rng.normal(size=(4, 1))}
+    xs = [rng.normal(size=(3, 4)) for _ in range(WORLD)]
+
+    def fn(units: Any, x: Any, log: list[Any] | None) -> Any:
+        a, b = units["a"], units["b"]
+        h = ops.tanh(ops.matmul(x, a["w"]))
+        g = ops.tanh(ops.matmul(h, ops.transpose(b["w"])))
+        out = ops.add(ops.sum(g), ops.sum(ops.multiply(a["w"], 2.0)))  # a's last node
+        out = ops.add(out, ops.sum(ops.multiply(b["w"], 3.0)))  # b's last node
+        if log is not None and where == "before_c":
+            log.append(ops.sum(ops.square(a["w"])))
+        out = ops.add(out, ops.sum(ops.matmul(g, units["c"]["w"])))
+        if log is not None and where == "after_c":
+            log.append(ops.sum(ops.square(a["w"])))
+        return out
+
+    want = {k: np.zeros_like(v["w"]) for k, v in params.items()}
+    for x in xs:
+        p = _copy(params)
+        with cp.Tape() as tape:
+            tape.watch(p)
+            loss = fn(p, x, None)
+        for k, grad in tape.gradient(loss, p).items():
+            want[k] += grad["w"] / WORLD
+
+    def rank(r: int) -> Any:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(params))
+        with cp.Tape() as tape:
+            loss = fsdp(xs[r], [] if r == 0 else None)
+        return tape.gradient(loss, fsdp.params)
+
+    results = dist.spawn(rank, WORLD, timeout=60)
+    for k, like in want.items():
+        got = _whole([res[k]["w"] for res in results], like)
+        np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)

@@ -36,7 +36,10 @@ A tape keeps every array its nodes consumed or produced alive until it is releas
 sharded training that is too long: :func:`swap_out` takes chosen arrays (and the views of their
 memory) out of the nodes, leaving stand-ins of one element, and has each node that needs them
 rebuild them from a ``restore`` callback when the pass reaches it (torch FSDP frees an unsharded
-parameter's storage under the autograd graph the same way).
+parameter's storage under the autograd graph the same way). The restore is a collective for
+FSDP, so where it runs may not depend on where gradients arrive: a swap's last node runs on
+every pass (as a collective's), and a node several swaps wrapped restores them in the order
+their first nodes were recorded.
 
 The active tapes live in a :class:`contextvars.ContextVar`, so
 ``contextvars.copy_context().run(...)`` carries them into worker threads; recording takes a
@@ -83,6 +86,7 @@ __all__ = [
     "add_ready_hook",
     "append_node",
     "at_pass_end",
+    "backward_schedule",
     "cast",
     "deactivate",
     "in_backward",
@@ -602,14 +606,14 @@ def pullback(
                         zeros_like(y) if g is None else g
                         for y, g in zip(outputs, out_grads, strict=True)
                     ]
-                elif len(grads) == size:
-                    out_grads = None  # no gradient reaches this node
+                elif len(grads) == size and vjp not in _COLLECTIVE_VJPS:
+                    out_grads = None  # no gradient reaches this node (a collective still runs)
             if out_grads is not None:
                 if keep:
                     _keep(kept, keep, outputs, out_grads)
-                if written:
+                if written and _reached(out_grads):
                     _refuse_written(tape, node, written)
-                if tape._overwritten:
+                if tape._overwritten and _reached(out_grads):
                     _refuse_overwritten(tape, node)
                 if cuda is None:
                     in_grads = vjp(out_grads, inputs, needs, outputs, aux)
@@ -647,6 +651,11 @@ def _seeded(targets: Sequence[Any], seeds: Sequence[Any]) -> dict[int, Any]:
         k = id(t)
         grads[k] = s if k not in grads else _sum_pair(grads[k], s)
     return grads
+
+
+def _reached(grads: list[Any]) -> bool:
+    """Whether a gradient reached a node (a collective given ``None`` everywhere reads nothing)."""
+    return any(g is not None for g in grads)
 
 
 def _ready_at(tape: Records) -> dict[int, list[int]]:
@@ -931,6 +940,8 @@ class Swap:
         # id(original) -> the host version the tape noted (the entry holds no array: a swap's
         # references are counted by its caller); put back by undo
         self.versions: dict[int, int | None] = {}
+        self.first = 0  # the index of the tape's first node it looked at (set by swap_out)
+        self.last = -1  # the index of the last node it wrapped: the arrays are rebuilt there
 
     def commit(self) -> None:
         """Drop the originals: from now on only :meth:`restore` gives the arrays back.
@@ -968,6 +979,8 @@ class Swap:
                 vjp, inputs, needs, outputs, aux, cuda = tape._nodes[index]
                 if wrapped:
                     vjp, aux = _unwrap(vjp, aux, self)
+                    if vjp is _swapped_last_vjp and all(s.last != index for s in _chain(aux)):
+                        vjp = _swapped_vjp  # the last node of no swap left around it
                 inputs = tuple(back.get(id(a), a) for a in inputs)
                 outputs = tuple(back.get(id(a), a) for a in outputs)
                 tape._nodes[index] = (vjp, inputs, needs, outputs, aux, cuda)
@@ -1014,12 +1027,14 @@ def swap_out(
     if type(tape._nodes) is not list:
         return None
     swap = Swap(tape, restore, owners)
+    swap.first = first
     keys = {key: j for j, key in enumerate(swap.keys)}
     with tape._lock:
         _read_versions(tape)  # the nodes change below: their arrays' versions first
         if not _leaf_memory(tape).isdisjoint(keys):
             return None
         nodes = tape._nodes
+        last = -1  # the last node wrapped: the pass rebuilds the arrays there, on every rank
         for index in range(first, len(nodes)):
             vjp, inputs, needs, outputs, aux, cuda = nodes[index]
             positions = []
@@ -1041,9 +1056,13 @@ def swap_out(
                 wrap = vjp not in _SHAPES_ONLY
                 if wrap:
                     aux = (vjp, aux, tuple(positions), swap)
-                    vjp = _swapped_collective_vjp if vjp in _COLLECTIVE_VJPS else _swapped_vjp
+                    vjp = _wrapper(vjp)
+                    last = index
                 nodes[index] = (vjp, new_inputs, needs, new_outputs, aux, cuda)
                 swap.changed.append((index, wrap))
+        if last >= 0 and nodes[last][0] is _swapped_vjp:
+            nodes[last] = (_swapped_last_vjp, *nodes[last][1:])
+        swap.last = last
         for k, rebuild in swap.rebuilds.items():
             if tape._tracked.pop(k, None) is not None:
                 tape._tracked[id(rebuild.stand_in)] = rebuild.stand_in
@@ -1053,11 +1072,76 @@ def swap_out(
     return swap
 
 
+def _wrapper(vjp: Vjp) -> Vjp:
+    """The vjp a swap puts around a node's ``vjp`` (maybe a wrapper already): run when it ran.
+
+    A collective's wrapper runs on every pass, given zeros or ``None`` as the collective's own
+    vjp; a wrapper around a swap's last node (:func:`_swapped_last_vjp`) stays one.
+    """
+    if vjp is _swapped_last_vjp:
+        return _swapped_last_vjp
+    if vjp in _UNZEROED_VJPS:
+        return _swapped_unzeroed_vjp
+    return _swapped_collective_vjp if vjp in _COLLECTIVE_VJPS else _swapped_vjp
+
+
+def _chain(aux: Any) -> list[Swap]:
+    """The swaps whose wrappers are around a node, outermost first (``aux``: the outermost's)."""
+    swaps = []
+    while True:
+        vjp, inner, _, swap = aux
+        swaps.append(swap)
+        if vjp not in _WRAPPERS:
+            return swaps
+        aux = inner
+
+
+def _restore_in_order(aux: Any) -> None:
+    """Rebuild the arrays of every swap around a node, in the order their gathers were recorded.
+
+    A node holding the arrays of several swaps is wrapped once by each, in the order they
+    were made, which is each rank's own (a unit swapped out while ``fn`` reads the next one on
+    one rank, at the end of the call on another): restoring them by that order would have the
+    ranks gather the units in different orders (two units of one layout exchanging their rows
+    without an error). Their first nodes are the same on every rank.
+    """
+    for swap in sorted(_chain(aux), key=lambda s: s.first):
+        swap.restore()
+
+
+def backward_schedule(
+    tape: Records, start: int, names: dict[int, Any], /
+) -> list[tuple[str, list[Any]]]:
+    """What a reverse pass over ``tape``'s nodes from ``start`` does that other ranks must match.
+
+    In the order the nodes were recorded: ``("collective", swaps)`` for a collective's node,
+    ``("restore", swaps)`` for a swap's last node (where the pass rebuilds the swapped arrays,
+    a collective for FSDP, whether or not a gradient arrives), ``swaps`` the names (from
+    ``names``, by ``id`` of the :class:`Swap`; others left out) of the swaps around the node,
+    sorted. Nodes of neither kind are left out: which of them a rank recorded (a statistic
+    logged on one rank) changes nothing the other ranks see, unless it moves a swap's last
+    node, which this shows.
+    """
+    schedule: list[tuple[str, list[Any]]] = []
+    with tape._lock:
+        for node in tape._nodes[start:]:
+            vjp, aux = node[0], node[4]
+            last = vjp is _swapped_last_vjp
+            if not last and vjp not in _COLLECTIVE_VJPS:
+                continue
+            swaps = _chain(aux) if vjp in _WRAPPERS else []
+            named = sorted(names[id(s)] for s in swaps if id(s) in names)
+            schedule.append(("restore" if last else "collective", named))
+    return schedule
+
+
 def _swapped_vjp(
     gs: list[Any], xs: tuple[Any, ...], needs: Any, ys: tuple[Any, ...], aux: Any
 ) -> Any:
     """A swapped node's vjp: rebuild the arrays swapped out, then run the original vjp."""
     vjp, inner, positions, swap = aux
+    if vjp in _WRAPPERS:  # wrapped by several swaps: every rank restores them in one order
+        _restore_in_order(aux)
     bases = swap.restore()
     arrays = [*xs, *ys]
     for i, rebuild in positions:
@@ -1073,9 +1157,39 @@ def _swapped_collective_vjp(
     return _swapped_vjp(gs, xs, needs, ys, aux)
 
 
+def _swapped_unzeroed_vjp(
+    gs: list[Any], xs: tuple[Any, ...], needs: Any, ys: tuple[Any, ...], aux: Any
+) -> Any:
+    """:func:`_swapped_vjp` of a collective given ``None`` where no gradient arrived."""
+    return _swapped_vjp(gs, xs, needs, ys, aux)
+
+
+def _swapped_last_vjp(
+    gs: list[Any], xs: tuple[Any, ...], needs: Any, ys: tuple[Any, ...], aux: Any
+) -> Any:
+    """:func:`_swapped_vjp` of a swap's last node, run on every pass even where no gradient came.
+
+    Where a swap's arrays are rebuilt is a collective (FSDP gathers the unit again): it must
+    happen at the same node on every rank, not at the first node some gradient reaches, which
+    differs where a rank's loss does not use an output (a head whose task has no labels in
+    that rank's batch). The reverse pass reaches a swap's last node before its others: here
+    it rebuilds the arrays on every rank; with no gradient it only does that.
+    """
+    for g in gs:
+        if g is not None:
+            return _swapped_vjp(gs, xs, needs, ys, aux)
+    _restore_in_order(aux)
+    return (None,) * len(xs)
+
+
 mark_collective(_swapped_collective_vjp)
-name_nodes(_swapped_vjp, lambda aux: op_name(aux[0], aux[1]))
-name_nodes(_swapped_collective_vjp, lambda aux: op_name(aux[0], aux[1]))
+mark_collective(_swapped_unzeroed_vjp, zeros=False)
+mark_collective(_swapped_last_vjp, zeros=False)
+_WRAPPERS = frozenset(
+    {_swapped_vjp, _swapped_collective_vjp, _swapped_unzeroed_vjp, _swapped_last_vjp}
+)
+for _wrapped in _WRAPPERS:
+    name_nodes(_wrapped, lambda aux: op_name(aux[0], aux[1]))
 
 _SHAPES_ONLY: set[Vjp] = set()
 """The vjps reading only their outputs' shapes and dtypes (:func:`mark_shapes_only`)."""

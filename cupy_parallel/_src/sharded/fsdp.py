@@ -16,8 +16,9 @@ rows of :class:`~cupy_parallel.DistributedDataParallel`'s averaged gradients.
 Memory (``reshard_after_forward=True``, FSDP's FULL_SHARD): once ``fn`` holds a unit no more (it
 reads another unit, or returns), the unit's gathered arrays are swapped out of the tape
 (:func:`~cupy_parallel._src.recording.swap_out`: the tape's nodes keep stand-ins, and the
-backward pass gathers the unit again, once, when its first node needs it), so a rank holds its
-shards plus the units in use (and the one prefetched). ``False`` (SHARD_GRAD_OP) keeps them until
+backward pass gathers the unit again, once, at the last node that holds its arrays, on every
+rank whether or not a gradient reached that node there), so a rank holds its shards plus the
+units in use (and the one prefetched). ``False`` (SHARD_GRAD_OP) keeps them until
 the tape is released.
 
 Layout (FSDP2's): a parameter of ``n`` rows on ``W`` ranks has shards of ``c = ceil(n / W)``
@@ -57,6 +58,7 @@ from cupy_parallel._src.hostarray import HostArray, host_array, host_buffer, pla
 from cupy_parallel._src.optim.clip import mark_sharded_gradients
 from cupy_parallel._src.recording import (
     active_tapes,
+    backward_schedule,
     mark_collective,
     mark_shapes_only,
     node_count,
@@ -422,6 +424,7 @@ class _Call:
         self.swaps: dict[int, list[Swap]] = {}  # id(gathered) -> its committed swaps
         self.closed = False
         self.lock = threading.RLock()
+        self.starts = [node_count(tape) for tape in tapes]  # where the call's nodes begin
         if tapes:  # every unit's alias node first: the pass runs them after all gathers
             for u, unit in enumerate(fsdp._units):
                 if unit.shards:
@@ -657,7 +660,11 @@ class FullyShardedDataParallel(Generic[Params, Output]):
     - **Resharding** (``reshard_after_forward=True``): a unit's gathered arrays leave the tape
       once ``fn`` holds none of them (checked by reference counts: a unit ``fn`` keeps, returns
       or stores stays gathered, so nothing recorded on it is lost); the backward pass gathers it
-      again. A ``Tape(check_writes=True)`` keeps them (it fingerprints their bytes).
+      again at the last operation that used it, on every rank (whether or not that rank's loss
+      uses the result). Where a rank recorded operations the others did not (a statistic
+      logged on rank 0) and that moves a re-gather among the backward pass's collectives, the
+      call's units stay gathered on every rank. A ``Tape(check_writes=True)`` keeps them (it
+      fingerprints their bytes).
     - ``fsdp.params`` is updated in place (any :mod:`cupy_parallel.optim` optimizer does);
       it cannot be replaced.
 
@@ -969,26 +976,26 @@ class FullyShardedDataParallel(Generic[Params, Output]):
         shards without any error (the loss and gradients silently wrong), so the ranks compare
         the order of their reads before ``fn``'s output is returned, and raise alike.
 
-        A swapped-out gather is gathered again in the backward pass; one that something else
-        still held (``fn`` kept the array, or a reference cycle the collector has not freed
-        yet) stays in the tape. That is each rank's own finding, so the ranks compare it too:
-        where they differ, every rank gathers the unit once more now and the ranks that had
-        swapped it out take it back, so the backward passes make the same collectives (not
-        one rank's re-gather against another's reduce-scatter).
+        A swapped-out gather is gathered again in the backward pass, at the last node that
+        holds its arrays; one that something else still held (``fn`` kept the array, or a
+        reference cycle the collector has not freed yet) stays in the tape. That is each
+        rank's own finding, so the ranks compare it too: where they differ, every rank gathers
+        the unit once more now and the ranks that had swapped it out take it back, so the
+        backward passes make the same collectives (not one rank's re-gather against another's
+        reduce-scatter). Then the ranks compare where, among the collectives their backward
+        passes will make, each re-gather falls (:func:`backward_schedule`): a node recorded
+        on some ranks only (a statistic of a unit logged on rank 0 after the next unit was
+        read) moves it; where they differ, every swapped gather of the call is taken back.
 
         Every call: one all-gather of two 16-byte digests (a collective of fixed size, rather
-        than an object all-gather's two, with their pickling); the reads or swaps themselves
-        travel only when the digests differ.
+        than an object all-gather's two, with their pickling); the reads, swaps and schedules
+        themselves travel only when the digests differ.
         """
         if self._world == 1:
             return
         swapped = bytes(g.owners is None for g in call.recorded)
-        mine = _digest(repr(call.gathers).encode()) + _digest(swapped)
-        pg = resolve_group(self.process_group)
-        assert pg is not None
-        gathered = _buffer(pg, self._world * len(mine))
-        all_gather_into_tensor(gathered, _buffer(pg, mine), self.process_group)
-        every = _host(gathered).tobytes()
+        mine = _digest(repr(call.gathers).encode()) + _digest(swapped + self._schedule(call))
+        every = self._all_digests(mine)
         if every == mine * self._world:
             return
         size = len(mine)
@@ -1003,15 +1010,45 @@ class FullyShardedDataParallel(Generic[Params, Output]):
                 f"gathers recorded: {[len(flags) for flags in seen]}): its backward pass "
                 "reduce-scatters with every rank, so record the call on every rank or on none."
             )
+        everywhere = []  # the gathers every rank swapped out
         for g, flags in zip(call.recorded, zip(*seen, strict=True), strict=True):
             if len(set(flags)) == 1:
+                everywhere.append(flags[0])
                 continue
-            owners = _wait_and_unpack(
-                self._units[g.unit], self._issue(g.unit, "regather to agree"), self._world
-            )[1]
-            for swap in call.swaps.pop(id(g), []):
-                swap.undo(owners)
-            del owners
+            everywhere.append(False)
+            self._take_back(call, g)
+        mine = _digest(self._schedule(call))
+        if self._all_digests(mine) != mine * self._world:
+            for g, swapped_out in zip(call.recorded, everywhere, strict=True):
+                if swapped_out:
+                    self._take_back(call, g)
+
+    def _all_digests(self, mine: bytes) -> bytes:
+        """Every rank's ``mine`` (bytes of one length), in rank order: one all-gather."""
+        pg = resolve_group(self.process_group)
+        assert pg is not None
+        gathered = _buffer(pg, self._world * len(mine))
+        all_gather_into_tensor(gathered, _buffer(pg, mine), self.process_group)
+        return bytes(_host(gathered).tobytes())
+
+    def _schedule(self, call: _Call) -> bytes:
+        """Where the call's re-gathers fall among its backward collectives, on each tape."""
+        names = {
+            id(swap): k for k, g in enumerate(call.recorded) for swap in call.swaps.get(id(g), [])
+        }
+        schedules = [
+            backward_schedule(tape, start, names)
+            for tape, start in zip(call.tapes, call.starts, strict=True)
+        ]
+        return repr(schedules).encode()
+
+    def _take_back(self, call: _Call, g: _Gathered) -> None:
+        """Gather ``g``'s unit once more (every rank); the ranks that swapped it out take it."""
+        owners = _wait_and_unpack(
+            self._units[g.unit], self._issue(g.unit, "regather to agree"), self._world
+        )[1]
+        for swap in call.swaps.pop(id(g), []):
+            swap.undo(owners)
 
     def _refuse_reads(self, gathers: list[int]) -> None:
         """Raise, on every rank alike, the units each rank read (one object all-gather)."""
