@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic
 
 from cupy_parallel._src.arguments import read_bool, read_callable, read_int
-from cupy_parallel._src.arrays import device_of, empty, is_array, shares_memory
+from cupy_parallel._src.arrays import array_namespace, device_of, empty, is_array, shares_memory
 from cupy_parallel._src.arraytypes import Output, Params
 from cupy_parallel._src.checkpoint.shard import Shard
 from cupy_parallel._src.compute import on_device_of, zeros_like
@@ -184,6 +184,7 @@ def _pack(buffer: Any, group: _Group, arrays: list[Any], world: int, divisor: in
     in the dtype as DDP's ``allreduce_hook``).
     """
     raw = plain_buffer(buffer)
+    divide = array_namespace(raw).divide
 
     def write() -> None:
         for p, a in zip(group.members, arrays, strict=True):
@@ -194,10 +195,11 @@ def _pack(buffer: Any, group: _Group, arrays: list[Any], world: int, divisor: in
                 if src is None or n == 0:
                     blocks[r] = 0
                     continue
-                block = blocks[r]
-                block[:n] = src[r * p.c : r * p.c + n]
-                if divisor is not None:  # in place: no temporary of the rows
-                    block[:n] /= divisor
+                block, rows = blocks[r], src[r * p.c : r * p.c + n]
+                if divisor is None:
+                    block[:n] = rows
+                else:  # one pass: divided as copied, rounded once in the buffer's dtype
+                    divide(rows, divisor, out=block[:n], dtype=block.dtype)
                 if n < p.c:
                     block[n:] = 0
 
