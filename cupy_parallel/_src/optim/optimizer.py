@@ -91,7 +91,8 @@ class Optimizer:
     The parameters are the tree's real floating-point array leaves; other leaves (a model's
     name, a Python number, an integer table) ride along untouched, as the tape does not
     differentiate them (``DistributedDataParallel.params`` may hold such leaves), and their
-    gradient must be ``None``.
+    gradient must be ``None``. A NumPy scalar (``np.float64(0.5)``) is such a leaf too: it is
+    immutable, so nothing can update it in place; a trainable scalar is a 0-d array.
 
     Decided where torch differs because arrays are values here:
 
