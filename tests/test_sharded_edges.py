@@ -513,3 +513,42 @@ def test_a_statistic_rank_0_logs_moves_no_gather_of_the_backward_pass(where: str
     for k, like in want.items():
         got = _whole([res[k]["w"] for res in results], like)
         np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_unit_read_again_on_one_rank_after_resharding_raises_on_every_rank(
+    reshard: bool,
+) -> None:
+    """Rank 0 logs the norm of unit a's weight at the end of ``fn``, the other ranks do not.
+
+    FULL_SHARD: a was resharded when fn read b, so rank 0's read gathers it again alone; its
+    all-gather meets the other ranks' comparison of the call, and the group's check of the
+    ranks' collectives raises ``ValueError`` on every rank (the guide's rule), not a wrong
+    statistic or a hang. SHARD_GRAD_OP: a is still gathered, nothing is issued, and the
+    gradient is the plain tape's.
+    """
+    logged: list[Any] = []
+
+    def fn(units: Any, x: Any, log: bool) -> Any:
+        loss = _head(units, x, False)
+        if log:
+            logged.append(ops.sum(ops.square(units["a"]["w"])))
+        return loss
+
+    def rank(r: int) -> Any:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(PARAMS), reshard_after_forward=reshard)
+        with cp.Tape() as tape:
+            loss = fsdp(XS[r], r == 0)
+        return tape.gradient(loss, fsdp.params)
+
+    if reshard:
+        # spawn reports the first rank that raised; each names rank 0 as the one that differs
+        seen = r"ranks \[0\] differ from the rest in the array they passed \(rank 0: float64"
+        with pytest.raises(RuntimeError, match=seen):
+            dist.spawn(rank, WORLD, timeout=60)
+        return
+    results = dist.spawn(rank, WORLD, timeout=60)
+    want = _plain_gradient(lambda p, x: _head(p, x, False), PARAMS)
+    for i, like in enumerate(_leaves(want["a"])):
+        got = _whole([_leaves(res["a"])[i] for res in results], like)
+        np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)
