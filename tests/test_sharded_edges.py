@@ -552,3 +552,57 @@ def test_a_unit_read_again_on_one_rank_after_resharding_raises_on_every_rank(
     for i, like in enumerate(_leaves(want["a"])):
         got = _whole([_leaves(res["a"])[i] for res in results], like)
         np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_call_whose_fn_raises_on_every_rank_then_a_retry_on_a_smaller_batch(
+    reshard: bool,
+) -> None:
+    """``fn`` raises ``MemoryError`` after reading every unit (as an out-of-memory batch does, on
+    every rank); the loop catches it inside the tape and retries on half the batch. Rank 0's fn
+    kept unit a's weight for a statistic (its frame lives on in the traceback).
+
+    Seen before (FULL_SHARD): "rank 0: reduce_scatter; rank 1: all_gather" in gradient(): the
+    failed call skipped the ranks' comparison of their swaps, so ranks 1 and 2 gathered a again
+    in the backward pass (at the failed call's last node holding it) while rank 0, which had
+    kept a, did not (over NCCL without the collective check: a hang or mixed buffers). Now the
+    ranks compare the failed call too, and the gradient is the retry's, the plain tape's.
+    """
+    rng = np.random.default_rng(13)
+    params = {k: {"w": rng.normal(size=(4, 4))} for k in "abc"}
+    params["d"] = {"w": rng.normal(size=(4, 1))}
+    xs = [rng.normal(size=(4, 4)) for _ in range(WORLD)]
+
+    def fn(units: Any, x: Any, keep: bool) -> Any:
+        a = units["a"]["w"]
+        h = ops.tanh(ops.matmul(x, a))
+        kept = a if keep else None  # noqa: F841 (rank 0's statistic, computed later)
+        del a
+        h = ops.tanh(ops.matmul(h, units["b"]["w"]))
+        h = ops.tanh(ops.matmul(h, units["c"]["w"]))
+        if x.shape[0] > 2:
+            raise MemoryError("out of memory for this batch")
+        return ops.sum(ops.matmul(h, units["d"]["w"]))
+
+    want = {k: np.zeros_like(v["w"]) for k, v in params.items()}
+    for x in xs:
+        p = _copy(params)
+        with cp.Tape() as tape:
+            tape.watch(p)
+            loss = fn(p, x[:2], False)
+        for k, grad in tape.gradient(loss, p).items():
+            want[k] += grad["w"] / WORLD
+
+    def rank(r: int) -> Any:
+        fsdp = cp.FullyShardedDataParallel(fn, _copy(params), reshard_after_forward=reshard)
+        with cp.Tape() as tape:
+            try:
+                loss = fsdp(xs[r], r == 0)
+            except MemoryError:
+                loss = fsdp(xs[r][:2], r == 0)
+        return tape.gradient(loss, fsdp.params)
+
+    results = dist.spawn(rank, WORLD, timeout=60)
+    for k, like in want.items():
+        got = _whole([res[k]["w"] for res in results], like)
+        np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)

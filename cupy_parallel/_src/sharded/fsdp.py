@@ -962,9 +962,21 @@ class FullyShardedDataParallel(Generic[Params, Output]):
             units = _UnitsSequence(call, len(self._units))
         try:
             out = self.fn(units, *inputs, **kwargs)
-        finally:
+        except Exception:
+            # fn raised (an out-of-memory batch, on every rank, that the loop catches and
+            # retries): the call's nodes stay on the tape, and its swaps' last nodes gather
+            # again in the backward pass, so the ranks still compare the call's swaps (an error
+            # of this comparison carries fn's as its context)
             del units
             call.close()
+            self._compare_calls(call)
+            raise
+        except BaseException:
+            del units
+            call.close()
+            raise
+        del units
+        call.close()
         self._compare_calls(call)
         if call.order:
             self._order = list(call.order)
