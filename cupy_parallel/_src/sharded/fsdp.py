@@ -966,10 +966,12 @@ class FullyShardedDataParallel(Generic[Params, Output]):
             # fn raised (an out-of-memory batch, on every rank, that the loop catches and
             # retries): the call's nodes stay on the tape, and its swaps' last nodes gather
             # again in the backward pass, so the ranks still compare the call's swaps (an error
-            # of this comparison carries fn's as its context)
+            # of this comparison carries fn's as its context); without a tape there is
+            # nothing to compare, and a rank that raised alone issues nothing more
             del units
             call.close()
-            self._compare_calls(call)
+            if call.tapes:
+                self._compare_calls(call)
             raise
         except BaseException:
             del units
