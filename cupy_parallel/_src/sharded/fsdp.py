@@ -962,20 +962,17 @@ class FullyShardedDataParallel(Generic[Params, Output]):
             units = _UnitsSequence(call, len(self._units))
         try:
             out = self.fn(units, *inputs, **kwargs)
-        except Exception:
+        except BaseException as error:
+            del units
+            call.close()
             # fn raised (an out-of-memory batch, on every rank, that the loop catches and
             # retries): the call's nodes stay on the tape, and its swaps' last nodes gather
             # again in the backward pass, so the ranks still compare the call's swaps (an error
             # of this comparison carries fn's as its context); without a tape there is
-            # nothing to compare, and a rank that raised alone issues nothing more
-            del units
-            call.close()
-            if call.tapes:
+            # nothing to compare, and a rank that raised alone issues nothing more. An
+            # interrupt (KeyboardInterrupt, SystemExit) only closes the call.
+            if isinstance(error, Exception) and call.tapes:
                 self._compare_calls(call)
-            raise
-        except BaseException:
-            del units
-            call.close()
             raise
         del units
         call.close()
