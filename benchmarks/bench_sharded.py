@@ -11,15 +11,15 @@ the forward pass recorded on a tape, ``tape.gradient`` and the optimizer's ``ste
 - ``fsdp``: :class:`~cupy_parallel.FullyShardedDataParallel` (FULL_SHARD) + ``optim.Adam`` on
   its shards; ``fsdp grad_op``: the same with ``reshard_after_forward=False`` (SHARD_GRAD_OP).
 
-**Memory per rank** (rows ``memory ...``; their ``seconds`` columns hold bytes, their ``ratio``
-the variant's bytes over DDP's): the peak, during a step after a first one (Adam's state
-exists), of the bytes the host memory pool hands out on the rank: the parameters, the gradient
-buffers (DDP's buckets, FSDP's reduce-scatter buffers), the optimizer state and the gathered
-units, every array of 128 KiB or more (the pool's threshold; the activations and the tape's
-intermediate gradients of this batch are smaller or come from NumPy, and are not counted).
-Targets (the issue's, with DDP's 4 copies of the parameters as the unit): ZeRO-1 at most
-``(2 + 2/N) / 4`` of DDP's; FSDP at most ``(4/N) / 4`` of DDP's plus two units (one gathered,
-one prefetched).
+**Memory per rank** (rows ``memory ...``; their ``seconds`` columns hold bytes, which the table
+shows as bytes, their ``ratio`` the variant's bytes over DDP's): the peak, during a step after a
+first one (Adam's state exists), of the bytes the host memory pool hands out on the rank: the
+parameters, the gradient buffers (DDP's buckets, FSDP's reduce-scatter buffers), the optimizer
+state and the gathered units, every array of 128 KiB or more (the pool's threshold; the activations
+and the tape's intermediate gradients of this batch are smaller or come from NumPy, and are not
+counted). Targets (the issue's, with DDP's 4 copies of the parameters as the unit): ZeRO-1 at most
+``(2 + 2/N) / 4`` of DDP's; FSDP at most ``(4/N) / 4`` of DDP's plus two units (one gathered, one
+prefetched).
 
 **Step time** (rows ``step ...``): the median over rounds of the slowest rank's step, the
 variants alternating within each round; ratio against ``ddp``; targets ZeRO-1 1.1x, FSDP 1.2x.
@@ -347,6 +347,7 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
                 "target": targets[name],
                 "bytes": memory[name],
                 "baseline_bytes": memory["ddp"],
+                "unit": "bytes",  # the table shows the seconds columns as bytes
                 "parameter_bytes": param_bytes,
                 "unit_bytes": unit_bytes,
                 "ranks": n,
@@ -360,6 +361,7 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
             "baseline_seconds": ddp_model,
             "ratio": memory["ddp"] / ddp_model,
             "target": None,
+            "unit": "bytes",
             "note": "baseline: 4 copies of the parameters (params, grads, Adam's 2)",
         }
     )

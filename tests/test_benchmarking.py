@@ -173,3 +173,17 @@ def test_every_rank_of_an_mpi_benchmark_measures_with_one_blas_thread(tmp_path: 
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "BLAS threads by rank: [1, 1]" in done.stdout, done.stdout
+
+
+def test_memory_rows_show_bytes_and_leave_the_time_unit_to_the_timed_rows() -> None:
+    rows = [
+        {"name": "step", "seconds": 0.025, "baseline_seconds": 0.020, "ratio": 1.25, "target": 1.2},
+        {"name": "memory", "seconds": 20_987_904, "baseline_seconds": 33_570_816,
+         "ratio": 20_987_904 / 33_570_816, "target": 0.625, "unit": "bytes"},
+    ]  # fmt: skip
+    table = benchmarking.format_table({"suites": [{"name": "s", "ok": True, "results": rows}]})
+    header, step, memory = table.splitlines()
+    assert header.split()[2:5] == ["ms", "baseline", "ms"]  # not chosen from the byte counts
+    assert step.split()[2:4] == ["25", "20"]
+    assert memory.split()[2:6] == ["20,987,904", "B", "33,570,816", "B"]
+    assert memory.endswith("misses target")  # 0.62518 > 0.625: the verdict is the ratio's

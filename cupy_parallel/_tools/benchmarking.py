@@ -585,9 +585,12 @@ def _status(row: dict[str, Any]) -> str:
 def format_table(report: dict[str, Any], /) -> str:
     """The results as a text table: one row per result, one per failed suite.
 
-    Both time columns use one unit, chosen for the whole table. ``spread`` is the interquartile
-    range of the per-round ratios over their median (rows timed with :func:`compare`); a row
-    whose spread exceeds :data:`NOISY_SPREAD` gets no verdict against its target.
+    Both time columns use one unit, chosen for the whole table. A row with ``"unit": "bytes"``
+    (a memory measurement: its ``seconds`` and ``baseline_seconds`` hold bytes) shows them as
+    bytes, ``B`` after each, and takes no part in choosing the time unit. ``spread`` is the
+    interquartile range of the per-round ratios over their median (rows timed with
+    :func:`compare`); a row whose spread exceeds :data:`NOISY_SPREAD` gets no verdict against
+    its target.
 
     Example:
         >>> import cupy_parallel
@@ -596,23 +599,34 @@ def format_table(report: dict[str, Any], /) -> str:
         ...     {"name": "s", "ok": True, "results": [{"name": "a", "seconds": 0.002,
         ...      "baseline_seconds": 0.004, "ratio": 0.5, "target": 1.0, "spread": 0.05},
         ...      {"name": "b", "seconds": 0.0005, "baseline_seconds": 0.0004, "ratio": 1.25,
-        ...      "target": 1.0, "spread": 0.6, "noisy": True}]},
+        ...      "target": 1.0, "spread": 0.6, "noisy": True},
+        ...     {"name": "m", "seconds": 3072, "baseline_seconds": 4096, "ratio": 0.75,
+        ...      "target": 0.8, "unit": "bytes"}]},
         ...     {"name": "t", "ok": False, "error": "ImportError: no cupy", "results": []}]}
         >>> print(format_table(report))
-        suite  benchmark  ms     baseline ms  ratio  spread  target  status
-        s      a          2      4            0.5    5%      1       ok
-        s      b          0.5    0.4          1.25   60%     1       noisy: no verdict
-        t      -          -      -            -      -       -       FAILED: ImportError: no cupy
+        suite  benchmark  ms       baseline ms  ratio  spread  target  status
+        s      a          2        4            0.5    5%      1       ok
+        s      b          0.5      0.4          1.25   60%     1       noisy: no verdict
+        s      m          3,072 B  4,096 B      0.75   -       0.8     ok
+        t      -          -        -            -      -       -       FAILED: ImportError: no cupy
     """
     rows = _rows(report)
     unit, scale = _unit(
-        [_number(r[key]) for _, r in rows for key in ("seconds", "baseline_seconds")]
+        [
+            _number(r[key])
+            for _, r in rows
+            if r.get("unit") != "bytes"
+            for key in ("seconds", "baseline_seconds")
+        ]
     )
 
-    def seconds(value: Any) -> str:
-        number = _number(value) / scale
+    def seconds(value: Any, row: dict[str, Any]) -> str:
+        number = _number(value)
         if math.isnan(number):
             return "-"
+        if row.get("unit") == "bytes":
+            return f"{number:,.0f} B"
+        number /= scale
         return f"{number:,.0f}" if abs(number) >= 1000 else f"{number:.4g}"
 
     header = ("suite", "benchmark", unit, f"baseline {unit}", "ratio", "spread", "target", "status")
@@ -628,8 +642,8 @@ def format_table(report: dict[str, Any], /) -> str:
                 (
                     suite["name"],
                     str(row["name"]),
-                    seconds(row["seconds"]),
-                    seconds(row["baseline_seconds"]),
+                    seconds(row["seconds"], row),
+                    seconds(row["baseline_seconds"], row),
                     f"{_number(row['ratio']):.3g}",
                     "-" if math.isnan(spread) else f"{spread:.0%}",
                     "-" if math.isnan(target) else f"{target:.3g}",
