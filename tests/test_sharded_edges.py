@@ -40,10 +40,10 @@ def _head(units: Any, x: Any, use_c: bool) -> Any:
     return ops.sum(ops.matmul(h, units["c" if use_c else "b"]["w"]))
 
 
-def _plain_gradient(loss_of: Any, params: Any) -> Any:
-    """DDP's gradient: every rank's batch on the whole parameters, averaged."""
+def _plain_gradient(loss_of: Any, params: Any, xs: list[Any] = XS) -> Any:
+    """DDP's gradient: every rank's batch (``xs``) on the whole parameters, averaged."""
     grads = []
-    for x in XS:
+    for x in xs:
         with cp.Tape() as tape:
             tape.watch(params)
             loss = loss_of(params, x)
@@ -351,14 +351,7 @@ def test_units_swapped_out_at_different_points_are_gathered_again_in_one_order()
         del held
         return out
 
-    want = {k: np.zeros_like(v["w"]) for k, v in params.items()}
-    for x in xs:  # the plain tape's gradient, averaged over the ranks' batches
-        p = _copy(params)
-        with cp.Tape() as tape:
-            tape.watch(p)
-            loss = fn(p, x, False)
-        for k, g in tape.gradient(loss, p).items():
-            want[k] += g["w"] / WORLD
+    want = _plain_gradient(lambda p, x: fn(p, x, False), params, xs)
 
     def rank(r: int) -> Any:
         fsdp = cp.FullyShardedDataParallel(fn, _copy(params))
@@ -368,8 +361,8 @@ def test_units_swapped_out_at_different_points_are_gathered_again_in_one_order()
 
     results = dist.spawn(rank, WORLD, timeout=60)
     for k, like in want.items():
-        got = _whole([res[k]["w"] for res in results], like)
-        np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)
+        got = _whole([res[k]["w"] for res in results], like["w"])
+        np.testing.assert_allclose(got, like["w"], rtol=0, atol=1e-12)
 
 
 class _Pair(cp.Function):
@@ -494,14 +487,7 @@ def test_a_statistic_rank_0_logs_moves_no_gather_of_the_backward_pass(where: str
             log.append(ops.sum(ops.square(a["w"])))
         return out
 
-    want = {k: np.zeros_like(v["w"]) for k, v in params.items()}
-    for x in xs:
-        p = _copy(params)
-        with cp.Tape() as tape:
-            tape.watch(p)
-            loss = fn(p, x, None)
-        for k, grad in tape.gradient(loss, p).items():
-            want[k] += grad["w"] / WORLD
+    want = _plain_gradient(lambda p, x: fn(p, x, None), params, xs)
 
     def rank(r: int) -> Any:
         fsdp = cp.FullyShardedDataParallel(fn, _copy(params))
@@ -511,8 +497,8 @@ def test_a_statistic_rank_0_logs_moves_no_gather_of_the_backward_pass(where: str
 
     results = dist.spawn(rank, WORLD, timeout=60)
     for k, like in want.items():
-        got = _whole([res[k]["w"] for res in results], like)
-        np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)
+        got = _whole([res[k]["w"] for res in results], like["w"])
+        np.testing.assert_allclose(got, like["w"], rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("reshard", [True, False])
@@ -584,14 +570,7 @@ def test_a_call_whose_fn_raises_on_every_rank_then_a_retry_on_a_smaller_batch(
             raise MemoryError("out of memory for this batch")
         return ops.sum(ops.matmul(h, units["d"]["w"]))
 
-    want = {k: np.zeros_like(v["w"]) for k, v in params.items()}
-    for x in xs:
-        p = _copy(params)
-        with cp.Tape() as tape:
-            tape.watch(p)
-            loss = fn(p, x[:2], False)
-        for k, grad in tape.gradient(loss, p).items():
-            want[k] += grad["w"] / WORLD
+    want = _plain_gradient(lambda p, x: fn(p, x[:2], False), params, xs)  # the retried batch
 
     def rank(r: int) -> Any:
         fsdp = cp.FullyShardedDataParallel(fn, _copy(params), reshard_after_forward=reshard)
@@ -604,5 +583,5 @@ def test_a_call_whose_fn_raises_on_every_rank_then_a_retry_on_a_smaller_batch(
 
     results = dist.spawn(rank, WORLD, timeout=60)
     for k, like in want.items():
-        got = _whole([res[k]["w"] for res in results], like)
-        np.testing.assert_allclose(got, like, rtol=0, atol=1e-12)
+        got = _whole([res[k]["w"] for res in results], like["w"])
+        np.testing.assert_allclose(got, like["w"], rtol=0, atol=1e-12)
