@@ -1175,9 +1175,8 @@ def _swapped_last_vjp(
     that rank's batch). The reverse pass reaches a swap's last node before its others: here
     it rebuilds the arrays on every rank; with no gradient it only does that.
     """
-    for g in gs:
-        if g is not None:
-            return _swapped_vjp(gs, xs, needs, ys, aux)
+    if _reached(gs):
+        return _swapped_vjp(gs, xs, needs, ys, aux)
     _restore_in_order(aux)
     return (None,) * len(xs)
 
