@@ -30,12 +30,13 @@ right after a ``Barrier`` (the ranks start together; the slowest rank's time cou
 Python design that compares the calls by a second collective, mpi4py alone: ``Iallreduce`` of
 the data and ``Iallgather`` of one comparison row per rank (``mpi_checks``' row size), both
 polled with ``Test`` as the backend polls them, no other code. On 2 ranks two more: the floor
-of the backend's design there, the row sent to the peer through persistent requests
-(``Send_init``/``Recv_init``, see ``mpi._RowsPair``) instead of gathered; and the floor of a
-design the backend does not use (issue 35): the data and the row in one persistent message to
-the peer, reduced locally in rank order (``_one_message_floor``): one MPI start, one request
-to poll. Measured on the shared 2-core machine (3 runs): back to back 0.87-0.95x mpi4py,
-single calls 1.20-1.22x, against 1.36-1.46x and 1.27-1.31x for the backend's design's floor.
+of the design the backend keeps for larger arrays there, the row sent to the peer through
+persistent requests (``Send_init``/``Recv_init``, see ``mpi._RowsPair``) beside an
+``Iallreduce``; and the floor of the design it uses for a synchronous all_reduce of up to 16 KiB
+(issue 35, ``mpi.MPIBackend._all_reduce_carried``): the data and the row in one persistent
+message to the peer, reduced locally in rank order (``_one_message_floor``): one MPI start, one
+request to poll. Measured on the shared 2-core machine (3 runs): back to back 0.87-0.95x mpi4py,
+single calls 1.17-1.23x, against 1.36-1.46x and 1.27-1.31x for the two-message design's floor.
 And one row, where mpi4py has MPI-4's persistent collectives, times ``Allreduce_init``'s
 ``Start`` and ``Test`` alone: below ``Allreduce`` itself (about 3.0 against 4.3 us back to back
 here), it is what a quick path could start instead of an ``Iallreduce`` (1.8 us of mpi4py and
@@ -321,20 +322,21 @@ def _medians(comm: Any, ranks: int, quick: bool) -> list[dict[str, Any]]:
 
 _ONE_MESSAGE = (
     "mpi4py with the data and the row in one persistent message, reduced locally "
-    "(a one-message design's floor)"
+    "(the floor of the backend's design for 2 ranks)"
 )
 
 
 def _one_message_floor(
     control: Any, buf: np.ndarray, row: np.ndarray, poll: Callable[[Any], None], peer: int
 ) -> tuple[Callable[[], None], list[Any]]:
-    """The floor of a one-message design for 2 ranks (not the backend's; issue 35).
+    """The floor of the backend's one-message design for 2 ranks (issue 35), mpi4py alone.
 
     The data and the comparison row travel together to the peer through one persistent pair
     (``Send_init``/``Recv_init`` of a staging buffer); each rank compares the peer's row with
     its own and reduces locally in rank order (both ranks compute ``x0 + x1``, bit for bit
     alike). Compared with the backend's design (an ``Iallreduce`` and a row pair), one MPI
-    start instead of two and one request polled, for a copy in and a NumPy ``add``.
+    start instead of two and one request polled, for a copy in and a NumPy ``add``: what
+    ``mpi.MPIBackend._all_reduce_carried`` does, without its checks and layers.
     Returns the function and its requests (the caller frees them).
     """
     from mpi4py import MPI

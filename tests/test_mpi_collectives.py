@@ -814,6 +814,45 @@ def test_rows_through_persistent_pairs_or_not_meet_call_by_call_on_two_ranks() -
     assert ENDED["mpiexec"] in result.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
+def test_a_small_all_reduce_of_two_ranks_sends_its_array_with_the_row() -> None:
+    """Issue 35: a group of two sends a synchronous all_reduce's array (up to 16 KiB) with its
+    comparison row, one message, and each rank reduces the pair itself in rank order.
+
+    Every dtype, op and shape (16 KiB and one element more) gives NumPy's answer and MPI's own
+    reduction of the same arrays bit for bit (an async call, which takes the Iallreduce); a
+    float sum that overflows raises no warning, even under ``np.errstate(all="raise")``; NaN
+    payloads and zeros' signs agree between the ranks; a rank that goes the general way
+    (async, or no pair free) meets the other's one message; mismatched calls raise on both
+    ranks. Then a thread that starts a collective while the carried call waits for a peer
+    going the general way: every call still sums its own arrays (processes only: thread
+    ranks' MPI has no persistent requests)."""
+    result = launch_agreement(2, "carried")
+    out = result.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}: CARRIED checked=250 refused=110 wrong=[]" in out, out
+        assert f"rank {rank}: QUIET [inf, inf, inf] [True]" in out, out
+        assert f"rank {rank}: SAME BITS True True" in out, out
+        assert f"rank {rank}: MIXED right=40 of 40" in out, out
+    for what in [
+        "in the collective they called (rank 0: all_reduce; rank 1: broadcast)",
+        "(rank 0: float64, 4 elements, 1-d; rank 1: float64, 5000 elements, 1-d)",
+        "in the collective they called (rank 0: all_reduce; rank 1: barrier)",
+    ]:
+        assert out.count(what) == 2, (what, out)
+    assert "NO ERROR" not in out, out
+    assert out.count("OK world after: [2.0, 2.0]") == 2, out
+    assert ENDED["mpiexec"] in result.stderr  # the mismatched groups: aborted at exit
+
+    between = launch_agreement(2, "carried-thread-between")
+    assert between.returncode == 0, between.stdout + between.stderr[-3000:]
+    for rank in (0, 1):
+        line = f"rank {rank}: THREAD BETWEEN T [2.0, 2.0, 2.0, 2.0] main [4.0, 4.0, 4.0, 4.0, 4.0"
+        assert line in between.stdout, between.stdout
+
+
 # One world size per worker mode (the thread-rank tests above run every size): each run
 # starts a world of processes and its twin on thread ranks, seconds each.
 SAME_OUTPUT = [

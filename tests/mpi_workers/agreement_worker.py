@@ -39,6 +39,8 @@ import contextvars
 import os
 import sys
 import threading
+import time
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -262,6 +264,166 @@ def pairs(rank: int, size: int) -> None:
     each_on_its_group(calls, list(range(size)))
 
 
+_DTYPES = (
+    "bool",
+    "int8",
+    "uint16",
+    "int32",
+    "int64",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+)
+
+
+def _values(dtype: np.dtype[Any], shape: tuple[int, ...], rank: int) -> np.ndarray:
+    """Rank ``rank``'s array of a ``carried`` case: every rank can make every rank's."""
+    rng = np.random.default_rng(1000 + rank)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, shape).astype(dtype)
+    if dtype.kind in "iu":
+        return rng.integers(0, 100, shape).astype(dtype)
+    values = rng.standard_normal(shape) * 10
+    if dtype.kind == "c":
+        values = values + 1j * rng.standard_normal(shape)
+    return values.astype(dtype)
+
+
+def carried(rank: int, size: int) -> None:
+    """Issue 35's all_reduce of a group of two that sends its array with the row (processes).
+
+    Every dtype, op and shape, up to 16 KiB and one element over, against NumPy (the ranks'
+    arrays reduced in rank order) and against MPI's own reduction of the same arrays (an
+    ``async_op=True`` call, which takes the Iallreduce), bit for bit; floating-point errors
+    left quiet, as MPI leaves them; NaN payloads and zeros' signs the same on both ranks; a
+    rank taking the other way (async, a strided array) meeting it; then the mismatches.
+    """
+    wrong: list[str] = []
+    checked = refused = 0
+    for name in _DTYPES:
+        dtype = np.dtype(name)
+        edge = 16384 // dtype.itemsize
+        for shape in [(), (5,), (3, 4), (edge,), (edge + 1,)]:
+            for op in ReduceOp:
+                mine = _values(dtype, shape, rank)
+                fast, oracle = mine.copy(), mine.copy()
+                try:
+                    dist.all_reduce(fast, op=op)
+                except TypeError:  # the dtype has no such reduction: refused before any message
+                    refused += 1
+                    continue
+                dist.all_reduce(oracle, op=op, async_op=True).wait()
+                x0, x1 = (_values(dtype, shape, r) for r in range(2))
+                if op is ReduceOp.AVG:
+                    expected = ((x0 + x1) / 2).astype(dtype) if dtype.kind in "fc" else None
+                elif op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "b":
+                    expected = (np.logical_and if op is ReduceOp.MIN else np.logical_or)(x0, x1)
+                else:
+                    ufunc = {
+                        ReduceOp.SUM: np.logical_or if dtype.kind == "b" else np.add,
+                        ReduceOp.PRODUCT: np.logical_and if dtype.kind == "b" else np.multiply,
+                        ReduceOp.MIN: np.minimum,
+                        ReduceOp.MAX: np.maximum,
+                        ReduceOp.BAND: np.bitwise_and,
+                        ReduceOp.BOR: np.bitwise_or,
+                        ReduceOp.BXOR: np.bitwise_xor,
+                    }[op]
+                    expected = ufunc(x0, x1)
+                checked += 1
+                if fast.tobytes() != oracle.tobytes() or (
+                    expected is not None and not np.array_equal(fast, expected)
+                ):
+                    wrong.append(f"{name} {shape} {op.name}")
+    print(f"rank {rank}: CARRIED checked={checked} refused={refused} wrong={wrong}", flush=True)
+
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        big = np.full(3, 3e38, np.float32)
+        dist.all_reduce(big)  # overflows to inf: no warning, no FloatingPointError
+        opposite = np.array([np.inf if rank == 0 else -np.inf])
+        dist.all_reduce(opposite)
+    print(f"rank {rank}: QUIET {big.tolist()} {np.isnan(opposite).tolist()}", flush=True)
+
+    payloads = np.array([0x7FF8000000000001 + rank, 0, 0x3FF0000000000000], np.uint64)
+    special = payloads.view(np.float64).copy()
+    special[1] = -0.0 if rank == 0 else 0.0
+    sums, lows = special.copy(), special.copy()
+    dist.all_reduce(sums)
+    dist.all_reduce(lows, op=ReduceOp.MIN)
+    seen: list[Any] = [None, None]
+    dist.all_gather_object(seen, (sums.tobytes(), lows.tobytes()))
+    print(f"rank {rank}: SAME BITS {seen[0] == seen[1]} {np.signbit(lows[1])}", flush=True)
+
+    right = 0
+    _, backend = dispatch.backend_of(None, "carried")  # type: ignore[misc]
+    for i in range(40):  # one rank the general way (async, or no pair free), the other carried
+        other = (i % 2) == rank
+        x = np.full(8, float(i + rank))
+        if other and i % 4 < 2:
+            dist.all_reduce(x, async_op=True).wait()
+        elif other:  # every pair held: the row alone, beside an Iallreduce
+            kept, made = list(backend._pairs), backend._pairs_made
+            backend._pairs[:], backend._pairs_made = [], 10**9
+            dist.all_reduce(x)
+            backend._pairs[:], backend._pairs_made = kept, made
+        else:
+            dist.all_reduce(x)
+        right += int((x == 2 * i + 1).all())
+    print(f"rank {rank}: MIXED right={right} of 40", flush=True)
+
+    calls = {
+        "all_reduce against a broadcast": lambda g: (
+            dist.all_reduce(np.ones(4), group=g)
+            if rank == 0
+            else dist.broadcast(np.ones(4), 0, group=g)
+        ),
+        "all_reduce against a larger all_reduce": lambda g: dist.all_reduce(
+            np.ones(4 if rank == 0 else 5000), group=g
+        ),
+        "all_reduce against a barrier": lambda g: (
+            dist.all_reduce(np.ones(4), group=g) if rank == 0 else dist.barrier(group=g)
+        ),
+    }
+    each_on_its_group(calls, [0, 1])
+
+
+def carried_thread_between(rank: int) -> None:
+    """A carried all_reduce whose peer goes the general way, another thread issuing meanwhile.
+
+    Rank 1's thread ``T`` sends its array with the row and waits for rank 0's; 0.5 s later
+    rank 1's main thread starts another all_reduce on the group (``async_op=True``, 7
+    elements); at 1.5 s rank 0's thread ``T`` starts the same call as ``T``'s as an
+    Iallreduce (``async_op=True``), its row alone; then rank 0's main thread the other. Rank
+    1's ``T`` must start its own Iallreduce before its main thread's collective (else MPI
+    pairs rank 0's with that one, and rank 0, whose rows agree, returns the other call's
+    data): every call sums its own arrays (``T``'s ``1 + 1``, main's ``2 + 2``).
+    """
+    group = dist.new_group([0, 1])
+    outcome: list[str] = []
+
+    def call() -> None:
+        x = np.ones(4)
+        if rank == 0:
+            time.sleep(1.5)
+            dist.all_reduce(x, group=group, async_op=True).wait()
+        else:
+            dist.all_reduce(x, group=group)
+        outcome.append(f"T {x.tolist()}")
+
+    thread = threading.Thread(target=call, name="T")
+    thread.start()
+    other = np.full(7, 2.0)
+    if rank == 1:
+        time.sleep(0.5)  # T has sent its row and waits for rank 0's
+        work = dist.all_reduce(other, group=group, async_op=True)
+    thread.join()
+    if rank == 0:
+        work = dist.all_reduce(other, group=group, async_op=True)
+    work.wait()
+    print(f"rank {rank}: THREAD BETWEEN {outcome[0]} main {other.tolist()}", flush=True)
+
+
 def shape_after_agreeing(group: object, last: bool) -> None:
     """Calls that agree (the backend keeps what their signature needs), then one that does not.
 
@@ -295,6 +457,10 @@ def rank_main(_: int, argv: list[str]) -> int:
         async_race(rank)
     elif mode == "pairs":
         pairs(rank, size)
+    elif mode == "carried":
+        carried(rank, size)
+    elif mode == "carried-thread-between":
+        carried_thread_between(rank)
     dist.destroy_process_group()
     return 0
 

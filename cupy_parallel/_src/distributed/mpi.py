@@ -7,7 +7,9 @@
   ``Request.Test`` (spin, then sleep with backoff) until done or the group's deadline. Polling is
   also the fast path: a spinning ``Test`` loop answers sooner than a blocking MPI call does.
   A synchronous ``all_reduce`` of a host array (:meth:`MPIBackend.all_reduce_now`) polls its
-  requests itself for one stretch and builds the :class:`_MPIWork` only for what is left.
+  requests itself for one stretch and builds the :class:`_MPIWork` only for what is left; in a
+  group of two, an array of up to 16 KiB travels with the comparison's row, one message, and
+  each rank reduces the two arrays itself (:meth:`MPIBackend._all_reduce_carried`).
 * Buffers: NumPy and HostArray arrays are passed in place as plain ndarray views. Data movement
   uses ``MPI.BYTE`` (every dtype, float16 included, travels bit-exactly); reductions use the dtype's
   MPI datatype (``float16`` in ``float32``, ``MIN``/``MAX`` of floats in a total order: see
@@ -60,16 +62,19 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import importlib.util
 import itertools
+import math
 import os
+import struct
 import threading
 import time
 import weakref
 import zlib
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import numpy as np
 
@@ -229,6 +234,26 @@ def _mean(total: Any, plan: Plan, count: int) -> Any:
             return decode_average(total, count, np)
         average_in_place(total, count, np)
     return total
+
+
+_quiet = threading.local()  # per thread: the context _reduce_quietly runs the reduction in
+
+
+def _reduce_quietly(ufunc: Callable[..., Any], a: Any, b: Any, out: Any) -> None:
+    """``ufunc(a, b, out=out)`` with NumPy's floating-point errors ignored, as MPI's are.
+
+    A reduction the backend computes itself must behave as the one MPI computes: no
+    ``RuntimeWarning`` (nor, under ``np.seterr(all="raise")``, ``FloatingPointError``) for a
+    sum that overflows to ``inf`` or meets ``inf - inf``. NumPy keeps its error state in a
+    context variable (NumPy 2), so the call runs in a context copied once per thread inside
+    ``np.errstate(all="ignore")``: the cost of ``Context.run``, where entering ``errstate``
+    per call costs about 1 us. The ufunc reads nothing else of the context.
+    """
+    context = getattr(_quiet, "context", None)
+    if context is None:
+        with np.errstate(all="ignore"):
+            context = _quiet.context = contextvars.copy_context()
+    context.run(ufunc, a, b, out=out)
 
 
 def _accumulate(arrays: Sequence[Any], plan: Plan, count: int) -> Any:
@@ -398,8 +423,11 @@ class _MPIWork(Work):
             return
         problem = self._disagreement(every, verify)
         self._backend._give_back(pair)  # the rows read
-        if problem is None:  # rows may differ yet agree (all_to_all's sizes)
-            return
+        if problem is not None:  # (None: rows may differ yet agree, as all_to_all's sizes)
+            self._refuse(problem)
+
+    def _refuse(self, problem: str) -> NoReturn:
+        """Fail the call on ``problem``, what the ranks disagree on: the group is unusable."""
         message = (
             f"{self.description} on process group {self._backend.group_name!r}: {problem} "
             "The arrays' contents are undefined now, and this process group is unusable."
@@ -561,6 +589,13 @@ def _finished() -> bool:
 
 
 _PAIRS_KEPT = 64  # persistent pairs a group of two makes at most (see MPIBackend._rows)
+# The largest host array a synchronous all_reduce of a group of two sends in its row's message
+# (MPIBackend._all_reduce_carried); a row's every receive in such a group has room for it.
+_CARRIED_BYTES = 16384
+_CARRIED = struct.Struct("=q")  # after the row in such a message: how many data bytes follow
+_HEAD = ROW_BYTES + _CARRIED.size  # where the data of such a message starts
+_NONE_CARRIED = _CARRIED.pack(0)
+_SIZES_KEPT = 8  # persistent sends of a row with data a pair keeps, one per data size
 
 
 class _RowsPair:
@@ -571,27 +606,50 @@ class _RowsPair:
     any other, so a comparison may run on a pair or on an ``Isend``/``Irecv`` (all the pairs
     taken) without the ranks agreeing on which. Started once per comparison, it saves what
     building an ``Isend`` and an ``Irecv`` costs (issue 35). ``every``: both rows by rank, this
-    rank's sent from where it lies.
+    rank's sent from where it lies, the peer's copied there from :attr:`inbox` once received
+    (the receive has room for a row with an all_reduce's data behind it: the peer may have
+    sent one, see :meth:`MPIBackend._all_reduce_carried`).
     """
 
-    __slots__ = ("every", "own", "requests", "startall", "test")
+    __slots__ = (
+        "_backend",
+        "_carrying",
+        "every",
+        "head",
+        "inbox",
+        "outbox",
+        "own",
+        "requests",
+        "startall",
+        "test",
+        "theirs",
+    )
 
     def __init__(self, backend: MPIBackend) -> None:
         size = ROW_BYTES
         rank, peer, tag = backend.rank, 1 - backend.rank, backend._rows_tag
+        self._backend = backend
         self.every = bytearray(2 * size)
         view = memoryview(self.every)
         self.own = view[rank * size : (rank + 1) * size]
-        control, int64 = backend._control, backend._int64
+        self.theirs = theirs = view[peer * size : (peer + 1) * size]
+        self.inbox = bytearray(_HEAD + _CARRIED_BYTES)
+        self.head = head = memoryview(self.inbox)[:size]
+        self.outbox: memoryview | None = None  # a row with data behind it: made at first use
+        self._carrying: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        control, byte = backend._control, backend._byte
         self.requests = [
-            control.Recv_init([view[peer * size : (peer + 1) * size], int64], peer, tag),
-            control.Send_init([self.own, int64], peer, tag),
+            control.Recv_init([self.inbox, byte], peer, tag),
+            control.Send_init([self.own, byte], peer, tag),
         ]
         self.startall = backend.mpi.Prequest.Startall
         received, sent = self.requests[0].Test, self.requests[1].Test
 
         def test() -> bool:  # Testall's answer, in half its time (a finished request: True)
-            return received() and sent()
+            if received() and sent():
+                theirs[:] = head
+                return True
+            return False
 
         self.test = test
 
@@ -600,6 +658,48 @@ class _RowsPair:
         self.own[:] = mine
         self.startall(self.requests)
         return self.test
+
+    def carrying(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> tuple[Any, ...]:
+        """How to send a row with an array of ``dtype`` and ``shape`` behind it, made once.
+
+        The requests to start (the receive and a persistent send of the row, the data's size
+        and the data from :attr:`outbox`), what tests them (the receive first), where the data
+        to send goes and where the peer's arrives (arrays of that dtype and shape, in
+        :attr:`outbox` and :attr:`inbox`), and the size sent after the row (see
+        :meth:`MPIBackend._all_reduce_carried`).
+        """
+        key = (dtype, shape)
+        made = self._carrying.get(key)
+        if made is None:
+            if self.outbox is None:
+                self.outbox = memoryview(bytearray(_HEAD + _CARRIED_BYTES))
+            if len(self._carrying) >= _SIZES_KEPT:
+                self.free_carrying()
+            count = math.prod(shape)
+            nbytes = count * dtype.itemsize
+            backend = self._backend
+            send = backend._control.Send_init(
+                [self.outbox[: _HEAD + nbytes], backend._byte], 1 - backend.rank, backend._rows_tag
+            )
+            received, sent = self.requests[0].Test, send.Test
+
+            def test() -> bool:
+                return received() and sent()
+
+            made = self._carrying[key] = (
+                [self.requests[0], send],
+                test,
+                np.frombuffer(self.outbox, dtype, count, _HEAD).reshape(shape),
+                np.frombuffer(self.inbox, dtype, count, _HEAD).reshape(shape),
+                _CARRIED.pack(nbytes),
+            )
+        return made
+
+    def free_carrying(self) -> None:
+        """Free the persistent sends of rows with data (none is active: the pair is free)."""
+        for made in self._carrying.values():
+            made[0][1].Free()
+        self._carrying.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -667,9 +767,11 @@ class MPIBackend(ProcessGroupBackend):
         # persistent pairs no comparison holds (None: not point to point).
         self._rows_tag = self.max_tag - 1
         two = self.size == 2 and hasattr(control, "Send_init")  # thread ranks' MPI has none
-        self._pairs: list[_RowsPair] | None = [] if two else None
+        self._pairs: list[_RowsPair] | None = None
         self._pairs_made = 0
         self._polls = range(_MPIWork._polls_per_yield)  # all_reduce_now's tests between yields
+        if two:  # one ready: a synchronous all_reduce sends its data with the row from the first
+            self._pairs, self._pairs_made = [_RowsPair(self)], 1
 
     # --------------------------------------------------------------------------- life cycle
 
@@ -897,11 +999,20 @@ class MPIBackend(ProcessGroupBackend):
         size, peer, tag = len(mine), 1 - self.rank, self._rows_tag
         view = memoryview(every)
         view[self.rank * size : (self.rank + 1) * size] = mine
+        inbox = bytearray(_HEAD + _CARRIED_BYTES)  # as a pair's: the peer's row may carry data
         requests = [
-            self._control.Irecv([view[peer * size : (peer + 1) * size], self._int64], peer, tag),
-            self._control.Isend([mine, self._int64], peer, tag),
+            self._control.Irecv([inbox, self._byte], peer, tag),
+            self._control.Isend([mine, self._byte], peer, tag),
         ]
-        return functools.partial(self.mpi.Request.Testall, requests), requests, every, None
+        testall = self.mpi.Request.Testall
+
+        def test() -> bool:
+            if testall(requests):
+                view[peer * size : (peer + 1) * size] = inbox[:size]
+                return True
+            return False
+
+        return test, requests, every, None
 
     def _give_back(self, pair: _RowsPair | None) -> None:
         """``pair``'s exchange finished and its rows were read: another comparison may take it."""
@@ -913,6 +1024,7 @@ class MPIBackend(ProcessGroupBackend):
         """Free the communicators (left alone when a timed-out operation may still use them)."""
         if self.failure is None:
             for pair in self._pairs or ():  # those no comparison holds
+                pair.free_carrying()
                 for request in pair.requests:
                     request.Free()
             self._pairs = None
@@ -970,11 +1082,12 @@ class MPIBackend(ProcessGroupBackend):
     def all_reduce_now(self, x: Any, op: ReduceOp, /) -> None:
         """``all_reduce([x], op)`` waited on, without a :class:`Work` while it goes well.
 
-        The synchronous call of one host array (the public layer checked it), started as
-        :meth:`all_reduce` starts it, from what the calling thread keeps for the call's
-        signature (:meth:`_ready`: the row, its verification and history token, the MPI
-        datatype and operation); a group of two sends the row through a persistent pair
-        (:meth:`_rows`). Then the rows' exchange and the operation are tested here, one
+        The synchronous call of one host array (the public layer checked it), from what the
+        calling thread keeps for the call's signature (:meth:`_ready`: the row, its
+        verification and history token, the reduction's plan). A group of two sends an array
+        of up to 16 KiB with its row, one message (:meth:`_all_reduce_carried`). Else it starts
+        as :meth:`all_reduce` starts it (a group of two sends the row through a persistent
+        pair, :meth:`_rows`); then the rows' exchange and the operation are tested here, one
         stretch of spinning each (:func:`~.work.spun`), and ``AVG``'s mean taken. Anything
         else (not finished within that stretch, rows that differ, an error MPI reports, a
         reduction in a working dtype) is handed to the :class:`_MPIWork` that :meth:`all_reduce`
@@ -990,12 +1103,18 @@ class MPIBackend(ProcessGroupBackend):
         if ready is None:  # reduced in a working dtype
             self.all_reduce([buffer], op).wait()
             return
-        row, verify, token, mpi_type, mpi_op, average = ready
+        row, verify, token, plan = ready
         pairs = self._pairs
+        if (
+            pairs
+            and 0 < buffer.nbytes <= _CARRIED_BYTES
+            and self._all_reduce_carried(buffer, ready)
+        ):
+            return
         pair: _RowsPair | None
         test: Callable[[], bool]
         with self._issuing:
-            request = self._comm.Iallreduce(self._in_place, [buffer, mpi_type], mpi_op)
+            request = self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
             mine = self._stamp(row, 1, token)  # per call: what this rank issued before it
             if pairs:  # _rows' common case, inline
                 pair = pairs.pop()
@@ -1023,21 +1142,98 @@ class MPIBackend(ProcessGroupBackend):
             else:
                 work._side = side
             work.wait()
-        if average:
-            _mean(buffer, self._plans[buffer.dtype, op], self.size)  # type: ignore[arg-type]
+        if plan.average:
+            _mean(buffer, plan, self.size)
+
+    def _all_reduce_carried(self, buffer: Any, ready: tuple[Any, ...]) -> bool:
+        """:meth:`all_reduce_now` of a group of two, the array sent with the row.
+
+        ``False``: no persistent pair was free (nothing started).
+
+        Each rank sends the peer its row with the array behind it, one message through a
+        persistent pair (where the rows alone need a message beside the collective: one MPI
+        call started and one waited on instead of two, issue 35), compares the rows and
+        reduces the two arrays itself, in rank order (``op(x0, x1)`` on both ranks, so both
+        get the same bits, which are MPI's: its reduction of two ranks is the same
+        elementwise operation). The rows are stamped as any collective's (the message stands
+        for the call's collective), so that the ranks compare them as every call's.
+        A peer that issued the same call another way (``async_op=True``, or no pair free)
+        sent its row alone and started an ``Iallreduce``: this rank then starts its own, which
+        MPI pairs with it. So the ``_issuing`` lock is held from the stamp until then: no other
+        thread of this rank may start a collective on the group in between, which MPI would
+        pair with the peer's ``Iallreduce`` (the peer, its rows alike, would return that
+        call's sum). Such a thread waits for the exchange; a program that issues a group's
+        collectives from one thread at a time never does. Every receive of a row in a group of
+        two has room for a row with data behind it; the size that follows the row says
+        whether the peer sent data (it is cleared before each receive). Rows that differ raise
+        on every rank, as any call's; the group's timeout and a departed peer as on the
+        general path.
+        """
+        row, verify, token, plan = ready
+        pairs = self._pairs
+        with self._issuing:  # to the end of the exchange (see the docstring)
+            if not pairs:  # (another thread took the last one)
+                return False
+            pair = pairs.pop()
+            requests, test, slot, theirs, size = pair.carrying(buffer.dtype, buffer.shape)
+            sent = self._stamp(row, 1, token) + size
+            pair.outbox[:_HEAD] = sent  # type: ignore[index]
+            slot[...] = buffer
+            pair.inbox[ROW_BYTES:_HEAD] = _NONE_CARRIED
+            pair.startall(requests)
+            try:
+                done = spun(test, self._polls)
+            except self.mpi.Exception as error:
+                work = _MPIWork("all_reduce", self, requests, keep=buffer)
+                raise work._mpi_error(error) from None
+            if not done:  # the group's timeout, a departed peer
+                _MPIWork("all_reduce", self, requests, keep=buffer).wait()
+            if pair.inbox[:_HEAD] == sent:  # the rows alike, and the peer sent its array
+                request = None
+            else:
+                self._carried_disagreement(pair, sent[:ROW_BYTES], verify, buffer)
+                request = (  # the peer's Iallreduce waits for this rank's
+                    None
+                    if pair.inbox[ROW_BYTES:_HEAD] == size
+                    else self._comm.Iallreduce(self._in_place, [buffer, plan.mpi_type], plan.mpi_op)
+                )
+        if request is None:  # reduced here, in rank order
+            first, second = (theirs, buffer) if self.rank else (buffer, theirs)
+            _reduce_quietly(plan.ufunc, first, second, buffer)
+            self._give_back(pair)
+        else:
+            self._give_back(pair)
+            _MPIWork("all_reduce", self, request, keep=buffer).wait()
+        if plan.average:
+            _mean(buffer, plan, self.size)
+        return True
+
+    def _carried_disagreement(
+        self, pair: _RowsPair, mine: bytes, verify: Verify, buffer: Any
+    ) -> None:
+        """Raise on rows that differ (the peer's in ``pair``), as :meth:`_MPIWork._settle` does."""
+        if pair.head == mine:
+            return
+        pair.own[:] = mine
+        pair.theirs[:] = pair.head
+        work = _MPIWork("all_reduce", self, pair.requests, keep=buffer)
+        problem = work._disagreement(pair.every, verify)
+        if problem is not None:
+            self._give_back(pair)
+            work._refuse(problem)
 
     def _ready(self, caller: Caller, buffer: Any, op: ReduceOp) -> tuple[Any, ...] | None:
         """What :meth:`all_reduce_now` needs for a call's signature, kept by its thread.
 
-        The row and its verification (:func:`compare_call`), the row's history token, the
-        plan's MPI datatype and operation, and whether it averages; ``None`` for a reduction
-        in a working dtype (not kept: :meth:`all_reduce`'s general path).
+        The row and its verification (:func:`compare_call`), the row's history token and the
+        reduction's plan; ``None`` for a reduction in a working dtype (not kept:
+        :meth:`all_reduce`'s general path).
         """
         plan = self._plan(buffer.dtype, op)
         if plan.work_dtype is not None:
             return None
         row, verify = compare_call("all_reduce", caller, (buffer,), self.world_ranks, op=op)
-        ready = (row, verify, history_token(row), plan.mpi_type, plan.mpi_op, plan.average)
+        ready = (row, verify, history_token(row), plan)
         if len(caller.ready) >= _TOKENS_KEPT:
             caller.ready.clear()
         caller.ready[buffer.dtype, buffer.shape, op] = ready
@@ -1241,10 +1437,11 @@ class MPIBackend(ProcessGroupBackend):
         with self._issuing:
             mine, verify = make(self.caller(), self.world_ranks)
             mine = self._stamp(mine, 0)  # beside no collective on _comm
-            _, request, every, pair = self._rows(mine)
+            test, request, every, pair = self._rows(mine)
         waited = f"{description} {waiting}" if waiting else description
         work = _MPIWork(waited, self, request, keep=(mine, every), timeout=timeout)
         work.wait()
+        test()  # finished: a group of two copies the peer's row into every here
         alike = every == mine * self.size
         problem = None if alike else work._disagreement(every, verify)
         self._give_back(pair)

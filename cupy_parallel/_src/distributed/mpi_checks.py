@@ -104,6 +104,21 @@ outliers of a loaded machine aside): 1.89-2.10x back to back (median 2.00x) and 
 calls (one run 2.59x under load), the fastest rounds 1.91-2.01x (before 3.07-3.40x). What is left
 is Python: a script with every layer flattened into one function (no checks skipped, no timeouts)
 still saves about 0.3-0.6 us a call (0.1-0.2x).
+
+Then (issue 35, 2026-11-29): in a group of two, a synchronous ``all_reduce`` of a host array of up
+to 16 KiB sends its array behind its row, one persistent message, and each rank reduces the pair
+itself in rank order (``mpi.MPIBackend._all_reduce_carried``; a peer that went the general way
+sent its row alone, and this rank then starts the ``Iallreduce`` it waits for). The row is this
+module's, stamped as any collective's, so the comparison says what it said. Same machine,
+``bench_collectives``' medians (the run also times five floors between the calls), three runs:
+back to back 2.01-2.12x (the two-message code before, alternated in a script: 2.26-2.31x; in that
+script the new code 1.87-2.05x), single calls after a barrier 2.96-3.07x (before: 2.83-2.97x,
+no change). mpi4py alone in the same design: 0.88-0.98x and 1.18-1.24x. A single call's time is
+its Python run cold: a script alternating only mpi4py's ``Allreduce`` and ours measured 2.3-2.7x,
+where the same code back to back takes 1.9x; each rank's path, timed by stage in that script:
+the stamp 1.0-1.2 us, the copy into the message 0.8-0.9, ``Startall`` 0.9-1.1, waiting 1.2-1.5,
+the comparison 0.4-0.5, the reduction 0.9-1.1 (MPI's ``Reduce_local``; NumPy's ufunc in a quiet
+error context, kept, costs half), the layers above the backend 1.0-1.7.
 """
 
 from __future__ import annotations
