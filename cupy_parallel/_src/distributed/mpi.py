@@ -635,7 +635,7 @@ class _RowsPair:
         self.theirs = theirs = view[peer * size : (peer + 1) * size]
         self.inbox = bytearray(_HEAD + _CARRIED_BYTES)
         self.head = head = memoryview(self.inbox)[:size]
-        self.outbox: memoryview | None = None  # a row with data behind it: made at first use
+        self.outbox = memoryview(bytearray(_HEAD + _CARRIED_BYTES))  # a row with data behind it
         self._carrying: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         control, byte = backend._control, backend._byte
         self.requests = [
@@ -671,8 +671,6 @@ class _RowsPair:
         key = (dtype, shape)
         made = self._carrying.get(key)
         if made is None:
-            if self.outbox is None:
-                self.outbox = memoryview(bytearray(_HEAD + _CARRIED_BYTES))
             if len(self._carrying) >= _SIZES_KEPT:
                 self.free_carrying()
             count = math.prod(shape)
@@ -1177,7 +1175,7 @@ class MPIBackend(ProcessGroupBackend):
             pair = pairs.pop()
             requests, test, slot, theirs, size = pair.carrying(buffer.dtype, buffer.shape)
             sent = self._stamp(row, 1, token) + size
-            pair.outbox[:_HEAD] = sent  # type: ignore[index]
+            pair.outbox[:_HEAD] = sent
             slot[...] = buffer
             pair.inbox[ROW_BYTES:_HEAD] = _NONE_CARRIED
             pair.startall(requests)
