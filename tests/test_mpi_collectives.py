@@ -783,17 +783,16 @@ def test_non_rooted_collectives_with_other_sizes_or_dtypes_raise_on_every_rank(v
 
 
 @pytest.mark.slow
-@pytest.mark.mpi
-@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
-def test_rows_through_persistent_pairs_or_not_meet_call_by_call_on_two_ranks() -> None:
+@VIA
+def test_rows_through_persistent_pairs_or_not_meet_call_by_call_on_two_ranks(via: str) -> None:
     """Issue 35: a group of two sends its comparison rows point to point, through a persistent
     pair (Send_init/Recv_init) where the rank has one free, else an Isend/Irecv, which MPI
     pairs message by message all the same, so the ranks need not agree on which. Rank 0 has
     no pair here, rank 1 its pool: 600 all_reduce calls (synchronous, the quick path without
     a Work, and async_op=True ones held six at a time) all sum right (oracle: the sum of the
     ranks' values), and the quick path still raises on both ranks when they differ in dtype,
-    size, op or shape (processes only: thread ranks' MPI has no persistent requests)."""
-    result = launch_agreement(2, "pairs")
+    size, op or shape."""
+    result = launch_agreement(2, "pairs", via)
     out = result.stdout
     assert out.count("PAIRS right=600 wrong=0") == 2, out + result.stderr[-3000:]
     assert "NO ERROR" not in out, out
@@ -811,13 +810,12 @@ def test_rows_through_persistent_pairs_or_not_meet_call_by_call_on_two_ranks() -
         assert out.count(message) == 2, (message, out)
     assert out.count("OK world after: [2.0, 2.0]") == 2, out
     assert result.returncode != 0  # the mismatched collectives: the job is aborted at exit
-    assert ENDED["mpiexec"] in result.stderr
+    assert ENDED[via] in result.stderr
 
 
 @pytest.mark.slow
-@pytest.mark.mpi
-@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
-def test_a_small_all_reduce_of_two_ranks_sends_its_array_with_the_row() -> None:
+@VIA
+def test_a_small_all_reduce_of_two_ranks_sends_its_array_with_the_row(via: str) -> None:
     """Issue 35: a group of two sends a synchronous all_reduce's array (up to 16 KiB) with its
     comparison row, one message, and each rank reduces the pair itself in rank order.
 
@@ -827,9 +825,8 @@ def test_a_small_all_reduce_of_two_ranks_sends_its_array_with_the_row() -> None:
     payloads and zeros' signs agree between the ranks; a rank that goes the general way
     (async, or no pair free) meets the other's one message; mismatched calls raise on both
     ranks. Then a thread that starts a collective while the carried call waits for a peer
-    going the general way: every call still sums its own arrays (processes only: thread
-    ranks' MPI has no persistent requests)."""
-    result = launch_agreement(2, "carried")
+    going the general way: every call still sums its own arrays."""
+    result = launch_agreement(2, "carried", via)
     out = result.stdout
     for rank in (0, 1):
         assert f"rank {rank}: CARRIED checked=250 refused=110 wrong=[]" in out, out
@@ -844,9 +841,9 @@ def test_a_small_all_reduce_of_two_ranks_sends_its_array_with_the_row() -> None:
         assert out.count(what) == 2, (what, out)
     assert "NO ERROR" not in out, out
     assert out.count("OK world after: [2.0, 2.0]") == 2, out
-    assert ENDED["mpiexec"] in result.stderr  # the mismatched groups: aborted at exit
+    assert ENDED[via] in result.stderr  # the mismatched groups: aborted at exit
 
-    between = launch_agreement(2, "carried-thread-between")
+    between = launch_agreement(2, "carried-thread-between", via)
     assert between.returncode == 0, between.stdout + between.stderr[-3000:]
     for rank in (0, 1):
         line = f"rank {rank}: THREAD BETWEEN T [2.0, 2.0, 2.0, 2.0] main [4.0, 4.0, 4.0, 4.0, 4.0"

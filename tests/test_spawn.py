@@ -199,6 +199,39 @@ def test_the_in_process_mpi_takes_bare_arrays_as_mpi4py_does() -> None:
         np.testing.assert_array_equal(biggest, rows.max(axis=0))
 
 
+def _persistent_exchange(mpi: Any) -> list[Any]:
+    """Persistent requests as the MPI backend drives them: a send to self and a receive."""
+    comm = mpi.COMM_WORLD
+    out, inbox = bytearray(b"abcd"), bytearray(8)
+    send = comm.Send_init([out, mpi.BYTE], comm.Get_rank(), 5)
+    receive = comm.Recv_init([inbox, mpi.BYTE], comm.Get_rank(), 5)
+    seen: list[Any] = [send.Test(), receive.Test()]  # inactive: true at once
+    for k in range(3):
+        out[0] = ord("a") + k  # each start sends the buffer as it is then
+        mpi.Prequest.Startall([receive, send])
+        while not (receive.Test() and send.Test()):
+            pass
+        seen.append(bytes(inbox))
+    seen.append(receive.Test())  # inactive again
+    send.Free()
+    receive.Free()
+    return seen
+
+
+def test_the_in_process_mpi_has_mpi4pys_persistent_requests() -> None:
+    """A group of two sends its comparisons (and small all_reduce calls their data) through
+    persistent requests, so thread ranks take the path processes take; the stand-in's
+    ``Send_init``/``Recv_init``/``Prequest.Startall`` behave as mpi4py's (oracle: mpi4py on
+    this process, a world of one)."""
+    from mpi4py import MPI
+
+    from cupy_parallel._src.distributed.mpi_job import load_mpi
+
+    expected = _persistent_exchange(MPI)
+    assert expected[2:5] == [b"abcd\0\0\0\0", b"bbcd\0\0\0\0", b"cbcd\0\0\0\0"]
+    assert dist.spawn(lambda _: _persistent_exchange(load_mpi()), 1) == [expected]
+
+
 def test_no_process_hook_is_installed() -> None:
     """A rank process ends the MPI job when it fails (sys.excepthook, sys.exit): thread ranks
     share the caller's process, which must keep its own."""

@@ -411,7 +411,8 @@ def carried_thread_between(rank: int) -> None:
             dist.all_reduce(x, group=group)
         outcome.append(f"T {x.tolist()}")
 
-    thread = threading.Thread(target=call, name="T")
+    # in this rank's context (a thread rank's own, under spawn)
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(call,), name="T")
     thread.start()
     other = np.full(7, 2.0)
     if rank == 1:

@@ -764,11 +764,10 @@ class MPIBackend(ProcessGroupBackend):
         # _exchange's max_tag (new_group's greetings are tagged below this one), through the
         # persistent pairs no comparison holds (None: not point to point).
         self._rows_tag = self.max_tag - 1
-        two = self.size == 2 and hasattr(control, "Send_init")  # thread ranks' MPI has none
         self._pairs: list[_RowsPair] | None = None
         self._pairs_made = 0
         self._polls = range(_MPIWork._polls_per_yield)  # all_reduce_now's tests between yields
-        if two:  # one ready: a synchronous all_reduce sends its data with the row from the first
+        if self.size == 2:  # one ready: a synchronous all_reduce carries its data from the first
             self._pairs, self._pairs_made = [_RowsPair(self)], 1
 
     # --------------------------------------------------------------------------- life cycle

@@ -12,7 +12,8 @@ What it implements, as MPI defines it:
   ``Split_type``, ``Get_group().Incl`` with ``Create_group``, ``Get_attr(TAG_UB)``, ``Free``,
   ``Abort``; the nonblocking collectives ``Ibarrier``, ``Ibcast``, ``Iallreduce``, ``Ireduce``,
   ``Iallgather``, ``Igather``, ``Iscatter``, ``Ireduce_scatter_block``, ``Ialltoallv`` and the
-  pickled ``allgather``; point-to-point ``Isend``/``Irecv`` with tags and ``ANY_SOURCE``.
+  pickled ``allgather``; point-to-point ``Isend``/``Irecv`` with tags and ``ANY_SOURCE``, and
+  their persistent forms ``Send_init``/``Recv_init`` (:class:`Prequest`, ``Startall``).
 * Matching: a communicator's collectives pair in the order each rank issues them (each rank
   counts its calls; the ``k``-th call of every rank meets in one slot, and the last rank to
   arrive moves the data for all). Messages from one sender with one tag arrive in the order
@@ -245,6 +246,67 @@ class Request:
 
 
 _CANCELLED = -10  # a cancelled receive's source
+
+
+class Prequest:
+    """``MPI.Prequest``: a persistent send or receive (``Send_init``/``Recv_init``).
+
+    Each ``Start`` posts the operation again on the same buffer, tag and peer, as an
+    ``Isend`` (the buffer's bytes as they are then) or an ``Irecv``; until then, and once a
+    ``Test`` or ``Wait`` found it complete, it is inactive, and ``Test`` answers ``True``
+    (MPI's empty status). Starting it while active is erroneous in MPI: an error here.
+    """
+
+    __slots__ = ("_active", "_comm", "_peer", "_post", "_spec", "_tag")
+
+    def __init__(self, comm: Comm, spec: Any, peer: int, tag: int, *, receive: bool) -> None:
+        self._comm = comm
+        self._post = comm.Irecv if receive else comm.Isend
+        self._spec, self._peer, self._tag = spec, peer, tag
+        self._active: Request | None = None
+
+    def Start(self) -> None:  # noqa: N802 - mpi4py's name
+        """Post the operation again."""
+        if self._active is not None:
+            raise MPIException(ERR_OTHER, "a persistent request was started while active")
+        self._active = self._post(self._spec, self._peer, self._tag)
+
+    @staticmethod
+    def Startall(requests: Sequence[Prequest]) -> None:  # noqa: N802 - mpi4py's name
+        """Start each of ``requests``."""
+        for request in requests:
+            request.Start()
+
+    def Test(self, status: Status | None = None) -> bool:  # noqa: N802 - mpi4py's name
+        """Whether the started operation completed (raising its error); inactive: ``True``."""
+        active = self._active
+        if active is None:
+            return True
+        try:
+            if not active.Test(status):
+                return False
+        except BaseException:  # completed with an error: inactive all the same
+            self._active = None
+            raise
+        self._active = None
+        return True
+
+    def Wait(self, status: Status | None = None) -> bool:  # noqa: N802 - mpi4py's name
+        """Block until the started operation completed; inactive: at once."""
+        active = self._active
+        if active is None:
+            return True
+        self._active = None
+        return active.Wait(status)
+
+    def Cancel(self) -> None:  # noqa: N802 - mpi4py's name
+        """Take back a started receive that no message matched yet."""
+        if self._active is not None:
+            self._active.Cancel()
+
+    def Free(self) -> None:  # noqa: N802 - mpi4py's name
+        """Release the request (an operation still active completes on its own)."""
+        self._active = None
 
 
 class ThreadWorld:
@@ -622,6 +684,14 @@ class Comm:
             world.changed.notify_all()
         return request
 
+    def Send_init(self, buffer: Any, dest: int, tag: int) -> Prequest:  # noqa: N802 - mpi4py's name
+        """A persistent send of the buffer (:class:`Prequest`): each ``Start`` sends it anew."""
+        return Prequest(self, buffer, dest, tag, receive=False)
+
+    def Recv_init(self, buffer: Any, source: int, tag: int) -> Prequest:  # noqa: N802
+        """A persistent receive into the buffer (:class:`Prequest`)."""
+        return Prequest(self, buffer, source, tag, receive=True)
+
     def Irecv(self, buffer: Any, source: int, tag: int) -> Request:  # noqa: N802 - mpi4py's name
         """Receive into the buffer the first message that matches ``source`` and ``tag``."""
         shared = self.shared
@@ -728,6 +798,7 @@ class ThreadMPI:
     Datatype = Datatype
     Op = Op
     Request = Request
+    Prequest = Prequest
     Status = Status
     IN_PLACE = IN_PLACE
     ANY_SOURCE = ANY_SOURCE
