@@ -853,6 +853,21 @@ def test_a_small_all_reduce_of_two_ranks_sends_its_array_with_the_row() -> None:
         assert line in between.stdout, between.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
+def test_the_carried_all_reduce_of_two_ranks_on_its_edge_cases() -> None:
+    """Issue 35's carried all_reduce (a group of two processes), cases that went wrong.
+
+    A 0-d float array's MIN/MAX with a NaN, zeros of both signs or equal values raised
+    TypeError (NumPy's minimum of 0-d arrays is a scalar, which the total order's fix-ups
+    wrote into) after the exchange, and kept the pair: now MPI's bits, no pair lost."""
+    result = launch_agreement(2, "carried-edges")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: 0-D wrong=[] pairs 0 made, 1 free" in result.stdout, result.stdout
+
+
 # One world size per worker mode (the thread-rank tests above run every size): each run
 # starts a world of processes and its twin on thread ranks, seconds each.
 SAME_OUTPUT = [

@@ -424,6 +424,33 @@ def carried_thread_between(rank: int) -> None:
     print(f"rank {rank}: THREAD BETWEEN {outcome[0]} main {other.tolist()}", flush=True)
 
 
+def carried_edges(rank: int) -> None:
+    """Edge cases of the ``carried`` all_reduce that went wrong (2 processes).
+
+    ``0-d``: a 0-d float array's ``MIN``/``MAX`` with a NaN or zeros of both signs (the total
+    order's special cases) must give what the Iallreduce gives (an ``async_op=True`` call), bit
+    for bit, on both ranks, and leave the group's persistent pairs as they were.
+    """
+    _, backend = dispatch.backend_of(None, "carried_edges")  # type: ignore[misc]
+    wrong: list[str] = []
+    made = backend._pairs_made
+    for name in ("float32", "float64", "longdouble"):
+        for op in (ReduceOp.MIN, ReduceOp.MAX):
+            for pair in ((np.nan, 1.0), (1.0, np.nan), (-0.0, 0.0), (0.0, -0.0), (2.0, 2.0)):
+                fast = np.array(pair[rank], name)
+                oracle = fast.copy()
+                try:
+                    dist.all_reduce(fast, op=op)
+                except Exception as error:  # noqa: BLE001 (the case is reported)
+                    wrong.append(f"{name} {op.name} {pair}: {type(error).__name__}")
+                    continue
+                dist.all_reduce(oracle, op=op, async_op=True).wait()
+                if fast.tobytes()[:10] != oracle.tobytes()[:10]:  # (long double: 10 bytes)
+                    wrong.append(f"{name} {op.name} {pair}: {fast!r} != {oracle!r}")
+    pairs = f"{backend._pairs_made - made} made, {len(backend._pairs)} free"
+    print(f"rank {rank}: 0-D wrong={wrong} pairs {pairs}", flush=True)
+
+
 def shape_after_agreeing(group: object, last: bool) -> None:
     """Calls that agree (the backend keeps what their signature needs), then one that does not.
 
@@ -461,6 +488,8 @@ def rank_main(_: int, argv: list[str]) -> int:
         carried(rank, size)
     elif mode == "carried-thread-between":
         carried_thread_between(rank)
+    elif mode == "carried-edges":
+        carried_edges(rank)
     dist.destroy_process_group()
     return 0
 
