@@ -1199,8 +1199,10 @@ class MPIBackend(ProcessGroupBackend):
                 )
         if request is None:  # reduced here, in rank order
             first, second = (theirs, buffer) if self.rank else (buffer, theirs)
-            _reduce_quietly(plan.ufunc, first, second, buffer)
-            self._give_back(pair)
+            try:
+                _reduce_quietly(plan.ufunc, first, second, buffer)
+            finally:  # the peer's array read (or the reduction failed): another call may take it
+                self._give_back(pair)
         else:
             self._give_back(pair)
             _MPIWork("all_reduce", self, request, keep=buffer).wait()
