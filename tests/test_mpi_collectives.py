@@ -864,12 +864,15 @@ def test_the_carried_all_reduce_of_two_ranks_on_its_edge_cases() -> None:
     wrote into) after the exchange, and kept the pair: now MPI's bits, no pair lost. Then the
     dtypes the ``carried`` test leaves out (uint8, int16, uint32, uint64, long double and its
     complex) with their extremes (limits, infinities, signed zeros, NaN, subnormals), 0-d to
-    16 KiB, every op: the Iallreduce's bits (long double's padding aside)."""
+    16 KiB, every op: the Iallreduce's bits (long double's padding aside). Last, a thread's
+    first carried call made under a tape: the context the reduction runs in (a copy of the
+    thread's, once) kept that tape, and every array it recorded, alive as long as the thread."""
     result = launch_agreement(2, "carried-edges")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: 0-D wrong=[] pairs 0 made, 1 free" in result.stdout, result.stdout
         assert f"rank {rank}: SPECIAL checked=82 wrong=[]" in result.stdout, result.stdout
+        assert f"rank {rank}: TAPE KEPT [False]" in result.stdout, result.stdout
 
 
 # One world size per worker mode (the thread-rank tests above run every size): each run

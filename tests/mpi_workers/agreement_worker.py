@@ -36,18 +36,22 @@ Modes:
 from __future__ import annotations
 
 import contextvars
+import gc
 import os
 import sys
 import threading
 import time
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 from common import each_on_its_group  # this directory: the worker runs as a script
 
+import cupy_parallel
 from cupy_parallel import distributed as dist
+from cupy_parallel import ops
 from cupy_parallel._src.distributed import dispatch
 from cupy_parallel.distributed import ReduceOp
 
@@ -470,6 +474,24 @@ def carried_edges(rank: int) -> None:
                 if _significant(fast) != _significant(oracle):
                     wrong.append(f"{name} {shape} {op.name}")
     print(f"rank {rank}: SPECIAL checked={checked} wrong={wrong}", flush=True)
+
+    kept: list[bool] = []
+
+    def taped() -> None:  # a thread's first carried call made while a tape records
+        w = np.ones(1000)
+        with cupy_parallel.Tape() as tape:
+            tape.watch(w)
+            ops.multiply(w, w)
+            dist.all_reduce(np.ones(4))
+        ref = weakref.ref(tape)
+        del tape
+        gc.collect()
+        kept.append(ref() is not None)  # asked while the thread (and what it keeps) lives
+
+    thread = threading.Thread(target=taped, name="taped")
+    thread.start()
+    thread.join()
+    print(f"rank {rank}: TAPE KEPT {kept}", flush=True)
 
 
 def _special(dtype: np.dtype[Any], shape: tuple[int, ...], rank: int) -> np.ndarray:
