@@ -17,7 +17,7 @@ import pytest
 
 import cupy_parallel
 from cupy_parallel import distributed as dist
-from cupy_parallel._src.averages import average_in_place
+from cupy_parallel._src.averages import average_in_place, decode_average, encode_average
 from cupy_parallel._src.distributed import dispatch, groups
 from cupy_parallel._src.distributed.work import CompletedWork, Work
 from cupy_parallel.distributed import Backend, ReduceOp
@@ -722,6 +722,27 @@ def test_integer_average_rounds_toward_zero(dtype: type) -> None:
         average_in_place(x, count, np)
         expected = [int(v) // count if int(v) >= 0 else -(-int(v) // count) for v in values]
         assert x.tolist() == expected
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+def test_exact_integer_average_of_0d_arrays(dtype: type) -> None:
+    # AVG of 64-bit integers travels as quotient and remainder; a 0-d array's (a scalar
+    # loss, say) decoded through NumPy's 0-d floor_divide, a scalar, raised TypeError ("return
+    # arrays must be of ArrayType") on every backend. Oracle: Python's integers.
+    info = np.iinfo(dtype)
+    for candidates in ([info.max, info.max, 1], [info.min, 5, -3], [7, 8, 0]):
+        values = [v for v in candidates if info.min <= v <= info.max]
+        total = np.zeros((2,), dtype)
+        for v in values:
+            part = np.zeros((2,), dtype)
+            encode_average(np.array(v, dtype), len(values), part, np)
+            total += part
+        mean = decode_average(total, len(values), np)
+        exact = sum(values)
+        expected = exact // len(values) if exact >= 0 else -(-exact // len(values))
+        assert isinstance(mean, np.ndarray)
+        assert mean.shape == ()
+        assert int(mean) == expected
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def decode_average(total: Any, count: int, xp: ModuleType, /) -> Any:
         return mean
     n = total.dtype.type(count)
     quotients, remainders = total[0, ...], total[1, ...]
-    mean = xp.floor_divide(remainders, n)
+    mean = xp.asarray(xp.floor_divide(remainders, n))  # (NumPy's of 0-d arrays: a scalar)
     xp.add(mean, quotients, out=mean)  # floor(mean): cannot wrap (see above)
     if total.dtype.kind == "i":
         toward_zero = (xp.remainder(remainders, n) != 0) & (mean < 0)

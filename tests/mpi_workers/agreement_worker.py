@@ -36,18 +36,22 @@ Modes:
 from __future__ import annotations
 
 import contextvars
+import gc
 import os
 import sys
 import threading
 import time
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 from common import each_on_its_group  # this directory: the worker runs as a script
 
+import cupy_parallel
 from cupy_parallel import distributed as dist
+from cupy_parallel import ops
 from cupy_parallel._src.distributed import dispatch
 from cupy_parallel.distributed import ReduceOp
 
@@ -308,12 +312,13 @@ def carried(rank: int, size: int) -> None:
             for op in ReduceOp:
                 mine = _values(dtype, shape, rank)
                 fast, oracle = mine.copy(), mine.copy()
-                try:
-                    dist.all_reduce(fast, op=op)
+                try:  # the general way first: a TypeError of the carried call is not a refusal
+                    work = dist.all_reduce(oracle, op=op, async_op=True)
                 except TypeError:  # the dtype has no such reduction: refused before any message
                     refused += 1
                     continue
-                dist.all_reduce(oracle, op=op, async_op=True).wait()
+                work.wait()
+                dist.all_reduce(fast, op=op)
                 x0, x1 = (_values(dtype, shape, r) for r in range(2))
                 if op is ReduceOp.AVG:
                     expected = ((x0 + x1) / 2).astype(dtype) if dtype.kind in "fc" else None
@@ -425,6 +430,95 @@ def carried_thread_between(rank: int) -> None:
     print(f"rank {rank}: THREAD BETWEEN {outcome[0]} main {other.tolist()}", flush=True)
 
 
+def carried_edges(rank: int) -> None:
+    """Edge cases of the ``carried`` all_reduce that went wrong (2 processes).
+
+    ``0-d``: a 0-d float array's ``MIN``/``MAX`` with a NaN or zeros of both signs (the total
+    order's special cases) must give what the Iallreduce gives (an ``async_op=True`` call), bit
+    for bit, on both ranks, and leave the group's persistent pairs as they were.
+    """
+    _, backend = dispatch.backend_of(None, "carried_edges")  # type: ignore[misc]
+    wrong: list[str] = []
+    made = backend._pairs_made
+    for name in ("float32", "float64", "longdouble"):
+        for op in (ReduceOp.MIN, ReduceOp.MAX):
+            for pair in ((np.nan, 1.0), (1.0, np.nan), (-0.0, 0.0), (0.0, -0.0), (2.0, 2.0)):
+                fast = np.array(pair[rank], name)
+                oracle = fast.copy()
+                try:
+                    dist.all_reduce(fast, op=op)
+                except Exception as error:  # noqa: BLE001 (the case is reported)
+                    wrong.append(f"{name} {op.name} {pair}: {type(error).__name__}")
+                    continue
+                dist.all_reduce(oracle, op=op, async_op=True).wait()
+                if fast.tobytes()[:10] != oracle.tobytes()[:10]:  # (long double: 10 bytes)
+                    wrong.append(f"{name} {op.name} {pair}: {fast!r} != {oracle!r}")
+    pairs = f"{backend._pairs_made - made} made, {len(backend._pairs)} free"
+    print(f"rank {rank}: 0-D wrong={wrong} pairs {pairs}", flush=True)
+
+    wrong, checked = [], 0
+    for name in ("uint8", "int16", "uint32", "uint64", "longdouble", "clongdouble"):
+        dtype = np.dtype(name)
+        for shape in [(), (3,), (16384 // dtype.itemsize,)]:
+            for op in ReduceOp:
+                if op is ReduceOp.AVG and dtype.kind == "c":  # (the mean's complex division
+                    continue  # warns of an infinity on every path: not the reduction's)
+                oracle = _special(dtype, shape, rank)
+                fast = oracle.copy()
+                try:  # first: a TypeError of the carried call itself must not pass for this
+                    work = dist.all_reduce(oracle, op=op, async_op=True)
+                except TypeError:  # no such reduction for the dtype (refused before any message)
+                    continue
+                work.wait()
+                dist.all_reduce(fast, op=op)
+                checked += 1
+                if _significant(fast) != _significant(oracle):
+                    wrong.append(f"{name} {shape} {op.name}")
+    print(f"rank {rank}: SPECIAL checked={checked} wrong={wrong}", flush=True)
+
+    kept: list[bool] = []
+
+    def taped() -> None:  # a thread's first carried call made while a tape records
+        w = np.ones(1000)
+        with cupy_parallel.Tape() as tape:
+            tape.watch(w)
+            ops.multiply(w, w)
+            dist.all_reduce(np.ones(4))
+        ref = weakref.ref(tape)
+        del tape
+        gc.collect()
+        kept.append(ref() is not None)  # asked while the thread (and what it keeps) lives
+
+    thread = threading.Thread(target=taped, name="taped")
+    thread.start()
+    thread.join()
+    print(f"rank {rank}: TAPE KEPT {kept}", flush=True)
+
+
+def _special(dtype: np.dtype[Any], shape: tuple[int, ...], rank: int) -> np.ndarray:
+    """Rank ``rank``'s array of extremes: integers' limits, infinities, zeros of both signs, NaN."""
+    rng = np.random.default_rng(2000 + rank)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        pool = np.array([info.min, info.max, 0, 1, info.max // 2 + 1], dtype)
+        return pool[rng.integers(0, pool.size, shape)]
+    real = np.empty(0, dtype).real.dtype
+    pool = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, np.finfo(real).tiny / 4, 1.5], real)
+    values = np.zeros(shape, dtype)
+    values.real = pool[rng.integers(0, pool.size, shape)]
+    if dtype.kind == "c":
+        values.imag = pool[rng.integers(0, pool.size, shape)]
+    return values
+
+
+def _significant(x: np.ndarray) -> bytes:
+    """``x``'s bytes without a long double's padding (6 of its 16 bytes, left as they were)."""
+    real = np.empty(0, x.dtype).real.dtype
+    if real.itemsize == 16 and np.finfo(real).nmant == 63:  # x86's 80-bit long double
+        return np.ascontiguousarray(x).view(np.uint8).reshape(-1, 16)[:, :10].tobytes()
+    return x.tobytes()
+
+
 def shape_after_agreeing(group: object, last: bool) -> None:
     """Calls that agree (the backend keeps what their signature needs), then one that does not.
 
@@ -462,6 +556,8 @@ def rank_main(_: int, argv: list[str]) -> int:
         carried(rank, size)
     elif mode == "carried-thread-between":
         carried_thread_between(rank)
+    elif mode == "carried-edges":
+        carried_edges(rank)
     dist.destroy_process_group()
     return 0
 

@@ -76,7 +76,8 @@ def _total_extremum(
 ) -> None:
     """``out = min(a, b)`` (``max`` if ``largest``) with NaN propagating and ``-0.0 < +0.0``."""
     del casting
-    result = np.maximum(a, b) if largest else np.minimum(a, b)
+    # (asarray: of 0-d arrays, NumPy's maximum is a scalar, which the fix-ups below write into)
+    result = np.asarray(np.maximum(a, b) if largest else np.minimum(a, b))
     tie = a == b  # equal values differ in bits only for +-0.0
     if tie.any():
         negative = np.signbit(a)
