@@ -851,9 +851,8 @@ def test_a_small_all_reduce_of_two_ranks_sends_its_array_with_the_row(via: str) 
 
 
 @pytest.mark.slow
-@pytest.mark.mpi
-@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
-def test_the_carried_all_reduce_of_two_ranks_on_its_edge_cases() -> None:
+@VIA
+def test_the_carried_all_reduce_of_two_ranks_on_its_edge_cases(via: str) -> None:
     """Issue 35's carried all_reduce (a group of two processes), cases that went wrong.
 
     A 0-d float array's MIN/MAX with a NaN, zeros of both signs or equal values raised
@@ -864,7 +863,7 @@ def test_the_carried_all_reduce_of_two_ranks_on_its_edge_cases() -> None:
     16 KiB, every op: the Iallreduce's bits (long double's padding aside). Last, a thread's
     first carried call made under a tape: the context the reduction runs in (a copy of the
     thread's, once) kept that tape, and every array it recorded, alive as long as the thread."""
-    result = launch_agreement(2, "carried-edges")
+    result = launch_agreement(2, "carried-edges", via)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: 0-D wrong=[] pairs 0 made, 1 free" in result.stdout, result.stdout

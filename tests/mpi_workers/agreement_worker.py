@@ -489,7 +489,8 @@ def carried_edges(rank: int) -> None:
         gc.collect()
         kept.append(ref() is not None)  # asked while the thread (and what it keeps) lives
 
-    thread = threading.Thread(target=taped, name="taped")
+    # in this rank's context (a thread rank's own, under spawn)
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(taped,), name="taped")
     thread.start()
     thread.join()
     print(f"rank {rank}: TAPE KEPT {kept}", flush=True)
