@@ -55,9 +55,10 @@ def root_buffer(data: np.ndarray, /) -> np.ndarray:
     while base is not None:  # None ends most chains: tested first (hasattr(None, ...) costs 0.1 us)
         if isinstance(base, np.ndarray):
             data, base = base, base.base
-        elif hasattr(base, "__array_interface__") and isinstance(
-            getattr(base, "base", None), np.ndarray
-        ):  # as_strided's DummyArray: a view of its own base's memory
+        elif isinstance(getattr(base, "base", None), np.ndarray) and hasattr(
+            base, "__array_interface__"
+        ):  # as_strided's DummyArray: a view of its own base's memory (its base tested first:
+            # the host pool's blocks compute their interface, a dict, when asked for it)
             base = base.base
         else:
             break
