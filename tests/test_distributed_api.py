@@ -745,6 +745,32 @@ def test_exact_integer_average_of_0d_arrays(dtype: type) -> None:
         assert int(mean) == expected
 
 
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+def test_complex_average_divides_each_part(dtype: type) -> None:
+    # AVG of complex arrays: the sum's real and imaginary parts divided by the count, as NCCL's
+    # average of the float pairs torch reduces complex tensors as. NumPy's x / 2 divides by
+    # 2+0j, which turned the mean of inf+0j and inf+0j into inf+nanj. Oracle: the parts
+    # divided one by one; then AVG on 2 and 3 thread ranks (the MPI backend).
+    inf = np.inf
+    values = np.array([inf + 0j, complex(inf, -inf), complex(0, inf), 3 - 1j, 1e-40 + 5j], dtype)
+    for x in (values.copy(), values[::2].copy(), np.array(values[0])):
+        expected = np.empty_like(x)
+        expected.real, expected.imag = x.real / 2, x.imag / 2
+        average_in_place(x, 2, np)
+        assert x.tobytes() == expected.tobytes()
+
+    def mean(rank: int, n: int) -> np.ndarray:
+        x = np.array([inf + 0j, 2 + 4j * (rank + 1), complex(-inf, 1)], dtype)
+        dist.all_reduce(x, op=ReduceOp.AVG)
+        return x
+
+    for n in (2, 3):
+        expected = np.array([inf, 2, -inf], dtype)
+        expected.imag = [0, 4 * sum(range(1, n + 1)) / n, 1]
+        for got in dist.spawn(mean, n, args=(n,)):
+            np.testing.assert_array_equal(got, expected)
+
+
 # ---------------------------------------------------------------------------------------------
 # One argument reader: NumPy integers and every timeout form
 

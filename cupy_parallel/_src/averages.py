@@ -23,6 +23,10 @@ __all__ = ["average_in_place", "decode_average", "encode_average", "integer_aver
 def average_in_place(x: Any, count: int, xp: ModuleType, /) -> None:
     """``x /= count`` in place with NumPy or CuPy: floats divide, integers round toward zero.
 
+    A complex ``x`` divides its real and imaginary parts by ``count`` (as NCCL's average of
+    the float pairs torch reduces complex tensors as): the mean of ``inf+0j`` and ``inf+0j`` is
+    ``inf+0j``, where dividing by a complex ``count`` (NumPy's ``x / 2``) gives ``inf+nanj``.
+
     Integers round toward zero, as NCCL's ``ncclAvg`` and C's division do: ``x - fmod(x, count)``
     is an exact multiple of ``count`` (``fmod`` keeps the sign of ``x``), so the floor division
     after it is exact. ``x`` holds a sum: for ``ReduceOp.AVG`` of integers the sum must not have
@@ -35,6 +39,11 @@ def average_in_place(x: Any, count: int, xp: ModuleType, /) -> None:
         >>> x
         array([-3,  3,  3], dtype=int32)
     """
+    if x.dtype.kind == "c":  # each part by the count (NumPy's complex division by a complex 2
+        parts = x.real.dtype.type(count)  # makes (inf+0j) / 2 inf+nanj; the mean is inf+0j)
+        xp.divide(x.real, parts, out=x.real)
+        xp.divide(x.imag, parts, out=x.imag)
+        return
     n = x.dtype.type(count)
     if x.dtype.kind in "iu":
         xp.subtract(x, xp.fmod(x, n), out=x)
