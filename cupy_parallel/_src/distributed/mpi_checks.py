@@ -110,15 +110,16 @@ to 16 KiB sends its array behind its row, one persistent message, and each rank 
 itself in rank order (``mpi.MPIBackend._all_reduce_carried``; a peer that went the general way
 sent its row alone, and this rank then starts the ``Iallreduce`` it waits for). The row is this
 module's, stamped as any collective's, so the comparison says what it said. Same machine,
-``bench_collectives``' medians (the run also times five floors between the calls), three runs:
-back to back 2.01-2.12x (the two-message code before, alternated in a script: 2.26-2.31x; in that
-script the new code 1.87-2.05x), single calls after a barrier 2.96-3.07x (before: 2.83-2.97x,
-no change). mpi4py alone in the same design: 0.88-0.98x and 1.18-1.24x. A single call's time is
-its Python run cold: a script alternating only mpi4py's ``Allreduce`` and ours measured 2.3-2.7x,
-where the same code back to back takes 1.9x; each rank's path, timed by stage in that script:
-the stamp 1.0-1.2 us, the copy into the message 0.8-0.9, ``Startall`` 0.9-1.1, waiting 1.2-1.5,
-the comparison 0.4-0.5, the reduction 0.9-1.1 (MPI's ``Reduce_local``; NumPy's ufunc in a quiet
-error context, kept, costs half), the layers above the backend 1.0-1.7.
+full ``bench_collectives`` runs alternated with the two-message code, the machine otherwise idle:
+back to back 1.58-1.61x (before 1.96-1.99x), single calls after a barrier 1.60x (before
+1.77-1.84x). Earlier that day, while mpi4py's own ``Allreduce`` ran 30 % slower (4.3-4.5 us
+against 3.3-3.4: a busier host), the same code measured 2.01-2.12x and 2.74-3.07x (before:
+2.26-2.31x and 2.83-2.97x): a single call's Python runs cold, which a busy host slows more than
+mpi4py's C. mpi4py alone in the same design: 0.81-0.98x and 0.89-1.24x. Each rank's path, timed
+by stage in a script in that busy stretch: the stamp 1.0-1.2 us, the copy into the message
+0.8-0.9, ``Startall`` 0.9-1.1, waiting 1.2-1.5, the comparison 0.4-0.5, the reduction 0.9-1.1
+(MPI's ``Reduce_local``; NumPy's ufunc in a quiet error context, kept, costs half), the layers
+above the backend 1.0-1.7.
 """
 
 from __future__ import annotations
