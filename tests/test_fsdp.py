@@ -269,14 +269,6 @@ def test_an_undone_swap_leaves_the_tape_watching_the_memory_its_nodes_hold(commi
 # -- against torch's FSDP2 ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _ours_on_a_rank(rank: int) -> list[Any]:
     """Our FSDP + optim.Adam on the oracle's model, weights, data and shards."""
     from cupy_parallel.optim import Adam
@@ -318,7 +310,7 @@ def test_fsdp_matches_torch_fsdp2_over_gloo() -> None:
     from thread_ranks import WORKERS
 
     done = subprocess.run(
-        [sys.executable, str(WORKERS / "torch_fsdp_oracle.py"), str(_free_port())],
+        [sys.executable, str(WORKERS / "torch_fsdp_oracle.py")],
         capture_output=True,
         text=True,
         timeout=180,

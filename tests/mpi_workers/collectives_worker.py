@@ -114,7 +114,11 @@ def oracle(arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     result = np.array(result, dtype=work[0].dtype)
     if op is ReduceOp.AVG:
         count = len(arrays)
-        if result.dtype.kind in "fc":
+        if result.dtype.kind == "c":  # each part by the count (ReduceOp.AVG's rule)
+            mean = np.empty_like(result)
+            mean.real, mean.imag = result.real / count, result.imag / count
+            result = mean
+        elif result.dtype.kind == "f":
             result = result / result.dtype.type(count)
         else:
             result = np.fix(result.astype(np.float64) / count).astype(result.dtype)

@@ -11,8 +11,8 @@ gradient that is not ``None`` (a missing key: ``None``). The oracle of
 from __future__ import annotations
 
 import os
-import socket
 import sys
+import tempfile
 
 import numpy as np
 
@@ -32,7 +32,7 @@ def uses(name: str, rank: int, step: int) -> bool:
     return step == 1 and rank == 1
 
 
-def _rank(rank: int, world: int, out: str, port: int) -> None:
+def _rank(rank: int, world: int, out: str, store: str) -> None:
     import torch
     import torch.distributed as tdist
 
@@ -51,9 +51,7 @@ def _rank(rank: int, world: int, out: str, port: int) -> None:
                     loss = loss + (getattr(self, name) * x**power).sum()
             return loss
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    tdist.init_process_group("gloo", f"file://{store}", rank=rank, world_size=world)
     model = Model()
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     found: dict[str, np.ndarray] = {}
@@ -76,10 +74,8 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     world, out = int(sys.argv[1]), sys.argv[2]
-    with socket.socket() as s:  # a free port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(world, out, port), nprocs=world)
+    with tempfile.TemporaryDirectory() as tmp:  # a file rendezvous: no port to race for
+        mp.spawn(_rank, args=(world, out, os.path.join(tmp, "store")), nprocs=world)
 
 
 if __name__ == "__main__":

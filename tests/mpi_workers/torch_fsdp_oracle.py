@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import sys
+import tempfile
 
 import numpy as np
 
@@ -32,13 +32,12 @@ def data() -> tuple[np.ndarray, np.ndarray]:
     return rng.normal(size=(N, SIZES[0])), rng.normal(size=(N, SIZES[-1]))
 
 
-def _rank(rank: int, world: int, port: int) -> None:
+def _rank(rank: int, world: int, store: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", f"file://{store}", rank=rank, world_size=world)
     layers = []
     for w, b in weights():
         linear = torch.nn.Linear(*w.shape).double()
@@ -71,4 +70,5 @@ def _rank(rank: int, world: int, port: int) -> None:
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank, args=(2, int(sys.argv[1])), nprocs=2)
+    with tempfile.TemporaryDirectory() as tmp:  # a file rendezvous: no port to race for
+        mp.spawn(_rank, args=(2, os.path.join(tmp, "store")), nprocs=2)

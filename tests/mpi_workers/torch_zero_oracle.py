@@ -12,8 +12,8 @@ optimizer's order) and the consolidated state dict into ``out.npz``.
 from __future__ import annotations
 
 import os
-import socket
 import sys
+import tempfile
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,14 +28,12 @@ def _where(params: list[torch.Tensor], p: torch.Tensor) -> int:
     return next(i for i, q in enumerate(params) if q is p)  # by identity (== compares values)
 
 
-def _rank(rank: int, world: int, case: dict[str, np.ndarray], out: str, port: int) -> None:
+def _rank(rank: int, world: int, case: dict[str, np.ndarray], out: str, store: str) -> None:
     import torch
     import torch.distributed as tdist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    tdist.init_process_group("gloo", f"file://{store}", rank=rank, world_size=world)
     count = int(case["count"])
     params = [torch.nn.Parameter(torch.from_numpy(case[f"p{i}"].copy())) for i in range(count)]
     group = case["group"].tolist()
@@ -72,11 +70,10 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     case = dict(np.load(sys.argv[1]))
-    with socket.socket() as s:  # a free port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     world = int(case["world"])
-    mp.spawn(_rank, args=(world, case, sys.argv[2], port), nprocs=world)
+    with tempfile.TemporaryDirectory() as tmp:  # a file rendezvous: no port to race for
+        store = os.path.join(tmp, "store")
+        mp.spawn(_rank, args=(world, case, sys.argv[2], store), nprocs=world)
 
 
 if __name__ == "__main__":
