@@ -1,6 +1,6 @@
 """torch's FSDP2 (``fully_shard``) over gloo on 2 CPU processes: ``tests/test_fsdp.py``'s oracle.
 
-``python torch_fsdp_oracle.py PORT``: trains a float64 MLP (weights from ``weights()``, the
+``python torch_fsdp_oracle.py``: trains a float64 MLP (weights from ``weights()``, the
 same NumPy seed the test uses) for ``STEPS`` Adam steps, each rank on its half of the batch,
 every ``Linear`` and the root sharded with ``fully_shard``, and prints ``RESULT`` and the full
 parameters after each step as JSON (rank 0). Needs torch; not a dependency of the library.
