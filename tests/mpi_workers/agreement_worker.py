@@ -44,7 +44,7 @@ import time
 import warnings
 import weakref
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from common import each_on_its_group  # this directory: the worker runs as a script
@@ -54,6 +54,9 @@ from cupy_parallel import distributed as dist
 from cupy_parallel import ops
 from cupy_parallel._src.distributed import dispatch
 from cupy_parallel.distributed import ReduceOp
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 CALLS = 2000
 
@@ -529,6 +532,20 @@ def shape_after_agreeing(group: object, last: bool) -> None:
     dist.all_reduce(np.ones((3, 2) if last else (2, 3), np.float32), group=group)
 
 
+# Each mode's program, called with the rank and the world size.
+MODES: dict[str, Callable[[int, int], None]] = {
+    "threads": threads,
+    "threads-one-name": lambda rank, size: threads(rank, size, ("summer", "summer")),
+    "mismatch": mismatch,
+    "debug-race": lambda rank, _: debug_race(rank),
+    "async-race": lambda rank, _: async_race(rank),
+    "pairs": pairs,
+    "carried": carried,
+    "carried-thread-between": lambda rank, _: carried_thread_between(rank),
+    "carried-edges": lambda rank, _: carried_edges(rank),
+}
+
+
 def main() -> int:
     return rank_main(0, sys.argv[1:])
 
@@ -538,25 +555,7 @@ def rank_main(_: int, argv: list[str]) -> int:
     mode = argv[0]
     if not dist.is_initialized():
         dist.init_process_group("mpi", timeout=timedelta(seconds=20))
-    rank, size = dist.get_rank(), dist.get_world_size()
-    if mode == "threads":
-        threads(rank, size)
-    elif mode == "threads-one-name":
-        threads(rank, size, ("summer", "summer"))
-    elif mode == "mismatch":
-        mismatch(rank, size)
-    elif mode == "debug-race":
-        debug_race(rank)
-    elif mode == "async-race":
-        async_race(rank)
-    elif mode == "pairs":
-        pairs(rank, size)
-    elif mode == "carried":
-        carried(rank, size)
-    elif mode == "carried-thread-between":
-        carried_thread_between(rank)
-    elif mode == "carried-edges":
-        carried_edges(rank)
+    MODES[mode](dist.get_rank(), dist.get_world_size())
     dist.destroy_process_group()
     return 0
 
