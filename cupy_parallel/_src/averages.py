@@ -39,10 +39,10 @@ def average_in_place(x: Any, count: int, xp: ModuleType, /) -> None:
         >>> x
         array([-3,  3,  3], dtype=int32)
     """
-    if x.dtype.kind == "c":  # each part by the count (NumPy's complex division by a complex 2
-        parts = x.real.dtype.type(count)  # makes (inf+0j) / 2 inf+nanj; the mean is inf+0j)
-        xp.divide(x.real, parts, out=x.real)
-        xp.divide(x.imag, parts, out=x.imag)
+    if x.dtype.kind == "c":  # each part by a real count (see above)
+        n = x.real.dtype.type(count)
+        xp.divide(x.real, n, out=x.real)
+        xp.divide(x.imag, n, out=x.imag)
         return
     n = x.dtype.type(count)
     if x.dtype.kind in "iu":
