@@ -7,7 +7,8 @@ the forward pass recorded on a tape, ``tape.gradient`` and the optimizer's ``ste
 - ``ddp``: :class:`~cupy_parallel.DistributedDataParallel` + ``optim.Adam`` (the baseline);
 - ``zero1``: DDP + ``distributed.optim.ZeroRedundancyOptimizer(Adam)`` (when that class exists
   in this checkout), its parameters synchronised by one all-gather of padded flat buffers
-  (``param_sync="all_gather"``); ``zero1 broadcast``: by a broadcast per owner (the default);
+  (``param_sync="all_gather"``); ``zero1 broadcast``: by a broadcast of each parameter from its
+  owner, in place (the default);
 - ``fsdp``: :class:`~cupy_parallel.FullyShardedDataParallel` (FULL_SHARD) + ``optim.Adam`` on
   its shards; ``fsdp grad_op``: the same with ``reshard_after_forward=False`` (SHARD_GRAD_OP).
 
@@ -21,9 +22,9 @@ it takes from NumPy alike (a bias, its gradient and its Adam state: the probe co
 the pool's, and are not counted. DDP's peak is then exactly its 4 copies of the parameters.
 Targets (the issue's, with DDP's 4 copies as the unit): ZeRO-1 at most ``(2 + 2/N) / 4`` of DDP's;
 FSDP at most ``(4/N) / 4`` of DDP's plus two units (one gathered, one prefetched). ZeRO-1's
-parameters, gradients and state come to exactly ``(2 + 2/N) / 4``; its peak adds the buffers
-that carry each owner's small parameters (the biases, packed) while its broadcasts are in flight:
-16 KiB here, 0.05 % of DDP's peak (``param_sync="all_gather"`` holds a whole gathered copy more).
+parameters, gradients and state come to exactly ``(2 + 2/N) / 4``, and its default sync needs
+no buffer (``param_sync="broadcast_packed"`` adds the buffers that carry each owner's biases
+while its broadcasts are in flight, 16 KiB here; ``"all_gather"`` a whole gathered copy).
 
 **Step time** (rows ``step ...``): the median over rounds of the slowest rank's step, the
 variants alternating within each round; ratio against ``ddp``; targets ZeRO-1 1.1x, FSDP 1.2x.

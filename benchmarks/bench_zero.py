@@ -6,8 +6,13 @@ figure the slowest rank's:
 
 - ``all_gather`` / ``broadcast``: the sync after the local update alone (every rank receives
   every updated parameter): one ``all_gather_into_tensor`` of flat buffers padded to the largest
-  partition, against broadcasts from the owners (each weight in place, each owner's biases in
-  one buffer; the faster here, so the default);
+  partition, against a broadcast of each parameter in place from its owner (the faster here,
+  and no buffers: the default);
+- ``small packed`` / ``small broadcast``: ``ZeroRedundancyOptimizer(Adam).step`` alone (the
+  local update and the sync, the same gradients each time) on a second model of many small
+  parameters (96 units of a 64 x 64 weight and three 64-vectors: 288 of the 384 arrays under
+  ``IN_PLACE_BYTES``), ``param_sync="broadcast_packed"`` against the default: what packing an
+  owner's small parameters into one broadcast saves where collectives, not bytes, dominate;
 - ``zero step`` / ``ddp step``: a training step, forward, backward (DDP's averaged gradients)
   and ``ZeroRedundancyOptimizer(Adam).step`` (its default sync) against the same with an
   unsharded ``Adam`` on every rank (issue 33's target: at most 1.1x).
@@ -19,6 +24,7 @@ measures that world).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from typing import Any
@@ -54,6 +60,19 @@ def _mlp(params: list[dict[str, Any]], x: Any) -> Any:
     return h
 
 
+SMALL_UNITS, SMALL_D = 96, 64
+
+
+def _small_params() -> list[dict[str, Any]]:
+    """Many small parameters: each unit a ``D x D`` weight and three ``D``-vectors."""
+    rng = np.random.default_rng(2)
+    return [
+        {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        for shapes in [{"w": (SMALL_D, SMALL_D), "b": SMALL_D, "g": SMALL_D, "beta": SMALL_D}]
+        * SMALL_UNITS
+    ]
+
+
 def _state_bytes(optimizer: Any) -> int:
     return sum(
         int(v.nbytes)
@@ -86,11 +105,20 @@ def _steps(rank: int) -> tuple[dict[str, Any], dict[str, int]]:
 
         return step
 
+    def small(param_sync: str) -> Any:
+        params = _small_params()
+        grads = [{n: np.full_like(a, 1e-3) for n, a in unit.items()} for unit in params]
+        return functools.partial(
+            ZeroRedundancyOptimizer(params, Adam, lr=1e-5, param_sync=param_sync).step, grads
+        )
+
     steps = {
         "all_gather": lambda: _sync_all_gather(zero),
         "broadcast": lambda: _sync_broadcast(zero),
         "zero step": train(zddp, zero),
         "ddp step": train(rddp, adam),
+        "small packed": small("broadcast_packed"),
+        "small broadcast": small("broadcast"),
     }
     steps["zero step"]()
     steps["ddp step"]()
@@ -130,6 +158,8 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
     common = {"ranks": ranks, "parameters": params, "bytes": 4 * params}
     sync = Timing.of(times["all_gather"], times["broadcast"])
     step = Timing.of(times["zero step"], times["ddp step"])
+    small = Timing.of(times["small packed"], times["small broadcast"])
+    small_params = sum(a.size for unit in _small_params() for a in unit.values())
     return [
         sync.row(
             f"ZeRO parameter sync: one all_gather vs broadcasts from the owners, {ranks} ranks",
@@ -144,6 +174,14 @@ def _measure(quick: bool) -> list[dict[str, Any]]:
             state_bytes_per_rank=[m["zero"] for m in memories],
             ddp_state_bytes_per_rank=[m["adam"] for m in memories],
             **common,
+        ),
+        small.row(
+            f"ZeRO step, 288 small parameters: broadcast_packed vs broadcast, {ranks} ranks",
+            None,
+            goal="reported: what param_sync='broadcast_packed' saves (ratio < 1: faster)",
+            ranks=ranks,
+            parameters=small_params,
+            arrays=4 * SMALL_UNITS,
         ),
     ]
 

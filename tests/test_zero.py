@@ -36,42 +36,17 @@ def passed(ranks: int, count: int) -> list[str]:
     return [f"rank {r}: {count} checks passed" for r in range(ranks)]
 
 
-IN_PLACE = pytest.mark.parametrize(
-    "in_place_bytes", [zero_module.IN_PLACE_BYTES, 0], ids=["small-packed", "all-in-place"]
-)
-
-
 @pytest.mark.slow
-@IN_PLACE
 @pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
-def test_zero_on_thread_ranks(ranks: int, in_place_bytes: int, monkeypatch: Any) -> None:
-    """The workers' parameters are small: 0 makes the broadcast sync send each in place."""
-    monkeypatch.setattr(zero_module, "IN_PLACE_BYTES", in_place_bytes)
+def test_zero_on_thread_ranks(ranks: int) -> None:
     ran = run_threads("zero_worker", ranks, "all", timeout=60)
     assert ran.returncode == 0, ran.stdout[-6000:] + ran.stderr[-3000:]
     assert printed(ran.stdout) == passed(ranks, len(worker("zero_worker").checks()))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("ranks", "in_place_bytes"),
-    [
-        (2, zero_module.IN_PLACE_BYTES),
-        (3, zero_module.IN_PLACE_BYTES),
-        (4, zero_module.IN_PLACE_BYTES),
-        (3, 0),
-    ],
-    ids=[
-        "2ranks-small-packed",
-        "3ranks-small-packed",
-        "4ranks-small-packed",
-        "3ranks-all-in-place",
-    ],
-)
-def test_zero_on_nccl_thread_ranks_with_cupy_arrays(
-    ranks: int, in_place_bytes: int, monkeypatch: Any
-) -> None:
-    monkeypatch.setattr(zero_module, "IN_PLACE_BYTES", in_place_bytes)
+@pytest.mark.parametrize("ranks", [2, 3, 4], ids=lambda n: f"{n}ranks")
+def test_zero_on_nccl_thread_ranks_with_cupy_arrays(ranks: int) -> None:
     from cupy_parallel.testing import simulated_cuda
 
     with simulated_cuda(ranks):
@@ -387,11 +362,46 @@ def _edge_grads(params: dict[str, Any], step: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize(
+    ("sync", "buffered"),
+    [
+        ("broadcast", {}),  # every parameter in place: nothing beyond the parameters
+        # every owner's small parameters, in one buffer per owner and dtype, on every rank:
+        # the float32 vector; the float64 0-d, 4 x 2 and 7 ("big" in place, "empty" not sent)
+        ("broadcast_packed", {"float32": 5 * 4, "float64": (1 + 8 + 7) * 8}),
+    ],
+)
+def test_the_default_sync_allocates_nothing_the_packed_one_the_small_parameters(
+    sync: str, buffered: dict[str, int], monkeypatch: Any
+) -> None:
+    """The memory claim of ``param_sync``, by the bytes its sync asks the pool for (2 ranks)."""
+    allocated: dict[int, dict[str, int]] = {}
+    allocate = zero_module.empty
+
+    def counting(size: Any, dtype: Any, device: Any) -> Any:
+        mine = allocated.setdefault(dist.get_rank(), {})
+        mine[str(dtype)] = mine.get(str(dtype), 0) + int(size) * np.dtype(dtype).itemsize
+        return allocate(size, dtype, device)
+
+    monkeypatch.setattr(zero_module, "empty", counting)
+
+    def train(rank: int) -> Any:
+        params = _edge_params()
+        zero = ZeroRedundancyOptimizer(params, Adam, lr=0.1, param_sync=sync)
+        zero.step(_edge_grads(params, 0))
+        return params
+
+    ranks = dist.spawn(train, 2, timeout=60)
+    assert allocated == ({0: buffered, 1: buffered} if buffered else {})
+    for key, value in ranks[0].items():  # and the sync did sync
+        assert np.array_equal(ranks[1][key], value) if key != "name" else value == "edge"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", ["broadcast", "all_gather"])
+@pytest.mark.parametrize("sync", ["broadcast", "broadcast_packed", "all_gather"])
 def test_edges_0d_zero_size_mixed_dtypes_and_a_sharded_checkpoint_3_to_2(
     tmp_path: Any, sync: str
-) -> None:  # "big" (288 KiB) is broadcast in place, the others packed
+) -> None:  # broadcast_packed: "big" (288 KiB) is broadcast in place, the others packed
     """ZeRO == the plain optimizer bit for bit; its checkpoint from 3 ranks resumes on 2."""
     from cupy_parallel.distributed import checkpoint as dcp
     from cupy_parallel.distributed.checkpoint import get_state_dict, set_state_dict

@@ -225,7 +225,7 @@ def checks() -> list[tuple[Any, tuple[Any, ...]]]:
     for kind in ("cpu", "host"):
         s = Setting(kind)
         for name in OPTIMIZERS:
-            for sync in ("all_gather", "broadcast"):
+            for sync in ("all_gather", "broadcast", "broadcast_packed"):
                 if kind == "host" and name != "adamw-groups":
                     continue
                 out.append((check_equals_ddp_and_one_process, (s, name, sync)))
@@ -244,6 +244,7 @@ def cupy_checks() -> list[tuple[Any, tuple[Any, ...]]]:
     return [
         (check_equals_ddp_and_one_process, (s, "adamw-groups", "all_gather")),
         (check_equals_ddp_and_one_process, (s, "sgd-nesterov", "broadcast")),
+        (check_equals_ddp_and_one_process, (s, "adam", "broadcast_packed")),
         (check_consolidated_state_dict_is_the_unsharded_one, (s,)),
         (check_load_state_dict_of_any_world_size_continues_alike, (s,)),
     ]

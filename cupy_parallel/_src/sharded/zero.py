@@ -17,23 +17,28 @@ An exact balance is a bin-packing problem (NP-hard) and LPT is within 4/3 of it;
 ``benchmarks/bench_zero.py``'s MLP the two ranks' partitions differ by 0.17% (2,105,344
 against 2,101,776 elements).
 
-Sync: after the local step every rank receives every updated parameter from its owner.
-``param_sync="broadcast"`` (the default, torch's default sync) broadcasts each parameter of at
-least :data:`IN_PLACE_BYTES` from its owner straight into every rank's array (no buffer: the
-sync needs no memory beyond the parameters), and each owner's smaller parameters of one dtype
-and device together in one flat buffer; ``param_sync="all_gather"`` packs each rank's
-partition into a flat buffer (one per dtype and device) padded to the largest partition and
-runs one ``all_gather_into_tensor``: the whole model once more in buffers during the sync.
-Measured (``benchmarks/bench_zero.py``; the 4.2 M-parameter float32 MLP, 2 MPI processes on
-2 shared cores): the broadcasts took 9.4 ms, the all-gather 31 ms (an earlier version that
-packed every partition for the broadcasts: 9.6 against 18.5 ms; on thread ranks 26 against
-66-143 ms with 2 ranks, 22-68 against 168-308 ms with 4). Since the MPI backend receives an
-all-gather straight into its output (no buffer copied out), the all-gather takes 26-32 ms against
-the broadcasts' 15-19 ms (two runs each, the machine loaded by others), 1.8x where it was 2.7-3.5x
-in the same runs before: still the slower. In place, the broadcasts also keep
-ZeRO-1's memory at parameters + gradients + state/N (``benchmarks/bench_sharded.py``, 4 ranks:
-0.625 of DDP's, where packing every partition measured 0.876), so they are the default. NCCL
-is unmeasured without a GPU; ``param_sync="all_gather"`` is one switch.
+Sync: after the local step every rank receives every updated parameter from its owner, one of
+three ways (``param_sync``):
+
+- ``"broadcast"`` (the default; torch's default sync): each parameter broadcast from its owner
+  straight into every rank's array, one collective each. No buffer: a rank holds its parameters,
+  its gradients and its partition's state, nothing more (``benchmarks/bench_sharded.py``, 4
+  ranks: exactly 0.625 of DDP's bytes, the issue's ``(2 + 2/N) / 4``).
+- ``"broadcast_packed"``: the same for each parameter of at least :data:`IN_PLACE_BYTES`, and
+  an owner's smaller parameters of one dtype and device together in one flat buffer, one
+  collective for them all. It pays when a model has many small parameters (biases, norms'
+  scales): ``benchmarks/bench_zero.py``'s second model, 96 units of a 64 x 64 weight and three
+  64-vectors (288 small parameters), steps in 0.58x the time of ``"broadcast"`` on 2 ranks (the
+  same model on 4 ranks, two per core: 0.37x); on ``bench_sharded``'s MLP (8 biases among
+  512 x 512 weights) it is no faster. The price is those small parameters' bytes in
+  buffers while the broadcasts are in flight (16 KiB there: 0.6255 of DDP's bytes), which is
+  why it is not the default: the contract's memory is the parameters, gradients and
+  state / N, exactly.
+- ``"all_gather"``: each rank's partition packed into a flat buffer (one per dtype and
+  device) padded to the largest partition, and one ``all_gather_into_tensor``: the whole model
+  once more in buffers during the sync, and slower here (``bench_zero.py``, the 4.2 M-parameter
+  float32 MLP, 2 MPI processes on 2 shared cores: 26-32 ms against the broadcasts' 15-19 ms;
+  0.94 of DDP's bytes in ``bench_sharded``). NCCL is unmeasured without a GPU; it is one switch.
 """
 
 from __future__ import annotations
@@ -162,19 +167,23 @@ def _sync_all_gather(zero: ZeroRedundancyOptimizer) -> list[Any]:
 
 
 IN_PLACE_BYTES = 256 * 1024
-"""A parameter of at least this many bytes is broadcast in place (no buffer); smaller ones of one
-owner travel together in one flat buffer (one collective instead of many small ones)."""
+"""With ``param_sync="broadcast_packed"``, a parameter of at least this many bytes is broadcast in
+place; an owner's smaller ones of one dtype and device travel together in one flat buffer."""
 
 
-def _sync_broadcast(zero: ZeroRedundancyOptimizer) -> list[Any]:
-    """Per bucket and owner: each large parameter broadcast in place, the small ones packed."""
+def _sync_broadcast(zero: ZeroRedundancyOptimizer, pack_below: int = 0) -> list[Any]:
+    """Per bucket and owner, each parameter broadcast in place from its owner.
+
+    ``pack_below``: an owner's parameters of fewer bytes go together in one flat buffer instead
+    (one collective for them all; their bytes once more in buffers while it is in flight).
+    """
     flights: list[tuple[Any, int, list[Any], Any]] = []  # (work, owner, arrays, buffer or None)
     for bucket in zero._buckets:
         for rank, owned in enumerate(bucket.members):
             source = get_global_rank(zero.process_group, rank)
-            small = [a for _, a in owned if a.nbytes < IN_PLACE_BYTES and a.size]
+            small = [a for _, a in owned if a.nbytes < pack_below and a.size]
             for _, a in owned:
-                if a.nbytes >= IN_PLACE_BYTES:
+                if a.nbytes >= pack_below:
                     work = broadcast(a, source, group=zero.process_group, async_op=True)
                     flights.append((work, rank, [a], None))
             if small:
@@ -193,9 +202,15 @@ def _sync_broadcast(zero: ZeroRedundancyOptimizer) -> list[Any]:
     return written
 
 
+def _sync_broadcast_packed(zero: ZeroRedundancyOptimizer) -> list[Any]:
+    """:func:`_sync_broadcast` with the parameters under :data:`IN_PLACE_BYTES` packed."""
+    return _sync_broadcast(zero, IN_PLACE_BYTES)
+
+
 _SYNCS: dict[str, Callable[[ZeroRedundancyOptimizer], list[Any]]] = {
     "all_gather": _sync_all_gather,
     "broadcast": _sync_broadcast,
+    "broadcast_packed": _sync_broadcast_packed,
 }
 """How the updated partitions reach every rank (see the module)."""
 
@@ -239,9 +254,11 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     Decisions:
 
-    - ``param_sync``: ``"broadcast"`` (default: large parameters in place, small ones in one
-      buffer per owner; measured faster and no extra memory, see the module) or
-      ``"all_gather"`` (one collective per dtype and device, through buffers).
+    - ``param_sync``: ``"broadcast"`` (default, torch's: every parameter broadcast in place
+      from its owner, no memory beyond the parameters), ``"broadcast_packed"`` (an owner's
+      parameters under :data:`IN_PLACE_BYTES` in one buffer: fewer collectives for models with
+      many small parameters, their bytes in buffers during the sync) or ``"all_gather"`` (one
+      collective per dtype and device, through buffers). See the module for measurements.
     - The ranks compare the parameters' structure, shapes, dtypes and array kinds, the groups
       and ``param_sync`` at construction (one object all-gather): a difference raises the
       same ``ValueError`` on every rank instead of a hang or a garbled sync.
@@ -259,7 +276,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         params: A pytree of arrays, or torch's list of param groups.
         optimizer_class: The optimizer each rank runs on its partition.
         process_group: The group to partition over (``None``: the default group).
-        param_sync: ``"broadcast"`` or ``"all_gather"`` (see above).
+        param_sync: ``"broadcast"``, ``"broadcast_packed"`` or ``"all_gather"`` (see above).
         **defaults: ``optimizer_class``'s keyword arguments (``lr=...``).
 
     Raises:
