@@ -111,6 +111,35 @@ def test_bfloat16_reduces_in_float32_rounded_to_nearest_even(ranks: int, via: st
     assert result.stdout.count("checks passed") == ranks, result.stdout
 
 
+def test_a_float16_sum_past_its_range_is_inf_without_a_warning() -> None:
+    """MPI reduces float16 in float32 and casts back: a sum past 65504 is ``inf``, with no
+    ``RuntimeWarning`` (an error under pytest's filters, as it was) and no
+    ``FloatingPointError`` under ``np.errstate(all="raise")``, as NCCL's native float16 sum
+    (oracle: NumPy's float32 sum cast to float16, its warning silenced). Three ranks: the
+    general path, not the carried one of a group of two."""
+    big = np.array([40000.0, -40000.0, 1.0, 60000.0], np.float16)
+
+    def reduce(rank: int) -> list[list[float]]:
+        with np.errstate(all="raise"):
+            total = big.copy()
+            dist.all_reduce(total)
+            chunk = np.zeros(4, np.float16)
+            dist.reduce_scatter_tensor(chunk, np.tile(big, 3))
+            mean = big.copy()
+            dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+        return [total.tolist(), chunk.tolist(), mean.tolist()]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = dist.spawn(reduce, 3, timeout=60)
+    with np.errstate(over="ignore"):
+        want = (3 * big.astype(np.float32)).astype(np.float16)
+    assert np.isinf(want).tolist() == [True, True, False, True]
+    for ranks_result in got:
+        assert ranks_result[0] == ranks_result[1] == want.tolist()
+        assert ranks_result[2] == big.tolist()  # the mean: (3 * x) / 3 in float32, then cast
+
+
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 def test_init_destroy_init_on_one_store(tmp_path: Path) -> None:

@@ -529,7 +529,10 @@ def test_a_unit_read_again_on_one_rank_after_resharding_raises_on_every_rank(
 
     if reshard:
         # spawn reports the first rank that raised; each names rank 0 as the one that differs
-        seen = r"ranks \[0\] differ from the rest in the array they passed \(rank 0: float64"
+        seen = (
+            r"ranks \[0\] differ from the rest in the collective they called \(rank 0: "
+            r"all_gather_coalesced; rank 1: all_gather; rank 2: all_gather\)"
+        )
         with pytest.raises(RuntimeError, match=seen):
             dist.spawn(rank, WORLD, timeout=60)
         return

@@ -561,6 +561,60 @@ def check_second_derivative_refused(s: Setting = F64) -> None:
         )
 
 
+def check_large_shards_beside_small_ones_equal_ddp_and_one_process(s: Setting = F64) -> None:
+    """A unit whose weight's shard is 64 KiB or more (on 2 to 4 ranks), beside a bias and a
+    padded parameter (33 rows), and a unit of one parameter: the MPI backend receives the large
+    shard in its own message straight into the gathered buffer, the small ones packed. FSDP
+    (both reshard modes) + SGD with momentum, 2 steps: DDP's parameters and one process's."""
+    rng = np.random.default_rng(11)
+    raw = {
+        "a": {
+            "w": rng.normal(size=(64, 512)) / 8,
+            "b": rng.normal(size=512),
+            "v": rng.normal(size=(33, 5)),
+        },
+        "head": {"w": rng.normal(size=(512, 1)) / 20},
+    }
+    x, y = rng.normal(size=(N, 64)), rng.normal(size=(N, 1))
+
+    def net(units: Any, x: Any) -> Any:
+        a = units["a"]
+        h = ops.tanh(ops.add(ops.matmul(x, a["w"]), a["b"]))
+        h = ops.multiply(h, ops.mean(a["v"]))
+        del a
+        return ops.matmul(h, units["head"]["w"])
+
+    def run(make: str, reshard: bool = True) -> list[Any]:
+        params = s.put(tree_map(np.copy, raw))
+        xs, ys = (s.put(x), s.put(y)) if make == "one" else (s.put(shard(x)), s.put(shard(y)))
+        if make == "one":
+            module: Any = None
+        elif make == "ddp":
+            module = cp.DistributedDataParallel(net, params)
+        else:
+            module = cp.FullyShardedDataParallel(net, params, reshard_after_forward=reshard)
+        trained = params if module is None else module.params
+        opt = _sgd(trained)
+        history = []
+        for _ in range(2):
+            with cp.Tape() as tape:
+                if module is None:
+                    tape.watch(trained)
+                    loss = loss_of(net(trained, xs), ys)
+                else:
+                    loss = loss_of(module(xs), ys)
+            opt.step(tape.gradient(loss, trained))
+            full = module.full_params() if make == "fsdp" else trained
+            history.append(tree_map(numpy_of, full))
+        return history
+
+    ddp, one = run("ddp"), run("one")
+    for reshard in (True, False):
+        for step, (a, b, c) in enumerate(zip(run("fsdp", reshard), ddp, one, strict=True)):
+            close(a, b, f"large shards (reshard={reshard}) vs ddp, step {step}", s.tol)
+            close(a, c, f"large shards (reshard={reshard}) vs one process, step {step}", s.tol)
+
+
 CHECKS: list[tuple[Any, Setting]] = [
     (check_equals_ddp_and_one_process_step_for_step, F64),
     (check_equals_ddp_and_one_process_step_for_step, Setting("host")),
@@ -581,6 +635,8 @@ CHECKS: list[tuple[Any, Setting]] = [
     (check_on_a_subgroup, F64),
     (check_mismatched_params_raise_on_every_rank, F64),
     (check_second_derivative_refused, F64),
+    (check_large_shards_beside_small_ones_equal_ddp_and_one_process, F64),
+    (check_large_shards_beside_small_ones_equal_ddp_and_one_process, Setting("host")),
 ]
 CUPY_CHECKS: list[tuple[Any, Setting]] = [
     # optim's fused kernels (cupy.ElementwiseKernel) have no simulated_cuda counterpart

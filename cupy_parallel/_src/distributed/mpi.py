@@ -74,7 +74,7 @@ import threading
 import time
 import weakref
 import zlib
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 import numpy as np
 
@@ -125,6 +125,8 @@ if TYPE_CHECKING:
     _SideCheck = tuple[Callable[[], bool], bytes, bytearray, bytes, Verify, "_RowsPair | None"]
 
 __all__ = ["MPIBackend"]
+
+_R = TypeVar("_R")
 
 _TOKENS_KEPT = 1024  # history tokens a group keeps, by row (cleared when full)
 
@@ -216,9 +218,9 @@ def _cast_into(dst: Any, src: Any) -> None:
     """Copy the values of ``src`` into ``dst`` converting to ``dst``'s dtype."""
     if src.dtype == dst.dtype:
         _copy(dst, src)
-    else:
+    else:  # a float16 sum reduced in float32 may overflow its dtype: inf, quietly, as MPI's
         with _on(src):
-            converted = src.astype(dst.dtype)
+            converted = _quietly(src.astype, dst.dtype)
         _copy(dst, converted)
 
 
@@ -236,26 +238,27 @@ def _mean(total: Any, plan: Plan, count: int) -> Any:
     return total
 
 
-_quiet = threading.local()  # per thread: the context _reduce_quietly runs the reduction in
+_quiet = threading.local()  # per thread: the context _quietly runs NumPy's arithmetic in
 
 
-def _reduce_quietly(ufunc: Callable[..., Any], a: Any, b: Any, out: Any) -> None:
-    """``ufunc(a, b, out=out)`` with NumPy's floating-point errors ignored, as MPI's are.
+def _quietly(function: Callable[..., _R], /, *args: Any, **kwargs: Any) -> _R:
+    """``function(*args, **kwargs)`` with NumPy's floating-point errors ignored, as MPI's are.
 
-    A reduction the backend computes itself must behave as the one MPI computes: no
-    ``RuntimeWarning`` (nor, under ``np.seterr(all="raise")``, ``FloatingPointError``) for a
-    sum that overflows to ``inf`` or meets ``inf - inf``. NumPy keeps its error state in a
-    context variable (NumPy 2), so the call runs in a context made once per thread that holds
-    ``np.seterr(all="ignore")`` and nothing else: the cost of ``Context.run``, where entering
-    ``errstate`` per call costs about 1 us. The ufunc reads nothing else of the context. (Not
-    a copy of the thread's: that would keep every value of it alive as long as the thread,
-    the tapes recording at the first call among them.)
+    Arithmetic the backend computes itself (a reduction, the cast of a float16 sum reduced in
+    float32 back to float16) must behave as MPI's own: no ``RuntimeWarning`` (nor, under
+    ``np.seterr(all="raise")``, ``FloatingPointError``) for a sum that overflows to ``inf`` or
+    meets ``inf - inf``. NumPy keeps its error state in a context variable (NumPy 2), so the
+    call runs in a context made once per thread that holds ``np.seterr(all="ignore")`` and
+    nothing else: the cost of ``Context.run``, where entering ``errstate`` per call costs about
+    1 us. ``function`` reads nothing else of the context. (Not a copy of the thread's: that
+    would keep every value of it alive as long as the thread, the tapes recording at the first
+    call among them.)
     """
     context = getattr(_quiet, "context", None)
     if context is None:
         context = _quiet.context = contextvars.Context()  # empty
         context.run(np.seterr, all="ignore")
-    context.run(ufunc, a, b, out=out)
+    return context.run(function, *args, **kwargs)
 
 
 def _accumulate(arrays: Sequence[Any], plan: Plan, count: int) -> Any:
@@ -593,6 +596,11 @@ def _finished() -> bool:
 _PAIRS_KEPT = 64  # persistent pairs a group of two makes at most (see MPIBackend._rows)
 # The largest host array a synchronous all_reduce of a group of two sends in its row's message
 # (MPIBackend._all_reduce_carried); a row's every receive in such a group has room for it.
+OWN_MESSAGE_BYTES = 64 * 1024
+"""``all_gather_coalesced``: an input of at least this many bytes travels in its own message (at
+about 10 GB/s, the copy into and out of a packed buffer costs more than another message from
+here on)."""
+
 _CARRIED_BYTES = 16384
 _CARRIED = struct.Struct("=q")  # after the row in such a message: how many data bytes follow
 _HEAD = ROW_BYTES + _CARRIED.size  # where the data of such a message starts
@@ -1199,7 +1207,7 @@ class MPIBackend(ProcessGroupBackend):
         if request is None:  # reduced here, in rank order
             first, second = (theirs, buffer) if self.rank else (buffer, theirs)
             try:
-                _reduce_quietly(plan.ufunc, first, second, buffer)
+                _quietly(plan.ufunc, first, second, out=buffer)
             finally:  # the peer's array read (or the reduction failed): another call may take it
                 self._give_back(pair)
         else:
@@ -1513,18 +1521,38 @@ class MPIBackend(ProcessGroupBackend):
     def all_gather_coalesced(
         self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], /
     ) -> Work:
-        """Iallgather of every input packed into one byte buffer."""
-        send = _pack(inputs)
-        received = _temp((self.size * send.nbytes,), np.uint8, send)
-        request = self._comm.Iallgather([send, self._byte], [received, self._byte])
-        total = send.nbytes
+        """An Iallgather of each input of :data:`OWN_MESSAGE_BYTES` or more, the rest packed.
 
-        def finish() -> None:
-            for r, row in enumerate(outputs):
-                _unpack(received[r * total : (r + 1) * total], row)
-
-        work = _MPIWork("all_gather_coalesced", self, request, keep=(send, received))
-        return work._check_call(inputs).add_finalizer(finish)
+        Messages: each large input alone, then the smaller ones packed into one (an input
+        alone in its message is sent as it is). Which inputs share a message depends only on
+        their sizes, which every rank's call shares (the ranks compare them), so every rank
+        issues the same messages in the same order. A message of one input whose outputs lie
+        end to end in rank order (views of one buffer: FSDP's gathered parameters) is
+        received straight into them, nothing copied; else into a buffer, unpacked on
+        completion.
+        """
+        sources = [plain_buffer(x) for x in inputs]
+        small = [k for k, x in enumerate(sources) if x.nbytes < OWN_MESSAGE_BYTES]
+        messages = [[k] for k, x in enumerate(sources) if x.nbytes >= OWN_MESSAGE_BYTES]
+        if small or not messages:
+            messages.append(small)
+        requests, keep, finishers = [], [], []
+        for ks in messages:
+            rows = [[plain_buffer(row[k]) for k in ks] for row in outputs]
+            send = sources[ks[0]] if len(ks) == 1 else _pack([sources[k] for k in ks])
+            target = None
+            if len(ks) == 1:
+                target = _span([row[0] for row in rows], send.nbytes, receive=True)
+            if target is None or np.may_share_memory(target, send):
+                target = _temp((self.size * send.nbytes,), np.uint8, send)
+                finishers.append(functools.partial(_unpack_rows, target, rows))
+            requests.append(self._comm.Iallgather([send, self._byte], [target, self._byte]))
+            keep.append((send, target))
+        work = _MPIWork("all_gather_coalesced", self, requests, keep=keep)
+        work._check_call(inputs)
+        for finish in finishers:
+            work.add_finalizer(finish)
+        return work
 
 
 def _check_environment(rank: int, size: int) -> None:
@@ -1569,6 +1597,13 @@ def _unpack(packed: Any, arrays: Sequence[Any]) -> None:
         target = plain_buffer(x)
         _copy(target, packed[offset : offset + target.nbytes])
         offset += target.nbytes
+
+
+def _unpack_rows(received: Any, rows: Sequence[Sequence[Any]]) -> None:
+    """Rank ``r``'s equal share of ``received`` into the arrays ``rows[r]``, one after another."""
+    share = received.nbytes // len(rows)
+    for r, row in enumerate(rows):
+        _unpack(received[r * share : (r + 1) * share], row)
 
 
 def _unflatten(flat: Any, arrays: Sequence[Any], plan: Plan, size: int) -> None:
