@@ -194,7 +194,10 @@ def all_gather_coalesced(
 ) -> Work | None:
     """``output_tensor_lists[r][k]`` receives ``input_tensor_list[k]`` of group rank ``r``.
 
-    The inputs may differ in shape and dtype (one device); they travel in one message.
+    The inputs may differ in shape and dtype (one device). On the MPI backend each input of
+    64 KiB or more travels in its own message, received straight into its outputs when they
+    lie end to end in rank order (views of one buffer: nothing copied), and the smaller ones
+    together in one; NCCL packs them all into one.
 
     Example:
         >>> import numpy as np
