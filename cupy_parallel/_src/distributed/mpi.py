@@ -1536,14 +1536,18 @@ class MPIBackend(ProcessGroupBackend):
         messages = [[k] for k, x in enumerate(sources) if x.nbytes >= OWN_MESSAGE_BYTES]
         if small or not messages:
             messages.append(small)
+        sends = [
+            sources[ks[0]] if len(ks) == 1 else _pack([sources[k] for k in ks]) for ks in messages
+        ]
         requests, keep, finishers = [], [], []
-        for ks in messages:
+        for ks, send in zip(messages, sends, strict=True):
             rows = [[plain_buffer(row[k]) for k in ks] for row in outputs]
-            send = sources[ks[0]] if len(ks) == 1 else _pack([sources[k] for k in ks])
             target = None
             if len(ks) == 1:
                 target = _span([row[0] for row in rows], send.nbytes, receive=True)
-            if target is None or np.may_share_memory(target, send):
+            # not in place where it would write an input still to be read, as it is sent:
+            # its own (a rank's own slot) or another message's, in flight beside it
+            if target is None or any(np.may_share_memory(target, x) for x in sends):
                 target = _temp((self.size * send.nbytes,), np.uint8, send)
                 finishers.append(functools.partial(_unpack_rows, target, rows))
             requests.append(self._comm.Iallgather([send, self._byte], [target, self._byte]))
