@@ -1527,9 +1527,10 @@ class MPIBackend(ProcessGroupBackend):
         alone in its message is sent as it is). Which inputs share a message depends only on
         their sizes, which every rank's call shares (the ranks compare them), so every rank
         issues the same messages in the same order. A message of one input whose outputs lie
-        end to end in rank order (views of one buffer: FSDP's gathered parameters) is
-        received straight into them, nothing copied; else into a buffer, unpacked on
-        completion.
+        end to end in rank order (views of one buffer: FSDP's gathered parameters) and hold
+        no input sent as it is (its own or another message's, still being read) is received
+        straight into them, nothing copied; else into a buffer, unpacked on completion (when
+        every message has been sent).
         """
         sources = [plain_buffer(x) for x in inputs]
         small = [k for k, x in enumerate(sources) if x.nbytes < OWN_MESSAGE_BYTES]
