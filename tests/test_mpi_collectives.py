@@ -140,6 +140,33 @@ def test_a_float16_sum_past_its_range_is_inf_without_a_warning() -> None:
         assert ranks_result[2] == big.tolist()  # the mean: (3 * x) / 3 in float32, then cast
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_all_gather_coalesced_of_an_input_inside_another_inputs_outputs(ranks: int) -> None:
+    """An input of 64 KiB or more that lies in the memory where another input's outputs go
+    (here rank ``r``'s second input is a slot of the first input's outputs): every input is
+    what the rank held at the call, as if packed then (oracle: the values each rank put in).
+    Received in place, the first input's message overwrote the second while it was sent."""
+    from cupy_parallel._src.distributed.mpi import OWN_MESSAGE_BYTES
+
+    n = OWN_MESSAGE_BYTES // 8
+
+    def value(k: int, r: int) -> np.ndarray:
+        return np.arange(n, dtype=np.float64) + 1000.0 * k + 1e6 * r
+
+    def gather(rank: int) -> list[list[np.ndarray]]:
+        whole = np.zeros((ranks, n))
+        second = whole[ranks - 1 if rank != ranks - 1 else 0]  # another rank's slot
+        second[...] = value(1, rank)
+        outs = [[whole[r], np.zeros(n)] for r in range(ranks)]
+        dist.all_gather_coalesced(outs, [value(0, rank), second])
+        return outs
+
+    for outs in dist.spawn(gather, ranks, timeout=60):
+        for r in range(ranks):
+            for k in range(2):
+                assert np.array_equal(outs[r][k], value(k, r)), (r, k)
+
+
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 def test_init_destroy_init_on_one_store(tmp_path: Path) -> None:

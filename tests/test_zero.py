@@ -455,6 +455,25 @@ def test_edges_0d_zero_size_mixed_dtypes_and_a_sharded_checkpoint_3_to_2(
             )
 
 
+def test_ranks_passing_different_param_syncs_are_named_on_every_rank() -> None:
+    """Three ranks, three syncs: every rank raises, naming the option and both values (the
+    message said the *parameters* differed, and named no value)."""
+    syncs = ["broadcast", "broadcast_packed", "all_gather"]
+
+    def program(rank: int) -> str:
+        try:
+            ZeroRedundancyOptimizer({"w": np.ones(3)}, SGD, lr=0.1, param_sync=syncs[rank])
+        except ValueError as error:
+            return str(error)
+        return "no error"
+
+    for message in dist.spawn(program, 3, timeout=60):
+        assert message == (
+            "ZeroRedundancyOptimizer's param_sync differs across the ranks: rank 1 passed "
+            "'broadcast_packed', rank 0 'broadcast'. Every rank must pass the same param_sync."
+        )
+
+
 def test_on_a_subgroup_group_ranks_are_not_world_ranks() -> None:
     """new_group([1, 2]) of 3 ranks: owners and consolidate's ``to`` are group ranks."""
 

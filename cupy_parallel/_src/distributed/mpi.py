@@ -1527,23 +1527,28 @@ class MPIBackend(ProcessGroupBackend):
         alone in its message is sent as it is). Which inputs share a message depends only on
         their sizes, which every rank's call shares (the ranks compare them), so every rank
         issues the same messages in the same order. A message of one input whose outputs lie
-        end to end in rank order (views of one buffer: FSDP's gathered parameters) is
-        received straight into them, nothing copied; else into a buffer, unpacked on
-        completion.
+        end to end in rank order (views of one buffer: FSDP's gathered parameters) and hold
+        no input sent as it is (its own or another message's, still being read) is received
+        straight into them, nothing copied; else into a buffer, unpacked on completion (when
+        every message has been sent).
         """
         sources = [plain_buffer(x) for x in inputs]
         small = [k for k, x in enumerate(sources) if x.nbytes < OWN_MESSAGE_BYTES]
         messages = [[k] for k, x in enumerate(sources) if x.nbytes >= OWN_MESSAGE_BYTES]
         if small or not messages:
             messages.append(small)
+        sends = [
+            sources[ks[0]] if len(ks) == 1 else _pack([sources[k] for k in ks]) for ks in messages
+        ]
         requests, keep, finishers = [], [], []
-        for ks in messages:
+        for ks, send in zip(messages, sends, strict=True):
             rows = [[plain_buffer(row[k]) for k in ks] for row in outputs]
-            send = sources[ks[0]] if len(ks) == 1 else _pack([sources[k] for k in ks])
             target = None
             if len(ks) == 1:
                 target = _span([row[0] for row in rows], send.nbytes, receive=True)
-            if target is None or np.may_share_memory(target, send):
+            # not in place where it would write an input still to be read, as it is sent:
+            # its own (a rank's own slot) or another message's, in flight beside it
+            if target is None or any(np.may_share_memory(target, x) for x in sends):
                 target = _temp((self.size * send.nbytes,), np.uint8, send)
                 finishers.append(functools.partial(_unpack_rows, target, rows))
             requests.append(self._comm.Iallgather([send, self._byte], [target, self._byte]))

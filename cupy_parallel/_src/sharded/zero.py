@@ -388,6 +388,12 @@ class ZeroRedundancyOptimizer(Optimizer):
         gathered: list[Any] = [None] * self._world
         all_gather_object(gathered, mine, group=self.process_group)
         for rank, other in enumerate(gathered):
+            if other[0] != gathered[0][0]:  # an option, not the parameters: name both values
+                raise ValueError(
+                    f"ZeroRedundancyOptimizer's param_sync differs across the ranks: rank "
+                    f"{rank} passed {other[0]!r}, rank 0 {gathered[0][0]!r}. Every rank must "
+                    "pass the same param_sync."
+                )
             if other != gathered[0]:
                 what = next(
                     name
