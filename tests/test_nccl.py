@@ -905,6 +905,13 @@ def test_sim_coalesced_calls_mix_dtypes_and_shapes(
             b.all_reduce_coalesced(arrays, ReduceOp.AVG).wait()
             outs = [[cupy.zeros_like(a) for a in arrays] for _ in range(gpus)]
             b.all_gather_coalesced(outs, [cupy.asarray(h) for h in hosts[r]]).wait()
+            # one input, sent as it is (no packed copy), written on this stream just before
+            alone = cupy.zeros((2, 2))
+            alone += cupy.asarray(hosts[r][0])
+            single = [[cupy.zeros((2, 2))] for _ in range(gpus)]
+            b.all_gather_coalesced(single, [alone]).wait()
+            for q, row in enumerate(single):
+                np.testing.assert_array_equal(row[0].get(), hosts[q][0])
             return [a.get() for a in arrays], [[o.get() for o in row] for row in outs]
 
         backends = _world(store, gpus)

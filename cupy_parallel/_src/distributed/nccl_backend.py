@@ -1128,8 +1128,11 @@ class NCCLBackend(ProcessGroupBackend):
     def all_gather_coalesced(
         self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], /
     ) -> Work:
-        """``ncclAllGather`` of every input packed into one byte buffer, then unpacked."""
-        send = self._pack(inputs)
+        """``ncclAllGather`` of the inputs packed into one byte buffer, then unpacked.
+
+        A single input is sent as it is (FSDP's unit of one parameter: no copy in).
+        """
+        send = inputs[0] if len(inputs) == 1 else self._pack(inputs)
         total = send.nbytes
         received = self._buffer(send, self.size * total)
 
