@@ -28,7 +28,7 @@ three ways (``param_sync``):
   an owner's smaller parameters of one dtype and device together in one flat buffer, one
   collective for them all. It pays when a model has many small parameters (biases, norms'
   scales): ``benchmarks/bench_zero.py``'s second model, 96 units of a 64 x 64 weight and three
-  64-vectors (288 small parameters), steps in 0.58x the time of ``"broadcast"`` on 2 ranks (the
+  64-vectors (288 small parameters), steps in 0.54-0.58x the time of ``"broadcast"`` on 2 ranks (the
   same model on 4 ranks, two per core: 0.37x); on ``bench_sharded``'s MLP (8 biases among
   512 x 512 weights) it is no faster. The price is those small parameters' bytes in
   buffers while the broadcasts are in flight (16 KiB there: 0.6255 of DDP's bytes), which is
