@@ -128,6 +128,10 @@ __all__ = ["MPIBackend"]
 
 _R = TypeVar("_R")
 
+_ABANDONED: list[Any] = []
+"""The requests and buffers of operations abandoned while MPI may still run them (see
+:meth:`_MPIWork._abandon`): never freed, as the job ends at this process's exit."""
+
 _TOKENS_KEPT = 1024  # history tokens a group keeps, by row (cleared when full)
 
 # ---------------------------------------------------------------------------------------------
@@ -554,10 +558,18 @@ class _MPIWork(Work):
         )
 
     def _abandon(self, message: str) -> None:
-        """Poison the group with ``message``; the job is aborted when this process exits."""
+        """Poison the group with ``message``; the job is aborted when this process exits.
+
+        The operation may still be running (a refused call raises once the ranks' rows
+        disagree, whether or not MPI finished): what it reads and writes is kept until the
+        process ends, or MPI would write into memory freed and reused meanwhile (seen: a
+        segmentation fault in a later collective's progress, after a refused
+        ``all_gather_coalesced`` whose buffers were collected).
+        """
         backend = self._backend
         if backend.failure is None:
             backend.failure = message
+        _ABANDONED.append((self._request, self._keep))
         abort_at_exit(message, backend.mpi)
 
     def _idle(self) -> None:
