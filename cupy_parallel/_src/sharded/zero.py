@@ -256,7 +256,7 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     - ``param_sync``: ``"broadcast"`` (default, torch's: every parameter broadcast in place
       from its owner, no memory beyond the parameters), ``"broadcast_packed"`` (an owner's
-      parameters under :data:`IN_PLACE_BYTES` in one buffer: fewer collectives for models with
+      parameters under 256 KiB in one buffer: fewer collectives for models with
       many small parameters, their bytes in buffers during the sync) or ``"all_gather"`` (one
       collective per dtype and device, through buffers). See the module for measurements.
     - The ranks compare the parameters' structure, shapes, dtypes and array kinds, the groups
