@@ -606,13 +606,13 @@ def _finished() -> bool:
 
 
 _PAIRS_KEPT = 64  # persistent pairs a group of two makes at most (see MPIBackend._rows)
-# The largest host array a synchronous all_reduce of a group of two sends in its row's message
-# (MPIBackend._all_reduce_carried); a row's every receive in such a group has room for it.
 OWN_MESSAGE_BYTES = 64 * 1024
 """``all_gather_coalesced``: an input of at least this many bytes travels in its own message (at
 about 10 GB/s, the copy into and out of a packed buffer costs more than another message from
 here on)."""
 
+# The largest host array a synchronous all_reduce of a group of two sends in its row's message
+# (MPIBackend._all_reduce_carried); a row's every receive in such a group has room for it.
 _CARRIED_BYTES = 16384
 _CARRIED = struct.Struct("=q")  # after the row in such a message: how many data bytes follow
 _HEAD = ROW_BYTES + _CARRIED.size  # where the data of such a message starts
