@@ -12,7 +12,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DEVICE_DTYPE_CHARS", "SCALAR_TYPES", "check_device_dtype", "is_bfloat16"]
+__all__ = [
+    "DEVICE_DTYPE_CHARS",
+    "SCALAR_TYPES",
+    "canonical_dtype",
+    "check_device_dtype",
+    "is_bfloat16",
+]
 
 
 DEVICE_DTYPE_CHARS = frozenset("?bBhHiIlLqQefdFD")
@@ -30,6 +36,23 @@ def is_bfloat16(dtype: np.dtype[Any], /) -> bool:
         False
     """
     return dtype.kind == "V" and dtype.name == "bfloat16" and dtype.itemsize == 2
+
+
+def canonical_dtype(dtype: np.dtype[Any], /) -> np.dtype[Any]:
+    """``dtype``, an integer one as the C type NumPy picks for its size and byte order.
+
+    NumPy has two C types for some integer sizes (64-bit: C's ``long`` and ``long long``,
+    ``"l"`` and ``"q"`` on Linux; 32-bit ``int`` and ``long`` on Windows): the two dtypes are
+    equal and hold the same bytes, but differ in ``num`` and ``char``, which is what MPI's
+    datatypes and the ranks' comparisons of their calls go by. Both become one here, so that
+    an ``np.longlong`` array on one rank and an ``np.int64`` array on another (equal to NumPy,
+    as to torch, which has one ``int64``) make the same call.
+
+    Example:
+        >>> canonical_dtype(np.dtype(np.longlong)).num == np.dtype(np.int64).num
+        True
+    """
+    return np.dtype(dtype.str) if dtype.kind in "iu" else dtype
 
 
 def check_device_dtype(dtype: Any, name: str, /) -> np.dtype[Any]:

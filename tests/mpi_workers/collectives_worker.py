@@ -268,6 +268,25 @@ def run_all() -> None:
     for r in range(n):
         for k, (shape, dt) in enumerate(specs):
             check(f"all_gather_coalesced [{r}][{k}]", outs[r][k], data(s + k, r, shape, dt))
+    # np.longlong on some ranks, np.int64 on others (equal dtypes, NumPy's two C types of one
+    # size: "q" and "l"), and the unsigned pair: the same calls, summed, gathered, scattered
+    s = next_seed()
+    for signed, other in ((np.int64, np.longlong), (np.uint64, np.ulonglong)):
+        alias = signed if rank % 2 else other
+        mine_sum = data(s, rank, (5,), signed).astype(alias)
+        dist.all_reduce(mine_sum)
+        want = oracle([data(s, r, (5,), signed) for r in range(n)], ReduceOp.SUM)
+        check(f"all_reduce {np.dtype(alias).char} among {np.dtype(signed).char}", mine_sum, want)
+        gathered = np.zeros(3 * n, signed)
+        dist.all_gather_into_tensor(gathered, data(s + 1, rank, (3,), signed).astype(alias))
+        want = np.concatenate([data(s + 1, r, (3,), signed) for r in range(n)])
+        check(f"all_gather_into_tensor {np.dtype(alias).char}", gathered, want)
+        chunk = np.zeros(2, alias)
+        dist.reduce_scatter_tensor(chunk, data(s + 2, rank, (2 * n,), signed))
+        total = oracle([data(s + 2, r, (2 * n,), signed) for r in range(n)], ReduceOp.SUM)
+        check(
+            f"reduce_scatter_tensor {np.dtype(alias).char}", chunk, total[2 * rank : 2 * rank + 2]
+        )
     # inputs of OWN_MESSAGE_BYTES (64 KiB) and more travel alone: into separate outputs, into
     # outputs lying end to end in one buffer (received in place), into a buffer whose own slot
     # is the input; the small ones beside them packed

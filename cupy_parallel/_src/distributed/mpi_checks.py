@@ -132,6 +132,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_parallel._src.distributed.backend import disagreeing, per_rank
+from cupy_parallel._src.dtypes import canonical_dtype
 from cupy_parallel._src.enums import ReduceOp
 
 if TYPE_CHECKING:
@@ -221,9 +222,10 @@ def dtype_row(dtype: np.dtype[Any]) -> list[int]:
     """A dtype as the ranks compare it: number, item size and a checksum of its spelling.
 
     The number and item size name it (:func:`dtype_said`); the spelling holds the byte order
-    and the unit.
+    and the unit. An integer's number is its canonical C type's (:func:`canonical_dtype`): an
+    ``np.longlong`` array and an ``np.int64`` one agree, as they are equal.
     """
-    return [dtype.num, dtype.itemsize, zlib.crc32(dtype.str.encode())]
+    return [canonical_dtype(dtype).num, dtype.itemsize, zlib.crc32(dtype.str.encode())]
 
 
 def dtype_said(number: int, itemsize: int) -> str:
@@ -542,7 +544,7 @@ def _call_fields(
         root,
         -1 if op is None else _OP_NUMBERS[op],
         len(arrays),
-        first.dtype.num,
+        canonical_dtype(first.dtype).num,
         first.dtype.itemsize,
         zlib.crc32(first.dtype.str.encode()),
         elements,

@@ -23,7 +23,7 @@ import numpy as np
 
 from cupy_parallel._src.averages import integer_average
 from cupy_parallel._src.distributed.mpi_job import load_mpi
-from cupy_parallel._src.dtypes import is_bfloat16
+from cupy_parallel._src.dtypes import canonical_dtype, is_bfloat16
 from cupy_parallel._src.enums import ReduceOp
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ def make_plan(dtype: np.dtype[Any], op: ReduceOp | None, mpi: Any = None, /) -> 
         work_dtype, parts = exact
     if mpi is None:
         mpi = load_mpi()
-    mpi_type = mpi.Datatype.fromcode((work_dtype or dtype).char)
+    mpi_type = mpi.Datatype.fromcode(canonical_dtype(work_dtype or dtype).char)
     if (dtype.kind == "f" or bfloat16) and op in (ReduceOp.MIN, ReduceOp.MAX):
         largest = op is ReduceOp.MAX
         return Plan(
