@@ -181,8 +181,9 @@ def _sync_broadcast(zero: ZeroRedundancyOptimizer, pack_below: int = 0) -> list[
     for bucket in zero._buckets:
         for rank, owned in enumerate(bucket.members):
             source = get_global_rank(zero.process_group, rank)
-            small = [a for _, a in owned if a.nbytes < pack_below and a.size]
-            for _, a in owned:
+            sent = [a for _, a in owned if a.size]  # a zero-size parameter holds nothing to send
+            small = [a for a in sent if a.nbytes < pack_below]
+            for a in sent:
                 if a.nbytes >= pack_below:
                     work = broadcast(a, source, group=zero.process_group, async_op=True)
                     flights.append((work, rank, [a], None))
